@@ -1,0 +1,34 @@
+# Set-up and everyday commands. `make demo` and `make test` install everything from nothing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+# torch goes first and pinned: 2.13.0 is the CPU wheel on this machine; an unpinned torch
+# would pull several GB of CUDA packages.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) examples/train_gpt.py
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/strategy_overhead.py
+
+lint: install
+	$(VENV)/bin/ruff check lightning_bamboo tests examples benchmarks
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

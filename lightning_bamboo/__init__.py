@@ -1,0 +1,1 @@
+"""lightning_bamboo: pipeline-parallel training on preemptible machines."""
