@@ -1,0 +1,130 @@
+"""``lightning_bamboo.initialize``: the drop-in for ``deepspeed.initialize`` in existing DeepSpeed projects."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.strategy.layout import REDUNDANCY_MODES
+
+BAMBOO_KEY = "bamboo"
+BAMBOO_DEFAULTS: dict[str, Any] = {"redundancy": "off", "timeout": 300.0}
+_TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+
+def bamboo_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``"bamboo"`` section of a DeepSpeed config, checked and completed with defaults."""
+    section = config.get(BAMBOO_KEY) or {}
+    if not isinstance(section, dict):
+        raise BambooConfigError(f'the "{BAMBOO_KEY}" config entry must be a dict (got {type(section).__name__})')
+    unknown = sorted(set(section) - set(BAMBOO_DEFAULTS))
+    if unknown:
+        raise BambooConfigError(
+            f'unknown keys in the "{BAMBOO_KEY}" config entry: {unknown}; known keys: {sorted(BAMBOO_DEFAULTS)}'
+        )
+    options = {**BAMBOO_DEFAULTS, **section}
+    if options["redundancy"] not in REDUNDANCY_MODES:
+        raise BambooConfigError(
+            f'"{BAMBOO_KEY}.redundancy" must be one of {REDUNDANCY_MODES} (got {options["redundancy"]!r})'
+        )
+    if not isinstance(options["timeout"], (int, float)) or options["timeout"] <= 0:
+        raise BambooConfigError(f'"{BAMBOO_KEY}.timeout" must be a positive number of seconds (got {options["timeout"]!r})')
+    return options
+
+
+def init_distributed(timeout: float = BAMBOO_DEFAULTS["timeout"], dist_backend: str | None = None, **kwargs: Any) -> None:
+    """``deepspeed.init_distributed`` with ``timeout`` for the default group *and* every group made later.
+
+    Call it before building a ``PipelineModule``: DeepSpeed creates the pipeline's process
+    groups there, and torch gives groups created without a timeout its 30-minute default.
+    """
+    import deepspeed.comm as ds_comm
+    import torch.distributed as torch_dist
+
+    delta = timedelta(seconds=timeout)
+    c10d = torch_dist.distributed_c10d
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if isinstance(getattr(c10d, name, None), timedelta):
+            setattr(c10d, name, delta)
+    ds_comm.init_distributed(dist_backend=dist_backend, timeout=delta, **kwargs)
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = _TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: str | dict[str, Any] | None = None,
+    mesh_param: Any = None,
+    config_params: str | dict[str, Any] | None = None,
+) -> tuple[Any, Any, Any, Any]:
+    """Same signature and return value as ``deepspeed.initialize``, for a ``PipelineModule``.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` where ``engine`` is a
+    :class:`~lightning_bamboo.engine.pipe.BambooPipelineEngine`. Bamboo's options live under
+    the config's ``"bamboo"`` key: ``{"redundancy": "off" | "lazy" | "eager", "timeout": seconds}``.
+    """
+    from deepspeed.pipe import PipelineModule
+
+    if not isinstance(model, PipelineModule):
+        raise BambooConfigError(
+            f"lightning_bamboo.initialize takes a deepspeed.pipe.PipelineModule (got {type(model).__name__}); "
+            f"wrap the layers with PipelineModule(layers=..., num_stages=...) or use deepspeed.initialize"
+        )
+    if mpu is not None:
+        raise BambooConfigError("mpu must be None with a PipelineModule: its topology defines the groups")
+    if mesh_param is not None:
+        raise BambooConfigError("mesh_param (sequence parallelism) is not supported with pipeline parallelism")
+    config = config if config is not None else config_params
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
+    if config is None:
+        raise BambooConfigError("a DeepSpeed config is required: pass config={...} or a path to a JSON file")
+    if not isinstance(config, dict):
+        with open(config) as f:
+            config = json.load(f)
+    config = copy.deepcopy(config)
+    options = bamboo_options(config)
+    config.pop(BAMBOO_KEY, None)
+
+    import deepspeed.comm as ds_comm
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from lightning_bamboo.engine.build import bounded_group_timeouts
+    from lightning_bamboo.engine.pipe import BambooPipelineEngine
+
+    timeout = timedelta(seconds=float(options["timeout"]))
+    ds_comm.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=distributed_port,
+        dist_init_required=dist_init_required,
+        timeout=timeout,
+    )
+    mpu = model.mpu()
+    with bounded_group_timeouts(timeout):
+        engine = BambooPipelineEngine(
+            args=args,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=dist_init_required,
+            collate_fn=collate_fn,
+            config=config,
+            config_class=DeepSpeedConfig(config, mpu),
+        )
+    engine.bamboo_options = options
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,106 @@
+"""Constructing the pipeline module and engine with bounded communication timeouts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from lightning_bamboo.engine.module import BambooPipelineModule
+from lightning_bamboo.engine.pipe import BambooPipelineEngine
+from lightning_bamboo.strategy.layout import Layout
+
+# DeepSpeed prints a line every `steps_per_print` steps on rank 0; Lightning's progress bar does that job.
+_NEVER = 2**62
+
+
+@contextmanager
+def bounded_group_timeouts(timeout: timedelta) -> Iterator[None]:
+    """Give process groups created inside the block ``timeout`` instead of torch's 30-minute default.
+
+    ``torch.distributed.new_group`` without a timeout falls back to a module-level default
+    (30 minutes for gloo), and DeepSpeed creates its pipeline and data-parallel groups that way.
+    """
+    c10d = torch_dist.distributed_c10d
+    names = [n for n in ("default_pg_timeout", "default_pg_nccl_timeout") if isinstance(getattr(c10d, n, None), timedelta)]
+    saved = {n: getattr(c10d, n) for n in names}
+    try:
+        for name in names:
+            setattr(c10d, name, timeout)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(c10d, name, value)
+
+
+def ensure_deepspeed_comm(backend: str) -> None:
+    """Let DeepSpeed's communication layer use the process group that is already initialised."""
+    import deepspeed.comm as ds_comm
+
+    ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, auto_mpi_discovery=False)
+
+
+def deepspeed_config(
+    micro_batch_size: int,
+    micro_batches: int,
+    pipelines: int,
+    gradient_clipping: float = 0.0,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed config of a pipeline engine; ``extra`` (e.g. ``bf16``) is merged on top."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": micro_batch_size * micro_batches * pipelines,
+        "steps_per_print": _NEVER,
+        "gradient_clipping": gradient_clipping,
+        "wall_clock_breakdown": False,
+    }
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+def build_pipeline_module(
+    layers: Sequence[Any], layout: Layout, loss_fn: Callable[..., torch.Tensor] | None, timeout: timedelta
+) -> BambooPipelineModule:
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    topology = PipeDataParallelTopology(num_pp=layout.stages, num_dp=layout.pipelines)
+    with bounded_group_timeouts(timeout):
+        return BambooPipelineModule(layers, layout.parts, topology=topology, loss_fn=loss_fn)
+
+
+def build_engine(
+    module: BambooPipelineModule,
+    optimizer: torch.optim.Optimizer | None,
+    config: dict[str, Any],
+    timeout: timedelta,
+    lr_scheduler: Any = None,
+    engine_cls: type[BambooPipelineEngine] = BambooPipelineEngine,
+    bamboo_options: dict[str, Any] | None = None,
+) -> BambooPipelineEngine:
+    """Construct the engine directly: ``deepspeed.initialize`` hard-codes ``PipelineEngine``."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    mpu = module.mpu()
+    with bounded_group_timeouts(timeout):
+        engine = engine_cls(
+            args=None,
+            model=module,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            dist_init_required=False,
+            config=config,
+            config_class=DeepSpeedConfig(config, mpu),
+        )
+    engine.bamboo_options = dict(bamboo_options or {})
+    return engine

@@ -1,0 +1,32 @@
+"""``BambooPipelineEngine``: DeepSpeed's pipeline engine with per-layer state and a variable micro-batch count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+
+class BambooPipelineEngine(PipelineEngine):
+    """A ``PipelineEngine`` that lightning_bamboo builds directly (``deepspeed.initialize`` cannot).
+
+    Redundant computation extends it with new instructions (subclasses of DeepSpeed's
+    ``PipeInstruction`` plus ``_INSTRUCTION_MAP`` entries).
+    """
+
+    bamboo_options: dict[str, Any]
+
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """Run the next batch as ``micro_batches`` micro-batches (the micro-batch size is fixed)."""
+        if micro_batches != self.micro_batches:
+            self.set_train_batch_size(self.micro_batch_size * micro_batches * self.grid.data_parallel_size)
+
+    @property
+    def layer_range(self) -> range:
+        """Indices of the layers this process owns."""
+        return range(self.module._local_start, self.module._local_stop)
+
+    def named_layer_modules(self) -> dict[int, torch.nn.Module]:
+        """This stage's layers that are modules, by global layer index."""
+        return {int(name): layer for name, layer in self.module.named_children() if name.isdigit()}

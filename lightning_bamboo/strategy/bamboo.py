@@ -1,0 +1,497 @@
+"""``BambooStrategy``: Lightning training on DeepSpeed's pipeline engine.
+
+Lightning has two namespaces (``lightning.pytorch`` and ``pytorch_lightning``) with separate
+class hierarchies, so the logic lives in a mixin and each namespace gets its own subclass of
+its ``DDPStrategy`` (see :func:`make_strategy_class`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import logging
+import os
+import types
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.data import PipelineSampler
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.strategy.layout import (
+    REDUNDANCY_MODES,
+    Layout,
+    check_partition_option,
+    compute_parts,
+    micro_batches,
+    resolve_stages,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+class _BambooStrategyMixin:
+    """Train a LightningModule as a DeepSpeed pipeline: ``stages`` deep, ``devices // stages`` pipelines wide.
+
+    The module defines ``configure_pipeline()`` (the layers, in order), ``pipeline_loss(outputs,
+    targets)`` and ``configure_optimizers()``; each batch ``(inputs, targets)`` is split into
+    micro-batches of ``micro_batch_size`` and run by the engine's 1F1B schedule.
+    """
+
+    strategy_name = "bamboo"
+    _pl_name = "lightning.pytorch"  # set per namespace by make_strategy_class
+
+    def __init__(
+        self,
+        stages: int | None = None,
+        micro_batch_size: int = 1,
+        partition: str | list[int] = "parameters",
+        seed: int | None = None,
+        redundancy: str = "off",
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        config: dict[str, Any] | None = None,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """
+        Args:
+            stages: pipeline depth; ``None`` puts all processes in one pipeline. The number of
+                processes must be a multiple of it: ``devices x num_nodes = stages x pipelines``.
+            micro_batch_size: samples per micro-batch; a batch is split into micro-batches.
+            partition: how layers are cut into stages: DeepSpeed's ``"parameters"`` (balance
+                trainable parameters), ``"uniform"`` (balance layer counts), ``"type:REGEX"``
+                (balance layers whose class matches), or ``stages + 1`` explicit boundaries
+                such as ``[0, 3, 6]``.
+            seed: seed the layers are built under (default: the ``seed_everything`` seed, else 0).
+            redundancy: ``"off"``, ``"lazy"`` or ``"eager"`` redundant computation.
+            timeout: seconds any communication may block before the run fails (never 30 minutes).
+            config: extra DeepSpeed config merged into the generated one (e.g. ``{"bf16": {"enabled": True}}``).
+        """
+        if stages is not None and (not isinstance(stages, int) or stages < 1):
+            raise BambooConfigError(f"stages must be a positive integer or None (stages: {stages!r})")
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise BambooConfigError(f"micro_batch_size must be a positive integer (micro_batch_size: {micro_batch_size!r})")
+        check_partition_option(partition, stages)
+        if redundancy not in REDUNDANCY_MODES:
+            raise BambooConfigError(f"redundancy must be one of {REDUNDANCY_MODES} (redundancy: {redundancy!r})")
+        if redundancy != "off" and stages == 1:
+            raise BambooConfigError(
+                f"redundancy={redundancy!r} needs at least 2 stages: a node holds a replica of its successor's "
+                f"stage (stages: 1); use stages >= 2 or redundancy='off'"
+            )
+        if not timeout or timeout <= 0:
+            raise BambooConfigError(f"timeout must be a positive number of seconds (timeout: {timeout!r})")
+        super().__init__(  # type: ignore[call-arg]
+            process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout), **kwargs
+        )
+        self.stages = stages
+        self.micro_batch_size = micro_batch_size
+        self.partition = partition if isinstance(partition, str) else list(partition)
+        self.seed = seed
+        self.redundancy = redundancy
+        self.timeout_seconds = float(timeout)
+        self.deepspeed_extra_config = dict(config or {})
+        self.engine: Any = None  # the BambooPipelineEngine, after setup()
+        self.layout: Layout | None = None
+        self._loaded_path: Path | None = None
+        self._loaded_meta: dict[str, Any] | None = None
+        self._cursor = (0, 0)  # (epoch, global samples consumed in it)
+        self._resume_cursor: tuple[int, int] | None = None
+        self._inject_sampler: bool | None = None  # the Trainer's use_distributed_sampler, before we take it over
+
+    # ------------------------------------------------------------------ namespace helpers
+    def _pl(self, module: str) -> types.ModuleType:
+        return importlib.import_module(f"{self._pl_name}.{module}")
+
+    # ------------------------------------------------------------------ launching
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        launcher = self._launcher  # type: ignore[attr-defined]
+        script_launcher = self._pl("strategies.launchers.subprocess_script")._SubprocessScriptLauncher
+        if type(launcher) is script_launcher:
+            self._launcher = make_launcher_class(script_launcher)(
+                self.cluster_environment, self.num_processes, self.num_nodes  # type: ignore[attr-defined]
+            )
+            self._launcher._bamboo_strategy = self
+
+    def check_before_launch(self, model: Any) -> None:
+        """Checks that need no process group: run once in the launching process, before any child exists."""
+        resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]
+        if model is not None:
+            self._check_model(model)
+            layers = self._build(model, keep=lambda i: False)
+            stages, _ = resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]
+            compute_parts(self.partition, stages, layers.param_counts, layers.names)
+
+    def _check_model(self, model: Any) -> None:
+        for hook in ("configure_pipeline", "pipeline_loss"):
+            if not callable(getattr(model, hook, None)):
+                raise BambooConfigError(
+                    f"strategy='bamboo' builds the model from LightningModule.{hook}(), which "
+                    f"{type(model).__name__} does not define; add `def configure_pipeline(self)` returning the "
+                    f"layers in order and `def pipeline_loss(self, outputs, targets)` returning the loss"
+                )
+
+    def _seed(self) -> int:
+        if self.seed is not None:
+            return int(self.seed)
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def _build(self, model: Any, keep: Callable[[int], bool]) -> Any:
+        from lightning_bamboo.engine.module import build_layers
+
+        return build_layers(model.configure_pipeline, self._seed(), keep)
+
+    # ------------------------------------------------------------------ environment
+    def setup_environment(self) -> None:
+        resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]  # fail before joining a group
+        super().setup_environment()  # type: ignore[misc]
+
+    @property
+    def pipelines(self) -> int:
+        return resolve_stages(self.world_size, self.stages)[1]  # type: ignore[attr-defined]
+
+    @property
+    def pipeline_rank(self) -> int:
+        """Which data-parallel pipeline this process belongs to."""
+        return self.global_rank % self.pipelines  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of a pipeline must see the same batch: shard by pipeline, not by process
+        return {"num_replicas": self.pipelines, "rank": self.pipeline_rank}
+
+    def connect(self, model: Any) -> None:
+        self._check_model(model)
+        super().connect(model)  # type: ignore[misc]
+        utils = self._pl("utilities.model_helpers")
+        for hook in ("training_step", "validation_step", "test_step"):
+            if utils.is_overridden(hook, model):
+                if hook == "training_step":
+                    log.warning(
+                        "%s.training_step is not called with strategy='bamboo': the pipeline runs "
+                        "configure_pipeline() layers and pipeline_loss(); log from on_train_batch_end instead",
+                        type(model).__name__,
+                    )
+                continue
+            # Lightning requires these hooks to exist; the strategy runs the pipeline in their place.
+            setattr(model, hook, types.MethodType(_pipeline_step_placeholder, model))
+
+    # ------------------------------------------------------------------ model and engine
+    def setup(self, trainer: Any) -> None:
+        from lightning_bamboo.engine.build import (
+            build_engine,
+            build_pipeline_module,
+            deepspeed_config,
+            ensure_deepspeed_comm,
+        )
+
+        self._check_trainer(trainer)
+        self._take_over_sampler_injection(trainer)
+        self.accelerator.setup(trainer)  # type: ignore[attr-defined]
+        model = self.lightning_module  # type: ignore[attr-defined]
+        stages, pipelines = resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]
+        stage = self.global_rank // pipelines  # type: ignore[attr-defined]
+        probe = self._build(model, keep=lambda i: False)
+        parts = compute_parts(self.partition, stages, probe.param_counts, probe.names)
+        self.layout = Layout(stages, pipelines, parts)
+        mine = self.layout.layers_of_stage(stage)
+        built = self._build(model, keep=lambda i: i in mine)
+        timeout = timedelta(seconds=self.timeout_seconds)
+        ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
+        module = build_pipeline_module(built.layers, self.layout, model.pipeline_loss, timeout)
+        module.to(self.root_device)  # type: ignore[attr-defined]
+        model._bamboo_stage = module  # configure_optimizers sees this stage's parameters as self.parameters()
+
+        fitting = trainer.state.fn == self._pl("trainer.states").TrainerFn.FITTING
+        optimizer = None
+        if fitting:
+            self.setup_optimizers(trainer)  # type: ignore[attr-defined]
+            if len(self.optimizers) != 1:  # type: ignore[attr-defined]
+                raise BambooConfigError(
+                    f"strategy='bamboo' trains with exactly one optimizer (configure_optimizers returned "
+                    f"{len(self.optimizers)}); put parameter groups into one optimizer"  # type: ignore[attr-defined]
+                )
+            optimizer = self.optimizers[0]  # type: ignore[attr-defined]
+        clip = float(trainer.gradient_clip_val or 0.0)
+        config = deepspeed_config(self.micro_batch_size, 1, pipelines, clip, self.deepspeed_extra_config)
+        self.engine = build_engine(
+            module, optimizer, config, timeout, bamboo_options={"redundancy": self.redundancy, "layout": self.layout}
+        )
+        self.model = model  # type: ignore[attr-defined]  # no DDP wrapper: the engine reduces gradients
+        self.setup_precision_plugin()  # type: ignore[attr-defined]
+
+    def _check_trainer(self, trainer: Any) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise BambooConfigError(
+                f"strategy='bamboo' accumulates gradients over micro-batches, not over batches "
+                f"(accumulate_grad_batches: {trainer.accumulate_grad_batches}); use accumulate_grad_batches=1 and a "
+                f"{trainer.accumulate_grad_batches}x larger batch"
+            )
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise BambooConfigError(
+                f"strategy='bamboo' clips gradients by norm inside the engine "
+                f"(gradient_clip_algorithm: {trainer.gradient_clip_algorithm!r}); use gradient_clip_algorithm='norm'"
+            )
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))  # type: ignore[attr-defined]
+        if precision not in ("32-true", "32"):
+            raise BambooConfigError(
+                f"strategy='bamboo' runs the Lightning precision '32-true' and takes reduced precision from "
+                f"DeepSpeed's config (precision: {precision!r}); use precision='32-true' and "
+                f"BambooStrategy(config={{'bf16': {{'enabled': True}}}})"
+            )
+
+    def model_to_device(self) -> None:
+        pass  # the engine places the stage; the LightningModule holds no other weights
+
+    # ------------------------------------------------------------------ steps
+    def _split(self, batch: Any) -> list[tuple[Any, Any]]:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            kind = f"a {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+            raise BambooConfigError(
+                f"strategy='bamboo' needs batches of the form (inputs, targets), got {kind}; make the "
+                f"Dataset return (inputs, targets) pairs or add a collate_fn that does"
+            )
+        inputs, targets = batch
+        size = len(inputs)
+        m = micro_batches(size, self.micro_batch_size, self.pipelines)
+        b = self.micro_batch_size
+        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(m)]
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        batch = args[0] if args else kwargs["batch"]
+        chunks = self._split(batch)
+        self.engine.set_micro_batches(len(chunks))
+        loss = self.engine.train_batch(data_iter=iter(chunks))
+        epoch = self.lightning_module.trainer.current_epoch  # type: ignore[attr-defined]
+        done = self._cursor[1] if self._cursor[0] == epoch else 0
+        self._cursor = (epoch, done + len(batch[0]) * self.pipelines)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True, sync_dist=False)  # type: ignore[attr-defined]
+        return loss
+
+    def _eval_step(self, name: str, batch: Any) -> torch.Tensor:
+        chunks = self._split(batch)
+        self.engine.set_micro_batches(len(chunks))
+        loss = self.engine.eval_batch(data_iter=iter(chunks), num_micro_batches=len(chunks))
+        # equal on every stage of a pipeline; averaging over all processes averages the pipelines
+        self.lightning_module.log(name, loss, prog_bar=True, sync_dist=True)  # type: ignore[attr-defined]
+        return loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._eval_step("val_loss", args[0] if args else kwargs["batch"])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._eval_step("test_loss", args[0] if args else kwargs["batch"])
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise BambooConfigError(
+            "strategy='bamboo' does not support trainer.predict (only the last stage holds outputs); "
+            "consolidate_checkpoint() the weights and predict with nn.Sequential(*model.configure_pipeline())"
+        )
+
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # train_batch already ran every backward pass of the pipeline
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return closure()  # the closure runs train_batch, which ends with the optimizer step
+
+    def _take_over_sampler_injection(self, trainer: Any) -> None:
+        """Shard data by pipeline ourselves: Lightning would always shuffle training data."""
+        connector = trainer._accelerator_connector
+        if self._inject_sampler is None:
+            self._inject_sampler = bool(connector.use_distributed_sampler)
+        connector.use_distributed_sampler = False
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Give each pipeline its share of the data: one global order, cut per step (see PipelineSampler)."""
+        sampler = getattr(dataloader, "sampler", None)
+        if not self._inject_sampler or not isinstance(dataloader, torch.utils.data.DataLoader) or sampler is None:
+            return dataloader
+        if isinstance(sampler, torch.utils.data.DistributedSampler):
+            return dataloader  # the user sharded it already
+        running = self._pl("trainer.states").RunningStage
+        training = self.lightning_module.trainer.state.stage == running.TRAINING  # type: ignore[attr-defined]
+        data = self._pl("utilities.data")
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        ours: torch.utils.data.Sampler
+        if type(sampler) in (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler):
+            shuffle = isinstance(sampler, torch.utils.data.RandomSampler)
+            if training:
+                ours = PipelineSampler(
+                    dataloader.dataset, self.pipelines, self.pipeline_rank, batch_size=dataloader.batch_size,
+                    shuffle=shuffle, seed=seed, drop_last=bool(dataloader.drop_last),
+                )
+                if self._resume_cursor is not None:
+                    ours.resume_at(*self._resume_cursor)
+            else:
+                ours = torch.utils.data.DistributedSampler(
+                    dataloader.dataset, self.pipelines, self.pipeline_rank, shuffle=shuffle, seed=seed
+                )
+        else:
+            from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+            log.warning("custom sampler %s: a run resumed mid-epoch restarts the epoch", type(sampler).__name__)
+            ours = DistributedSamplerWrapper(sampler, num_replicas=self.pipelines, rank=self.pipeline_rank, shuffle=False)
+        return data._update_dataloader(dataloader, ours, mode=running.TRAINING if training else None)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # weights are loaded into the engine's stage, which exists only after setup()
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # weights are saved per layer by save_checkpoint
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # saved per layer by save_checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Every process writes its layers (one pipeline per stage), rank 0 the manifest; then swap in."""
+        if storage_options is not None:
+            raise BambooConfigError("strategy='bamboo' does not take storage_options in save_checkpoint")
+        path = Path(filepath)
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            ckpt.begin(path)
+        self.barrier("bamboo_checkpoint_begin")  # type: ignore[attr-defined]
+        tmp = ckpt.partial_dir(path)
+        optimizer = self.engine.optimizer if self.engine is not None and self.optimizers else None  # type: ignore[attr-defined]
+        if self.pipeline_rank == 0:
+            states = ckpt.layer_states(self.engine.module, optimizer, self.engine.layer_range)
+            ckpt.write_layers(tmp, states)
+        self.barrier("bamboo_checkpoint_layers")  # type: ignore[attr-defined]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta["optimizer_states"] = []
+            meta["bamboo"] = {
+                "format": ckpt.FORMAT_VERSION,
+                "num_layers": self.layout.num_layers,  # type: ignore[union-attr]
+                "stages": self.layout.stages,  # type: ignore[union-attr]
+                "pipelines": self.layout.pipelines,  # type: ignore[union-attr]
+                "parts": list(self.layout.parts),  # type: ignore[union-attr]
+                "param_groups": ckpt.param_group_hyperparameters(optimizer),
+                "cursor": {"epoch": self._cursor[0], "samples": self._cursor[1]},
+                "seed": self._seed(),
+                "redundancy": self.redundancy,
+            }
+            ckpt.write_meta(tmp, meta)
+            ckpt.commit(path)
+        self.barrier("bamboo_checkpoint_commit")  # type: ignore[attr-defined]
+
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        meta = ckpt.read_meta(checkpoint_path)
+        self._loaded_path, self._loaded_meta = Path(checkpoint_path), meta
+        cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
+        self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
+        return {**meta, "state_dict": {}}
+
+    def _local_states(self) -> dict[int, dict[str, Any]]:
+        assert self._loaded_path is not None and self._loaded_meta is not None
+        saved_layers = self._loaded_meta["bamboo"]["num_layers"]
+        if saved_layers != self.layout.num_layers:  # type: ignore[union-attr]
+            raise ckpt.CheckpointError(
+                f"checkpoint {self._loaded_path} holds {saved_layers} layers but configure_pipeline() builds "
+                f"{self.layout.num_layers}"  # type: ignore[union-attr]
+            )
+        return ckpt.read_layers(self._loaded_path, self.engine.layer_range)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._loaded_path is None:
+            return
+        ckpt.load_weights(self.engine.module, self._local_states(), strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._loaded_path is None or not self.optimizers:  # type: ignore[attr-defined]
+            return
+        meta = self._loaded_meta or {}
+        ckpt.load_optimizer(self.engine.module, self.engine.optimizer, self._local_states(), meta["bamboo"]["param_groups"])
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        # The engine and the process group outlive fit(): trainer.save_checkpoint() after fit is
+        # common and needs both. They are released at interpreter exit (see _release_at_exit).
+        super().teardown()  # type: ignore[misc]
+        _release_at_exit(self)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Pipeline-parallel training on DeepSpeed with Bamboo redundant computation",
+            override=True,
+        )
+
+
+_TO_RELEASE: list[Any] = []
+
+
+def _release_at_exit(strategy: Any) -> None:
+    if not _TO_RELEASE:
+        atexit.register(_release)
+    if strategy not in _TO_RELEASE:
+        _TO_RELEASE.append(strategy)
+
+
+def _release() -> None:
+    """Drop engines and destroy the process group before the interpreter tears modules down.
+
+    Without this a gloo run aborts at interpreter exit about one time in four.
+    """
+    for strategy in _TO_RELEASE:
+        model = strategy.lightning_module
+        if model is not None and hasattr(model, "_bamboo_stage"):
+            del model._bamboo_stage
+        strategy.engine = None
+    _TO_RELEASE.clear()
+    gc.collect()
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def _pipeline_step_placeholder(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Stands in for a step hook the model does not define: strategy='bamboo' runs the pipeline instead."""
+    raise RuntimeError("this step is run by BambooStrategy; it is not meant to be called directly")
+
+
+class _PreflightLauncherMixin:
+    """Runs the strategy's model checks in the launching process before any child process starts."""
+
+    _bamboo_strategy: Any
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        model = args[0] if args and hasattr(args[0], "configure_optimizers") else None
+        if not self.cluster_environment.creates_processes_externally and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # type: ignore[attr-defined]
+            self._bamboo_strategy.check_before_launch(model)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+_LAUNCHERS: dict[type, type] = {}
+
+
+def make_launcher_class(base: type) -> type:
+    if base not in _LAUNCHERS:
+        _LAUNCHERS[base] = type(f"Bamboo{base.__name__.lstrip('_')}", (_PreflightLauncherMixin, base), {})
+    return _LAUNCHERS[base]
+
+
+def make_strategy_class(namespace: str) -> type:
+    """``BambooStrategy`` for one Lightning namespace (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    ddp = importlib.import_module(f"{namespace}.strategies").DDPStrategy
+    return type(
+        "BambooStrategy",
+        (_BambooStrategyMixin, ddp),
+        {"_pl_name": namespace, "__module__": __name__, "__doc__": _BambooStrategyMixin.__doc__},
+    )
+

@@ -1,0 +1,184 @@
+"""Pipeline layout rules: stages x pipelines, layer boundaries and micro-batching (pure, no torch)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_bamboo.errors import BambooConfigError
+
+REDUNDANCY_MODES = ("off", "lazy", "eager")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``pipelines`` data-parallel copies of a pipeline of ``stages`` stages cut at ``parts``.
+
+    ``parts`` is DeepSpeed's form: ``stages + 1`` increasing layer boundaries from 0 to the
+    number of layers; stage ``s`` owns layers ``parts[s] .. parts[s+1]-1``.
+    Global rank ``r`` runs stage ``r // pipelines`` of pipeline ``r % pipelines``, as in
+    DeepSpeed's ``PipeDataParallelTopology``.
+    """
+
+    stages: int
+    pipelines: int
+    parts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        check_parts(self.parts, self.stages, self.parts[-1] if self.parts else 0)
+        if self.pipelines < 1:
+            raise BambooConfigError(f"pipelines must be at least 1 (pipelines: {self.pipelines})")
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.pipelines
+
+    @property
+    def num_layers(self) -> int:
+        return self.parts[-1]
+
+    def stage_of_rank(self, rank: int) -> int:
+        return rank // self.pipelines
+
+    def pipeline_of_rank(self, rank: int) -> int:
+        return rank % self.pipelines
+
+    def layers_of_stage(self, stage: int) -> range:
+        return range(self.parts[stage], self.parts[stage + 1])
+
+    def stage_of_layer(self, layer: int) -> int:
+        for stage in range(self.stages):
+            if self.parts[stage] <= layer < self.parts[stage + 1]:
+                return stage
+        raise BambooConfigError(f"layer {layer} is outside the model (layers: {self.num_layers})")
+
+
+def resolve_stages(world_size: int, stages: int | None) -> tuple[int, int]:
+    """``(stages, pipelines)`` for ``world_size`` processes; ``stages=None`` means one pipeline."""
+    stages = world_size if stages is None else stages
+    if stages < 1:
+        raise BambooConfigError(f"stages must be at least 1 (stages: {stages})")
+    if world_size % stages:
+        lower = max(s for s in range(1, stages + 1) if world_size % s == 0)
+        raise BambooConfigError(
+            f"the number of processes must be a multiple of stages "
+            f"(devices x num_nodes: {world_size}, stages: {stages}); "
+            f"use devices={stages * max(1, world_size // stages)} or stages={lower}"
+        )
+    return stages, world_size // stages
+
+
+def check_parts(parts: Sequence[int], stages: int, num_layers: int) -> None:
+    """Raise unless ``parts`` cuts ``num_layers`` layers into ``stages`` non-empty stages."""
+    parts = list(parts)
+    if len(parts) != stages + 1:
+        raise BambooConfigError(
+            f"a partition lists stages + 1 layer boundaries (stages: {stages}, boundaries given: {len(parts)}: "
+            f"{parts}); e.g. {_even_parts(num_layers, stages)}"
+        )
+    if parts[0] != 0 or parts[-1] != num_layers:
+        raise BambooConfigError(
+            f"a partition starts at layer 0 and ends at the number of layers "
+            f"(layers: {num_layers}, partition: {parts}); e.g. {_even_parts(num_layers, stages)}"
+        )
+    for stage in range(stages):
+        if parts[stage + 1] <= parts[stage]:
+            raise BambooConfigError(
+                f"every stage needs at least one layer, but partition {parts} leaves stage {stage} "
+                f"{'empty' if parts[stage + 1] == parts[stage] else 'with a negative range'} "
+                f"(layers {parts[stage]}..{parts[stage + 1] - 1}); make the boundaries strictly increasing, "
+                f"e.g. {_even_parts(num_layers, stages)}"
+            )
+
+
+def check_partition_option(partition: str | Sequence[int], stages: int | None) -> None:
+    """Check what can be checked of ``partition`` before the model is known."""
+    if isinstance(partition, str):
+        if partition not in ("parameters", "uniform") and not partition.startswith("type:"):
+            raise BambooConfigError(
+                f"partition must be 'parameters', 'uniform', 'type:REGEX' or a list of layer boundaries "
+                f"(partition: {partition!r})"
+            )
+        if partition.startswith("type:"):
+            try:
+                re.compile(partition[5:], re.IGNORECASE)
+            except re.error as err:
+                raise BambooConfigError(f"partition {partition!r} is not a valid regular expression: {err}") from None
+        return
+    parts = list(partition)
+    if not all(isinstance(p, int) for p in parts):
+        raise BambooConfigError(f"a partition list holds integer layer boundaries (partition: {parts})")
+    if stages is not None and len(parts) != stages + 1:
+        raise BambooConfigError(
+            f"a partition lists stages + 1 layer boundaries (stages: {stages}, boundaries given: {len(parts)}: {parts})"
+        )
+    if parts and parts[0] != 0:
+        raise BambooConfigError(f"a partition starts at layer 0 (partition: {parts})")
+    for stage in range(len(parts) - 1):
+        if parts[stage + 1] <= parts[stage]:
+            raise BambooConfigError(
+                f"every stage needs at least one layer, but partition {parts} leaves stage {stage} empty "
+                f"(boundaries {parts[stage]} and {parts[stage + 1]}); make the boundaries strictly increasing"
+            )
+
+
+def compute_parts(
+    partition: str | Sequence[int],
+    stages: int,
+    param_counts: Sequence[int],
+    layer_names: Sequence[str],
+) -> tuple[int, ...]:
+    """Layer boundaries for ``stages`` stages by DeepSpeed's methods or an explicit list."""
+    num_layers = len(param_counts)
+    if stages > num_layers:
+        raise BambooConfigError(
+            f"a pipeline cannot have more stages than layers (stages: {stages}, layers: {num_layers}); "
+            f"use stages <= {num_layers} or split the model into more layers in configure_pipeline()"
+        )
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    if not isinstance(partition, str):
+        parts = [int(p) for p in partition]
+    elif partition == "uniform":
+        parts = list(partition_uniform(num_items=num_layers, num_parts=stages))
+    elif partition == "parameters":
+        parts = list(partition_balanced(weights=list(param_counts), num_parts=stages))
+    else:  # "type:REGEX": balance the layers whose class name matches
+        pattern = re.compile(partition[5:], re.IGNORECASE)
+        weights = [1 if pattern.search(name) else 0 for name in layer_names]
+        if not any(weights):
+            raise BambooConfigError(
+                f"partition {partition!r} matches no layer class (classes: {sorted(set(layer_names))})"
+            )
+        parts = list(partition_balanced(weights=weights, num_parts=stages))
+    try:
+        check_parts(parts, stages, num_layers)
+    except BambooConfigError as err:
+        if isinstance(partition, str):
+            raise BambooConfigError(
+                f"partition {partition!r} cannot cut {num_layers} layers into {stages} stages: {err}; "
+                f"use partition='uniform' or an explicit list such as {_even_parts(num_layers, stages)}"
+            ) from None
+        raise
+    return tuple(parts)
+
+
+def micro_batches(batch_size: int, micro_batch_size: int, pipelines: int) -> int:
+    """Number of micro-batches a pipeline splits its ``batch_size`` samples into."""
+    if batch_size % micro_batch_size:
+        global_batch = batch_size * pipelines
+        raise BambooConfigError(
+            f"the batch must split into whole micro-batches: batch size {batch_size} per pipeline "
+            f"(global batch {global_batch} = {batch_size} x {pipelines} pipelines) is not a multiple of "
+            f"micro_batch_size x pipelines = {micro_batch_size} x {pipelines} = {micro_batch_size * pipelines}; "
+            f"use a DataLoader batch_size that is a multiple of {micro_batch_size} (and drop_last=True "
+            f"if the last batch is short)"
+        )
+    return batch_size // micro_batch_size
+
+
+def _even_parts(num_layers: int, stages: int) -> list[int]:
+    if stages < 1 or num_layers < stages:
+        return list(range(num_layers + 1))
+    return [round(s * num_layers / stages) for s in range(stages + 1)]

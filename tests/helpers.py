@@ -1,0 +1,86 @@
+"""Shared test helpers: the tiny GPT config, its data, the single-process reference, process running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def make_config() -> GPTConfig:
+    # 4 pipeline layers (embedding, 2 blocks, head): enough for 4 stages, small enough for CPU.
+    return GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Deterministic random token sequences; the target is the input shifted by one."""
+
+    def __init__(self, cfg: GPTConfig, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, cfg.vocab_size, (n, cfg.block_size + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+def reference_weights(
+    steps: int, batch_size: int, pipelines: int, micro_batch_size: int, optimizer: str = "sgd", seed: int = 1234
+) -> dict[str, torch.Tensor]:
+    """Single-process run of the same layers, micro-batching (gradient accumulation) and data order."""
+    cfg = make_config()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*gpt_layers(cfg))
+    if optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = TokenData(cfg, steps * batch_size * pipelines)
+    per_step = batch_size * pipelines
+    chunks = per_step // micro_batch_size
+    for step in range(steps):
+        opt.zero_grad()
+        for c in range(chunks):
+            x, y = data[step * per_step + c * micro_batch_size : step * per_step + (c + 1) * micro_batch_size]
+            (gpt_loss(model(x), y) / chunks).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group (children included)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
+    full_env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen(
+        list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{out[-4000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leave no child behind, whatever happened
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)

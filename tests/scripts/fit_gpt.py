@@ -1,0 +1,83 @@
+"""Train the small GPT through Trainer(strategy=BambooStrategy(...)); used by the multi-process tests.
+
+Writes the consolidated weights to OUT/final.pt (rank 0) and a JSON line per event to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import TokenData, make_config  # noqa: E402
+
+import lightning_bamboo  # noqa: E402
+from lightning_bamboo.models.gpt import gpt_layers, gpt_loss  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--namespace", default="lightning.pytorch")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--partition", default="parameters")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    pl = importlib.import_module(args.namespace)
+    cfg = make_config()
+
+    class GPT(pl.LightningModule):
+        def configure_pipeline(self):
+            return gpt_layers(cfg)
+
+        def pipeline_loss(self, outputs, targets):
+            return gpt_loss(outputs, targets)
+
+        def configure_optimizers(self):
+            if args.optimizer == "adam":
+                return torch.optim.Adam(self.parameters(), lr=1e-2)
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+        def train_dataloader(self):
+            data = TokenData(cfg, args.steps * args.batch_size * (args.devices // args.stages))
+            return torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=False)
+
+    partition = args.partition if not args.partition[0].isdigit() else [int(x) for x in args.partition.split(",")]
+    strategy = (lightning_bamboo.BambooStrategy if args.namespace == "lightning.pytorch" else lightning_bamboo.PTLBambooStrategy)(
+        stages=args.stages, micro_batch_size=args.micro_batch_size, partition=partition, seed=1234, timeout=60
+    )
+    callbacks = []
+    if args.save_every:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=args.out, filename="step{step}", every_n_train_steps=args.save_every, save_top_k=-1,
+                auto_insert_metric_name=False,
+            )
+        )
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, callbacks=callbacks,
+        logger=pl.loggers.CSVLogger(args.out), enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(GPT(), ckpt_path=args.resume)
+    trainer.save_checkpoint(os.path.join(args.out, "final.ckpt"))
+    if trainer.is_global_zero:
+        weights = lightning_bamboo.consolidate_checkpoint(os.path.join(args.out, "final.ckpt"))
+        torch.save(weights, os.path.join(args.out, "final.pt"))
+        print(json.dumps({"global_step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"])}))
+
+
+if __name__ == "__main__":
+    main()
