@@ -389,7 +389,7 @@ class _BambooStrategyMixin:
             ckpt.commit(path)
         self.barrier("bamboo_checkpoint_commit")  # type: ignore[attr-defined]
 
-    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path, self._loaded_meta = Path(checkpoint_path), meta
         cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
