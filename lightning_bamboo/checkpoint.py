@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,47 @@ def commit(path: str | os.PathLike[str]) -> None:
     fsync_dir(path.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+def save_sharded(
+    path: str | os.PathLike[str],
+    stage: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    layers: Iterable[int],
+    meta: Callable[[], dict[str, Any]],
+    *,
+    is_global_zero: bool,
+    writes_layers: bool,
+    barrier: Callable[[str], None],
+) -> None:
+    """Collective save: every process calls it; one process per stage writes its layers.
+
+    Rank 0 prepares the directory, writes ``meta()`` after all layers are on disk, and swaps
+    the finished directory into place; a crash at any point leaves the previous checkpoint.
+    """
+    if is_global_zero:
+        begin(path)
+    barrier("bamboo_checkpoint_begin")
+    if writes_layers:
+        write_layers(partial_dir(path), layer_states(stage, optimizer, layers))
+    barrier("bamboo_checkpoint_layers")
+    if is_global_zero:
+        write_meta(partial_dir(path), meta())
+        commit(path)
+    barrier("bamboo_checkpoint_commit")
+
+
+def bamboo_meta(num_layers: int, parts: Sequence[int], pipelines: int, optimizer: torch.optim.Optimizer | None, **extra: Any) -> dict[str, Any]:
+    """The ``"bamboo"`` entry of ``meta.pt``: what a reader needs to load the layers into any layout."""
+    return {
+        "format": FORMAT_VERSION,
+        "num_layers": num_layers,
+        "stages": len(parts) - 1,
+        "pipelines": pipelines,
+        "parts": list(parts),
+        "param_groups": param_group_hyperparameters(optimizer),
+        **extra,
+    }
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:

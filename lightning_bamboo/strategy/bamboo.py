@@ -361,33 +361,25 @@ class _BambooStrategyMixin:
         """Every process writes its layers (one pipeline per stage), rank 0 the manifest; then swap in."""
         if storage_options is not None:
             raise BambooConfigError("strategy='bamboo' does not take storage_options in save_checkpoint")
-        path = Path(filepath)
-        if self.is_global_zero:  # type: ignore[attr-defined]
-            ckpt.begin(path)
-        self.barrier("bamboo_checkpoint_begin")  # type: ignore[attr-defined]
-        tmp = ckpt.partial_dir(path)
-        optimizer = self.engine.optimizer if self.engine is not None and self.optimizers else None  # type: ignore[attr-defined]
-        if self.pipeline_rank == 0:
-            states = ckpt.layer_states(self.engine.module, optimizer, self.engine.layer_range)
-            ckpt.write_layers(tmp, states)
-        self.barrier("bamboo_checkpoint_layers")  # type: ignore[attr-defined]
-        if self.is_global_zero:  # type: ignore[attr-defined]
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            meta["optimizer_states"] = []
-            meta["bamboo"] = {
-                "format": ckpt.FORMAT_VERSION,
-                "num_layers": self.layout.num_layers,  # type: ignore[union-attr]
-                "stages": self.layout.stages,  # type: ignore[union-attr]
-                "pipelines": self.layout.pipelines,  # type: ignore[union-attr]
-                "parts": list(self.layout.parts),  # type: ignore[union-attr]
-                "param_groups": ckpt.param_group_hyperparameters(optimizer),
-                "cursor": {"epoch": self._cursor[0], "samples": self._cursor[1]},
-                "seed": self._seed(),
-                "redundancy": self.redundancy,
-            }
-            ckpt.write_meta(tmp, meta)
-            ckpt.commit(path)
-        self.barrier("bamboo_checkpoint_commit")  # type: ignore[attr-defined]
+        optimizer = self.engine.optimizer if self.optimizers else None  # type: ignore[attr-defined]
+        layout = self.layout
+        assert layout is not None and self.engine is not None, "save_checkpoint() needs setup() first"
+
+        def meta() -> dict[str, Any]:
+            out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            out["optimizer_states"] = []
+            out["bamboo"] = ckpt.bamboo_meta(
+                layout.num_layers, layout.parts, layout.pipelines, optimizer,
+                cursor={"epoch": self._cursor[0], "samples": self._cursor[1]}, seed=self._seed(),
+                redundancy=self.redundancy,
+            )
+            return out
+
+        ckpt.save_sharded(
+            filepath, self.engine.module, optimizer, self.engine.layer_range, meta,
+            is_global_zero=self.is_global_zero, writes_layers=self.pipeline_rank == 0,  # type: ignore[attr-defined]
+            barrier=self.barrier,  # type: ignore[attr-defined]
+        )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         meta = ckpt.read_meta(checkpoint_path)

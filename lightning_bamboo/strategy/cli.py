@@ -1,0 +1,31 @@
+"""``lightning-bamboo fit``: the Lightning CLI with strategy='bamboo' registered."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+PASS_THROUGH = True  # arguments go to LightningCLI unparsed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="LightningCLI arguments, e.g. --config X.yaml")
+
+
+def run(argv: list[str]) -> int:
+    # Configs name the user's own modules (class_path: examples.gpt.GPTModule): import them
+    # from the working directory, as `python -m` would.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_bamboo  # noqa: F401  registers "bamboo"
+
+    LightningCLI(
+        args=["fit", *argv],
+        subclass_mode_model=True,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+    return 0
