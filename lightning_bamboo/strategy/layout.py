@@ -152,6 +152,7 @@ def compute_parts(
                 f"partition {partition!r} matches no layer class (classes: {sorted(set(layer_names))})"
             )
         parts = list(partition_balanced(weights=weights, num_parts=stages))
+    parts = [int(p) for p in parts]  # DeepSpeed returns numpy integers
     try:
         check_parts(parts, stages, num_layers)
     except BambooConfigError as err:

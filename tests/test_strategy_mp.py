@@ -1,0 +1,93 @@
+"""Multi-process acceptance of the strategy: real processes on CPU (gloo), compared with plain PyTorch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run
+
+pytestmark = pytest.mark.timeout(300)
+
+FIT = str(REPO / "tests" / "scripts" / "fit_gpt.py")
+STEPS, BATCH, MBS = 10, 8, 2
+
+
+def _fit(out, *args: str, timeout: float = 240) -> dict:
+    proc = run([PYTHON, FIT, "--out", str(out), "--steps", str(STEPS), "--batch-size", str(BATCH),
+                "--micro-batch-size", str(MBS), *args], timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.fixture(scope="module")
+def two_stage_run(tmp_path_factory):
+    """2 stages, checkpoints every 5 steps (lightning.pytorch)."""
+    out = tmp_path_factory.mktemp("two_stage")
+    summary = _fit(out, "--devices", "2", "--stages", "2", "--save-every", "5")
+    return out, summary
+
+
+def test_two_stages_equal_single_process(two_stage_run):
+    out, summary = two_stage_run
+    assert summary["global_step"] == STEPS
+    got = torch.load(out / "final.pt")
+    assert max_abs_diff(got, reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
+    # the step-5 checkpoint is the reference after 5 steps: checkpoints hold every layer
+    from lightning_bamboo import consolidate_checkpoint
+
+    assert max_abs_diff(consolidate_checkpoint(out / "step5.ckpt"), reference_weights(5, BATCH, 1, MBS)) <= 1e-5
+
+
+def test_resume_mid_epoch_is_bit_exact_in_pytorch_lightning(two_stage_run, tmp_path):
+    """Save at step 5 (lightning.pytorch), resume and finish at 10 through pytorch_lightning."""
+    out, _ = two_stage_run
+    summary = _fit(tmp_path, "--devices", "2", "--stages", "2", "--namespace", "pytorch_lightning",
+                   "--resume", str(out / "step5.ckpt"))
+    assert summary["global_step"] == STEPS
+    resumed, uninterrupted = torch.load(tmp_path / "final.pt"), torch.load(out / "final.pt")
+    assert max_abs_diff(resumed, uninterrupted) == 0.0
+
+
+def test_four_stages_equal_single_process(tmp_path):
+    _fit(tmp_path, "--devices", "4", "--stages", "4", "--partition", "uniform")
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
+
+
+def test_two_pipelines_of_two_stages_equal_single_process(tmp_path):
+    _fit(tmp_path, "--devices", "4", "--stages", "2", "--partition", "0,1,4")
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 2, MBS)) <= 1e-5
+
+
+def test_deepspeed_initialize_equals_single_process(tmp_path):
+    proc = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29671",
+                str(REPO / "tests" / "scripts" / "ds_gpt.py"), "--out", str(tmp_path)], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
+
+
+def test_cli_config_equals_single_process(tmp_path):
+    config = REPO / "tests" / "scripts" / "gpt_test.yaml"
+    proc = run([str(REPO / ".venv" / "bin" / "lightning-bamboo") if (REPO / ".venv" / "bin" / "lightning-bamboo").exists()
+                else "lightning-bamboo", "fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path),
+                "--trainer.callbacks.dirpath", str(tmp_path / "ckpt")], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    from lightning_bamboo import consolidate_checkpoint
+
+    got = consolidate_checkpoint(tmp_path / "ckpt" / f"step{STEPS}.ckpt")
+    assert max_abs_diff(got, reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
+
+
+@pytest.mark.parametrize("case, devices, message", [
+    ("tuple", 2, r"needs batches of the form \(inputs, targets\), got a list of length 3"),
+    ("divisible", 1, r"batch size 6 per pipeline .* not a multiple of micro_batch_size x pipelines = 4 x 1 = 4"),
+])
+def test_bad_batch_fails_with_message_and_no_hang(case, devices, message):
+    import re
+
+    proc = run([PYTHON, str(REPO / "tests" / "scripts" / "bad_batch.py"), "--case", case, "--devices", str(devices)],
+               timeout=180)
+    errors = [json.loads(line)["error"] for line in proc.stdout.splitlines() if line.startswith('{"error"')]
+    assert errors and re.search(message, errors[0]), proc.stdout[-3000:]

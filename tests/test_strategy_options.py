@@ -1,0 +1,113 @@
+"""BambooStrategy options, registration and the checks made before any process starts (in-process)."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+import lightning_bamboo
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.models.gpt import gpt_layers, gpt_loss
+from tests.helpers import make_config
+
+pl = pytest.importorskip("lightning.pytorch")
+ptl = pytest.importorskip("pytorch_lightning")
+
+
+def test_registered_in_both_namespaces():
+    t1 = pl.Trainer(strategy="bamboo", accelerator="cpu", devices=2, logger=False)
+    assert type(t1.strategy) is lightning_bamboo.BambooStrategy
+    t2 = ptl.Trainer(strategy="bamboo", accelerator="cpu", devices=2, logger=False)
+    assert type(t2.strategy) is lightning_bamboo.PTLBambooStrategy
+    assert isinstance(t2.strategy, ptl.strategies.DDPStrategy)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"stages": 0}, r"stages must be a positive integer or None \(stages: 0\)"),
+        ({"micro_batch_size": 0}, r"micro_batch_size must be a positive integer \(micro_batch_size: 0\)"),
+        ({"redundancy": "always"}, r"redundancy must be one of \('off', 'lazy', 'eager'\) \(redundancy: 'always'\)"),
+        ({"redundancy": "eager", "stages": 1}, r"needs at least 2 stages.*\(stages: 1\); use stages >= 2"),
+        ({"stages": 3, "partition": [0, 2, 2, 4]}, r"partition \[0, 2, 2, 4\] leaves stage 1 empty"),
+        ({"timeout": 0}, r"timeout must be a positive number of seconds"),
+    ],
+)
+def test_bad_options(kwargs, message):
+    with pytest.raises(BambooConfigError, match=message):
+        lightning_bamboo.BambooStrategy(**kwargs)
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, n_layer=2):
+        super().__init__()
+        self.n_layer = n_layer
+
+    def configure_pipeline(self):
+        cfg = make_config()
+        return gpt_layers(type(cfg)(**{**cfg.__dict__, "n_layer": self.n_layer}))
+
+    def pipeline_loss(self, outputs, targets):
+        return gpt_loss(outputs, targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 8, dtype=torch.long)), batch_size=4)
+
+
+class NoPipeline(pl.LightningModule):
+    def training_step(self, batch, batch_idx):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def _fit_fails_before_launch(trainer, model, message):
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(BambooConfigError, match=message):
+        trainer.fit(model)
+    started = set(psutil.Process().children(recursive=True)) - before
+    assert not started, f"processes were started before the error: {started}"
+
+
+def test_no_configure_pipeline_fails_before_launch():
+    trainer = pl.Trainer(strategy=lightning_bamboo.BambooStrategy(stages=2), accelerator="cpu", devices=2, logger=False)
+    _fit_fails_before_launch(trainer, NoPipeline(), r"NoPipeline does not define; add `def configure_pipeline\(self\)`")
+
+
+def test_more_stages_than_layers_fails_before_launch():
+    trainer = pl.Trainer(strategy=lightning_bamboo.BambooStrategy(stages=5), accelerator="cpu", devices=5, logger=False)
+    _fit_fails_before_launch(trainer, Tiny(n_layer=2), r"more stages than layers \(stages: 5, layers: 4\)")
+
+
+def test_devices_not_multiple_of_stages_fails_before_launch():
+    trainer = pl.Trainer(strategy=lightning_bamboo.BambooStrategy(stages=2), accelerator="cpu", devices=3, logger=False)
+    _fit_fails_before_launch(trainer, Tiny(), r"multiple of stages \(devices x num_nodes: 3, stages: 2\)")
+
+
+def test_partition_list_of_wrong_size_for_model_fails_before_launch():
+    trainer = pl.Trainer(
+        strategy=lightning_bamboo.BambooStrategy(stages=2, partition=[0, 2, 6]), accelerator="cpu", devices=2, logger=False
+    )
+    _fit_fails_before_launch(trainer, Tiny(n_layer=2), r"ends at the number of layers \(layers: 4, partition: \[0, 2, 6\]\)")
+
+
+def test_layers_are_built_under_the_seed_whatever_is_kept():
+    from lightning_bamboo.engine.module import build_layers
+
+    torch.manual_seed(7)
+    state = torch.random.get_rng_state()
+    built = build_layers(Tiny().configure_pipeline, seed=1234, keep=lambda i: i in (1, 2))
+    assert torch.equal(torch.random.get_rng_state(), state), "the caller's RNG must be left alone"
+    assert built.layers[0] is None and built.layers[3] is None
+    torch.manual_seed(1234)
+    reference = torch.nn.Sequential(*Tiny().configure_pipeline())
+    for i in (1, 2):
+        for (name, a), (_, b) in zip(built.layers[i].state_dict().items(), reference[i].state_dict().items()):
+            assert torch.equal(a, b), name
+    assert built.names == ["Embedding", "Block", "Block", "Head"]
+    assert built.param_counts[0] == sum(p.numel() for p in reference[0].parameters())
