@@ -24,7 +24,11 @@ def names(n: int, prefix: str = "n") -> list[str]:
 
 
 def layout_of(rows: list[list[str]], cfg: PolicyConfig = CFG) -> Layout:
-    return Layout(tuple(tuple(r) for r in rows), cfg.parts(len(rows[0])), split_micro_batches(cfg.global_micro_batches, len(rows)))
+    return Layout(
+        tuple(tuple(r) for r in rows),
+        cfg.parts(len(rows[0])),
+        split_micro_batches(cfg.global_micro_batches, len(rows)),
+    )
 
 
 def test_start_places_nodes_column_by_column_and_keeps_the_rest_standby():
@@ -73,7 +77,9 @@ def test_keep_running_degraded_while_the_overloaded_share_is_small():
     rows = [[f"p{p}s{s}" for s in range(3)] for p in range(12)]  # 36 nodes
     old = layout_of(rows)
     live = [n for n in old.nodes if n != "p0s1"]
-    d = reconfigure(live, [], old, ["p0s0"], CFG.__class__(**{**CFG.__dict__, "max_overloaded_fraction": 0.1}))
+    d = reconfigure(
+        live, [], old, ["p0s0"], CFG.__class__(**{**CFG.__dict__, "max_overloaded_fraction": 0.1})
+    )
     # 2 * 1 / 35 = 5.7% <= 10%: keep
     assert d.action == "keep"
     d = reconfigure(live, [], old, ["p0s0"], CFG)  # > 5%: rebuild with 11 pipelines
@@ -127,7 +133,12 @@ def test_domains_keep_nodes_started_together_off_neighbouring_stages():
     for s in range(4):
         assert domains[row[s]] != domains[row[(s + 1) % 4]], row
     # without domains the order is kept (and a, b are neighbours)
-    assert reconfigure(["a", "b", "c", "d"], ["a", "b", "c", "d"], None, (), cfg).layout.grid[0] == ("a", "b", "c", "d")
+    assert reconfigure(["a", "b", "c", "d"], ["a", "b", "c", "d"], None, (), cfg).layout.grid[0] == (
+        "a",
+        "b",
+        "c",
+        "d",
+    )
 
 
 def test_balanced_parts_minimise_the_widest_stage():
@@ -135,7 +146,7 @@ def test_balanced_parts_minimise_the_widest_stage():
     assert balanced_parts([1, 1, 1, 1], 2) == even_parts(4, 2) == (0, 2, 4)
     parts = balanced_parts([5, 1, 1, 1, 1, 1, 5], 3)
     assert len(parts) == 4 and parts[0] == 0 and parts[-1] == 7
-    loads = [sum([5, 1, 1, 1, 1, 1, 5][a:b]) for a, b in zip(parts, parts[1:])]
+    loads = [sum([5, 1, 1, 1, 1, 1, 5][a:b]) for a, b in zip(parts, parts[1:], strict=False)]
     assert max(loads) == 5
 
 
@@ -144,14 +155,21 @@ def test_balanced_parts_minimise_the_widest_stage():
     [
         (lambda: reconfigure(["a"], ["b"], None, (), CFG), ["standby nodes must be live", "'b'"]),
         (lambda: reconfigure(["a", "a"], [], None, (), CFG), ["appears twice"]),
-        (lambda: reconfigure(["a", "b", "c", "x"], [], layout_of([["a", "b", "c"]]), (), CFG),
-         ["layout or standby", "'x'"]),
-        (lambda: reconfigure(["a", "b", "c"], [], layout_of([["a", "b", "c"]]), ["a"], CFG),
-         ["reported overloaded", "successor 'b' is live"]),
+        (
+            lambda: reconfigure(["a", "b", "c", "x"], [], layout_of([["a", "b", "c"]]), (), CFG),
+            ["layout or standby", "'x'"],
+        ),
+        (
+            lambda: reconfigure(["a", "b", "c"], [], layout_of([["a", "b", "c"]]), ["a"], CFG),
+            ["reported overloaded", "successor 'b' is live"],
+        ),
         (lambda: PolicyConfig(stages=4, layers=3, global_micro_batches=1), ["layers: 3", "stages: 4"]),
         (lambda: PolicyConfig(stages=2, layers=4, global_micro_batches=1, min_stages=3), ["min_stages"]),
         (lambda: PolicyConfig(stages=2, layers=2, global_micro_batches=0), ["global_micro_batches"]),
-        (lambda: PolicyConfig(stages=2, layers=2, global_micro_batches=1, layer_costs=(1.0,)), ["layer_costs"]),
+        (
+            lambda: PolicyConfig(stages=2, layers=2, global_micro_batches=1, layer_costs=(1.0,)),
+            ["layer_costs"],
+        ),
         (lambda: Layout((("a", "b"), ("c",)), (0, 1, 2), (1, 1)), ["same number of stages"]),
         (lambda: Layout((("a", "b"),), (0, 2, 1), (1,)), ["strictly increasing"]),
         (lambda: Layout((("a", "b"),), (0, 1, 2), (0,)), ["micro_batches"]),

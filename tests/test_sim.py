@@ -18,12 +18,28 @@ R1, R2 = 2.0, 3.0  # samples/s with one and with two pipelines (see module docst
 END = 200.0
 
 TOY = SimParams(
-    stages=2, min_stages=1, layers=2, micro_batch_size=1, global_micro_batches=2,
-    step_seconds=1.0, step_pipelines=1, redundancy_overhead=0.0,
-    failover_slowdown=2.0, failover_seconds=2.0, reconfigure_seconds=3.0, restart_seconds=10.0,
-    checkpoint_save_seconds=5.0, checkpoint_interval_seconds=40.0, bamboo_checkpoint_interval_seconds=50.0,
-    node_ready_seconds=0.0, max_overloaded_fraction=0.05,
-    spot_price=0.9, on_demand_price=3.6, on_demand_nodes=0, nodes=0, hours=END / 3600.0,
+    stages=2,
+    min_stages=1,
+    layers=2,
+    micro_batch_size=1,
+    global_micro_batches=2,
+    step_seconds=1.0,
+    step_pipelines=1,
+    redundancy_overhead=0.0,
+    failover_slowdown=2.0,
+    failover_seconds=2.0,
+    reconfigure_seconds=3.0,
+    restart_seconds=10.0,
+    checkpoint_save_seconds=5.0,
+    checkpoint_interval_seconds=40.0,
+    bamboo_checkpoint_interval_seconds=50.0,
+    node_ready_seconds=0.0,
+    max_overloaded_fraction=0.05,
+    spot_price=0.9,
+    on_demand_price=3.6,
+    on_demand_nodes=0,
+    nodes=0,
+    hours=END / 3600.0,
 )
 
 FOUR = ["0,add,n1", "0,add,n2", "0,add,n3", "0,add,n4"]
@@ -76,8 +92,18 @@ def test_one_preemption_checkpoint_rolls_back_to_the_last_save():
     result, _ = run("checkpoint", FOUR + ["100000,remove,n2"])
     # saves (5 s) after every 40 s of training: 40-45 (120 samples), 85-90 (240); at 100 s
     # (270 samples) roll back to 240, restart 100-110 with 1 pipeline; saves 150-155, 195-200
-    assert steps(result) == [(0, R2), (40, 0), (45, R2), (85, 0), (90, R2), (100, 0), (110, R1),
-                             (150, 0), (155, R1), (195, 0)]
+    assert steps(result) == [
+        (0, R2),
+        (40, 0),
+        (45, R2),
+        (85, 0),
+        (90, R2),
+        (100, 0),
+        (110, R1),
+        (150, 0),
+        (155, R1),
+        (195, 0),
+    ]
     assert result.samples == pytest.approx(240 + 80 * R1)
     assert result.recoveries["checkpoint"] == 1
     assert result.breakdown_hours["lost_work"] == pytest.approx(10 / 3600)
@@ -102,7 +128,9 @@ def test_one_preemption_on_demand_and_costs():
 
 
 def test_two_adjacent_preemptions_bamboo_falls_back_to_the_checkpoint():
-    result, policy = run("bamboo", FOUR + ["110000,remove,n2", "120000,remove,n4"], max_overloaded_fraction=1.0)
+    result, policy = run(
+        "bamboo", FOUR + ["110000,remove,n2", "120000,remove,n4"], max_overloaded_fraction=1.0
+    )
     # async checkpoints after 50 and 100 s of training (300 samples). 110 s: n4 takes over
     # (330 samples, 2 s failover, half speed); 120 s: n4 lost too (342 samples) -> fatal: back
     # to 300, restart 120-130 on [n1, n3]; 130-200 s one pipeline
@@ -127,7 +155,9 @@ def test_two_preemptions_in_different_pipelines_are_not_fatal():
     # n2 and n3 are in different pipelines: two failovers (2 s each), no checkpoint. Then both
     # pipelines are degraded (2*2/2 overloaded > 100%): the survivors n1 (stage 0) and n4
     # (stage 1) form one pipeline without moving any layer (3 s)
-    result, policy = run("bamboo", FOUR + ["100000,remove,n2", "100000,remove,n3"], max_overloaded_fraction=1.0)
+    result, policy = run(
+        "bamboo", FOUR + ["100000,remove,n2", "100000,remove,n3"], max_overloaded_fraction=1.0
+    )
     assert result.recoveries == {"redundant": 2, "checkpoint": 0, "restart": 0}
     assert steps(result) == [(0, R2), (100, 0), (107, R1)]
     assert policy.layout.grid == (("n1", "n4"),)
@@ -137,8 +167,17 @@ def test_two_adjacent_preemptions_checkpoint():
     result, _ = run("checkpoint", FOUR + ["110000,remove,n2", "120000,remove,n4"])
     # saves 40-45 (120), 85-90 (240); 110 s: back to 240, restart 110-120 on [n1, n3] (n4 waits);
     # n4 leaving at 120 s touches nothing; 120-160 train, 160-165 save, 165-200 train
-    assert steps(result) == [(0, R2), (40, 0), (45, R2), (85, 0), (90, R2), (110, 0), (120, R1),
-                             (160, 0), (165, R1)]
+    assert steps(result) == [
+        (0, R2),
+        (40, 0),
+        (45, R2),
+        (85, 0),
+        (90, R2),
+        (110, 0),
+        (120, R1),
+        (160, 0),
+        (165, R1),
+    ]
     assert result.samples == pytest.approx(240 + 75 * R1)
     assert result.recoveries["checkpoint"] == 1
     assert result.preemptions == 1
@@ -170,15 +209,27 @@ def test_join_checkpoint_restarts_from_the_last_save():
     result, _ = run("checkpoint", JOIN)
     # saves 40-45 (80), 85-90 (160); join at 100 s (180): back to 160, restart 100-110 with
     # 2 pipelines; saves 150-155, 195-200
-    assert steps(result) == [(0, R1), (40, 0), (45, R1), (85, 0), (90, R1), (100, 0), (110, R2),
-                             (150, 0), (155, R2), (195, 0)]
+    assert steps(result) == [
+        (0, R1),
+        (40, 0),
+        (45, R1),
+        (85, 0),
+        (90, R1),
+        (100, 0),
+        (110, R2),
+        (150, 0),
+        (155, R2),
+        (195, 0),
+    ]
     assert result.samples == pytest.approx(160 + 80 * R2)
 
 
 def test_notice_lets_both_spot_policies_lose_nothing():
     from lightning_bamboo.sim.trace import Trace, TraceEvent
 
-    events = [TraceEvent(0, "add", f"n{i}") for i in range(1, 5)] + [TraceEvent(100_000, "remove", "n2", 30.0)]
+    events = [TraceEvent(0, "add", f"n{i}") for i in range(1, 5)] + [
+        TraceEvent(100_000, "remove", "n2", 30.0)
+    ]
     trace = Trace(tuple(events), "notice")
     params = TOY.replace(max_overloaded_fraction=1.0)
     bamboo, _ = run_policy("bamboo", trace, params, END)

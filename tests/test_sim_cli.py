@@ -15,8 +15,15 @@ from lightning_bamboo.sim.simulate import run_policy
 from lightning_bamboo.sim.trace import parse_trace
 
 TOY_TRACE = "0,add,n1\n0,add,n2\n0,add,n3\n0,add,n4\n100000,remove,n2\n200000,add,n5\n"
-TOY_PARAMS = ["stages=2", "min_stages=1", "layers=2", "global_micro_batches=2", "step_pipelines=1",
-              "node_ready_seconds=0", "hours=0.1"]
+TOY_PARAMS = [
+    "stages=2",
+    "min_stages=1",
+    "layers=2",
+    "global_micro_batches=2",
+    "step_pipelines=1",
+    "node_ready_seconds=0",
+    "hours=0.1",
+]
 
 
 def call(argv: list[str]) -> int:
@@ -48,14 +55,27 @@ def test_report_json_has_the_fixed_keys_and_a_plot(tmp_path, capsys):
 
 
 def test_bundled_trace_by_name_and_scaling(capsys):
-    assert call(["--trace", "g4dn", "--nodes", "24", "--policies", "bamboo,checkpoint", "--param", "hours=1"]) == 0
+    assert (
+        call(["--trace", "g4dn", "--nodes", "24", "--policies", "bamboo,checkpoint", "--param", "hours=1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "scaled" in out and "on_demand" not in out
 
 
 def test_generated_trace_is_saved(tmp_path, capsys):
     path = tmp_path / "g.csv"
-    argv = ["--generate", "--spot", "nodes=24", "--spot", "hours=2", "--spot", "seed=5", "--save-trace", str(path)]
+    argv = [
+        "--generate",
+        "--spot",
+        "nodes=24",
+        "--spot",
+        "hours=2",
+        "--spot",
+        "seed=5",
+        "--save-trace",
+        str(path),
+    ]
     assert call(argv) == 0
     assert path.read_text().startswith("0,add,node1\n")
     assert "2.00 h" in capsys.readouterr().out
@@ -85,8 +105,15 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, argv, words):
 
 
 def test_compare_with_demo_hook():
-    params = SimParams(stages=2, min_stages=1, layers=2, global_micro_batches=2, step_pipelines=1,
-                       node_ready_seconds=0.0, hours=0.1)
+    params = SimParams(
+        stages=2,
+        min_stages=1,
+        layers=2,
+        global_micro_batches=2,
+        step_pipelines=1,
+        node_ready_seconds=0.0,
+        hours=0.1,
+    )
     predicted, _ = run_policy("bamboo", parse_trace(TOY_TRACE.splitlines(), "t"), params, 360.0)
     steps = predicted.steps_completed
     total = sum(predicted.recoveries.values())

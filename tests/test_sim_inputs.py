@@ -36,10 +36,10 @@ from lightning_bamboo.sim.trace import (
 
 def test_bundled_p3_trace_reads_with_its_known_shape():
     trace = read_trace(bundled_trace("p3"))
-    lines = [l for l in bundled_trace("p3").read_text().splitlines() if l.strip()]
+    lines = [line for line in bundled_trace("p3").read_text().splitlines() if line.strip()]
     assert len(trace.events) == len(lines)
     assert trace.events[0] == TraceEvent(0, "add", "node1")
-    assert trace.removals == sum(",remove," in l for l in lines)
+    assert trace.removals == sum(",remove," in line for line in lines)
     assert trace.peak_nodes == max(n for _, n in trace.node_counts())
     assert trace.duration_seconds == int(lines[-1].split(",")[0]) / 1000
 
@@ -197,8 +197,18 @@ def test_generated_traces_are_reproducible_and_follow_the_model():
 
 
 def test_generated_bursts_and_notices():
-    t = generate_trace(SpotModel(nodes=30, hours=10.0, preemption_rate=0.5, burst=5, burst_probability=1.0,
-                                 notice_fraction=1.0, notice_seconds=30.0, seed=1))
+    t = generate_trace(
+        SpotModel(
+            nodes=30,
+            hours=10.0,
+            preemption_rate=0.5,
+            burst=5,
+            burst_probability=1.0,
+            notice_fraction=1.0,
+            notice_seconds=30.0,
+            seed=1,
+        )
+    )
     removes = [e for e in t.events if e.kind == "remove"]
     assert all(e.notice_seconds == 30.0 for e in removes)
     per_instant: dict[int, int] = {}

@@ -181,8 +181,10 @@ class Layout:
                     f"pipeline {p}: {len(row)}); give each pipeline {stages} nodes"
                 )
         _check_names("layout nodes", self.nodes)
-        if len(self.parts) != stages + 1 or self.parts[0] != 0 or any(
-            b <= a for a, b in zip(self.parts, self.parts[1:])
+        if (
+            len(self.parts) != stages + 1
+            or self.parts[0] != 0
+            or any(b <= a for a, b in zip(self.parts, self.parts[1:], strict=False))
         ):
             raise PolicyError(
                 f"parts must be {stages + 1} strictly increasing layer boundaries starting at 0 "
@@ -215,7 +217,9 @@ class Layout:
         for p, row in enumerate(self.grid):
             if node in row:
                 return p, row.index(node)
-        raise PolicyError(f"node {node!r} is not in the layout (nodes: {list(self.nodes)}); pass a layout node")
+        raise PolicyError(
+            f"node {node!r} is not in the layout (nodes: {list(self.nodes)}); pass a layout node"
+        )
 
     def replica_holder(self, node: str) -> str:
         """The node keeping a replica of ``node``'s stage: its predecessor, cyclically."""
@@ -246,7 +250,9 @@ class Decision:
         if self.action not in ACTIONS:
             raise PolicyError(f"unknown action {self.action!r}; use one of {ACTIONS}")
         if (self.layout is None) != (self.action == "suspend"):
-            raise PolicyError(f"action {self.action!r} and layout {self.layout!r} disagree: only 'suspend' has none")
+            raise PolicyError(
+                f"action {self.action!r} and layout {self.layout!r} disagree: only 'suspend' has none"
+            )
 
     @property
     def changed(self) -> bool:
@@ -285,7 +291,10 @@ def _spread(rows: list[list[str]], movable: set[str], pool: list[str], domains: 
 
 
 def fresh_layout(
-    nodes: Sequence[str], pipelines: int, stages: int, config: PolicyConfig,
+    nodes: Sequence[str],
+    pipelines: int,
+    stages: int,
+    config: PolicyConfig,
     domains: Mapping[str, str] | None = None,
 ) -> Layout:
     """The first ``pipelines * stages`` of ``nodes``, column by column: node ``i`` runs stage
@@ -309,8 +318,13 @@ def fresh_layout(
 
 
 def _rebuild(
-    old: Layout | None, usable: Sequence[str], standby: Sequence[str], pipelines: int, stages: int,
-    config: PolicyConfig, domains: Mapping[str, str] | None = None,
+    old: Layout | None,
+    usable: Sequence[str],
+    standby: Sequence[str],
+    pipelines: int,
+    stages: int,
+    config: PolicyConfig,
+    domains: Mapping[str, str] | None = None,
 ) -> Layout:
     """A ``pipelines x stages`` layout of ``usable`` nodes that keeps old placements where it can."""
     if old is None or old.stages != stages:
@@ -342,8 +356,9 @@ def _rebuild(
     for s in range(stages):  # column by column, as in fresh_layout
         for row in rows:
             if row[s] is None:
-                row[s] = leftovers.pop(0)
-                newcomers.add(row[s])
+                newcomer = leftovers.pop(0)
+                row[s] = newcomer
+                newcomers.add(newcomer)
     full = [[n for n in row if n is not None] for row in rows]
     if domains:
         _spread(full, newcomers, leftovers, domains)
@@ -387,7 +402,9 @@ def reconfigure(
         raise PolicyError(f"standby nodes must be live (not live: {missing}); drop them from standby")
     layout_nodes = set(layout.nodes) if layout is not None else set()
     if both := [n for n in standby_list if n in layout_nodes]:
-        raise PolicyError(f"a node is either in the layout or standby, not both (both: {both}); fix the caller")
+        raise PolicyError(
+            f"a node is either in the layout or standby, not both (both: {both}); fix the caller"
+        )
     if stray := [n for n in live_list if n not in layout_nodes and n not in standby_list]:
         raise PolicyError(
             f"every live node must be in the layout or standby (neither: {stray}); list them as standby"
@@ -407,9 +424,12 @@ def reconfigure(
     depth = pref if len(usable) >= pref else len(usable)
     if depth < config.min_stages:
         if layout is None:
-            return Decision("suspend", None, f"{len(usable)} nodes, fewer than min_stages={config.min_stages}")
+            return Decision(
+                "suspend", None, f"{len(usable)} nodes, fewer than min_stages={config.min_stages}"
+            )
         return Decision(
-            "suspend", None,
+            "suspend",
+            None,
             f"{len(usable)} usable nodes left, the model needs at least min_stages={config.min_stages}",
         )
     pipelines = min(len(usable) // depth, config.global_micro_batches)
@@ -432,11 +452,19 @@ def reconfigure(
         return build("change_depth", f"{len(usable)} nodes are back: depth {layout.stages} -> {pref}")
     if lost and len(standby_list) >= len(lost):
         if pipelines > layout.pipelines and depth == layout.stages:
-            return build("add_pipeline", f"{len(standby_list)} standby nodes relieve {len(lost)} and add pipelines")
-        return build("rebalance", f"{len(standby_list)} standby nodes relieve {len(over)} overloaded nodes",
-                     layout.pipelines, layout.stages)
+            return build(
+                "add_pipeline", f"{len(standby_list)} standby nodes relieve {len(lost)} and add pipelines"
+            )
+        return build(
+            "rebalance",
+            f"{len(standby_list)} standby nodes relieve {len(over)} overloaded nodes",
+            layout.pipelines,
+            layout.stages,
+        )
     if depth == layout.stages and pipelines > layout.pipelines:
-        return build("add_pipeline", f"{len(usable)} usable nodes: {layout.pipelines} -> {pipelines} pipelines")
+        return build(
+            "add_pipeline", f"{len(usable)} usable nodes: {layout.pipelines} -> {pipelines} pipelines"
+        )
     active = len(layout.nodes) - len(lost)
     if lost and 2 * len(over) / active > config.max_overloaded_fraction:
         return build(

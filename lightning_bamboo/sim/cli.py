@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.sim.generate import SpotModel, generate_trace
@@ -18,19 +19,41 @@ POLICY_NAMES = ("on_demand", "checkpoint", "bamboo")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", metavar="CSV",
-                        help="trace file (milliseconds,add|remove,nodeNAME), or 'p3' / 'g4dn' for a bundled one")
-    parser.add_argument("--generate", action="store_true",
-                        help="draw a synthetic trace instead (see --spot); needs no --trace")
-    parser.add_argument("--spot", action="append", default=[], metavar="KEY=VALUE",
-                        help="synthetic trace model field, e.g. preemption_rate=0.3 (per node-hour), "
-                             f"fields: {', '.join(f.name for f in dataclasses.fields(SpotModel))}")
+    parser.add_argument(
+        "--trace",
+        metavar="CSV",
+        help="trace file (milliseconds,add|remove,nodeNAME), or 'p3' / 'g4dn' for a bundled one",
+    )
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="draw a synthetic trace instead (see --spot); needs no --trace",
+    )
+    parser.add_argument(
+        "--spot",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="synthetic trace model field, e.g. preemption_rate=0.3 (per node-hour), "
+        f"fields: {', '.join(f.name for f in dataclasses.fields(SpotModel))}",
+    )
     parser.add_argument("--save-trace", metavar="CSV", help="write the replayed (generated) trace here")
-    parser.add_argument("--params", metavar="JSON", help="parameter file (default: the bundled sim_params.json)")
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one parameter, e.g. --param spot_price=0.91 (repeatable)")
-    parser.add_argument("--nodes", type=int, help="scale the trace so its peak is about N nodes (= --param nodes=N)")
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated subset of policies")
+    parser.add_argument(
+        "--params", metavar="JSON", help="parameter file (default: the bundled sim_params.json)"
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one parameter, e.g. --param spot_price=0.91 (repeatable)",
+    )
+    parser.add_argument(
+        "--nodes", type=int, help="scale the trace so its peak is about N nodes (= --param nodes=N)"
+    )
+    parser.add_argument(
+        "--policies", default=",".join(POLICY_NAMES), help="comma-separated subset of policies"
+    )
     parser.add_argument("--report", metavar="JSON", help="write the full report (per policy and over time)")
     parser.add_argument("--plot", metavar="PNG", help="write throughput, cost and nodes over time")
 
@@ -40,7 +63,7 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
         if args.trace:
             raise BambooConfigError("pass either --trace or --generate, not both")
         fields = {f.name: f for f in dataclasses.fields(SpotModel)}
-        values: dict[str, float | int] = {}
+        values: dict[str, Any] = {}
         for item in args.spot:
             key, sep, text = item.partition("=")
             if not sep or key not in fields:

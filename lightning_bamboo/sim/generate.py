@@ -84,7 +84,9 @@ def generate_trace(model: SpotModel) -> Trace:
 
     def replace_later(ms: int) -> None:
         nonlocal seq
-        heapq.heappush(queue, (ms + int(rng.expovariate(1.0) * model.replacement_delay_seconds * 1000), seq, "add", ""))
+        heapq.heappush(
+            queue, (ms + int(rng.expovariate(1.0) * model.replacement_delay_seconds * 1000), seq, "add", "")
+        )
         seq += 1
 
     for _ in range(model.nodes):

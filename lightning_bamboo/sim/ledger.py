@@ -37,9 +37,12 @@ class Ledger:
     nodes: int = 0
     active: int = 0
     cost: float = 0.0
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("training", "idle", "lost_work", *PAUSE_KINDS), 0.0))
-    recoveries: dict[str, int] = field(default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0})
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("training", "idle", "lost_work", *PAUSE_KINDS), 0.0)
+    )
+    recoveries: dict[str, int] = field(
+        default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0}
+    )
     reconfigurations: int = 0
     preemptions: int = 0
     checkpoint_samples: float = 0.0

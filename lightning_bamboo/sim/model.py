@@ -27,7 +27,7 @@ def policy_config(params: SimParams) -> PolicyConfig:
 
 def _slots(micro_batches: int, parts: tuple[int, ...]) -> float:
     stages = len(parts) - 1
-    widest = max(b - a for a, b in zip(parts, parts[1:]))
+    widest = max(b - a for a, b in zip(parts, parts[1:], strict=False))
     return (micro_batches + stages - 1) * widest
 
 
@@ -38,8 +38,9 @@ def step_seconds(layout: Layout, params: SimParams) -> float:
     return params.step_seconds * _slots(max(layout.micro_batches), layout.parts) / reference
 
 
-def samples_per_second(layout: Layout | None, params: SimParams, *, redundancy: bool = False,
-                       overloaded: bool = False) -> float:
+def samples_per_second(
+    layout: Layout | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
+) -> float:
     """Training rate of ``layout``; Bamboo adds its redundancy overhead and the failover slowdown."""
     if layout is None:
         return 0.0

@@ -51,7 +51,9 @@ class SimParams:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ParamError(f"parameter {f.name} must be a finite number (got {value!r}); pass e.g. {f.name}=1")
+                raise ParamError(
+                    f"parameter {f.name} must be a finite number (got {value!r}); pass e.g. {f.name}=1"
+                )
             if f.type == "int":
                 if value != int(value):
                     raise ParamError(
@@ -60,19 +62,42 @@ class SimParams:
                 object.__setattr__(self, f.name, int(value))
             else:
                 object.__setattr__(self, f.name, float(value))
-        positive = ("spot_price", "on_demand_price", "step_seconds", "stages", "layers", "micro_batch_size",
-                    "global_micro_batches", "step_pipelines", "min_stages")
+        positive = (
+            "spot_price",
+            "on_demand_price",
+            "step_seconds",
+            "stages",
+            "layers",
+            "micro_batch_size",
+            "global_micro_batches",
+            "step_pipelines",
+            "min_stages",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 hint = " (a price is dollars per node-hour)" if name.endswith("price") else ""
-                raise ParamError(f"parameter {name} must be > 0 (got {getattr(self, name)}){hint}; pass {name}=<positive>")
-        non_negative = ("redundancy_overhead", "failover_seconds", "reconfigure_seconds", "restart_seconds",
-                        "checkpoint_save_seconds", "checkpoint_interval_seconds",
-                        "bamboo_checkpoint_interval_seconds", "node_ready_seconds", "on_demand_nodes", "nodes",
-                        "hours", "max_overloaded_fraction")
+                raise ParamError(
+                    f"parameter {name} must be > 0 (got {getattr(self, name)}){hint}; pass {name}=<positive>"
+                )
+        non_negative = (
+            "redundancy_overhead",
+            "failover_seconds",
+            "reconfigure_seconds",
+            "restart_seconds",
+            "checkpoint_save_seconds",
+            "checkpoint_interval_seconds",
+            "bamboo_checkpoint_interval_seconds",
+            "node_ready_seconds",
+            "on_demand_nodes",
+            "nodes",
+            "hours",
+            "max_overloaded_fraction",
+        )
         for name in non_negative:
             if getattr(self, name) < 0:
-                raise ParamError(f"parameter {name} must be >= 0 (got {getattr(self, name)}); pass {name}=0 or more")
+                raise ParamError(
+                    f"parameter {name} must be >= 0 (got {getattr(self, name)}); pass {name}=0 or more"
+                )
         if self.failover_slowdown < 1:
             raise ParamError(
                 f"failover_slowdown must be >= 1: running two stages cannot be faster (got {self.failover_slowdown})"
@@ -111,9 +136,13 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ParamError(f"cannot read parameter file {str(path)!r}: {exc}; pass a JSON file like {DEFAULT_PATH}") from exc
+        raise ParamError(
+            f"cannot read parameter file {str(path)!r}: {exc}; pass a JSON file like {DEFAULT_PATH}"
+        ) from exc
     params = data.get("params") if isinstance(data, dict) else None
-    if not isinstance(params, dict) or any(not isinstance(v, dict) or "value" not in v for v in params.values()):
+    if not isinstance(params, dict) or any(
+        not isinstance(v, dict) or "value" not in v for v in params.values()
+    ):
         raise ParamError(
             f"parameter file {str(path)!r} must be {{'params': {{name: {{'value': ..., 'provenance': ...}}}}}}"
         )
@@ -135,7 +164,9 @@ def convert(name: str, text: str) -> int | float:
         raise ParamError(f"parameter {name} needs a number (got {text!r}); pass e.g. {name}=1") from None
     if kind == "int":
         if value != int(value):
-            raise ParamError(f"parameter {name} must be a whole number (got {text!r}); pass {name}={int(value)}")
+            raise ParamError(
+                f"parameter {name} must be a whole number (got {text!r}); pass {name}={int(value)}"
+            )
         return int(value)
     return value
 
@@ -158,7 +189,7 @@ def load_params(
     values = {k: v["value"] for k, v in _read(path or DEFAULT_PATH)["params"].items()}
     values.update(overrides or {})
     _check_names(values)
-    clean = {k: convert(k, str(v)) if isinstance(v, str) else v for k, v in values.items()}
+    clean: dict[str, Any] = {k: convert(k, str(v)) if isinstance(v, str) else v for k, v in values.items()}
     return SimParams(**clean)
 
 

@@ -32,7 +32,7 @@ def plot_report(report: SimReport, path: str | os.PathLike[str], bins: int = 200
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    end = float(report.trace["hours"]) * 3600.0
+    end = float(str(report.trace["hours"])) * 3600.0
     fig, (ax_rate, ax_cost, ax_nodes) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     for name, result in report.policies.items():
         hours, rate = binned_rate(result.timeline, end, bins)
@@ -40,11 +40,18 @@ def plot_report(report: SimReport, path: str | os.PathLike[str], bins: int = 200
         xs = [p.seconds / 3600.0 for p in result.timeline] + [end / 3600.0]
         ax_cost.plot(xs, [p.cost for p in result.timeline] + [result.cost_dollars], label=name)
         if name != "on_demand":
-            ax_nodes.step(xs[:-1], [p.active for p in result.timeline], where="post", label=f"{name}: in layout")
+            ax_nodes.step(
+                xs[:-1], [p.active for p in result.timeline], where="post", label=f"{name}: in layout"
+            )
     spot = next((r for n, r in report.policies.items() if n != "on_demand"), None)
     if spot is not None:
-        ax_nodes.step([p.seconds / 3600.0 for p in spot.timeline], [p.nodes for p in spot.timeline],
-                      where="post", color="grey", label="spot nodes billed")
+        ax_nodes.step(
+            [p.seconds / 3600.0 for p in spot.timeline],
+            [p.nodes for p in spot.timeline],
+            where="post",
+            color="grey",
+            label="spot nodes billed",
+        )
     ax_rate.set_ylabel(f"samples/s ({end / bins / 60:.0f}-min mean)")
     ax_cost.set_ylabel("dollars spent")
     ax_nodes.set_ylabel("nodes")

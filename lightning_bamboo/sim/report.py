@@ -58,15 +58,33 @@ class PolicyResult:
         )
 
     def as_dict(self, timeline: bool = True) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in (
-            "hours", "samples", "samples_per_second", "cost_dollars", "samples_per_dollar", "recovery_hours",
-            "node_hours", "steps_completed", "preemptions", "reconfigurations")}
+        out = {
+            k: getattr(self, k)
+            for k in (
+                "hours",
+                "samples",
+                "samples_per_second",
+                "cost_dollars",
+                "samples_per_dollar",
+                "recovery_hours",
+                "node_hours",
+                "steps_completed",
+                "preemptions",
+                "reconfigurations",
+            )
+        }
         out["recoveries"] = dict(self.recoveries)
         out["breakdown_hours"] = dict(self.breakdown_hours)
         if timeline:
             out["timeline"] = [
-                {"hours": p.seconds / 3600.0, "samples_per_second": p.rate, "samples": p.samples,
-                 "cost_dollars": p.cost, "nodes": p.nodes, "active_nodes": p.active}
+                {
+                    "hours": p.seconds / 3600.0,
+                    "samples_per_second": p.rate,
+                    "samples": p.samples,
+                    "cost_dollars": p.cost,
+                    "nodes": p.nodes,
+                    "active_nodes": p.active,
+                }
                 for p in self.timeline
             ]
         return out
@@ -89,12 +107,15 @@ class SimReport:
         out: dict[str, float | None] = {}
         if "bamboo" in p and "checkpoint" in p:
             out["bamboo_vs_checkpoint_throughput"] = _ratio(
-                p["bamboo"].samples_per_second, p["checkpoint"].samples_per_second)
+                p["bamboo"].samples_per_second, p["checkpoint"].samples_per_second
+            )
         if "bamboo" in p and "on_demand" in p:
             out["bamboo_vs_on_demand_value"] = _ratio(
-                p["bamboo"].samples_per_dollar, p["on_demand"].samples_per_dollar)
+                p["bamboo"].samples_per_dollar, p["on_demand"].samples_per_dollar
+            )
             out["bamboo_vs_on_demand_throughput"] = _ratio(
-                p["bamboo"].samples_per_second, p["on_demand"].samples_per_second)
+                p["bamboo"].samples_per_second, p["on_demand"].samples_per_second
+            )
         return out
 
     def as_dict(self, timeline: bool = True) -> dict[str, Any]:
@@ -111,22 +132,30 @@ class SimReport:
 
     def table(self) -> str:
         """The terminal table: one row per policy, then our ratios beside the paper's."""
-        head = f"{'policy':<11}{'samples/s':>10}{'cost $':>10}{'samples/$':>11}{'hours':>7}{'recovery h':>11}" \
-               f"{'node-h':>8}{'preempt':>8}{'recoveries (rc/ckpt)':>21}"
+        head = (
+            f"{'policy':<11}{'samples/s':>10}{'cost $':>10}{'samples/$':>11}{'hours':>7}{'recovery h':>11}"
+            f"{'node-h':>8}{'preempt':>8}{'recoveries (rc/ckpt)':>21}"
+        )
         rows = [head, "-" * len(head)]
         for name, r in self.policies.items():
             rec = f"{r.recoveries.get('redundant', 0)}/{r.recoveries.get('checkpoint', 0)}"
-            rows.append(f"{name:<11}{r.samples_per_second:>10.1f}{r.cost_dollars:>10.1f}{r.samples_per_dollar:>11.0f}"
-                        f"{r.hours:>7.2f}{r.recovery_hours:>11.2f}{r.node_hours:>8.0f}{r.preemptions:>8}{rec:>21}")
-        labels = {"bamboo_vs_checkpoint_throughput": "Bamboo vs checkpoint-restart, throughput",
-                  "bamboo_vs_on_demand_value": "Bamboo vs on-demand, value (samples/$)"}
+            rows.append(
+                f"{name:<11}{r.samples_per_second:>10.1f}{r.cost_dollars:>10.1f}{r.samples_per_dollar:>11.0f}"
+                f"{r.hours:>7.2f}{r.recovery_hours:>11.2f}{r.node_hours:>8.0f}{r.preemptions:>8}{rec:>21}"
+            )
+        labels = {
+            "bamboo_vs_checkpoint_throughput": "Bamboo vs checkpoint-restart, throughput",
+            "bamboo_vs_on_demand_value": "Bamboo vs on-demand, value (samples/$)",
+        }
         for key, value in self.comparison().items():
             if key in labels:
                 ours = f"{value:.2f}x" if value is not None else "n/a"
                 rows.append(f"{labels[key]}: {ours} (paper: {PAPER[key]}x)")
         src = self.trace
-        rows.append(f"trace: {src['source']}, {src['hours']:.2f} h, peak {src['peak_nodes']} nodes, "
-                    f"{src['removals']} removals")
+        rows.append(
+            f"trace: {src['source']}, {src['hours']:.2f} h, peak {src['peak_nodes']} nodes, "
+            f"{src['removals']} removals"
+        )
         return "\n".join(rows)
 
 
@@ -143,7 +172,9 @@ class Validation:
         return self.steps_error <= self.tolerance and self.recoveries_error <= self.tolerance
 
 
-def compare_with_demo(demo_report: Mapping[str, Any], predicted: PolicyResult, tolerance: float = 0.15) -> Validation:
+def compare_with_demo(
+    demo_report: Mapping[str, Any], predicted: PolicyResult, tolerance: float = 0.15
+) -> Validation:
     """Compare a ``lightning-bamboo demo --report`` JSON (``steps_completed``, ``recoveries``) with a prediction.
 
     The demo must replay the same compressed trace slice the simulator was given. Not exercised on

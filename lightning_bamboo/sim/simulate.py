@@ -54,7 +54,9 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
         ledger = Ledger(params.on_demand_price)
     elif name == "checkpoint":
         events = trace.events
-        ledger = Ledger(params.spot_price, checkpoint_interval(trace, end, params), params.checkpoint_save_seconds)
+        ledger = Ledger(
+            params.spot_price, checkpoint_interval(trace, end, params), params.checkpoint_save_seconds
+        )
     else:
         events = trace.events
         ledger = Ledger(params.spot_price, params.bamboo_checkpoint_interval_seconds, 0.0)
@@ -88,8 +90,11 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
     return PolicyResult.from_ledger(name, ledger, end, params.samples_per_step), policy
 
 
-def simulate(trace: Trace, params: SimParams | None = None,
-             policies: Iterable[str] = ("on_demand", "checkpoint", "bamboo")) -> SimReport:
+def simulate(
+    trace: Trace,
+    params: SimParams | None = None,
+    policies: Iterable[str] = ("on_demand", "checkpoint", "bamboo"),
+) -> SimReport:
     """Replay ``trace`` under every policy and compare them."""
     params = params or SimParams()
     replayed, end = prepare(trace, params)

@@ -57,7 +57,9 @@ class Trace:
         for i, e in enumerate(self.events):
             where = f"{self.source}: event {i + 1} ({e.ms},{e.kind},{e.node})"
             if e.ms < last:
-                raise TraceError(f"{where}: times must not decrease (previous event at {last} ms); sort the trace")
+                raise TraceError(
+                    f"{where}: times must not decrease (previous event at {last} ms); sort the trace"
+                )
             last = e.ms
             if e.kind == "add":
                 if e.node in seen:
@@ -146,7 +148,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise TraceError(f"cannot read trace {str(p)!r}: {exc.strerror or exc}; pass an existing CSV file") from exc
+        raise TraceError(
+            f"cannot read trace {str(p)!r}: {exc.strerror or exc}; pass an existing CSV file"
+        ) from exc
     return parse_trace(text.splitlines(), str(p))
 
 
