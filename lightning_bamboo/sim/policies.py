@@ -149,9 +149,9 @@ class Bamboo(Policy):
         decision = reconfigure(self.ready, standby, self.layout, overloaded, self.config, self.domains)
         if decision.action == "recover" and not self.fatal:
             raise AssertionError(f"policy found a lost stage that the simulator did not: {decision.reason}")
-        if decision.changed:
+        if decision.layout is not self.layout:  # a suspended job staying suspended is no decision
             self.decisions.append((self.ledger.t, decision.action, decision.reason))
-        if decision.action == "keep":
+        if decision.action == "keep" or (decision.layout is None and self.layout is None):
             self.fatal = False
             return
         if decision.action == "suspend":
