@@ -205,6 +205,13 @@ def test_join_waits_for_nodes_to_be_ready():
     assert result.samples == pytest.approx(100 * R1 + 52 * R2)
 
 
+def test_join_on_demand_runs_the_peak_cluster_throughout():
+    report = simulate(parse_trace(JOIN, "toy.csv"), TOY)
+    od = report.policies["on_demand"]
+    assert od.samples == pytest.approx(END * R2) and od.node_hours == pytest.approx(4 * END / 3600)
+    assert od.recovery_hours == 0 and od.preemptions == 0
+
+
 def test_join_checkpoint_restarts_from_the_last_save():
     result, _ = run("checkpoint", JOIN)
     # saves 40-45 (80), 85-90 (160); join at 100 s (180): back to 160, restart 100-110 with

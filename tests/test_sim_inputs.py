@@ -237,3 +237,23 @@ def test_trace_objects_validate_in_memory_too():
         TraceEvent(0, "add", "a", notice_seconds=5.0)
     with pytest.raises(TraceError, match="no nodes"):
         Trace((), "x")
+
+
+def test_simulator_and_policy_import_no_heavy_framework():
+    import ast
+    from pathlib import Path
+
+    import lightning_bamboo.membership.policy as policy_module
+    import lightning_bamboo.sim as sim_package
+
+    files = [Path(policy_module.__file__), *Path(sim_package.__file__).parent.glob("*.py")]
+    assert len(files) >= 10
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {(node.module or "").split(".")[0]}
+            else:
+                continue
+            assert not roots & {"torch", "deepspeed", "lightning", "pytorch_lightning"}, (path.name, roots)
