@@ -67,6 +67,12 @@ def test_add_pipeline_when_enough_standby_nodes_and_split_the_global_batch():
     assert sorted(d.moved) == ["x", "y"]
 
 
+def test_without_a_fixed_global_batch_every_pipeline_keeps_its_micro_batches():
+    cfg = PolicyConfig(stages=2, layers=4, global_micro_batches=2, pipeline_micro_batches=5)
+    d = reconfigure(names(6), names(6), None, (), cfg)
+    assert d.layout.pipelines == 3 and d.layout.micro_batches == (5, 5, 5)  # not capped at 2 pipelines
+
+
 def test_pipelines_never_exceed_the_global_micro_batches():
     cfg = PolicyConfig(stages=1, layers=2, global_micro_batches=2)
     d = reconfigure(names(5), names(5), None, (), cfg)

@@ -73,6 +73,7 @@ def test_one_preemption_bamboo_fails_over_then_rebuilds_one_pipeline():
     # (3 s reconfiguration); 105-200 s one pipeline
     assert steps(result) == [(0, R2), (100, 0), (105, R1)]
     assert result.samples == pytest.approx(100 * R2 + 95 * R1)
+    assert result.steps_completed == pytest.approx(result.samples / 2)  # 2 samples per step
     assert result.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}
     assert result.reconfigurations == 1
     assert result.recovery_hours == pytest.approx(5 / 3600)
@@ -267,3 +268,12 @@ def test_bamboo_shrinks_depth_when_too_few_nodes_remain():
     # reference: m=2, 3 stages of 1 layer: 4 slots of 1 layer = 1 s. Two stages, widest 2 layers:
     # (2 + 1) slots of 2 layers = 6 layer-slots = 1.5 s per step -> 4/3 samples/s
     assert steps(result)[-1] == (105, pytest.approx(2 / 1.5))
+
+
+def test_join_without_a_fixed_global_batch_doubles_the_batch():
+    # pipeline_micro_batches=2: each pipeline keeps 2 micro-batches (1 s per step, 2 samples);
+    # two pipelines make 4-sample steps in the same 1 s
+    result, _ = run("bamboo", JOIN, pipeline_micro_batches=2)
+    assert steps(result) == [(0, 2.0), (100, 0), (103, 4.0)]
+    assert result.steps_completed == pytest.approx(100 + 97)
+    assert result.samples == pytest.approx(2 * 100 + 4 * 97)

@@ -18,8 +18,9 @@ is lost or already overloaded cannot be served any more (a fatal, adjacent loss)
    shallower if too few remain for one pipeline of the current depth.
 7. ``keep``.
 
-The global batch stays fixed: ``global_micro_batches`` are split over the pipelines as evenly as
-possible (pipelines may differ by one micro-batch). New layouts keep as many nodes as possible on
+By default the global batch stays fixed: ``global_micro_batches`` are split over the pipelines as
+evenly as possible (pipelines may differ by one micro-batch). With ``pipeline_micro_batches`` set,
+every pipeline runs that many instead and the global batch follows the number of pipelines. New layouts keep as many nodes as possible on
 the stage they already hold, so that the least state moves. No torch here.
 """
 
@@ -124,6 +125,7 @@ class PolicyConfig:
     min_stages: int = 1  # shallowest pipeline the model (and its replicas) fits in
     max_overloaded_fraction: float = 0.05  # rebuild when 2*overloaded/active exceeds this
     layer_costs: tuple[float, ...] | None = None  # relative compute time per layer (None: equal)
+    pipeline_micro_batches: int | None = None  # None: global batch fixed; n: n per pipeline
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -147,6 +149,11 @@ class PolicyConfig:
                 f"max_overloaded_fraction must be in [0, 1] (got {self.max_overloaded_fraction}); "
                 "use e.g. 0.05 (Bamboo's 5%)"
             )
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise PolicyError(
+                f"pipeline_micro_batches must be >= 1 or None (got {self.pipeline_micro_batches}); "
+                "use None to keep the global batch fixed"
+            )
         if self.layer_costs is not None:
             if len(self.layer_costs) != self.layers or any(c <= 0 for c in self.layer_costs):
                 raise PolicyError(
@@ -154,6 +161,17 @@ class PolicyConfig:
                     f"got {len(self.layer_costs)} values, min {min(self.layer_costs, default=0)}); "
                     "pass one positive cost per layer or None"
                 )
+
+    @property
+    def max_pipelines(self) -> int | None:
+        """The most pipelines a global batch can feed (None: no limit)."""
+        return self.global_micro_batches if self.pipeline_micro_batches is None else None
+
+    def micro_batches(self, pipelines: int) -> tuple[int, ...]:
+        """Micro-batches of each of ``pipelines`` pipelines."""
+        if self.pipeline_micro_batches is not None:
+            return (self.pipeline_micro_batches,) * pipelines
+        return split_micro_batches(self.global_micro_batches, pipelines)
 
     def parts(self, stages: int) -> tuple[int, ...]:
         """Layer boundaries for a pipeline of ``stages`` stages."""
@@ -314,7 +332,7 @@ def fresh_layout(
     if domains:
         _spread(rows, set(nodes[:need]), list(nodes[need:]), domains)
     grid = tuple(tuple(row) for row in rows)
-    return Layout(grid, config.parts(stages), split_micro_batches(config.global_micro_batches, pipelines))
+    return Layout(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
 def _rebuild(
@@ -363,7 +381,7 @@ def _rebuild(
     if domains:
         _spread(full, newcomers, leftovers, domains)
     grid = tuple(tuple(row) for row in full)
-    return Layout(grid, config.parts(stages), split_micro_batches(config.global_micro_batches, pipelines))
+    return Layout(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
 def _moved(old: Layout | None, new: Layout | None) -> tuple[str, ...]:
@@ -432,7 +450,9 @@ def reconfigure(
             None,
             f"{len(usable)} usable nodes left, the model needs at least min_stages={config.min_stages}",
         )
-    pipelines = min(len(usable) // depth, config.global_micro_batches)
+    pipelines = len(usable) // depth
+    if config.max_pipelines is not None:
+        pipelines = min(pipelines, config.max_pipelines)
 
     def build(action: str, reason: str, p: int = pipelines, d: int = depth) -> Decision:
         new = _rebuild(layout, usable, standby_list, p, d, config, domains)

@@ -34,6 +34,8 @@ class Ledger:
     t: float = 0.0
     samples: float = 0.0
     rate: float = 0.0  # samples/s while training (set by the policy)
+    step_rate: float = 0.0  # optimizer steps/s while training (set by the policy)
+    steps: float = 0.0
     nodes: int = 0
     active: int = 0
     cost: float = 0.0
@@ -46,11 +48,12 @@ class Ledger:
     reconfigurations: int = 0
     preemptions: int = 0
     checkpoint_samples: float = 0.0
+    checkpoint_steps: float = 0.0
     timeline: list[Point] = field(default_factory=list)
     _pauses: list[list] = field(default_factory=list)  # [start, end, kind]
     _since_save: float = 0.0  # training seconds since the last save started
     _since_commit: float = 0.0  # training seconds not covered by the last committed checkpoint
-    _pending: float | None = None  # samples of a save in progress
+    _pending: tuple[float, float] | None = None  # (samples, steps) of a save in progress
 
     def mark(self) -> None:
         rate = self.rate if not self._pauses or self._pauses[0][0] > self.t else 0.0
@@ -82,11 +85,13 @@ class Ledger:
         self._since_save = 0.0
         self._pending = None
         self.samples = self.checkpoint_samples
+        self.steps = self.checkpoint_steps
         self.mark()
 
     def commit_now(self) -> None:
         """Checkpoint the current progress at once (e.g. in a preemption's grace period)."""
         self.checkpoint_samples = self.samples
+        self.checkpoint_steps = self.steps
         self._since_commit = 0.0
 
     def advance(self, until: float) -> None:
@@ -103,7 +108,7 @@ class Ledger:
                 if stop >= end:
                     self._pauses.pop(0)
                     if kind == "checkpoint" and self._pending is not None:
-                        self.checkpoint_samples, self._pending = self._pending, None
+                        (self.checkpoint_samples, self.checkpoint_steps), self._pending = self._pending, None
                         self._since_commit = 0.0
                 self.mark()
                 continue
@@ -117,7 +122,7 @@ class Ledger:
                 self._train(max(due, 0.0))
                 self._since_save = 0.0
                 if self.checkpoint_pause > 0:
-                    self._pending = self.samples
+                    self._pending = (self.samples, self.steps)
                     self.pause("checkpoint", self.checkpoint_pause)
                 else:
                     self.commit_now()
@@ -127,6 +132,7 @@ class Ledger:
 
     def _train(self, dt: float) -> None:
         self.samples += self.rate * dt
+        self.steps += self.step_rate * dt
         self.seconds["training"] += dt
         self._since_save += dt
         self._since_commit += dt

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_bamboo.membership.policy import Layout, PolicyConfig, even_parts, split_micro_batches
+from lightning_bamboo.membership.policy import Layout, PolicyConfig, even_parts
 from lightning_bamboo.sim.params import SimParams
 
 
@@ -22,6 +22,7 @@ def policy_config(params: SimParams) -> PolicyConfig:
         global_micro_batches=params.global_micro_batches,
         min_stages=params.min_stages,
         max_overloaded_fraction=params.max_overloaded_fraction,
+        pipeline_micro_batches=params.pipeline_micro_batches or None,
     )
 
 
@@ -33,15 +34,16 @@ def _slots(micro_batches: int, parts: tuple[int, ...]) -> float:
 
 def step_seconds(layout: Layout, params: SimParams) -> float:
     """Seconds per optimizer step of ``layout`` without redundancy or failures."""
-    ref_m = max(split_micro_batches(params.global_micro_batches, params.step_pipelines))
+    ref_m = max(policy_config(params).micro_batches(params.step_pipelines))
     reference = _slots(ref_m, even_parts(params.layers, params.stages))
     return params.step_seconds * _slots(max(layout.micro_batches), layout.parts) / reference
 
 
-def samples_per_second(
+def step_rate(
     layout: Layout | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
 ) -> float:
-    """Training rate of ``layout``; Bamboo adds its redundancy overhead and the failover slowdown."""
+    """Optimizer steps per second of ``layout``; Bamboo adds its redundancy overhead and the
+    failover slowdown while a node runs two stages."""
     if layout is None:
         return 0.0
     seconds = step_seconds(layout, params)
@@ -49,7 +51,22 @@ def samples_per_second(
         seconds *= 1.0 + params.redundancy_overhead
     if overloaded:
         seconds *= params.failover_slowdown
-    return params.samples_per_step / seconds
+    return 1.0 / seconds
+
+
+def samples_per_step(layout: Layout, params: SimParams) -> int:
+    return params.micro_batch_size * sum(layout.micro_batches)
+
+
+def samples_per_second(
+    layout: Layout | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
+) -> float:
+    """Training rate of ``layout`` in samples per second (see :func:`step_rate`)."""
+    if layout is None:
+        return 0.0
+    return samples_per_step(layout, params) * step_rate(
+        layout, params, redundancy=redundancy, overloaded=overloaded
+    )
 
 
 def young_interval(save_seconds: float, mean_seconds_between_failures: float) -> float:

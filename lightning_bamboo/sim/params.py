@@ -29,6 +29,7 @@ class SimParams:
     layers: int = 48
     micro_batch_size: int = 8
     global_micro_batches: int = 48
+    pipeline_micro_batches: int = 0
     step_seconds: float = 4.0
     step_pipelines: int = 4
     redundancy_overhead: float = 0.1
@@ -85,6 +86,7 @@ class SimParams:
             "reconfigure_seconds",
             "restart_seconds",
             "checkpoint_save_seconds",
+            "pipeline_micro_batches",
             "checkpoint_interval_seconds",
             "bamboo_checkpoint_interval_seconds",
             "node_ready_seconds",
@@ -115,6 +117,9 @@ class SimParams:
 
     @property
     def samples_per_step(self) -> int:
+        """Samples per step of the reference layout (``step_pipelines`` pipelines)."""
+        if self.pipeline_micro_batches:
+            return self.micro_batch_size * self.pipeline_micro_batches * self.step_pipelines
         return self.micro_batch_size * self.global_micro_batches
 
     def replace(self, **changes: Any) -> SimParams:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lightning_bamboo.membership.policy import Layout, fresh_layout, reconfigure
 from lightning_bamboo.sim.ledger import Ledger
-from lightning_bamboo.sim.model import policy_config, samples_per_second
+from lightning_bamboo.sim.model import policy_config, samples_per_second, step_rate
 from lightning_bamboo.sim.params import SimParams
 from lightning_bamboo.sim.trace import TraceEvent
 
@@ -43,6 +43,7 @@ class Policy:
         self.layout = layout
         self.ledger.active = len(layout.nodes) if layout else 0
         self.ledger.rate = samples_per_second(layout, self.params, **rate)
+        self.ledger.step_rate = step_rate(layout, self.params, **rate)
         self.ledger.mark()
 
 
@@ -79,7 +80,9 @@ class CheckpointRestart(Policy):
             self.disrupted = True
 
     def _pipelines(self) -> int:
-        return min(len(self.ready) // self.params.stages, self.params.global_micro_batches)
+        pipelines = len(self.ready) // self.params.stages
+        cap = self.config.max_pipelines
+        return pipelines if cap is None else min(pipelines, cap)
 
     def settle(self) -> None:
         pipelines = self._pipelines()

@@ -37,7 +37,7 @@ class PolicyResult:
     timeline: tuple[Point, ...] = field(repr=False, default=())
 
     @classmethod
-    def from_ledger(cls, name: str, ledger: Ledger, end: float, samples_per_step: int) -> PolicyResult:
+    def from_ledger(cls, name: str, ledger: Ledger, end: float) -> PolicyResult:
         hours = end / 3600.0
         breakdown = {k: v / 3600.0 for k, v in ledger.seconds.items()}
         return cls(
@@ -49,7 +49,7 @@ class PolicyResult:
             samples_per_dollar=ledger.samples / ledger.cost if ledger.cost > 0 else 0.0,
             recovery_hours=sum(breakdown[k] for k in RECOVERY_KINDS),
             node_hours=ledger.cost / ledger.price,
-            steps_completed=ledger.samples / samples_per_step,
+            steps_completed=ledger.steps,
             preemptions=ledger.preemptions,
             recoveries=dict(ledger.recoveries),
             reconfigurations=ledger.reconfigurations,

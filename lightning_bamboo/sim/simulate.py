@@ -87,7 +87,7 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
         policy.settle()
         ledger.mark()
     ledger.advance(end)
-    return PolicyResult.from_ledger(name, ledger, end, params.samples_per_step), policy
+    return PolicyResult.from_ledger(name, ledger, end), policy
 
 
 def simulate(
