@@ -121,6 +121,11 @@ def test_suspend_below_min_stages():
     d = reconfigure(["a"], [], old, [], CFG.__class__(**{**CFG.__dict__, "min_stages": 2}))
     assert d.action == "suspend" and d.layout is None
     assert "min_stages=2" in d.reason
+    with pytest.raises(
+        BambooConfigError, match=r"cannot train: 1 usable nodes left.*min_stages=2.*add nodes"
+    ):
+        d.require_layout()
+    assert reconfigure(["a", "b"], ["a", "b"], None, (), CFG).require_layout().stages == 2
 
 
 def test_recover_after_adjacent_losses():

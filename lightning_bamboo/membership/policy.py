@@ -276,6 +276,14 @@ class Decision:
     def changed(self) -> bool:
         return self.action != "keep"
 
+    def require_layout(self) -> Layout:
+        """The layout, or a clear error when the decision is to suspend (too few nodes)."""
+        if self.layout is None:
+            raise PolicyError(
+                f"cannot train: {self.reason}; add nodes, or lower min_stages if the model fits in fewer stages"
+            )
+        return self.layout
+
 
 def _spread(rows: list[list[str]], movable: set[str], pool: list[str], domains: Mapping[str, str]) -> None:
     """Swap movable nodes (with each other or with unused ``pool`` nodes) so that, where possible,
