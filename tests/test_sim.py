@@ -277,3 +277,32 @@ def test_join_without_a_fixed_global_batch_doubles_the_batch():
     assert steps(result) == [(0, 2.0), (100, 0), (103, 4.0)]
     assert result.steps_completed == pytest.approx(100 + 97)
     assert result.samples == pytest.approx(2 * 100 + 4 * 97)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_time_adds_up_on_random_traces(seed):
+    import random
+
+    from lightning_bamboo.sim.generate import SpotModel, generate_trace
+
+    r = random.Random(seed)
+    model = SpotModel(
+        nodes=r.randint(2, 24),
+        hours=2.0,
+        preemption_rate=r.choice([0.2, 1.0]),
+        burst=r.randint(1, 4),
+        burst_probability=r.random(),
+        notice_fraction=r.random(),
+        seed=seed,
+    )
+    stages = r.choice([1, 2, 4])
+    params = SimParams(
+        stages=stages, min_stages=1, layers=4, global_micro_batches=8, step_pipelines=1, hours=2.0
+    )
+    report = simulate(generate_trace(model), params)
+    for result in report.policies.values():
+        b = result.breakdown_hours
+        spent = b["training"] + b["idle"] + b["failover"] + b["reconfigure"] + b["restart"] + b["checkpoint"]
+        assert spent == pytest.approx(2.0)
+        assert 0 <= b["lost_work"] <= b["training"] + 1e-12
+        assert result.samples >= 0
