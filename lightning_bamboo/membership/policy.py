@@ -1,0 +1,503 @@
+"""Reconfiguration policy as a pure function: cluster state and current layout in, new layout out.
+
+A *layout* is ``pipelines x stages`` nodes plus the layer split and the micro-batches of each
+pipeline. Every node runs its own stage and keeps a replica of its successor's stage (the last
+stage's replica lives on the first node of the pipeline). When a node is lost, its predecessor
+(the *replica holder*) runs both stages and is *overloaded*; a lost stage whose replica holder
+is lost or already overloaded cannot be served any more (a fatal, adjacent loss).
+
+:func:`reconfigure` applies, in order (Bamboo's rules plus a depth change Bamboo lacks):
+
+1. ``start``/``recover``: no layout yet, or a stage lost both copies -> build a fresh layout.
+2. ``suspend``: fewer usable nodes than the shallowest pipeline the model fits in -> no layout.
+3. ``change_depth``: the current depth is below the preferred one and enough nodes are back.
+4. ``rebalance``: standby nodes can relieve every overloaded node -> they take the lost places.
+5. ``add_pipeline``: usable nodes are enough for more pipelines of the current depth.
+6. ``restore_redundancy``: overloaded nodes are too large a share of the active ones
+   (``2 * overloaded / active > max_overloaded_fraction``) -> rebuild with the nodes left,
+   shallower if too few remain for one pipeline of the current depth.
+7. ``keep``.
+
+By default the global batch stays fixed: ``global_micro_batches`` are split over the pipelines as
+evenly as possible (pipelines may differ by one micro-batch). With ``pipeline_micro_batches`` set,
+every pipeline runs that many instead and the global batch follows the number of pipelines. New layouts keep as many nodes as possible on
+the stage they already hold, so that the least state moves. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_bamboo.errors import BambooConfigError
+
+ACTIONS = (
+    "keep",
+    "start",
+    "recover",
+    "suspend",
+    "change_depth",
+    "rebalance",
+    "add_pipeline",
+    "restore_redundancy",
+)
+
+
+class PolicyError(BambooConfigError):
+    """The inputs of the reconfiguration policy contradict each other."""
+
+
+def _check_names(what: str, names: Sequence[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise PolicyError(f"{what} must be non-empty node names (got {name!r}); pass names as str")
+        if name in seen:
+            raise PolicyError(f"{what} must not repeat a node (node {name!r} appears twice); list it once")
+        seen.add(name)
+
+
+def even_parts(layers: int, stages: int) -> tuple[int, ...]:
+    """Layer boundaries (DeepSpeed's ``parts`` form) giving each stage the same number of layers +-1."""
+    if stages < 1 or layers < stages:
+        raise PolicyError(
+            f"cannot split {layers} layers over {stages} stages: need 1 <= stages <= layers; "
+            "use fewer stages or a model with more layers"
+        )
+    return tuple(s * layers // stages for s in range(stages + 1))
+
+
+def balanced_parts(costs: Sequence[float], stages: int) -> tuple[int, ...]:
+    """Layer boundaries minimising the most expensive stage (contiguous split of ``costs``)."""
+    layers = len(costs)
+    bounds = even_parts(layers, stages)  # validates the sizes
+    if len(set(costs)) <= 1:
+        return bounds
+
+    def cuts(limit: float) -> list[int] | None:
+        """Greedy: fill each stage up to ``limit``; None when more than ``stages`` stages are needed."""
+        parts, load = [0], 0.0
+        for i, cost in enumerate(costs):
+            if cost > limit:
+                return None
+            # keep enough layers for the stages still to come
+            if load + cost > limit or layers - i < stages - (len(parts) - 1):
+                parts.append(i)
+                load = 0.0
+            load += cost
+        parts.append(layers)
+        return parts if len(parts) - 1 <= stages else None
+
+    lo, hi = max(costs), float(sum(costs))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if cuts(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    parts = cuts(hi)
+    assert parts is not None
+    # the greedy may use fewer stages: split the largest stages until there are exactly ``stages``
+    while len(parts) - 1 < stages:
+        widest = max(range(len(parts) - 1), key=lambda s: parts[s + 1] - parts[s])
+        parts.insert(widest + 1, (parts[widest] + parts[widest + 1]) // 2)
+    return tuple(parts)
+
+
+def split_micro_batches(total: int, pipelines: int) -> tuple[int, ...]:
+    """``total`` micro-batches over ``pipelines`` pipelines, the first ones taking the remainder."""
+    if pipelines < 1 or total < pipelines:
+        raise PolicyError(
+            f"cannot give {pipelines} pipelines at least one micro-batch each out of {total}: "
+            "need 1 <= pipelines <= global micro-batches; raise the global batch or use fewer pipelines"
+        )
+    base, extra = divmod(total, pipelines)
+    return tuple(base + (1 if p < extra else 0) for p in range(pipelines))
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What the policy must respect: preferred depth, model size, global batch, risk tolerance."""
+
+    stages: int  # preferred pipeline depth
+    layers: int  # layers of the model (split over the stages)
+    global_micro_batches: int  # micro-batches per optimizer step over all pipelines (fixed)
+    min_stages: int = 1  # shallowest pipeline the model (and its replicas) fits in
+    max_overloaded_fraction: float = 0.05  # rebuild when 2*overloaded/active exceeds this
+    layer_costs: tuple[float, ...] | None = None  # relative compute time per layer (None: equal)
+    pipeline_micro_batches: int | None = None  # None: global batch fixed; n: n per pipeline
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise PolicyError(f"stages must be >= 1 (got {self.stages}); use at least one stage")
+        if not 1 <= self.min_stages <= self.stages:
+            raise PolicyError(
+                f"min_stages must be between 1 and stages (min_stages: {self.min_stages}, "
+                f"stages: {self.stages}); lower min_stages or raise stages"
+            )
+        if self.layers < self.stages:
+            raise PolicyError(
+                f"the model needs at least one layer per stage (layers: {self.layers}, "
+                f"stages: {self.stages}); use fewer stages"
+            )
+        if self.global_micro_batches < 1:
+            raise PolicyError(
+                f"global_micro_batches must be >= 1 (got {self.global_micro_batches}); use a positive batch"
+            )
+        if not 0.0 <= self.max_overloaded_fraction <= 1.0:
+            raise PolicyError(
+                f"max_overloaded_fraction must be in [0, 1] (got {self.max_overloaded_fraction}); "
+                "use e.g. 0.05 (Bamboo's 5%)"
+            )
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise PolicyError(
+                f"pipeline_micro_batches must be >= 1 or None (got {self.pipeline_micro_batches}); "
+                "use None to keep the global batch fixed"
+            )
+        if self.layer_costs is not None:
+            if len(self.layer_costs) != self.layers or any(c <= 0 for c in self.layer_costs):
+                raise PolicyError(
+                    f"layer_costs must hold one positive number per layer (layers: {self.layers}, "
+                    f"got {len(self.layer_costs)} values, min {min(self.layer_costs, default=0)}); "
+                    "pass one positive cost per layer or None"
+                )
+
+    @property
+    def max_pipelines(self) -> int | None:
+        """The most pipelines a global batch can feed (None: no limit)."""
+        return self.global_micro_batches if self.pipeline_micro_batches is None else None
+
+    def micro_batches(self, pipelines: int) -> tuple[int, ...]:
+        """Micro-batches of each of ``pipelines`` pipelines."""
+        if self.pipeline_micro_batches is not None:
+            return (self.pipeline_micro_batches,) * pipelines
+        return split_micro_batches(self.global_micro_batches, pipelines)
+
+    def parts(self, stages: int) -> tuple[int, ...]:
+        """Layer boundaries for a pipeline of ``stages`` stages."""
+        if self.layer_costs is None:
+            return even_parts(self.layers, stages)
+        return balanced_parts(self.layer_costs, stages)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``grid[p][s]`` is the node running stage ``s`` of pipeline ``p``; layers ``parts[s]:parts[s+1]``."""
+
+    grid: tuple[tuple[str, ...], ...]
+    parts: tuple[int, ...]
+    micro_batches: tuple[int, ...]  # per pipeline
+
+    def __post_init__(self) -> None:
+        if not self.grid or not self.grid[0]:
+            raise PolicyError("a layout needs at least one pipeline of one stage (got an empty grid)")
+        stages = len(self.grid[0])
+        for p, row in enumerate(self.grid):
+            if len(row) != stages:
+                raise PolicyError(
+                    f"every pipeline must have the same number of stages (pipeline 0: {stages}, "
+                    f"pipeline {p}: {len(row)}); give each pipeline {stages} nodes"
+                )
+        _check_names("layout nodes", self.nodes)
+        if (
+            len(self.parts) != stages + 1
+            or self.parts[0] != 0
+            or any(b <= a for a, b in zip(self.parts, self.parts[1:], strict=False))
+        ):
+            raise PolicyError(
+                f"parts must be {stages + 1} strictly increasing layer boundaries starting at 0 "
+                f"(got {list(self.parts)}); use e.g. even_parts(layers, {stages})"
+            )
+        if len(self.micro_batches) != len(self.grid) or min(self.micro_batches) < 1:
+            raise PolicyError(
+                f"micro_batches needs one count >= 1 per pipeline (pipelines: {len(self.grid)}, "
+                f"got {list(self.micro_batches)}); use split_micro_batches(total, {len(self.grid)})"
+            )
+
+    @property
+    def pipelines(self) -> int:
+        return len(self.grid)
+
+    @property
+    def stages(self) -> int:
+        return len(self.grid[0])
+
+    @property
+    def layers(self) -> int:
+        return self.parts[-1]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(n for row in self.grid for n in row)
+
+    def position(self, node: str) -> tuple[int, int]:
+        """(pipeline, stage) of ``node``."""
+        for p, row in enumerate(self.grid):
+            if node in row:
+                return p, row.index(node)
+        raise PolicyError(
+            f"node {node!r} is not in the layout (nodes: {list(self.nodes)}); pass a layout node"
+        )
+
+    def replica_holder(self, node: str) -> str:
+        """The node keeping a replica of ``node``'s stage: its predecessor, cyclically."""
+        p, s = self.position(node)
+        return self.grid[p][(s - 1) % self.stages]
+
+    def successor(self, node: str) -> str:
+        """The node whose stage ``node`` keeps a replica of."""
+        p, s = self.position(node)
+        return self.grid[p][(s + 1) % self.stages]
+
+    def stage_layers(self, node: str) -> tuple[int, int]:
+        """Layer range ``[start, end)`` that ``node`` runs."""
+        s = self.position(node)[1]
+        return self.parts[s], self.parts[s + 1]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy decided: an action, the layout to run (None: suspend) and why."""
+
+    action: str
+    layout: Layout | None
+    reason: str
+    moved: tuple[str, ...] = field(default=())  # nodes that must receive layers they do not hold
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise PolicyError(f"unknown action {self.action!r}; use one of {ACTIONS}")
+        if (self.layout is None) != (self.action == "suspend"):
+            raise PolicyError(
+                f"action {self.action!r} and layout {self.layout!r} disagree: only 'suspend' has none"
+            )
+
+    @property
+    def changed(self) -> bool:
+        return self.action != "keep"
+
+    def require_layout(self) -> Layout:
+        """The layout, or a clear error when the decision is to suspend (too few nodes)."""
+        if self.layout is None:
+            raise PolicyError(
+                f"cannot train: {self.reason}; add nodes, or lower min_stages if the model fits in fewer stages"
+            )
+        return self.layout
+
+
+def _spread(rows: list[list[str]], movable: set[str], pool: list[str], domains: Mapping[str, str]) -> None:
+    """Swap movable nodes (with each other or with unused ``pool`` nodes) so that, where possible,
+    no two neighbouring stages of a pipeline (cyclically) share a failure domain."""
+    stages = len(rows[0])
+    if stages < 2:
+        return
+
+    def clash(r: int, s: int) -> bool:
+        d = domains.get(rows[r][s])
+        return d is not None and d in (domains.get(rows[r][s - 1]), domains.get(rows[r][(s + 1) % stages]))
+
+    slots = [(r, s) for r in range(len(rows)) for s in range(stages)]
+    for r, s in slots:
+        if not clash(r, s) or rows[r][s] not in movable:
+            continue
+        for i, spare in enumerate(pool):  # an unused node first: nothing else moves
+            old, rows[r][s] = rows[r][s], spare
+            if not clash(r, s):
+                pool[i] = old
+                break
+            rows[r][s] = old
+        else:
+            for r2, s2 in slots:
+                if (r2, s2) == (r, s) or rows[r2][s2] not in movable:
+                    continue
+                rows[r][s], rows[r2][s2] = rows[r2][s2], rows[r][s]
+                if not clash(r, s) and not clash(r2, s2):
+                    break
+                rows[r][s], rows[r2][s2] = rows[r2][s2], rows[r][s]
+
+
+def fresh_layout(
+    nodes: Sequence[str],
+    pipelines: int,
+    stages: int,
+    config: PolicyConfig,
+    domains: Mapping[str, str] | None = None,
+) -> Layout:
+    """The first ``pipelines * stages`` of ``nodes``, column by column: node ``i`` runs stage
+    ``i // pipelines`` of pipeline ``i % pipelines``.
+
+    Nodes next to each other in ``nodes`` (typically started together, hence often preempted
+    together) land in different pipelines, not on adjacent stages: losing up to ``pipelines`` of
+    them at once is never an adjacent (fatal) loss.
+    """
+    need = pipelines * stages
+    if pipelines < 1 or len(nodes) < need:
+        raise PolicyError(
+            f"{pipelines} pipelines of {stages} stages need {need} nodes (got {len(nodes)}); "
+            "use fewer pipelines or stages, or add nodes"
+        )
+    rows = [[nodes[s * pipelines + p] for s in range(stages)] for p in range(pipelines)]
+    if domains:
+        _spread(rows, set(nodes[:need]), list(nodes[need:]), domains)
+    grid = tuple(tuple(row) for row in rows)
+    return Layout(grid, config.parts(stages), config.micro_batches(pipelines))
+
+
+def _rebuild(
+    old: Layout | None,
+    usable: Sequence[str],
+    standby: Sequence[str],
+    pipelines: int,
+    stages: int,
+    config: PolicyConfig,
+    domains: Mapping[str, str] | None = None,
+) -> Layout:
+    """A ``pipelines x stages`` layout of ``usable`` nodes that keeps old placements where it can."""
+    if old is None or old.stages != stages:
+        # a new depth re-splits the layers: every node receives new layers; keep the old order
+        return fresh_layout(list(usable), pipelines, stages, config, domains)
+    alive = set(usable)
+    # keep the pipelines with the most live nodes; their live nodes stay where they are
+    ranked = sorted(range(old.pipelines), key=lambda p: (-sum(n in alive for n in old.grid[p]), p))
+    kept = ranked[:pipelines]
+    rows: list[list[str | None]] = [[n if n in alive else None for n in old.grid[p]] for p in kept]
+    placed = {n for row in rows for n in row if n is not None}
+    # donors: live nodes of dissolved pipelines (by the stage they hold), then standby nodes
+    donors_by_stage: dict[int, list[str]] = {}
+    for p in ranked[pipelines:]:
+        for s, n in enumerate(old.grid[p]):
+            if n in alive:
+                donors_by_stage.setdefault(s, []).append(n)
+    spare = [n for n in standby if n not in placed]
+    while len(rows) < pipelines:
+        rows.append([None] * stages)
+    # a hole is filled first by a node already holding that stage, then by a standby node,
+    # then by any other donor
+    for row in rows:
+        for s in range(stages):
+            if row[s] is None and donors_by_stage.get(s):
+                row[s] = donors_by_stage[s].pop(0)
+    leftovers = spare + [n for s in sorted(donors_by_stage) for n in donors_by_stage[s]]
+    newcomers: set[str] = set()
+    for s in range(stages):  # column by column, as in fresh_layout
+        for row in rows:
+            if row[s] is None:
+                newcomer = leftovers.pop(0)
+                row[s] = newcomer
+                newcomers.add(newcomer)
+    full = [[n for n in row if n is not None] for row in rows]
+    if domains:
+        _spread(full, newcomers, leftovers, domains)
+    grid = tuple(tuple(row) for row in full)
+    return Layout(grid, config.parts(stages), config.micro_batches(pipelines))
+
+
+def _moved(old: Layout | None, new: Layout | None) -> tuple[str, ...]:
+    if new is None:
+        return ()
+    moved = []
+    for n in new.nodes:
+        if old is None or n not in old.nodes or old.stage_layers(n) != new.stage_layers(n):
+            moved.append(n)
+    return tuple(moved)
+
+
+def reconfigure(
+    live: Iterable[str],
+    standby: Iterable[str],
+    layout: Layout | None,
+    overloaded: Iterable[str],
+    config: PolicyConfig,
+    domains: Mapping[str, str] | None = None,
+) -> Decision:
+    """Decide the next layout.
+
+    ``live``: every node that is up and ready (layout nodes and standby nodes); a layout node not
+    in ``live`` is lost. ``standby``: live nodes outside the layout, waiting. ``overloaded``: layout
+    nodes that run their lost successor's stage besides their own. ``domains`` (optional): a
+    failure domain per node (zone, or the batch a node was started with); nodes placed by the
+    decision avoid neighbouring stages of the same domain, so one event does not take out a node
+    and its replica holder together.
+    """
+    live_list, standby_list, over_list = list(live), list(standby), list(overloaded)
+    _check_names("live", live_list)
+    _check_names("standby", standby_list)
+    _check_names("overloaded", over_list)
+    alive = set(live_list)
+    if missing := [n for n in standby_list if n not in alive]:
+        raise PolicyError(f"standby nodes must be live (not live: {missing}); drop them from standby")
+    layout_nodes = set(layout.nodes) if layout is not None else set()
+    if both := [n for n in standby_list if n in layout_nodes]:
+        raise PolicyError(
+            f"a node is either in the layout or standby, not both (both: {both}); fix the caller"
+        )
+    if stray := [n for n in live_list if n not in layout_nodes and n not in standby_list]:
+        raise PolicyError(
+            f"every live node must be in the layout or standby (neither: {stray}); list them as standby"
+        )
+    for n in over_list:
+        if layout is None or n not in layout_nodes or n not in alive:
+            raise PolicyError(f"overloaded node {n!r} must be a live layout node; drop it from overloaded")
+        if layout.successor(n) in alive:
+            raise PolicyError(
+                f"node {n!r} is reported overloaded but its successor {layout.successor(n)!r} is live; "
+                "only the replica holder of a lost node is overloaded"
+            )
+    over = set(over_list)
+
+    usable = [n for n in (layout.nodes if layout is not None else ()) if n in alive] + standby_list
+    pref = config.stages
+    depth = pref if len(usable) >= pref else len(usable)
+    if depth < config.min_stages:
+        if layout is None:
+            return Decision(
+                "suspend", None, f"{len(usable)} nodes, fewer than min_stages={config.min_stages}"
+            )
+        return Decision(
+            "suspend",
+            None,
+            f"{len(usable)} usable nodes left, the model needs at least min_stages={config.min_stages}",
+        )
+    pipelines = len(usable) // depth
+    if config.max_pipelines is not None:
+        pipelines = min(pipelines, config.max_pipelines)
+
+    def build(action: str, reason: str, p: int = pipelines, d: int = depth) -> Decision:
+        new = _rebuild(layout, usable, standby_list, p, d, config, domains)
+        return Decision(action, new, reason, _moved(layout, new))
+
+    if layout is None:
+        return build("start", f"{len(usable)} nodes: {pipelines} x {depth}")
+
+    lost = [n for n in layout.nodes if n not in alive]
+    uncovered = [n for n in lost if layout.replica_holder(n) not in over]
+    if uncovered:
+        return build(
+            "recover",
+            f"stages of {uncovered} lost with their replica holders: rebuild {pipelines} x {depth} from a checkpoint",
+        )
+    if layout.stages < pref <= len(usable):
+        return build("change_depth", f"{len(usable)} nodes are back: depth {layout.stages} -> {pref}")
+    if lost and len(standby_list) >= len(lost):
+        if pipelines > layout.pipelines and depth == layout.stages:
+            return build(
+                "add_pipeline", f"{len(standby_list)} standby nodes relieve {len(lost)} and add pipelines"
+            )
+        return build(
+            "rebalance",
+            f"{len(standby_list)} standby nodes relieve {len(over)} overloaded nodes",
+            layout.pipelines,
+            layout.stages,
+        )
+    if depth == layout.stages and pipelines > layout.pipelines:
+        return build(
+            "add_pipeline", f"{len(usable)} usable nodes: {layout.pipelines} -> {pipelines} pipelines"
+        )
+    active = len(layout.nodes) - len(lost)
+    if lost and 2 * len(over) / active > config.max_overloaded_fraction:
+        return build(
+            "restore_redundancy",
+            f"2*{len(over)} overloaded / {active} active > {config.max_overloaded_fraction}: "
+            f"rebuild {pipelines} x {depth}",
+        )
+    return Decision("keep", layout, "no rule applies" if not lost else f"{len(over)} overloaded, within risk")

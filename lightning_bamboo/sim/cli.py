@@ -1,0 +1,125 @@
+"""``lightning-bamboo simulate``: replay a spot trace under each policy; table, JSON report, PNG plot."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.sim.generate import SpotModel, generate_trace
+from lightning_bamboo.sim.params import convert, load_params, parse_overrides
+from lightning_bamboo.sim.simulate import simulate
+from lightning_bamboo.sim.trace import Trace, bundled_trace, read_trace, write_trace
+
+POLICY_NAMES = ("on_demand", "checkpoint", "bamboo")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace",
+        metavar="CSV",
+        help="trace file (milliseconds,add|remove,nodeNAME), or 'p3' / 'g4dn' for a bundled one",
+    )
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="draw a synthetic trace instead (see --spot); needs no --trace",
+    )
+    parser.add_argument(
+        "--spot",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="synthetic trace model field, e.g. preemption_rate=0.3 (per node-hour), "
+        f"fields: {', '.join(f.name for f in dataclasses.fields(SpotModel))}",
+    )
+    parser.add_argument("--save-trace", metavar="CSV", help="write the replayed (generated) trace here")
+    parser.add_argument(
+        "--params", metavar="JSON", help="parameter file (default: the bundled sim_params.json)"
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one parameter, e.g. --param spot_price=0.91 (repeatable)",
+    )
+    parser.add_argument(
+        "--nodes", type=int, help="scale the trace so its peak is about N nodes (= --param nodes=N)"
+    )
+    parser.add_argument(
+        "--policies", default=",".join(POLICY_NAMES), help="comma-separated subset of policies"
+    )
+    parser.add_argument("--report", metavar="JSON", help="write the full report (per policy and over time)")
+    parser.add_argument("--plot", metavar="PNG", help="write throughput, cost and nodes over time")
+
+
+def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
+    if args.generate:
+        if args.trace:
+            raise BambooConfigError("pass either --trace or --generate, not both")
+        fields = {f.name: f for f in dataclasses.fields(SpotModel)}
+        values: dict[str, Any] = {}
+        for item in args.spot:
+            key, sep, text = item.partition("=")
+            if not sep or key not in fields:
+                raise BambooConfigError(f"--spot needs KEY=VALUE with KEY in {sorted(fields)} (got {item!r})")
+            try:
+                number = float(text)
+            except ValueError:
+                raise BambooConfigError(f"--spot {key} needs a number (got {text!r})") from None
+            values[key] = int(number) if fields[key].type == "int" else number
+        model = SpotModel(**values)
+        return generate_trace(model), model.hours
+    if args.spot:
+        raise BambooConfigError("--spot only applies with --generate")
+    if not args.trace:
+        raise BambooConfigError("simulate needs --trace CSV (or 'p3' / 'g4dn') or --generate")
+    path = args.trace
+    if not os.path.exists(path) and path in ("p3", "g4dn"):
+        path = bundled_trace(path)
+    return read_trace(path), 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        trace, hours = _trace(args)
+        overrides = parse_overrides(args.param)
+        if args.nodes is not None:
+            overrides["nodes"] = convert("nodes", str(args.nodes))
+        if hours and "hours" not in overrides:
+            overrides["hours"] = hours
+        params = load_params(args.params, overrides)
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        if unknown := [p for p in policies if p not in POLICY_NAMES]:
+            raise BambooConfigError(f"unknown policies {unknown}; use a subset of {list(POLICY_NAMES)}")
+        if args.save_trace:
+            write_trace(trace, args.save_trace)
+        report = simulate(trace, params, policies)
+    except BambooConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if args.report:
+        report.write_json(args.report)
+        print(f"report: {Path(args.report)}")
+    if args.plot:
+        from lightning_bamboo.sim.plot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"plot: {Path(args.plot)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-bamboo simulate", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Step time of a layout, scaled from one reference step time with the 1F1B pipeline formula.
+
+A step of a ``pipelines x stages`` layout takes ``(m + stages - 1)`` slots of the slowest stage,
+where ``m`` is the largest number of micro-batches a pipeline runs (1F1B: ``stages - 1`` slots of
+fill and drain). A slot's length is proportional to the layers of the widest stage. The absolute
+scale comes from ``step_seconds`` measured (or assumed) at ``step_pipelines x stages``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_bamboo.membership.policy import Layout, PolicyConfig, even_parts
+from lightning_bamboo.sim.params import SimParams
+
+
+def policy_config(params: SimParams) -> PolicyConfig:
+    """The reconfiguration policy's settings taken from the simulator's parameters."""
+    return PolicyConfig(
+        stages=params.stages,
+        layers=params.layers,
+        global_micro_batches=params.global_micro_batches,
+        min_stages=params.min_stages,
+        max_overloaded_fraction=params.max_overloaded_fraction,
+        pipeline_micro_batches=params.pipeline_micro_batches or None,
+    )
+
+
+def _slots(micro_batches: int, parts: tuple[int, ...]) -> float:
+    stages = len(parts) - 1
+    widest = max(b - a for a, b in zip(parts, parts[1:], strict=False))
+    return (micro_batches + stages - 1) * widest
+
+
+def step_seconds(layout: Layout, params: SimParams) -> float:
+    """Seconds per optimizer step of ``layout`` without redundancy or failures."""
+    ref_m = max(policy_config(params).micro_batches(params.step_pipelines))
+    reference = _slots(ref_m, even_parts(params.layers, params.stages))
+    return params.step_seconds * _slots(max(layout.micro_batches), layout.parts) / reference
+
+
+def step_rate(
+    layout: Layout | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
+) -> float:
+    """Optimizer steps per second of ``layout``; Bamboo adds its redundancy overhead and the
+    failover slowdown while a node runs two stages."""
+    if layout is None:
+        return 0.0
+    seconds = step_seconds(layout, params)
+    if redundancy:
+        seconds *= 1.0 + params.redundancy_overhead
+    if overloaded:
+        seconds *= params.failover_slowdown
+    return 1.0 / seconds
+
+
+def samples_per_step(layout: Layout, params: SimParams) -> int:
+    return params.micro_batch_size * sum(layout.micro_batches)
+
+
+def samples_per_second(
+    layout: Layout | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
+) -> float:
+    """Training rate of ``layout`` in samples per second (see :func:`step_rate`)."""
+    if layout is None:
+        return 0.0
+    return samples_per_step(layout, params) * step_rate(
+        layout, params, redundancy=redundancy, overloaded=overloaded
+    )
+
+
+def young_interval(save_seconds: float, mean_seconds_between_failures: float) -> float:
+    """Young's checkpoint interval ``sqrt(2 * save * MTBF)`` (0 when there are no failures)."""
+    if not math.isfinite(mean_seconds_between_failures) or save_seconds <= 0:
+        return 0.0
+    return math.sqrt(2.0 * save_seconds * mean_seconds_between_failures)

@@ -1,0 +1,213 @@
+"""Simulator parameters: defaults with provenance from ``data/sim_params.json``, overridable anywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_bamboo.errors import BambooConfigError
+
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "sim_params.json"
+
+
+class ParamError(BambooConfigError):
+    """A simulator parameter is unknown, malformed or out of range."""
+
+
+@dataclass(frozen=True)
+class SimParams:
+    """Every number the simulator uses (meaning, unit and provenance: ``data/sim_params.json``)."""
+
+    stages: int = 12
+    min_stages: int = 6
+    layers: int = 48
+    micro_batch_size: int = 8
+    global_micro_batches: int = 48
+    pipeline_micro_batches: int = 0
+    step_seconds: float = 4.0
+    step_pipelines: int = 4
+    redundancy_overhead: float = 0.1
+    failover_slowdown: float = 1.5
+    failover_seconds: float = 5.0
+    reconfigure_seconds: float = 20.0
+    restart_seconds: float = 60.0
+    checkpoint_save_seconds: float = 20.0
+    checkpoint_interval_seconds: float = 0.0
+    bamboo_checkpoint_interval_seconds: float = 600.0
+    node_ready_seconds: float = 45.0
+    max_overloaded_fraction: float = 0.05
+    spot_price: float = 0.91
+    on_demand_price: float = 3.06
+    on_demand_nodes: int = 0
+    nodes: int = 0
+    hours: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ParamError(
+                    f"parameter {f.name} must be a finite number (got {value!r}); pass e.g. {f.name}=1"
+                )
+            if f.type == "int":
+                if value != int(value):
+                    raise ParamError(
+                        f"parameter {f.name} must be a whole number (got {value!r}); pass {f.name}={int(value)}"
+                    )
+                object.__setattr__(self, f.name, int(value))
+            else:
+                object.__setattr__(self, f.name, float(value))
+        positive = (
+            "spot_price",
+            "on_demand_price",
+            "step_seconds",
+            "stages",
+            "layers",
+            "micro_batch_size",
+            "global_micro_batches",
+            "step_pipelines",
+            "min_stages",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                hint = " (a price is dollars per node-hour)" if name.endswith("price") else ""
+                raise ParamError(
+                    f"parameter {name} must be > 0 (got {getattr(self, name)}){hint}; pass {name}=<positive>"
+                )
+        non_negative = (
+            "redundancy_overhead",
+            "failover_seconds",
+            "reconfigure_seconds",
+            "restart_seconds",
+            "checkpoint_save_seconds",
+            "pipeline_micro_batches",
+            "checkpoint_interval_seconds",
+            "bamboo_checkpoint_interval_seconds",
+            "node_ready_seconds",
+            "on_demand_nodes",
+            "nodes",
+            "hours",
+            "max_overloaded_fraction",
+        )
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ParamError(
+                    f"parameter {name} must be >= 0 (got {getattr(self, name)}); pass {name}=0 or more"
+                )
+        if self.failover_slowdown < 1:
+            raise ParamError(
+                f"failover_slowdown must be >= 1: running two stages cannot be faster (got {self.failover_slowdown})"
+            )
+        if self.min_stages > self.stages or self.layers < self.stages:
+            raise ParamError(
+                f"need min_stages <= stages <= layers (min_stages: {self.min_stages}, stages: {self.stages}, "
+                f"layers: {self.layers}); adjust one of them"
+            )
+        if self.step_pipelines > self.global_micro_batches:
+            raise ParamError(
+                f"step_pipelines ({self.step_pipelines}) cannot exceed global_micro_batches "
+                f"({self.global_micro_batches}): each pipeline needs a micro-batch"
+            )
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples per step of the reference layout (``step_pipelines`` pipelines)."""
+        if self.pipeline_micro_batches:
+            return self.micro_batch_size * self.pipeline_micro_batches * self.step_pipelines
+        return self.micro_batch_size * self.global_micro_batches
+
+    def replace(self, **changes: Any) -> SimParams:
+        """A copy with ``changes`` (unknown names raise :class:`ParamError`)."""
+        _check_names(changes)
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def _check_names(names: Iterable[str]) -> None:
+    known = {f.name for f in dataclasses.fields(SimParams)}
+    if unknown := sorted(set(names) - known):
+        raise ParamError(f"unknown simulator parameter(s) {unknown}; known: {sorted(known)}")
+
+
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ParamError(
+            f"cannot read parameter file {str(path)!r}: {exc}; pass a JSON file like {DEFAULT_PATH}"
+        ) from exc
+    params = data.get("params") if isinstance(data, dict) else None
+    if not isinstance(params, dict) or any(
+        not isinstance(v, dict) or "value" not in v for v in params.values()
+    ):
+        raise ParamError(
+            f"parameter file {str(path)!r} must be {{'params': {{name: {{'value': ..., 'provenance': ...}}}}}}"
+        )
+    return data
+
+
+def provenance(path: str | os.PathLike[str] = DEFAULT_PATH) -> dict[str, str]:
+    """``name -> where its value comes from`` as recorded in the parameter file."""
+    return {k: str(v.get("provenance", "")) for k, v in _read(path)["params"].items()}
+
+
+def convert(name: str, text: str) -> int | float:
+    """Parse ``text`` as the type of parameter ``name``."""
+    _check_names([name])
+    kind = {f.name: f.type for f in dataclasses.fields(SimParams)}[name]
+    try:
+        value = float(text)
+    except ValueError:
+        raise ParamError(f"parameter {name} needs a number (got {text!r}); pass e.g. {name}=1") from None
+    if kind == "int":
+        if value != int(value):
+            raise ParamError(
+                f"parameter {name} must be a whole number (got {text!r}); pass {name}={int(value)}"
+            )
+        return int(value)
+    return value
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, int | float]:
+    """``["key=value", ...]`` (from ``--param``) -> typed overrides."""
+    out: dict[str, int | float] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ParamError(f"--param needs KEY=VALUE (got {item!r}); e.g. --param spot_price=0.91")
+        out[key.strip()] = convert(key.strip(), text.strip())
+    return out
+
+
+def load_params(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> SimParams:
+    """Parameters from ``path`` (default: the bundled file), then ``overrides`` on top."""
+    values = {k: v["value"] for k, v in _read(path or DEFAULT_PATH)["params"].items()}
+    values.update(overrides or {})
+    _check_names(values)
+    clean: dict[str, Any] = {k: convert(k, str(v)) if isinstance(v, str) else v for k, v in values.items()}
+    return SimParams(**clean)
+
+
+def record_measurement(
+    key: str, value: float, provenance_text: str, path: str | os.PathLike[str] = DEFAULT_PATH
+) -> None:
+    """Replace one default with a measured value (for benchmarks); the provenance says how it was measured."""
+    _check_names([key])
+    if not provenance_text.strip():
+        raise ParamError(f"a measurement of {key} needs a provenance (which benchmark, machine, date)")
+    data = _read(path)
+    SimParams(**{**{k: v["value"] for k, v in data["params"].items()}, key: value})  # validates
+    entry = data["params"].setdefault(key, {})
+    entry["value"] = value
+    entry["provenance"] = provenance_text
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,178 @@
+"""The three ways to run a job: on-demand, checkpoint-restart on spot, and Bamboo on spot.
+
+A policy reacts to membership events (``on_add``, ``on_ready``, ``on_remove``) as they happen and
+decides at ``settle``, once every event of that instant is known (a step boundary).
+"""
+
+from __future__ import annotations
+
+from lightning_bamboo.membership.policy import Layout, fresh_layout, reconfigure
+from lightning_bamboo.sim.ledger import Ledger
+from lightning_bamboo.sim.model import policy_config, samples_per_second, step_rate
+from lightning_bamboo.sim.params import SimParams
+from lightning_bamboo.sim.trace import TraceEvent
+
+
+class Policy:
+    """Base: tracks which nodes are ready; subclasses decide layouts."""
+
+    name = "policy"
+
+    def __init__(self, params: SimParams, ledger: Ledger) -> None:
+        self.params = params
+        self.ledger = ledger
+        self.config = policy_config(params)
+        self.ready: list[str] = []  # usable nodes, in the order they became ready
+        self.layout: Layout | None = None
+        self.started = False
+
+    def on_add(self, event: TraceEvent) -> None:
+        """A node was added (billed from now; usable after ``node_ready_seconds``)."""
+
+    def on_ready(self, node: str) -> None:
+        self.ready.append(node)
+
+    def on_remove(self, event: TraceEvent) -> None:
+        if event.node in self.ready:
+            self.ready.remove(event.node)
+
+    def settle(self) -> None:
+        """Decide after every event of the current instant."""
+
+    def _set_layout(self, layout: Layout | None, **rate: bool) -> None:
+        self.layout = layout
+        self.ledger.active = len(layout.nodes) if layout else 0
+        self.ledger.rate = samples_per_second(layout, self.params, **rate)
+        self.ledger.step_rate = step_rate(layout, self.params, **rate)
+        self.ledger.mark()
+
+
+class OnDemand(Policy):
+    """A fixed cluster that is never preempted, at the on-demand price."""
+
+    name = "on_demand"
+
+    def settle(self) -> None:
+        if self.layout is None and self.ready:
+            self._set_layout(reconfigure(self.ready, self.ready, None, (), self.config).layout)
+
+
+class CheckpointRestart(Policy):
+    """Fixed depth; every membership change that touches the layout restarts from the last checkpoint.
+
+    A removal of a node in the layout, or a join that allows one more pipeline, rolls every worker
+    back to the last checkpoint and restarts them (as torchelastic and Varuna do). Nodes beyond
+    whole pipelines wait. A removal with notice long enough to save a checkpoint loses no work.
+    """
+
+    name = "checkpoint"
+
+    def __init__(self, params: SimParams, ledger: Ledger) -> None:
+        super().__init__(params, ledger)
+        self.disrupted = False
+
+    def on_remove(self, event: TraceEvent) -> None:
+        super().on_remove(event)
+        if self.layout is not None and event.node in self.layout.nodes:
+            self.ledger.preemptions += 1
+            if not self.disrupted and event.notice_seconds >= self.params.checkpoint_save_seconds:
+                self.ledger.commit_now()
+            self.disrupted = True
+
+    def _pipelines(self) -> int:
+        pipelines = len(self.ready) // self.params.stages
+        cap = self.config.max_pipelines
+        return pipelines if cap is None else min(pipelines, cap)
+
+    def settle(self) -> None:
+        pipelines = self._pipelines()
+        current = self.layout.pipelines if self.layout is not None else 0
+        if not self.disrupted and pipelines <= current:
+            return
+        if self.disrupted or current:
+            # a running job is rolled back; a job that was idle was rolled back when it stopped
+            self.ledger.rollback()
+            self.ledger.recoveries["checkpoint"] += 1
+        self.disrupted = False
+        layout = fresh_layout(self.ready, pipelines, self.params.stages, self.config) if pipelines else None
+        if layout is not None and self.started:
+            self.ledger.pause("restart", self.params.restart_seconds, restart=True)
+        elif layout is None:
+            self.ledger.pause("restart", 0.0, restart=True)  # nothing runs: drop queued pauses
+        self.started = self.started or layout is not None
+        self._set_layout(layout)
+
+
+class Bamboo(Policy):
+    """Redundant computation: a lost node's predecessor takes over at once; reconfigure by the policy.
+
+    Losing a node whose replica holder is lost or overloaded (two adjacent losses) is fatal: roll
+    back to the last asynchronous checkpoint and restart. Every layout change is decided by
+    :func:`lightning_bamboo.membership.policy.reconfigure`.
+    """
+
+    name = "bamboo"
+
+    def on_add(self, event: TraceEvent) -> None:
+        self.domains[event.node] = f"t{event.ms}"
+
+    def __init__(self, params: SimParams, ledger: Ledger) -> None:
+        super().__init__(params, ledger)
+        self.overloaded: set[str] = set()
+        self.domains: dict[str, str] = {}  # nodes started at the same instant share a failure domain
+        self.fatal = False
+        self.decisions: list[tuple[float, str, str]] = []  # (seconds, action, reason)
+
+    def on_remove(self, event: TraceEvent) -> None:
+        alive_before = set(self.ready)
+        super().on_remove(event)
+        node = event.node
+        if self.layout is None or node not in self.layout.nodes or node not in alive_before:
+            return
+        self.ledger.preemptions += 1
+        holder = self.layout.replica_holder(node)
+        if self.fatal or node in self.overloaded or holder == node or holder not in self.ready:
+            if not self.fatal:
+                self.fatal = True
+                self.ledger.recoveries["checkpoint"] += 1
+                self.ledger.rollback()
+                self.ledger.pause("restart", self.params.restart_seconds, restart=True)
+            self.overloaded.discard(node)
+            return
+        self.overloaded.add(holder)
+        self.ledger.recoveries["redundant"] += 1
+        failover = 0.0 if event.notice_seconds > 0 else self.params.failover_seconds
+        self.ledger.pause("failover", failover)
+        self._set_layout(self.layout, redundancy=True, overloaded=True)
+
+    def settle(self) -> None:
+        layout_nodes = set(self.layout.nodes) if self.layout is not None else set()
+        standby = [n for n in self.ready if n not in layout_nodes]
+        overloaded = [n for n in self.overloaded if n in self.ready]
+        decision = reconfigure(self.ready, standby, self.layout, overloaded, self.config, self.domains)
+        if decision.action == "recover" and not self.fatal:
+            raise AssertionError(f"policy found a lost stage that the simulator did not: {decision.reason}")
+        if decision.layout is not self.layout:  # a suspended job staying suspended is no decision
+            self.decisions.append((self.ledger.t, decision.action, decision.reason))
+        if decision.action == "keep" or (decision.layout is None and self.layout is None):
+            self.fatal = False
+            return
+        if decision.action == "suspend":
+            if self.layout is not None and not self.fatal:
+                # too few nodes to hold the model: what they hold is of no use alone
+                self.ledger.recoveries["checkpoint"] += 1
+                self.ledger.rollback()
+            self.ledger.pause("restart", 0.0, restart=True)
+        elif decision.action == "start":
+            if self.started:
+                self.ledger.pause("restart", self.params.restart_seconds, restart=True)
+        elif decision.action != "recover":
+            self.ledger.reconfigurations += 1
+            self.ledger.pause("reconfigure", self.params.reconfigure_seconds)
+        self.started = self.started or decision.layout is not None
+        self.fatal = False
+        self.overloaded.clear()
+        self._set_layout(decision.layout, redundancy=True)
+
+
+POLICIES = {p.name: p for p in (OnDemand, CheckpointRestart, Bamboo)}

@@ -1,0 +1,196 @@
+"""The reconfiguration policy: one test per rule, placement that moves little state, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.policy import (
+    Decision,
+    Layout,
+    PolicyConfig,
+    balanced_parts,
+    even_parts,
+    fresh_layout,
+    reconfigure,
+    split_micro_batches,
+)
+
+CFG = PolicyConfig(stages=3, layers=6, global_micro_batches=12, min_stages=2, max_overloaded_fraction=0.05)
+
+
+def names(n: int, prefix: str = "n") -> list[str]:
+    return [f"{prefix}{i}" for i in range(1, n + 1)]
+
+
+def layout_of(rows: list[list[str]], cfg: PolicyConfig = CFG) -> Layout:
+    return Layout(
+        tuple(tuple(r) for r in rows),
+        cfg.parts(len(rows[0])),
+        split_micro_batches(cfg.global_micro_batches, len(rows)),
+    )
+
+
+def test_start_places_nodes_column_by_column_and_keeps_the_rest_standby():
+    d = reconfigure(names(7), names(7), None, (), CFG)
+    assert d.action == "start"
+    # node i -> pipeline i % 2, stage i // 2: consecutive nodes never share a pipeline
+    assert d.layout.grid == (("n1", "n3", "n5"), ("n2", "n4", "n6"))
+    assert d.layout.parts == (0, 2, 4, 6)
+    assert d.layout.micro_batches == (6, 6)  # global batch fixed: 12 micro-batches over 2 pipelines
+    assert set(d.moved) == set(names(6))
+
+
+def test_keep_when_nothing_changed():
+    old = layout_of([["a", "b", "c"]])
+    d = reconfigure(["a", "b", "c", "x"], ["x"], old, (), CFG)
+    assert d.action == "keep" and d.layout is old and not d.changed
+
+
+def test_rebalance_puts_a_standby_node_in_the_lost_place_and_moves_nothing_else():
+    old = layout_of([["a", "b", "c"], ["d", "e", "f"]])
+    # e lost: d (its replica holder) runs both stages
+    d = reconfigure(["a", "b", "c", "d", "f", "x"], ["x"], old, ["d"], CFG)
+    assert d.action == "rebalance"
+    assert d.layout.grid == (("a", "b", "c"), ("d", "x", "f"))
+    assert d.moved == ("x",)
+
+
+def test_add_pipeline_when_enough_standby_nodes_and_split_the_global_batch():
+    cfg = PolicyConfig(stages=2, layers=4, global_micro_batches=7)
+    old = layout_of([["a", "b"], ["c", "d"]], cfg)
+    d = reconfigure(["a", "b", "c", "d", "x", "y"], ["x", "y"], old, (), cfg)
+    assert d.action == "add_pipeline"
+    assert d.layout.grid[:2] == old.grid  # running pipelines untouched
+    assert sorted(d.layout.grid[2]) == ["x", "y"]
+    assert d.layout.micro_batches == (3, 2, 2) and sum(d.layout.micro_batches) == 7
+    assert sorted(d.moved) == ["x", "y"]
+
+
+def test_without_a_fixed_global_batch_every_pipeline_keeps_its_micro_batches():
+    cfg = PolicyConfig(stages=2, layers=4, global_micro_batches=2, pipeline_micro_batches=5)
+    d = reconfigure(names(6), names(6), None, (), cfg)
+    assert d.layout.pipelines == 3 and d.layout.micro_batches == (5, 5, 5)  # not capped at 2 pipelines
+
+
+def test_pipelines_never_exceed_the_global_micro_batches():
+    cfg = PolicyConfig(stages=1, layers=2, global_micro_batches=2)
+    d = reconfigure(names(5), names(5), None, (), cfg)
+    assert d.layout.pipelines == 2
+
+
+def test_keep_running_degraded_while_the_overloaded_share_is_small():
+    rows = [[f"p{p}s{s}" for s in range(3)] for p in range(12)]  # 36 nodes
+    old = layout_of(rows)
+    live = [n for n in old.nodes if n != "p0s1"]
+    d = reconfigure(
+        live, [], old, ["p0s0"], CFG.__class__(**{**CFG.__dict__, "max_overloaded_fraction": 0.1})
+    )
+    # 2 * 1 / 35 = 5.7% <= 10%: keep
+    assert d.action == "keep"
+    d = reconfigure(live, [], old, ["p0s0"], CFG)  # > 5%: rebuild with 11 pipelines
+    assert d.action == "restore_redundancy"
+    assert d.layout.pipelines == 11
+    # the broken pipeline is dissolved; its survivors wait; nobody else moves
+    assert d.moved == ()
+    assert "p0s0" not in d.layout.nodes and "p0s2" not in d.layout.nodes
+
+
+def test_restore_redundancy_fills_holes_with_nodes_that_already_hold_that_stage():
+    old = layout_of([["a", "b", "c"], ["d", "e", "f"]])
+    # b and f lost (not adjacent): a and e overloaded; 4 usable nodes -> 1 pipeline of 3
+    d = reconfigure(["a", "c", "d", "e"], [], old, ["a", "e"], CFG)
+    assert d.action == "restore_redundancy"
+    # keep pipeline 0 (2 live), its stage-1 hole gets e, which runs stage 1 already
+    assert d.layout.grid == (("a", "e", "c"),)
+    assert d.moved == ()
+
+
+def test_change_depth_when_too_few_nodes_remain_and_back_when_they_return():
+    old = layout_of([["a", "b", "c"]])
+    d = reconfigure(["a", "c"], [], old, ["a"], CFG)
+    assert d.action == "restore_redundancy"
+    assert d.layout.stages == 2 and d.layout.parts == (0, 3, 6)
+    assert d.layout.micro_batches == (12,)
+    d2 = reconfigure(["a", "c", "x"], ["x"], d.layout, (), CFG)
+    assert d2.action == "change_depth" and d2.layout.stages == 3
+
+
+def test_suspend_below_min_stages():
+    old = layout_of([["a", "b", "c"]])
+    d = reconfigure(["a"], [], old, [], CFG.__class__(**{**CFG.__dict__, "min_stages": 2}))
+    assert d.action == "suspend" and d.layout is None
+    assert "min_stages=2" in d.reason
+    with pytest.raises(
+        BambooConfigError, match=r"cannot train: 1 usable nodes left.*min_stages=2.*add nodes"
+    ):
+        d.require_layout()
+    assert reconfigure(["a", "b"], ["a", "b"], None, (), CFG).require_layout().stages == 2
+
+
+def test_recover_after_adjacent_losses():
+    old = layout_of([["a", "b", "c"], ["d", "e", "f"]])
+    # b and c lost: c's replica lived on b -> stage 2 of pipeline 0 is gone
+    d = reconfigure(["a", "d", "e", "f"], [], old, ["a"], CFG)
+    assert d.action == "recover"
+    assert d.layout.grid == (("d", "e", "f"),)
+
+
+def test_domains_keep_nodes_started_together_off_neighbouring_stages():
+    cfg = PolicyConfig(stages=4, layers=4, global_micro_batches=4)
+    domains = {"a": "z1", "b": "z1", "c": "z2", "d": "z2"}
+    d = reconfigure(["a", "b", "c", "d"], ["a", "b", "c", "d"], None, (), cfg, domains)
+    row = d.layout.grid[0]
+    for s in range(4):
+        assert domains[row[s]] != domains[row[(s + 1) % 4]], row
+    # without domains the order is kept (and a, b are neighbours)
+    assert reconfigure(["a", "b", "c", "d"], ["a", "b", "c", "d"], None, (), cfg).layout.grid[0] == (
+        "a",
+        "b",
+        "c",
+        "d",
+    )
+
+
+def test_balanced_parts_minimise_the_widest_stage():
+    assert balanced_parts([1, 1, 1, 3], 2) == (0, 3, 4)
+    assert balanced_parts([1, 1, 1, 1], 2) == even_parts(4, 2) == (0, 2, 4)
+    parts = balanced_parts([5, 1, 1, 1, 1, 1, 5], 3)
+    assert len(parts) == 4 and parts[0] == 0 and parts[-1] == 7
+    loads = [sum([5, 1, 1, 1, 1, 1, 5][a:b]) for a, b in zip(parts, parts[1:], strict=False)]
+    assert max(loads) == 5
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: reconfigure(["a"], ["b"], None, (), CFG), ["standby nodes must be live", "'b'"]),
+        (lambda: reconfigure(["a", "a"], [], None, (), CFG), ["appears twice"]),
+        (
+            lambda: reconfigure(["a", "b", "c", "x"], [], layout_of([["a", "b", "c"]]), (), CFG),
+            ["layout or standby", "'x'"],
+        ),
+        (
+            lambda: reconfigure(["a", "b", "c"], [], layout_of([["a", "b", "c"]]), ["a"], CFG),
+            ["reported overloaded", "successor 'b' is live"],
+        ),
+        (lambda: PolicyConfig(stages=4, layers=3, global_micro_batches=1), ["layers: 3", "stages: 4"]),
+        (lambda: PolicyConfig(stages=2, layers=4, global_micro_batches=1, min_stages=3), ["min_stages"]),
+        (lambda: PolicyConfig(stages=2, layers=2, global_micro_batches=0), ["global_micro_batches"]),
+        (
+            lambda: PolicyConfig(stages=2, layers=2, global_micro_batches=1, layer_costs=(1.0,)),
+            ["layer_costs"],
+        ),
+        (lambda: Layout((("a", "b"), ("c",)), (0, 1, 2), (1, 1)), ["same number of stages"]),
+        (lambda: Layout((("a", "b"),), (0, 2, 1), (1,)), ["strictly increasing"]),
+        (lambda: Layout((("a", "b"),), (0, 1, 2), (0,)), ["micro_batches"]),
+        (lambda: fresh_layout(["a"], 1, 2, CFG), ["need 2 nodes", "got 1"]),
+        (lambda: split_micro_batches(1, 2), ["at least one micro-batch"]),
+        (lambda: Decision("explode", None, ""), ["unknown action"]),
+    ],
+)
+def test_errors_state_rule_values_and_fix(call, words):
+    with pytest.raises(BambooConfigError) as info:
+        call()
+    for w in words:
+        assert w in str(info.value)

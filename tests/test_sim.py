@@ -1,0 +1,308 @@
+"""Hand-computed timelines: one preemption, two adjacent preemptions and a join, for each policy.
+
+Every scenario uses a toy job so the arithmetic fits in a comment: 2 stages of 1 layer,
+2 micro-batches of 1 sample per step (2 samples/step), 1 s per step with 1 pipeline.
+1F1B: a step takes (m + stages - 1) slots, so one pipeline (m=2) takes 3 slots = 1 s -> 2 samples/s,
+and two pipelines (m=1 each) take 2 slots = 2/3 s -> 3 samples/s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_bamboo.sim.params import SimParams
+from lightning_bamboo.sim.simulate import run_policy, simulate
+from lightning_bamboo.sim.trace import parse_trace
+
+R1, R2 = 2.0, 3.0  # samples/s with one and with two pipelines (see module docstring)
+END = 200.0
+
+TOY = SimParams(
+    stages=2,
+    min_stages=1,
+    layers=2,
+    micro_batch_size=1,
+    global_micro_batches=2,
+    step_seconds=1.0,
+    step_pipelines=1,
+    redundancy_overhead=0.0,
+    failover_slowdown=2.0,
+    failover_seconds=2.0,
+    reconfigure_seconds=3.0,
+    restart_seconds=10.0,
+    checkpoint_save_seconds=5.0,
+    checkpoint_interval_seconds=40.0,
+    bamboo_checkpoint_interval_seconds=50.0,
+    node_ready_seconds=0.0,
+    max_overloaded_fraction=0.05,
+    spot_price=0.9,
+    on_demand_price=3.6,
+    on_demand_nodes=0,
+    nodes=0,
+    hours=END / 3600.0,
+)
+
+FOUR = ["0,add,n1", "0,add,n2", "0,add,n3", "0,add,n4"]
+
+
+def run(name: str, lines: list[str], **changes):
+    params = TOY.replace(**changes)
+    trace = parse_trace(lines, "toy.csv")
+    result, policy = run_policy(name, trace, params, END)
+    return result, policy
+
+
+def steps(result) -> list[tuple[float, float]]:
+    """(seconds, samples/s) each time the training rate changes before the end of the run."""
+    out: list[tuple[float, float]] = []
+    for p in result.timeline:
+        if p.seconds >= END - 1e-9:
+            break
+        if not out or p.rate != out[-1][1]:
+            out.append((round(p.seconds, 6), p.rate))
+    return out
+
+
+# ---- one preemption: n2 leaves at 100 s. Column-major layout of 4 nodes: [[n1, n3], [n2, n4]],
+# so n2's replica holder is n4.
+
+
+def test_one_preemption_bamboo_fails_over_then_rebuilds_one_pipeline():
+    result, policy = run("bamboo", FOUR + ["100000,remove,n2"])
+    # 0-100 s two pipelines; n4 takes over (2 s failover); 2*1/3 overloaded > 5% -> rebuild 1 x 2
+    # (3 s reconfiguration); 105-200 s one pipeline
+    assert steps(result) == [(0, R2), (100, 0), (105, R1)]
+    assert result.samples == pytest.approx(100 * R2 + 95 * R1)
+    assert result.steps_completed == pytest.approx(result.samples / 2)  # 2 samples per step
+    assert result.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    assert result.reconfigurations == 1
+    assert result.recovery_hours == pytest.approx(5 / 3600)
+    assert [a for _, a, _ in policy.decisions] == ["start", "restore_redundancy"]
+    assert policy.layout.grid == (("n1", "n3"),)  # the intact pipeline is kept, n4 waits
+
+
+def test_one_preemption_bamboo_runs_degraded_when_the_risk_is_tolerated():
+    result, _ = run("bamboo", FOUR + ["100000,remove,n2"], max_overloaded_fraction=1.0)
+    # n4 runs two stages from 102 s on: every step takes failover_slowdown (2x) longer
+    assert steps(result) == [(0, R2), (100, 0), (102, R2 / 2)]
+    assert result.samples == pytest.approx(100 * R2 + 98 * R2 / 2)
+    assert result.reconfigurations == 0
+
+
+def test_one_preemption_checkpoint_rolls_back_to_the_last_save():
+    result, _ = run("checkpoint", FOUR + ["100000,remove,n2"])
+    # saves (5 s) after every 40 s of training: 40-45 (120 samples), 85-90 (240); at 100 s
+    # (270 samples) roll back to 240, restart 100-110 with 1 pipeline; saves 150-155, 195-200
+    assert steps(result) == [
+        (0, R2),
+        (40, 0),
+        (45, R2),
+        (85, 0),
+        (90, R2),
+        (100, 0),
+        (110, R1),
+        (150, 0),
+        (155, R1),
+        (195, 0),
+    ]
+    assert result.samples == pytest.approx(240 + 80 * R1)
+    assert result.recoveries["checkpoint"] == 1
+    assert result.breakdown_hours["lost_work"] == pytest.approx(10 / 3600)
+    assert result.recovery_hours == pytest.approx(20 / 3600)  # 10 s restart + 10 s of lost work
+    assert result.breakdown_hours["checkpoint"] == pytest.approx(20 / 3600)
+
+
+def test_one_preemption_on_demand_and_costs():
+    report = simulate(parse_trace(FOUR + ["100000,remove,n2"], "toy.csv"), TOY)
+    od, ck, bb = (report.policies[k] for k in ("on_demand", "checkpoint", "bamboo"))
+    assert od.samples == pytest.approx(END * R2)  # the trace's peak: 4 nodes, never preempted
+    assert od.cost_dollars == pytest.approx(4 * 3.6 * END / 3600)
+    # spot: n2 for 100 s, three nodes for 200 s, at 0.9 $/node-hour, the same for both spot policies
+    assert ck.cost_dollars == pytest.approx(0.9 * (100 + 3 * 200) / 3600)
+    assert bb.cost_dollars == pytest.approx(ck.cost_dollars)
+    assert bb.samples_per_dollar == pytest.approx(bb.samples / bb.cost_dollars)
+    assert bb.samples_per_second == pytest.approx(bb.samples / END)
+    assert report.comparison()["bamboo_vs_checkpoint_throughput"] == pytest.approx(bb.samples / ck.samples)
+
+
+# ---- two adjacent preemptions: n2 at 110 s, then its replica holder n4 at 120 s
+
+
+def test_two_adjacent_preemptions_bamboo_falls_back_to_the_checkpoint():
+    result, policy = run(
+        "bamboo", FOUR + ["110000,remove,n2", "120000,remove,n4"], max_overloaded_fraction=1.0
+    )
+    # async checkpoints after 50 and 100 s of training (300 samples). 110 s: n4 takes over
+    # (330 samples, 2 s failover, half speed); 120 s: n4 lost too (342 samples) -> fatal: back
+    # to 300, restart 120-130 on [n1, n3]; 130-200 s one pipeline
+    assert steps(result) == [(0, R2), (110, 0), (112, R2 / 2), (120, 0), (130, R1)]
+    assert result.samples == pytest.approx(300 + 70 * R1)
+    assert result.recoveries == {"redundant": 1, "checkpoint": 1, "restart": 0}
+    assert result.breakdown_hours["lost_work"] == pytest.approx(18 / 3600)  # 10 s + 8 s trained
+    assert result.recovery_hours == pytest.approx((2 + 10 + 18) / 3600)
+    assert [a for _, a, _ in policy.decisions] == ["start", "recover"]
+
+
+def test_two_adjacent_preemptions_at_the_same_instant_are_fatal_for_bamboo():
+    result, _ = run("bamboo", FOUR + ["100000,remove,n2", "100000,remove,n4"])
+    # the checkpoint after 100 s of training is taken first (300 samples): nothing lost;
+    # the restart replaces the failover pause
+    assert steps(result) == [(0, R2), (100, 0), (110, R1)]
+    assert result.samples == pytest.approx(300 + 90 * R1)
+    assert result.recoveries == {"redundant": 1, "checkpoint": 1, "restart": 0}
+
+
+def test_two_preemptions_in_different_pipelines_are_not_fatal():
+    # n2 and n3 are in different pipelines: two failovers (2 s each), no checkpoint. Then both
+    # pipelines are degraded (2*2/2 overloaded > 100%): the survivors n1 (stage 0) and n4
+    # (stage 1) form one pipeline without moving any layer (3 s)
+    result, policy = run(
+        "bamboo", FOUR + ["100000,remove,n2", "100000,remove,n3"], max_overloaded_fraction=1.0
+    )
+    assert result.recoveries == {"redundant": 2, "checkpoint": 0, "restart": 0}
+    assert steps(result) == [(0, R2), (100, 0), (107, R1)]
+    assert policy.layout.grid == (("n1", "n4"),)
+
+
+def test_two_adjacent_preemptions_checkpoint():
+    result, _ = run("checkpoint", FOUR + ["110000,remove,n2", "120000,remove,n4"])
+    # saves 40-45 (120), 85-90 (240); 110 s: back to 240, restart 110-120 on [n1, n3] (n4 waits);
+    # n4 leaving at 120 s touches nothing; 120-160 train, 160-165 save, 165-200 train
+    assert steps(result) == [
+        (0, R2),
+        (40, 0),
+        (45, R2),
+        (85, 0),
+        (90, R2),
+        (110, 0),
+        (120, R1),
+        (160, 0),
+        (165, R1),
+    ]
+    assert result.samples == pytest.approx(240 + 75 * R1)
+    assert result.recoveries["checkpoint"] == 1
+    assert result.preemptions == 1
+
+
+# ---- a join: n3 and n4 arrive at 100 s
+
+
+JOIN = ["0,add,n1", "0,add,n2", "100000,add,n3", "100000,add,n4"]
+
+
+def test_join_bamboo_adds_a_pipeline():
+    result, policy = run("bamboo", JOIN)
+    assert steps(result) == [(0, R1), (100, 0), (103, R2)]
+    assert result.samples == pytest.approx(100 * R1 + 97 * R2)
+    assert [a for _, a, _ in policy.decisions] == ["start", "add_pipeline"]
+    assert policy.layout.pipelines == 2
+    assert result.cost_dollars == pytest.approx(0.9 * (2 * 200 + 2 * 100) / 3600)
+
+
+def test_join_waits_for_nodes_to_be_ready():
+    result, _ = run("bamboo", JOIN, node_ready_seconds=45.0)
+    # every node needs 45 s: nothing runs before 45 s; the newcomers are usable at 145 s
+    assert steps(result) == [(0, 0), (45, R1), (145, 0), (148, R2)]
+    assert result.samples == pytest.approx(100 * R1 + 52 * R2)
+
+
+def test_join_on_demand_runs_the_peak_cluster_throughout():
+    report = simulate(parse_trace(JOIN, "toy.csv"), TOY)
+    od = report.policies["on_demand"]
+    assert od.samples == pytest.approx(END * R2) and od.node_hours == pytest.approx(4 * END / 3600)
+    assert od.recovery_hours == 0 and od.preemptions == 0
+
+
+def test_join_checkpoint_restarts_from_the_last_save():
+    result, _ = run("checkpoint", JOIN)
+    # saves 40-45 (80), 85-90 (160); join at 100 s (180): back to 160, restart 100-110 with
+    # 2 pipelines; saves 150-155, 195-200
+    assert steps(result) == [
+        (0, R1),
+        (40, 0),
+        (45, R1),
+        (85, 0),
+        (90, R1),
+        (100, 0),
+        (110, R2),
+        (150, 0),
+        (155, R2),
+        (195, 0),
+    ]
+    assert result.samples == pytest.approx(160 + 80 * R2)
+
+
+def test_notice_lets_both_spot_policies_lose_nothing():
+    from lightning_bamboo.sim.trace import Trace, TraceEvent
+
+    events = [TraceEvent(0, "add", f"n{i}") for i in range(1, 5)] + [
+        TraceEvent(100_000, "remove", "n2", 30.0)
+    ]
+    trace = Trace(tuple(events), "notice")
+    params = TOY.replace(max_overloaded_fraction=1.0)
+    bamboo, _ = run_policy("bamboo", trace, params, END)
+    assert steps(bamboo) == [(0, R2), (100, R2 / 2)]  # neighbours switch with no pause
+    ckpt, _ = run_policy("checkpoint", trace, params, END)
+    assert ckpt.breakdown_hours["lost_work"] == 0.0  # saved in the grace period
+
+
+def test_too_few_nodes_suspends_bamboo_and_restarts_when_nodes_return():
+    lines = ["0,add,n1", "0,add,n2", "100000,remove,n1", "150000,add,n3"]
+    result, policy = run("bamboo", lines, min_stages=2)
+    # one node cannot hold the model (min_stages=2): back to the checkpoint of 100 s (200 samples),
+    # wait; n3 arrives at 150 s: restart (10 s), one pipeline from 160 s
+    assert steps(result) == [(0, R1), (100, 0), (160, R1)]
+    assert result.samples == pytest.approx(200 + 40 * R1)
+    # n2 first takes over n1's stage (it holds the replica), but alone it is below min_stages
+    assert [a for _, a, _ in policy.decisions] == ["start", "suspend", "start"]
+    assert result.recoveries == {"redundant": 1, "checkpoint": 1, "restart": 0}
+    assert result.breakdown_hours["idle"] == pytest.approx(50 / 3600)
+
+
+def test_bamboo_shrinks_depth_when_too_few_nodes_remain():
+    lines = ["0,add,n1", "0,add,n2", "0,add,n3", "100000,remove,n2"]
+    result, policy = run("bamboo", lines, stages=3, layers=3, min_stages=2, step_pipelines=1)
+    # 3 stages -> 2 stages of 1-2 layers; 1 pipeline throughout
+    assert [a for _, a, _ in policy.decisions] == ["start", "restore_redundancy"]
+    assert policy.layout.stages == 2 and policy.layout.parts == (0, 1, 3)
+    # reference: m=2, 3 stages of 1 layer: 4 slots of 1 layer = 1 s. Two stages, widest 2 layers:
+    # (2 + 1) slots of 2 layers = 6 layer-slots = 1.5 s per step -> 4/3 samples/s
+    assert steps(result)[-1] == (105, pytest.approx(2 / 1.5))
+
+
+def test_join_without_a_fixed_global_batch_doubles_the_batch():
+    # pipeline_micro_batches=2: each pipeline keeps 2 micro-batches (1 s per step, 2 samples);
+    # two pipelines make 4-sample steps in the same 1 s
+    result, _ = run("bamboo", JOIN, pipeline_micro_batches=2)
+    assert steps(result) == [(0, 2.0), (100, 0), (103, 4.0)]
+    assert result.steps_completed == pytest.approx(100 + 97)
+    assert result.samples == pytest.approx(2 * 100 + 4 * 97)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_time_adds_up_on_random_traces(seed):
+    import random
+
+    from lightning_bamboo.sim.generate import SpotModel, generate_trace
+
+    r = random.Random(seed)
+    model = SpotModel(
+        nodes=r.randint(2, 24),
+        hours=2.0,
+        preemption_rate=r.choice([0.2, 1.0]),
+        burst=r.randint(1, 4),
+        burst_probability=r.random(),
+        notice_fraction=r.random(),
+        seed=seed,
+    )
+    stages = r.choice([1, 2, 4])
+    params = SimParams(
+        stages=stages, min_stages=1, layers=4, global_micro_batches=8, step_pipelines=1, hours=2.0
+    )
+    report = simulate(generate_trace(model), params)
+    for result in report.policies.values():
+        b = result.breakdown_hours
+        spent = b["training"] + b["idle"] + b["failover"] + b["reconfigure"] + b["restart"] + b["checkpoint"]
+        assert spent == pytest.approx(2.0)
+        assert 0 <= b["lost_work"] <= b["training"] + 1e-12
+        assert result.samples >= 0

@@ -1,0 +1,126 @@
+"""``lightning-bamboo simulate`` end to end: report JSON contract, table, plot, errors, demo hook."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.sim import cli
+from lightning_bamboo.sim.params import SimParams
+from lightning_bamboo.sim.report import compare_with_demo
+from lightning_bamboo.sim.simulate import run_policy
+from lightning_bamboo.sim.trace import parse_trace
+
+TOY_TRACE = "0,add,n1\n0,add,n2\n0,add,n3\n0,add,n4\n100000,remove,n2\n200000,add,n5\n"
+TOY_PARAMS = [
+    "stages=2",
+    "min_stages=1",
+    "layers=2",
+    "global_micro_batches=2",
+    "step_pipelines=1",
+    "node_ready_seconds=0",
+    "hours=0.1",
+]
+
+
+def call(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+def test_report_json_has_the_fixed_keys_and_a_plot(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text(TOY_TRACE)
+    argv = ["--trace", str(trace), "--report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")]
+    for p in TOY_PARAMS:
+        argv += ["--param", p]
+    assert call(argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert set(report["policies"]) == {"on_demand", "checkpoint", "bamboo"}
+    for name, p in report["policies"].items():
+        for key in ("samples_per_second", "cost_dollars", "samples_per_dollar", "hours", "recovery_hours"):
+            assert isinstance(p[key], (int, float)), (name, key)
+        assert p["hours"] == pytest.approx(0.1)
+        assert p["timeline"][0]["hours"] == 0.0
+    assert report["params"]["stages"] == 2
+    assert report["paper"] == {"bamboo_vs_checkpoint_throughput": 3.7, "bamboo_vs_on_demand_value": 2.4}
+    png = (tmp_path / "p.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    out = capsys.readouterr().out
+    assert "bamboo" in out and "paper: 3.7x" in out and "paper: 2.4x" in out
+
+
+def test_bundled_trace_by_name_and_scaling(capsys):
+    assert (
+        call(["--trace", "g4dn", "--nodes", "24", "--policies", "bamboo,checkpoint", "--param", "hours=1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "scaled" in out and "on_demand" not in out
+
+
+def test_generated_trace_is_saved(tmp_path, capsys):
+    path = tmp_path / "g.csv"
+    argv = [
+        "--generate",
+        "--spot",
+        "nodes=24",
+        "--spot",
+        "hours=2",
+        "--spot",
+        "seed=5",
+        "--save-trace",
+        str(path),
+    ]
+    assert call(argv) == 0
+    assert path.read_text().startswith("0,add,node1\n")
+    assert "2.00 h" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--trace", "{bad}"], ["line 2", "expected milliseconds,add|remove,nodeNAME"]),
+        (["--trace", "{good}", "--param", "spot_price=0"], ["spot_price must be > 0"]),
+        (["--trace", "{good}", "--param", "on_demand_price=-1"], ["on_demand_price must be > 0"]),
+        (["--trace", "{empty}"], ["no nodes"]),
+        ([], ["needs --trace"]),
+        (["--trace", "{good}", "--policies", "bamboo,magic"], ["unknown policies ['magic']"]),
+        (["--generate", "--spot", "colour=3"], ["--spot needs KEY=VALUE"]),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, argv, words):
+    files = {"bad": "0,add,n1\n5,oops\n", "good": TOY_TRACE, "empty": "\n"}
+    for name, text in files.items():
+        (tmp_path / f"{name}.csv").write_text(text)
+    argv = [a.format(**{k: str(tmp_path / f"{k}.csv") for k in files}) for a in argv]
+    assert call(argv) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, err
+
+
+def test_compare_with_demo_hook():
+    params = SimParams(
+        stages=2,
+        min_stages=1,
+        layers=2,
+        global_micro_batches=2,
+        step_pipelines=1,
+        node_ready_seconds=0.0,
+        hours=0.1,
+    )
+    predicted, _ = run_policy("bamboo", parse_trace(TOY_TRACE.splitlines(), "t"), params, 360.0)
+    steps = predicted.steps_completed
+    total = sum(predicted.recoveries.values())
+    good = {"steps_completed": steps * 1.1, "recoveries": {"redundant": total, "checkpoint": 0, "restart": 0}}
+    v = compare_with_demo(good, predicted)
+    assert v.ok and v.steps_error == pytest.approx(abs(steps - 1.1 * steps) / (1.1 * steps))
+    bad = {"steps_completed": steps * 2, "recoveries": {"redundant": total}}
+    assert not compare_with_demo(bad, predicted).ok
+    with pytest.raises(BambooConfigError, match="lacks"):
+        compare_with_demo({"steps": 3}, predicted)
