@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -317,7 +318,8 @@ def _check_shape(stages: object, micro_batches: object, redundancy: object) -> N
 # Builders
 # ----------------------------------------------------------------------------------------------------------
 
-def _stage_tick(stage: int, step: int, p: int, m: int, layout: Sequence[int]) -> list[Action]:
+@functools.lru_cache(maxsize=65536)
+def _stage_tick(stage: int, step: int, p: int, m: int, layout: tuple[int, ...]) -> tuple[Action, ...]:
     """The actions of ``stage`` at ``step`` of DeepSpeed's synchronous 1F1B (TrainSchedule), without the
     final reduce/optimizer actions. Forward of micro-batch k runs at step ``2k + stage``, its backward at
     step ``2k + 2p - 1 - stage``; so forward and backward steps of a stage alternate, and at every step each
@@ -342,7 +344,7 @@ def _stage_tick(stage: int, step: int, p: int, m: int, layout: Sequence[int]) ->
             out.append(Action(Kind.SEND_ACT, stage, prev, peer=layout[stage + 1]))
         if valid(cur):
             out.append(Action(Kind.BACKWARD, stage, cur))
-    return out
+    return tuple(out)
 
 
 def _sync_actions(p: int, layout: Sequence[int], replicas: Sequence[int | None]) -> list[list[Action]]:
@@ -356,7 +358,7 @@ def _sync_actions(p: int, layout: Sequence[int], replicas: Sequence[int | None])
     return per_rank
 
 
-def _assemble(p: int, m: int, layout: Sequence[int], replicas: Sequence[int | None],
+def _assemble(p: int, m: int, layout: tuple[int, ...], replicas: Sequence[int | None],
               dead: int | None, reuse: frozenset[int] = frozenset()) -> list[list[list[Action]]]:
     """Per rank, per step: the stage ticks of the stages the rank runs (in the rank's own stage first, then
     the adopted one), local hand-offs dropped, with TIE, RED, replica sync and OPT closing the last step."""
@@ -677,8 +679,8 @@ def _execute(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float, 
     while progress:
         progress = False
         for st in ranks:
-            while st.head is not None:
-                step, a = st.head
+            while st.pos < len(st.items):
+                step, a = st.items[st.pos]
                 if not a.is_comm:
                     _check(schedule, st, step, a)
                     end = st.clock + costs.of(a)
@@ -687,13 +689,13 @@ def _execute(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float, 
                     st.pos += 1
                     progress = True
                     continue
-                if a.peer is None or not 0 <= a.peer < p:
-                    _check(schedule, st, step, a)
+                if a.peer is None or not 0 <= a.peer < p or a.peer in (st.rank, schedule.dead):
+                    _check(schedule, st, step, a)           # raises: no such peer
                 other = ranks[a.peer]  # type: ignore[index]
-                if other.head is None:
+                if other.pos >= len(other.items):
                     raise ScheduleError(f"{a} waits on rank {a.peer}, which has finished its step; add "
                                         f"{_expected_partner(st.rank, a)} to rank {a.peer}", st.rank, step, a)
-                ostep, oa = other.head
+                ostep, oa = other.items[other.pos]
                 if not oa.is_comm or oa.peer != st.rank:
                     break                       # the peer is busy elsewhere; come back later
                 if _channel(st.rank, a) != _channel(other.rank, oa) or a.is_send == oa.is_send:
