@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
 
@@ -535,124 +536,128 @@ class _Rank:
         return self.items[self.pos] if self.pos < len(self.items) else None
 
 
+def _fail(rank: int, step: int, a: Action, rule: str, fix: str) -> None:
+    raise ScheduleError(f"{rule}; {fix}", rank, step, a)
+
+
+def _once(have: set[tuple], rank: int, step: int, a: Action, key: tuple) -> None:
+    if key in have:
+        _fail(rank, step, a, f"{a} runs twice on rank {rank}", "each action of a step runs once")
+    have.add(key)
+
+
+def _has_input(have: set[tuple], s: Any, k: Any) -> bool:
+    return ("act", s, k) in have or ("F", s - 1, k) in have or ("saved", s - 1, k) in have
+
+
+def _has_grad(have: set[tuple], s: Any, k: Any, p: int) -> bool:
+    return s == p - 1 or ("grad", s, k) in have or ("B", s + 1, k) in have or ("RB", s + 1, k) in have
+
+
 def _check(schedule: Schedule, st: _Rank, step: int, a: Action) -> None:
     """Raise unless ``a`` may run now on ``st.rank``; then record what it produced."""
     p, m, have, rank = schedule.stages, schedule.micro_batches, st.have, st.rank
-    s, k = a.stage, a.micro_batch
-
-    def fail(rule: str, fix: str) -> None:
-        raise ScheduleError(f"{rule}; {fix}", rank, step, a)
-
-    def once(key: tuple) -> None:
-        if key in have:
-            fail(f"{a} runs twice on rank {rank}", "each action of a step runs once")
-        have.add(key)
+    s: Any = a.stage
+    k: Any = a.micro_batch
 
     if s is not None and not 0 <= s < p:
-        fail(f"stage {s} is outside [0, {p})", "use a stage of this pipeline")
+        _fail(rank, step, a, f"stage {s} is outside [0, {p})", "use a stage of this pipeline")
     if k is not None and not 0 <= k < m:
-        fail(f"micro-batch {k} is outside [0, {m})", "use a micro-batch of this step")
+        _fail(rank, step, a, f"micro-batch {k} is outside [0, {m})", "use a micro-batch of this step")
     if a.is_comm and (a.peer == rank or not 0 <= a.peer < p or a.peer == schedule.dead):  # type: ignore[operator]
-        fail(f"peer {a.peer} is not another live rank (dead: {schedule.dead})", "talk to a live neighbour")
+        _fail(rank, step, a, f"peer {a.peer} is not another live rank (dead: {schedule.dead})", "talk to a live neighbour")
     kind = a.kind
     if kind in (Kind.LOAD, Kind.FORWARD, Kind.BACKWARD, Kind.REDUNDANT_BACKWARD, Kind.SEND_ACT, Kind.SEND_GRAD,
                 Kind.RECV_ACT, Kind.RECV_GRAD, Kind.SEND_SYNC) and s not in st.own:
-        fail(f"stage {s} runs on rank {schedule.layout[s]}, not here (rank {rank} runs {sorted(st.own)})",  # type: ignore[index]
+        _fail(rank, step, a, f"stage {s} runs on rank {schedule.layout[s]}, not here (rank {rank} runs {sorted(st.own)})",  # type: ignore[index]
              "put the action on the rank of its stage")
-
-    def has_input() -> bool:
-        return (("act", s, k) in have or ("F", s - 1, k) in have  # type: ignore[operator]
-                or ("saved", s - 1, k) in have)  # type: ignore[operator]
-
-    def has_grad() -> bool:
-        return s == p - 1 or ("grad", s, k) in have or ("B", s + 1, k) in have or ("RB", s + 1, k) in have  # type: ignore[operator]
 
     if kind is Kind.LOAD:
         if s not in (0, p - 1):
-            fail(f"only the first and last stages load micro-batches, not stage {s}", "drop the load")
-        once(("L", s, k))
+            _fail(rank, step, a, f"only the first and last stages load micro-batches, not stage {s}", "drop the load")
+        _once(have, rank, step, a, ("L", s, k))
         have.add(("Lany", k))
     elif kind is Kind.FORWARD:
         if ("saved", s, k) in have:
-            fail(f"F({s}, {k}) is recomputed although its RF output is reused", "drop it or drop k from reuse_rf")
+            _fail(rank, step, a, f"F({s}, {k}) is recomputed although its RF output is reused", "drop it or drop k from reuse_rf")
         if s == 0 and ("L", 0, k) not in have:
-            fail(f"F(0, {k}) before micro-batch {k} was loaded", f"put 0L{k} before it")
-        if s > 0 and not has_input():
-            fail(f"F({s}, {k}) before its input arrived", f"receive {s}A{k}<... or run {s - 1}F{k} first")  # type: ignore[operator]
+            _fail(rank, step, a, f"F(0, {k}) before micro-batch {k} was loaded", f"put 0L{k} before it")
+        if s > 0 and not _has_input(have, s, k):
+            _fail(rank, step, a, f"F({s}, {k}) before its input arrived", f"receive {s}A{k}<... or run {s - 1}F{k} first")  # type: ignore[operator]
         if s == p - 1 and ("L", s, k) not in have:
-            fail(f"the last stage's F({s}, {k}) needs its labels", f"put {s}L{k} before it")
-        once(("F", s, k))
+            _fail(rank, step, a, f"the last stage's F({s}, {k}) needs its labels", f"put {s}L{k} before it")
+        _once(have, rank, step, a, ("F", s, k))
     elif kind in (Kind.BACKWARD, Kind.REDUNDANT_BACKWARD):
         if kind is Kind.BACKWARD and ("F", s, k) not in have:
-            fail(f"B({s}, {k}) before F({s}, {k})", "run the forward first")
+            _fail(rank, step, a, f"B({s}, {k}) before F({s}, {k})", "run the forward first")
         if kind is Kind.REDUNDANT_BACKWARD and ("saved", s, k) not in have:
-            fail(f"RB({s}, {k}) without a kept RF of ({s}, {k})", "use B, or add k to reuse_rf")
+            _fail(rank, step, a, f"RB({s}, {k}) without a kept RF of ({s}, {k})", "use B, or add k to reuse_rf")
         if kind is Kind.REDUNDANT_BACKWARD and s == p - 1 and ("L", s, k) not in have:
-            fail(f"RB of the last stage needs the labels of micro-batch {k}", f"put {s}L{k} before it")
-        if not has_grad():
-            fail(f"backward of ({s}, {k}) before its output gradient arrived", f"receive {s}G{k}<... first")
+            _fail(rank, step, a, f"RB of the last stage needs the labels of micro-batch {k}", f"put {s}L{k} before it")
+        if not _has_grad(have, s, k, p):
+            _fail(rank, step, a, f"backward of ({s}, {k}) before its output gradient arrived", f"receive {s}G{k}<... first")
         if ("B", s, k) in have or ("RB", s, k) in have:
-            fail(f"the backward of ({s}, {k}) runs twice", "run it once")
+            _fail(rank, step, a, f"the backward of ({s}, {k}) runs twice", "run it once")
         have.add(("B" if kind is Kind.BACKWARD else "RB", s, k))
     elif kind is Kind.REDUNDANT_FORWARD:
         if schedule.replicas[rank] != s:
-            fail(f"rank {rank} holds the replica of stage {schedule.replicas[rank]}, not {s}",
+            _fail(rank, step, a, f"rank {rank} holds the replica of stage {schedule.replicas[rank]}, not {s}",
                  "RF only the replica stage")
         if s == 0 and ("Lany", k) not in have:
-            fail(f"RF(0, {k}) before micro-batch {k} was loaded on this rank", "run it after the load")
+            _fail(rank, step, a, f"RF(0, {k}) before micro-batch {k} was loaded on this rank", "run it after the load")
         if s > 0 and ("F", s - 1, k) not in have:  # type: ignore[operator]
-            fail(f"RF({s}, {k}) before this rank computed its input F({s - 1}, {k})", "run it after that forward")  # type: ignore[operator]
-        once(("RF", s, k))
+            _fail(rank, step, a, f"RF({s}, {k}) before this rank computed its input F({s - 1}, {k})", "run it after that forward")  # type: ignore[operator]
+        _once(have, rank, step, a, ("RF", s, k))
     elif kind is Kind.SEND_ACT:
         if s == p - 1 or schedule.layout[s + 1] != a.peer:  # type: ignore[operator]
-            fail(f"stage {s}'s output goes to rank {None if s == p - 1 else schedule.layout[s + 1]}, not {a.peer}",  # type: ignore[operator]
+            _fail(rank, step, a, f"stage {s}'s output goes to rank {None if s == p - 1 else schedule.layout[s + 1]}, not {a.peer}",  # type: ignore[operator]
                  "send to the rank of the next stage")
         if ("F", s, k) not in have and ("saved", s, k) not in have:
-            fail(f"sending the output of ({s}, {k}) before computing it", f"run {s}F{k} first")
-        once(("sentA", s, k))
+            _fail(rank, step, a, f"sending the output of ({s}, {k}) before computing it", f"run {s}F{k} first")
+        _once(have, rank, step, a, ("sentA", s, k))
     elif kind is Kind.SEND_GRAD:
         if s == 0 or schedule.layout[s - 1] != a.peer:  # type: ignore[operator]
-            fail(f"stage {s}'s input gradient goes to rank {None if s == 0 else schedule.layout[s - 1]}, "  # type: ignore[operator]
+            _fail(rank, step, a, f"stage {s}'s input gradient goes to rank {None if s == 0 else schedule.layout[s - 1]}, "  # type: ignore[operator]
                  f"not {a.peer}", "send to the rank of the previous stage")
         if ("B", s, k) not in have and ("RB", s, k) not in have:
-            fail(f"sending the input gradient of ({s}, {k}) before its backward", f"run {s}B{k} first")
-        once(("sentG", s, k))
+            _fail(rank, step, a, f"sending the input gradient of ({s}, {k}) before its backward", f"run {s}B{k} first")
+        _once(have, rank, step, a, ("sentG", s, k))
     elif kind is Kind.RECV_ACT:
         if s == 0 or schedule.layout[s - 1] != a.peer:  # type: ignore[operator]
-            fail(f"stage {s}'s input comes from rank {None if s == 0 else schedule.layout[s - 1]}, not {a.peer}",  # type: ignore[operator]
+            _fail(rank, step, a, f"stage {s}'s input comes from rank {None if s == 0 else schedule.layout[s - 1]}, not {a.peer}",  # type: ignore[operator]
                  "receive from the rank of the previous stage")
-        once(("act", s, k))
+        _once(have, rank, step, a, ("act", s, k))
     elif kind is Kind.RECV_GRAD:
         if s == p - 1 or schedule.layout[s + 1] != a.peer:  # type: ignore[operator]
-            fail(f"stage {s}'s output gradient comes from rank {None if s == p - 1 else schedule.layout[s + 1]}, "  # type: ignore[operator]
+            _fail(rank, step, a, f"stage {s}'s output gradient comes from rank {None if s == p - 1 else schedule.layout[s + 1]}, "  # type: ignore[operator]
                  f"not {a.peer}", "receive from the rank of the next stage")
-        once(("grad", s, k))
+        _once(have, rank, step, a, ("grad", s, k))
     elif kind is Kind.SEND_SYNC:
         holder = [r for r, rs in enumerate(schedule.replicas) if rs == s]
         if a.peer not in holder:
-            fail(f"stage {s}'s replica lives on {holder or 'no rank'}, not rank {a.peer}", "sync to the holder")
+            _fail(rank, step, a, f"stage {s}'s replica lives on {holder or 'no rank'}, not rank {a.peer}", "sync to the holder")
         if ("RED",) not in have:
-            fail(f"syncing stage {s} before its gradients were reduced", "put S> after RED")
-        once(("S>", s))
+            _fail(rank, step, a, f"syncing stage {s} before its gradients were reduced", "put S> after RED")
+        _once(have, rank, step, a, ("S>", s))
     elif kind is Kind.RECV_SYNC:
         if schedule.replicas[rank] != s or schedule.layout[s] != a.peer:  # type: ignore[index]
-            fail(f"rank {rank} holds the replica of {schedule.replicas[rank]} and stage {s} runs on rank "
+            _fail(rank, step, a, f"rank {rank} holds the replica of {schedule.replicas[rank]} and stage {s} runs on rank "
                  f"{schedule.layout[s]}", "receive the replica's stage from its owner")  # type: ignore[index]
-        once(("S<", s))
+        _once(have, rank, step, a, ("S<", s))
     elif kind in (Kind.REDUCE_TIED, Kind.REDUCE):
         missing = [(t, j) for t in sorted(st.own) for j in range(m) if ("B", t, j) not in have
                    and ("RB", t, j) not in have]
         if missing:
-            fail(f"{kind.name} before the backward of {missing[:4]}{'...' if len(missing) > 4 else ''}",
+            _fail(rank, step, a, f"{kind.name} before the backward of {missing[:4]}{'...' if len(missing) > 4 else ''}",
                  "reduce after the last backward")
-        once((kind.value,))
+        _once(have, rank, step, a, (kind.value,))
     elif kind is Kind.OPTIMIZER:
         if ("RED",) not in have:
-            fail("OPT before RED", "reduce the gradients first")
+            _fail(rank, step, a, "OPT before RED", "reduce the gradients first")
         got = sum(1 for key in have if key[0] == "S<")
         if got != st.recv_sync_total:
-            fail("OPT before the replica's gradients arrived", "put S< before OPT")
-        once(("OPT",))
+            _fail(rank, step, a, "OPT before the replica's gradients arrived", "put S< before OPT")
+        _once(have, rank, step, a, ("OPT",))
 
 
 def _finish_check(schedule: Schedule, st: _Rank) -> None:
@@ -805,9 +810,9 @@ def format_table(schedule: Schedule, error_at: int | None = None) -> str:
              for t in range(steps)]
     widths = [max([len(heads[r])] + [len(row[r]) for row in cells]) for r in range(p)]
     lead = len(labels[0]) + 2 if labels else 6
-    lines = [(" " * lead + " | ".join(h.ljust(w) for h, w in zip(heads, widths))).rstrip()]
-    for t, (label, row) in enumerate(zip(labels, cells)):
-        line = (f"{label}: " + " | ".join(c.ljust(w) for c, w in zip(row, widths))).rstrip()
+    lines = [(" " * lead + " | ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))).rstrip()]
+    for t, (label, row) in enumerate(zip(labels, cells, strict=True)):
+        line = (f"{label}: " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))).rstrip()
         if error_at == t:
             line += "  <-- ERROR HERE"
         lines.append(line)

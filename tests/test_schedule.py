@@ -252,8 +252,8 @@ def test_sweep_full_eager_budget_costs_at_least_the_missing_bubble():
         for m in (1, 4, 8, 16):
             sim = simulate(build_schedule(p, m, "eager", rf_budget=m))
             assert sim.rc == tuple(m * Costs().forward for _ in range(p))
-            assert sim.overhead >= max(r - b for r, b in zip(sim.rc, sim.bubble))
-            assert all(i + o == r for i, o, r in zip(sim.rc_in_bubbles, sim.rc_outside, sim.rc))
+            assert sim.overhead >= max(r - b for r, b in zip(sim.rc, sim.bubble, strict=True))
+            assert all(i + o == r for i, o, r in zip(sim.rc_in_bubbles, sim.rc_outside, sim.rc, strict=True))
 
 
 def test_design_arithmetic_two_stages_eight_micro_batches():
