@@ -50,7 +50,7 @@ Step 7: 0G2<1 0B2 TIE RED OPT | 1G2>0 TIE RED OPT
 
 
 def test_lazy_two_stages_adds_only_the_replica_sync():
-    # rank 0 holds stage 1's replica and rank 1 stage 0's (the ring); transfers go in stage order.
+    # rank 0 holds stage 1's replica and rank 1 stage 0's (the ring); even ranks send first, odd receive first.
     assert format_table(build_schedule(2, 3, "lazy")) == table("""
         Rank 0                          | Rank 1
 Step 0: 0L0 0F0                         |
@@ -135,7 +135,7 @@ Step 13: 0G3<1 0B3 TIE RED OPT | 1G3>0 TIE RED OPT | TIE RED OPT     | TIE RED O
 """)
     lazy = build_schedule(4, 4, "lazy")
     assert format_table(lazy).splitlines()[-1] == (
-        "Step 13: 0G3<1 0B3 TIE RED 0S>3 1S<1 OPT | 1G3>0 TIE RED 1S>0 2S<2 OPT | TIE RED 2S>1 3S<3 OPT "
+        "Step 13: 0G3<1 0B3 TIE RED 0S>3 1S<1 OPT | 1G3>0 TIE RED 2S<2 1S>0 OPT | TIE RED 2S>1 3S<3 OPT "
         "| TIE RED 0S<0 3S>2 OPT")
     # lazy differs from off only by the sync in the last step
     assert off.programs == tuple(prog[:-1] + (tuple(a for a in prog[-1] if a.kind not in
@@ -160,7 +160,7 @@ Step 09: 0G1<1 0B1                           | 1G1>0                          | 
 Step 10:                                     | 2RF3 1G2<2 1B2                 | 2G2>1                      | 3B3
 Step 11: 0G2<1 0B2                           | 1G2>0                          | 3RF2 2G3<3 2B3             | 3G3>2
 Step 12:                                     | 1G3<2 1B3                      | 2G3>1                      |
-Step 13: 0G3<1 0B3 TIE RED 0S>3 1S<1 OPT     | 1G3>0 TIE RED 1S>0 2S<2 OPT    | TIE RED 3RF3 2S>1 3S<3 OPT | TIE RED 0RF0 0RF1 0RF2 0RF3 0S<0 3S>2 OPT
+Step 13: 0G3<1 0B3 TIE RED 0S>3 1S<1 OPT     | 1G3>0 TIE RED 2S<2 1S>0 OPT    | TIE RED 3RF3 2S>1 3S<3 OPT | TIE RED 0RF0 0RF1 0RF2 0RF3 0S<0 3S>2 OPT
 """)
     sim = simulate(schedule)
     assert sim.overhead == 0 and sim.rc == (4, 4, 4, 4)
@@ -254,6 +254,14 @@ def test_sweep_full_eager_budget_costs_at_least_the_missing_bubble():
             assert sim.rc == tuple(m * Costs().forward for _ in range(p))
             assert sim.overhead >= max(r - b for r, b in zip(sim.rc, sim.bubble, strict=True))
             assert all(i + o == r for i, o, r in zip(sim.rc_in_bubbles, sim.rc_outside, sim.rc, strict=True))
+
+
+def test_replica_sync_costs_two_transfers_whatever_the_depth():
+    # ring r -> r - 1 with even ranks sending first: two rounds (odd p included), never p rounds
+    for p in range(2, 9):
+        for m in (1, 4):
+            with_sync = simulate(build_schedule(p, m, "lazy"), Costs(sync=1)).makespan
+            assert with_sync - simulate(build_schedule(p, m, "off"), Costs(sync=1)).makespan <= 2, (p, m)
 
 
 def test_design_arithmetic_two_stages_eight_micro_batches():
