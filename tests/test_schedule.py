@@ -218,6 +218,8 @@ def _live_invariants(schedule: Schedule, seen: set[Action]) -> None:
 def test_sweep_every_mode_validates_and_eager_is_free():
     costs = Costs()
     seen: set[Action] = set()
+    for m in range(1, 17):
+        validate(build_schedule(1, m))
     for p in range(2, 9):
         for m in range(1, 17):
             for mode in ("off", "lazy"):
@@ -244,6 +246,16 @@ def test_sweep_every_mode_validates_and_eager_is_free():
                     assert {a.micro_batch for a in merged if a.kind is Kind.REDUNDANT_BACKWARD} == reuse
                     assert {a.micro_batch for a in merged if a.kind is Kind.FORWARD and a.stage == dead} \
                         == set(range(m)) - reuse
+
+
+@pytest.mark.parametrize("costs", [Costs(forward=1, backward=3, send=0.25), Costs(forward=2, backward=2, load=1),
+                                   Costs(forward=1.5, backward=2.5, send=1, sync=2)])
+def test_eager_placement_is_free_under_other_costs(costs):
+    for p in (2, 3, 5, 8):
+        for m in (1, 3, 8, 13):
+            sim = simulate(build_schedule(p, m, "eager", costs=costs), costs)
+            assert sim.overhead == 0, (p, m)
+            assert all(rc <= bubble for rc, bubble in zip(sim.rc, sim.bubble, strict=True)), (p, m)
 
 
 def test_sweep_full_eager_budget_costs_at_least_the_missing_bubble():
