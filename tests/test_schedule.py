@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
+import sys
 
 import pytest
 
@@ -390,6 +392,19 @@ def test_string_form_round_trips(text, action):
 def test_bad_strings_are_rejected(text):
     with pytest.raises(ScheduleError):
         Action.parse(text)
+
+
+def test_module_imports_only_the_standard_library():
+    import lightning_bamboo.schedule as module
+
+    tree = ast.parse(open(module.__file__).read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    assert imported - set(sys.stdlib_module_names) <= {"__future__", "lightning_bamboo"}
+    assert not any(node.module and node.module != "lightning_bamboo.errors" and node.module.startswith("lightning_bamboo")
+                   for node in ast.walk(tree) if isinstance(node, ast.ImportFrom))
 
 
 def test_ring_placement():
