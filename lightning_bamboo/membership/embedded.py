@@ -256,7 +256,7 @@ class EmbeddedServer:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"embedded://{host}:{port}"
+        return f"embedded://{host!s}:{port}"
 
     def start(self) -> EmbeddedServer:
         serve = threading.Thread(
@@ -360,7 +360,7 @@ class EmbeddedStore:
                 line = rfile.readline()
                 if not line:
                     raise ConnectionResetError("server closed the connection")
-            except (TimeoutError, socket.timeout) as e:
+            except TimeoutError as e:
                 sock.close()
                 raise StoreTimeoutError(
                     f"membership store {self.url} accepted the connection but did not answer a "
@@ -378,7 +378,9 @@ class EmbeddedStore:
             if resp["ok"]:
                 return resp
             if resp["error"] == "lease":
-                raise LeaseExpiredError(f"{resp['message']} at {self.url}; grant a new lease and put the keys again")
+                raise LeaseExpiredError(
+                    f"{resp['message']} at {self.url}; grant a new lease and put the keys again"
+                )
             raise StoreError(f"membership store {self.url} rejected {req['op']!r}: {resp['message']}")
 
     # -- Store --
@@ -410,7 +412,13 @@ class EmbeddedStore:
         timeout: float | None = None,
     ) -> tuple[bool, KeyValue | None]:
         t = deadline_for(timeout)
-        req = {"op": "cas", "key": key, "value": value, "expected_revision": int(expected_revision), "lease": lease}
+        req = {
+            "op": "cas",
+            "key": key,
+            "value": value,
+            "expected_revision": int(expected_revision),
+            "lease": lease,
+        }
         try:
             resp = self._call(req, t)
         except _Ambiguous:
@@ -448,10 +456,14 @@ class EmbeddedStore:
                 return Change((), after)
             # The server holds the request up to `remaining`; the socket allows 2 s more for the answer.
             resp = self._call(
-                {"op": "wait", "prefix": prefix, "after_revision": after, "timeout": remaining}, remaining, extra=2.0
+                {"op": "wait", "prefix": prefix, "after_revision": after, "timeout": remaining},
+                remaining,
+                extra=2.0,
             )
             if resp["events"] or resp["compacted"]:
-                return Change(tuple(Event(**e) for e in resp["events"]), int(resp["revision"]), resp["compacted"])
+                return Change(
+                    tuple(Event(**e) for e in resp["events"]), int(resp["revision"]), resp["compacted"]
+                )
             after = max(after, int(resp["revision"]))
 
     def close(self) -> None:
@@ -471,7 +483,9 @@ class EmbeddedStore:
 
 def main(argv: list[str] | None = None) -> None:
     """Run a server in the foreground: prints its URL on the first stdout line; stops on SIGTERM/SIGINT."""
-    p = argparse.ArgumentParser(prog="python -m lightning_bamboo.membership.embedded", description=main.__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_bamboo.membership.embedded", description=main.__doc__
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)

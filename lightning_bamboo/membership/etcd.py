@@ -103,7 +103,9 @@ class EtcdStore:
         )
 
     # -- transport --
-    def _post(self, path: str, payload: dict[str, Any], timeout: float, *, idempotent: bool = True) -> dict[str, Any]:
+    def _post(
+        self, path: str, payload: dict[str, Any], timeout: float, *, idempotent: bool = True
+    ) -> dict[str, Any]:
         if self._closed:
             raise StoreError(f"etcd store client {self.url} is closed")
         rq = self._requests
@@ -124,9 +126,9 @@ class EtcdStore:
                     f"etcd at {self.url} accepted {path} but did not answer within {remaining:.1f} s; "
                     "etcd may be overloaded or frozen"
                 ) from e
-            except rq.exceptions.ConnectionError as e:
+            except rq.exceptions.RequestException as e:  # refused, reset, or a reply cut short
                 last = f"{type(e).__name__}: {e}"
-                if not idempotent and not _not_sent(e):
+                if not idempotent and not (isinstance(e, rq.exceptions.ConnectionError) and _not_sent(e)):
                     raise _Ambiguous(last) from e
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.25)
@@ -142,7 +144,9 @@ class EtcdStore:
                 delay = min(delay * 2, 0.25)
                 continue
             if "lease not found" in body:
-                raise LeaseExpiredError(f"etcd at {self.url}: {body}; grant a new lease and put the keys again")
+                raise LeaseExpiredError(
+                    f"etcd at {self.url}: {body}; grant a new lease and put the keys again"
+                )
             raise StoreError(f"etcd at {self.url} rejected {path} (HTTP {resp.status_code}): {body}")
 
     # -- Store --
@@ -158,11 +162,15 @@ class EtcdStore:
 
     def get_prefix(self, prefix: str, *, timeout: float | None = None) -> Snapshot:
         key = _b64(prefix) if prefix else _b64(b"\0")
-        resp = self._post("kv/range", {"key": key, "range_end": _b64(_range_end(prefix))}, deadline_for(timeout))
+        resp = self._post(
+            "kv/range", {"key": key, "range_end": _b64(_range_end(prefix))}, deadline_for(timeout)
+        )
         return Snapshot(tuple(_kv(d) for d in resp.get("kvs", [])), int(resp["header"]["revision"]))
 
     def delete(self, key: str, *, timeout: float | None = None) -> bool:
-        return int(self._post("kv/deleterange", {"key": _b64(key)}, deadline_for(timeout)).get("deleted", 0)) > 0
+        return (
+            int(self._post("kv/deleterange", {"key": _b64(key)}, deadline_for(timeout)).get("deleted", 0)) > 0
+        )
 
     def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
         key = _b64(prefix) if prefix else _b64(b"\0")
@@ -185,7 +193,9 @@ class EtcdStore:
         read = {"request_range": {"key": _b64(key)}}
         txn = {
             # A missing key compares as mod_revision 0, so expected 0 means "only if absent".
-            "compare": [{"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": int(expected_revision)}],
+            "compare": [
+                {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": int(expected_revision)}
+            ],
             "success": [{"request_put": put}, read],
             "failure": [read],
         }
@@ -229,7 +239,11 @@ class EtcdStore:
         deadline = time.monotonic() + total
         after = int(after_revision)
         key = _b64(prefix) if prefix else _b64(b"\0")
-        create = {"key": key, "range_end": _b64(_range_end(prefix)), "start_revision": after + 1}
+        create: dict[str, Any] = {
+            "key": key,
+            "range_end": _b64(_range_end(prefix)),
+            "start_revision": after + 1,
+        }
         rq = self._requests
         last = "no attempt"
         while True:
@@ -255,12 +269,14 @@ class EtcdStore:
                     time.sleep(0.05)
                     continue
                 change = self._read_watch(resp, after)
-            except (rq.exceptions.ConnectionError, rq.exceptions.Timeout):
-                change = None  # read timeout (nothing happened) or etcd went away mid-wait
+            except (rq.exceptions.RequestException, ValueError):
+                change = None  # read timeout (nothing happened), or etcd went away mid-wait: re-watch
             finally:
                 resp.close()
             if change is not None:
                 return change
+            # The stream ended early (etcd closing): pause briefly so a flapping server cannot cause a tight loop.
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _read_watch(self, resp: Any, after: int) -> Change | None:
         """Read one watch stream until it yields events or a compaction notice; None if it ended."""

@@ -192,7 +192,9 @@ def deadline_for(timeout: float | None) -> float:
     """Seconds allowed to a call: ``timeout`` or the default; rejects non-positive values."""
     t = DEFAULT_TIMEOUT if timeout is None else float(timeout)
     if not t > 0:
-        raise BambooConfigError(f"a store call needs a timeout > 0 seconds (got {timeout!r}); pass e.g. timeout=5.0")
+        raise BambooConfigError(
+            f"a store call needs a timeout > 0 seconds (got {timeout!r}); pass e.g. timeout=5.0"
+        )
     return t
 
 
