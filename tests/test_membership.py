@@ -532,3 +532,163 @@ print(json.dumps({"value": s.get(sys.argv[2] + "k").value}))
     import importlib.metadata as md
 
     assert out["value"] == md.version("torch")
+
+
+# ---------------------------------------------------------------- registry and detection (built on the Protocol)
+
+from lightning_bamboo.membership.registry import (  # noqa: E402
+    BarrierTimeoutError,
+    LossDetector,
+    NodeIdInUseError,
+    Registry,
+    barrier,
+    job_prefix,
+)
+
+
+def test_registry_join_leave_and_detection_of_clean_leave(store: Store, url: str, prefix: str) -> None:
+    job = prefix.strip("/").replace("/", "-")
+    other = connect(url)
+    a = Registry(store, job, "node0", ttl=30, address="10.0.0.1:29500", meta={"gpu": 0})
+    b = Registry(other, job, "node1", ttl=30)
+    try:
+        a.join()
+        m = b.join()
+        assert m.live == ("node0", "node1")
+        assert m.nodes["node0"].address == "10.0.0.1:29500" and m.nodes["node0"].meta == {"gpu": 0}
+        with pytest.raises(NodeIdInUseError, match="node0"):
+            Registry(other, job, "node0", ttl=30).join()
+        b.announce_leaving(grace=5.0)
+        with LossDetector(store, job, notice_counts=False) as det:
+            m2 = a.wait_for_change(m, 5.0)
+            assert "node1" in m2.leaving and m2.leaving["node1"].deadline > time.time()
+            assert not det.event.is_set()  # a notice alone is not a loss with notice_counts=False
+            start = time.monotonic()
+            b.leave()
+            assert det.event.wait(5.0)
+            assert time.monotonic() - start < 2.5  # revoke is seen at once, not after the 30 s TTL
+            assert det.lost == {"node1"}
+            assert det.membership is not None and det.membership.live == ("node0",)
+            assert "node1" not in det.membership.leaving  # the notice went with the lease
+    finally:
+        a.leave()
+        b.leave()
+        other.close()
+    assert store.get_prefix(job_prefix(job)).kvs == ()
+
+
+def test_announced_loss_wakes_detectors_before_lease_expiry(store: Store, url: str, prefix: str) -> None:
+    job = prefix.strip("/").replace("/", "-")
+    regs = [Registry(store, job, f"node{i}", ttl=30) for i in range(3)]
+    try:
+        for r in regs:
+            r.join()
+        seen: list[tuple[str, ...]] = []
+        with LossDetector(
+            store, job, peers=["node1", "node2"], on_loss=lambda ids, m: seen.append(ids)
+        ) as det:
+            before = regs[0].members()
+            start = time.monotonic()
+            firsts = [
+                regs[0].announce_loss("node2", "recv failed"),
+                regs[1].announce_loss("node2", "recv failed"),
+            ]
+            assert firsts == [True, False]  # decided once: the first reporter is recorded
+            assert det.event.wait(5.0)
+            assert time.monotonic() - start < 2.5
+            assert seen == [("node2",)]
+            after = regs[0].members()
+            assert after.gone_since(before) == ("node2",) and after.live == ("node0", "node1")
+            assert after.lost["node2"].reporter == "node0"
+            # The same node re-joining as a new incarnation is live again once the notice is about the old one.
+            regs[2].leave()
+            assert regs[0].clear_loss("node2")
+            back = Registry(store, job, "node2", ttl=30)
+            regs.append(back)
+            m = back.join()
+            assert m.live == ("node0", "node1", "node2") and m.joined_since(after) == ("node2",)
+    finally:
+        for r in regs:
+            r.leave()
+
+
+@pytest.mark.timeout(60)
+def test_killed_node_is_detected_within_ttl(store: Store, url: str, prefix: str) -> None:
+    """A real process holding a 1 s lease is SIGKILLed; the detector reports it within TTL + slack."""
+    job = prefix.strip("/").replace("/", "-")
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            """
+import sys
+from lightning_bamboo.membership import connect
+from lightning_bamboo.membership.registry import Registry
+r = Registry(connect(sys.argv[1]), sys.argv[2], "victim", ttl=1.0)
+r.join()
+print("joined", flush=True)
+sys.stdin.read()  # until killed (or the test closes stdin)
+""",
+            url,
+            job,
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "joined"
+        with LossDetector(store, job, poll=0.5) as det:
+            assert det.membership is not None and det.membership.live == ("victim",)
+            # Heartbeats keep it alive for well over one TTL.
+            assert not det.event.wait(2.5)
+            child.kill()
+            killed = time.monotonic()
+            assert det.event.wait(TTL + EXPIRY_SLACK + 0.5)
+            assert time.monotonic() - killed <= TTL + EXPIRY_SLACK + 0.5
+            assert det.lost == {"victim"}
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate(timeout=10)
+
+
+def test_lease_lost_is_reported_to_the_node(store: Store, prefix: str) -> None:
+    job = prefix.strip("/").replace("/", "-")
+    lost: list[str] = []
+    r = Registry(store, job, "node0", ttl=2.0, heartbeat=0.2, on_lease_lost=lost.append)
+    r.join()
+    try:
+        store.revoke_lease(r.lease_id)  # as if the lease had expired while we were frozen
+        assert r.lease_lost.wait(3.0)
+        assert lost == ["node0"]
+    finally:
+        r.leave()
+
+
+def test_barrier(store: Store, prefix: str) -> None:
+    names = ["n0", "n1", "n2"]
+    results: dict[str, object] = {}
+
+    def arrive(n: str) -> None:
+        results[n] = barrier(store, prefix + "r1", n, names, 10.0, value=n.upper())
+
+    ts = [threading.Thread(target=arrive, args=(n,), daemon=True) for n in names]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(15)
+    assert results == {n: {"n0": "N0", "n1": "N1", "n2": "N2"} for n in names}
+    start = time.monotonic()
+    with pytest.raises(BarrierTimeoutError, match=r"missing \['n1', 'n2'\]"):
+        barrier(store, prefix + "r2", "n0", names, 0.5)
+    assert time.monotonic() - start < 0.5 + 1.5
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", " x", "tab\t"])
+def test_bad_names_are_rejected(bad: str) -> None:
+    from lightning_bamboo.errors import BambooConfigError
+
+    with pytest.raises(BambooConfigError, match="without '/'"):
+        job_prefix(bad)
