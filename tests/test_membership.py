@@ -24,6 +24,14 @@ from lightning_bamboo.membership import (
     connect,
     parse_store_url,
 )
+from lightning_bamboo.membership.registry import (
+    BarrierTimeoutError,
+    LossDetector,
+    NodeIdInUseError,
+    Registry,
+    barrier,
+    job_prefix,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from etcd_server import EtcdServer, etcd_binary  # noqa: E402
@@ -428,10 +436,15 @@ def test_etcd_store_survives_server_restart(prefix: str) -> None:
     with EtcdServer() as server:
         store = connect(server.url)
         other = connect(server.url)
+        job = prefix.strip("/").replace("/", "-")
+        node = Registry(other, job, "node0", ttl=2.0)
+        det = LossDetector(store, job, poll=0.5)
         try:
             lease = store.grant_lease(10)
             store.put(prefix + "node", "n1", lease=lease.id)
             rev = store.put(prefix + "plain", "1")
+            node.join()
+            det.start()
             box: dict = {}
 
             def waiter() -> None:
@@ -461,7 +474,13 @@ def test_etcd_store_survives_server_restart(prefix: str) -> None:
             assert store.get(prefix + "node").lease == lease.id  # type: ignore[union-attr]
             assert store.keep_alive(lease.id) is True
             assert store.put_if_absent(prefix + "decided", "x")[0] is True
+            # The node's heartbeats rode out the restart: no false loss; the detector's watch reconnected.
+            assert not node.lease_lost.is_set() and not det.event.is_set()
+            node.leave()
+            assert det.event.wait(5.0) and det.lost == {"node0"}
         finally:
+            det.stop()
+            node.leave()
             store.close()
             other.close()
 
@@ -535,15 +554,6 @@ print(json.dumps({"value": s.get(sys.argv[2] + "k").value}))
 
 
 # ---------------------------------------------------------------- registry and detection (built on the Protocol)
-
-from lightning_bamboo.membership.registry import (  # noqa: E402
-    BarrierTimeoutError,
-    LossDetector,
-    NodeIdInUseError,
-    Registry,
-    barrier,
-    job_prefix,
-)
 
 
 def test_registry_join_leave_and_detection_of_clean_leave(store: Store, url: str, prefix: str) -> None:
