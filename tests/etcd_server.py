@@ -23,6 +23,10 @@ def etcd_binary() -> Path | None:
     return Path(found) if found else None
 
 
+class _PortTaken(RuntimeError):
+    """etcd could not bind a port picked as free (another process took it in between)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,6 +53,7 @@ class EtcdServer:
         self.peer_port = _free_port()
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started_once = False
         self._log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115
 
     @property
@@ -56,6 +61,18 @@ class EtcdServer:
         return f"etcd://127.0.0.1:{self.client_port}"
 
     def start(self) -> EtcdServer:
+        """Start and wait until healthy; a fresh server retries on new ports if a chosen port was taken meanwhile."""
+        for attempt in range(3):
+            try:
+                self._start_once()
+                return self
+            except _PortTaken:
+                if self._started_once or attempt == 2:
+                    raise
+                self.client_port, self.peer_port = _free_port(), _free_port()
+        return self
+
+    def _start_once(self) -> None:
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
@@ -71,11 +88,23 @@ class EtcdServer:
             "--election-timeout", "100",
             "--log-level", "warn",
         ]  # fmt: skip
+        log_path = os.path.join(self.data_dir, "etcd.log")
+        log_start = os.path.getsize(log_path)
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
-        self._wait_healthy()
-        return self
+        try:
+            self._wait_healthy()
+        except RuntimeError:
+            self.kill()
+            with open(log_path, "rb") as f:
+                f.seek(log_start)
+                if b"address already in use" in f.read():
+                    if not self._started_once:
+                        shutil.rmtree(os.path.join(self.data_dir, "member"), ignore_errors=True)
+                    raise _PortTaken() from None
+            raise
+        self._started_once = True
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout
@@ -94,7 +123,6 @@ class EtcdServer:
             except (urllib.error.URLError, OSError) as e:
                 last = str(e)
             time.sleep(0.05)  # bounded poll for an external process; not an assertion
-        self.stop()
         raise RuntimeError(f"etcd not healthy within {self.start_timeout} s ({last}); log: {self.log_tail()}")
 
     def log_tail(self, n: int = 2000) -> str:

@@ -37,6 +37,7 @@ __all__ = [
     "StoreUnavailableError",
     "connect",
     "parse_store_url",
+    "resolve_store",
 ]
 
 _SCHEMES = ("embedded", "etcd")
@@ -85,3 +86,17 @@ def connect(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Store:
     from lightning_bamboo.membership.etcd import EtcdStore  # imports requests/etcd3gw only when asked
 
     return EtcdStore(host, port, connect_timeout=timeout)
+
+
+def resolve_store(spec: str) -> tuple[str, EmbeddedServer | None]:
+    """Turn a launcher's ``--store`` value into the URL its workers connect to.
+
+    ``"embedded"`` starts an ``EmbeddedServer`` on a free loopback port in this process and
+    returns ``(its url, server)``: stop the server when the job ends. A URL is validated and
+    returned as ``(url, None)``; it is not contacted here (call ``connect`` for that).
+    """
+    if spec == "embedded":
+        server = EmbeddedServer().start()
+        return server.url, server
+    parse_store_url(spec)
+    return spec, None
