@@ -702,3 +702,19 @@ def test_bad_names_are_rejected(bad: str) -> None:
 
     with pytest.raises(BambooConfigError, match="without '/'"):
         job_prefix(bad)
+
+
+def test_resolve_store() -> None:
+    from lightning_bamboo.membership import resolve_store
+
+    url, server = resolve_store("embedded")
+    assert server is not None and url == server.url
+    try:
+        s = connect(url)
+        assert s.get("/nothing") is None
+        s.close()
+    finally:
+        server.stop()
+    assert resolve_store("etcd://10.1.2.3:2379") == ("etcd://10.1.2.3:2379", None)
+    with pytest.raises(StoreURLError):
+        resolve_store("etcd:/oops")
