@@ -119,6 +119,7 @@ def wait_until(store: Store, prefix: str, pred, timeout: float) -> dict[str, str
 
 
 def test_put_get_delete_with_revisions(store: Store, prefix: str) -> None:
+    assert isinstance(store, Store)
     r1 = store.put(prefix + "a", "1")
     r2 = store.put(prefix + "a", "2")
     store.put(prefix[:-1] + "x", "outside")  # a sibling that shares the prefix minus the slash

@@ -227,6 +227,8 @@ class Registry:
         self.lease_id = 0
         self.lease_lost = threading.Event()
         self.last_error: Exception | None = None
+        #: ``time.monotonic()`` of the first failed heartbeat of the current run of failures; None when fine.
+        self.unreachable_since: float | None = None
         self._on_lease_lost = on_lease_lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -274,7 +276,10 @@ class Registry:
                 alive = self.store.keep_alive(self.lease_id, timeout=self.heartbeat)
             except StoreError as e:  # unreachable for one beat: try again at the next
                 self.last_error = e
+                if self.unreachable_since is None:
+                    self.unreachable_since = time.monotonic()
                 continue
+            self.unreachable_since = None
             if not alive:
                 self.lease_lost.set()
                 if self._on_lease_lost is not None:
