@@ -192,6 +192,7 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         state = self.server.state
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.track(self.connection, add=True)
         try:
             while not state.stopping:
