@@ -719,3 +719,36 @@ def test_resolve_store() -> None:
     assert resolve_store("etcd://10.1.2.3:2379") == ("etcd://10.1.2.3:2379", None)
     with pytest.raises(StoreURLError):
         resolve_store("etcd:/oops")
+
+
+def test_etcd_wait_after_compaction_says_so(etcd_server: EtcdServer, prefix: str) -> None:
+    import requests
+
+    store = connect(etcd_server.url)
+    try:
+        r0 = store.put(prefix + "a", "1")
+        r1 = store.put(prefix + "a", "2")
+        host_port = etcd_server.url[len("etcd://") :]
+        resp = requests.post(f"http://{host_port}/v3/kv/compaction", json={"revision": r1}, timeout=5)
+        assert resp.status_code == 200, resp.text
+        change = store.wait_for_change(prefix, r0 - 1, 2.0)
+        assert change.compacted and not change.events and not change.timed_out
+        assert store.wait_for_change(prefix, r1, 0.2).timed_out  # waiting after the compaction point is fine
+    finally:
+        store.close()
+
+
+def test_embedded_history_limit(prefix: str) -> None:
+    import collections
+
+    with EmbeddedServer() as server:
+        server._state.history = collections.deque(maxlen=3)
+        s = connect(server.url)
+        try:
+            revs = [s.put(prefix + str(i), "x") for i in range(5)]
+            change = s.wait_for_change(prefix, revs[0], 1.0)  # revs[1] fell out of the 3-event history
+            assert change.compacted and change.revision == revs[-1]
+            recent = s.wait_for_change(prefix, revs[1], 1.0)  # revs[2:] are all still held
+            assert [e.revision for e in recent.events] == revs[2:]
+        finally:
+            s.close()

@@ -418,7 +418,10 @@ class LossDetector:
         if new:
             self.event.set()
             if self._on_loss is not None:
-                self._on_loss(new, now)
+                try:
+                    self._on_loss(new, now)
+                except Exception as e:  # a failing callback must not stop detection
+                    self.error = e
 
     def _run(self) -> None:
         assert self.membership is not None
