@@ -68,7 +68,7 @@ class Event:
 class Change:
     """Result of a bounded wait: the events under the prefix with ``after < revision <= self.revision``.
 
-    ``events`` is empty when the wait timed out. ``revision`` is the value to pass as
+    ``events`` is empty when the wait timed out (then ``revision`` >= the ``after`` asked for). ``revision`` is the value to pass as
     ``after_revision`` to the next wait so that no event is missed or seen twice.
     ``compacted`` is True when the store no longer holds history that old: events may be
     missing, so re-read the prefix with ``get_prefix`` and wait after its revision.
@@ -178,8 +178,10 @@ class Store(Protocol):
 
         Returns at once when such changes already happened (events are kept in history, so a
         change between a ``get_prefix`` and this call is never lost: pass the snapshot's
-        revision). On timeout returns a ``Change`` with no events and ``revision`` =
-        ``after_revision``. Raises ``StoreUnavailableError`` only if the store stayed unreachable.
+        revision). On timeout returns a ``Change`` with no events and ``revision`` >=
+        ``after_revision`` (the embedded store advances it past changes outside the prefix).
+        Changes that do not create a revision (keep-alives) never wake it. Raises
+        ``StoreUnavailableError`` only if the store stayed unreachable until the timeout.
         """
         ...
 
