@@ -356,7 +356,8 @@ class Registry:
 class LossDetector:
     """A thread that watches the membership and reports, once each, peers that stop being live.
 
-    ``peers``: the ids to watch (None: every node live at ``start``). After ``start`` returns,
+    ``peers``: the ids to watch (None: every node live at ``start``; a listed peer that is not
+    live at ``start`` is reported lost at once). After ``start`` returns,
     every loss of a watched peer — lease expiry, a loss notice, or a leave notice if
     ``notice_counts`` — sets ``event`` and adds the id to ``lost`` within the time the store
     needs to show it plus ``poll`` seconds; ``on_loss`` (if given) is called from the thread.
