@@ -1,0 +1,504 @@
+"""Embedded membership store: a stdlib key/value server on a loopback TCP port and its client (``embedded://``)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from lightning_bamboo.membership.protocol import (
+    Change,
+    Event,
+    KeyValue,
+    Lease,
+    LeaseExpiredError,
+    Snapshot,
+    StoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    deadline_for,
+)
+
+#: Events kept for ``wait_for_change``; older waits get ``Change(compacted=True)``.
+HISTORY_EVENTS = 100_000
+#: The server answers a wait after at most this long; the client re-issues until its own timeout.
+MAX_SERVER_WAIT = 30.0
+#: Smallest lease TTL the server grants (seconds).
+MIN_TTL = 0.05
+
+
+class _State:
+    """The store's data; every method runs under ``self.cond``'s lock."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.kvs: dict[str, KeyValue] = {}
+        self.revision = 1  # etcd starts at 1 too; revision 0 never names a change
+        self.history: collections.deque[Event] = collections.deque(maxlen=HISTORY_EVENTS)
+        self.leases: dict[int, list[Any]] = {}  # id -> [ttl, expires_at, set(keys)]
+        self.next_lease = random.randrange(1, 2**40)
+        self.stopping = False
+
+    # -- helpers (lock held) --
+    def _bump(self) -> int:
+        self.revision += 1
+        return self.revision
+
+    def _delete_keys(self, keys: list[str], rev: int) -> int:
+        n = 0
+        for key in sorted(keys):
+            kv = self.kvs.pop(key, None)
+            if kv is None:
+                continue
+            n += 1
+            if kv.lease and kv.lease in self.leases:
+                self.leases[kv.lease][2].discard(key)
+            self.history.append(Event("delete", key, "", rev))
+        return n
+
+    def _put(self, key: str, value: str, lease: int) -> KeyValue:
+        if lease and lease in self.leases and self.leases[lease][1] <= time.monotonic():
+            self._revoke(lease)  # expired but not reaped yet
+        if lease and lease not in self.leases:
+            raise LeaseExpiredError(f"lease {lease} is not held by the store (expired or revoked)")
+        rev = self._bump()
+        old = self.kvs.get(key)
+        if old is not None and old.lease and old.lease != lease and old.lease in self.leases:
+            self.leases[old.lease][2].discard(key)
+        kv = KeyValue(
+            key=key,
+            value=value,
+            create_revision=old.create_revision if old else rev,
+            mod_revision=rev,
+            version=(old.version + 1) if old else 1,
+            lease=lease,
+        )
+        self.kvs[key] = kv
+        if lease:
+            self.leases[lease][2].add(key)
+        self.history.append(Event("put", key, value, rev))
+        self.cond.notify_all()
+        return kv
+
+    def expire_leases(self, now: float) -> float | None:
+        """Revoke every lease past its deadline; return the next deadline (or None)."""
+        expired = [lid for lid, (_, exp, _) in self.leases.items() if exp <= now]
+        for lid in expired:
+            self._revoke(lid)
+        return min((exp for _, exp, _ in self.leases.values()), default=None)
+
+    def _revoke(self, lid: int) -> None:
+        entry = self.leases.pop(lid, None)
+        if entry is None:
+            return
+        keys = [k for k in entry[2] if k in self.kvs and self.kvs[k].lease == lid]
+        if keys:
+            self._delete_keys(keys, self._bump())
+        self.cond.notify_all()
+
+    def _range(self, prefix: str) -> list[KeyValue]:
+        return [self.kvs[k] for k in sorted(self.kvs) if k.startswith(prefix)]
+
+    # -- operations (called with the lock held) --
+    def op_put(self, key: str, value: str, lease: int = 0) -> dict[str, Any]:
+        return {"kv": asdict(self._put(key, value, lease))}
+
+    def op_get(self, key: str) -> dict[str, Any]:
+        kv = self.kvs.get(key)
+        return {"kv": asdict(kv) if kv else None, "revision": self.revision}
+
+    def op_get_prefix(self, prefix: str) -> dict[str, Any]:
+        return {"kvs": [asdict(kv) for kv in self._range(prefix)], "revision": self.revision}
+
+    def op_delete(self, key: str) -> dict[str, Any]:
+        if key not in self.kvs:
+            return {"deleted": 0}
+        n = self._delete_keys([key], self._bump())
+        self.cond.notify_all()
+        return {"deleted": n}
+
+    def op_delete_prefix(self, prefix: str) -> dict[str, Any]:
+        keys = [kv.key for kv in self._range(prefix)]
+        if not keys:
+            return {"deleted": 0}
+        n = self._delete_keys(keys, self._bump())
+        self.cond.notify_all()
+        return {"deleted": n}
+
+    def op_cas(self, key: str, value: str, expected_revision: int, lease: int = 0) -> dict[str, Any]:
+        cur = self.kvs.get(key)
+        cur_rev = cur.mod_revision if cur else 0
+        if cur_rev != expected_revision:
+            return {"swapped": False, "kv": asdict(cur) if cur else None}
+        return {"swapped": True, "kv": asdict(self._put(key, value, lease))}
+
+    def op_grant(self, ttl: float) -> dict[str, Any]:
+        ttl = max(float(ttl), MIN_TTL)
+        lid = self.next_lease
+        self.next_lease += 1
+        self.leases[lid] = [ttl, time.monotonic() + ttl, set()]
+        self.cond.notify_all()  # the reaper may need an earlier wake-up
+        return {"id": lid, "ttl": ttl}
+
+    def op_keep_alive(self, lease: int) -> dict[str, Any]:
+        entry = self.leases.get(lease)
+        if entry is None or entry[1] <= time.monotonic():
+            self._revoke(lease)
+            return {"alive": False}
+        entry[1] = time.monotonic() + entry[0]
+        return {"alive": True}
+
+    def op_revoke(self, lease: int) -> dict[str, Any]:
+        self._revoke(lease)
+        return {}
+
+    def op_wait(self, prefix: str, after_revision: int, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + min(float(timeout), MAX_SERVER_WAIT)
+        after = int(after_revision)
+        while True:
+            oldest = self.history[0].revision if self.history else self.revision + 1
+            if after + 1 < oldest and len(self.history) == self.history.maxlen:
+                return {"events": [], "revision": self.revision, "compacted": True}
+            newer = []
+            for e in reversed(self.history):  # newest first; stop at the first old event
+                if e.revision <= after:
+                    break
+                if e.key.startswith(prefix):
+                    newer.append(asdict(e))
+            events = newer[::-1]
+            if events:
+                return {"events": events, "revision": self.revision, "compacted": False}
+            # Nothing under the prefix up to the current revision: wait for the next change.
+            after = max(after, self.revision)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.stopping:
+                return {"events": [], "revision": after, "compacted": False}
+            self.cond.wait(remaining)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    """One client connection: newline-delimited JSON requests, one JSON response line each."""
+
+    server: _Server
+
+    def handle(self) -> None:
+        state = self.server.state
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.track(self.connection, add=True)
+        try:
+            while not state.stopping:
+                line = self.rfile.readline()
+                if not line:
+                    return
+                try:
+                    req = json.loads(line)
+                    op = getattr(state, "op_" + req.pop("op"))
+                    with state.cond:
+                        if state.stopping:
+                            return
+                        resp = {"ok": True, **op(**req)}
+                except LeaseExpiredError as e:
+                    resp = {"ok": False, "error": "lease", "message": str(e)}
+                except Exception as e:  # a malformed request must not kill the server
+                    resp = {"ok": False, "error": "bad_request", "message": f"{type(e).__name__}: {e}"}
+                self.wfile.write(json.dumps(resp).encode() + b"\n")
+                self.wfile.flush()
+        except OSError:
+            return
+        finally:
+            self.server.track(self.connection, add=False)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], state: _State) -> None:
+        self.state = state
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        super().__init__(addr, _Handler)
+
+    def track(self, conn: socket.socket, *, add: bool) -> None:
+        with self._conns_lock:
+            (self._conns.add if add else self._conns.discard)(conn)
+
+    def close_connections(self) -> None:
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class EmbeddedServer:
+    """The embedded store server. Start it in the launcher process; clients connect with ``url``.
+
+    ``start()`` returns once the port is bound and serving; ``stop()`` closes every connection,
+    wakes every waiter and joins the threads (bounded). Usable as a context manager.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._state = _State()
+        self._server = _Server((host, port), self._state)
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"embedded://{host!s}:{port}"
+
+    def start(self) -> EmbeddedServer:
+        serve = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.5}, name="bamboo-store", daemon=True
+        )
+        reaper = threading.Thread(target=self._reap, name="bamboo-store-leases", daemon=True)
+        self._threads = [serve, reaper]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _reap(self) -> None:
+        st = self._state
+        with st.cond:
+            while not st.stopping:
+                nxt = st.expire_leases(time.monotonic())
+                wait = 1.0 if nxt is None else min(1.0, max(0.0, nxt - time.monotonic()))
+                st.cond.wait(wait)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._state.cond:
+            self._state.stopping = True
+            self._state.cond.notify_all()
+        self._server.shutdown()
+        self._server.close_connections()
+        self._server.server_close()
+        for t in self._threads:
+            t.join(timeout)
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _Ambiguous(Exception):
+    """The request was sent but no answer came back: it may or may not have been applied."""
+
+
+class EmbeddedStore:
+    """Client of an ``EmbeddedServer`` (``embedded://HOST:PORT``); see ``Store`` for the contract."""
+
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0) -> None:
+        self.url = f"embedded://{host}:{port}"
+        self._addr = (host, port)
+        self._pool: list[tuple[socket.socket, Any]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        # Fail fast (bounded) with a clear error if nobody serves this URL.
+        self._call({"op": "get", "key": ""}, connect_timeout)
+
+    # -- transport --
+    def _unavailable(self, why: str, timeout: float) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            f"membership store {self.url} did not answer within {timeout:.1f} s ({why}); "
+            "the embedded store lives in the launcher process: check that it is still running "
+            "and that --store names its URL"
+        )
+
+    def _conn(self, timeout: float) -> tuple[socket.socket, Any]:
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"membership store client {self.url} is closed")
+            if self._pool:
+                return self._pool.pop()
+        sock = socket.create_connection(self._addr, timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, sock.makefile("rb")
+
+    def _release(self, conn: tuple[socket.socket, Any]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._pool.append(conn)
+                return
+        conn[0].close()
+
+    def _call(self, req: dict[str, Any], timeout: float, extra: float = 0.0) -> dict[str, Any]:
+        """Send one request; retry while the server is unreachable, up to ``timeout`` (+``extra`` for waits)."""
+        deadline = time.monotonic() + timeout
+        payload = json.dumps(req).encode() + b"\n"
+        delay = 0.02
+        last = "no attempt"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._unavailable(last, timeout)
+            try:
+                conn = self._conn(remaining)
+            except OSError as e:  # refused / unreachable: nothing was sent, safe to retry
+                last = f"{type(e).__name__}: {e}"
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.5)
+                continue
+            sock, rfile = conn
+            sent = False
+            try:
+                sock.settimeout(remaining + extra)
+                sock.sendall(payload)
+                sent = True
+                line = rfile.readline()
+                if not line:
+                    raise ConnectionResetError("server closed the connection")
+            except TimeoutError as e:
+                sock.close()
+                raise StoreTimeoutError(
+                    f"membership store {self.url} accepted the connection but did not answer a "
+                    f"{req['op']!r} request within {remaining + extra:.1f} s; the launcher process "
+                    "holding the store may be frozen"
+                ) from e
+            except OSError as e:
+                sock.close()
+                last = f"{type(e).__name__}: {e}"
+                if sent and req["op"] in ("cas",):
+                    raise _Ambiguous(last) from e
+                continue  # a stale pooled connection or a restarted server: try a fresh one
+            self._release(conn)
+            resp = json.loads(line)
+            if resp["ok"]:
+                return resp
+            if resp["error"] == "lease":
+                raise LeaseExpiredError(
+                    f"{resp['message']} at {self.url}; grant a new lease and put the keys again"
+                )
+            raise StoreError(f"membership store {self.url} rejected {req['op']!r}: {resp['message']}")
+
+    # -- Store --
+    def put(self, key: str, value: str, *, lease: int = 0, timeout: float | None = None) -> int:
+        resp = self._call({"op": "put", "key": key, "value": value, "lease": lease}, deadline_for(timeout))
+        return int(resp["kv"]["mod_revision"])
+
+    def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
+        resp = self._call({"op": "get", "key": key}, deadline_for(timeout))
+        return KeyValue(**resp["kv"]) if resp["kv"] else None
+
+    def get_prefix(self, prefix: str, *, timeout: float | None = None) -> Snapshot:
+        resp = self._call({"op": "get_prefix", "prefix": prefix}, deadline_for(timeout))
+        return Snapshot(tuple(KeyValue(**kv) for kv in resp["kvs"]), int(resp["revision"]))
+
+    def delete(self, key: str, *, timeout: float | None = None) -> bool:
+        return bool(self._call({"op": "delete", "key": key}, deadline_for(timeout))["deleted"])
+
+    def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
+        return int(self._call({"op": "delete_prefix", "prefix": prefix}, deadline_for(timeout))["deleted"])
+
+    def compare_and_put(
+        self,
+        key: str,
+        value: str,
+        *,
+        expected_revision: int,
+        lease: int = 0,
+        timeout: float | None = None,
+    ) -> tuple[bool, KeyValue | None]:
+        t = deadline_for(timeout)
+        req = {
+            "op": "cas",
+            "key": key,
+            "value": value,
+            "expected_revision": int(expected_revision),
+            "lease": lease,
+        }
+        try:
+            resp = self._call(req, t)
+        except _Ambiguous:
+            kv = self.get(key, timeout=t)
+            return (kv is not None and kv.value == value and kv.lease == lease), kv
+        return bool(resp["swapped"]), (KeyValue(**resp["kv"]) if resp["kv"] else None)
+
+    def put_if_absent(
+        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None
+    ) -> tuple[bool, KeyValue]:
+        won, kv = self.compare_and_put(key, value, expected_revision=0, lease=lease, timeout=timeout)
+        if kv is None:  # created then deleted (e.g. lease revoked) before we looked
+            kv = KeyValue(key, value, 0, 0, 0, lease)
+        return won, kv
+
+    def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:
+        if not ttl > 0:
+            raise StoreError(f"a lease needs ttl > 0 seconds (got {ttl!r})")
+        resp = self._call({"op": "grant", "ttl": float(ttl)}, deadline_for(timeout))
+        return Lease(int(resp["id"]), float(resp["ttl"]))
+
+    def keep_alive(self, lease: int, *, timeout: float | None = None) -> bool:
+        return bool(self._call({"op": "keep_alive", "lease": lease}, deadline_for(timeout))["alive"])
+
+    def revoke_lease(self, lease: int, *, timeout: float | None = None) -> None:
+        self._call({"op": "revoke", "lease": lease}, deadline_for(timeout))
+
+    def wait_for_change(self, prefix: str, after_revision: int, timeout: float) -> Change:
+        total = deadline_for(timeout)
+        deadline = time.monotonic() + total
+        after = int(after_revision)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Change((), after)
+            # The server holds the request up to `remaining`; the socket allows 2 s more for the answer.
+            resp = self._call(
+                {"op": "wait", "prefix": prefix, "after_revision": after, "timeout": remaining},
+                remaining,
+                extra=2.0,
+            )
+            if resp["events"] or resp["compacted"]:
+                return Change(
+                    tuple(Event(**e) for e in resp["events"]), int(resp["revision"]), resp["compacted"]
+                )
+            after = max(after, int(resp["revision"]))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, []
+        for sock, rfile in pool:
+            rfile.close()
+            sock.close()
+
+    def __enter__(self) -> EmbeddedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a server in the foreground: prints its URL on the first stdout line; stops on SIGTERM/SIGINT."""
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_bamboo.membership.embedded", description=main.__doc__
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with EmbeddedServer(args.host, args.port) as server:
+        print(server.url, flush=True)
+        while not stop.wait(1.0):
+            pass
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,516 @@
+"""Node registry on any Store: join with a lease and heartbeats, announce losses and notices, watch, barriers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.protocol import (
+    LeaseExpiredError,
+    Snapshot,
+    Store,
+    StoreError,
+    StoreUnavailableError,
+)
+
+#: Lease TTL of a node (seconds). A node that freezes is seen as gone after at most TTL + the store's
+#: expiry slack (etcd checks leases every 0.5 s), so 8 s keeps detection under the 10 s target.
+DEFAULT_TTL = 8.0
+#: Root of every key this module writes: ``/bamboo/<job>/...``.
+ROOT = "/bamboo"
+
+
+class NodeIdInUseError(StoreError):
+    """Another live incarnation already holds this node id."""
+
+
+class BarrierTimeoutError(StoreError, TimeoutError):
+    """Not every expected participant reached a barrier in time."""
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not name or "/" in name or not name.isprintable() or name.strip() != name:
+        raise BambooConfigError(
+            f"a {kind} must be a non-empty printable name without '/' or surrounding spaces (got {name!r}); "
+            "e.g. 'node3' or 'gpt-demo'"
+        )
+    return name
+
+
+def job_prefix(job: str) -> str:
+    """The key prefix that holds everything about ``job``."""
+    return f"{ROOT}/{_check_name('job name', job)}/"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node registers under ``nodes/<node_id>``; ``incarnation`` differs every time a process joins."""
+
+    node_id: str
+    incarnation: str
+    address: str = ""
+    host: str = ""
+    pid: int = 0
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    revision: int = 0  # the store revision at which this incarnation registered (filled in on read)
+
+
+@dataclass(frozen=True)
+class LossNotice:
+    """``lost/<node_id>``: someone saw ``node_id`` (that incarnation) fail; written once, by the first reporter."""
+
+    node_id: str
+    incarnation: str
+    reporter: str
+    reason: str
+    revision: int = 0
+
+
+@dataclass(frozen=True)
+class LeaveNotice:
+    """``leaving/<node_id>``: the node itself got a preemption notice and will be gone by ``deadline`` (unix s)."""
+
+    node_id: str
+    incarnation: str
+    deadline: float
+    reason: str = "preemption notice"
+    revision: int = 0
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The job's membership as of store ``revision``.
+
+    ``nodes``: registered incarnations whose lease is alive. ``lost``: loss notices (they stay
+    until ``Registry.clear_loss``). ``leaving``: preemption notices of still-registered nodes.
+    A node is *live* when registered and no loss notice names its current incarnation.
+    """
+
+    revision: int
+    nodes: Mapping[str, NodeInfo]
+    lost: Mapping[str, LossNotice]
+    leaving: Mapping[str, LeaveNotice]
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        """Sorted ids of live nodes."""
+        return tuple(
+            sorted(
+                n
+                for n, info in self.nodes.items()
+                if not (n in self.lost and self.lost[n].incarnation == info.incarnation)
+            )
+        )
+
+    def gone_since(self, before: Membership) -> tuple[str, ...]:
+        """Nodes live in ``before`` that are not live now, or that came back as another incarnation."""
+        return tuple(
+            sorted(
+                n
+                for n in before.live
+                if n not in self.live or self.nodes[n].incarnation != before.nodes[n].incarnation
+            )
+        )
+
+    def joined_since(self, before: Membership) -> tuple[str, ...]:
+        """Nodes live now that were not live (as this incarnation) in ``before``."""
+        return tuple(
+            sorted(
+                n
+                for n in self.live
+                if n not in before.live or self.nodes[n].incarnation != before.nodes[n].incarnation
+            )
+        )
+
+    @classmethod
+    def from_snapshot(cls, job: str, snap: Snapshot) -> Membership:
+        base = job_prefix(job)
+        nodes: dict[str, NodeInfo] = {}
+        lost: dict[str, LossNotice] = {}
+        leaving: dict[str, LeaveNotice] = {}
+        for kv in snap.kvs:
+            kind, _, name = kv.key[len(base) :].partition("/")
+            if not name or "/" in name:
+                continue  # barriers and other sub-trees
+            try:
+                data = json.loads(kv.value)
+            except ValueError:
+                continue
+            if kind == "nodes":
+                nodes[name] = NodeInfo(**{**data, "revision": kv.create_revision})
+            elif kind == "lost":
+                lost[name] = LossNotice(**{**data, "revision": kv.mod_revision})
+            elif kind == "leaving":
+                leaving[name] = LeaveNotice(**{**data, "revision": kv.mod_revision})
+        leaving = {n: v for n, v in leaving.items() if n in nodes and nodes[n].incarnation == v.incarnation}
+        return cls(snap.revision, nodes, lost, leaving)
+
+
+def read_membership(store: Store, job: str, *, timeout: float | None = None) -> Membership:
+    """One consistent read of ``job``'s membership."""
+    return Membership.from_snapshot(job, store.get_prefix(job_prefix(job), timeout=timeout))
+
+
+def wait_for_membership_change(store: Store, job: str, after: Membership, timeout: float) -> Membership:
+    """Wait at most ``timeout`` s for any change to ``job``'s nodes, losses or notices after ``after``.
+
+    Returns the new membership (re-read), or ``after`` itself if nothing changed in time.
+    Barrier keys under the job do not count as changes.
+    """
+    deadline = time.monotonic() + timeout
+    base = job_prefix(job)
+    rev = after.revision
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return after
+        change = store.wait_for_change(base, rev, remaining)
+        if change.timed_out:
+            return after
+        relevant = change.compacted or any(
+            e.key[len(base) :].split("/", 1)[0] in ("nodes", "lost", "leaving") for e in change.events
+        )
+        if relevant:
+            return read_membership(store, job, timeout=max(remaining, 1.0))
+        rev = change.revision
+
+
+class Registry:
+    """One node's membership: ``join`` registers it under a lease kept alive by a heartbeat thread.
+
+    Call ``join`` once before training; ``leave`` on a clean exit (its keys vanish at once;
+    without it they vanish TTL after the last heartbeat). ``lease_lost`` is set if the store
+    says our lease expired (we were frozen or cut off longer than the TTL): the others already
+    treat us as gone, so the supervisor must stop this incarnation rather than carry on.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        job: str,
+        node_id: str,
+        *,
+        ttl: float = DEFAULT_TTL,
+        heartbeat: float | None = None,
+        address: str = "",
+        meta: Mapping[str, Any] | None = None,
+        on_lease_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        if not ttl > 0:
+            raise BambooConfigError(
+                f"a node lease needs ttl > 0 seconds (got {ttl}); the default is {DEFAULT_TTL}"
+            )
+        self.heartbeat = ttl / 3 if heartbeat is None else float(heartbeat)
+        if not 0 < self.heartbeat < ttl:
+            raise BambooConfigError(
+                f"heartbeat must be in (0, ttl) seconds (got heartbeat={heartbeat}, ttl={ttl}); use about ttl/3"
+            )
+        self.store, self.job, self.ttl = store, job, float(ttl)
+        self.node_id = _check_name("node id", node_id)
+        self.base = job_prefix(job)
+        self.info = NodeInfo(
+            node_id=node_id,
+            incarnation=uuid.uuid4().hex[:12],
+            address=address,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            meta=dict(meta or {}),
+        )
+        self.lease_id = 0
+        self.lease_lost = threading.Event()
+        self.last_error: Exception | None = None
+        #: ``time.monotonic()`` of the first failed heartbeat of the current run of failures; None when fine.
+        self.unreachable_since: float | None = None
+        self._on_lease_lost = on_lease_lost
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- keys --
+    def node_key(self, node_id: str) -> str:
+        return f"{self.base}nodes/{node_id}"
+
+    def _info_json(self, info: Any) -> str:
+        d = asdict(info)
+        d.pop("revision", None)
+        return json.dumps(d, sort_keys=True)
+
+    # -- lifecycle --
+    def join(self, *, timeout: float | None = None) -> Membership:
+        """Register this node (lease + ``nodes/<id>``) and start heartbeats; returns the membership after it.
+
+        Raises ``NodeIdInUseError`` if another incarnation holds the id and its lease is alive.
+        """
+        if self._thread is not None:
+            raise StoreError(f"node {self.node_id!r} already joined job {self.job!r}")
+        lease = self.store.grant_lease(self.ttl, timeout=timeout)
+        self.lease_id = lease.id
+        won, kv = self.store.put_if_absent(
+            self.node_key(self.node_id), self._info_json(self.info), lease=lease.id, timeout=timeout
+        )
+        if not won:
+            self.store.revoke_lease(lease.id, timeout=timeout)
+            other = json.loads(kv.value)
+            raise NodeIdInUseError(
+                f"node id {self.node_id!r} is already registered in job {self.job!r} by pid {other.get('pid')} on "
+                f"{other.get('host')!r} (incarnation {other.get('incarnation')}); give each process its own id, "
+                f"or wait up to {self.ttl:.0f} s for the old one's lease to expire"
+            )
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._beat, name=f"bamboo-heartbeat-{self.node_id}", daemon=True
+        )
+        self._thread.start()
+        return read_membership(self.store, self.job, timeout=timeout)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat):
+            try:
+                alive = self.store.keep_alive(self.lease_id, timeout=self.heartbeat)
+            except StoreError as e:  # unreachable for one beat: try again at the next
+                self.last_error = e
+                if self.unreachable_since is None:
+                    self.unreachable_since = time.monotonic()
+                continue
+            self.unreachable_since = None
+            if not alive:
+                self.lease_lost.set()
+                if self._on_lease_lost is not None:
+                    self._on_lease_lost(self.node_id)
+                return
+
+    def leave(self, *, timeout: float | None = None) -> None:
+        """Stop heartbeats and revoke the lease: ``nodes/<id>`` and ``leaving/<id>`` vanish now. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.heartbeat + 5.0)
+            self._thread = None
+        if self.lease_id:
+            try:
+                self.store.revoke_lease(self.lease_id, timeout=timeout)
+            except StoreUnavailableError:
+                pass  # the lease expires on its own
+            self.lease_id = 0
+
+    def stop_heartbeat(self) -> None:
+        """Stop renewing the lease without revoking it (as a frozen node would): keys vanish after the TTL."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.heartbeat + 5.0)
+            self._thread = None
+
+    # -- announcements --
+    def announce_loss(
+        self, node_id: str, reason: str, *, incarnation: str | None = None, timeout: float | None = None
+    ) -> bool:
+        """Record that ``node_id`` failed (e.g. our recv from it raised). True if we were the first to say so.
+
+        Call it as soon as a communication error names a peer: every other node's
+        ``wait_for_membership_change``/``LossDetector`` wakes on it, long before the lease expires.
+        ``incarnation`` defaults to the one registered now (so a re-joined node is not hit).
+        """
+        _check_name("node id", node_id)
+        if incarnation is None:
+            kv = self.store.get(self.node_key(node_id), timeout=timeout)
+            incarnation = json.loads(kv.value)["incarnation"] if kv else ""
+        notice = LossNotice(node_id=node_id, incarnation=incarnation, reporter=self.node_id, reason=reason)
+        key = f"{self.base}lost/{node_id}"
+        won, kv = self.store.put_if_absent(key, self._info_json(notice), timeout=timeout)
+        if not won and json.loads(kv.value).get("incarnation") != incarnation:
+            # A notice about an older incarnation: replace it with ours (once, by CAS).
+            won, _ = self.store.compare_and_put(
+                key, self._info_json(notice), expected_revision=kv.mod_revision, timeout=timeout
+            )
+        return won
+
+    def clear_loss(self, node_id: str, *, timeout: float | None = None) -> bool:
+        """Remove ``lost/<node_id>`` once the reconfiguration that handles it is done."""
+        return self.store.delete(f"{self.base}lost/{node_id}", timeout=timeout)
+
+    def announce_leaving(
+        self, grace: float, reason: str = "preemption notice", *, timeout: float | None = None
+    ) -> None:
+        """Say that this node will be gone within ``grace`` s (SIGTERM with notice). Attached to our lease."""
+        notice = LeaveNotice(self.node_id, self.info.incarnation, time.time() + grace, reason)
+        self.store.put(
+            f"{self.base}leaving/{self.node_id}",
+            self._info_json(notice),
+            lease=self.lease_id,
+            timeout=timeout,
+        )
+
+    def members(self, *, timeout: float | None = None) -> Membership:
+        return read_membership(self.store, self.job, timeout=timeout)
+
+    def wait_for_change(self, after: Membership, timeout: float) -> Membership:
+        return wait_for_membership_change(self.store, self.job, after, timeout)
+
+
+class LossDetector:
+    """A thread that watches the membership and reports, once each, peers that stop being live.
+
+    ``peers``: the ids to watch (None: every node live at ``start``; a listed peer that is not
+    live at ``start`` is reported lost at once). After ``start`` returns,
+    every loss of a watched peer — lease expiry, a loss notice, or a leave notice if
+    ``notice_counts`` — sets ``event`` and adds the id to ``lost`` within the time the store
+    needs to show it plus ``poll`` seconds; ``on_loss`` (if given) is called from the thread.
+    ``error`` holds the last store error (the thread keeps retrying). ``stop`` returns within
+    ``poll`` + the store's call timeout.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        job: str,
+        peers: Collection[str] | None = None,
+        *,
+        on_loss: Callable[[tuple[str, ...], Membership], None] | None = None,
+        notice_counts: bool = True,
+        poll: float = 1.0,
+    ) -> None:
+        self.store, self.job, self.poll = store, job, poll
+        self._peers = None if peers is None else set(peers)
+        self._on_loss = on_loss
+        self._notice_counts = notice_counts
+        self.event = threading.Event()
+        self.lost: set[str] = set()
+        self.membership: Membership | None = None
+        self.error: Exception | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, *, timeout: float | None = None) -> LossDetector:
+        m = read_membership(self.store, self.job, timeout=timeout)
+        if self._peers is None:
+            self._peers = set(m.live)
+        self.membership = m
+        self._check(m, m)
+        self._thread = threading.Thread(target=self._run, name="bamboo-loss-detector", daemon=True)
+        self._thread.start()
+        return self
+
+    def _down(self, m: Membership) -> set[str]:
+        assert self._peers is not None
+        down = {p for p in self._peers if p not in m.live}
+        if self._notice_counts:
+            down |= {p for p in self._peers if p in m.leaving}
+        return down
+
+    def _check(self, before: Membership, now: Membership) -> None:
+        assert self._peers is not None
+        down = self._down(now)
+        # A peer that came back as a new incarnation was lost in between.
+        down |= {
+            p
+            for p in self._peers
+            if p in before.live and p in now.live and before.nodes[p].incarnation != now.nodes[p].incarnation
+        }
+        with self._lock:
+            new = tuple(sorted(down - self.lost))
+            self.lost |= set(new)
+        if new:
+            self.event.set()
+            if self._on_loss is not None:
+                try:
+                    self._on_loss(new, now)
+                except Exception as e:  # a failing callback must not stop detection
+                    self.error = e
+
+    def _run(self) -> None:
+        assert self.membership is not None
+        m = self.membership
+        while not self._stop.is_set():
+            try:
+                now = wait_for_membership_change(self.store, self.job, m, self.poll)
+            except StoreError as e:
+                self.error = e
+                self._stop.wait(self.poll)
+                continue
+            self.error = None
+            if now is not m:
+                self._check(m, now)
+                self.membership = m = now
+
+    def watch(self, peers: Collection[str]) -> None:
+        """Replace the watched set (after a reconfiguration); forgets earlier losses and clears ``event``."""
+        with self._lock:
+            self._peers = set(peers)
+            self.lost = set()
+            self.event.clear()
+        if self.membership is not None:
+            self._check(self.membership, self.membership)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.poll + 10.0)
+            self._thread = None
+
+    def __enter__(self) -> LossDetector:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def barrier(
+    store: Store,
+    prefix: str,
+    me: str,
+    expected: Collection[str],
+    timeout: float,
+    *,
+    value: str = "",
+    lease: int = 0,
+) -> dict[str, str]:
+    """Put ``prefix/me`` and wait until every name in ``expected`` has put its key; returns name -> value.
+
+    Use a fresh prefix per rendezvous round (e.g. ``job_prefix(job) + f"rdzv/{round}"``). With
+    ``lease`` the arrival vanishes if we die, so a barrier never counts a dead node. Raises
+    ``BarrierTimeoutError`` naming the missing participants after ``timeout`` s.
+    """
+    base = prefix.rstrip("/") + "/"
+    want = set(expected)
+    store.put(base + _check_name("participant", me), value, lease=lease)
+    deadline = time.monotonic() + timeout
+    snap = store.get_prefix(base)
+    while True:
+        got = {kv.key[len(base) :]: kv.value for kv in snap.kvs}
+        missing = want - set(got)
+        if not missing:
+            return {k: v for k, v in got.items() if k in want}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BarrierTimeoutError(
+                f"barrier {base} at {store.url}: {len(want) - len(missing)} of {len(want)} arrived within "
+                f"{timeout:.1f} s; missing {sorted(missing)}. A missing node is dead or slow: check its "
+                "logs, or re-plan without it"
+            )
+        store.wait_for_change(base, snap.revision, remaining)
+        snap = store.get_prefix(base, timeout=max(1.0, remaining))
+
+
+__all__ = [
+    "DEFAULT_TTL",
+    "BarrierTimeoutError",
+    "LeaseExpiredError",
+    "LeaveNotice",
+    "LossDetector",
+    "LossNotice",
+    "Membership",
+    "NodeIdInUseError",
+    "NodeInfo",
+    "Registry",
+    "barrier",
+    "job_prefix",
+    "read_membership",
+    "wait_for_membership_change",
+]
