@@ -1,11 +1,33 @@
-"""lightning_bamboo: pipeline-parallel training on preemptible machines (Bamboo + Hydrozoa)."""
+"""lightning_bamboo: pipeline-parallel training on preemptible machines (Bamboo + Hydrozoa).
 
-from lightning_bamboo.checkpoint import consolidate_checkpoint
-from lightning_bamboo.deepspeed_api import initialize
+``import lightning_bamboo`` registers ``strategy="bamboo"`` in Lightning (both namespaces) and is
+cheap: torch, Lightning and DeepSpeed are imported only when something here needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_bamboo import _registration
 from lightning_bamboo.errors import BambooConfigError, BambooError
-from lightning_bamboo.strategy import BambooStrategy, PTLBambooStrategy, register
 
-register()
+_registration.install()
+
+_LAZY = {
+    "BambooStrategy": "lightning_bamboo.strategy",
+    "PTLBambooStrategy": "lightning_bamboo.strategy",
+    "consolidate_checkpoint": "lightning_bamboo.checkpoint",
+    "initialize": "lightning_bamboo.deepspeed_api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_bamboo' has no attribute {name!r}")
+
 
 __all__ = [
     "BambooConfigError",

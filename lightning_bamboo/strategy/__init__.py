@@ -1,29 +1,25 @@
-"""Lightning glue: ``BambooStrategy`` in each installed Lightning namespace, and its registration."""
+"""Lightning glue: ``BambooStrategy`` for each installed Lightning namespace."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from lightning_bamboo.strategy.bamboo import make_strategy_class
 
-#: ``BambooStrategy`` for ``lightning.pytorch``.
-BambooStrategy = make_strategy_class("lightning.pytorch")
 
-#: ``BambooStrategy`` for ``pytorch_lightning`` (``None`` when that package is not installed).
-PTLBambooStrategy = (
-    make_strategy_class("pytorch_lightning") if importlib.util.find_spec("pytorch_lightning") is not None else None
-)
+@functools.cache
+def strategy_class(namespace: str) -> type:
+    """The ``BambooStrategy`` class of ``namespace`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    return make_strategy_class(namespace)
 
 
-def register() -> None:
-    """Register ``"bamboo"`` in the strategy registry of every installed Lightning namespace."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    BambooStrategy.register_strategies(StrategyRegistry)
-    if PTLBambooStrategy is not None:
-        from pytorch_lightning.strategies import StrategyRegistry as PTLStrategyRegistry
-
-        PTLBambooStrategy.register_strategies(PTLStrategyRegistry)
+def __getattr__(name: str) -> type | None:
+    if name == "BambooStrategy":
+        return strategy_class("lightning.pytorch")
+    if name == "PTLBambooStrategy":
+        return strategy_class("pytorch_lightning") if importlib.util.find_spec("pytorch_lightning") else None
+    raise AttributeError(name)
 
 
-__all__ = ["BambooStrategy", "PTLBambooStrategy", "register"]
+__all__ = ["BambooStrategy", "PTLBambooStrategy", "strategy_class"]
