@@ -1,0 +1,165 @@
+"""The successor's stage that a node keeps, and the exchange that keeps it equal to the original.
+
+Freshness mechanism: at the end of every step the owner of a stage ships its (data-parallel
+reduced) gradients to the replica holder, and after the step commits both apply the same
+optimizer update. Same weights, same optimizer state, same gradients and the same arithmetic
+give the same result bit for bit. Cost per step: one copy of the stage's gradients (plus a
+one-byte-per-parameter mask of which parameters got a gradient) over the network, sent with
+non-blocking point-to-point calls; the replica's update costs one optimizer step of that stage.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_bamboo import checkpoint as ckpt
+
+
+def stage_container(layers: Mapping[int, nn.Module]) -> nn.Module:
+    """A module whose children are ``layers`` named by global layer index (like a pipeline stage)."""
+    module = nn.Module()
+    for index in sorted(layers):
+        module.add_module(str(index), layers[index])
+    return module
+
+
+def flat_grads(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """All gradients of ``module`` in one fp32 buffer, and which parameters had one."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
+    flat = torch.cat(pieces) if pieces else torch.zeros(0)
+    return flat.cpu(), mask
+
+
+def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) -> None:
+    offset = 0
+    params = [p for p in module.parameters() if p.requires_grad]
+    for param, has in zip(params, mask.tolist()):
+        n = param.numel()
+        param.grad = flat[offset : offset + n].view_as(param).to(param.device, param.dtype).clone() if has else None
+        offset += n
+
+
+def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Give ``target`` the current hyperparameters (lr, ...) of ``source``'s groups, as schedulers set them."""
+    for src, dst in zip(source.param_groups, target.param_groups):
+        for key, value in src.items():
+            if key != "params" and key in dst:
+                dst[key] = value
+
+
+class Replica:
+    """Layers of stage ``stage`` (the successor's) with their own optimizer, held on this node."""
+
+    def __init__(self, stage: int, layers: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        self.stage = stage
+        self.module = stage_container(layers)
+        self.optimizer = optimizer
+        self.pending = False  # gradients received for the step in flight, not applied yet
+
+    @property
+    def layers(self) -> range:
+        names = sorted(int(n) for n, _ in self.module.named_children())
+        return range(names[0], names[-1] + 1)
+
+    def states(self) -> dict[int, dict[str, Any]]:
+        return ckpt.layer_states(self.module, self.optimizer, self.layers)
+
+    def step(self, own_optimizer: torch.optim.Optimizer | None) -> None:
+        """Apply the update the owner applies (after the step committed)."""
+        if own_optimizer is not None:
+            copy_hyperparameters(own_optimizer, self.optimizer)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending = False
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending = False
+
+
+def exchange_gradients(
+    own: nn.Module, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None
+) -> None:
+    """Ship ``own``'s gradients to ``send_to`` and receive the replica's from ``recv_from`` (both non-blocking)."""
+    requests = []
+    if send_to is not None:
+        flat, mask = flat_grads(own)
+        requests += [dist.isend(mask, send_to, group=group), dist.isend(flat, send_to, group=group)]
+    if recv_from is not None:
+        assert replica is not None
+        params = [p for p in replica.module.parameters() if p.requires_grad]
+        mask = torch.zeros(len(params), dtype=torch.uint8)
+        flat = torch.zeros(sum(p.numel() for p in params))
+        requests += [dist.irecv(mask, recv_from, group=group), dist.irecv(flat, recv_from, group=group)]
+    for request in requests:
+        request.wait()
+    if recv_from is not None:
+        set_flat_grads(replica.module, flat, mask)
+        replica.pending = True
+
+
+def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:
+    """Send a picklable object to one rank and receive one from another at the same time."""
+    requests = []
+    if send_to is not None:
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        requests.append(dist.isend(size, send_to))
+    received = None
+    if recv_from is not None:
+        incoming = torch.zeros(1, dtype=torch.int64)
+        dist.irecv(incoming, recv_from).wait()
+    for request in requests:
+        request.wait()
+    requests = []
+    if send_to is not None:
+        requests.append(dist.isend(data, send_to))
+    if recv_from is not None:
+        received = torch.empty(int(incoming.item()), dtype=torch.uint8)
+        requests.append(dist.irecv(received, recv_from))
+    for request in requests:
+        request.wait()
+    if received is None:
+        return None
+    return torch.load(io.BytesIO(received.numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def equal_states(a: Mapping[int, dict[str, Any]], b: Mapping[int, dict[str, Any]]) -> list[str]:
+    """Differences between two per-layer states (weights and optimizer state), bit for bit."""
+    problems: list[str] = []
+    if sorted(a) != sorted(b):
+        return [f"layers differ: {sorted(a)} vs {sorted(b)}"]
+    for layer in a:
+        for part in ("weights", "optimizer"):
+            left, right = a[layer][part], b[layer][part]
+            if sorted(left) != sorted(right):
+                problems.append(f"layer {layer} {part}: keys differ")
+                continue
+            for name in left:
+                if not _equal(left[name], right[name]):
+                    problems.append(f"layer {layer} {part} {name} differs")
+    return problems
+
+
+def _equal(x: Any, y: Any) -> bool:
+    if torch.is_tensor(x) and torch.is_tensor(y):
+        return x.shape == y.shape and x.dtype == y.dtype and bool(torch.equal(x, y))
+    if isinstance(x, Mapping) and isinstance(y, Mapping):
+        return sorted(x) == sorted(y) and all(_equal(x[k], y[k]) for k in x)
+    return bool(x == y)
+
+
+def free(modules: Iterable[nn.Module]) -> None:
+    for module in modules:
+        for param in module.parameters():
+            param.grad = None
