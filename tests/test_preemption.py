@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ from lightning_bamboo.callbacks.notices import (
 from lightning_bamboo.callbacks.preemption import PreemptionCallback, preemption_pending
 from lightning_bamboo.errors import BambooConfigError
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)
+REPO = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------- a local metadata server
@@ -486,3 +488,54 @@ def test_strategy_hook_takes_over_or_falls_back(tmp_path, restore_signals: None,
 
 def test_module_lookup_of_the_active_flags_is_cleaned_up() -> None:
     assert preemption_module._ACTIVE == ()  # every test above stopped its callbacks
+
+
+# --------------------------------------------------------------------------- two real ranks (gloo)
+def _ddp_worker(rank: int, root: str, out: str) -> None:
+    """One rank of a 2-process DDP run; rank 1 gets SIGTERM during its 3rd step."""
+    cb = PreemptionCallback(signals=["SIGTERM"], grace_period=30.0, checkpoint_seconds=1.0)
+
+    def on_step(batch_idx: int) -> None:
+        if rank == 1 and batch_idx == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = make_trainer(root, cb, strategy="ddp", devices=2)
+    trainer.fit(TinyModel(on_step))
+    with open(out, "w") as f:
+        json.dump({"step": trainer.global_step, "stopped_at": cb.stopped_at_step,
+                   "ckpt": cb.last_checkpoint_path, "lightning_sigterm": trainer.received_sigterm}, f)
+
+
+def test_sigterm_on_a_nonzero_rank_stops_both_ranks_at_the_same_step(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                   LOCAL_RANK=str(rank), RANK=str(rank), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, __file__, "ddp-worker", str(rank), str(tmp_path), str(tmp_path / f"rank{rank}.json")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in results] == [3, 3] and [r["stopped_at"] for r in results] == [3, 3]
+    assert not any(r["lightning_sigterm"] for r in results)
+    assert (tmp_path / "checkpoints" / "preempted-step=3.ckpt").is_file()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1] == "ddp-worker":
+        _ddp_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
