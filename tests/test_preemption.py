@@ -192,7 +192,9 @@ def test_install_off_the_main_thread_warns_and_changes_nothing(
 def test_aws_imdsv2_notice_has_the_metadata_deadline(server: MetadataServer) -> None:
     deadline = float(int(time.time()) + 120)
     server.routes[AWS_TOKEN] = Route(200, "tok-123", method="PUT")
-    server.routes[AWS_ACTION] = Route(200, aws_notice_body(deadline), need_header=("X-aws-ec2-metadata-token", "tok-123"))
+    server.routes[AWS_ACTION] = Route(
+        200, aws_notice_body(deadline), need_header=("X-aws-ec2-metadata-token", "tok-123")
+    )
     notice = AwsSpotPoller(endpoint=server.url).poll()
     assert notice == Notice("aws", deadline, notice.detail)
     assert notice.detail.startswith("terminate")
@@ -232,8 +234,14 @@ def azure_events(*events: dict) -> str:
 
 def preempt_event(resources: list[str], not_before: str, event_id: str = "E1") -> dict:
     return {
-        "EventId": event_id, "EventType": "Preempt", "ResourceType": "VirtualMachine", "Resources": resources,
-        "EventStatus": "Scheduled", "NotBefore": not_before, "Description": "", "EventSource": "Platform",
+        "EventId": event_id,
+        "EventType": "Preempt",
+        "ResourceType": "VirtualMachine",
+        "Resources": resources,
+        "EventStatus": "Scheduled",
+        "NotBefore": not_before,
+        "Description": "",
+        "EventSource": "Platform",
         "DurationInSeconds": -1,
     }
 
@@ -360,7 +368,11 @@ def test_state_dict_round_trip_never_restores_a_pending_notice() -> None:
     cb.notify(Notice("gcp"))
     fresh = PreemptionCallback()
     fresh.load_state_dict(cb.state_dict())
-    assert (fresh.notices_seen, fresh.last_notice, fresh.checkpoint_seconds) == (2, Notice("aws", 1.0e9, "terminate"), 3.5)
+    assert (fresh.notices_seen, fresh.last_notice, fresh.checkpoint_seconds) == (
+        2,
+        Notice("aws", 1.0e9, "terminate"),
+        3.5,
+    )
     assert fresh.notice is None
 
 
@@ -392,8 +404,14 @@ class TinyModel(LightningModule):
 
 def make_trainer(tmp_path, callback: PreemptionCallback, **kwargs) -> Trainer:
     options = dict(
-        accelerator="cpu", devices=1, max_steps=20, default_root_dir=str(tmp_path), logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=20,
+        default_root_dir=str(tmp_path),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     options.update(kwargs)
     return Trainer(callbacks=[callback], **options)
@@ -432,7 +450,9 @@ def test_aws_notice_mid_run_writes_a_last_checkpoint_and_stops_at_that_step(
     assert not preemption_pending()
 
 
-def test_sigterm_mid_run_bypasses_lightning_handler_and_stops_cleanly(tmp_path, restore_signals: None) -> None:
+def test_sigterm_mid_run_bypasses_lightning_handler_and_stops_cleanly(
+    tmp_path, restore_signals: None
+) -> None:
     chained: list[int] = []
     signal.signal(signal.SIGTERM, lambda s, f: chained.append(s))  # a user's handler, set before fit
     user_handler = signal.getsignal(signal.SIGTERM)
@@ -502,8 +522,15 @@ def _ddp_worker(rank: int, root: str, out: str) -> None:
     trainer = make_trainer(root, cb, strategy="ddp", devices=2)
     trainer.fit(TinyModel(on_step))
     with open(out, "w") as f:
-        json.dump({"step": trainer.global_step, "stopped_at": cb.stopped_at_step,
-                   "ckpt": cb.last_checkpoint_path, "lightning_sigterm": trainer.received_sigterm}, f)
+        json.dump(
+            {
+                "step": trainer.global_step,
+                "stopped_at": cb.stopped_at_step,
+                "ckpt": cb.last_checkpoint_path,
+                "lightning_sigterm": trainer.received_sigterm,
+            },
+            f,
+        )
 
 
 def test_sigterm_on_a_nonzero_rank_stops_both_ranks_at_the_same_step(tmp_path) -> None:
@@ -515,11 +542,29 @@ def test_sigterm_on_a_nonzero_rank_stops_both_ranks_at_the_same_step(tmp_path) -
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
-                   LOCAL_RANK=str(rank), RANK=str(rank), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, __file__, "ddp-worker", str(rank), str(tmp_path), str(tmp_path / f"rank{rank}.json")]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            NODE_RANK="0",
+            LOCAL_RANK=str(rank),
+            RANK=str(rank),
+            GLOO_SOCKET_IFNAME="lo",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        )
+        cmd = [
+            sys.executable,
+            __file__,
+            "ddp-worker",
+            str(rank),
+            str(tmp_path),
+            str(tmp_path / f"rank{rank}.json"),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
     finally:

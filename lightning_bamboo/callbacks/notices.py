@@ -44,7 +44,9 @@ class Notice:
 
     def __post_init__(self) -> None:
         if not self.source:
-            raise BambooConfigError("Notice.source must name where the notice came from (got an empty string)")
+            raise BambooConfigError(
+                "Notice.source must name where the notice came from (got an empty string)"
+            )
 
     def seconds_left(self, now: float | None = None) -> float | None:
         """Seconds from ``now`` (default: the current time) to the deadline, or None without a deadline."""
@@ -99,7 +101,14 @@ def _request(
         body = err.read().decode("utf-8", errors="replace") if err.fp is not None else ""
         return _Answer(err.code, body)
     except (urllib.error.URLError, OSError) as err:  # refused, unreachable, timed out, reset
-        raise NoticeSourceError(f"{url}: unreachable ({err}); is this machine on the cloud it names?") from err
+        raise NoticeSourceError(
+            f"{url}: unreachable ({err}); is this machine on the cloud it names?"
+        ) from err
+
+
+def _utc_timestamp(when: datetime) -> float:
+    """Epoch seconds of ``when``; a time without a zone is UTC (metadata services speak UTC)."""
+    return (when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def _unexpected(url: str, answer: _Answer, expected: str) -> NoticeSourceError:
@@ -121,7 +130,9 @@ class AwsSpotPoller:
     _TOKEN_PATH = "/latest/api/token"
     _ACTION_PATH = "/latest/meta-data/spot/instance-action"
 
-    def __init__(self, endpoint: str = "http://169.254.169.254", timeout: float = 1.0, token_ttl: int = 21600):
+    def __init__(
+        self, endpoint: str = "http://169.254.169.254", timeout: float = 1.0, token_ttl: int = 21600
+    ):
         _check_endpoint(type(self).__name__, endpoint, timeout)
         if not 1 <= token_ttl <= 21600:
             raise BambooConfigError(
@@ -160,7 +171,9 @@ class AwsSpotPoller:
         if answer.status == 401 and token:  # token revoked or expired early: one retry with a new one
             self._token = None
             token = self._fresh_token()
-            answer = _request(url, headers={"X-aws-ec2-metadata-token": token} if token else {}, timeout=self.timeout)
+            answer = _request(
+                url, headers={"X-aws-ec2-metadata-token": token} if token else {}, timeout=self.timeout
+            )
         if answer.status == 404:
             return None
         expected = 'HTTP 404 (no notice) or 200 with JSON {"action": ..., "time": "YYYY-MM-DDTHH:MM:SSZ"}'
@@ -169,10 +182,10 @@ class AwsSpotPoller:
         try:
             doc = json.loads(answer.body)
             action = str(doc["action"])
-            when = datetime.strptime(str(doc["time"]), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-        except (ValueError, KeyError, TypeError) as err:
+            deadline = _utc_timestamp(datetime.fromisoformat(str(doc["time"]).replace("Z", "+00:00")))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise _unexpected(url, answer, expected) from err
-        return Notice(source=self.name, deadline=when.timestamp(), detail=f"{action} at {doc['time']}")
+        return Notice(source=self.name, deadline=deadline, detail=f"{action} at {doc['time']}")
 
 
 class GcpPreemptionPoller:
@@ -219,7 +232,9 @@ class AzureScheduledEventsPoller:
     _EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
     _NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 
-    def __init__(self, endpoint: str = "http://169.254.169.254", timeout: float = 1.0, vm_name: str | None = None):
+    def __init__(
+        self, endpoint: str = "http://169.254.169.254", timeout: float = 1.0, vm_name: str | None = None
+    ):
         _check_endpoint(type(self).__name__, endpoint, timeout)
         self.endpoint = endpoint.rstrip("/")
         self.timeout = timeout
@@ -230,7 +245,9 @@ class AzureScheduledEventsPoller:
         if not self._name_looked_up:
             self._name_looked_up = True
             try:
-                answer = _request(self.endpoint + self._NAME_PATH, headers={"Metadata": "true"}, timeout=self.timeout)
+                answer = _request(
+                    self.endpoint + self._NAME_PATH, headers={"Metadata": "true"}, timeout=self.timeout
+                )
                 if answer.status == 200 and answer.body.strip():
                     self.vm_name = answer.body.strip()
             except NoticeSourceError:
@@ -269,9 +286,11 @@ class AzureScheduledEventsPoller:
                 deadlines.append(time.time())
                 continue
             try:
-                deadlines.append(email.utils.parsedate_to_datetime(not_before).timestamp())
+                deadlines.append(_utc_timestamp(email.utils.parsedate_to_datetime(not_before)))
             except (ValueError, TypeError) as err:
-                raise _unexpected(url, answer, "NotBefore in RFC 1123 form, e.g. 'Mon, 19 Sep 2016 18:29:47 GMT'") from err
+                raise _unexpected(
+                    url, answer, "NotBefore in RFC 1123 form, e.g. 'Mon, 19 Sep 2016 18:29:47 GMT'"
+                ) from err
         first = mine[deadlines.index(min(deadlines))]
         return Notice(
             source=self.name,
@@ -343,7 +362,9 @@ class NoticeWatcher:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
-                log.warning("preemption notice thread did not stop within %.1f s; it is a daemon and is left", timeout)
+                log.warning(
+                    "preemption notice thread did not stop within %.1f s; it is a daemon and is left", timeout
+                )
 
     def wait_polls(self, count: int, timeout: float) -> bool:
         """Block until ``count`` rounds have completed (True) or ``timeout`` passes (False)."""

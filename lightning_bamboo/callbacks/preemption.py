@@ -175,7 +175,9 @@ class PreemptionCallback(Callback):
         self.pollers = [self._parse_poller(p) for p in pollers]
         for name, value in (("poll_interval", poll_interval), ("grace_period", grace_period)):
             if not (value > 0 and math.isfinite(value)):
-                raise BambooConfigError(f"PreemptionCallback({name}={value}): must be a finite number of seconds > 0")
+                raise BambooConfigError(
+                    f"PreemptionCallback({name}={value}): must be a finite number of seconds > 0"
+                )
         if not (checkpoint_seconds >= 0 and math.isfinite(checkpoint_seconds)):
             raise BambooConfigError(
                 f"PreemptionCallback(checkpoint_seconds={checkpoint_seconds}): must be a finite number of seconds >= 0"
@@ -378,11 +380,22 @@ class PreemptionCallback(Callback):
         step = trainer.global_step
         log.warning(
             "rank %d: preemption notice agreed at step %d (leaving ranks %s, %.1f s left, this rank's notice: %s)",
-            trainer.global_rank, step, list(leaving), seconds_left, notice,
+            trainer.global_rank,
+            step,
+            list(leaving),
+            seconds_left,
+            notice,
         )
-        pl_module.log("preemption/notices", float(self.notices_seen), on_step=True, on_epoch=False, rank_zero_only=True)
-        pl_module.log("preemption/seconds_left", seconds_left if math.isfinite(seconds_left) else -1.0,
-                      on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log(
+            "preemption/notices", float(self.notices_seen), on_step=True, on_epoch=False, rank_zero_only=True
+        )
+        pl_module.log(
+            "preemption/seconds_left",
+            seconds_left if math.isfinite(seconds_left) else -1.0,
+            on_step=True,
+            on_epoch=False,
+            rank_zero_only=True,
+        )
         if self.on_notice == "log":
             return
 
@@ -393,7 +406,10 @@ class PreemptionCallback(Callback):
                 # The fallback below is collective (save_checkpoint), so all ranks must agree on it too.
                 if trainer.strategy.reduce_boolean_decision(handled, all=True):
                     return  # the strategy owns the rest; later notices (other ranks) are checked as usual
-                log.warning("rank %d: strategy declined the handover; falling back to a checkpoint", trainer.global_rank)
+                log.warning(
+                    "rank %d: strategy declined the handover; falling back to a checkpoint",
+                    trainer.global_rank,
+                )
 
         if self.on_notice in ("auto", "checkpoint"):
             if seconds_left > ckpt_estimate:
@@ -401,7 +417,9 @@ class PreemptionCallback(Callback):
             else:
                 log.warning(
                     "rank %d: no last checkpoint: %.1f s left before the kill, a checkpoint takes about %.1f s",
-                    trainer.global_rank, seconds_left, ckpt_estimate,
+                    trainer.global_rank,
+                    seconds_left,
+                    ckpt_estimate,
                 )
         trainer.should_stop = True
         self.stopped_at_step = step
@@ -420,7 +438,11 @@ class PreemptionCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         last = dataclasses.asdict(self.last_notice) if self.last_notice is not None else None
-        return {"notices_seen": self.notices_seen, "last_notice": last, "checkpoint_seconds": self.checkpoint_seconds}
+        return {
+            "notices_seen": self.notices_seen,
+            "last_notice": last,
+            "checkpoint_seconds": self.checkpoint_seconds,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -429,4 +451,3 @@ class PreemptionCallback(Callback):
         last = state_dict.get("last_notice")
         self.last_notice = Notice(**last) if last else None
         self.checkpoint_seconds = float(state_dict.get("checkpoint_seconds", self.checkpoint_seconds))
-
