@@ -39,6 +39,12 @@ pytestmark = pytest.mark.timeout(150)
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def no_callback_left_active() -> Iterator[None]:
+    yield
+    assert preemption_module._ACTIVE == ()  # every callback a test started was stopped (teardown ran)
+
+
 # --------------------------------------------------------------------------- a local metadata server
 @dataclass
 class Route:
@@ -506,10 +512,6 @@ def test_strategy_hook_takes_over_or_falls_back(tmp_path, restore_signals: None,
         assert trainer.global_step == 4 and (tmp_path / "checkpoints" / "preempted-step=4.ckpt").is_file()
 
 
-def test_module_lookup_of_the_active_flags_is_cleaned_up() -> None:
-    assert preemption_module._ACTIVE == ()  # every test above stopped its callbacks
-
-
 # --------------------------------------------------------------------------- two real ranks (gloo)
 def _ddp_worker(rank: int, root: str, out: str) -> None:
     """One rank of a 2-process DDP run; rank 1 gets SIGTERM during its 3rd step."""
@@ -577,6 +579,18 @@ def test_sigterm_on_a_nonzero_rank_stops_both_ranks_at_the_same_step(tmp_path) -
     assert [r["step"] for r in results] == [3, 3] and [r["stopped_at"] for r in results] == [3, 3]
     assert not any(r["lightning_sigterm"] for r in results)
     assert (tmp_path / "checkpoints" / "preempted-step=3.ckpt").is_file()
+
+
+@pytest.mark.parametrize("action, steps", [("log", 6), ("stop", 2)])
+def test_log_only_keeps_training_and_stop_writes_nothing(
+    tmp_path, restore_signals: None, action, steps
+) -> None:
+    cb = PreemptionCallback(signals=["SIGUSR1"], on_notice=action)
+    trainer = make_trainer(tmp_path, cb, max_steps=6)
+    trainer.fit(TinyModel(lambda i: i == 1 and os.kill(os.getpid(), signal.SIGUSR1)))
+    assert trainer.global_step == steps and cb.notices_seen == 1
+    assert cb.last_notice is not None and cb.last_notice.source == "signal:SIGUSR1"
+    assert not (tmp_path / "checkpoints").exists()
 
 
 if __name__ == "__main__":
