@@ -382,6 +382,24 @@ def test_state_dict_round_trip_never_restores_a_pending_notice() -> None:
     assert fresh.notice is None
 
 
+def test_picklable_for_spawn_launchers(server: MetadataServer, restore_signals: None) -> None:
+    import pickle
+
+    server.routes[GCP_PATH] = Route(200, "FALSE")
+    cb = PreemptionCallback(signals=["SIGUSR1"], pollers=[GcpPreemptionPoller(endpoint=server.url)])
+    cb._start()
+    cb.install_signal_handlers()
+    try:
+        cb.notify(Notice("gcp", 5.0))
+        copy = pickle.loads(pickle.dumps(cb))
+    finally:
+        cb._stop()
+    assert copy.notice is None and copy._watcher is None and copy._installed == {}
+    assert copy.signals == (signal.SIGUSR1,) and copy.pollers[0].endpoint == server.url
+    copy.notify(Notice("aws", 7.0))
+    assert copy.wait_for_notice(timeout=1) == Notice("aws", 7.0)
+
+
 # --------------------------------------------------------------------------- real Trainer runs
 class TinyModel(LightningModule):
     """Regression on 8 features; ``on_step`` runs inside training_step (the engine's view of a step)."""

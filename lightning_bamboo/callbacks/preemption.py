@@ -83,6 +83,12 @@ class SignalFlag:
         self.notice = None
         self.event.clear()
 
+    def __getstate__(self) -> dict[str, Any]:  # picklable for spawn launchers: a new process, no notice
+        return {"grace_period": self.grace_period}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["grace_period"])  # type: ignore[misc]
+
 
 class _FlagHandler:
     """A flag-only handler for one signal that then calls the handler it displaced."""
@@ -433,6 +439,12 @@ class PreemptionCallback(Callback):
         self.checkpoint_seconds = max(took, 0.5 * self.checkpoint_seconds + 0.5 * took)
         self.last_checkpoint_path = path
         log.warning("rank %d: last checkpoint %s written in %.2f s", trainer.global_rank, path, took)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Handlers and the poll thread belong to this process; a spawned copy installs its own.
+        state = self.__dict__.copy()
+        state["_installed"], state["_watcher"] = {}, None
+        return state
 
     # ----------------------------------------------------------------- checkpointed state
     @override
