@@ -1,22 +1,60 @@
-"""``BambooPipelineEngine``: DeepSpeed's pipeline engine with per-layer state and a variable micro-batch count."""
+"""``BambooPipelineEngine``: DeepSpeed's pipeline engine with replicas, a committed optimizer step and failover hooks."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine.replica import Replica, exchange_gradients
+from lightning_bamboo.errors import BambooError
+
+log = logging.getLogger(__name__)
+
+#: Fault injection for tests and the demo: ``NODE@STEP`` or ``NODE@STEP:INSTRUCTION``. The named
+#: node SIGKILLs itself at the start of step STEP (0-based count of train_batch calls), or after
+#: INSTRUCTION schedule steps of it (a kill in the middle of a step).
+FAIL_AT_ENV = "BAMBOO_FAIL_AT"
+
+
+class PeerLost(BambooError):
+    """A peer of this pipeline is gone; the step in flight did not commit here."""
+
+    def __init__(self, message: str, lost: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.lost = tuple(lost)
 
 
 class BambooPipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` that lightning_bamboo builds directly (``deepspeed.initialize`` cannot).
 
-    Redundant computation extends it with new instructions (subclasses of DeepSpeed's
-    ``PipeInstruction`` plus ``_INSTRUCTION_MAP`` entries).
+    With a replica or a commit hook, the optimizer step of a batch is deferred: the
+    ``OptimizerStep`` instruction only ships this stage's gradients to its replica holder and
+    receives the successor's; after the schedule (and the loss) completed, ``commit`` decides
+    whether the step counts everywhere, and only then are the own and the replica's optimizer
+    steps applied. A failure before that leaves every survivor with an unchanged model.
     """
 
     bamboo_options: dict[str, Any]
+    replica: Replica | None = None
+    #: global ranks this process ships its gradients to / receives its replica's from
+    replica_peers: tuple[int | None, int | None] = (None, None)
+    #: called after the schedule ran, before the update; raises PeerLost if the step does not commit
+    commit: Callable[[int], None] | None = None
+    #: the watchdog running train_batch; None runs it on the calling thread
+    guard: Any = None
+    node_id: str = ""
+    batches_run = 0
 
+    # ------------------------------------------------------------------ micro-batches
     def set_micro_batches(self, micro_batches: int) -> None:
         """Run the next batch as ``micro_batches`` micro-batches (the micro-batch size is fixed)."""
         if micro_batches != self.micro_batches:
@@ -27,27 +65,135 @@ class BambooPipelineEngine(PipelineEngine):
         """Indices of the layers this process owns."""
         return range(self.module._local_start, self.module._local_stop)
 
-    def named_layer_modules(self) -> dict[int, torch.nn.Module]:
-        """This stage's layers that are modules, by global layer index."""
-        return {int(name): layer for name, layer in self.module.named_children() if name.isdigit()}
+    def own_states(self) -> dict[int, dict[str, Any]]:
+        """Weights and optimizer state of this stage's layers, by layer (CPU copies)."""
+        return ckpt.layer_states(self.module, self.optimizer, self.layer_range)
 
-    def save_layer_checkpoint(self, path: str, client_state: dict[str, Any] | None = None) -> None:
-        """Save in lightning_bamboo's per-layer format (every process calls it).
+    # ------------------------------------------------------------------ the step
+    @property
+    def defers_step(self) -> bool:
+        return self.replica is not None or self.commit is not None or self.replica_peers[0] is not None
 
-        ``lightning_bamboo.consolidate_checkpoint(path)`` turns it into one state_dict, and a
-        run with another number of stages or pipelines can load it.
-        """
-        import torch.distributed as dist
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        step = self.batches_run
+        self.batches_run += 1
+        _maybe_fail(self.node_id, step, None)
+        if self.guard is None:
+            return self._train_and_commit(data_iter, step)
+        return self.guard.run(lambda: self._train_and_commit(data_iter, step))
 
-        from lightning_bamboo import checkpoint as ckpt
+    def _train_and_commit(self, data_iter: Any, step: int) -> torch.Tensor:
+        self._pending_step = False
+        loss = super().train_batch(data_iter)
+        if self._pending_step:
+            if self.commit is not None:
+                self.commit(step)
+            self.apply_step()
+        return loss
 
-        def meta() -> dict[str, Any]:
-            extra = {"global_steps": self.global_steps}
-            return {**(client_state or {}), "bamboo": ckpt.bamboo_meta(
-                self.module._num_layers, self.module.parts, self.grid.data_parallel_size, self.optimizer, **extra)}
+    def apply_step(self) -> None:
+        """Apply the deferred update of the own stage and the replica (after the step committed)."""
+        PipelineEngine._exec_optimizer_step(self)
+        if self.replica is not None and self.replica.pending:
+            self.replica.step(self.optimizer)
+        self._pending_step = False
 
-        ckpt.save_sharded(
-            path, self.module, self.optimizer, self.layer_range, meta,
-            is_global_zero=dist.get_rank() == 0, writes_layers=self.grid.data_parallel_id == 0,
-            barrier=lambda name: dist.barrier(),
-        )
+    def discard_step(self) -> None:
+        """Forget the gradients of a step that did not commit."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.replica is not None:
+            self.replica.discard()
+        self._pending_step = False
+
+    def _exec_deferred_optimizer_step(self, lr_kwargs: Any = None) -> None:
+        if not self.defers_step:
+            return PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+        if self.gradient_clipping() > 0:
+            raise BambooError(
+                "redundant computation does not support gradient clipping yet (gradient_clipping: "
+                f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
+            )
+        send_to, recv_from = self.replica_peers
+        exchange_gradients(self.module, self.replica, send_to, recv_from)
+        self._pending_step = True
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.OptimizerStep: _exec_deferred_optimizer_step,
+    }
+
+    def _exec_schedule(self, pipe_schedule: Any) -> None:
+        super()._exec_schedule(_FailureInjector(pipe_schedule, self.node_id, self.batches_run - 1))
+
+
+def _maybe_fail(node: str, step: int, instruction: int | None) -> None:
+    spec = os.environ.get(FAIL_AT_ENV, "")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        who, _, when = item.partition("@")
+        at_step, _, at_instruction = when.partition(":")
+        if who != node or int(at_step) != step:
+            continue
+        if (instruction is None and not at_instruction) or (at_instruction and instruction == int(at_instruction)):
+            log.warning("%s: injected SIGKILL at step %d%s", node, step, "" if instruction is None else f" instruction {instruction}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _FailureInjector:
+    """Iterates a DeepSpeed schedule, SIGKILLing this process at the step named by BAMBOO_FAIL_AT."""
+
+    def __init__(self, schedule: Any, node: str, step: int) -> None:
+        self.schedule, self.node, self.step = schedule, node, step
+
+    def __iter__(self) -> Iterator[Any]:
+        for index, commands in enumerate(self.schedule):
+            if index:
+                _maybe_fail(self.node, self.step, index)
+            yield commands
+
+
+class StepGuard:
+    """Runs a step on a worker thread so that a lost peer can never block the caller.
+
+    A gloo send or receive with a frozen or vanished peer blocks until the process-group
+    timeout, and no other thread can interrupt it. So the step runs on a worker thread while
+    the caller waits for it *or* for ``lost`` (set by the membership watcher). On a loss the
+    worker is abandoned: its process group is destroyed by the failover and it only ever
+    touches the old engine's objects.
+    """
+
+    def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float) -> None:
+        self.lost, self.describe, self.detection_timeout = lost, describe, detection_timeout
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        result: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                result["value"] = fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                result["error"] = err
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=work, name="bamboo-step", daemon=True)
+        thread.start()
+        while not done.wait(0.02):
+            if self.lost.is_set():
+                raise PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
+        if "error" in result:
+            err = result["error"]
+            if isinstance(err, PeerLost):
+                raise err
+            if isinstance(err, RuntimeError) and _is_comm_error(err):
+                # A receive from a dead peer fails fast; wait (bounded) for the store to say who died.
+                if self.lost.wait(self.detection_timeout):
+                    raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
+            raise err
+        return result["value"]
+
+
+def _is_comm_error(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(k in text for k in ("connection", "gloo", "closed", "reset", "peer", "timed out", "broken pipe", "nccl"))
