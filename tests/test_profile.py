@@ -22,7 +22,7 @@ def test_sizes_follow_the_layers_and_the_micro_batch() -> None:
     prof = profile_layers(layers, torch.randn(3, 8), micro_batch_sizes=(1, 4), repeats=1, warmup=1)
     assert prof.micro_batch_sizes == (1, 4)
     widths = [64, 16, 4]
-    for layer, lp, width in zip(layers, prof.layers, widths):
+    for layer, lp, width in zip(layers, prof.layers, widths, strict=True):
         n_params = sum(p.numel() for p in layer.parameters())
         assert lp.param_bytes == lp.grad_bytes == 4 * n_params
         assert lp.optimizer_bytes >= 2 * lp.param_bytes  # Adam: two moments per parameter
@@ -47,7 +47,7 @@ def test_model_mode_gradients_weights_and_rng_are_untouched() -> None:
     assert [[m.training for m in layer.modules()] for layer in layers] == modes
     assert torch.equal(layers[1].weight.grad, torch.full_like(layers[1].weight, 3.0))
     assert layers[0][0].weight.grad is None and layers[2][1].weight.grad is None
-    for layer, state in zip(layers, before):
+    for layer, state in zip(layers, before, strict=True):
         for key, value in layer.state_dict().items():
             assert torch.equal(value, state[key]), key
 

@@ -115,7 +115,7 @@ class HydrozoaTuner(Callback):
         """The batch the planner keeps: global (fixed mode) or per pipeline (scale mode)."""
         per_pipeline = None
         if lightning_hasattr(pl_module, self.batch_arg_name):
-            per_pipeline = int(lightning_getattr(pl_module, self.batch_arg_name))
+            per_pipeline = int(lightning_getattr(pl_module, self.batch_arg_name))  # type: ignore[arg-type]
         if self.scale_batch:
             if self.global_batch is not None:
                 return self.global_batch  # read as the batch of one pipeline
@@ -174,15 +174,14 @@ class HydrozoaTuner(Callback):
         strategy = trainer.strategy
         table_dict = None
         if getattr(strategy, "global_rank", 0) == 0:
-            table = self.table if self._covers(strategy) else self.build_table(trainer, pl_module)
+            table = self.table
+            if table is None or table.max_world_size < int(getattr(strategy, "world_size", 1)):
+                table = self.build_table(trainer, pl_module)
             table_dict = table.to_dict()
         table_dict = strategy.broadcast(table_dict, src=0)
         self.table = PlanTable.from_dict(table_dict)
         self.plan = self.plan_for(int(getattr(strategy, "world_size", 1)))
         self.apply(trainer, pl_module, self.plan)
-
-    def _covers(self, strategy: Any) -> bool:
-        return self.table is not None and self.table.max_world_size >= int(getattr(strategy, "world_size", 1))
 
     def plan_for(self, world_size: int) -> Plan:
         """The plan for ``world_size`` workers: a lookup (raises NoFeasiblePlanError, with why, if none)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
@@ -226,7 +227,7 @@ def check_partition(partition: Sequence[int], num_layers: int) -> None:
         len(parts) < 2
         or parts[0] != 0
         or parts[-1] != num_layers
-        or any(b <= a for a, b in zip(parts, parts[1:]))
+        or any(b <= a for a, b in pairwise(parts))
     ):
         raise BambooConfigError(
             f"a partition lists stages + 1 strictly increasing layer boundaries from 0 to {num_layers} "
@@ -256,7 +257,7 @@ def estimate_step(
         return transfer_seconds(costs[boundary - 1].output_bytes, hw) if 0 < boundary < L else 0.0
 
     stages = []
-    for k, (a, b) in enumerate(zip(partition, partition[1:])):
+    for k, (a, b) in enumerate(pairwise(partition)):
         fwd = sum(c.forward_seconds for c in costs[a:b])
         bwd = sum(c.backward_seconds for c in costs[a:b])
         comm = 2 * cut(a) + 2 * cut(b)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
@@ -71,7 +72,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         parts = list(self.partition)
-        if len(parts) != self.stages + 1 or parts[0] != 0 or any(b <= a for a, b in zip(parts, parts[1:])):
+        if len(parts) != self.stages + 1 or parts[0] != 0 or any(b <= a for a, b in pairwise(parts)):
             raise BambooConfigError(
                 f"Plan.partition must list stages + 1 = {self.stages + 1} increasing boundaries from 0 "
                 f"(got {parts})"
@@ -165,7 +166,7 @@ def plan(
     started = time.perf_counter()
     _check_layers_fit(profile, hw)
     tables = _tables if _tables is not None else {}
-    feasible: list[tuple[float, int, int, Alternative, Any]] = []
+    feasible: list[tuple[tuple[float, int, int, int], int, int, Alternative, Any]] = []
     rejected: list[Infeasible] = []
     least_memory = float("inf")
     for stages, pipelines in _layouts(world_size, profile.num_layers, allow_idle):

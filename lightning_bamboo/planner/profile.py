@@ -29,6 +29,23 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _timed_forward(layer: nn.Module, inp: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
+    _sync(device)
+    start = time.perf_counter()
+    out = layer(inp)
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+def _timed_backward(out: torch.Tensor, device: torch.device) -> float:
+    grad = torch.ones_like(out) / out.numel()
+    _sync(device)
+    start = time.perf_counter()
+    torch.autograd.backward(out, grad)
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def _nbytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -59,10 +76,6 @@ def _saved_bytes(layer: nn.Module, inp: torch.Tensor) -> tuple[torch.Tensor, int
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(inp)
     return out, sum(seen.values())
-
-
-def _grad_like(out: torch.Tensor) -> torch.Tensor:
-    return torch.ones_like(out) / out.numel()
 
 
 def profile_layers(
@@ -153,22 +166,20 @@ def _costs(
         activation = 0
         out: torch.Tensor = inp
         for run in range(warmup + repeats):
-            holder: list[torch.Tensor] = []
-            forward_times.append(_timed(lambda: holder.append(twin(inp)), dev))
-            out = holder[0]
+            seconds, out = _timed_forward(twin, inp, dev)
+            forward_times.append(seconds)
+            if not isinstance(out, torch.Tensor):
+                raise BambooConfigError(
+                    f"a pipeline layer must return one tensor (layer {type(twin).__name__} returned "
+                    f"{type(out).__name__}); wrap it so it returns a single tensor"
+                )
             if run == 0:
                 out, activation = _saved_bytes(twin, inp)
             if out.requires_grad:
-                grad = _grad_like(out)
-                backward_times.append(_timed(lambda: torch.autograd.backward(out, grad), dev))
+                backward_times.append(_timed_backward(out, dev))
             for p in twin.parameters():
                 p.grad = None
             inp.grad = None
-        if not isinstance(out, torch.Tensor):
-            raise BambooConfigError(
-                f"a pipeline layer must return one tensor (layer {type(twin).__name__} returned "
-                f"{type(out).__name__}); wrap it so it returns a single tensor"
-            )
         out_costs.append(
             LayerCost(
                 forward_seconds=statistics.median(forward_times[warmup:]),

@@ -17,6 +17,7 @@ This is exact (tests compare it with brute force), and a 32-layer model plans in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class SegmentTables:
 
         fwd = [c.forward_seconds for c in costs]
         bwd = [c.backward_seconds for c in costs]
-        self.fb = seg(prefix([f + b for f, b in zip(fwd, bwd)]))
+        self.fb = seg(prefix([f + b for f, b in zip(fwd, bwd, strict=True)]))
         self.total_fb = float(sum(fwd) + sum(bwd))
         # cut[j]: one message across the boundary before layer j (0 at the model's ends)
         cut = np.zeros(L + 1)
@@ -168,7 +169,7 @@ def solve_split(
     t = tables if tables is not None else SegmentTables(profile, hw, micro_batch_size)
     memories = [t.memory(k, stages, micro_batches) for k in range(stages)]
     positions = [t.positions(k, stages) for k in range(stages)]
-    allowed = [pos & (mem <= hw.memory_bytes) for pos, mem in zip(positions, memories)]
+    allowed = [pos & (mem <= hw.memory_bytes) for pos, mem in zip(positions, memories, strict=True)]
 
     s_weight = 2 * t.cut  # cost of a cut ending a stage at boundary j (0 at j = L)
     s_min, first = _dp(allowed, s_weight, "sum")
@@ -176,7 +177,7 @@ def solve_split(
         # report the least memory any split needs: minimise the fullest stage
         lowest = np.full(L + 1, _INF)
         lowest[0] = 0.0
-        for pos, mem in zip(positions, memories):
+        for pos, mem in zip(positions, memories, strict=True):
             lowest = np.where(pos, np.maximum(lowest[:, None], mem), _INF).min(axis=0)
         need = float(lowest[L])
         return NoSplit(
@@ -190,7 +191,7 @@ def solve_split(
     const = t.total_fb
 
     def objective(parts: tuple[int, ...]) -> float:
-        segs = list(zip(parts, parts[1:]))
+        segs = list(pairwise(parts))
         return (
             const
             + weight_u * max(float(t.busy[a, b]) for a, b in segs)
