@@ -41,9 +41,10 @@ def test_model_mode_gradients_weights_and_rng_are_untouched() -> None:
     before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in layers]
     modes = [[m.training for m in layer.modules()] for layer in layers]
     sample = torch.randn(2, 8)
-    rng = torch.get_rng_state()
-    profile_layers(layers, sample, micro_batch_sizes=(2,), repeats=1, warmup=0)
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()
+    profile_layers(layers, sample, micro_batch_sizes=(2,), repeats=1, warmup=0, threads=threads + 1)
     assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.get_num_threads() == threads
     assert [[m.training for m in layer.modules()] for layer in layers] == modes
     assert torch.equal(layers[1].weight.grad, torch.full_like(layers[1].weight, 3.0))
     assert layers[0][0].weight.grad is None and layers[2][1].weight.grad is None

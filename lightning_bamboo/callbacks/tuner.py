@@ -91,6 +91,7 @@ class HydrozoaTuner(Callback):
         batch_arg_name: str = "batch_size",
         repeats: int = 3,
         warmup: int = 1,
+        threads: int | None = None,
     ) -> None:
         if global_batch is not None and global_batch < 1:
             raise BambooConfigError(f"global_batch must be >= 1 or None (global_batch: {global_batch})")
@@ -107,6 +108,7 @@ class HydrozoaTuner(Callback):
         self.batch_arg_name = batch_arg_name
         self.repeats = repeats
         self.warmup = warmup
+        self.threads = threads  # torch threads while profiling; None: what this worker already uses
         self.table: PlanTable | None = None
         self.plan: Plan | None = None
 
@@ -157,7 +159,7 @@ class HydrozoaTuner(Callback):
         layers = _build_layers(pl_module, seed)
         profile = profile_layers(
             layers, self._sample(pl_module), self.micro_batch_sizes, device=device,
-            repeats=self.repeats, warmup=self.warmup,
+            repeats=self.repeats, warmup=self.warmup, threads=self.threads,
         )
         local = int(getattr(trainer, "num_devices", 1) or 1)
         hw = Hardware(

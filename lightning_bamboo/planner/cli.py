@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="where to profile (cpu, cuda, cuda:1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per layer first")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads while profiling: what each worker runs with (CPU workers on one host share cores)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="read a saved profile (JSON) instead of measuring")
     parser.add_argument("--save-profile", type=Path, help="write the measured profile as JSON")
@@ -62,7 +66,8 @@ def _measure(args: argparse.Namespace) -> ModelProfile:
     layers = gpt_layers(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (max(args.micro_batch_sizes), cfg.block_size))
     return profile_layers(
-        layers, tokens, args.micro_batch_sizes, device=args.device, repeats=args.repeats, warmup=args.warmup
+        layers, tokens, args.micro_batch_sizes, device=args.device, repeats=args.repeats, warmup=args.warmup,
+        threads=args.threads,
     )
 
 

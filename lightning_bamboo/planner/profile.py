@@ -87,14 +87,18 @@ def profile_layers(
     repeats: int = 3,
     warmup: int = 1,
     optimizer: OptimizerFactory | None = None,
+    threads: int | None = None,
 ) -> ModelProfile:
     """Per-layer costs of training ``layers`` in order, at every micro-batch size.
 
     ``sample`` is an input batch for the first layer (its rows are repeated to make each
     micro-batch) or a function ``size -> batch``. Times are medians of ``repeats`` runs after
     ``warmup`` runs; optimizer state and update time come from one ``optimizer`` (default Adam)
-    per layer. The layers themselves, their mode, their gradients and the global RNG are left
-    as they were: everything runs on deep copies, inside ``torch.random.fork_rng``.
+    per layer. ``threads`` sets torch's CPU threads while measuring (use what each worker will
+    run with: CPU workers sharing a host contend for cores, and oversubscribed threads make
+    timings swing by 100x); None keeps the current setting. The layers themselves, their mode,
+    their gradients, the global RNG and the thread count are left as they were: everything runs
+    on deep copies, inside ``torch.random.fork_rng``.
     """
     sizes = sorted(set(int(s) for s in micro_batch_sizes))
     if not layers or not sizes or sizes[0] < 1 or repeats < 1 or warmup < 0:
@@ -104,18 +108,16 @@ def profile_layers(
         )
     dev = torch.device(device) if device is not None else torch.device("cpu")
     make_optimizer = optimizer or (lambda params: torch.optim.Adam(params))
+    if threads is not None and threads < 1:
+        raise BambooConfigError(f"threads must be >= 1 or None (threads: {threads}); use 1 per CPU worker")
     rng_devices = [dev.index or 0] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
-        copies = []
-        for layer in layers:
-            twin = copy.deepcopy(layer).to(dev)
-            twin.train()
-            for p in twin.parameters():
-                p.grad = None
-            copies.append(twin)
-        static = [_static(twin, make_optimizer, dev, repeats, warmup) for twin in copies]
-        per_size = {size: _costs(copies, _batch(sample, size, dev), dev, repeats, warmup) for size in sizes}
-        del copies
+    threads_before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        static, per_size = _measure(layers, sample, sizes, dev, rng_devices, make_optimizer, repeats, warmup)
+    finally:
+        torch.set_num_threads(threads_before)
     profiles = []
     for i, layer in enumerate(layers):
         param_bytes, grad_bytes, opt_bytes, update = static[i]
@@ -130,6 +132,31 @@ def profile_layers(
             )
         )
     return ModelProfile(tuple(profiles), device=str(dev))
+
+
+def _measure(
+    layers: Sequence[nn.Module],
+    sample: torch.Tensor | Callable[[int], torch.Tensor],
+    sizes: list[int],
+    dev: torch.device,
+    rng_devices: list[int],
+    make_optimizer: OptimizerFactory,
+    repeats: int,
+    warmup: int,
+) -> tuple[list[tuple[int, int, int, float]], dict[int, list[LayerCost]]]:
+    """Everything that runs the layers: on deep copies, with the caller's RNG streams restored after."""
+    with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
+        copies = []
+        for layer in layers:
+            twin = copy.deepcopy(layer).to(dev)
+            twin.train()
+            for p in twin.parameters():
+                p.grad = None
+            copies.append(twin)
+        static = [_static(twin, make_optimizer, dev, repeats, warmup) for twin in copies]
+        per_size = {size: _costs(copies, _batch(sample, size, dev), dev, repeats, warmup) for size in sizes}
+        del copies
+    return static, per_size
 
 
 def _static(
