@@ -25,7 +25,6 @@ from lightning_bamboo.planner.costmodel import (
     Hardware,
     ModelProfile,
     StepEstimate,
-    allreduce_seconds,
     estimate_step,
     in_flight,
     transfer_seconds,
@@ -91,10 +90,19 @@ class SegmentTables:
         self.per_micro_batch = seg(prefix([c.activation_bytes for c in costs])) + boundary[:, None] + boundary[None, :]
         idx = np.arange(L + 1)
         self.valid = idx[:, None] < idx[None, :]
+        self._tails: dict[int, np.ndarray] = {}
 
     def tail(self, pipelines: int) -> np.ndarray:
-        reduce = np.vectorize(lambda b: allreduce_seconds(float(b), pipelines, self.hw), otypes=[float])
-        return reduce(self.grad) + self.update
+        """All-reduce over ``pipelines`` plus the optimizer update, per segment (cached per degree)."""
+        if pipelines not in self._tails:
+            d, hw = pipelines, self.hw
+            if d <= 1:
+                reduce = np.zeros_like(self.grad)
+            else:  # allreduce_seconds, elementwise, in the same order of operations
+                ring = 2 * (d - 1) / d * self.grad / hw.allreduce_bandwidth + 2 * (d - 1) * hw.latency_seconds
+                reduce = np.where(self.grad == 0, 0.0, ring)
+            self._tails[pipelines] = reduce + self.update
+        return self._tails[pipelines]
 
     def memory(self, stage: int, stages: int, micro_batches: int) -> np.ndarray:
         return self.static + in_flight(stage, stages, micro_batches) * self.per_micro_batch
