@@ -137,3 +137,16 @@ def test_missing_inputs_are_explained() -> None:
         tuner().setup(FakeTrainer(FakeStrategy(world_size=1)), module, "fit")
     with pytest.raises(BambooConfigError, match="global_batch"):
         HydrozoaTuner(global_batch=0)
+
+
+def test_bandwidth_none_measures_the_link_on_every_rank(monkeypatch) -> None:
+    import lightning_bamboo.planner.network as network
+
+    calls = []
+    monkeypatch.setattr(network, "measure_link", lambda **kw: calls.append(kw) or (5.0e8, 1.0e-4))
+    cb = tuner(bandwidth_bytes_per_second=None)
+    cb.setup(FakeTrainer(FakeStrategy(world_size=2)), UnevenMLP(), "fit")
+    assert len(calls) == 1 and cb.link == (5.0e8, 1.0e-4)
+    single = tuner(bandwidth_bytes_per_second=None)
+    single.setup(FakeTrainer(FakeStrategy(world_size=1)), UnevenMLP(), "fit")
+    assert single.link is None and single.plan.stages == 1  # one process: no link to measure

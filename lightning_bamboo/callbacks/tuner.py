@@ -86,7 +86,7 @@ class HydrozoaTuner(Callback):
         micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
         max_world_size: int | None = None,
         memory_bytes: int | None = None,
-        bandwidth_bytes_per_second: float = 1.0e9,
+        bandwidth_bytes_per_second: float | None = 1.0e9,
         latency_seconds: float = 5.0e-5,
         batch_arg_name: str = "batch_size",
         repeats: int = 3,
@@ -103,8 +103,9 @@ class HydrozoaTuner(Callback):
         self.micro_batch_sizes = tuple(micro_batch_sizes)
         self.max_world_size = max_world_size
         self.memory_bytes = memory_bytes
-        self.bandwidth_bytes_per_second = bandwidth_bytes_per_second
+        self.bandwidth_bytes_per_second = bandwidth_bytes_per_second  # None: measure ranks 0 <-> 1 in setup
         self.latency_seconds = latency_seconds
+        self.link: tuple[float, float] | None = None  # (bytes/s, s) used by the last plan
         self.batch_arg_name = batch_arg_name
         self.repeats = repeats
         self.warmup = warmup
@@ -162,10 +163,11 @@ class HydrozoaTuner(Callback):
             repeats=self.repeats, warmup=self.warmup, threads=self.threads,
         )
         local = int(getattr(trainer, "num_devices", 1) or 1)
+        bandwidth, latency = self.link or (self.bandwidth_bytes_per_second or 1.0e9, self.latency_seconds)
         hw = Hardware(
             memory_bytes=self.memory_bytes or _default_memory_bytes(torch.device(device), local),
-            bandwidth_bytes_per_second=self.bandwidth_bytes_per_second,
-            latency_seconds=self.latency_seconds,
+            bandwidth_bytes_per_second=bandwidth,
+            latency_seconds=latency,
         )
         return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch)
 
@@ -174,6 +176,12 @@ class HydrozoaTuner(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
+        world_size = int(getattr(strategy, "world_size", 1))
+        if self.bandwidth_bytes_per_second is None and world_size >= 2:
+            from lightning_bamboo.planner.network import measure_link
+
+            # a collective: every rank takes part, before rank 0 goes off to profile alone
+            self.link = measure_link(device=getattr(strategy, "root_device", "cpu"))
         table_dict = None
         if getattr(strategy, "global_rank", 0) == 0:
             table = self.table
