@@ -61,6 +61,9 @@ def random_hardware(rng: random.Random) -> Hardware:
         memory_bytes=rng.randint(40, 200) * 1000,
         bandwidth_bytes_per_second=rng.choice([1e3, 1e4, 1e5]),
         latency_seconds=rng.uniform(0, 0.2),
+        micro_batch_overhead_seconds=rng.choice([0.0, rng.uniform(0, 0.5)]),
+        step_overhead_seconds=rng.choice([0.0, rng.uniform(0, 1)]),
+        compute_scale=rng.choice([1.0, rng.uniform(0.5, 3)]),
     )
 
 
@@ -83,6 +86,15 @@ def test_balanced_pipeline_is_m_plus_p_minus_1_slots() -> None:
     est = estimate_step(prof, FAST, [0, 2, 4], 1, micro_batches=4)
     assert est.step_seconds == pytest.approx((4 + 2 - 1) * 6)
     assert [s.busy_seconds for s in est.stages] == pytest.approx([6, 6])
+
+
+def test_engine_overheads_and_compute_scale() -> None:
+    # per micro-batch and stage 0.5 s of engine work, 2 s per step, workers twice as slow as profiled
+    hw = Hardware(memory_bytes=10**9, bandwidth_bytes_per_second=1e30, latency_seconds=0.0,
+                  micro_batch_overhead_seconds=0.5, step_overhead_seconds=2.0, compute_scale=2.0)
+    prof = model(*(layer(1, 2) for _ in range(4)))
+    est = estimate_step(prof, hw, [0, 2, 4], 1, micro_batches=4)
+    assert est.step_seconds == pytest.approx((4 + 2 - 1) * (2 * 6 + 0.5) + 2.0)
 
 
 def test_transfers_busy_both_neighbours_and_add_to_latency() -> None:

@@ -88,6 +88,8 @@ class HydrozoaTuner(Callback):
         memory_bytes: int | None = None,
         bandwidth_bytes_per_second: float | None = 1.0e9,
         latency_seconds: float = 5.0e-5,
+        micro_batch_overhead_seconds: float = 0.0,
+        step_overhead_seconds: float = 0.0,
         batch_arg_name: str = "batch_size",
         repeats: int = 3,
         warmup: int = 1,
@@ -105,6 +107,8 @@ class HydrozoaTuner(Callback):
         self.memory_bytes = memory_bytes
         self.bandwidth_bytes_per_second = bandwidth_bytes_per_second  # None: measure ranks 0 <-> 1 in setup
         self.latency_seconds = latency_seconds
+        self.micro_batch_overhead_seconds = micro_batch_overhead_seconds
+        self.step_overhead_seconds = step_overhead_seconds
         self.link: tuple[float, float] | None = None  # (bytes/s, s) used by the last plan
         self.batch_arg_name = batch_arg_name
         self.repeats = repeats
@@ -168,6 +172,8 @@ class HydrozoaTuner(Callback):
             memory_bytes=self.memory_bytes or _default_memory_bytes(torch.device(device), local),
             bandwidth_bytes_per_second=bandwidth,
             latency_seconds=latency,
+            micro_batch_overhead_seconds=self.micro_batch_overhead_seconds,
+            step_overhead_seconds=self.step_overhead_seconds,
         )
         return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch)
 

@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-gib", type=float, default=8.0, help="usable memory per worker")
     parser.add_argument("--bandwidth-gbps", type=float, default=1.0, help="GB/s between workers")
     parser.add_argument("--latency-ms", type=float, default=0.05, help="per message")
+    parser.add_argument("--micro-batch-overhead-ms", type=float, default=0.0,
+                        help="engine cost per micro-batch and stage (benchmarks/tuner.py measures it)")
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed cost per step")
+    parser.add_argument("--compute-scale", type=float, default=1.0,
+                        help="workers' compute time / profiled time (e.g. 2 when two workers share a core)")
     parser.add_argument("--allow-idle", action="store_true", help="allow plans that leave workers unused")
     parser.add_argument("--n-layer", type=int, default=4, help="GPT transformer blocks (pipeline layers = n + 2)")
     parser.add_argument("--n-embd", type=int, default=64)
@@ -79,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
             memory_bytes=int(args.memory_gib * GiB),
             bandwidth_bytes_per_second=args.bandwidth_gbps * 1e9,
             latency_seconds=args.latency_ms / 1e3,
+            micro_batch_overhead_seconds=args.micro_batch_overhead_ms / 1e3,
+            step_overhead_seconds=args.step_overhead_ms / 1e3,
+            compute_scale=args.compute_scale,
         )
         if args.profile is not None:
             profile = ModelProfile.from_dict(json.loads(args.profile.read_text()))

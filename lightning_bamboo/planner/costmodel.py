@@ -6,11 +6,13 @@ Model (every term is per micro-batch unless it says otherwise):
 - A cut after layer ``b - 1`` sends that layer's output forward and the same number of bytes of
   gradient backward, once per micro-batch. Transfers are blocking (DeepSpeed's p2p), so both
   ends are busy: ``c(b) = latency + output_bytes / bandwidth`` for each direction.
-- Busy time of a stage per micro-batch: ``u_k = F_k + B_k + 2 c(in) + 2 c(out)``.
+- Busy time of a stage per micro-batch: ``u_k = F_k + B_k + 2 c(in) + 2 c(out) + o`` where ``o`` is the
+  engine's own cost per micro-batch and stage (``Hardware.micro_batch_overhead_seconds``).
 - 1F1B step: ``(m - 1) * max_k u_k`` (steady state, paced by the slowest stage) plus the time one
   micro-batch takes through the whole pipeline and back, ``sum_k (F_k + B_k) + 2 * sum_cuts c``,
   plus the tail ``max_k (all-reduce_k + update_k)``: each stage reduces its gradients over the
-  ``d`` pipelines (ring: ``2 (d - 1) / d * bytes / bandwidth + 2 (d - 1) latency``) and steps.
+  ``d`` pipelines (ring: ``2 (d - 1) / d * bytes / bandwidth + 2 (d - 1) latency``) and steps,
+  plus a fixed ``Hardware.step_overhead_seconds``. Profiled times are scaled by ``compute_scale``.
   With ``p`` equal stages of time ``t`` this is the textbook ``(m + p - 1) t``.
 - Memory of stage ``k`` (0-based): parameters, gradients and optimizer state of its layers, plus
   ``min(m, p - k)`` micro-batches in flight (1F1B warm-up depth), each holding the activations
@@ -152,6 +154,9 @@ class Hardware:
     bandwidth_bytes_per_second: float = 1.0e9  # between adjacent stages
     allreduce_bandwidth_bytes_per_second: float | None = None  # between pipelines; None: same as above
     latency_seconds: float = 5.0e-5  # per message
+    micro_batch_overhead_seconds: float = 0.0  # engine bookkeeping per micro-batch on every stage
+    step_overhead_seconds: float = 0.0  # per optimizer step, whatever the layout
+    compute_scale: float = 1.0  # profiled times x this on the workers (e.g. 2: two workers share a core)
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -165,7 +170,14 @@ class Hardware:
                 "Hardware.allreduce_bandwidth_bytes_per_second must be > 0 or None "
                 f"(got {self.allreduce_bandwidth_bytes_per_second!r})"
             )
-        _check_non_negative("Hardware", latency_seconds=self.latency_seconds)
+        _check_non_negative(
+            "Hardware",
+            latency_seconds=self.latency_seconds,
+            micro_batch_overhead_seconds=self.micro_batch_overhead_seconds,
+            step_overhead_seconds=self.step_overhead_seconds,
+        )
+        if not self.compute_scale > 0:
+            raise BambooConfigError(f"Hardware.compute_scale must be > 0 (got {self.compute_scale!r}); 1 = as profiled")
 
     @property
     def allreduce_bandwidth(self) -> float:
@@ -258,19 +270,25 @@ def estimate_step(
 
     stages = []
     for k, (a, b) in enumerate(pairwise(partition)):
-        fwd = sum(c.forward_seconds for c in costs[a:b])
-        bwd = sum(c.backward_seconds for c in costs[a:b])
+        fwd = hw.compute_scale * sum(c.forward_seconds for c in costs[a:b])
+        bwd = hw.compute_scale * sum(c.backward_seconds for c in costs[a:b])
         comm = 2 * cut(a) + 2 * cut(b)
         grad = sum(layer.grad_bytes for layer in profile.layers[a:b])
-        tail = allreduce_seconds(grad, pipelines, hw) + sum(layer.update_seconds for layer in profile.layers[a:b])
+        update = hw.compute_scale * sum(layer.update_seconds for layer in profile.layers[a:b])
+        tail = allreduce_seconds(grad, pipelines, hw) + update
         n = in_flight(k, p, micro_batches)
         in_bytes = costs[a - 1].output_bytes if a > 0 else 0
         out_bytes = costs[b - 1].output_bytes if b < L else 0
         memory = sum(layer.static_bytes for layer in profile.layers[a:b]) + n * (
             sum(c.activation_bytes for c in costs[a:b]) + in_bytes + out_bytes
         )
-        stages.append(StageEstimate(a, b, fwd, bwd, comm, fwd + bwd + comm, tail, memory, n))
+        busy = fwd + bwd + comm + hw.micro_batch_overhead_seconds
+        stages.append(StageEstimate(a, b, fwd, bwd, comm, busy, tail, memory, n))
     steady = (micro_batches - 1) * max(s.busy_seconds for s in stages)
-    latency = sum(s.forward_seconds + s.backward_seconds for s in stages) + 2 * sum(cut(b) for b in partition[1:-1])
-    tail = max(s.tail_seconds for s in stages)
+    latency = (
+        sum(s.forward_seconds + s.backward_seconds for s in stages)
+        + 2 * sum(cut(b) for b in partition[1:-1])
+        + p * hw.micro_batch_overhead_seconds
+    )
+    tail = max(s.tail_seconds for s in stages) + hw.step_overhead_seconds
     return StepEstimate(steady + latency + tail, steady, latency, tail, tuple(stages))

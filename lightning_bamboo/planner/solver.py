@@ -73,16 +73,17 @@ class SegmentTables:
 
         fwd = [c.forward_seconds for c in costs]
         bwd = [c.backward_seconds for c in costs]
-        self.fb = seg(prefix([f + b for f, b in zip(fwd, bwd, strict=True)]))
-        self.total_fb = float(sum(fwd) + sum(bwd))
+        scale = hw.compute_scale
+        self.fb = seg(prefix([scale * f + scale * b for f, b in zip(fwd, bwd, strict=True)]))
+        self.total_fb = float(scale * sum(fwd) + scale * sum(bwd))
         # cut[j]: one message across the boundary before layer j (0 at the model's ends)
         cut = np.zeros(L + 1)
         for j in range(1, L):
             cut[j] = transfer_seconds(costs[j - 1].output_bytes, hw)
         self.cut = cut
-        self.busy = self.fb + 2 * cut[:, None] + 2 * cut[None, :]
+        self.busy = self.fb + 2 * cut[:, None] + 2 * cut[None, :] + hw.micro_batch_overhead_seconds
         self.grad = seg(prefix([layer.grad_bytes for layer in profile.layers]))
-        self.update = seg(prefix([layer.update_seconds for layer in profile.layers]))
+        self.update = seg(prefix([scale * layer.update_seconds for layer in profile.layers]))
         self.static = seg(prefix([layer.static_bytes for layer in profile.layers]))
         boundary = np.zeros(L + 1)  # bytes of the tensor crossing boundary j (0 at the ends)
         for j in range(1, L):
@@ -196,7 +197,7 @@ def solve_split(
         )
     tail = t.tail(pipelines)
     weight_u = micro_batches - 1
-    const = t.total_fb
+    const = t.total_fb + stages * hw.micro_batch_overhead_seconds + hw.step_overhead_seconds
 
     def objective(parts: tuple[int, ...]) -> float:
         segs = list(pairwise(parts))
