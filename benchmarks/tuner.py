@@ -41,7 +41,8 @@ class _Sleep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fwd: tuple[float, float], bwd: tuple[float, float]) -> torch.Tensor:
-        time.sleep(fwd[0] + fwd[1] * x.shape[0])
+        if fwd != (0, 0):  # sleep(0) still yields the core: a null layer must not call it
+            time.sleep(fwd[0] + fwd[1] * x.shape[0])
         ctx.bwd = bwd
         ctx.save_for_backward(x, w)
         return x * w
@@ -49,7 +50,8 @@ class _Sleep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
-        time.sleep(ctx.bwd[0] + ctx.bwd[1] * x.shape[0])
+        if ctx.bwd != (0, 0):
+            time.sleep(ctx.bwd[0] + ctx.bwd[1] * x.shape[0])
         return grad * w, (grad * x).sum().reshape(w.shape), None, None
 
 
@@ -80,22 +82,24 @@ class Example:
         if self.name == "sleep":  # uneven: two heavy layers in the middle, a heavy last layer
             costs = [(0.5, 0.5), (0.5, 0.5), (2, 2), (0.5, 0.5), (2, 1), (0.5, 0.5), (0.5, 0.5), (1, 2)]
             return [SleepLayer((f, f / 2), (2 * f, b)) for f, b in costs]
-        if self.name == "mlp":  # widths 64 -> 512 -> 64 -> 1024 -> 64 -> 16
-            widths = [64, 512, 64, 1024, 64, 16]
+        if self.name == "null":  # no compute: what is left is the engine's own cost
+            return [SleepLayer((0, 0), (0, 0)) for _ in range(8)]
+        if self.name == "mlp":  # uneven widths, big enough that compute outweighs the engine's overhead
+            widths = [256, 2048, 256, 4096, 256, 64]
             return [nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(widths, widths[1:], strict=False)]
         if self.name == "gpt":  # a big vocabulary: heavy embedding (parameters) and head (time)
             return list(gpt_layers(self.gpt_config()))
         raise ValueError(self.name)
 
     def gpt_config(self) -> GPTConfig:
-        return GPTConfig(vocab_size=4096, n_layer=4, n_embd=64, n_head=4, block_size=32)
+        return GPTConfig(vocab_size=8192, n_layer=4, n_embd=128, n_head=4, block_size=64)
 
     def batch(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         if self.name == "gpt":
             cfg = self.gpt_config()
             tokens = torch.randint(0, cfg.vocab_size, (size, cfg.block_size + 1), generator=generator)
             return tokens[:, :-1], tokens[:, 1:]
-        width_in, width_out = (16, 16) if self.name == "sleep" else (64, 16)
+        width_in, width_out = (16, 16) if self.name in ("sleep", "null") else (256, 64)
         return torch.randn(size, width_in, generator=generator), torch.randn(size, width_out, generator=generator)
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -138,6 +142,12 @@ def _worker(rank: int, world: int, port: int, example: Example, configs: list[Co
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     deepspeed.init_distributed(dist_backend="gloo")
+    if example.name == "null":
+        from lightning_bamboo.planner.network import measure_link
+
+        link = measure_link(num_bytes=2**20, repeats=5)
+        if rank == 0:
+            results.put(("link", link))
     for cfg in configs:
         topology = PipeDataParallelTopology(num_pp=cfg.stages, num_dp=cfg.pipelines)
         module = CutAt(example.layers(), cfg.parts, topology=topology, loss_fn=example.loss)
@@ -177,12 +187,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(example: Example, configs: list[Config], world: int, steps: int) -> dict[Config, float]:
+def measure(example: Example, configs: list[Config], world: int, steps: int) -> dict[Any, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     mp.start_processes(_worker, args=(world, _free_port(), example, configs, steps, results), nprocs=world,
                        start_method="spawn")
-    return dict(results.get(timeout=60) for _ in configs)
+    expected = len(configs) + (1 if example.name == "null" else 0)
+    return dict(results.get(timeout=60) for _ in range(expected))
+
+
+def calibrate(world: int, steps: int, compute_scale: float) -> Hardware:
+    """The engine's costs on this machine: link latency/bandwidth, per micro-batch and per step.
+
+    A model without compute runs as ``world`` pipelines of one stage with 1 and 16 micro-batches:
+    ``step(m) = step_overhead + m * micro_batch_overhead``.
+    """
+    runs = [Config("null", 1, world, 1, m, (0, 8), 0.0) for m in (1, 16)]
+    measured = measure(Example("null", 0), runs, world, steps)
+    bandwidth, latency = measured["link"]
+    one, many = measured[runs[0]], measured[runs[1]]
+    per_micro_batch = max(0.0, (many - one) / 15)
+    hw = Hardware(
+        memory_bytes=2**30,
+        bandwidth_bytes_per_second=bandwidth,
+        latency_seconds=latency,
+        micro_batch_overhead_seconds=per_micro_batch,
+        step_overhead_seconds=max(0.0, one - per_micro_batch),
+        compute_scale=compute_scale,
+    )
+    print(f"calibrated: link {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us, engine "
+          f"{hw.micro_batch_overhead_seconds * 1e3:.2f} ms per micro-batch, {hw.step_overhead_seconds * 1e3:.2f} ms "
+          f"per step, compute x{hw.compute_scale:.1f} ({world} workers on {os.cpu_count()} cores)")
+    return hw
 
 
 # ---------------------------------------------------------------------------- planning
@@ -244,10 +280,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (median), after 2 warm-up")
     parser.add_argument("--models", default="sleep,mlp,gpt")
     parser.add_argument("--report", help="write the numbers as JSON")
+    parser.add_argument("--compute-scale", type=float, default=1.0,
+                        help="workers' compute / profiled compute (try workers / cores on an oversubscribed CPU)")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="plan with a bare Hardware (no engine overheads) instead of measuring them first")
     args = parser.parse_args()
 
-    hw = Hardware(memory_bytes=2**30, bandwidth_bytes_per_second=1e9, latency_seconds=1e-4)
-    report: dict[str, Any] = {"world_size": args.world_size, "global_batch": args.global_batch, "models": {}}
+    hw = (calibrate(args.world_size, args.steps, args.compute_scale) if args.calibrate
+          else Hardware(memory_bytes=2**30, compute_scale=args.compute_scale))
+    report: dict[str, Any] = {"world_size": args.world_size, "global_batch": args.global_batch, "models": {},
+                              "hardware": hw.__dict__}
     regrets, errors = [], []
     for name in args.models.split(","):
         example = Example(name, seed=0)
