@@ -249,7 +249,7 @@ def configs_for(example: Example, profile: ModelProfile, hw: Hardware, world: in
     for label, parts in (("ds-uniform", partition_uniform(profile.num_layers, best.stages)),
                          ("ds-parameters", partition_balanced(params, best.stages))):
         parts = tuple(int(p) for p in parts)
-        if parts == best.parts:  # the same split: reported as the chosen one's measurement
+        if parts == best.parts:  # the same split, measured again: the gap to the chosen run is noise
             configs.append(replace(best, label=label))
             continue
         est = estimate_step(profile, hw, parts, best.micro_batch_size, best.micro_batches, best.pipelines)
