@@ -231,6 +231,7 @@ def test_plan_json_round_trip_and_contract_keys() -> None:
         assert key in data
     assert data["partition"][0] == 0 and data["partition"][-1] == 6 and len(data["partition"]) == data["stages"] + 1
     assert Plan.from_dict(data) == chosen
+    assert Plan.from_json(chosen.to_json()) == chosen
 
 
 def test_plan_table_is_a_lookup_per_world_size() -> None:

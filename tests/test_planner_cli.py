@@ -39,3 +39,13 @@ def test_memory_too_small_is_a_clear_error(capsys) -> None:
     assert cli.run(parse("--world-size", "2", "--json", "--n-layer", "1", "--memory-gib", "0.0001")) == 2
     err = capsys.readouterr().err
     assert "MiB" in err and "limit" in err
+
+
+def test_the_console_dispatcher_runs_it(capsys, monkeypatch) -> None:
+    import lightning_bamboo.cli as top
+
+    monkeypatch.setitem(top.COMMANDS, "plan", ("lightning_bamboo.planner.cli", "plan"))
+    argv = ["plan", "--example", "gpt", "--world-size", "2", "--json", "--n-layer", "1", "--repeats", "1",
+            "--warmup", "0", "--micro-batch-sizes", "1"]
+    assert top.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["stages"] in (1, 2)

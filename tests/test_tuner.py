@@ -80,7 +80,7 @@ def test_other_ranks_take_rank0s_plan_without_profiling() -> None:
     rank0 = tuner()
     rank0.setup(FakeTrainer(FakeStrategy(world_size=2)), UnevenMLP(), "fit")
     module = UnevenMLP()
-    strategy = FakeStrategy(world_size=2, global_rank=1, from_rank0=rank0.table.to_dict())
+    strategy = FakeStrategy(world_size=2, global_rank=1, from_rank0={"table": rank0.table.to_dict()})
     cb = tuner()
     cb.setup(FakeTrainer(strategy), module, "fit")
     assert module.built == 0
@@ -150,3 +150,13 @@ def test_bandwidth_none_measures_the_link_on_every_rank(monkeypatch) -> None:
     single = tuner(bandwidth_bytes_per_second=None)
     single.setup(FakeTrainer(FakeStrategy(world_size=1)), UnevenMLP(), "fit")
     assert single.link is None and single.plan.stages == 1  # one process: no link to measure
+
+
+def test_a_planning_error_on_rank0_reaches_every_rank() -> None:
+    tiny = tuner(memory_bytes=64)  # not even one layer fits
+    with pytest.raises(BambooConfigError, match="alone needs"):
+        tiny.setup(FakeTrainer(FakeStrategy(world_size=2)), UnevenMLP(), "fit")
+    # rank 1 gets the error rank 0 broadcast instead of a table, and raises it too
+    rank1 = FakeStrategy(world_size=2, global_rank=1, from_rank0={"error": "layer 0 alone needs 1.0 MiB"})
+    with pytest.raises(BambooConfigError, match=r"planned on rank 0\): layer 0 alone needs"):
+        tuner().setup(FakeTrainer(rank1), UnevenMLP(), "fit")

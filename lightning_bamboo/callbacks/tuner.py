@@ -188,13 +188,19 @@ class HydrozoaTuner(Callback):
 
             # a collective: every rank takes part, before rank 0 goes off to profile alone
             self.link = measure_link(device=getattr(strategy, "root_device", "cpu"))
-        table_dict = None
+        message: dict[str, Any] = {}
         if getattr(strategy, "global_rank", 0) == 0:
             table = self.table
-            if table is None or table.max_world_size < int(getattr(strategy, "world_size", 1)):
-                table = self.build_table(trainer, pl_module)
-            table_dict = table.to_dict()
-        table_dict = strategy.broadcast(table_dict, src=0)
+            try:
+                if table is None or table.max_world_size < world_size:
+                    table = self.build_table(trainer, pl_module)
+                message = {"table": table.to_dict()}
+            except BambooConfigError as err:  # every rank must raise it, not wait for a table that never comes
+                message = {"error": str(err)}
+        message = strategy.broadcast(message, src=0)
+        if "error" in message:
+            raise BambooConfigError(f"HydrozoaTuner (planned on rank 0): {message['error']}")
+        table_dict = message["table"]
         self.table = PlanTable.from_dict(table_dict)
         self.plan = self.plan_for(int(getattr(strategy, "world_size", 1)))
         self.apply(trainer, pl_module, self.plan)

@@ -106,6 +106,11 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read what ``to_json`` (or ``lightning-bamboo plan --json``) wrote."""
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         raw = {k: v for k, v in data.items() if k != "layout"}
         raw["partition"] = tuple(raw["partition"])
