@@ -157,6 +157,6 @@ def test_a_planning_error_on_rank0_reaches_every_rank() -> None:
     with pytest.raises(BambooConfigError, match="alone needs"):
         tiny.setup(FakeTrainer(FakeStrategy(world_size=2)), UnevenMLP(), "fit")
     # rank 1 gets the error rank 0 broadcast instead of a table, and raises it too
-    rank1 = FakeStrategy(world_size=2, global_rank=1, from_rank0={"error": "layer 0 alone needs 1.0 MiB"})
-    with pytest.raises(BambooConfigError, match=r"planned on rank 0\): layer 0 alone needs"):
+    rank1 = FakeStrategy(world_size=2, global_rank=1, from_rank0={"error": "LayerTooLargeError: layer 0 alone needs 1.0 MiB"})
+    with pytest.raises(BambooConfigError, match=r"planned on rank 0\): LayerTooLargeError: layer 0 alone needs"):
         tuner().setup(FakeTrainer(rank1), UnevenMLP(), "fit")

@@ -189,15 +189,19 @@ class HydrozoaTuner(Callback):
             # a collective: every rank takes part, before rank 0 goes off to profile alone
             self.link = measure_link(device=getattr(strategy, "root_device", "cpu"))
         message: dict[str, Any] = {}
+        failure: Exception | None = None
         if getattr(strategy, "global_rank", 0) == 0:
             table = self.table
             try:
                 if table is None or table.max_world_size < world_size:
                     table = self.build_table(trainer, pl_module)
                 message = {"table": table.to_dict()}
-            except BambooConfigError as err:  # every rank must raise it, not wait for a table that never comes
-                message = {"error": str(err)}
+            except Exception as err:  # every rank must fail, not wait for a table that never comes
+                failure = err
+                message = {"error": f"{type(err).__name__}: {err}"}
         message = strategy.broadcast(message, src=0)
+        if failure is not None:
+            raise failure
         if "error" in message:
             raise BambooConfigError(f"HydrozoaTuner (planned on rank 0): {message['error']}")
         table_dict = message["table"]
