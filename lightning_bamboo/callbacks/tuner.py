@@ -1,0 +1,256 @@
+"""HydrozoaTuner: profile on rank 0 before fit, plan every world size, apply the plan to BambooStrategy."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch import nn
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.planner.costmodel import Hardware
+from lightning_bamboo.planner.plan import Plan, PlanTable, plan_table
+
+log = logging.getLogger(__name__)
+
+_STRATEGY_OPTIONS = ("stages", "micro_batch_size", "partition")
+
+
+def apply_plan(strategy: Any, plan: Plan) -> None:
+    """Set the layout options of a BambooStrategy (before ``strategy.setup()`` builds the engine)."""
+    missing = [name for name in _STRATEGY_OPTIONS if not hasattr(strategy, name)]
+    if missing:
+        raise BambooConfigError(
+            f"HydrozoaTuner drives a strategy with the options {list(_STRATEGY_OPTIONS)}, but "
+            f"{type(strategy).__name__} lacks {missing}; use Trainer(strategy='bamboo') or "
+            f"lightning_bamboo.BambooStrategy(...)"
+        )
+    world_size = getattr(strategy, "world_size", plan.world_size)
+    if plan.stages * plan.pipelines != world_size:
+        raise BambooConfigError(
+            f"the plan's layout {plan.pipelines} pipeline(s) x {plan.stages} stage(s) = "
+            f"{plan.stages * plan.pipelines} workers does not match the world size {world_size}; "
+            f"look up the plan for {world_size} workers (HydrozoaTuner.plan_for({world_size}))"
+        )
+    strategy.stages = plan.stages
+    strategy.micro_batch_size = plan.micro_batch_size
+    strategy.partition = list(plan.partition)
+
+
+def _build_layers(pl_module: Any, seed: int) -> list[nn.Module]:
+    """The module's pipeline layers, built as the strategy builds them (LayerSpecs too), RNG untouched."""
+    if not hasattr(pl_module, "configure_pipeline"):
+        raise BambooConfigError(
+            f"HydrozoaTuner profiles configure_pipeline(), which {type(pl_module).__name__} does not define; "
+            f"add `def configure_pipeline(self)` returning the layers in order"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        specs = list(pl_module.configure_pipeline())
+        return [spec if isinstance(spec, nn.Module) else spec.build() for spec in specs]
+
+
+def _default_memory_bytes(device: torch.device, local_workers: int) -> int:
+    """90% of the device's memory (a GPU's, or this host's RAM shared by its local workers)."""
+    if device.type == "cuda":
+        return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.9 * total / max(1, local_workers))
+
+
+class HydrozoaTuner(Callback):
+    """Choose depth, data-parallel degree, micro-batch size and layer split before fit; re-plan by lookup.
+
+    On ``setup`` (after the process group exists, before the strategy builds its engine) global
+    rank 0 profiles ``configure_pipeline()`` on a deep copy, plans every world size from 1 to
+    ``max_world_size`` and broadcasts the table; every rank applies the plan for the current
+    world size to the strategy (``stages``, ``micro_batch_size``, ``partition``) and, when the
+    module or datamodule exposes ``batch_arg_name``, sets the per-pipeline batch.
+
+    The global batch is fixed by default (``global_batch``, else the current per-pipeline batch
+    times the current number of pipelines). With ``scale_batch=True`` (Hydrozoa) the
+    per-pipeline batch stays and the step's batch grows with the pipelines.
+    After a node joins or leaves, the reconfiguration asks :meth:`plan_for` for the new size.
+    """
+
+    def __init__(
+        self,
+        sample_input: torch.Tensor | None = None,
+        global_batch: int | None = None,
+        scale_batch: bool = False,
+        micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
+        max_world_size: int | None = None,
+        memory_bytes: int | None = None,
+        bandwidth_bytes_per_second: float | None = 1.0e9,
+        latency_seconds: float = 5.0e-5,
+        micro_batch_overhead_seconds: float = 0.0,
+        step_overhead_seconds: float = 0.0,
+        batch_arg_name: str = "batch_size",
+        repeats: int = 3,
+        warmup: int = 1,
+        threads: int | None = None,
+    ) -> None:
+        if global_batch is not None and global_batch < 1:
+            raise BambooConfigError(f"global_batch must be >= 1 or None (global_batch: {global_batch})")
+        if max_world_size is not None and max_world_size < 1:
+            raise BambooConfigError(f"max_world_size must be >= 1 or None (max_world_size: {max_world_size})")
+        self.sample_input = sample_input
+        self.global_batch = global_batch
+        self.scale_batch = scale_batch
+        self.micro_batch_sizes = tuple(micro_batch_sizes)
+        self.max_world_size = max_world_size
+        self.memory_bytes = memory_bytes
+        self.bandwidth_bytes_per_second = bandwidth_bytes_per_second  # None: measure ranks 0 <-> 1 in setup
+        self.latency_seconds = latency_seconds
+        self.micro_batch_overhead_seconds = micro_batch_overhead_seconds
+        self.step_overhead_seconds = step_overhead_seconds
+        self.link: tuple[float, float] | None = None  # (bytes/s, s) used by the last plan
+        self.batch_arg_name = batch_arg_name
+        self.repeats = repeats
+        self.warmup = warmup
+        self.threads = threads  # torch threads while profiling; None: what this worker already uses
+        self.table: PlanTable | None = None
+        self.plan: Plan | None = None
+
+    # ------------------------------------------------------------------ planning (rank 0)
+    def _batch_target(self, pl_module: Any, pipelines_now: int) -> int:
+        """The batch the planner keeps: global (fixed mode) or per pipeline (scale mode)."""
+        per_pipeline = None
+        if lightning_hasattr(pl_module, self.batch_arg_name):
+            per_pipeline = int(lightning_getattr(pl_module, self.batch_arg_name))  # type: ignore[arg-type]
+        if self.scale_batch:
+            if self.global_batch is not None:
+                return self.global_batch  # read as the batch of one pipeline
+            if per_pipeline is None:
+                raise BambooConfigError(
+                    f"HydrozoaTuner(scale_batch=True) keeps the batch per pipeline, but neither global_batch nor "
+                    f"`{self.batch_arg_name}` on the module/datamodule gives it; pass global_batch=N"
+                )
+            return per_pipeline
+        if self.global_batch is not None:
+            return self.global_batch
+        if per_pipeline is None:
+            raise BambooConfigError(
+                f"HydrozoaTuner keeps the global batch fixed but cannot find it: pass global_batch=N or expose "
+                f"`{self.batch_arg_name}` (the DataLoader's batch size per pipeline) on the module or datamodule"
+            )
+        return per_pipeline * pipelines_now
+
+    def _sample(self, pl_module: Any) -> torch.Tensor:
+        sample = self.sample_input if self.sample_input is not None else getattr(pl_module, "example_input_array", None)
+        if not isinstance(sample, torch.Tensor):
+            raise BambooConfigError(
+                "HydrozoaTuner needs one input batch for the first layer to profile the model: pass "
+                "HydrozoaTuner(sample_input=tensor) or set `self.example_input_array` in the LightningModule"
+            )
+        return sample
+
+    def build_table(self, trainer: Any, pl_module: Any) -> PlanTable:
+        """Profile and plan (call on one process only: timings differ between processes)."""
+        from lightning_bamboo.planner.profile import profile_layers
+
+        strategy = trainer.strategy
+        world_size = int(getattr(strategy, "world_size", 1))
+        stages_now = getattr(strategy, "stages", None) or world_size
+        pipelines_now = max(1, world_size // stages_now)
+        batch = self._batch_target(pl_module, pipelines_now)
+        device = getattr(strategy, "root_device", torch.device("cpu"))
+        seed = getattr(strategy, "seed", None) or 0
+        layers = _build_layers(pl_module, seed)
+        profile = profile_layers(
+            layers, self._sample(pl_module), self.micro_batch_sizes, device=device,
+            repeats=self.repeats, warmup=self.warmup, threads=self.threads,
+        )
+        local = int(getattr(trainer, "num_devices", 1) or 1)
+        bandwidth, latency = self.link or (self.bandwidth_bytes_per_second or 1.0e9, self.latency_seconds)
+        hw = Hardware(
+            memory_bytes=self.memory_bytes or _default_memory_bytes(torch.device(device), local),
+            bandwidth_bytes_per_second=bandwidth,
+            latency_seconds=latency,
+            micro_batch_overhead_seconds=self.micro_batch_overhead_seconds,
+            step_overhead_seconds=self.step_overhead_seconds,
+        )
+        return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch)
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        world_size = int(getattr(strategy, "world_size", 1))
+        if self.bandwidth_bytes_per_second is None and world_size >= 2:
+            from lightning_bamboo.planner.network import measure_link
+
+            # a collective: every rank takes part, before rank 0 goes off to profile alone
+            self.link = measure_link(device=getattr(strategy, "root_device", "cpu"))
+        message: dict[str, Any] = {}
+        failure: Exception | None = None
+        if getattr(strategy, "global_rank", 0) == 0:
+            table = self.table
+            try:
+                if table is None or table.max_world_size < world_size:
+                    table = self.build_table(trainer, pl_module)
+                message = {"table": table.to_dict()}
+            except Exception as err:  # every rank must fail, not wait for a table that never comes
+                failure = err
+                message = {"error": f"{type(err).__name__}: {err}"}
+        message = strategy.broadcast(message, src=0)
+        if failure is not None:
+            raise failure
+        if "error" in message:
+            raise BambooConfigError(f"HydrozoaTuner (planned on rank 0): {message['error']}")
+        table_dict = message["table"]
+        self.table = PlanTable.from_dict(table_dict)
+        self.plan = self.plan_for(int(getattr(strategy, "world_size", 1)))
+        self.apply(trainer, pl_module, self.plan)
+
+    def plan_for(self, world_size: int) -> Plan:
+        """The plan for ``world_size`` workers: a lookup (raises NoFeasiblePlanError, with why, if none)."""
+        if self.table is None:
+            raise BambooConfigError(
+                "HydrozoaTuner has no plan table yet: it is built in setup() before fit, or restored by "
+                "load_state_dict(); run trainer.fit first"
+            )
+        return self.table.lookup(world_size)
+
+    def apply(self, trainer: Any, pl_module: Any, plan: Plan) -> None:
+        """Apply ``plan`` to the strategy and, where the batch size is exposed, to the data."""
+        apply_plan(trainer.strategy, plan)
+        if lightning_hasattr(pl_module, self.batch_arg_name):
+            lightning_setattr(pl_module, self.batch_arg_name, plan.batch_per_pipeline)
+        else:
+            log.warning(
+                "HydrozoaTuner: the plan expects DataLoader batches of %d samples per pipeline; expose `%s` on the "
+                "module or datamodule to have it set",
+                plan.batch_per_pipeline,
+                self.batch_arg_name,
+            )
+        if getattr(trainer, "global_rank", 0) == 0:
+            log.info(
+                "HydrozoaTuner: %s, micro-batch %d x %d, partition %s, predicted %.4f s/step (%.1f samples/s)",
+                plan.layout, plan.micro_batch_size, plan.micro_batches, list(plan.partition),
+                plan.predicted_step_seconds, plan.samples_per_second,
+            )
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "table": self.table.to_dict() if self.table is not None else None,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "scale_batch": self.scale_batch,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("scale_batch", self.scale_batch) != self.scale_batch:
+            log.warning("HydrozoaTuner: the checkpoint was planned with scale_batch=%s; re-planning on next setup",
+                        state_dict.get("scale_batch"))
+            return
+        table = state_dict.get("table")
+        self.table = PlanTable.from_dict(table) if table is not None else None
+        plan = state_dict.get("plan")
+        self.plan = Plan.from_dict(plan) if plan is not None else None

@@ -1,0 +1,247 @@
+"""Exact layer split for one layout (depth, micro-batch size and count, pipelines) under a memory limit.
+
+The step time of :mod:`costmodel` is ``A + (m - 1) * max_k u_k + max_k r_k + sum_cuts s`` where ``A``
+does not depend on the split, ``u_k`` is a stage's busy time per micro-batch, ``r_k`` its tail
+(all-reduce + update) and ``s`` the latency of a cut. Two maxima and a sum do not decompose, so:
+
+1. cheap dynamic programmes give lower bounds (``min max u``, ``min max r``, ``min sum s``) and a
+   few feasible splits, whose best cost is an upper bound;
+2. every threshold pair ``(U, R)`` taken from the segments' own ``u`` and ``r`` values that could
+   still beat the upper bound is checked at once by one vectorised DP (min ``sum s`` over splits
+   whose stages all have ``u <= U``, ``r <= R`` and fit in memory);
+3. the optimum is among those pairs: the optimal split's own ``(max u, max r)`` is one of them.
+
+This is exact (tests compare it with brute force), and a 32-layer model plans in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+
+from lightning_bamboo.planner.costmodel import (
+    Hardware,
+    ModelProfile,
+    StepEstimate,
+    estimate_step,
+    in_flight,
+    transfer_seconds,
+)
+
+_INF = float("inf")
+_PAIR_CHUNK = 4096  # threshold pairs per vectorised DP pass (bounds memory: layers x chunk floats)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The best split of one layout and its predicted step."""
+
+    partition: tuple[int, ...]
+    estimate: StepEstimate
+
+
+@dataclass(frozen=True)
+class NoSplit:
+    """No split of this layout fits; why, with numbers."""
+
+    reason: str
+    min_peak_memory_bytes: float  # the fullest stage of the split that minimises it (inf: too few layers)
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+class SegmentTables:
+    """Per micro-batch size: every segment's busy time, tail parts and memory parts, as matrices."""
+
+    def __init__(self, profile: ModelProfile, hw: Hardware, micro_batch_size: int) -> None:
+        L = profile.num_layers
+        costs = [layer.at(micro_batch_size) for layer in profile.layers]
+        self.num_layers = L
+        self.hw = hw
+
+        def prefix(values: list[float]) -> np.ndarray:
+            out = np.zeros(L + 1)
+            out[1:] = np.cumsum(values)
+            return out
+
+        def seg(pre: np.ndarray) -> np.ndarray:  # seg[i, j] = sum over layers i..j-1 (i < j)
+            return pre[None, :] - pre[:, None]
+
+        fwd = [c.forward_seconds for c in costs]
+        bwd = [c.backward_seconds for c in costs]
+        scale = hw.compute_scale
+        self.fb = seg(prefix([scale * f + scale * b for f, b in zip(fwd, bwd, strict=True)]))
+        self.total_fb = float(scale * sum(fwd) + scale * sum(bwd))
+        # cut[j]: one message across the boundary before layer j (0 at the model's ends)
+        cut = np.zeros(L + 1)
+        for j in range(1, L):
+            cut[j] = transfer_seconds(costs[j - 1].output_bytes, hw)
+        self.cut = cut
+        self.busy = self.fb + 2 * cut[:, None] + 2 * cut[None, :] + hw.micro_batch_overhead_seconds
+        self.grad = seg(prefix([layer.grad_bytes for layer in profile.layers]))
+        self.update = seg(prefix([scale * layer.update_seconds for layer in profile.layers]))
+        self.static = seg(prefix([layer.static_bytes for layer in profile.layers]))
+        boundary = np.zeros(L + 1)  # bytes of the tensor crossing boundary j (0 at the ends)
+        for j in range(1, L):
+            boundary[j] = costs[j - 1].output_bytes
+        self.per_micro_batch = seg(prefix([c.activation_bytes for c in costs])) + boundary[:, None] + boundary[None, :]
+        idx = np.arange(L + 1)
+        self.valid = idx[:, None] < idx[None, :]
+        self._tails: dict[int, np.ndarray] = {}
+
+    def tail(self, pipelines: int) -> np.ndarray:
+        """All-reduce over ``pipelines`` plus the optimizer update, per segment (cached per degree)."""
+        if pipelines not in self._tails:
+            d, hw = pipelines, self.hw
+            if d <= 1:
+                reduce = np.zeros_like(self.grad)
+            else:  # allreduce_seconds, elementwise, in the same order of operations
+                ring = 2 * (d - 1) / d * self.grad / hw.allreduce_bandwidth + 2 * (d - 1) * hw.latency_seconds
+                reduce = np.where(self.grad == 0, 0.0, ring)
+            self._tails[pipelines] = reduce + self.update
+        return self._tails[pipelines]
+
+    def memory(self, stage: int, stages: int, micro_batches: int) -> np.ndarray:
+        return self.static + in_flight(stage, stages, micro_batches) * self.per_micro_batch
+
+    def positions(self, stage: int, stages: int) -> np.ndarray:
+        """Segments stage ``stage`` may take while every stage keeps at least one layer."""
+        L = self.num_layers
+        idx = np.arange(L + 1)
+        first_ok = (idx >= stage) & (idx <= L - (stages - stage))
+        end_ok = (idx >= stage + 1) & (idx <= L - (stages - 1 - stage))
+        if stage == 0:
+            first_ok = idx == 0
+        if stage == stages - 1:
+            end_ok = idx == L
+        return self.valid & first_ok[:, None] & end_ok[None, :]
+
+
+def _dp(allowed: list[np.ndarray], weight: np.ndarray, combine: str) -> tuple[float, tuple[int, ...] | None]:
+    """Min over splits of sum (combine='sum', weight on the end boundary) or max (weight per segment)."""
+    L = allowed[0].shape[0] - 1
+    best = np.full(L + 1, _INF)
+    best[0] = 0.0
+    parents: list[np.ndarray] = []
+    for mask in allowed:
+        if combine == "sum":
+            cand = np.where(mask, best[:, None] + weight[None, :], _INF)
+        else:
+            cand = np.where(mask, np.maximum(best[:, None], weight), _INF)
+        parent = np.argmin(cand, axis=0)
+        best = cand[parent, np.arange(L + 1)]
+        parents.append(parent)
+    if not np.isfinite(best[L]):
+        return _INF, None
+    parts = [L]
+    for parent in reversed(parents):
+        parts.append(int(parent[parts[-1]]))
+    return float(best[L]), tuple(reversed(parts))
+
+
+def _min_sum_over_pairs(
+    allowed: list[np.ndarray], busy: np.ndarray, tail: np.ndarray, s: np.ndarray, u_caps: np.ndarray, r_caps: np.ndarray
+) -> np.ndarray:
+    """For every threshold pair t: min sum of s over splits with busy <= u_caps[t], tail <= r_caps[t]."""
+    L = busy.shape[0] - 1
+    best = np.full((L + 1, len(u_caps)), _INF)
+    best[0] = 0.0
+    for mask in allowed:
+        new = np.full_like(best, _INF)
+        for j in range(1, L + 1):
+            rows = np.nonzero(mask[:, j])[0]
+            if rows.size == 0:
+                continue
+            ok = (busy[rows, j][:, None] <= u_caps[None, :]) & (tail[rows, j][:, None] <= r_caps[None, :])
+            new[j] = np.where(ok, best[rows], _INF).min(axis=0) + s[j]
+        best = new
+    return best[L]
+
+
+def solve_split(
+    profile: ModelProfile,
+    hw: Hardware,
+    stages: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    pipelines: int = 1,
+    tables: SegmentTables | None = None,
+) -> Split | NoSplit:
+    """The split with the least predicted step time for this layout, or why there is none."""
+    L = profile.num_layers
+    if stages > L:
+        return NoSplit(f"{stages} stages need at least {stages} layers (the model has {L})", _INF)
+    t = tables if tables is not None else SegmentTables(profile, hw, micro_batch_size)
+    memories = [t.memory(k, stages, micro_batches) for k in range(stages)]
+    positions = [t.positions(k, stages) for k in range(stages)]
+    allowed = [pos & (mem <= hw.memory_bytes) for pos, mem in zip(positions, memories, strict=True)]
+
+    s_weight = 2 * t.cut  # cost of a cut ending a stage at boundary j (0 at j = L)
+    s_min, first = _dp(allowed, s_weight, "sum")
+    if first is None:
+        # report the least memory any split needs: minimise the fullest stage
+        lowest = np.full(L + 1, _INF)
+        lowest[0] = 0.0
+        for pos, mem in zip(positions, memories, strict=True):
+            lowest = np.where(pos, np.maximum(lowest[:, None], mem), _INF).min(axis=0)
+        need = float(lowest[L])
+        return NoSplit(
+            f"no split into {stages} stages fits: the fullest stage needs at least {_mib(need)} "
+            f"({micro_batches} micro-batches of {micro_batch_size}, {min(stages, micro_batches)} in flight "
+            f"on stage 0), above the memory limit {_mib(hw.memory_bytes)}",
+            need,
+        )
+    tail = t.tail(pipelines)
+    weight_u = micro_batches - 1
+    const = t.total_fb + stages * hw.micro_batch_overhead_seconds + hw.step_overhead_seconds
+
+    def objective(parts: tuple[int, ...]) -> float:
+        segs = list(pairwise(parts))
+        return (
+            const
+            + weight_u * max(float(t.busy[a, b]) for a, b in segs)
+            + max(float(tail[a, b]) for a, b in segs)
+            + sum(float(s_weight[b]) for _, b in segs)
+        )
+
+    u_min, by_u = _dp(allowed, t.busy, "max")
+    r_min, by_r = _dp(allowed, tail, "max")
+    candidates = [p for p in (first, by_u, by_r) if p is not None]
+    best_parts = min(candidates, key=objective)
+    upper = objective(best_parts)
+    slack = upper - (const + weight_u * u_min + r_min + s_min)
+    if slack > 1e-12 * max(1.0, upper):
+        feasible = np.zeros_like(t.valid)
+        for mask in allowed:
+            feasible |= mask
+        budget = upper - const - s_min  # (m - 1) U + R must stay within this
+        if weight_u > 0:
+            u_vals = np.unique(t.busy[feasible])
+            u_vals = u_vals[(u_vals >= u_min) & (weight_u * u_vals + r_min <= budget)]
+        else:  # one micro-batch: busy time has no weight, leave it unconstrained
+            u_vals = np.array([_INF])
+        r_vals = np.unique(tail[feasible])
+        r_vals = r_vals[(r_vals >= r_min) & (r_vals + weight_u * u_min <= budget)]
+        uu, rr = np.meshgrid(u_vals, r_vals, indexing="ij")
+        keep = np.where(weight_u * np.where(np.isinf(uu), 0.0, uu) + rr <= budget)
+        u_caps, r_caps = uu[keep], rr[keep]
+        found_value, found_pair = _INF, None
+        for lo in range(0, len(u_caps), _PAIR_CHUNK):
+            uc, rc = u_caps[lo : lo + _PAIR_CHUNK], r_caps[lo : lo + _PAIR_CHUNK]
+            sums = _min_sum_over_pairs(allowed, t.busy, tail, s_weight, uc, rc)
+            values = const + weight_u * np.where(np.isinf(uc), 0.0, uc) + rc + sums
+            i = int(np.argmin(values))
+            if values[i] < found_value:
+                found_value, found_pair = float(values[i]), (uc[i], rc[i])
+        if found_pair is not None and found_value < upper:
+            u_cap, r_cap = found_pair
+            capped = [m & (t.busy <= u_cap) & (tail <= r_cap) for m in allowed]
+            _, parts = _dp(capped, s_weight, "sum")
+            if parts is not None and objective(parts) < upper:
+                best_parts = parts
+    estimate = estimate_step(profile, hw, best_parts, micro_batch_size, micro_batches, pipelines)
+    return Split(best_parts, estimate)

@@ -1,0 +1,297 @@
+"""Planner (pure): cost model by hand, solver against brute force, search, Plan JSON, bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.planner import (
+    Hardware,
+    LayerCost,
+    LayerProfile,
+    LayerTooLargeError,
+    ModelProfile,
+    NoFeasiblePlanError,
+    NoSplit,
+    Plan,
+    Split,
+    estimate_step,
+    plan,
+    plan_table,
+    solve_split,
+)
+
+MiB = 2**20
+
+
+def layer(fwd: float, bwd: float, *, out: int = 0, act: int = 0, params: int = 0, update: float = 0.0,
+          sizes: tuple[int, ...] = (1,), name: str = "l") -> LayerProfile:
+    """A layer whose time and activations grow linearly with the micro-batch size."""
+    costs = tuple((s, LayerCost(fwd * s, bwd * s, out * s, act * s)) for s in sizes)
+    return LayerProfile(name, params, params, 2 * params, update, costs)
+
+
+def model(*layers: LayerProfile) -> ModelProfile:
+    return ModelProfile(tuple(layers))
+
+
+FAST = Hardware(memory_bytes=10**12, bandwidth_bytes_per_second=1e30, latency_seconds=0.0)
+
+
+def random_profile(rng: random.Random, num_layers: int, sizes: tuple[int, ...] = (1, 2)) -> ModelProfile:
+    layers = []
+    for i in range(num_layers):
+        costs = tuple(
+            (s, LayerCost(rng.uniform(0.1, 2) * s, rng.uniform(0.1, 4) * s, rng.randint(1, 5) * 1000 * s,
+                          rng.randint(0, 8) * 1000 * s))
+            for s in sizes
+        )
+        params = rng.randint(0, 20) * 1000
+        layers.append(LayerProfile(f"l{i}", params, params, 2 * params, rng.uniform(0, 0.5), costs))
+    return ModelProfile(tuple(layers))
+
+
+def random_hardware(rng: random.Random) -> Hardware:
+    return Hardware(
+        memory_bytes=rng.randint(40, 200) * 1000,
+        bandwidth_bytes_per_second=rng.choice([1e3, 1e4, 1e5]),
+        latency_seconds=rng.uniform(0, 0.2),
+        micro_batch_overhead_seconds=rng.choice([0.0, rng.uniform(0, 0.5)]),
+        step_overhead_seconds=rng.choice([0.0, rng.uniform(0, 1)]),
+        compute_scale=rng.choice([1.0, rng.uniform(0.5, 3)]),
+    )
+
+
+def brute_split(profile, hw, stages, mbs, micro_batches, pipelines):
+    best = None
+    for cuts in itertools.combinations(range(1, profile.num_layers), stages - 1):
+        parts = (0, *cuts, profile.num_layers)
+        est = estimate_step(profile, hw, parts, mbs, micro_batches, pipelines)
+        if est.max_memory_bytes <= hw.memory_bytes and (best is None or est.step_seconds < best[0]):
+            best = (est.step_seconds, parts)
+    return best
+
+
+# --- cost model, by hand ---------------------------------------------------------------------------
+
+
+def test_balanced_pipeline_is_m_plus_p_minus_1_slots() -> None:
+    # 4 layers of F=1, B=2 on 2 stages: a slot is 6 s; 1F1B with 4 micro-batches takes 4 + 2 - 1 slots
+    prof = model(*(layer(1, 2) for _ in range(4)))
+    est = estimate_step(prof, FAST, [0, 2, 4], 1, micro_batches=4)
+    assert est.step_seconds == pytest.approx((4 + 2 - 1) * 6)
+    assert [s.busy_seconds for s in est.stages] == pytest.approx([6, 6])
+
+
+def test_engine_overheads_and_compute_scale() -> None:
+    # per micro-batch and stage 0.5 s of engine work, 2 s per step, workers twice as slow as profiled
+    hw = Hardware(memory_bytes=10**9, bandwidth_bytes_per_second=1e30, latency_seconds=0.0,
+                  micro_batch_overhead_seconds=0.5, step_overhead_seconds=2.0, compute_scale=2.0)
+    prof = model(*(layer(1, 2) for _ in range(4)))
+    est = estimate_step(prof, hw, [0, 2, 4], 1, micro_batches=4)
+    assert est.step_seconds == pytest.approx((4 + 2 - 1) * (2 * 6 + 0.5) + 2.0)
+
+
+def test_transfers_busy_both_neighbours_and_add_to_latency() -> None:
+    # 1000 bytes at 1000 B/s + 0.5 s latency = 1.5 s per message; forward + backward message per micro-batch
+    hw = Hardware(memory_bytes=10**9, bandwidth_bytes_per_second=1000, latency_seconds=0.5)
+    prof = model(layer(1, 2, out=1000), layer(1, 2, out=1000))
+    est = estimate_step(prof, hw, [0, 1, 2], 1, micro_batches=3)
+    assert [s.comm_seconds for s in est.stages] == pytest.approx([3.0, 3.0])
+    assert est.step_seconds == pytest.approx((3 - 1) * (3 + 3) + (3 + 3) + 2 * 1.5)
+
+
+def test_in_flight_memory_follows_1f1b_warm_up() -> None:
+    # stage k holds min(m, p - k) micro-batches: 4, 3, 2, 1 on 4 stages with 8 micro-batches
+    prof = model(*(layer(1, 1, act=100) for _ in range(4)))
+    est = estimate_step(prof, FAST, [0, 1, 2, 3, 4], 1, micro_batches=8)
+    assert [s.in_flight for s in est.stages] == [4, 3, 2, 1]
+    assert [s.memory_bytes for s in est.stages] == [400, 300, 200, 100]
+    few = estimate_step(prof, FAST, [0, 1, 2, 3, 4], 1, micro_batches=2)
+    assert [s.in_flight for s in few.stages] == [2, 2, 2, 1]
+
+
+def test_allreduce_tail_grows_with_pipelines() -> None:
+    hw = Hardware(memory_bytes=10**9, bandwidth_bytes_per_second=1000, latency_seconds=0.0)
+    prof = model(layer(1, 1, params=1000))
+    one = estimate_step(prof, hw, [0, 1], 1, 1, pipelines=1)
+    four = estimate_step(prof, hw, [0, 1], 1, 1, pipelines=4)
+    assert one.tail_seconds == 0
+    assert four.tail_seconds == pytest.approx(2 * 3 / 4 * 1000 / 1000)  # ring: 2 (d-1)/d bytes / bandwidth
+
+
+# --- solver ------------------------------------------------------------------------------------------
+
+
+def test_heavy_embedding_and_head_get_their_own_stages() -> None:
+    #   layers  [emb 5][1][1][1][1][head 5]  ->  | emb | 1 1 1 1 | head |
+    prof = model(layer(5, 0), *(layer(1, 0) for _ in range(4)), layer(5, 0))
+    result = solve_split(prof, FAST, stages=3, micro_batch_size=1, micro_batches=8)
+    assert isinstance(result, Split)
+    assert result.partition == (0, 1, 5, 6)
+
+
+def test_uniform_layers_split_evenly() -> None:
+    prof = model(*(layer(1, 2) for _ in range(8)))
+    result = solve_split(prof, FAST, stages=4, micro_batch_size=1, micro_batches=8)
+    assert isinstance(result, Split) and result.partition == (0, 2, 4, 6, 8)
+
+
+def test_memory_limit_moves_the_cut_away_from_the_fastest_split() -> None:
+    # time wants [0, 2, 4]; stage 0 holds 2 micro-batches of layer 0's big activations, so it must stay alone
+    prof = model(layer(1, 1, act=300), layer(1, 1, act=100), layer(1, 1, act=100), layer(1, 1, act=100))
+    hw = Hardware(memory_bytes=700, bandwidth_bytes_per_second=1e30, latency_seconds=0.0)
+    free = solve_split(prof, FAST, 2, 1, 4)
+    tight = solve_split(prof, hw, 2, 1, 4)
+    assert isinstance(free, Split) and free.partition == (0, 2, 4)
+    assert isinstance(tight, Split) and tight.partition == (0, 1, 4)
+    assert max(s.memory_bytes for s in tight.estimate.stages) <= 700
+
+
+def test_solver_equals_brute_force_on_random_instances() -> None:
+    rng = random.Random(20260521)
+    feasible = 0
+    for _ in range(250):
+        num_layers = rng.randint(1, 9)
+        prof = random_profile(rng, num_layers)
+        hw = random_hardware(rng)
+        stages = rng.randint(1, min(num_layers, 5))
+        mbs, m, d = rng.choice((1, 2)), rng.randint(1, 8), rng.randint(1, 4)
+        result = solve_split(prof, hw, stages, mbs, m, d)
+        expected = brute_split(prof, hw, stages, mbs, m, d)
+        if expected is None:
+            assert isinstance(result, NoSplit), (prof, hw, stages, mbs, m, d)
+            continue
+        feasible += 1
+        assert isinstance(result, Split), (result, expected)
+        assert result.estimate.step_seconds == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+        again = estimate_step(prof, hw, result.partition, mbs, m, d)
+        assert again.step_seconds == pytest.approx(result.estimate.step_seconds)
+        assert again.max_memory_bytes <= hw.memory_bytes
+    assert feasible >= 100  # the instances exercise the solver, not only the infeasible path
+
+
+def test_search_equals_brute_force_over_layouts() -> None:
+    rng = random.Random(7)
+    for _ in range(30):
+        prof = random_profile(rng, rng.randint(2, 6))
+        hw = Hardware(memory_bytes=rng.randint(80, 300) * 1000, bandwidth_bytes_per_second=1e4, latency_seconds=0.01)
+        world, batch = rng.randint(1, 6), rng.choice((4, 8, 12))
+        best = None
+        for stages in range(1, min(world, prof.num_layers) + 1):
+            if world % stages or batch % (world // stages):
+                continue
+            d = world // stages
+            for mbs in prof.micro_batch_sizes:
+                if (batch // d) % mbs:
+                    continue
+                found = brute_split(prof, hw, stages, mbs, batch // d // mbs, d)
+                if found is not None and (best is None or found[0] < best):
+                    best = found[0]
+        if best is None:
+            with pytest.raises(NoFeasiblePlanError):
+                plan(prof, hw, world, batch)
+        else:
+            assert plan(prof, hw, world, batch).predicted_step_seconds == pytest.approx(best, rel=1e-9)
+
+
+# --- search ------------------------------------------------------------------------------------------
+
+
+def test_cheap_gradients_make_pure_data_parallelism_win() -> None:
+    prof = model(*(layer(1, 2, sizes=(1, 2, 4)) for _ in range(4)))
+    chosen = plan(prof, FAST, world_size=4, global_batch=16)
+    assert (chosen.stages, chosen.pipelines) == (1, 4)  # no bubbles, free all-reduce
+    assert chosen.micro_batch_size * chosen.micro_batches * chosen.pipelines == 16
+    assert all(a.samples_per_second <= chosen.samples_per_second for a in chosen.alternatives)
+
+
+def test_memory_forces_a_pipeline_and_scale_batch_grows_the_batch() -> None:
+    prof = model(*(layer(1, 2, params=100, sizes=(1, 2)) for _ in range(4)))  # 400 bytes static per layer
+    hw = Hardware(memory_bytes=900, bandwidth_bytes_per_second=1e30, latency_seconds=0.0)
+    chosen = plan(prof, hw, world_size=4, global_batch=8)
+    assert chosen.stages >= 2
+    assert max(chosen.stage_memory_bytes) <= 900
+    assert any("above the memory limit" in r.reason for r in chosen.infeasible)
+    scaled = plan(prof, hw, world_size=4, global_batch=8, scale_batch=True)
+    assert scaled.global_batch == 8 * scaled.pipelines
+
+
+def test_plan_json_round_trip_and_contract_keys() -> None:
+    prof = model(*(layer(1, 2, out=10, act=10, params=10, sizes=(1, 2)) for _ in range(6)))
+    hw = Hardware(memory_bytes=10**6, bandwidth_bytes_per_second=1e3, latency_seconds=1e-3)
+    chosen = plan(prof, hw, world_size=4, global_batch=8)
+    data = json.loads(chosen.to_json())
+    for key in ("stages", "pipelines", "micro_batch_size", "micro_batches", "partition", "predicted_step_seconds"):
+        assert key in data
+    assert data["partition"][0] == 0 and data["partition"][-1] == 6 and len(data["partition"]) == data["stages"] + 1
+    assert Plan.from_dict(data) == chosen
+    assert Plan.from_json(chosen.to_json()) == chosen
+
+
+def test_plan_table_is_a_lookup_per_world_size() -> None:
+    prof = model(*(layer(1, 2, params=100, out=50, sizes=(1, 2)) for _ in range(4)))
+    hw = Hardware(memory_bytes=1000, bandwidth_bytes_per_second=1e4, latency_seconds=0.0)
+    table = plan_table(prof, hw, max_world_size=6, global_batch=8)
+    for w in (2, 4):
+        fresh = plan(prof, hw, w, 8)
+        assert replace(table.lookup(w), planning_seconds=0) == replace(fresh, planning_seconds=0)
+    # 1 worker cannot hold 4 x 400 bytes; 5 workers: depth 5 > 4 layers and 1 stage does not fit
+    with pytest.raises(NoFeasiblePlanError, match="1 worker"):
+        table.lookup(1)
+    with pytest.raises(NoFeasiblePlanError, match="5 stages need at least 5 layers"):
+        table.lookup(5)
+    with pytest.raises(BambooConfigError, match="1..6"):
+        table.lookup(7)
+    assert "no layout" in table.format()
+    assert type(table).from_dict(json.loads(json.dumps(table.to_dict()))) == table
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+def test_model_that_fits_no_layout_names_the_least_memory_needed() -> None:
+    prof = model(*(layer(1, 1, params=MiB, sizes=(1,)) for _ in range(4)))  # 4 MiB static per layer
+    hw = Hardware(memory_bytes=6 * MiB)
+    with pytest.raises(NoFeasiblePlanError, match=r"least memory any layout needs is 8\.0 MiB.*6\.0 MiB"):
+        plan(prof, hw, world_size=2, global_batch=4)
+
+
+def test_memory_below_one_layer_is_refused_with_numbers() -> None:
+    prof = model(layer(1, 1, params=MiB), layer(1, 1, params=3 * MiB))
+    hw = Hardware(memory_bytes=8 * MiB)
+    with pytest.raises(LayerTooLargeError, match=r"layer 1 .* 12\.0 MiB .* limit 8\.0 MiB"):
+        plan(prof, hw, world_size=4, global_batch=4)
+    with pytest.raises(LayerTooLargeError):
+        plan_table(prof, hw, max_world_size=4, global_batch=4)
+
+
+def test_world_size_without_a_valid_layout() -> None:
+    # 3 layers that need 2 workers: 5 workers can only be 1 x 5 (too deep) or 5 x 1 (too full)
+    prof = model(*(layer(1, 1, params=100) for _ in range(3)))
+    hw = Hardware(memory_bytes=900)
+    with pytest.raises(NoFeasiblePlanError, match=r"5 worker\(s\).*5 stages need at least 5 layers"):
+        plan(prof, hw, world_size=5, global_batch=5)
+    assert plan(prof, hw, world_size=5, global_batch=4, allow_idle=True).stages * 1 <= 5
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LayerCost(-1.0, 0.0, 0, 0),
+        lambda: LayerProfile("x", 0, 0, 0, 0.0, ()),
+        lambda: ModelProfile(()),
+        lambda: ModelProfile((layer(1, 1, sizes=(1,)), layer(1, 1, sizes=(1, 2)))),
+        lambda: Hardware(memory_bytes=0),
+        lambda: estimate_step(model(layer(1, 1)), FAST, [0, 0, 1], 1, 1),
+        lambda: plan(model(layer(1, 1)), FAST, world_size=0, global_batch=1),
+    ],
+)
+def test_bad_values_raise_config_errors(make) -> None:
+    with pytest.raises(BambooConfigError):
+        make()

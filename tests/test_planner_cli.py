@@ -1,0 +1,51 @@
+"""``lightning-bamboo plan``, called through ``run`` (the lead wires it into the console script)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_bamboo.planner import cli
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(["--example", "gpt", "--repeats", "1", "--warmup", "0", "--micro-batch-sizes", "1,2", *argv])
+
+
+def test_json_plan_has_the_contract_keys(capsys, tmp_path) -> None:
+    saved = tmp_path / "profile.json"
+    assert cli.run(parse("--world-size", "4", "--json", "--n-layer", "2", "--save-profile", str(saved))) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["stages"] * data["pipelines"] == 4
+    assert data["partition"][0] == 0 and data["partition"][-1] == 4 and len(data["partition"]) == data["stages"] + 1
+    assert data["micro_batch_size"] * data["micro_batches"] * data["pipelines"] == 32
+    assert data["predicted_step_seconds"] > 0
+    # the same profile read back gives the same plan
+    assert cli.run(parse("--world-size", "4", "--json", "--profile", str(saved))) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["partition"] == data["partition"] and again["predicted_step_seconds"] == data["predicted_step_seconds"]
+
+
+def test_table_lists_every_world_size(capsys, tmp_path) -> None:
+    assert cli.run(parse("--world-size", "3", "--n-layer", "1")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.strip() and line.split()[0].isdigit()]
+    assert [row[0] for row in rows] == ["1", "2", "3"]
+
+
+def test_memory_too_small_is_a_clear_error(capsys) -> None:
+    assert cli.run(parse("--world-size", "2", "--json", "--n-layer", "1", "--memory-gib", "0.0001")) == 2
+    err = capsys.readouterr().err
+    assert "MiB" in err and "limit" in err
+
+
+def test_the_console_dispatcher_runs_it(capsys, monkeypatch) -> None:
+    import lightning_bamboo.cli as top
+
+    monkeypatch.setitem(top.COMMANDS, "plan", ("lightning_bamboo.planner.cli", "plan"))
+    argv = ["plan", "--example", "gpt", "--world-size", "2", "--json", "--n-layer", "1", "--repeats", "1",
+            "--warmup", "0", "--micro-batch-sizes", "1"]
+    assert top.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["stages"] in (1, 2)
