@@ -9,6 +9,10 @@ import sys
 # name -> (module providing ``add_arguments(parser)`` and ``run(args) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("lightning_bamboo.strategy.cli", "train with the Lightning CLI (--config X.yaml)"),
+    "plan": (
+        "lightning_bamboo.planner.cli",
+        "profile a model and print its plan (--json) or a plan table for world sizes 1..N",
+    ),
     "simulate": (
         "lightning_bamboo.sim.cli",
         "replay a spot trace: throughput, cost and value of on-demand, checkpoint-restart and Bamboo",
