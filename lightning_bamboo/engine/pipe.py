@@ -80,15 +80,23 @@ class BambooPipelineEngine(PipelineEngine):
         _maybe_fail(self.node_id, step, None)
         if self.guard is None:
             return self._train_and_commit(data_iter, step)
-        return self.guard.run(lambda: self._train_and_commit(data_iter, step))
+        return self.guard.run(lambda: self._train_and_commit(data_iter, step), busy=lambda: self.phase == "apply")
+
+    phase = "idle"  # schedule -> commit -> apply -> idle; "apply" is local work and is never abandoned
+    last_loss: torch.Tensor | None = None
 
     def _train_and_commit(self, data_iter: Any, step: int) -> torch.Tensor:
         self._pending_step = False
+        self.phase = "schedule"
         loss = super().train_batch(data_iter)
+        self.last_loss = loss
         if self._pending_step:
             if self.commit is not None:
+                self.phase = "commit"
                 self.commit(step)
+            self.phase = "apply"
             self.apply_step()
+        self.phase = "idle"
         return loss
 
     def apply_step(self) -> None:
@@ -145,6 +153,9 @@ class _FailureInjector:
     def __init__(self, schedule: Any, node: str, step: int) -> None:
         self.schedule, self.node, self.step = schedule, node, step
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.schedule, name)  # num_pipe_buffers() and the rest of the schedule's API
+
     def __iter__(self) -> Iterator[Any]:
         for index, commands in enumerate(self.schedule):
             if index:
@@ -165,7 +176,7 @@ class StepGuard:
     def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float) -> None:
         self.lost, self.describe, self.detection_timeout = lost, describe, detection_timeout
 
-    def run(self, fn: Callable[[], Any]) -> Any:
+    def run(self, fn: Callable[[], Any], busy: Callable[[], bool] = lambda: False) -> Any:
         result: dict[str, Any] = {}
         done = threading.Event()
 
@@ -180,7 +191,7 @@ class StepGuard:
         thread = threading.Thread(target=work, name="bamboo-step", daemon=True)
         thread.start()
         while not done.wait(0.02):
-            if self.lost.is_set():
+            if self.lost.is_set() and not busy():
                 raise PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
         if "error" in result:
             err = result["error"]

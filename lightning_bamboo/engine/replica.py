@@ -58,9 +58,9 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
 class Replica:
     """Layers of stage ``stage`` (the successor's) with their own optimizer, held on this node."""
 
-    def __init__(self, stage: int, layers: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.stage = stage
-        self.module = stage_container(layers)
+        self.module = module  # children named by global layer index (see stage_container)
         self.optimizer = optimizer
         self.pending = False  # gradients received for the step in flight, not applied yet
 

@@ -12,6 +12,7 @@ import gc
 import importlib
 import logging
 import os
+import time
 import types
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,7 +24,7 @@ import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.data import PipelineSampler
-from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.strategy.layout import (
     REDUNDANCY_MODES,
     Layout,
@@ -57,6 +58,7 @@ class _BambooStrategyMixin:
         seed: int | None = None,
         redundancy: str = "off",
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        detection_timeout: float = 10.0,
         config: dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         **kwargs: Any,
@@ -73,6 +75,8 @@ class _BambooStrategyMixin:
             seed: seed the layers are built under (default: the ``seed_everything`` seed, else 0).
             redundancy: ``"off"``, ``"lazy"`` or ``"eager"`` redundant computation.
             timeout: seconds any communication may block before the run fails (never 30 minutes).
+            detection_timeout: under the Bamboo launcher, the most seconds a survivor needs to learn
+                that a node is gone (the node lease's TTL is a bit below it).
             config: extra DeepSpeed config merged into the generated one (e.g. ``{"bf16": {"enabled": True}}``).
         """
         if stages is not None and (not isinstance(stages, int) or stages < 1):
@@ -98,6 +102,10 @@ class _BambooStrategyMixin:
         self.seed = seed
         self.redundancy = redundancy
         self.timeout_seconds = float(timeout)
+        if not detection_timeout or detection_timeout <= 0:
+            raise BambooConfigError(f"detection_timeout must be a positive number of seconds (got {detection_timeout!r})")
+        self.detection_timeout = float(detection_timeout)
+        self.resilience: Any = None  # membership, commits and failover, under the Bamboo launcher
         self.deepspeed_extra_config = dict(config or {})
         self.engine: Any = None  # the BambooPipelineEngine, after setup()
         self.layout: Layout | None = None
@@ -154,6 +162,10 @@ class _BambooStrategyMixin:
     def setup_environment(self) -> None:
         resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]  # fail before joining a group
         super().setup_environment()  # type: ignore[misc]
+        from lightning_bamboo.strategy.resilience import Resilience, launched_by_bamboo
+
+        if launched_by_bamboo() and self.resilience is None:
+            self.resilience = Resilience(self.detection_timeout, rendezvous_timeout=self.timeout_seconds)
 
     @property
     def pipelines(self) -> int:
@@ -226,8 +238,176 @@ class _BambooStrategyMixin:
         self.engine = build_engine(
             module, optimizer, config, timeout, bamboo_options={"redundancy": self.redundancy, "layout": self.layout}
         )
+        self._arm(self.engine, fitting)
         self.model = model  # type: ignore[attr-defined]  # no DDP wrapper: the engine reduces gradients
         self.setup_precision_plugin()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ redundancy and failover
+    def _rank_of(self, stage: int, pipeline: int) -> int:
+        return stage * self.layout.pipelines + pipeline  # type: ignore[union-attr]
+
+    def _make_optimizer(self, stage_module: torch.nn.Module) -> torch.optim.Optimizer:
+        """The optimizer configure_optimizers() makes for ``stage_module``'s parameters."""
+        model = self.lightning_module  # type: ignore[attr-defined]
+        init = self._pl("core.optimizer")._init_optimizers_and_lr_schedulers
+        previous = model._bamboo_stage
+        model._bamboo_stage = stage_module
+        try:
+            optimizers, _ = init(model)
+        finally:
+            model._bamboo_stage = previous
+        return optimizers[0]
+
+    def _build_stage(self, layers: range, states: dict[int, dict[str, Any]] | None = None) -> torch.nn.Module:
+        """``layers`` built under the seed (and given ``states``' weights) in one stage container."""
+        from lightning_bamboo.engine.replica import stage_container
+
+        built = self._build(self.lightning_module, keep=lambda i: i in layers)
+        container = stage_container(
+            {i: layer for i, layer in enumerate(built.layers) if isinstance(layer, torch.nn.Module)}
+        ).to(self.root_device)  # type: ignore[attr-defined]
+        if states is not None:
+            ckpt.load_weights(container, states)
+        return container
+
+    def _check_host_memory(self, layers: range) -> None:
+        import psutil
+
+        built = self._build(self.lightning_module, keep=lambda i: False)
+        params = sum(built.param_counts[i] for i in layers)
+        need = params * 4 * 4  # fp32 weights, gradients and up to two optimizer moments
+        free = psutil.virtual_memory().available
+        if need > free:
+            raise BambooConfigError(
+                f"not enough host memory for the replica of layers {layers.start}..{layers.stop - 1}: it needs about "
+                f"{need / 2**30:.2f} GiB (weights, gradients, optimizer state) and {free / 2**30:.2f} GiB are free; "
+                f"use more stages (smaller stages), machines with more memory, or redundancy='off'"
+            )
+
+    def _arm(self, engine: Any, fitting: bool) -> None:
+        """Give the engine its replica, its commit hook and its watchdog."""
+        layout = self.layout
+        assert layout is not None
+        stage, pipeline = layout.stage_of_rank(self.global_rank), layout.pipeline_of_rank(self.global_rank)  # type: ignore[attr-defined]
+        if self.resilience is not None:
+            engine.node_id = self.resilience.node
+        if not fitting:
+            return
+        if self.redundancy != "off" and layout.stages > 1:
+            from lightning_bamboo.engine.replica import Replica
+
+            successor = (stage + 1) % layout.stages
+            layers = layout.layers_of_stage(successor)
+            self._check_host_memory(layers)
+            container = self._build_stage(layers)
+            engine.replica = Replica(successor, container, self._make_optimizer(container))
+            engine.replica_peers = (
+                self._rank_of((stage - 1) % layout.stages, pipeline),
+                self._rank_of(successor, pipeline),
+            )
+        if self.resilience is not None:
+            if layout.pipelines > 1:
+                raise BambooConfigError(
+                    f"failover under the Bamboo launcher supports one pipeline for now (pipelines: {layout.pipelines}); "
+                    f"use devices == stages"
+                )
+            engine.commit = lambda step: self.resilience.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
+            engine.guard = self.resilience.guard()
+
+    def _fail_over(self, err: Exception, step: int) -> bool:
+        """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed."""
+        from lightning_bamboo.engine.build import (
+            build_engine,
+            build_pipeline_module,
+            deepspeed_config,
+            ensure_deepspeed_comm,
+        )
+        from lightning_bamboo.engine.replica import copy_hyperparameters
+
+        res = self.resilience
+        started = time.monotonic()
+        old_engine, layout = self.engine, self.layout
+        assert layout is not None
+        committed = res.committed(step)
+        if committed and old_engine.phase != "idle":
+            old_engine.apply_step()  # every node had its gradients in: the step counts
+        elif not committed:
+            old_engine.discard_step()
+        own = old_engine.own_states()
+        replica = old_engine.replica.states() if old_engine.replica is not None else {}
+        lost = res.decide_lost(getattr(err, "lost", ()))
+        plan = res.plan(layout.parts, lost)
+        log.warning("%s: lost %s at step %d; new pipeline %s parts %s", res.node, sorted(lost), step, plan.order, plan.parts)
+        rank, world = res.reform(list(plan.order))
+        self.cluster_environment.set_global_rank(rank)  # type: ignore[attr-defined]
+        self.cluster_environment.set_world_size(world)  # type: ignore[attr-defined]
+        self._pl("utilities.rank_zero").rank_zero_only.rank = rank
+        import deepspeed.comm.comm as ds_comm_module
+
+        ds_comm_module.cdb = None
+        ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
+
+        # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
+        states = {**{i: own[i] for i in own}, **{i: replica[i] for i in replica}}
+        new_layout = Layout(world, 1, plan.parts)
+        mine = new_layout.layers_of_stage(rank)
+        stage_states = {i: states[i] for i in mine if i in states}
+        missing = [i for i in mine if i not in states]
+        if missing:
+            raise BambooError(f"failover plan gives {res.node} layers {missing} it does not hold")
+        self.stages, self.layout = world, new_layout
+        model = self.lightning_module  # type: ignore[attr-defined]
+        built = self._build(model, keep=lambda i: i in mine)
+        module = build_pipeline_module(built.layers, new_layout, model.pipeline_loss, timedelta(seconds=self.timeout_seconds))
+        module.to(self.root_device)  # type: ignore[attr-defined]
+        ckpt.load_weights(module, stage_states)
+        model._bamboo_stage = module
+        optimizer = self._make_optimizer(module)
+        ckpt.load_optimizer(module, optimizer, stage_states, ckpt.param_group_hyperparameters(old_engine.optimizer))
+        copy_hyperparameters(old_engine.optimizer, optimizer)
+        config = deepspeed_config(self.micro_batch_size, 1, 1, 0.0, self.deepspeed_extra_config)
+        engine = build_engine(
+            module, optimizer, config, timedelta(seconds=self.timeout_seconds),
+            bamboo_options={"redundancy": self.redundancy, "layout": new_layout},
+        )
+        self.engine = engine
+        self._rebind_optimizer(old_engine.optimizer, optimizer)
+        self._arm_replica_from_successor(engine, new_layout, rank, world, stage_states)
+        if self.resilience is not None:
+            engine.node_id = res.node
+            engine.commit = lambda _step: res.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
+            engine.guard = res.guard()
+        seconds = time.monotonic() - started
+        res.failovers.append({"step": step, "lost": sorted(lost), "committed": committed, "seconds": seconds,
+                              "order": list(plan.order), "parts": list(plan.parts)})
+        log.warning("%s: failover done in %.2f s (rank %d of %d)", res.node, seconds, rank, world)
+        if committed:
+            engine.last_loss = old_engine.last_loss
+        return committed
+
+    def _arm_replica_from_successor(
+        self, engine: Any, layout: Layout, rank: int, world: int, own_states: dict[int, dict[str, Any]]
+    ) -> None:
+        """Rebuild redundancy: every node sends its stage to its predecessor, which keeps it as the replica."""
+        from lightning_bamboo.engine.replica import Replica, exchange_objects
+
+        if self.redundancy == "off" or world < 2:
+            return
+        successor = (rank + 1) % world
+        received = exchange_objects(engine.own_states(), send_to=(rank - 1) % world, recv_from=successor)
+        container = self._build_stage(layout.layers_of_stage(successor), received)
+        optimizer = self._make_optimizer(container)
+        ckpt.load_optimizer(container, optimizer, received, ckpt.param_group_hyperparameters(engine.optimizer))
+        engine.replica = Replica(successor, container, optimizer)
+        engine.replica_peers = ((rank - 1) % world, successor)
+
+    def _rebind_optimizer(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        """Point Lightning (its optimizer list and LR schedulers) at the rebuilt stage's optimizer."""
+        self.optimizers = [new]  # type: ignore[attr-defined]
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        for config in trainer.lr_scheduler_configs:
+            if config.scheduler.optimizer is old:
+                config.scheduler.optimizer = new
 
     def _check_trainer(self, trainer: Any) -> None:
         if trainer.accumulate_grad_batches != 1:
@@ -269,13 +449,29 @@ class _BambooStrategyMixin:
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
         chunks = self._split(batch)
-        self.engine.set_micro_batches(len(chunks))
-        loss = self.engine.train_batch(data_iter=iter(chunks))
+        loss = self._train_batch_surviving(chunks)
         epoch = self.lightning_module.trainer.current_epoch  # type: ignore[attr-defined]
         done = self._cursor[1] if self._cursor[0] == epoch else 0
         self._cursor = (epoch, done + len(batch[0]) * self.pipelines)
         self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True, sync_dist=False)  # type: ignore[attr-defined]
         return loss
+
+    def _train_batch_surviving(self, chunks: list[tuple[Any, Any]]) -> torch.Tensor:
+        """Run the batch; if a peer is lost, fail over and redo it (unless it had committed)."""
+        from lightning_bamboo.engine.pipe import PeerLost
+
+        step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
+        for _ in range(len(self.resilience.nodes) if self.resilience is not None else 1):
+            self.engine.set_micro_batches(len(chunks))
+            self.engine.batches_run = step
+            try:
+                return self.engine.train_batch(data_iter=iter(chunks))
+            except PeerLost as err:
+                if self.resilience is None:
+                    raise
+                if self._fail_over(err, step):
+                    return self.engine.last_loss
+        raise BambooConfigError(f"step {step} failed over {len(self.resilience.nodes)} times; giving up")
 
     def _eval_step(self, name: str, batch: Any) -> torch.Tensor:
         chunks = self._split(batch)
@@ -411,6 +607,8 @@ class _BambooStrategyMixin:
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
+        if self.resilience is not None:
+            self.resilience.stop()
         # The engine and the process group outlive fit(): trainer.save_checkpoint() after fit is
         # common and needs both. They are released at interpreter exit (see _release_at_exit).
         super().teardown()  # type: ignore[misc]
@@ -441,7 +639,12 @@ def _release() -> None:
 
     Without this a gloo run aborts at interpreter exit about one time in four.
     """
+    stores = []
     for strategy in _TO_RELEASE:
+        if strategy.resilience is not None:
+            strategy.resilience.stop()
+            stores.append(getattr(strategy.resilience, "_tcp_store", None))
+            strategy.resilience = None
         model = strategy.lightning_module
         if model is not None and hasattr(model, "_bamboo_stage"):
             del model._bamboo_stage
@@ -450,6 +653,8 @@ def _release() -> None:
     gc.collect()
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+    del stores  # a TCPStore we host goes after the group that used it
+    gc.collect()
 
 
 def _pipeline_step_placeholder(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -20,6 +20,26 @@ import lightning_bamboo  # noqa: E402
 from lightning_bamboo.models.gpt import gpt_layers, gpt_loss  # noqa: E402
 
 
+def ReplicaCheck(pl):  # noqa: N802 - a Callback class for the namespace in use
+    class _ReplicaCheck(pl.Callback):
+        """After every step: rank 0 gathers every stage and every replica and compares them bit for bit."""
+
+        def on_train_batch_end(self, trainer, *args):
+            from lightning_bamboo.engine.replica import equal_states
+
+            engine = trainer.strategy.engine
+            mine = (engine.own_states(), engine.replica.stage, engine.replica.states())
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, mine)
+            if trainer.is_global_zero:
+                problems = []
+                for rank, (_, successor, replica) in enumerate(gathered):
+                    problems += [f"rank {rank}: {p}" for p in equal_states(replica, gathered[successor][0])]
+                print(json.dumps({"replica_check": trainer.global_step, "problems": problems}), flush=True)
+
+    return _ReplicaCheck()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--namespace", default="lightning.pytorch")
@@ -32,6 +52,8 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--partition", default="parameters")
+    p.add_argument("--redundancy", default="off")
+    p.add_argument("--check-replicas", action="store_true", help="after every step, compare replicas with their originals")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -56,9 +78,12 @@ def main() -> None:
 
     partition = args.partition if not args.partition[0].isdigit() else [int(x) for x in args.partition.split(",")]
     strategy = (lightning_bamboo.BambooStrategy if args.namespace == "lightning.pytorch" else lightning_bamboo.PTLBambooStrategy)(
-        stages=args.stages, micro_batch_size=args.micro_batch_size, partition=partition, seed=1234, timeout=60
+        stages=args.stages, micro_batch_size=args.micro_batch_size, partition=partition, seed=1234, timeout=60,
+        redundancy=args.redundancy, detection_timeout=5,
     )
     callbacks = []
+    if args.check_replicas:
+        callbacks.append(ReplicaCheck(pl))
     if args.save_every:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(

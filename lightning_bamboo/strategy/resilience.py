@@ -1,0 +1,122 @@
+"""Membership, step commits and failover for ``BambooStrategy`` when it runs under a Bamboo launcher."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from lightning_bamboo.engine.failover import FatalLoss, plan_failover, reform_process_group
+from lightning_bamboo.engine.pipe import PeerLost, StepGuard
+from lightning_bamboo.errors import BambooError
+from lightning_bamboo.launcher import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
+
+log = logging.getLogger(__name__)
+
+
+def launched_by_bamboo() -> bool:
+    return STORE_ENV in os.environ
+
+
+class Resilience:
+    """One node's view of the job: registered under a lease, watching its peers, deciding steps once.
+
+    A step commits when every node of the pipeline has put ``commit/<generation>/<step>/<node>``
+    (each puts it after its gradients, including the replica's, are exchanged). A node applies
+    its update only after seeing all of them, so after a loss either every survivor has the
+    gradients of a committed step (and applies them) or no one applies anything and the step
+    is redone in the new layout: a step is never half applied.
+    """
+
+    def __init__(self, detection_timeout: float, rendezvous_timeout: float) -> None:
+        from lightning_bamboo.membership import connect
+        from lightning_bamboo.membership.registry import LossDetector, Registry, barrier, job_prefix
+
+        self.url = os.environ[STORE_ENV]
+        self.job = os.environ.get(JOB_ENV, "bamboo")
+        self.node = os.environ[NODE_ENV]
+        self.nodes = [n for n in os.environ.get(NODES_ENV, self.node).split(",") if n]
+        self.detection_timeout = detection_timeout
+        self.rendezvous_timeout = rendezvous_timeout
+        self.generation = 0
+        self.base = job_prefix(self.job)
+        self.store = connect(self.url)
+        self.registry = Registry(self.store, self.job, self.node, ttl=max(1.0, detection_timeout * 0.8))
+        self.registry.join()
+        barrier(self.store, f"{self.base}rdzv/0", self.node, self.nodes, timeout=rendezvous_timeout)
+        self._detector_cls = LossDetector
+        self.detector = self._watch(self.nodes)
+        self.failovers: list[dict[str, Any]] = []
+
+    def _watch(self, nodes: list[str]) -> Any:
+        peers = [n for n in nodes if n != self.node]
+        return self._detector_cls(self.store, self.job, peers, poll=0.2).start()
+
+    def guard(self) -> StepGuard:
+        return StepGuard(self.detector.event, lambda: tuple(sorted(self.detector.lost)), self.detection_timeout)
+
+    # ------------------------------------------------------------------ commits
+    def _commit_prefix(self, step: int, generation: int | None = None) -> str:
+        return f"{self.base}commit/{self.generation if generation is None else generation}/{step}/"
+
+    def commit(self, step: int) -> None:
+        """Say our part of ``step`` is ready and wait (bounded, abortable) until everyone's is."""
+        prefix = self._commit_prefix(step)
+        self.store.put(prefix + self.node, "1")
+        deadline = time.monotonic() + self.rendezvous_timeout
+        revision = 0
+        while True:
+            snap = self.store.get_prefix(prefix)
+            if {kv.key[len(prefix):] for kv in snap.kvs} >= set(self.nodes):
+                return
+            if self.detector.event.is_set():
+                raise PeerLost(f"lost {sorted(self.detector.lost)} before step {step} committed", self.detector.lost)
+            if time.monotonic() > deadline:
+                raise BambooError(f"step {step} did not commit within {self.rendezvous_timeout} s ({prefix})")
+            change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=0.2)
+            revision = change.revision
+
+    def committed(self, step: int) -> bool:
+        prefix = self._commit_prefix(step)
+        return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs} >= set(self.nodes)
+
+    # ------------------------------------------------------------------ failover
+    def decide_lost(self, suspected: tuple[str, ...]) -> set[str]:
+        """The set of lost nodes for the next generation, decided once for everyone through the store."""
+        members = self.registry.members()
+        lost = (set(suspected) | self.detector.lost | (set(self.nodes) - set(members.live))) & set(self.nodes)
+        lost.discard(self.node)
+        key = f"{self.base}decision/{self.generation + 1}"
+        _, kv = self.store.put_if_absent(key, json.dumps(sorted(lost)))
+        return set(json.loads(kv.value))
+
+    def reform(self, order: list[str]) -> tuple[int, int]:
+        """Join the process group of ``order`` for the next generation; returns (rank, world size)."""
+        from lightning_bamboo.membership.registry import barrier
+
+        generation = self.generation + 1
+        barrier(self.store, f"{self.base}rdzv/{generation}", self.node, order, timeout=self.rendezvous_timeout)
+        rank, world, self._tcp_store = reform_process_group(
+            self.store, self.job, generation, order, self.node, self.rendezvous_timeout
+        )
+        self.generation = generation
+        self.nodes = list(order)
+        self.detector.stop()
+        self.detector = self._watch(self.nodes)
+        return rank, world
+
+    def plan(self, parts: tuple[int, ...], lost: set[str]) -> Any:
+        try:
+            return plan_failover(self.nodes, parts, lost)
+        except FatalLoss:
+            raise
+
+    def stop(self) -> None:
+        try:
+            self.detector.stop()
+            self.registry.stop_heartbeat()
+            self.store.close()
+        except Exception as err:  # noqa: BLE001 - best effort at exit
+            log.debug("membership stop: %s", err)
