@@ -132,7 +132,21 @@ class BambooPipelineEngine(PipelineEngine):
     }
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
-        super()._exec_schedule(_FailureInjector(pipe_schedule, self.node_id, self.batches_run - 1))
+        steps = _FailureInjector(pipe_schedule, self.node_id, self.batches_run - 1)
+        try:
+            super()._exec_schedule(steps)
+        except Exception:
+            if isinstance(pipe_schedule, ds_schedule.TrainSchedule):
+                log.error("rank %d (stage %d) failed at schedule step %d:\n%s", self.global_rank, self.stage_id,
+                          steps.index, self.schedule_table(error_at=steps.index))
+            raise
+
+    def schedule_table(self, error_at: int | None = None) -> str:
+        """This engine's training step as a Step x Rank table (lightning_bamboo.schedule)."""
+        from lightning_bamboo.schedule import build_schedule, format_table
+
+        mode = "lazy" if self.replica is not None else "off"
+        return format_table(build_schedule(self.num_stages, self.micro_batches, mode), error_at=error_at)
 
 
 def _maybe_fail(node: str, step: int, instruction: int | None) -> None:
@@ -152,15 +166,21 @@ class _FailureInjector:
 
     def __init__(self, schedule: Any, node: str, step: int) -> None:
         self.schedule, self.node, self.step = schedule, node, step
+        self.index = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.schedule, name)  # num_pipe_buffers() and the rest of the schedule's API
 
     def __iter__(self) -> Iterator[Any]:
         for index, commands in enumerate(self.schedule):
+            self.index = index
             if index:
                 _maybe_fail(self.node, self.step, index)
             yield commands
+
+
+#: step threads left blocked in a communication call of a destroyed process group (see StepGuard)
+ABANDONED: list[threading.Thread] = []
 
 
 class StepGuard:
@@ -192,12 +212,14 @@ class StepGuard:
         thread.start()
         while not done.wait(0.02):
             if self.lost.is_set() and not busy():
+                ABANDONED.append(thread)
                 raise PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
         if "error" in result:
             err = result["error"]
             if isinstance(err, PeerLost):
                 raise err
             if isinstance(err, RuntimeError) and _is_comm_error(err):
+                ABANDONED.append(thread)
                 # A receive from a dead peer fails fast; wait (bounded) for the store to say who died.
                 if self.lost.wait(self.detection_timeout):
                     raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err

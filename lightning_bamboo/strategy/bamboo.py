@@ -12,6 +12,7 @@ import gc
 import importlib
 import logging
 import os
+import sys
 import time
 import types
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from lightning_bamboo.strategy.layout import (
     REDUNDANCY_MODES,
     Layout,
     check_partition_option,
+    check_replica_memory,
     compute_parts,
     micro_batches,
     resolve_stages,
@@ -274,15 +276,7 @@ class _BambooStrategyMixin:
         import psutil
 
         built = self._build(self.lightning_module, keep=lambda i: False)
-        params = sum(built.param_counts[i] for i in layers)
-        need = params * 4 * 4  # fp32 weights, gradients and up to two optimizer moments
-        free = psutil.virtual_memory().available
-        if need > free:
-            raise BambooConfigError(
-                f"not enough host memory for the replica of layers {layers.start}..{layers.stop - 1}: it needs about "
-                f"{need / 2**30:.2f} GiB (weights, gradients, optimizer state) and {free / 2**30:.2f} GiB are free; "
-                f"use more stages (smaller stages), machines with more memory, or redundancy='off'"
-            )
+        check_replica_memory(layers, sum(built.param_counts[i] for i in layers), psutil.virtual_memory().available)
 
     def _arm(self, engine: Any, fitting: bool) -> None:
         """Give the engine its replica, its commit hook and its watchdog."""
@@ -630,6 +624,7 @@ _TO_RELEASE: list[Any] = []
 def _release_at_exit(strategy: Any) -> None:
     if not _TO_RELEASE:
         atexit.register(_release)
+        _record_failures()
     if strategy not in _TO_RELEASE:
         _TO_RELEASE.append(strategy)
 
@@ -655,6 +650,31 @@ def _release() -> None:
         torch_dist.destroy_process_group()
     del stores  # a TCPStore we host goes after the group that used it
     gc.collect()
+    from lightning_bamboo.engine.pipe import ABANDONED
+
+    if any(thread.is_alive() for thread in ABANDONED):
+        # A step thread abandoned at a failover may still be blocked inside gloo on the old
+        # process group; C++ teardown with it there aborts the process ("terminate called").
+        # Everything of ours is flushed and closed: leave without that teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _FAILED else 0)
+
+
+_FAILED = False
+
+
+def _record_failures() -> None:
+    """Remember an uncaught exception, so the exit above keeps a failing run's exit status."""
+    previous = sys.excepthook
+
+    def hook(*args: Any) -> None:
+        global _FAILED
+        _FAILED = True
+        previous(*args)
+
+    sys.excepthook = hook
 
 
 def _pipeline_step_placeholder(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -183,3 +183,14 @@ def _even_parts(num_layers: int, stages: int) -> list[int]:
     if stages < 1 or num_layers < stages:
         return list(range(num_layers + 1))
     return [round(s * num_layers / stages) for s in range(stages + 1)]
+
+
+def check_replica_memory(layers: range, params: int, available_bytes: int) -> None:
+    """A replica needs fp32 weights, gradients and up to two optimizer moments in host memory."""
+    need = params * 4 * 4
+    if need > available_bytes:
+        raise BambooConfigError(
+            f"not enough host memory for the replica of layers {layers.start}..{layers.stop - 1}: it needs about "
+            f"{need / 2**30:.2f} GiB (weights, gradients, optimizer state) and {available_bytes / 2**30:.2f} GiB are "
+            f"free; use more stages (smaller stages), machines with more memory, or redundancy='off'"
+        )

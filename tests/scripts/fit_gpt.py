@@ -101,7 +101,11 @@ def main() -> None:
     if trainer.is_global_zero:
         weights = lightning_bamboo.consolidate_checkpoint(os.path.join(args.out, "final.ckpt"))
         torch.save(weights, os.path.join(args.out, "final.pt"))
-        print(json.dumps({"global_step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"])}))
+        res = trainer.strategy.resilience
+        print(json.dumps({
+            "global_step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"]),
+            "failovers": res.failovers if res is not None else [], "world_size": trainer.world_size,
+        }))
 
 
 if __name__ == "__main__":

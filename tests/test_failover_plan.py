@@ -1,0 +1,73 @@
+"""Pure failover rules: who serves which layers after a loss, and when a loss is fatal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_bamboo.engine.failover import FatalLoss, plan_failover
+from lightning_bamboo.engine.replica import equal_states
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.strategy.layout import check_replica_memory
+
+NODES = ["n0", "n1", "n2", "n3"]
+PARTS = [0, 2, 4, 6, 8]
+
+
+def table(plan):
+    return [(seg.stage, seg.node, seg.source) for seg in plan.segments]
+
+
+def test_middle_node_lost_predecessor_runs_both_stages():
+    plan = plan_failover(NODES, PARTS, {"n2"})
+    assert plan.order == ("n0", "n1", "n3") and plan.parts == (0, 2, 6, 8)
+    assert table(plan) == [(0, "n0", "own"), (1, "n1", "own"), (2, "n1", "replica"), (3, "n3", "own")]
+
+
+def test_last_node_lost():
+    plan = plan_failover(NODES, PARTS, {"n3"})
+    assert plan.order == ("n0", "n1", "n2") and plan.parts == (0, 2, 4, 8)
+    assert plan.segments_of("n2") == plan.segments[2:]
+
+
+def test_first_node_lost_wraps_without_moving_data():
+    # n3 holds stage 0's replica but its own stage 3 is not next to stage 0: stage 3 goes to
+    # n2, which holds stage 3's replica. Nothing moves over the network.
+    plan = plan_failover(NODES, PARTS, {"n0"})
+    assert plan.order == ("n3", "n1", "n2") and plan.parts == (0, 2, 4, 8)
+    assert table(plan) == [(0, "n3", "replica"), (1, "n1", "own"), (2, "n2", "own"), (3, "n2", "replica")]
+
+
+def test_two_losses_far_apart():
+    plan = plan_failover(NODES, PARTS, {"n1", "n3"})
+    assert plan.order == ("n0", "n2") and plan.parts == (0, 4, 8)
+
+
+@pytest.mark.parametrize("lost", [{"n1", "n2"}, {"n3", "n0"}, {"n0", "n2"}])
+def test_adjacent_losses_are_fatal(lost):
+    with pytest.raises(FatalLoss, match="restore its last checkpoint"):
+        plan_failover(NODES, PARTS, lost)
+
+
+def test_every_single_loss_keeps_every_layer_once():
+    for stages in range(2, 9):
+        nodes = [f"n{i}" for i in range(stages)]
+        parts = list(range(0, 2 * stages + 1, 2))
+        for dead in nodes:
+            plan = plan_failover(nodes, parts, {dead})
+            assert dead not in plan.order and len(plan.order) == stages - 1
+            assert plan.parts[0] == 0 and plan.parts[-1] == parts[-1]
+            assert list(plan.parts) == sorted(set(plan.parts))
+
+
+def test_equal_states_finds_a_one_bit_difference():
+    a = {0: {"weights": {"w": torch.ones(3)}, "optimizer": {"w": {"state": {"momentum_buffer": torch.zeros(3)}, "group": 0}}}}
+    b = {0: {"weights": {"w": torch.ones(3)}, "optimizer": {"w": {"state": {"momentum_buffer": torch.zeros(3)}, "group": 0}}}}
+    assert equal_states(a, b) == []
+    b[0]["optimizer"]["w"]["state"]["momentum_buffer"][1] = torch.finfo(torch.float32).tiny
+    assert equal_states(a, b) == ["layer 0 optimizer w differs"]
+
+
+def test_not_enough_host_memory_for_the_replica():
+    with pytest.raises(BambooConfigError, match=r"not enough host memory for the replica of layers 2..3: it needs about 0.06 GiB .* 0.01 GiB are free"):
+        check_replica_memory(range(2, 4), params=4 * 2**20, available_bytes=2**20 * 10)
