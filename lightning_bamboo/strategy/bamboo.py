@@ -75,7 +75,9 @@ class _BambooStrategyMixin:
                 (balance layers whose class matches), or ``stages + 1`` explicit boundaries
                 such as ``[0, 3, 6]``.
             seed: seed the layers are built under (default: the ``seed_everything`` seed, else 0).
-            redundancy: ``"off"``, ``"lazy"`` or ``"eager"`` redundant computation.
+            redundancy: ``"off"``: a plain pipeline. ``"lazy"``: every node keeps an exact replica of
+                its successor's stage (host memory) and takes over when the successor is lost.
+                ``"eager"`` (forward RC of the successor in the bubbles) is not implemented yet.
             timeout: seconds any communication may block before the run fails (never 30 minutes).
             detection_timeout: under the Bamboo launcher, the most seconds a survivor needs to learn
                 that a node is gone (the node lease's TTL is a bit below it).
@@ -88,6 +90,11 @@ class _BambooStrategyMixin:
         check_partition_option(partition, stages)
         if redundancy not in REDUNDANCY_MODES:
             raise BambooConfigError(f"redundancy must be one of {REDUNDANCY_MODES} (redundancy: {redundancy!r})")
+        if redundancy == "eager":
+            raise BambooConfigError(
+                "redundancy='eager' (the successor's forward computed in the bubbles) is not implemented yet; use "
+                "redundancy='lazy': it keeps the same exact replicas and a failover redoes only the step in flight"
+            )
         if redundancy != "off" and stages == 1:
             raise BambooConfigError(
                 f"redundancy={redundancy!r} needs at least 2 stages: a node holds a replica of its successor's "
