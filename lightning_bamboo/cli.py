@@ -9,6 +9,7 @@ import sys
 # name -> (module providing ``add_arguments(parser)`` and ``run(args) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("lightning_bamboo.strategy.cli", "train with the Lightning CLI (--config X.yaml)"),
+    "demo": ("lightning_bamboo.demo.cli", "a local spot cluster that trains through preemptions"),
     "plan": (
         "lightning_bamboo.planner.cli",
         "profile a model and print its plan (--json) or a plan table for world sizes 1..N",

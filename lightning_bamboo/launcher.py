@@ -30,6 +30,65 @@ def node_names(nodes: int) -> list[str]:
     return [f"node{i}" for i in range(nodes)]
 
 
+class Cluster:
+    """Worker processes, one per node, sharing a store; a dead worker is announced at once.
+
+    ``spawn`` starts a node, ``kill`` sends it a real signal, ``poll`` reaps exited workers
+    (announcing the unexpected deaths in the store) and returns them.
+    """
+
+    def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None) -> None:
+        from lightning_bamboo.membership import connect, resolve_store
+        from lightning_bamboo.membership.registry import Registry
+
+        self.url, self._server = resolve_store(store)
+        self.job = job
+        self.env = {**os.environ, **(env or {}), STORE_ENV: self.url, JOB_ENV: job, "NODE_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.codes: dict[str, int] = {}
+        self.store = connect(self.url)
+        self._reporter = Registry(self.store, job, "launcher")
+
+    def spawn(self, name: str, command: Sequence[str], rank: int, world: Sequence[str], **popen: object) -> None:
+        env = {**self.env, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), NODE_ENV: name}
+        self.codes.pop(name, None)
+        self.procs[name] = subprocess.Popen(list(command), env=env, **popen)  # type: ignore[call-overload]
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+
+    @property
+    def running(self) -> list[str]:
+        return [n for n, p in self.procs.items() if n not in self.codes and p.poll() is None]
+
+    def poll(self) -> dict[str, int]:
+        """Reap workers that exited since the last call; announce the ones that died."""
+        exited = {}
+        for name, proc in self.procs.items():
+            if name in self.codes or proc.poll() is None:
+                continue
+            self.codes[name] = exited[name] = proc.returncode
+            if proc.returncode != 0 and self.running:
+                try:  # tell the survivors now; the lease would take its TTL
+                    self._reporter.announce_loss(name, f"process exited with {proc.returncode}", timeout=2.0)
+                except Exception as err:  # noqa: BLE001 - the lease is the backstop
+                    print(f"[launcher] could not announce the loss of {name}: {err}", file=sys.stderr)
+        return exited
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        self.store.close()
+        if self._server is not None:
+            self._server.stop()
+
+
 def launch(
     command: Sequence[str],
     nodes: int,
@@ -42,55 +101,21 @@ def launch(
     """Run ``command`` as ``nodes`` workers; returns each node's exit code (negative: killed by that signal)."""
     if nodes < 1:
         raise BambooConfigError(f"a job needs at least one node (nodes: {nodes})")
-    from lightning_bamboo.membership import connect, resolve_store
-    from lightning_bamboo.membership.registry import Registry
-
-    url, server = resolve_store(store)
     names = node_names(nodes)
-    base = {
-        **os.environ,
-        **(env or {}),
-        STORE_ENV: url,
-        JOB_ENV: job,
-        NODES_ENV: ",".join(names),
-        "WORLD_SIZE": str(nodes),
-        "NODE_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    procs: dict[str, subprocess.Popen] = {}
-    codes: dict[str, int] = {}
+    cluster = Cluster(store, job, env)
     try:
         for rank, name in enumerate(names):
-            procs[name] = subprocess.Popen(
-                list(command), env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), NODE_ENV: name}
-            )
-        client = connect(url)
-        reporter = Registry(client, job, "launcher")
+            cluster.spawn(name, command, rank, names)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while len(codes) < len(procs):
-            for name, proc in procs.items():
-                if name in codes or proc.poll() is None:
-                    continue
-                codes[name] = proc.returncode
-                if proc.returncode != 0 and len(codes) < len(procs):
-                    # Tell the survivors now; the lease would take its TTL.
-                    try:
-                        reporter.announce_loss(name, f"process exited with {proc.returncode}", timeout=2.0)
-                    except Exception as err:  # noqa: BLE001 - the lease is the backstop
-                        print(f"[launcher] could not announce the loss of {name}: {err}", file=sys.stderr)
+        while cluster.running:
+            cluster.poll()
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"workers still running after {timeout} s: {sorted(set(procs) - set(codes))}")
+                raise TimeoutError(f"workers still running after {timeout} s: {cluster.running}")
             time.sleep(0.05)
-        client.close()
-        return codes
+        cluster.poll()
+        return dict(cluster.codes)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-        if server is not None:
-            server.stop()
+        cluster.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -327,6 +327,10 @@ class _BambooStrategyMixin:
 
         res = self.resilience
         started = time.monotonic()
+        if self.redundancy == "off":
+            from lightning_bamboo.engine.failover import FatalLoss
+
+            raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
         old_engine, layout = self.engine, self.layout
         assert layout is not None
         committed = res.committed(step)

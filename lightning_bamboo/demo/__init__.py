@@ -1,0 +1,1 @@
+"""``lightning-bamboo demo``: a local spot cluster that trains through preemptions."""

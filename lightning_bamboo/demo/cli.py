@@ -1,0 +1,274 @@
+"""``lightning-bamboo demo``: N local worker processes train a GPT while nodes are preempted and replaced."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_preempt
+from lightning_bamboo.errors import BambooConfigError
+
+EXIT_FATAL = 75  # lightning_bamboo.demo.worker.EXIT_FATAL (not imported: that module imports torch)
+DEFAULT_PREEMPT = "node2@6,node3@14:2"  # what `make demo` shows: a kill, and a preemption with notice
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=4, help="worker processes, one per node (default 4)")
+    parser.add_argument("--stages", type=int, default=None, help="pipeline depth (default: --nodes)")
+    parser.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
+    parser.add_argument("--trace", default=None, help="Bamboo trace CSV (ms,add|remove,node) to replay")
+    parser.add_argument("--time-scale", type=float, default=600.0, help="trace seconds per real second (default 600)")
+    parser.add_argument("--preempt", default=None, help="NODE@STEP[:notice],... e.g. node2@7,node1@12:3")
+    parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
+    parser.add_argument("--report", default=None, help="write the run's report JSON here")
+    parser.add_argument("--save-weights", default=None, help="write the final consolidated fp32 state_dict here")
+    parser.add_argument("--no-redundancy", action="store_true", help="no replicas: every loss restarts from a checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=4, help="steps between checkpoints (default 4)")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds each node pauses per step, to watch")
+    parser.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temporary dir)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+@dataclass
+class DemoState:
+    target_steps: int
+    global_batch: int
+    nodes: list[str]
+    preempted: list[str] = field(default_factory=list)
+    joined: list[str] = field(default_factory=list)
+    recoveries: dict[str, int] = field(default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0})
+    recovery_seconds: list[float] = field(default_factory=list)
+    recomputed_steps: int = 0
+    progress: int = 0
+    log: list[str] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace) -> int:
+    stages = args.stages or args.nodes
+    if args.nodes < 1 or args.steps < 1:
+        raise BambooConfigError(f"--nodes and --steps must be at least 1 (nodes: {args.nodes}, steps: {args.steps})")
+    if args.nodes < stages:
+        raise BambooConfigError(
+            f"fewer nodes than one pipeline needs (nodes: {args.nodes}, stages: {stages}); use --stages {args.nodes}"
+        )
+    if args.nodes % stages:
+        raise BambooConfigError(f"--nodes must be a multiple of --stages (nodes: {args.nodes}, stages: {stages})")
+    if args.nodes != stages:
+        raise BambooConfigError(
+            f"the demo trains one pipeline (nodes: {args.nodes}, stages: {stages}); use --stages {args.nodes}"
+        )
+    if args.trace and args.preempt:
+        raise BambooConfigError("give either --trace or --preempt, not both")
+    nodes = [f"node{i}" for i in range(args.nodes)]
+    if args.trace:
+        from lightning_bamboo.sim.trace import read_trace
+
+        events = events_from_trace(read_trace(args.trace), nodes, args.time_scale)
+    else:
+        events = parse_preempt(DEFAULT_PREEMPT if args.preempt is None else args.preempt, nodes)
+    if args.store != "embedded":
+        _check_store_reachable(args.store)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bamboo-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        report = _drive(args, stages, nodes, events, workdir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    _summary(report)
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=2))
+    return 0 if report["steps_completed"] == report["target_steps"] else 1
+
+
+def _check_store_reachable(url: str) -> None:
+    from lightning_bamboo.membership import connect
+
+    store = connect(url, timeout=3.0)
+    try:
+        store.get("/bamboo/ping", timeout=3.0)
+    finally:
+        store.close()
+
+
+def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list[ClusterEvent], workdir: Path) -> dict[str, Any]:
+    from lightning_bamboo.launcher import Cluster
+    from lightning_bamboo.membership.registry import job_prefix
+
+    state = DemoState(args.steps, args.steps and 8, list(nodes))
+    ckpt_dir = workdir / "checkpoints"
+    pending = sorted(events, key=lambda e: (e.at_step if e.at_step is not None else e.at_seconds or 0.0))
+    generation = 0
+    alive = list(nodes)
+    resume: str | None = None
+    started = time.monotonic()
+    first_step_at: float | None = None
+    final: dict[str, Any] | None = None
+    kill_times: list[float] = []
+    notices: dict[str, float] = {}
+    cluster = Cluster(args.store, job=f"demo{generation}")
+    try:
+        while final is None:
+            job = f"demo{generation}"
+            cluster.job, cluster._reporter.job = job, job
+            cluster._reporter.base = job_prefix(job)
+            out = workdir / f"run{generation}"
+            out.mkdir(exist_ok=True)
+            depth = min(stages, len(alive))
+            command = [
+                sys.executable, "-m", "lightning_bamboo.demo.worker", "--stages", str(depth), "--steps", str(args.steps),
+                "--redundancy", "off" if args.no_redundancy else "lazy", "--checkpoint-dir", str(ckpt_dir),
+                "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
+            ] + (["--resume", resume] if resume else [])
+            logs = open(out / "workers.log", "w")
+            for rank, name in enumerate(alive):
+                cluster.spawn(name, command, rank, alive, stdout=logs, stderr=logs)
+            base = job_prefix(job)
+            fatal_at: int | None = None
+            while True:
+                exited = cluster.poll()
+                snap = cluster.store.get_prefix(f"{base}progress/")
+                steps = [int(kv.value) for kv in snap.kvs]
+                now = max(steps, default=state.progress)
+                if now > state.progress:
+                    if first_step_at is None:
+                        first_step_at = time.monotonic()
+                    if kill_times:
+                        state.recovery_seconds += [time.monotonic() - t for t in kill_times]
+                        kill_times.clear()
+                    state.progress = now
+                    _show(args, state, cluster.running)
+                progress = {kv.key.rsplit("/", 1)[1]: int(kv.value) for kv in snap.kvs}
+                elapsed = time.monotonic() - (first_step_at or started)
+                for event in list(pending):
+                    due = (event.at_step is not None and progress.get(event.node, 0) >= event.at_step) or (
+                        event.at_seconds is not None and first_step_at is not None and elapsed >= event.at_seconds
+                    )
+                    if not due:
+                        continue
+                    pending.remove(event)
+                    if event.kind == "preempt" and event.node in cluster.running:
+                        if event.notice:
+                            cluster.kill(event.node, signal.SIGTERM)
+                            notices[event.node] = time.monotonic() + event.notice
+                            state.log.append(f"step {state.progress}: {event.node} preempted with {event.notice:g} s notice")
+                        else:
+                            cluster.kill(event.node, signal.SIGKILL)
+                            state.log.append(f"step {state.progress}: {event.node} preempted (SIGKILL)")
+                        kill_times.append(time.monotonic())
+                        state.preempted.append(event.node)
+                        alive.remove(event.node)
+                    elif event.kind == "join":
+                        state.joined.append(event.node)
+                        alive.append(event.node)
+                        state.log.append(f"step {state.progress}: {event.node} joined (standby until the next rebuild)")
+                for name, deadline in list(notices.items()):
+                    if time.monotonic() >= deadline:
+                        cluster.kill(name, signal.SIGKILL)  # the grace period is over
+                        del notices[name]
+                if any(code == EXIT_FATAL for code in exited.values()):
+                    fatal_at = state.progress
+                if not cluster.running:
+                    break
+                if fatal_at is not None:
+                    _stop_within(cluster, 15.0)
+                    break
+                time.sleep(0.05)
+            cluster.poll()
+            state.recoveries["redundant"] += len(cluster.store.get_prefix(f"{base}decision/").kvs)
+            report_file = out / "report.json"
+            if report_file.exists() and fatal_at is None:
+                final = json.loads(report_file.read_text())
+                final["weights"] = str(out / "weights.pt")
+                break
+            # A fatal loss (or no redundancy): restart the survivors from the last checkpoint.
+            runnable = [n for n in alive if n not in state.preempted]
+            if not runnable:
+                raise BambooConfigError("every node is gone and no replacement joined; the run stops at its last checkpoint")
+            resume = _last_checkpoint(ckpt_dir)
+            restart_from = _checkpoint_step(resume) if resume else 0
+            state.recomputed_steps += max(0, state.progress - restart_from)
+            state.recoveries["checkpoint" if resume else "restart"] += 1
+            state.log.append(
+                f"step {state.progress}: no replica left for a lost stage: restart {len(runnable)} nodes from "
+                + (f"checkpoint step {restart_from}" if resume else "the beginning")
+            )
+            state.progress = restart_from
+            alive = runnable
+            generation += 1
+    finally:
+        cluster.close()
+    wall = time.monotonic() - (first_step_at or started)
+    report = {
+        "steps_completed": int(final.get("steps_completed", 0)),
+        "target_steps": args.steps,
+        "preemptions": len(state.preempted),
+        "joins": len(state.joined),
+        "recoveries": state.recoveries,
+        "recomputed_steps": state.recomputed_steps + sum(1 for f in final.get("failovers", []) if not f["committed"]),
+        "recovery_seconds": [round(s, 3) for s in state.recovery_seconds],
+        "samples_per_second": final.get("steps_completed", 0) * 8 / wall if wall > 0 else 0.0,
+        "final_loss": final.get("final_loss"),
+        "failovers": final.get("failovers", []),
+        "events": state.log,
+        "nodes_at_end": final.get("world_size"),
+    }
+    if args.save_weights:
+        shutil.copyfile(final["weights"], args.save_weights)
+    return report
+
+
+def _stop_within(cluster: Any, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while cluster.running and time.monotonic() < deadline:
+        cluster.poll()
+        time.sleep(0.05)
+    for name in cluster.running:
+        cluster.kill(name, signal.SIGKILL)
+    cluster.poll()
+
+
+def _checkpoint_step(path: str) -> int:
+    return int(Path(path).name.removeprefix("step").removesuffix(".ckpt"))
+
+
+def _last_checkpoint(directory: Path) -> str | None:
+    done = [p for p in directory.glob("step*.ckpt") if (p / "meta.pt").exists()]
+    return str(max(done, key=_checkpoint_step)) if done else None
+
+
+def _show(args: argparse.Namespace, state: DemoState, running: list[str]) -> None:
+    if args.quiet:
+        return
+    width = 30
+    filled = int(width * state.progress / max(1, state.target_steps))
+    print(f"  step {state.progress:>4}/{state.target_steps}  [{'#' * filled}{'.' * (width - filled)}]  "
+          f"live: {' '.join(sorted(running))}", flush=True)
+
+
+def _summary(report: dict[str, Any]) -> None:
+    rows = [
+        ("steps completed", f"{report['steps_completed']} / {report['target_steps']}"),
+        ("preemptions", str(report["preemptions"])),
+        ("joins", str(report["joins"])),
+        ("recoveries", ", ".join(f"{k} {v}" for k, v in report["recoveries"].items())),
+        ("recomputed steps", str(report["recomputed_steps"])),
+        ("recovery seconds", ", ".join(f"{s:.2f}" for s in report["recovery_seconds"]) or "-"),
+        ("samples / second", f"{report['samples_per_second']:.1f}"),
+        ("final loss", f"{report['final_loss']:.4f}" if report["final_loss"] is not None else "-"),
+    ]
+    for line in report["events"]:
+        print(f"  {line}")
+    width = max(len(k) for k, _ in rows)
+    print("\n  " + "-" * (width + 30))
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    print("  " + "-" * (width + 30))

@@ -1,0 +1,148 @@
+"""One node of the demo cluster: trains the built-in GPT with strategy='bamboo' under the demo launcher.
+
+Run by ``lightning-bamboo demo`` (never by hand): the launcher sets the cluster environment
+(``RANK``, ``WORLD_SIZE``, ``BAMBOO_STORE``, ``BAMBOO_NODE``...). After every step the node
+records its progress in the store, which is how the launcher preempts "node2 at step 7".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+import lightning_bamboo
+from lightning_bamboo.engine.failover import FatalLoss
+from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
+
+#: exit status of a survivor that cannot fail over (a node and its replica holder were lost)
+EXIT_FATAL = 75
+#: exit status of a node that left after a preemption notice
+EXIT_LEFT = 0
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=48)  # 8 pipeline layers
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Deterministic synthetic sequences (no download); the target is the input shifted by one."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, CONFIG.vocab_size, (n, CONFIG.block_size + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+class DemoGPT(pl.LightningModule):
+    def __init__(self, samples: int, batch_size: int) -> None:
+        super().__init__()
+        self.samples, self.batch_size = samples, batch_size
+
+    def configure_pipeline(self):
+        return gpt_layers(CONFIG)
+
+    def pipeline_loss(self, outputs, targets):
+        return gpt_loss(outputs, targets)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(Tokens(self.samples), batch_size=self.batch_size)
+
+
+class Progress(pl.Callback):
+    """Puts ``progress/<node>`` = the number of finished steps into the store after every step."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        res = trainer.strategy.resilience
+        if res is not None:
+            res.store.put(f"{res.base}progress/{res.node}", str(trainer.global_step))
+        if self.delay:
+            time.sleep(self.delay)  # demo pacing, so a person can watch; 0 in tests
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--redundancy", default="lazy")
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--checkpoint-every", type=int, default=4)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--out", required=True, help="directory for this run's report part and weights")
+    p.add_argument("--step-delay", type=float, default=0.0)
+    args = p.parse_args()
+
+    node = os.environ.get("BAMBOO_NODE", "node0")
+    model = DemoGPT(samples=args.steps * args.batch_size, batch_size=args.batch_size)
+    strategy = lightning_bamboo.BambooStrategy(
+        stages=args.stages, micro_batch_size=args.micro_batch_size, partition="uniform", seed=0,
+        redundancy=args.redundancy, timeout=60, detection_timeout=5,
+    )
+    checkpoints = pl.callbacks.ModelCheckpoint(
+        dirpath=args.checkpoint_dir, filename="step{step}", every_n_train_steps=args.checkpoint_every,
+        save_top_k=-1, auto_insert_metric_name=False,
+    )
+    callbacks = [Progress(args.step_delay), checkpoints]
+    # SIGTERM is a preemption notice: leave at the next step boundary (flag-only handler).
+    leaving = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: leaving.__setitem__("flag", True))
+
+    class Leave(pl.Callback):
+        def on_train_batch_end(self, trainer, *a) -> None:
+            if leaving["flag"] and trainer.strategy.resilience is not None:
+                res = trainer.strategy.resilience
+                res.registry.announce_leaving(grace=1.0)
+                print(json.dumps({"node": node, "left_at_step": trainer.global_step}), flush=True)
+                os._exit(EXIT_LEFT)
+
+    callbacks.append(Leave())
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", args.stages)),
+        max_steps=args.steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    start = time.perf_counter()
+    try:
+        trainer.fit(model, ckpt_path=args.resume)
+    except FatalLoss as err:
+        print(json.dumps({"node": node, "fatal": str(err)}), flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_FATAL)
+    seconds = time.perf_counter() - start
+    out = Path(args.out)
+    trainer.save_checkpoint(out / "final.ckpt")
+    if trainer.is_global_zero:
+        res = strategy.resilience
+        report = {
+            "steps_completed": trainer.global_step,
+            "final_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
+            "failovers": res.failovers if res is not None else [],
+            "train_seconds": seconds,
+            "resumed_from": args.resume,
+            "world_size": trainer.world_size,
+        }
+        torch.save(lightning_bamboo.consolidate_checkpoint(out / "final.ckpt"), out / "weights.pt")
+        (out / "report.json").write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
