@@ -51,10 +51,17 @@ class Cluster:
         self._reporter = Registry(self.store, job, "launcher")
 
     def spawn(self, name: str, command: Sequence[str], rank: int, world: Sequence[str], **popen: object) -> None:
-        env = {**self.env, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
+        env = {**self.env, JOB_ENV: self.job, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
                "LOCAL_RANK": str(rank), NODE_ENV: name}
         self.codes.pop(name, None)
         self.procs[name] = subprocess.Popen(list(command), env=env, **popen)  # type: ignore[call-overload]
+
+    def new_job(self, job: str) -> None:
+        """Later workers (e.g. a restart from a checkpoint) use a fresh key space in the store."""
+        from lightning_bamboo.membership.registry import job_prefix
+
+        self.job = self._reporter.job = job
+        self._reporter.base = job_prefix(job)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.get(name)

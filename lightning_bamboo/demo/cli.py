@@ -118,8 +118,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     try:
         while final is None:
             job = f"demo{generation}"
-            cluster.job, cluster._reporter.job = job, job
-            cluster._reporter.base = job_prefix(job)
+            cluster.new_job(job)
             out = workdir / f"run{generation}"
             out.mkdir(exist_ok=True)
             depth = min(stages, len(alive))
@@ -183,7 +182,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     break
                 time.sleep(0.05)
             cluster.poll()
-            state.recoveries["redundant"] += len(cluster.store.get_prefix(f"{base}decision/").kvs)
+            state.recoveries["redundant"] += len(cluster.store.get_prefix(f"{base}failovers/").kvs)
             report_file = out / "report.json"
             if report_file.exists() and fatal_at is None:
                 final = json.loads(report_file.read_text())
@@ -213,7 +212,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "preemptions": len(state.preempted),
         "joins": len(state.joined),
         "recoveries": state.recoveries,
-        "recomputed_steps": state.recomputed_steps + sum(1 for f in final.get("failovers", []) if not f["committed"]),
+        "recomputed_steps": state.recomputed_steps + sum(1 for f in final.get("failovers", []) if f["redone"]),
         "recovery_seconds": [round(s, 3) for s in state.recovery_seconds],
         "samples_per_second": final.get("steps_completed", 0) * 8 / wall if wall > 0 else 0.0,
         "final_loss": final.get("final_loss"),

@@ -101,19 +101,11 @@ def main() -> int:
         save_top_k=-1, auto_insert_metric_name=False,
     )
     callbacks = [Progress(args.step_delay), checkpoints]
-    # SIGTERM is a preemption notice: leave at the next step boundary (flag-only handler).
-    leaving = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: leaving.__setitem__("flag", True))
+    # SIGTERM is a preemption notice: a flag-only handler; the node announces that it leaves
+    # before its next commit and exits once that step committed (see Resilience.commit).
+    from lightning_bamboo.strategy.resilience import request_leave
 
-    class Leave(pl.Callback):
-        def on_train_batch_end(self, trainer, *a) -> None:
-            if leaving["flag"] and trainer.strategy.resilience is not None:
-                res = trainer.strategy.resilience
-                res.registry.announce_leaving(grace=1.0)
-                print(json.dumps({"node": node, "left_at_step": trainer.global_step}), flush=True)
-                os._exit(EXIT_LEFT)
-
-    callbacks.append(Leave())
+    signal.signal(signal.SIGTERM, lambda *_: request_leave())
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", args.stages)),
         max_steps=args.steps, callbacks=callbacks, logger=False, enable_progress_bar=False,

@@ -315,7 +315,7 @@ class _BambooStrategyMixin:
             engine.commit = lambda step: self.resilience.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
             engine.guard = self.resilience.guard()
 
-    def _fail_over(self, err: Exception, step: int) -> bool:
+    def _fail_over(self, err: Exception, step: int, in_flight: bool = True) -> bool:
         """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed."""
         from lightning_bamboo.engine.build import (
             build_engine,
@@ -383,8 +383,9 @@ class _BambooStrategyMixin:
             engine.commit = lambda _step: res.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
             engine.guard = res.guard()
         seconds = time.monotonic() - started
-        res.failovers.append({"step": step, "lost": sorted(lost), "committed": committed, "seconds": seconds,
-                              "order": list(plan.order), "parts": list(plan.parts)})
+        res.record_failover({"step": step, "lost": sorted(lost), "committed": committed, "seconds": seconds,
+                             "redone": in_flight and not committed,
+                             "order": list(plan.order), "parts": list(plan.parts)})
         log.warning("%s: failover done in %.2f s (rank %d of %d)", res.node, seconds, rank, world)
         if committed:
             engine.last_loss = old_engine.last_loss
@@ -466,11 +467,19 @@ class _BambooStrategyMixin:
         from lightning_bamboo.engine.pipe import PeerLost
 
         step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
-        for _ in range(len(self.resilience.nodes) if self.resilience is not None else 1):
+        res = self.resilience
+        if res is not None and res.leavers:
+            # A peer announced at the last commit that it leaves: switch now, between steps, losing nothing.
+            self._fail_over(PeerLost(f"{sorted(res.leavers)} left after a notice", res.leavers), step, in_flight=False)
+            res.leavers = set()
+        for _ in range(len(res.nodes) if res is not None else 1):
             self.engine.set_micro_batches(len(chunks))
             self.engine.batches_run = step
             try:
-                return self.engine.train_batch(data_iter=iter(chunks))
+                loss = self.engine.train_batch(data_iter=iter(chunks))
+                if res is not None and res.leaving:
+                    res.depart()
+                return loss
             except PeerLost as err:
                 if self.resilience is None:
                     raise

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import threading
 import time
 from typing import Any
 
@@ -14,6 +16,24 @@ from lightning_bamboo.errors import BambooError
 from lightning_bamboo.launcher import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 
 log = logging.getLogger(__name__)
+
+#: set (from a signal handler, a notice poller, anywhere) to leave the job at the end of the step
+LEAVE = threading.Event()
+
+
+def request_leave() -> None:
+    """Flag-only (safe in a signal handler): this node leaves after the step in flight commits."""
+    LEAVE.set()
+
+
+def _leave_requested() -> bool:
+    if LEAVE.is_set():
+        return True
+    try:
+        from lightning_bamboo.callbacks.preemption import preemption_pending
+    except ImportError:  # pragma: no cover - callbacks need lightning, which the strategy has
+        return False
+    return preemption_pending()
 
 
 def launched_by_bamboo() -> bool:
@@ -49,6 +69,8 @@ class Resilience:
         self._detector_cls = LossDetector
         self.detector = self._watch(self.nodes)
         self.failovers: list[dict[str, Any]] = []
+        self.leaving = False  # this node announced it leaves after the step in flight
+        self.leavers: set[str] = set()  # peers that announced they leave (seen at a commit)
 
     def _watch(self, nodes: list[str]) -> Any:
         peers = [n for n in nodes if n != self.node]
@@ -64,12 +86,19 @@ class Resilience:
     def commit(self, step: int) -> None:
         """Say our part of ``step`` is ready and wait (bounded, abortable) until everyone's is."""
         prefix = self._commit_prefix(step)
+        if not self.leaving and _leave_requested():
+            # Announce before our commit key: whoever sees the step commit also sees that we leave,
+            # so the neighbours switch at the next step boundary and no work is lost.
+            self.registry.announce_leaving(grace=self.detection_timeout)
+            self.leaving = True
         self.store.put(prefix + self.node, "1")
         deadline = time.monotonic() + self.rendezvous_timeout
         revision = 0
         while True:
             snap = self.store.get_prefix(prefix)
             if {kv.key[len(prefix):] for kv in snap.kvs} >= set(self.nodes):
+                leaving = self.store.get_prefix(f"{self.base}leaving/")
+                self.leavers = {kv.key.rsplit("/", 1)[1] for kv in leaving.kvs} & set(self.nodes) - {self.node}
                 return
             if self.detector.event.is_set():
                 raise PeerLost(f"lost {sorted(self.detector.lost)} before step {step} committed", self.detector.lost)
@@ -112,6 +141,19 @@ class Resilience:
             return plan_failover(self.nodes, parts, lost)
         except FatalLoss:
             raise
+
+    def record_failover(self, record: dict[str, Any]) -> None:
+        self.failovers.append(record)
+        if self.nodes and self.nodes[0] == self.node:
+            self.store.put(f"{self.base}failovers/{self.generation}", json.dumps(record))
+
+    def depart(self) -> None:
+        """Leave the job now (after our last step committed): the others serve our stage from its replica."""
+        log.warning("%s: leaving after a preemption notice", self.node)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def stop(self) -> None:
         try:

@@ -1,0 +1,141 @@
+"""Cost of redundant computation: step time and peak memory per process, off vs lazy, and recovery time.
+
+One run measures, on the same GPT and data: redundancy "off" and "lazy" at 2 and 4 stages with
+4 and 8 micro-batches (median step time after warm-up, peak RSS per process), then a 4-stage
+lazy run under the Bamboo launcher in which node 2 is SIGKILLed, reporting the failover time
+and the time from the kill to the next completed step. Prints a table and ratios to "off".
+Targets (issue 3): lazy <= 1.03x step time at 2 stages x 8 micro-batches; recovery <= 5 s + one step.
+
+    python benchmarks/rc_overhead.py [--steps 20] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
+
+CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=192)  # 8 pipeline layers
+MICRO = 2
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+
+    import lightning_bamboo
+
+    batch = MICRO * args.micro_batches
+
+    class GPT(pl.LightningModule):
+        def configure_pipeline(self):
+            return gpt_layers(CONFIG)
+
+        def pipeline_loss(self, outputs, targets):
+            return gpt_loss(outputs, targets)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, CONFIG.vocab_size, (args.steps * batch, CONFIG.block_size + 1), generator=g)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
+
+    class Timer(pl.Callback):
+        times: list[float] = []
+        ends: list[float] = []
+
+        def on_train_batch_start(self, *_):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *_):
+            self.times.append(time.perf_counter() - self.start)
+            self.ends.append(time.time())
+
+    timer = Timer()
+    strategy = lightning_bamboo.BambooStrategy(
+        stages=args.stages, micro_batch_size=MICRO, partition="uniform", seed=0, redundancy=args.redundancy,
+        detection_timeout=5,
+    )
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
+                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False)
+    trainer.fit(GPT())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, peak)
+    if trainer.is_global_zero:
+        res = strategy.resilience
+        Path(args.out).write_text(json.dumps({
+            "times": timer.times, "ends": timer.ends, "peak_bytes": gathered,
+            "failovers": res.failovers if res is not None else [],
+        }))
+
+
+def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None) -> dict:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, __file__, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
+           "--redundancy", redundancy, "--steps", str(steps), "--out", str(out)]
+    if kill:
+        env["BAMBOO_FAIL_AT"] = kill
+        cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--", *cmd]
+    started = time.time()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+    result = json.loads(out.read_text())
+    result["started"] = started
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", default=None)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--redundancy", default="off")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.role == "worker":
+        return worker(args)
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for stages in (2, 4):
+            for m in (4, 8):
+                for mode in ("off", "lazy"):
+                    r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}.json"))
+                    times = sorted(r["times"][args.warmup:])
+                    rows[(stages, m, mode)] = (times[len(times) // 2], max(r["peak_bytes"]))
+        kill_step = args.steps // 2
+        r = run_config(4, 8, "lazy", args.steps, Path(tmp, "kill.json"), kill=f"node2@{kill_step}")
+    print(f"GPT {sum(p.numel() for l in gpt_layers(CONFIG) for p in l.parameters()) / 1e6:.1f}M params, "
+          f"micro-batch {MICRO}, AdamW, CPU (gloo), {args.steps - args.warmup} timed steps per config")
+    print(f"{'stages':>6} {'micro-b':>7} {'mode':>5} {'step ms':>9} {'x off':>6} {'peak MiB/proc':>14} {'x off':>6}")
+    for (stages, m, mode), (step, peak) in rows.items():
+        base_step, base_peak = rows[(stages, m, "off")]
+        print(f"{stages:>6} {m:>7} {mode:>5} {step * 1e3:>9.1f} {step / base_step:>6.3f} {peak / 2**20:>14.0f} "
+              f"{peak / base_peak:>6.3f}")
+    (failover,) = r["failovers"]
+    step_ms = rows[(4, 8, "lazy")][0] * 1e3
+    # the victim dies when step kill_step starts; the next completed step is the redone one
+    redone_end = r["ends"][kill_step]
+    previous_end = r["ends"][kill_step - 1]
+    print(f"recovery at 4 stages x 8 micro-batches (node2 SIGKILLed at step {kill_step}): failover "
+          f"{failover['seconds']:.2f} s; last step before the kill -> next completed step {redone_end - previous_end:.2f} s "
+          f"(a step is {step_ms / 1e3:.2f} s; target <= 5 s + one step)")
+
+
+if __name__ == "__main__":
+    main()
