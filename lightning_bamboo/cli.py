@@ -34,9 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     command_parser = argparse.ArgumentParser(prog=f"lightning-bamboo {name}", description=COMMANDS[name][1])
     module.add_arguments(command_parser)
-    if getattr(module, "PASS_THROUGH", False):
-        return int(module.run(rest) or 0)
-    return int(module.run(command_parser.parse_args(rest)) or 0)
+    from lightning_bamboo.errors import BambooError
+
+    try:
+        if getattr(module, "PASS_THROUGH", False):
+            return int(module.run(rest) or 0)
+        return int(module.run(command_parser.parse_args(rest)) or 0)
+    except BambooError as err:
+        print(f"lightning-bamboo {name}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

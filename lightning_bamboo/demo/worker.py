@@ -62,6 +62,18 @@ class DemoGPT(pl.LightningModule):
         return torch.utils.data.DataLoader(Tokens(self.samples), batch_size=self.batch_size)
 
 
+class SampleOrder(pl.Callback):
+    """Writes the dataset indices of every finished step to ``order-<node>.json`` (checks data order)."""
+
+    def __init__(self, data: Tokens, path: Path) -> None:
+        self.index = {bytes(row[:-1].numpy().tobytes()): i for i, row in enumerate(data.tokens)}
+        self.path, self.steps = path, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.steps.append([self.index[bytes(row.numpy().tobytes())] for row in batch[0]])
+        self.path.write_text(json.dumps(self.steps))
+
+
 class Progress(pl.Callback):
     """Puts ``progress/<node>`` = the number of finished steps into the store after every step."""
 
@@ -100,7 +112,8 @@ def main() -> int:
         dirpath=args.checkpoint_dir, filename="step{step}", every_n_train_steps=args.checkpoint_every,
         save_top_k=-1, auto_insert_metric_name=False,
     )
-    callbacks = [Progress(args.step_delay), checkpoints]
+    out = Path(args.out)
+    callbacks = [Progress(args.step_delay), checkpoints, SampleOrder(Tokens(model.samples), out / f"order-{node}.json")]
     # SIGTERM is a preemption notice: a flag-only handler; the node announces that it leaves
     # before its next commit and exits once that step committed (see Resilience.commit).
     from lightning_bamboo.strategy.resilience import request_leave
@@ -119,7 +132,6 @@ def main() -> int:
         sys.stdout.flush()
         os._exit(EXIT_FATAL)
     seconds = time.perf_counter() - start
-    out = Path(args.out)
     trainer.save_checkpoint(out / "final.ckpt")
     if trainer.is_global_zero:
         res = strategy.resilience

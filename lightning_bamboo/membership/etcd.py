@@ -263,6 +263,8 @@ class EtcdStore:
                     raise self._unavailable(last, total) from e
                 time.sleep(0.05)
                 continue
+            except rq.exceptions.Timeout:
+                continue  # no response headers before the (short) read timeout: nothing happened yet
             try:
                 if resp.status_code != 200:
                     last = f"HTTP {resp.status_code}: {_error_body(resp)}"

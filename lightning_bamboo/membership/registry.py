@@ -430,7 +430,7 @@ class LossDetector:
         while not self._stop.is_set():
             try:
                 now = wait_for_membership_change(self.store, self.job, m, self.poll)
-            except StoreError as e:
+            except Exception as e:  # noqa: BLE001 - a watcher that dies silently is worse than any error
                 self.error = e
                 self._stop.wait(self.poll)
                 continue
