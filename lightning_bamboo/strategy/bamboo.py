@@ -567,8 +567,53 @@ class _BambooStrategyMixin:
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}  # saved per layer by save_checkpoint
 
+    # ------------------------------------------------------------------ collectives that survive a loss
+    _inside_resilient = False
+
+    def _resilient(self, fn: Callable[[], Any]) -> Any:
+        """Run a collective; if a node is lost meanwhile, fail over (between steps) and run it again.
+
+        Collectives outside the training step (checkpoint saves, metric syncs, Lightning's own
+        barriers) meet a lost node as much as the step does. Nested calls run plainly: the
+        outermost call retries the whole operation in the new layout.
+        """
+        from lightning_bamboo.engine.pipe import PeerLost
+
+        res = self.resilience
+        if res is None or self.engine is None or self._inside_resilient:
+            return fn()
+        step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
+        for _ in range(len(res.nodes)):
+            self._inside_resilient = True
+            try:
+                return res.guard().run(fn)
+            except PeerLost as err:
+                self._inside_resilient = False
+                self._fail_over(err, step, in_flight=False)
+            finally:
+                self._inside_resilient = False
+        raise BambooError(f"a collective failed over {len(res.nodes)} times at step {step}; giving up")
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._resilient(lambda: super(_BambooStrategyMixin, self).barrier(*args, **kwargs))  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._resilient(lambda: super(_BambooStrategyMixin, self).broadcast(obj, src))  # type: ignore[misc]
+
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        return self._resilient(lambda: super(_BambooStrategyMixin, self).reduce(*args, **kwargs))  # type: ignore[misc]
+
+    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        return self._resilient(lambda: super(_BambooStrategyMixin, self).all_gather(*args, **kwargs))  # type: ignore[misc]
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Every process writes its layers (one pipeline per stage), rank 0 the manifest; then swap in."""
+        """Every process writes its layers (one pipeline per stage), rank 0 the manifest; then swap in.
+
+        A loss during the save fails over and saves again from the start in the new layout.
+        """
+        self._resilient(lambda: self._save_checkpoint_once(checkpoint, filepath, storage_options))
+
+    def _save_checkpoint_once(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise BambooConfigError("strategy='bamboo' does not take storage_options in save_checkpoint")
         optimizer = self.engine.optimizer if self.optimizers else None  # type: ignore[attr-defined]
