@@ -105,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="alternate raw/lightning runs this many times")
     parser.add_argument("--role", choices=["raw", "lightning"])
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -115,15 +116,20 @@ def main() -> None:
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
+    # Alternate the two loops (raw, lightning, raw, ...) so slow phases of a shared machine hit both.
+    results: dict[str, list[float]] = {"raw": [], "lightning": []}
     with tempfile.TemporaryDirectory() as out:
         common = [__file__, "--steps", str(args.steps), "--out", out]
-        for cmd in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29733",
-                     *common, "--role", "raw"], [sys.executable, *common, "--role", "lightning"]):
-            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-        results = {name: json.loads(Path(out, f"{name}.json").read_text())[args.warmup :] for name in ("raw", "lightning")}
+        for _ in range(args.rounds):
+            for cmd in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29733",
+                         *common, "--role", "raw"], [sys.executable, *common, "--role", "lightning"]):
+                subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+            for name in results:
+                results[name] += json.loads(Path(out, f"{name}.json").read_text())[args.warmup :]
 
     print(f"GPT {sum(p.numel() for l in gpt_layers(CONFIG) for p in l.parameters()) / 1e6:.1f}M params, 2 stages x 1 "
-          f"pipeline, batch {BATCH} = {BATCH // MICRO} micro-batches of {MICRO}; {args.steps - args.warmup} timed steps")
+          f"pipeline, batch {BATCH} = {BATCH // MICRO} micro-batches of {MICRO}; "
+          f"{args.rounds} x {args.steps - args.warmup} timed steps per loop")
     print(f"{'loop':<28}{'median step (ms)':>18}{'samples/s':>12}")
     rates = {}
     for name, times in results.items():
