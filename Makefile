@@ -28,6 +28,7 @@ test: install
 bench: install
 	$(PY) benchmarks/strategy_overhead.py
 	$(PY) benchmarks/rc_overhead.py
+	$(PY) benchmarks/preemption.py
 
 lint: install
 	$(VENV)/bin/ruff check lightning_bamboo tests examples benchmarks

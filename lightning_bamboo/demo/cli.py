@@ -121,15 +121,16 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             cluster.new_job(job)
             out = workdir / f"run{generation}"
             out.mkdir(exist_ok=True)
-            depth = min(stages, len(alive))
+            running = alive[:stages]  # one pipeline; nodes beyond it wait as standby for a rebuild
+            depth = len(running)
             command = [
                 sys.executable, "-m", "lightning_bamboo.demo.worker", "--stages", str(depth), "--steps", str(args.steps),
-                "--redundancy", "off" if args.no_redundancy else "lazy", "--checkpoint-dir", str(ckpt_dir),
+                "--redundancy", "off" if args.no_redundancy or depth == 1 else "lazy", "--checkpoint-dir", str(ckpt_dir),
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
             ] + (["--resume", resume] if resume else [])
             logs = open(out / "workers.log", "w")
-            for rank, name in enumerate(alive):
-                cluster.spawn(name, command, rank, alive, stdout=logs, stderr=logs)
+            for rank, name in enumerate(running):
+                cluster.spawn(name, command, rank, running, stdout=logs, stderr=logs)
             base = job_prefix(job)
             fatal_at: int | None = None
             while True:
@@ -154,7 +155,10 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     if not due:
                         continue
                     pending.remove(event)
-                    if event.kind == "preempt" and event.node in cluster.running:
+                    if event.kind == "preempt" and event.node in alive and event.node not in cluster.running:
+                        alive.remove(event.node)
+                        state.log.append(f"step {state.progress}: standby {event.node} preempted")
+                    elif event.kind == "preempt" and event.node in cluster.running:
                         if event.notice:
                             cluster.kill(event.node, signal.SIGTERM)
                             notices[event.node] = time.monotonic() + event.notice

@@ -1,0 +1,60 @@
+"""Bamboo vs checkpoint-restart on a compressed slice of the AWS p3 spot trace, in one run.
+
+Both runs are `lightning-bamboo demo` on the same slice: the first 6 nodes of
+lightning_bamboo/data/aws-p3-trace.csv train one 6-stage pipeline, the trace's removals kill
+them (SIGKILL) and its later nodes join as standby. "bamboo" keeps replicas and fails over;
+"checkpoint-restart" (--no-redundancy) restarts every worker from the last checkpoint at every
+membership change, as torchelastic and Varuna do. Prints useful samples/s of both, the ratio
+and the recovery-time distribution. Targets (issue 4): ratio >= 2x, median recovery <= 5 s.
+
+    python benchmarks/preemption.py [--steps 60] [--time-scale 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TRACE = Path(__file__).resolve().parents[1] / "lightning_bamboo" / "data" / "aws-p3-trace.csv"
+
+
+def demo(label: str, out: Path, args: argparse.Namespace, *extra: str) -> dict:
+    report = out / f"{label}.json"
+    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", "6", "--steps", str(args.steps),
+           "--trace", str(TRACE), "--time-scale", str(args.time_scale), "--checkpoint-every", str(args.checkpoint_every),
+           "--quiet", "--report", str(report), *extra]
+    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+    return json.loads(report.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--time-scale", type=float, default=300.0, help="trace seconds per real second")
+    parser.add_argument("--checkpoint-every", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        bamboo = demo("bamboo", Path(tmp), args)
+        restart = demo("restart", Path(tmp), args, "--no-redundancy")
+    print(f"p3 trace, first 6 nodes, 1 trace second = {1 / args.time_scale:.4f} s, {args.steps} steps of 8 samples; "
+          f"2-core CPU, gloo")
+    print(f"{'policy':<20}{'steps':>7}{'samples/s':>11}{'preempt':>9}{'failover':>9}{'ckpt':>6}{'restart':>8}"
+          f"{'recomputed':>11}{'median recov s':>15}")
+    for name, r in (("bamboo", bamboo), ("checkpoint-restart", restart)):
+        rec = r["recoveries"]
+        median = statistics.median(r["recovery_seconds"]) if r["recovery_seconds"] else float("nan")
+        print(f"{name:<20}{r['steps_completed']:>7}{r['samples_per_second']:>11.2f}{r['preemptions']:>9}"
+              f"{rec['redundant']:>9}{rec['checkpoint']:>6}{rec['restart']:>8}{r['recomputed_steps']:>11}{median:>15.2f}")
+    print(f"useful throughput, bamboo / checkpoint-restart: {bamboo['samples_per_second'] / restart['samples_per_second']:.2f}x "
+          f"(target >= 2x)")
+    print("recovery seconds, bamboo: " + ", ".join(f"{s:.2f}" for s in bamboo["recovery_seconds"]))
+    print("recovery seconds, checkpoint-restart: " + ", ".join(f"{s:.2f}" for s in restart["recovery_seconds"]))
+
+
+if __name__ == "__main__":
+    main()
