@@ -120,7 +120,7 @@ def main() -> None:
                     rows[(stages, m, mode)] = (times[len(times) // 2], max(r["peak_bytes"]))
         kill_step = args.steps // 2
         r = run_config(4, 8, "lazy", args.steps, Path(tmp, "kill.json"), kill=f"node2@{kill_step}")
-    print(f"GPT {sum(p.numel() for l in gpt_layers(CONFIG) for p in l.parameters()) / 1e6:.1f}M params, "
+    print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, "
           f"micro-batch {MICRO}, AdamW, CPU (gloo), {args.steps - args.warmup} timed steps per config")
     print(f"{'stages':>6} {'micro-b':>7} {'mode':>5} {'step ms':>9} {'x off':>6} {'peak MiB/proc':>14} {'x off':>6}")
     for (stages, m, mode), (step, peak) in rows.items():

@@ -35,8 +35,9 @@ def dataset(steps: int) -> torch.utils.data.Dataset:
 
 def raw(args: argparse.Namespace) -> None:
     """Plain DeepSpeed: lightning_bamboo.initialize + engine.train_batch (run under torchrun)."""
-    import lightning_bamboo
     from deepspeed.pipe import PipelineModule
+
+    import lightning_bamboo
     from lightning_bamboo.deepspeed_api import init_distributed
 
     init_distributed(timeout=300)
@@ -127,7 +128,7 @@ def main() -> None:
             for name in results:
                 results[name] += json.loads(Path(out, f"{name}.json").read_text())[args.warmup :]
 
-    print(f"GPT {sum(p.numel() for l in gpt_layers(CONFIG) for p in l.parameters()) / 1e6:.1f}M params, 2 stages x 1 "
+    print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, 2 stages x 1 "
           f"pipeline, batch {BATCH} = {BATCH // MICRO} micro-batches of {MICRO}; "
           f"{args.rounds} x {args.steps - args.warmup} timed steps per loop")
     print(f"{'loop':<28}{'median step (ms)':>18}{'samples/s':>12}")

@@ -9,8 +9,8 @@ is already imported, and otherwise right after its ``strategies`` package finish
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import importlib.machinery
+import importlib.util
 import sys
 from types import ModuleType
 from typing import Any
@@ -22,7 +22,7 @@ def register(namespace: str) -> None:
     from lightning_bamboo.strategy import strategy_class
 
     registry = sys.modules[f"{namespace}.strategies"].StrategyRegistry
-    strategy_class(namespace).register_strategies(registry)
+    strategy_class(namespace).register_strategies(registry)  # type: ignore[attr-defined]
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

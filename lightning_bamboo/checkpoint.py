@@ -78,9 +78,9 @@ def layer_states(
         index = 0
         for group_index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
-                name = names.get(id(param))
-                if name is not None:
-                    layer, rest = split_name(name)
+                pname = names.get(id(param))
+                if pname is not None:
+                    layer, rest = split_name(pname)
                     state = packed["state"].get(index, {})
                     states[layer]["optimizer"][rest] = {
                         "state": {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state.items()},

@@ -93,6 +93,7 @@ def initialize(
     if not isinstance(config, dict):
         with open(config) as f:
             config = json.load(f)
+    assert isinstance(config, dict)
     config = copy.deepcopy(config)
     options = bamboo_options(config)
     config.pop(BAMBOO_KEY, None)

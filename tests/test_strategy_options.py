@@ -108,7 +108,7 @@ def test_layers_are_built_under_the_seed_whatever_is_kept():
     torch.manual_seed(1234)
     reference = torch.nn.Sequential(*Tiny().configure_pipeline())
     for i in (1, 2):
-        for (name, a), (_, b) in zip(built.layers[i].state_dict().items(), reference[i].state_dict().items()):
+        for (name, a), (_, b) in zip(built.layers[i].state_dict().items(), reference[i].state_dict().items(), strict=True):
             assert torch.equal(a, b), name
     assert built.names == ["Embedding", "Block", "Block", "Head"]
     assert built.param_counts[0] == sum(p.numel() for p in reference[0].parameters())

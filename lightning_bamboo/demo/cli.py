@@ -245,7 +245,7 @@ def _checkpoint_step(path: str) -> int:
 
 def _last_checkpoint(directory: Path) -> str | None:
     done = [p for p in directory.glob("step*.ckpt") if (p / "meta.pt").exists()]
-    return str(max(done, key=_checkpoint_step)) if done else None
+    return str(max(done, key=lambda p: _checkpoint_step(str(p)))) if done else None
 
 
 def _show(args: argparse.Namespace, state: DemoState, running: list[str]) -> None:

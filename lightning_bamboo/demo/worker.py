@@ -67,7 +67,8 @@ class SampleOrder(pl.Callback):
 
     def __init__(self, data: Tokens, path: Path) -> None:
         self.index = {bytes(row[:-1].numpy().tobytes()): i for i, row in enumerate(data.tokens)}
-        self.path, self.steps = path, []
+        self.path = path
+        self.steps: list[list[int]] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.steps.append([self.index[bytes(row.numpy().tobytes())] for row in batch[0]])

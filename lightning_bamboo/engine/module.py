@@ -70,7 +70,7 @@ class BambooPipelineModule(PipelineModule):
     def __init__(self, layers: Sequence[Any], parts: Sequence[int], **kwargs: Any) -> None:
         self._bamboo_parts = list(parts)
         super().__init__(layers=layers, **kwargs)
-        self._layer_specs = [None] * len(self._layer_specs)  # drop references to the other stages' layers
+        self._layer_specs: list[Any] = [None] * self._num_layers  # drop references to the other stages' layers
 
     def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - DeepSpeed's signature
         num_stages = self._topo.get_dim("pipe")

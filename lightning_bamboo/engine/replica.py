@@ -41,7 +41,7 @@ def flat_grads(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) -> None:
     offset = 0
     params = [p for p in module.parameters() if p.requires_grad]
-    for param, has in zip(params, mask.tolist()):
+    for param, has in zip(params, mask.tolist(), strict=True):
         n = param.numel()
         param.grad = flat[offset : offset + n].view_as(param).to(param.device, param.dtype).clone() if has else None
         offset += n
@@ -49,7 +49,7 @@ def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) ->
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
     """Give ``target`` the current hyperparameters (lr, ...) of ``source``'s groups, as schedulers set them."""
-    for src, dst in zip(source.param_groups, target.param_groups):
+    for src, dst in zip(source.param_groups, target.param_groups, strict=False):
         for key, value in src.items():
             if key != "params" and key in dst:
                 dst[key] = value
@@ -99,9 +99,9 @@ def exchange_gradients(
         mask = torch.zeros(len(params), dtype=torch.uint8)
         flat = torch.zeros(sum(p.numel() for p in params))
         requests += [dist.irecv(mask, recv_from, group=group), dist.irecv(flat, recv_from, group=group)]
-    for request in requests:
-        request.wait()
+    _wait_all(requests)
     if recv_from is not None:
+        assert replica is not None
         set_flat_grads(replica.module, flat, mask)
         replica.pending = True
 
@@ -118,20 +118,24 @@ def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -
     received = None
     if recv_from is not None:
         incoming = torch.zeros(1, dtype=torch.int64)
-        dist.irecv(incoming, recv_from).wait()
-    for request in requests:
-        request.wait()
+        _wait_all([dist.irecv(incoming, recv_from)])
+    _wait_all(requests)
     requests = []
     if send_to is not None:
         requests.append(dist.isend(data, send_to))
     if recv_from is not None:
         received = torch.empty(int(incoming.item()), dtype=torch.uint8)
         requests.append(dist.irecv(received, recv_from))
-    for request in requests:
-        request.wait()
+    _wait_all(requests)
     if received is None:
         return None
     return torch.load(io.BytesIO(received.numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def _wait_all(requests: Iterable[Any]) -> None:
+    for request in requests:
+        if request is not None:
+            request.wait()
 
 
 def equal_states(a: Mapping[int, dict[str, Any]], b: Mapping[int, dict[str, Any]]) -> list[str]:

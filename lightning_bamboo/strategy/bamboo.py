@@ -131,7 +131,7 @@ class _BambooStrategyMixin:
     # ------------------------------------------------------------------ launching
     def _configure_launcher(self) -> None:
         super()._configure_launcher()  # type: ignore[misc]
-        launcher = self._launcher  # type: ignore[attr-defined]
+        launcher = self._launcher  # type: ignore[attr-defined,has-type]
         script_launcher = self._pl("strategies.launchers.subprocess_script")._SubprocessScriptLauncher
         if type(launcher) is script_launcher:
             self._launcher = make_launcher_class(script_launcher)(
@@ -271,7 +271,7 @@ class _BambooStrategyMixin:
         """``layers`` built under the seed (and given ``states``' weights) in one stage container."""
         from lightning_bamboo.engine.replica import stage_container
 
-        built = self._build(self.lightning_module, keep=lambda i: i in layers)
+        built = self._build(self.lightning_module, keep=lambda i: i in layers)  # type: ignore[attr-defined]
         container = stage_container(
             {i: layer for i, layer in enumerate(built.layers) if isinstance(layer, torch.nn.Module)}
         ).to(self.root_device)  # type: ignore[attr-defined]
@@ -282,7 +282,7 @@ class _BambooStrategyMixin:
     def _check_host_memory(self, layers: range) -> None:
         import psutil
 
-        built = self._build(self.lightning_module, keep=lambda i: False)
+        built = self._build(self.lightning_module, keep=lambda i: False)  # type: ignore[attr-defined]
         check_replica_memory(layers, sum(built.param_counts[i] for i in layers), psutil.virtual_memory().available)
 
     def _arm(self, engine: Any, fitting: bool) -> None:
@@ -536,8 +536,13 @@ class _BambooStrategyMixin:
             shuffle = isinstance(sampler, torch.utils.data.RandomSampler)
             if training:
                 ours = PipelineSampler(
-                    dataloader.dataset, self.pipelines, self.pipeline_rank, batch_size=dataloader.batch_size,
-                    shuffle=shuffle, seed=seed, drop_last=bool(dataloader.drop_last),
+                    dataloader.dataset,  # type: ignore[arg-type]
+                    self.pipelines,
+                    self.pipeline_rank,
+                    batch_size=int(dataloader.batch_size or 1),
+                    shuffle=shuffle,
+                    seed=seed,
+                    drop_last=bool(dataloader.drop_last),
                 )
                 if self._resume_cursor is not None:
                     ours.resume_at(*self._resume_cursor)

@@ -9,10 +9,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from deepspeed.pipe import PipelineModule  # noqa: E402
 from helpers import TokenData, make_config  # noqa: E402
 
 import lightning_bamboo  # noqa: E402
-from deepspeed.pipe import PipelineModule  # noqa: E402
 from lightning_bamboo.deepspeed_api import init_distributed  # noqa: E402
 from lightning_bamboo.models.gpt import gpt_layers, gpt_loss  # noqa: E402
 
