@@ -73,11 +73,12 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(GPT())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, peak)
+    torch.distributed.all_gather_object(gathered, (peak, dict(strategy.engine.replica_seconds)))
     if trainer.is_global_zero:
         res = strategy.resilience
         Path(args.out).write_text(json.dumps({
-            "times": timer.times, "ends": timer.ends, "peak_bytes": gathered,
+            "times": timer.times, "ends": timer.ends, "peak_bytes": [g[0] for g in gathered],
+            "replica_seconds": [g[1] for g in gathered],
             "failovers": res.failovers if res is not None else [],
         }))
 
@@ -111,6 +112,7 @@ def main() -> None:
         return worker(args)
 
     rows = {}
+    costs: dict[tuple[int, int], dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for stages in (2, 4):
             for m in (4, 8):
@@ -118,6 +120,9 @@ def main() -> None:
                     r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}.json"))
                     times = sorted(r["times"][args.warmup:])
                     rows[(stages, m, mode)] = (times[len(times) // 2], max(r["peak_bytes"]))
+                    if mode == "lazy":
+                        per_step = {k: max(s[k] for s in r["replica_seconds"]) / args.steps for k in r["replica_seconds"][0]}
+                        costs[(stages, m)] = per_step
         kill_step = args.steps // 2
         r = run_config(4, 8, "lazy", args.steps, Path(tmp, "kill.json"), kill=f"node2@{kill_step}")
     print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, "
@@ -127,6 +132,9 @@ def main() -> None:
         base_step, base_peak = rows[(stages, m, "off")]
         print(f"{stages:>6} {m:>7} {mode:>5} {step * 1e3:>9.1f} {step / base_step:>6.3f} {peak / 2**20:>14.0f} "
               f"{peak / base_peak:>6.3f}")
+    for (stages, m), per_step in costs.items():
+        print(f"lazy {stages} stages x {m} micro-batches, per step on the slowest process: "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in per_step.items()))
     (failover,) = r["failovers"]
     step_ms = rows[(4, 8, "lazy")][0] * 1e3
     # the victim dies when step kill_step starts; the next completed step is the redone one

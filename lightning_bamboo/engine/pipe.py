@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -54,6 +55,13 @@ class BambooPipelineEngine(PipelineEngine):
     node_id: str = ""
     batches_run = 0
 
+    @property
+    def replica_seconds(self) -> dict[str, float]:
+        """Seconds spent keeping the replica fresh, summed over steps: gradient exchange, commit, replica update."""
+        if "_replica_seconds" not in self.__dict__:
+            self.__dict__["_replica_seconds"] = {"exchange": 0.0, "commit": 0.0, "replica_step": 0.0}
+        return self.__dict__["_replica_seconds"]
+
     # ------------------------------------------------------------------ micro-batches
     def set_micro_batches(self, micro_batches: int) -> None:
         """Run the next batch as ``micro_batches`` micro-batches (the micro-batch size is fixed)."""
@@ -93,7 +101,9 @@ class BambooPipelineEngine(PipelineEngine):
         if self._pending_step:
             if self.commit is not None:
                 self.phase = "commit"
+                started = time.perf_counter()
                 self.commit(step)
+                self.replica_seconds["commit"] += time.perf_counter() - started
             self.phase = "apply"
             self.apply_step()
         self.phase = "idle"
@@ -103,7 +113,9 @@ class BambooPipelineEngine(PipelineEngine):
         """Apply the deferred update of the own stage and the replica (after the step committed)."""
         PipelineEngine._exec_optimizer_step(self)
         if self.replica is not None and self.replica.pending:
-            self.replica.step(self.optimizer)
+            started = time.perf_counter()
+            self.replica.step(self.optimizer, background=True)
+            self.replica_seconds["replica_step"] += time.perf_counter() - started
         self._pending_step = False
 
     def discard_step(self) -> None:
@@ -123,7 +135,9 @@ class BambooPipelineEngine(PipelineEngine):
                 f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
             )
         send_to, recv_from = self.replica_peers
+        started = time.perf_counter()
         exchange_gradients(self.module, self.replica, send_to, recv_from)
+        self.replica_seconds["exchange"] += time.perf_counter() - started
         self._pending_step = True
 
     _INSTRUCTION_MAP = {

@@ -11,6 +11,7 @@ non-blocking point-to-point calls; the replica's update costs one optimizer step
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -70,17 +71,36 @@ class Replica:
         return range(names[0], names[-1] + 1)
 
     def states(self) -> dict[int, dict[str, Any]]:
+        self.wait()
         return ckpt.layer_states(self.module, self.optimizer, self.layers)
 
-    def step(self, own_optimizer: torch.optim.Optimizer | None) -> None:
-        """Apply the update the owner applies (after the step committed)."""
+    def step(self, own_optimizer: torch.optim.Optimizer | None, background: bool = False) -> None:
+        """Apply the update the owner applies (after the step committed).
+
+        With ``background`` the update runs on a thread, in the idle time of the next step's
+        pipeline bubbles; ``wait`` (called before anything reads or changes the replica) joins it.
+        """
         if own_optimizer is not None:
-            copy_hyperparameters(own_optimizer, self.optimizer)
+            copy_hyperparameters(own_optimizer, self.optimizer)  # this step's learning rate, taken now
+        if background:
+            self._thread = threading.Thread(target=self._apply, name="bamboo-replica-step", daemon=True)
+            self._thread.start()
+        else:
+            self._apply()
+
+    def _apply(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending = False
 
+    def wait(self) -> None:
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join()
+            self._thread = None
+
     def discard(self) -> None:
+        self.wait()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending = False
 
@@ -95,6 +115,7 @@ def exchange_gradients(
         requests += [dist.isend(mask, send_to, group=group), dist.isend(flat, send_to, group=group)]
     if recv_from is not None:
         assert replica is not None
+        replica.wait()  # the previous step's update must be done before new gradients land
         params = [p for p in replica.module.parameters() if p.requires_grad]
         mask = torch.zeros(len(params), dtype=torch.uint8)
         flat = torch.zeros(sum(p.numel() for p in params))
