@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from lightning_bamboo.demo.events import ClusterEvent, events_from_trace
-from lightning_bamboo.sim.calibration import clean_steps, median_of, parse_progress, save_steps, step_intervals
+from lightning_bamboo.sim.calibration import clean_steps, mean_of, parse_progress, save_steps, step_intervals
 from lightning_bamboo.sim.demo import DemoParams, load_demo_params, replay_demo
 from lightning_bamboo.sim.params import DEFAULT_PATH, ParamError, load_params, record_measurement
 from lightning_bamboo.sim.report import compare_with_demo
@@ -51,9 +51,9 @@ def test_progress_lines_give_step_intervals_and_a_restart_replaces_repeated_step
     assert step_intervals(progress) == {2: 1.5, 3: 1.5, 4: 1.0}
     assert clean_steps(2, 9, 4) == [2, 3, 4, 6, 7, 8]  # 5 and 9 start with the saves of steps 4 and 8
     assert save_steps(2, 9, 4) == [5, 9]
-    assert median_of({2: 1.0, 3: 3.0, 4: 2.0}, [2, 3, 4], "x") == 2.0
+    assert mean_of({2: 1.0, 3: 3.0, 4: 5.0}, [2, 3, 4, 9], "x") == 3.0
     with pytest.raises(Exception, match="no step interval observed for depth 5"):
-        median_of({2: 1.0}, [7, 8], "depth 5")
+        mean_of({2: 1.0}, [7, 8], "depth 5")
 
 
 def test_step_time_is_measured_or_interpolated_or_the_nearest_measured_depth():

@@ -51,12 +51,13 @@ def save_steps(first: int, last: int, checkpoint_every: int) -> list[int]:
     return [s for s in range(first, last + 1) if (s - 1) % checkpoint_every == 0 and s - 1 > 0]
 
 
-def median_of(intervals: dict[int, float], steps: Iterable[int], what: str) -> float:
-    """Median interval over ``steps``; an error naming ``what`` when none of them was observed."""
+def mean_of(intervals: dict[int, float], steps: Iterable[int], what: str) -> float:
+    """Mean interval over ``steps`` (the demo sees steps through a 50 ms poll: a mean cancels that
+    rounding, a median keeps it); an error naming ``what`` when none of them was observed."""
     values = [intervals[s] for s in steps if s in intervals]
     if not values:
         raise BambooConfigError(
             f"no step interval observed for {what} (steps {list(steps)}, seen {sorted(intervals)}); "
             "run the demo with more steps or without --quiet"
         )
-    return statistics.median(values)
+    return statistics.fmean(values)
