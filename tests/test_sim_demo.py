@@ -129,3 +129,17 @@ def test_compare_with_demo_checks_samples_per_second():
     check = compare_with_demo(measured, pred)
     assert check.rate_error == pytest.approx(0.2) and not check.ok
     assert compare_with_demo({**measured, "samples_per_second": pred.samples_per_second}, pred).ok
+
+
+def test_a_worker_lost_while_a_restart_starts_costs_the_startup_timeout_and_another_restart():
+    # no replicas, 0.5 s steps at depth 4, 1 s at 3: node0 dies at 0.7 -> restart of node1..3 + spare1 (depth 4),
+    # training would start at 10.7; node1 dies at 5.0 while starting: that generation waits for it until
+    # 10.7 + 20 = 30.7, fails, and node2, node3, spare1 (spare2 died at 6.0) restart: training at 40.7, depth 3;
+    # steps 1..4 end at 41.7 .. 44.7
+    params = dataclasses.replace(P, startup_timeout_seconds=20.0)
+    events = [ClusterEvent("join", "spare1", at_seconds=0.1), ClusterEvent("join", "spare2", at_seconds=0.1),
+              kill("node0", 0.7), kill("node1", 5.0), kill("spare2", 6.0)]
+    pred = replay_demo(events, NODES, params, 4, redundancy=False, checkpoint_every=100)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 2}
+    assert pred.seconds == pytest.approx(44.7 + 1.0)
+    assert [round(t, 1) for t, _ in pred.timeline] == [0.7, 5.0, 30.7]

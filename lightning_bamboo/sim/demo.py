@@ -46,6 +46,7 @@ class DemoParams:
     restart_seconds: float  # from a loss to the first step after reloading the checkpoint starting
     checkpoint_save_seconds: float  # pause after every checkpoint_every-th step
     end_seconds: float = 0.0  # time the demo counts after its last step (final save, exit)
+    startup_timeout_seconds: float = 0.0  # a worker lost while a restart starts: the others wait this long, then fail
     samples_per_step: int = 8
 
     def __post_init__(self) -> None:
@@ -54,7 +55,8 @@ class DemoParams:
             if not table or any(int(d) < 1 or not float(s) > 0 for d, s in table.items()):
                 raise ParamError(f"demo parameter {name} needs depth -> seconds > 0 for depths >= 1 (got {table!r})")
             object.__setattr__(self, name, {int(d): float(s) for d, s in table.items()})
-        for name in ("failover_seconds", "restart_seconds", "checkpoint_save_seconds", "end_seconds"):
+        for name in ("failover_seconds", "restart_seconds", "checkpoint_save_seconds", "end_seconds",
+                     "startup_timeout_seconds"):
             if not float(getattr(self, name)) >= 0:
                 raise ParamError(f"demo parameter {name} must be >= 0 (got {getattr(self, name)!r})")
         if self.samples_per_step < 1:
@@ -115,6 +117,7 @@ class _Run:
     pending: tuple[int, float] | None = None  # (step, time its save completes) of a save in progress
     start: float = 0.0  # when the next step starts (after a pause) or the step in flight started
     restart_until: float = -1.0  # the job is restarting (no process group to fail over in) until then
+    respawn_at: float | None = None  # a restart that lost a worker while starting fails and respawns then
 
 
 def replay_demo(
@@ -144,7 +147,11 @@ def replay_demo(
     i = 0
     while run.done < steps:
         finish = run.start + params.step_time(len(run.running), redundancy)
-        if i < len(pending) and float(pending[i].at_seconds or 0.0) < finish:
+        upcoming = float(pending[i].at_seconds or 0.0) if i < len(pending) else float("inf")
+        if run.respawn_at is not None and run.respawn_at <= upcoming:
+            _respawn(run, params, stages, out)
+            continue
+        if upcoming < finish:
             now = float(pending[i].at_seconds or 0.0)
             batch = []
             while i < len(pending) and float(pending[i].at_seconds or 0.0) == now:
@@ -181,8 +188,13 @@ def _apply(
     if not lost:
         return
     out.preemptions += len(lost)
+    if run.respawn_at is not None:  # this generation already failed: it only waits to be replaced
+        return
+    if now < run.restart_until:
+        _lost_while_starting(now, lost, run, params, out)
+        return
     plan = None
-    if redundancy and len(run.running) > 1 and now >= run.restart_until:
+    if redundancy and len(run.running) > 1:
         try:
             plan = plan_failover(run.running, run.parts, lost)
         except FatalLoss:
@@ -215,3 +227,24 @@ def _restart(now: float, lost: list[str], run: _Run, params: DemoParams, stages:
     run.parts = even_parts(DEMO_LAYERS, len(run.running))
     run.start = run.restart_until = now + params.restart_seconds
     out.timeline.append((now, f"lost {lost}: restart {len(run.running)} stages from step {run.checkpoint}"))
+
+
+def _lost_while_starting(now: float, lost: list[str], run: _Run, params: DemoParams, out: DemoPrediction) -> None:
+    """A worker of a restarting generation died: the others finish starting, wait for it until the
+    rendezvous times out (``startup_timeout_seconds``), fail, and the job restarts again."""
+    out.recoveries["checkpoint" if run.checkpoint else "restart"] += 1
+    run.respawn_at = run.restart_until + params.startup_timeout_seconds
+    run.start = run.respawn_at + params.restart_seconds
+    out.timeline.append((now, f"lost {lost} while restarting: that generation fails at {run.respawn_at:.1f} s"))
+
+
+def _respawn(run: _Run, params: DemoParams, stages: int, out: DemoPrediction) -> None:
+    """Start the next generation with the first ``stages`` live nodes (after a failed restart)."""
+    assert run.respawn_at is not None
+    if not run.alive:
+        raise ParamError(f"at {run.respawn_at:.1f} s every node is gone and none joined: the demo stops")
+    run.running = run.alive[:stages]
+    run.parts = even_parts(DEMO_LAYERS, len(run.running))
+    run.start = run.restart_until = run.respawn_at + params.restart_seconds
+    out.timeline.append((run.respawn_at, f"respawn {len(run.running)} stages from step {run.checkpoint}"))
+    run.respawn_at = None
