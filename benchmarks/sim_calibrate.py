@@ -47,12 +47,30 @@ RUNS = {
 def timed_demo(steps: int, preempt: str, extra: tuple[str, ...], workdir: Path) -> dict:
     """Run the demo, stamping every stdout line; returns its report and the stamped lines."""
     report = workdir / "report.json"
-    cmd = [sys.executable, "-u", "-m", "lightning_bamboo.cli", "demo", "--nodes", "6", "--steps", str(steps),
-           "--preempt", preempt, "--checkpoint-every", str(CHECKPOINT_EVERY), "--report", str(report), *extra]
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "lightning_bamboo.cli",
+        "demo",
+        "--nodes",
+        "6",
+        "--steps",
+        str(steps),
+        "--preempt",
+        preempt,
+        "--checkpoint-every",
+        str(CHECKPOINT_EVERY),
+        "--report",
+        str(report),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
     lines: list[tuple[float, str]] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT) as proc:
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
+    ) as proc:
         assert proc.stdout is not None
         for text in proc.stdout:
             lines.append((time.monotonic() - start, text.rstrip("\n")))
@@ -74,8 +92,16 @@ def from_bamboo(run: dict) -> dict:
     iv = step_intervals(parse_progress(run["lines"]))
     kills = [9, 18, 27]
     bounds = [(2, 9), (11, 18), (20, 27), (29, 36)]  # step kills[i] + 1 holds the failover
-    depths = {6 - i: mean_of(iv, clean_steps(a, b, CHECKPOINT_EVERY), f"depth {6 - i}") for i, (a, b) in enumerate(bounds)}
-    saves = [iv[s] - depths[6 - i] for i, (a, b) in enumerate(bounds) for s in save_steps(a, b, CHECKPOINT_EVERY) if s in iv]
+    depths = {
+        6 - i: mean_of(iv, clean_steps(a, b, CHECKPOINT_EVERY), f"depth {6 - i}")
+        for i, (a, b) in enumerate(bounds)
+    }
+    saves = [
+        iv[s] - depths[6 - i]
+        for i, (a, b) in enumerate(bounds)
+        for s in save_steps(a, b, CHECKPOINT_EVERY)
+        if s in iv
+    ]
     recov = run["report"]["recovery_seconds"]
     if len(recov) != len(kills):
         raise RuntimeError(f"expected {len(kills)} recoveries in the bamboo run, got {recov}; see its report")
@@ -86,9 +112,13 @@ def from_bamboo(run: dict) -> dict:
 def from_no_redundancy(run: dict) -> dict:
     """Depth-6/5 step times without replicas, save pause and restart pause from the run with one restart."""
     iv = step_intervals(parse_progress(run["lines"]))
-    depths = {6: mean_of(iv, clean_steps(2, 9, CHECKPOINT_EVERY), "depth 6"),
-              5: mean_of(iv, clean_steps(10, 24, CHECKPOINT_EVERY), "depth 5")}
-    saves = [iv[s] - depths[6 if s <= 9 else 5] for s in save_steps(2, 24, CHECKPOINT_EVERY) if s in iv and s != 9]
+    depths = {
+        6: mean_of(iv, clean_steps(2, 9, CHECKPOINT_EVERY), "depth 6"),
+        5: mean_of(iv, clean_steps(10, 24, CHECKPOINT_EVERY), "depth 5"),
+    }
+    saves = [
+        iv[s] - depths[6 if s <= 9 else 5] for s in save_steps(2, 24, CHECKPOINT_EVERY) if s in iv and s != 9
+    ]
     recov = run["report"]["recovery_seconds"]
     if len(recov) != 1 or run["report"]["recoveries"]["checkpoint"] != 1:
         raise RuntimeError(f"expected one checkpoint restart, got {run['report']['recoveries']} {recov}")
@@ -104,7 +134,7 @@ def derive(runs: dict) -> dict:
         "failover_seconds": round(statistics.fmean(b["failover"]), 3),
         "restart_seconds": round(n["restart"], 3),
         "end_seconds": round(statistics.fmean([b["end"], n["end"]]), 3),
-            "startup_timeout_seconds": STARTUP_TIMEOUT,
+        "startup_timeout_seconds": STARTUP_TIMEOUT,
         "_detail": {"bamboo": b, "no_redundancy": n},
     }
 
@@ -127,9 +157,13 @@ PROVENANCE = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true", help="print the values, do not write sim_params.json")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the values, do not write sim_params.json"
+    )
     parser.add_argument("--runs-json", default=None, help="also save the raw stamped runs here")
-    parser.add_argument("--from-json", default=None, help="derive from saved runs instead of running the demo")
+    parser.add_argument(
+        "--from-json", default=None, help="derive from saved runs instead of running the demo"
+    )
     args = parser.parse_args()
     if args.from_json:
         runs = json.loads(Path(args.from_json).read_text())
@@ -145,9 +179,11 @@ def main() -> None:
     print(json.dumps(values, indent=1))
     if args.dry_run:
         return
-    where = (f"benchmarks/sim_calibrate.py, {datetime.date.today().isoformat()}, {platform.node() or 'this machine'}: "
-             f"{os.cpu_count()}-core CPU, no GPU, gloo; DEMO SCALE (lightning-bamboo demo, built-in 8-layer GPT, "
-             f"6 worker processes, 8 samples/step), not a GPU-cluster number")
+    where = (
+        f"benchmarks/sim_calibrate.py, {datetime.date.today().isoformat()}, {platform.node() or 'this machine'}: "
+        f"{os.cpu_count()}-core CPU, no GPU, gloo; DEMO SCALE (lightning-bamboo demo, built-in 8-layer GPT, "
+        f"6 worker processes, 8 samples/step), not a GPU-cluster number"
+    )
     for key, text in PROVENANCE.items():
         record_measurement(key, values[key], f"{where}: {text}", section="demo")
     print("recorded in the 'demo' section of lightning_bamboo/data/sim_params.json")

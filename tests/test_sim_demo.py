@@ -32,10 +32,16 @@ def kill(node: str, at: float) -> ClusterEvent:
 
 
 def test_slice_keeps_live_nodes_at_zero_and_shifts_the_window():
-    trace = parse_trace(["0,add,a", "0,add,b", "1000,add,c", "2000,remove,a", "3000,add,d", "5000,remove,b"], "t")
+    trace = parse_trace(
+        ["0,add,a", "0,add,b", "1000,add,c", "2000,remove,a", "3000,add,d", "5000,remove,b"], "t"
+    )
     piece = slice_trace(trace, 1.0, 4.0)
     assert [(e.ms, e.kind, e.node) for e in piece.events] == [
-        (0, "add", "a"), (0, "add", "b"), (0, "add", "c"), (1000, "remove", "a"), (2000, "add", "d"),
+        (0, "add", "a"),
+        (0, "add", "b"),
+        (0, "add", "c"),
+        (1000, "remove", "a"),
+        (2000, "add", "d"),
     ]
     with pytest.raises(TraceError, match="start < end"):
         slice_trace(trace, 4.0, 4.0)
@@ -44,8 +50,14 @@ def test_slice_keeps_live_nodes_at_zero_and_shifts_the_window():
 
 
 def test_progress_lines_give_step_intervals_and_a_restart_replaces_repeated_steps():
-    lines = [(0.0, "  step    1/8  [#...]  live: a"), (1.0, "noise"), (1.5, "  step    2/8  [#.]"),
-             (3.0, "  step    3/8"), (20.0, "  step    3/8"), (21.0, "  step    4/8")]
+    lines = [
+        (0.0, "  step    1/8  [#...]  live: a"),
+        (1.0, "noise"),
+        (1.5, "  step    2/8  [#.]"),
+        (3.0, "  step    3/8"),
+        (20.0, "  step    3/8"),
+        (21.0, "  step    4/8"),
+    ]
     progress = parse_progress(lines)
     assert progress == [(0.0, 1), (1.5, 2), (3.0, 3), (20.0, 3), (21.0, 4)]
     assert step_intervals(progress) == {2: 1.5, 3: 1.5, 4: 1.0}
@@ -111,8 +123,13 @@ def test_demo_measurements_live_in_their_own_section(tmp_path):
     path = tmp_path / "p.json"
     shutil.copy(DEFAULT_PATH, path)
     for key, value in vars(P).items():
-        record_measurement(key, value if not isinstance(value, dict) else {str(k): v for k, v in value.items()},
-                           "tests, demo scale", path, section="demo")
+        record_measurement(
+            key,
+            value if not isinstance(value, dict) else {str(k): v for k, v in value.items()},
+            "tests, demo scale",
+            path,
+            section="demo",
+        )
     assert load_demo_params(path) == P
     assert load_params(path) == load_params(DEFAULT_PATH)  # cluster-scale defaults untouched
     data = json.loads(path.read_text())
@@ -125,7 +142,11 @@ def test_demo_measurements_live_in_their_own_section(tmp_path):
 
 def test_compare_with_demo_checks_samples_per_second():
     pred = replay_demo([], NODES, P, 4)
-    measured = {"steps_completed": 4, "recoveries": {"redundant": 0}, "samples_per_second": pred.samples_per_second * 1.25}
+    measured = {
+        "steps_completed": 4,
+        "recoveries": {"redundant": 0},
+        "samples_per_second": pred.samples_per_second * 1.25,
+    }
     check = compare_with_demo(measured, pred)
     assert check.rate_error == pytest.approx(0.2) and not check.ok
     assert compare_with_demo({**measured, "samples_per_second": pred.samples_per_second}, pred).ok
@@ -137,8 +158,13 @@ def test_a_worker_lost_while_a_restart_starts_costs_the_startup_timeout_and_anot
     # 10.7 + 20 = 30.7, fails, and node2, node3, spare1 (spare2 died at 6.0) restart: training at 40.7, depth 3;
     # steps 1..4 end at 41.7 .. 44.7
     params = dataclasses.replace(P, startup_timeout_seconds=20.0)
-    events = [ClusterEvent("join", "spare1", at_seconds=0.1), ClusterEvent("join", "spare2", at_seconds=0.1),
-              kill("node0", 0.7), kill("node1", 5.0), kill("spare2", 6.0)]
+    events = [
+        ClusterEvent("join", "spare1", at_seconds=0.1),
+        ClusterEvent("join", "spare2", at_seconds=0.1),
+        kill("node0", 0.7),
+        kill("node1", 5.0),
+        kill("spare2", 6.0),
+    ]
     pred = replay_demo(events, NODES, params, 4, redundancy=False, checkpoint_every=100)
     assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 2}
     assert pred.seconds == pytest.approx(44.7 + 1.0)

@@ -42,7 +42,9 @@ def step_intervals(progress: Sequence[tuple[float, int]]) -> dict[int, float]:
 def clean_steps(first: int, last: int, checkpoint_every: int) -> list[int]:
     """Steps in ``first..last`` whose interval holds no checkpoint save (a save follows step k % every == 0)."""
     if first > last:
-        raise BambooConfigError(f"empty step segment {first}..{last}; the run needs more steps between events")
+        raise BambooConfigError(
+            f"empty step segment {first}..{last}; the run needs more steps between events"
+        )
     return [s for s in range(first, last + 1) if (s - 1) % checkpoint_every != 0]
 
 

@@ -46,17 +46,26 @@ class DemoParams:
     restart_seconds: float  # from a loss to the first step after reloading the checkpoint starting
     checkpoint_save_seconds: float  # pause after every checkpoint_every-th step
     end_seconds: float = 0.0  # time the demo counts after its last step (final save, exit)
-    startup_timeout_seconds: float = 0.0  # a worker lost while a restart starts: the others wait this long, then fail
+    startup_timeout_seconds: float = (
+        0.0  # a worker lost while a restart starts: the others wait this long, then fail
+    )
     samples_per_step: int = 8
 
     def __post_init__(self) -> None:
         for name in ("step_seconds", "step_seconds_no_redundancy"):
             table = getattr(self, name)
             if not table or any(int(d) < 1 or not float(s) > 0 for d, s in table.items()):
-                raise ParamError(f"demo parameter {name} needs depth -> seconds > 0 for depths >= 1 (got {table!r})")
+                raise ParamError(
+                    f"demo parameter {name} needs depth -> seconds > 0 for depths >= 1 (got {table!r})"
+                )
             object.__setattr__(self, name, {int(d): float(s) for d, s in table.items()})
-        for name in ("failover_seconds", "restart_seconds", "checkpoint_save_seconds", "end_seconds",
-                     "startup_timeout_seconds"):
+        for name in (
+            "failover_seconds",
+            "restart_seconds",
+            "checkpoint_save_seconds",
+            "end_seconds",
+            "startup_timeout_seconds",
+        ):
             if not float(getattr(self, name)) >= 0:
                 raise ParamError(f"demo parameter {name} must be >= 0 (got {getattr(self, name)!r})")
         if self.samples_per_step < 1:
@@ -100,7 +109,9 @@ class DemoPrediction:
     steps_completed: int
     samples_per_second: float
     preemptions: int = 0
-    recoveries: dict[str, int] = field(default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0})
+    recoveries: dict[str, int] = field(
+        default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0}
+    )
     recomputed_steps: int = 0
     timeline: list[tuple[float, str]] = field(default_factory=list)  # (seconds, what happened)
 
@@ -137,11 +148,17 @@ def replay_demo(
     ``checkpoint_every`` like the calibration runs.
     """
     if any(e.at_seconds is None for e in events):
-        raise ParamError("replay_demo needs timed events (a trace); step-triggered --preempt events are not replayed")
+        raise ParamError(
+            "replay_demo needs timed events (a trace); step-triggered --preempt events are not replayed"
+        )
     if steps < 1 or checkpoint_every < 1:
         raise ParamError(f"steps and checkpoint_every must be >= 1 (got {steps}, {checkpoint_every})")
     stages = stages or len(nodes)
-    run = _Run(alive=list(nodes), running=list(nodes[:stages]), parts=even_parts(DEMO_LAYERS, min(stages, len(nodes))))
+    run = _Run(
+        alive=list(nodes),
+        running=list(nodes[:stages]),
+        parts=even_parts(DEMO_LAYERS, min(stages, len(nodes))),
+    )
     out = DemoPrediction(0.0, 1, 0.0)
     pending = sorted(events, key=lambda e: float(e.at_seconds or 0.0))
     i = 0
@@ -171,7 +188,12 @@ def replay_demo(
 
 
 def _apply(
-    batch: list[ClusterEvent], now: float, run: _Run, params: DemoParams, redundancy: bool, stages: int,
+    batch: list[ClusterEvent],
+    now: float,
+    run: _Run,
+    params: DemoParams,
+    redundancy: bool,
+    stages: int,
     out: DemoPrediction,
 ) -> None:
     """Events of one instant: joins wait as standby; standby losses vanish; running losses recover."""
@@ -215,7 +237,9 @@ def _apply(
     out.timeline.append((now, f"lost {lost}: failover to {len(run.running)} stages"))
 
 
-def _restart(now: float, lost: list[str], run: _Run, params: DemoParams, stages: int, out: DemoPrediction) -> None:
+def _restart(
+    now: float, lost: list[str], run: _Run, params: DemoParams, stages: int, out: DemoPrediction
+) -> None:
     """No replica to take over (or no replicas at all): every worker restarts from the last checkpoint."""
     if not run.alive:
         raise ParamError(f"at {now:.1f} s every node is gone and none joined: the demo stops (lost {lost})")
@@ -229,13 +253,17 @@ def _restart(now: float, lost: list[str], run: _Run, params: DemoParams, stages:
     out.timeline.append((now, f"lost {lost}: restart {len(run.running)} stages from step {run.checkpoint}"))
 
 
-def _lost_while_starting(now: float, lost: list[str], run: _Run, params: DemoParams, out: DemoPrediction) -> None:
+def _lost_while_starting(
+    now: float, lost: list[str], run: _Run, params: DemoParams, out: DemoPrediction
+) -> None:
     """A worker of a restarting generation died: the others finish starting, wait for it until the
     rendezvous times out (``startup_timeout_seconds``), fail, and the job restarts again."""
     out.recoveries["checkpoint" if run.checkpoint else "restart"] += 1
     run.respawn_at = run.restart_until + params.startup_timeout_seconds
     run.start = run.respawn_at + params.restart_seconds
-    out.timeline.append((now, f"lost {lost} while restarting: that generation fails at {run.respawn_at:.1f} s"))
+    out.timeline.append(
+        (now, f"lost {lost} while restarting: that generation fails at {run.respawn_at:.1f} s")
+    )
 
 
 def _respawn(run: _Run, params: DemoParams, stages: int, out: DemoPrediction) -> None:
