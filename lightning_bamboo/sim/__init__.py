@@ -3,7 +3,15 @@
 from lightning_bamboo.sim.params import SimParams, load_params, record_measurement
 from lightning_bamboo.sim.report import PolicyResult, SimReport, compare_with_demo
 from lightning_bamboo.sim.simulate import run_policy, simulate
-from lightning_bamboo.sim.trace import Trace, TraceError, TraceEvent, bundled_trace, read_trace, scale_trace
+from lightning_bamboo.sim.trace import (
+    Trace,
+    TraceError,
+    TraceEvent,
+    bundled_trace,
+    read_trace,
+    scale_trace,
+    slice_trace,
+)
 
 __all__ = [
     "PolicyResult",
@@ -20,4 +28,5 @@ __all__ = [
     "run_policy",
     "scale_trace",
     "simulate",
+    "slice_trace",
 ]

@@ -199,15 +199,48 @@ def load_params(
 
 
 def record_measurement(
-    key: str, value: float, provenance_text: str, path: str | os.PathLike[str] = DEFAULT_PATH
+    key: str,
+    value: Any,
+    provenance_text: str,
+    path: str | os.PathLike[str] = DEFAULT_PATH,
+    section: str = "params",
 ) -> None:
-    """Replace one default with a measured value (for benchmarks); the provenance says how it was measured."""
-    _check_names([key])
+    """Replace one default with a measured value (for benchmarks); the provenance says how it was measured.
+
+    ``section="params"`` (default): the cluster-scale defaults of ``simulate``. ``section="demo"``:
+    the demo-scale times of :mod:`lightning_bamboo.sim.demo` (this machine's ``lightning-bamboo demo``),
+    kept apart so that demo numbers never pass for GPU-cluster ones.
+    """
+    if section not in SECTIONS:
+        raise ParamError(f"unknown parameter section {section!r}; use one of {sorted(SECTIONS)}")
     if not provenance_text.strip():
         raise ParamError(f"a measurement of {key} needs a provenance (which benchmark, machine, date)")
     data = _read(path)
-    SimParams(**{**{k: v["value"] for k, v in data["params"].items()}, key: value})  # validates
-    entry = data["params"].setdefault(key, {})
+    if section == "params":
+        _check_names([key])
+        SimParams(**{**{k: v["value"] for k, v in data["params"].items()}, key: value})  # validates
+        entries = data["params"]
+    else:
+        from lightning_bamboo.sim.demo import DemoParams
+
+        block = data.setdefault("demo", {"about": SECTIONS["demo"], "params": {}})
+        entries = block.setdefault("params", {})
+        known = {f.name for f in dataclasses.fields(DemoParams)}
+        if key not in known:
+            raise ParamError(f"unknown demo parameter {key!r}; known: {sorted(known)}")
+        if not isinstance(value, (int, float, dict)) or isinstance(value, bool):
+            raise ParamError(f"demo parameter {key} takes a number or a depth -> seconds mapping (got {value!r})")
+    entry = entries.setdefault(key, {})
     entry["value"] = value
     entry["provenance"] = provenance_text
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+SECTIONS = {
+    "params": "cluster-scale defaults of lightning-bamboo simulate (GPT-2-like job on a p3 GPU cluster)",
+    "demo": (
+        "DEMO SCALE, not GPU-cluster numbers: times of `lightning-bamboo demo` (built-in 8-layer GPT, one "
+        "pipeline, 8 samples/step) on the machine that ran benchmarks/sim_calibrate.py; used by "
+        "lightning_bamboo.sim.demo and benchmarks/sim_validation.py only"
+    ),
+}

@@ -161,35 +161,53 @@ class SimReport:
 
 @dataclass(frozen=True)
 class Validation:
-    """Simulator vs a real demo run: relative errors and whether both are within tolerance."""
+    """Simulator vs a real demo run: relative errors and whether all are within tolerance.
+
+    ``rate_error`` compares samples per second when both sides report it (a demo run has a fixed
+    number of steps, so its speed is what a prediction of it can miss); ``None`` otherwise.
+    """
 
     steps_error: float
     recoveries_error: float
     tolerance: float
+    rate_error: float | None = None
 
     @property
     def ok(self) -> bool:
-        return self.steps_error <= self.tolerance and self.recoveries_error <= self.tolerance
+        errors = [self.steps_error, self.recoveries_error]
+        if self.rate_error is not None:
+            errors.append(self.rate_error)
+        return all(e <= self.tolerance for e in errors)
 
 
-def compare_with_demo(
-    demo_report: Mapping[str, Any], predicted: PolicyResult, tolerance: float = 0.15
-) -> Validation:
-    """Compare a ``lightning-bamboo demo --report`` JSON (``steps_completed``, ``recoveries``) with a prediction.
+def relative_error(predicted: float, measured: float) -> float:
+    """``|predicted - measured| / measured`` (0 when both are 0, infinite when only ``measured`` is)."""
+    if measured:
+        return abs(predicted - measured) / abs(measured)
+    return 0.0 if predicted == measured else float("inf")
 
-    The demo must replay the same compressed trace slice the simulator was given. Not exercised on
-    a real demo yet: the demo command does not exist at the time of writing.
+
+def compare_with_demo(demo_report: Mapping[str, Any], predicted: Any, tolerance: float = 0.15) -> Validation:
+    """Compare a ``lightning-bamboo demo --report`` JSON (``steps_completed``, ``recoveries``, and
+    ``samples_per_second`` when present) with a prediction of the same run.
+
+    ``predicted`` is a :class:`PolicyResult` or a :class:`lightning_bamboo.sim.demo.DemoPrediction`
+    (anything with ``steps_completed``, ``recoveries`` and ``samples_per_second``). The demo must
+    replay the same compressed trace slice the simulator was given.
     """
     missing = [k for k in ("steps_completed", "recoveries") if k not in demo_report]
     if missing:
         raise BambooConfigError(
             f"the demo report lacks {missing} (has {sorted(demo_report)}); pass the JSON of `lightning-bamboo demo --report`"
         )
-    demo_steps = float(demo_report["steps_completed"])
     demo_rec = sum(int(v) for v in dict(demo_report["recoveries"]).values())
     sim_rec = sum(predicted.recoveries.values())
-
-    def rel(sim: float, real: float) -> float:
-        return abs(sim - real) / real if real else (0.0 if sim == real else float("inf"))
-
-    return Validation(rel(predicted.steps_completed, demo_steps), rel(sim_rec, demo_rec), tolerance)
+    rate = None
+    if "samples_per_second" in demo_report and getattr(predicted, "samples_per_second", None) is not None:
+        rate = relative_error(float(predicted.samples_per_second), float(demo_report["samples_per_second"]))
+    return Validation(
+        relative_error(float(predicted.steps_completed), float(demo_report["steps_completed"])),
+        relative_error(sim_rec, demo_rec),
+        tolerance,
+        rate,
+    )

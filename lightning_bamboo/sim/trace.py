@@ -184,3 +184,30 @@ def scale_trace(trace: Trace, nodes: int) -> Trace:
         TraceEvent(e.ms, e.kind, c, e.notice_seconds) for e in trace.events for c in copies[e.node]
     )
     return Trace(events, f"{trace.source} (scaled x{factor:.3g})")
+
+
+def slice_trace(trace: Trace, start_seconds: float, end_seconds: float) -> Trace:
+    """The part of ``trace`` in ``(start, end]``, shifted to start at 0.
+
+    Nodes live just after ``start`` are added at 0 (in their order of addition); events after
+    ``start`` and up to ``end`` keep their order and move by ``-start``. Nodes still live at ``end``
+    get no removal. An event at exactly ``start`` belongs to the state at 0.
+    """
+    if not 0 <= start_seconds < end_seconds:
+        raise TraceError(
+            f"a trace slice needs 0 <= start < end (got start {start_seconds} s, end {end_seconds} s); "
+            f"the trace {trace.source!r} runs to {trace.duration_seconds} s"
+        )
+    start_ms, end_ms = round(start_seconds * 1000), round(end_seconds * 1000)
+    live = trace.live_at(start_ms / 1000.0)
+    events = [TraceEvent(0, "add", n) for n in trace.nodes if n in live]
+    events += [
+        TraceEvent(e.ms - start_ms, e.kind, e.node, e.notice_seconds)
+        for e in trace.events
+        if start_ms < e.ms <= end_ms
+    ]
+    if not any(e.kind == "add" for e in events):
+        raise TraceError(
+            f"the slice {start_seconds}-{end_seconds} s of {trace.source!r} has no nodes; pick a window with nodes live"
+        )
+    return Trace(tuple(events), f"{trace.source} [{start_seconds:g}-{end_seconds:g} s]")

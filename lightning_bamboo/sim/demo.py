@@ -1,0 +1,278 @@
+"""The simulator's model of ``lightning-bamboo demo`` (demo scale), for validating the simulator.
+
+The cluster policies of :mod:`lightning_bamboo.sim.policies` describe a cluster of many pipelines
+with a fluid rate. The demo differs in ways that matter at 20-60 steps, so it gets its own replay:
+
+* one pipeline of at most ``stages`` nodes; every other live node waits as standby and is used
+  only when the job restarts (the demo never rebuilds a running pipeline);
+* with replicas, a lost node's stage moves to its replica holder (the pipeline gets one node
+  shorter, replicas are rebuilt around the new ring) and the step in flight is redone; losses that
+  :func:`lightning_bamboo.engine.failover.plan_failover` calls fatal (a node and its replica
+  holder together, or the last node of a one-node pipeline) restart from the last checkpoint;
+* without replicas (``--no-redundancy``) every loss of a running node restarts the job from the
+  last checkpoint with the first ``stages`` live nodes;
+* a checkpoint is saved after every ``checkpoint_every`` steps (a synchronous pause);
+* step times are measured per pipeline depth (on 2 cores they follow the number of processes,
+  not the 1F1B formula), in whole steps: a step cut by a loss is lost.
+
+Time 0 is the end of the first step (the demo's clock starts there), so the replay starts with
+one step done. Every time and parameter is in demo seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_bamboo.demo.events import ClusterEvent
+from lightning_bamboo.engine.failover import FatalLoss, plan_failover
+from lightning_bamboo.membership.policy import even_parts
+from lightning_bamboo.sim.params import DEFAULT_PATH, ParamError
+
+DEMO_LAYERS = 8  # the demo's built-in GPT: embedding, 6 blocks, head
+
+
+@dataclass(frozen=True)
+class DemoParams:
+    """Demo-scale times (seconds on the machine that ran ``benchmarks/sim_calibrate.py``)."""
+
+    step_seconds: Mapping[int, float]  # pipeline depth -> seconds per step, with replicas
+    step_seconds_no_redundancy: Mapping[int, float]  # pipeline depth -> seconds per step, no replicas
+    failover_seconds: float  # from a loss to the redone step starting on the shorter pipeline
+    restart_seconds: float  # from a loss to the first step after reloading the checkpoint starting
+    checkpoint_save_seconds: float  # pause after every checkpoint_every-th step
+    end_seconds: float = 0.0  # time the demo counts after its last step (final save, exit)
+    startup_timeout_seconds: float = (
+        0.0  # a worker lost while a restart starts: the others wait this long, then fail
+    )
+    samples_per_step: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("step_seconds", "step_seconds_no_redundancy"):
+            table = getattr(self, name)
+            if not table or any(int(d) < 1 or not float(s) > 0 for d, s in table.items()):
+                raise ParamError(
+                    f"demo parameter {name} needs depth -> seconds > 0 for depths >= 1 (got {table!r})"
+                )
+            object.__setattr__(self, name, {int(d): float(s) for d, s in table.items()})
+        for name in (
+            "failover_seconds",
+            "restart_seconds",
+            "checkpoint_save_seconds",
+            "end_seconds",
+            "startup_timeout_seconds",
+        ):
+            if not float(getattr(self, name)) >= 0:
+                raise ParamError(f"demo parameter {name} must be >= 0 (got {getattr(self, name)!r})")
+        if self.samples_per_step < 1:
+            raise ParamError(f"demo parameter samples_per_step must be >= 1 (got {self.samples_per_step})")
+
+    def step_time(self, depth: int, redundancy: bool) -> float:
+        """Seconds per step at ``depth`` (a one-node pipeline has no replica): the measured value,
+        linear between the measured depths around it, the nearest measured depth outside them."""
+        table = self.step_seconds if redundancy and depth > 1 else self.step_seconds_no_redundancy
+        if depth in table:
+            return table[depth]
+        below = [d for d in table if d < depth]
+        above = [d for d in table if d > depth]
+        if not below or not above:
+            return table[max(below) if below else min(above)]
+        d0, d1 = max(below), min(above)
+        return table[d0] + (table[d1] - table[d0]) * (depth - d0) / (d1 - d0)
+
+
+def load_demo_params(path: str | os.PathLike[str] = DEFAULT_PATH, **overrides: Any) -> DemoParams:
+    """The ``demo`` section of the parameter file (written by ``benchmarks/sim_calibrate.py``)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    section = data.get("demo", {}).get("params") if isinstance(data.get("demo"), dict) else None
+    if not isinstance(section, dict):
+        raise ParamError(
+            f"{str(path)!r} has no 'demo' section; run benchmarks/sim_calibrate.py on the machine that runs the demo"
+        )
+    values = {k: v["value"] for k, v in section.items()}
+    values.update(overrides)
+    try:
+        return DemoParams(**values)
+    except TypeError as exc:
+        raise ParamError(f"demo section of {str(path)!r} does not match DemoParams: {exc}") from None
+
+
+@dataclass
+class DemoPrediction:
+    """What the replay predicts for one demo run."""
+
+    seconds: float  # demo wall time: first step done -> end of the run (incl. end_seconds)
+    steps_completed: int
+    samples_per_second: float
+    preemptions: int = 0
+    recoveries: dict[str, int] = field(
+        default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0}
+    )
+    recomputed_steps: int = 0
+    timeline: list[tuple[float, str]] = field(default_factory=list)  # (seconds, what happened)
+
+
+@dataclass
+class _Run:
+    """Mutable state of one replay."""
+
+    alive: list[str]
+    running: list[str]
+    parts: tuple[int, ...]
+    done: int = 1
+    checkpoint: int = 0  # step of the last complete checkpoint (0: none)
+    pending: tuple[int, float] | None = None  # (step, time its save completes) of a save in progress
+    start: float = 0.0  # when the next step starts (after a pause) or the step in flight started
+    restart_until: float = -1.0  # the job is restarting (no process group to fail over in) until then
+    respawn_at: float | None = None  # a restart that lost a worker while starting fails and respawns then
+
+
+def replay_demo(
+    events: Sequence[ClusterEvent],
+    nodes: Sequence[str],
+    params: DemoParams,
+    steps: int,
+    *,
+    redundancy: bool = True,
+    checkpoint_every: int = 4,
+    stages: int | None = None,
+) -> DemoPrediction:
+    """Replay the demo's cluster ``events`` (from :func:`lightning_bamboo.demo.events.events_from_trace`,
+    times in demo seconds from the end of the first step) until ``steps`` steps are done.
+
+    The final checkpoint of a run is part of ``end_seconds``, so give ``steps`` as a multiple of
+    ``checkpoint_every`` like the calibration runs.
+    """
+    if any(e.at_seconds is None for e in events):
+        raise ParamError(
+            "replay_demo needs timed events (a trace); step-triggered --preempt events are not replayed"
+        )
+    if steps < 1 or checkpoint_every < 1:
+        raise ParamError(f"steps and checkpoint_every must be >= 1 (got {steps}, {checkpoint_every})")
+    stages = stages or len(nodes)
+    run = _Run(
+        alive=list(nodes),
+        running=list(nodes[:stages]),
+        parts=even_parts(DEMO_LAYERS, min(stages, len(nodes))),
+    )
+    out = DemoPrediction(0.0, 1, 0.0)
+    pending = sorted(events, key=lambda e: float(e.at_seconds or 0.0))
+    i = 0
+    while run.done < steps:
+        finish = run.start + params.step_time(len(run.running), redundancy)
+        upcoming = float(pending[i].at_seconds or 0.0) if i < len(pending) else float("inf")
+        if run.respawn_at is not None and run.respawn_at <= upcoming:
+            _respawn(run, params, stages, out)
+            continue
+        if upcoming < finish:
+            now = float(pending[i].at_seconds or 0.0)
+            batch = []
+            while i < len(pending) and float(pending[i].at_seconds or 0.0) == now:
+                batch.append(pending[i])
+                i += 1
+            _apply(batch, now, run, params, redundancy, stages, out)
+            continue
+        run.done += 1
+        run.start = finish
+        if run.done % checkpoint_every == 0 and run.done < steps:
+            run.start = finish + params.checkpoint_save_seconds
+            run.pending = (run.done, run.start)
+    out.steps_completed = run.done
+    out.seconds = run.start + params.end_seconds
+    out.samples_per_second = steps * params.samples_per_step / out.seconds if out.seconds > 0 else 0.0
+    return out
+
+
+def _apply(
+    batch: list[ClusterEvent],
+    now: float,
+    run: _Run,
+    params: DemoParams,
+    redundancy: bool,
+    stages: int,
+    out: DemoPrediction,
+) -> None:
+    """Events of one instant: joins wait as standby; standby losses vanish; running losses recover."""
+    if run.pending is not None and run.pending[1] <= now:
+        run.checkpoint, run.pending = run.pending[0], None
+    lost = []
+    for e in batch:
+        if e.kind == "join":
+            run.alive.append(e.node)
+        elif e.node in run.alive:
+            run.alive.remove(e.node)
+            if e.node in run.running:
+                lost.append(e.node)
+    if not lost:
+        return
+    out.preemptions += len(lost)
+    if run.respawn_at is not None:  # this generation already failed: it only waits to be replaced
+        return
+    if now < run.restart_until:
+        _lost_while_starting(now, lost, run, params, out)
+        return
+    plan = None
+    if redundancy and len(run.running) > 1:
+        try:
+            plan = plan_failover(run.running, run.parts, lost)
+        except FatalLoss:
+            plan = None
+    if plan is None:
+        _restart(now, lost, run, params, stages, out)
+        return
+    out.recoveries["redundant"] += 1
+    run.running, run.parts = list(plan.order), plan.parts
+    if run.pending is not None:  # a save was cut: it runs again after the failover
+        run.start = now + params.failover_seconds + params.checkpoint_save_seconds
+        run.pending = (run.pending[0], run.start)
+    elif run.start <= now:  # the step in flight is redone on the shorter pipeline
+        out.recomputed_steps += 1
+        run.start = now + params.failover_seconds
+    else:  # already paused (an earlier failover): the pause runs on from now
+        run.start = max(run.start, now + params.failover_seconds)
+    out.timeline.append((now, f"lost {lost}: failover to {len(run.running)} stages"))
+
+
+def _restart(
+    now: float, lost: list[str], run: _Run, params: DemoParams, stages: int, out: DemoPrediction
+) -> None:
+    """No replica to take over (or no replicas at all): every worker restarts from the last checkpoint."""
+    if not run.alive:
+        raise ParamError(f"at {now:.1f} s every node is gone and none joined: the demo stops (lost {lost})")
+    run.pending = None  # a save cut short is not a checkpoint
+    out.recoveries["checkpoint" if run.checkpoint else "restart"] += 1
+    out.recomputed_steps += run.done - run.checkpoint
+    run.done = run.checkpoint
+    run.running = run.alive[:stages]
+    run.parts = even_parts(DEMO_LAYERS, len(run.running))
+    run.start = run.restart_until = now + params.restart_seconds
+    out.timeline.append((now, f"lost {lost}: restart {len(run.running)} stages from step {run.checkpoint}"))
+
+
+def _lost_while_starting(
+    now: float, lost: list[str], run: _Run, params: DemoParams, out: DemoPrediction
+) -> None:
+    """A worker of a restarting generation died: the others finish starting, wait for it until the
+    rendezvous times out (``startup_timeout_seconds``), fail, and the job restarts again."""
+    out.recoveries["checkpoint" if run.checkpoint else "restart"] += 1
+    run.respawn_at = run.restart_until + params.startup_timeout_seconds
+    run.start = run.respawn_at + params.restart_seconds
+    out.timeline.append(
+        (now, f"lost {lost} while restarting: that generation fails at {run.respawn_at:.1f} s")
+    )
+
+
+def _respawn(run: _Run, params: DemoParams, stages: int, out: DemoPrediction) -> None:
+    """Start the next generation with the first ``stages`` live nodes (after a failed restart)."""
+    assert run.respawn_at is not None
+    if not run.alive:
+        raise ParamError(f"at {run.respawn_at:.1f} s every node is gone and none joined: the demo stops")
+    run.running = run.alive[:stages]
+    run.parts = even_parts(DEMO_LAYERS, len(run.running))
+    run.start = run.restart_until = run.respawn_at + params.restart_seconds
+    out.timeline.append((run.respawn_at, f"respawn {len(run.running)} stages from step {run.checkpoint}"))
+    run.respawn_at = None

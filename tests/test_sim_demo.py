@@ -1,0 +1,171 @@
+"""The simulator's demo model, trace slicing and the calibration helpers (pure, hand-computed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from lightning_bamboo.demo.events import ClusterEvent, events_from_trace
+from lightning_bamboo.sim.calibration import clean_steps, mean_of, parse_progress, save_steps, step_intervals
+from lightning_bamboo.sim.demo import DemoParams, load_demo_params, replay_demo
+from lightning_bamboo.sim.params import DEFAULT_PATH, ParamError, load_params, record_measurement
+from lightning_bamboo.sim.report import compare_with_demo
+from lightning_bamboo.sim.trace import TraceError, parse_trace, slice_trace
+
+NODES = ["node0", "node1", "node2", "node3"]
+# 1 s per step at depth 4, 2 s at 3, 3 s at 2; no checkpoints unless a test sets a save time
+P = DemoParams(
+    step_seconds={4: 1.0, 3: 2.0, 2: 3.0},
+    step_seconds_no_redundancy={4: 0.5, 3: 1.0},
+    failover_seconds=0.25,
+    restart_seconds=10.0,
+    checkpoint_save_seconds=0.0,
+    end_seconds=1.0,
+)
+
+
+def kill(node: str, at: float) -> ClusterEvent:
+    return ClusterEvent("preempt", node, at_seconds=at)
+
+
+def test_slice_keeps_live_nodes_at_zero_and_shifts_the_window():
+    trace = parse_trace(
+        ["0,add,a", "0,add,b", "1000,add,c", "2000,remove,a", "3000,add,d", "5000,remove,b"], "t"
+    )
+    piece = slice_trace(trace, 1.0, 4.0)
+    assert [(e.ms, e.kind, e.node) for e in piece.events] == [
+        (0, "add", "a"),
+        (0, "add", "b"),
+        (0, "add", "c"),
+        (1000, "remove", "a"),
+        (2000, "add", "d"),
+    ]
+    with pytest.raises(TraceError, match="start < end"):
+        slice_trace(trace, 4.0, 4.0)
+    with pytest.raises(TraceError, match="no nodes"):
+        slice_trace(parse_trace(["0,add,a", "1000,remove,a", "9000,add,b"], "t"), 2.0, 3.0)
+
+
+def test_progress_lines_give_step_intervals_and_a_restart_replaces_repeated_steps():
+    lines = [
+        (0.0, "  step    1/8  [#...]  live: a"),
+        (1.0, "noise"),
+        (1.5, "  step    2/8  [#.]"),
+        (3.0, "  step    3/8"),
+        (20.0, "  step    3/8"),
+        (21.0, "  step    4/8"),
+    ]
+    progress = parse_progress(lines)
+    assert progress == [(0.0, 1), (1.5, 2), (3.0, 3), (20.0, 3), (21.0, 4)]
+    assert step_intervals(progress) == {2: 1.5, 3: 1.5, 4: 1.0}
+    assert clean_steps(2, 9, 4) == [2, 3, 4, 6, 7, 8]  # 5 and 9 start with the saves of steps 4 and 8
+    assert save_steps(2, 9, 4) == [5, 9]
+    assert mean_of({2: 1.0, 3: 3.0, 4: 5.0}, [2, 3, 4, 9], "x") == 3.0
+    with pytest.raises(Exception, match="no step interval observed for depth 5"):
+        mean_of({2: 1.0}, [7, 8], "depth 5")
+
+
+def test_step_time_is_measured_or_interpolated_or_the_nearest_measured_depth():
+    assert P.step_time(3, redundancy=True) == 2.0
+    assert P.step_time(5, redundancy=True) == 1.0  # above the measured depths: depth 4's time
+    assert P.step_time(1, redundancy=True) == 1.0  # one node has no replica: no-redundancy table, depth 3
+    gap = dataclasses.replace(P, step_seconds={4: 1.0, 2: 3.0})
+    assert gap.step_time(3, redundancy=True) == pytest.approx(2.0)
+
+
+def test_clean_run_with_checkpoints():
+    # done=1 at t=0; steps end at 1, 2, 3 (+0.5 save after step 2), so step 4 ends at 3.5; end 1 s
+    pred = replay_demo([], NODES, dataclasses.replace(P, checkpoint_save_seconds=0.5), 4, checkpoint_every=2)
+    assert pred.seconds == pytest.approx(4.5)
+    assert pred.samples_per_second == pytest.approx(4 * 8 / 4.5)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 0}
+
+
+def test_one_kill_fails_over_redoes_the_step_in_flight_and_slows_to_depth_3():
+    # step 2 ends at 1; kill at 1.5 cuts step 3; failover until 1.75, then 2 s steps: 3 at 3.75, 4 at 5.75
+    pred = replay_demo([kill("node2", 1.5)], NODES, P, 4)
+    assert pred.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    assert pred.recomputed_steps == 1 and pred.preemptions == 1
+    assert pred.seconds == pytest.approx(5.75 + 1.0)
+
+
+def test_adjacent_kill_restarts_from_the_checkpoint_with_a_standby_node():
+    # checkpoint after step 2 (t=1, no save pause); node1 and node2 (its replica holder is node1) die at 2.5:
+    # fatal; restart 10 s with node0, node3 and spare1 (joined at 0.5) -> depth 3 at 2 s/step;
+    # steps 3 and 4 end at 14.5 and 16.5
+    events = [ClusterEvent("join", "spare1", at_seconds=0.5), kill("node1", 2.5), kill("node2", 2.5)]
+    pred = replay_demo(events, NODES, P, 4, checkpoint_every=2)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 1, "restart": 0}
+    assert pred.recomputed_steps == 1  # step 3 was done at 2.0 and is lost
+    assert pred.seconds == pytest.approx(16.5 + 1.0)
+
+
+def test_without_redundancy_every_loss_restarts_and_standby_losses_do_not():
+    # 0.5 s steps; standby spare1 dies (nothing happens); node0 dies at 0.7 during step 3 -> no checkpoint yet:
+    # restart from scratch with 3 nodes (1 s steps): steps 1..4 end at 11.7 .. 14.7
+    events = [ClusterEvent("join", "spare1", at_seconds=0.1), kill("spare1", 0.2), kill("node0", 0.7)]
+    pred = replay_demo(events, NODES, P, 4, redundancy=False, checkpoint_every=100)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 1}
+    assert pred.preemptions == 1 and pred.recomputed_steps == 2
+    assert pred.seconds == pytest.approx(14.7 + 1.0)
+
+
+def test_replay_uses_the_demos_own_view_of_a_trace():
+    trace = parse_trace(["0,add,a", "0,add,b", "0,add,c", "0,add,d", "0,add,e", "3000,remove,c"], "t")
+    events = events_from_trace(trace, NODES, time_scale=2.0)  # e joins as standby, c = node2 dies at 1.5 s
+    assert replay_demo(events, NODES, P, 4).seconds == pytest.approx(6.75)
+
+
+def test_demo_measurements_live_in_their_own_section(tmp_path):
+    path = tmp_path / "p.json"
+    shutil.copy(DEFAULT_PATH, path)
+    for key, value in vars(P).items():
+        record_measurement(
+            key,
+            value if not isinstance(value, dict) else {str(k): v for k, v in value.items()},
+            "tests, demo scale",
+            path,
+            section="demo",
+        )
+    assert load_demo_params(path) == P
+    assert load_params(path) == load_params(DEFAULT_PATH)  # cluster-scale defaults untouched
+    data = json.loads(path.read_text())
+    assert "not GPU-cluster" in data["demo"]["about"]
+    with pytest.raises(ParamError, match="unknown demo parameter"):
+        record_measurement("step_secs", 1.0, "x", path, section="demo")
+    with pytest.raises(ParamError, match="unknown parameter section"):
+        record_measurement("step_seconds", 1.0, "x", path, section="gpu")
+
+
+def test_compare_with_demo_checks_samples_per_second():
+    pred = replay_demo([], NODES, P, 4)
+    measured = {
+        "steps_completed": 4,
+        "recoveries": {"redundant": 0},
+        "samples_per_second": pred.samples_per_second * 1.25,
+    }
+    check = compare_with_demo(measured, pred)
+    assert check.rate_error == pytest.approx(0.2) and not check.ok
+    assert compare_with_demo({**measured, "samples_per_second": pred.samples_per_second}, pred).ok
+
+
+def test_a_worker_lost_while_a_restart_starts_costs_the_startup_timeout_and_another_restart():
+    # no replicas, 0.5 s steps at depth 4, 1 s at 3: node0 dies at 0.7 -> restart of node1..3 + spare1 (depth 4),
+    # training would start at 10.7; node1 dies at 5.0 while starting: that generation waits for it until
+    # 10.7 + 20 = 30.7, fails, and node2, node3, spare1 (spare2 died at 6.0) restart: training at 40.7, depth 3;
+    # steps 1..4 end at 41.7 .. 44.7
+    params = dataclasses.replace(P, startup_timeout_seconds=20.0)
+    events = [
+        ClusterEvent("join", "spare1", at_seconds=0.1),
+        ClusterEvent("join", "spare2", at_seconds=0.1),
+        kill("node0", 0.7),
+        kill("node1", 5.0),
+        kill("spare2", 6.0),
+    ]
+    pred = replay_demo(events, NODES, params, 4, redundancy=False, checkpoint_every=100)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 2}
+    assert pred.seconds == pytest.approx(44.7 + 1.0)
+    assert [round(t, 1) for t, _ in pred.timeline] == [0.7, 5.0, 30.7]
