@@ -6,9 +6,10 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.schedule import replica_holder
@@ -98,7 +99,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def reform_process_group(store, job: str, generation: int, order: Sequence[str], me: str, timeout: float):
+def reform_process_group(
+    store: Any, job: str, generation: int, order: Sequence[str], me: str, timeout: float, tag: str = "",
+    gone: Callable[[], Collection[str]] = lambda: (),
+) -> tuple[int, int, Any]:
     """Destroy the current process group and join a new one of ``order`` (rank = position).
 
     The new rank 0 hosts a fresh ``TCPStore`` (the old one may have died with its host) and
@@ -110,7 +114,7 @@ def reform_process_group(store, job: str, generation: int, order: Sequence[str],
     from lightning_bamboo.membership.registry import job_prefix
 
     rank, world = order.index(me), len(order)
-    key = f"{job_prefix(job)}pg/{generation}"
+    key = f"{job_prefix(job)}pg/{generation}/{tag}"
     host = "127.0.0.1"
     if rank == 0:
         port = free_port()
@@ -121,6 +125,10 @@ def reform_process_group(store, job: str, generation: int, order: Sequence[str],
         kv = store.get(key)
         revision = 0
         while kv is None:
+            if gone():
+                from lightning_bamboo.engine.pipe import PeerLost
+
+                raise PeerLost(f"{sorted(gone())} lost before the new process group formed", gone())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise BambooError(f"no process group address for generation {generation} within {timeout} s ({key})")
@@ -132,7 +140,7 @@ def reform_process_group(store, job: str, generation: int, order: Sequence[str],
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"bamboo{generation}", tcp), rank=rank, world_size=world,
+        "gloo", store=dist.PrefixStore(f"bamboo{generation}{tag}", tcp), rank=rank, world_size=world,
         timeout=timedelta(seconds=timeout),
     )
     return rank, world, tcp

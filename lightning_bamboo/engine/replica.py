@@ -97,7 +97,7 @@ class Replica:
         thread = getattr(self, "_thread", None)
         if thread is not None:
             thread.join()
-            self._thread = None
+        thread: threading.Thread | None = getattr(self, "_thread", None)
 
     def discard(self) -> None:
         self.wait()

@@ -316,14 +316,14 @@ class _BambooStrategyMixin:
             engine.guard = self.resilience.guard()
 
     def _fail_over(self, err: Exception, step: int, in_flight: bool = True) -> bool:
-        """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed."""
-        from lightning_bamboo.engine.build import (
-            build_engine,
-            build_pipeline_module,
-            deepspeed_config,
-            ensure_deepspeed_comm,
-        )
-        from lightning_bamboo.engine.replica import copy_hyperparameters
+        """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed.
+
+        Every attempt starts from the same captured state (the layers this node held before the
+        loss) with the union of the losses seen so far, so a node lost *during* a failover only
+        makes the survivors agree on a larger set and try again; no wait is unbounded.
+        """
+        from lightning_bamboo.engine.pipe import PeerLost
+        from lightning_bamboo.membership.registry import BarrierTimeoutError
 
         res = self.resilience
         started = time.monotonic()
@@ -338,12 +338,47 @@ class _BambooStrategyMixin:
             old_engine.apply_step()  # every node had its gradients in: the step counts
         elif not committed:
             old_engine.discard_step()
-        own = old_engine.own_states()
-        replica = old_engine.replica.states() if old_engine.replica is not None else {}
-        lost = res.decide_lost(getattr(err, "lost", ()))
-        plan = res.plan(layout.parts, lost)
+        base = {
+            "nodes": list(res.nodes),
+            "parts": tuple(layout.parts),
+            "states": {**old_engine.own_states(), **(old_engine.replica.states() if old_engine.replica else {})},
+            "optimizer": old_engine.optimizer,
+            "last_loss": old_engine.last_loss,
+        }
+        suspected = set(getattr(err, "lost", ()))
+        for _attempt in range(len(base["nodes"])):
+            try:
+                plan, rank, world = self._fail_over_once(base, suspected, step)
+                break
+            except (PeerLost, BarrierTimeoutError) as again:
+                suspected |= set(getattr(again, "lost", ())) | res.detector.lost
+                log.warning("%s: another loss during the failover (%s); trying again with %s", res.node, again, sorted(suspected))
+        else:
+            raise BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts")
+        seconds = time.monotonic() - started
+        res.record_failover({"step": step, "lost": sorted(set(base["nodes"]) - set(plan.order)), "committed": committed,
+                             "seconds": seconds, "redone": in_flight and not committed,
+                             "order": list(plan.order), "parts": list(plan.parts)})
+        log.warning("%s: failover done in %.2f s (rank %d of %d)", res.node, seconds, rank, world)
+        if committed:
+            self.engine.last_loss = base["last_loss"]
+        return committed
+
+    def _fail_over_once(self, base: dict[str, Any], suspected: set[str], step: int) -> tuple[Any, int, int]:
+        from lightning_bamboo.engine.build import (
+            build_engine,
+            build_pipeline_module,
+            deepspeed_config,
+            ensure_deepspeed_comm,
+        )
+        from lightning_bamboo.engine.failover import plan_failover
+        from lightning_bamboo.engine.replica import copy_hyperparameters
+
+        res = self.resilience
+        lost = res.decide_lost(tuple(suspected), base["nodes"])
+        plan = plan_failover(base["nodes"], base["parts"], lost)
         log.warning("%s: lost %s at step %d; new pipeline %s parts %s", res.node, sorted(lost), step, plan.order, plan.parts)
-        rank, world = res.reform(list(plan.order))
+        rank, world = res.reform(list(plan.order), tag="-".join(sorted(lost)))
         self.cluster_environment.set_global_rank(rank)  # type: ignore[attr-defined]
         self.cluster_environment.set_world_size(world)  # type: ignore[attr-defined]
         self._pl("utilities.rank_zero").rank_zero_only.rank = rank
@@ -353,13 +388,12 @@ class _BambooStrategyMixin:
         ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
 
         # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
-        states = {**{i: own[i] for i in own}, **{i: replica[i] for i in replica}}
         new_layout = Layout(world, 1, plan.parts)
         mine = new_layout.layers_of_stage(rank)
-        stage_states = {i: states[i] for i in mine if i in states}
-        missing = [i for i in mine if i not in states]
+        missing = [i for i in mine if i not in base["states"]]
         if missing:
             raise BambooError(f"failover plan gives {res.node} layers {missing} it does not hold")
+        stage_states = {i: base["states"][i] for i in mine}
         self.stages, self.layout = world, new_layout
         model = self.lightning_module  # type: ignore[attr-defined]
         built = self._build(model, keep=lambda i: i in mine)
@@ -368,28 +402,26 @@ class _BambooStrategyMixin:
         ckpt.load_weights(module, stage_states)
         model._bamboo_stage = module
         optimizer = self._make_optimizer(module)
-        ckpt.load_optimizer(module, optimizer, stage_states, ckpt.param_group_hyperparameters(old_engine.optimizer))
-        copy_hyperparameters(old_engine.optimizer, optimizer)
+        ckpt.load_optimizer(module, optimizer, stage_states, ckpt.param_group_hyperparameters(base["optimizer"]))
+        copy_hyperparameters(base["optimizer"], optimizer)
         config = deepspeed_config(self.micro_batch_size, 1, 1, 0.0, self.deepspeed_extra_config)
-        engine = build_engine(
-            module, optimizer, config, timedelta(seconds=self.timeout_seconds),
-            bamboo_options={"redundancy": self.redundancy, "layout": new_layout},
-        )
+
+        def build_and_arm() -> Any:
+            # Collectives with the new peers: bounded by the new membership watch like a step.
+            engine = build_engine(
+                module, optimizer, config, timedelta(seconds=self.timeout_seconds),
+                bamboo_options={"redundancy": self.redundancy, "layout": new_layout},
+            )
+            self._arm_replica_from_successor(engine, new_layout, rank, world, stage_states)
+            return engine
+
+        engine = res.guard().run(build_and_arm)
         self.engine = engine
-        self._rebind_optimizer(old_engine.optimizer, optimizer)
-        self._arm_replica_from_successor(engine, new_layout, rank, world, stage_states)
-        if self.resilience is not None:
-            engine.node_id = res.node
-            engine.commit = lambda _step: res.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
-            engine.guard = res.guard()
-        seconds = time.monotonic() - started
-        res.record_failover({"step": step, "lost": sorted(lost), "committed": committed, "seconds": seconds,
-                             "redone": in_flight and not committed,
-                             "order": list(plan.order), "parts": list(plan.parts)})
-        log.warning("%s: failover done in %.2f s (rank %d of %d)", res.node, seconds, rank, world)
-        if committed:
-            engine.last_loss = old_engine.last_loss
-        return committed
+        self._rebind_optimizer(base["optimizer"], optimizer)
+        engine.node_id = res.node
+        engine.commit = lambda _step: res.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
+        engine.guard = res.guard()
+        return plan, rank, world
 
     def _arm_replica_from_successor(
         self, engine: Any, layout: Layout, rank: int, world: int, own_states: dict[int, dict[str, Any]]

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from lightning_bamboo.engine.failover import FatalLoss, plan_failover, reform_process_group
+from lightning_bamboo.engine.failover import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.launcher import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
@@ -112,35 +112,56 @@ class Resilience:
         return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs} >= set(self.nodes)
 
     # ------------------------------------------------------------------ failover
-    def decide_lost(self, suspected: tuple[str, ...]) -> set[str]:
-        """The set of lost nodes for the next generation, decided once for everyone through the store."""
-        members = self.registry.members()
-        lost = (set(suspected) | self.detector.lost | (set(self.nodes) - set(members.live))) & set(self.nodes)
-        lost.discard(self.node)
-        key = f"{self.base}decision/{self.generation + 1}"
-        _, kv = self.store.put_if_absent(key, json.dumps(sorted(lost)))
-        return set(json.loads(kv.value))
+    def decide_lost(self, suspected: tuple[str, ...], nodes: list[str]) -> set[str]:
+        """The lost nodes for the next generation: a set in the store that only grows, so all agree.
 
-    def reform(self, order: list[str]) -> tuple[int, int]:
-        """Join the process group of ``order`` for the next generation; returns (rank, world size)."""
-        from lightning_bamboo.membership.registry import barrier
+        Each survivor adds what it knows (its suspicions, the detector, dead leases) with a
+        compare-and-swap; a loss seen later by anyone makes everyone retry with the larger set.
+        """
+        key = f"{self.base}decision/{self.generation + 1}"
+        members = self.registry.members()
+        mine = (set(suspected) | self.detector.lost | (set(nodes) - set(members.live))) & set(nodes)
+        mine.discard(self.node)
+        while True:
+            kv = self.store.get(key)
+            current = set(json.loads(kv.value)) if kv else set()
+            merged = current | mine
+            if kv is not None and merged == current:
+                return current
+            swapped, _ = self.store.compare_and_put(key, json.dumps(sorted(merged)), expected_revision=kv.mod_revision if kv else 0)
+            if swapped:
+                return merged
+
+    def reform(self, order: list[str], tag: str = "") -> tuple[int, int]:
+        """Join the process group of ``order`` for the next generation; returns (rank, world size).
+
+        The rendezvous waits in short slices and gives up at once (``PeerLost``) when a node it
+        waits for is lost, so a failover never waits on a dead node.
+        """
+        from lightning_bamboo.membership.registry import BarrierTimeoutError, barrier
 
         generation = self.generation + 1
-        barrier(self.store, f"{self.base}rdzv/{generation}", self.node, order, timeout=self.rendezvous_timeout)
+        prefix = f"{self.base}rdzv/{generation}/{tag}"
+        deadline = time.monotonic() + self.rendezvous_timeout
+        while True:
+            gone = self.detector.lost & set(order)
+            if gone:
+                raise PeerLost(f"{sorted(gone)} lost while re-forming the pipeline", gone)
+            try:
+                barrier(self.store, prefix, self.node, order, timeout=0.5)
+                break
+            except BarrierTimeoutError:
+                if time.monotonic() > deadline:
+                    raise
         rank, world, self._tcp_store = reform_process_group(
-            self.store, self.job, generation, order, self.node, self.rendezvous_timeout
+            self.store, self.job, generation, order, self.node, self.rendezvous_timeout, tag=tag,
+            gone=lambda: self.detector.lost & set(order),
         )
         self.generation = generation
         self.nodes = list(order)
         self.detector.stop()
         self.detector = self._watch(self.nodes)
         return rank, world
-
-    def plan(self, parts: tuple[int, ...], lost: set[str]) -> Any:
-        try:
-            return plan_failover(self.nodes, parts, lost)
-        except FatalLoss:
-            raise
 
     def record_failover(self, record: dict[str, Any]) -> None:
         self.failovers.append(record)
