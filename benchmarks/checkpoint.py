@@ -81,13 +81,18 @@ def main() -> None:
         asynchronous = AsyncCheckpoint(dirpath=os.path.join(root, "async"), every_n_train_steps=args.every, keep_last=1)
         async_wall = fit(args.steps, asynchronous)
     async_stalls = [e["stall_seconds"] for e in asynchronous.events]
+    waited = [e["waited_for_previous_seconds"] for e in asynchronous.events]
     sync_mean, async_mean = statistics.mean(sync.stalls), statistics.mean(async_stalls)
     print(f"checkpoint size: {state_mib:.0f} MiB (weights + momentum), {len(sync.stalls)} checkpoints each")
     print(f"synchronous save stall : {sync_mean:8.3f} s per checkpoint  (fit {sync_wall:.1f} s)")
     print(f"AsyncCheckpoint stall  : {async_mean:8.3f} s per checkpoint  (fit {async_wall:.1f} s; "
           f"background write {asynchronous.write_seconds:.3f} s)")
+    print(f"  of which waiting for the previous write: {statistics.mean(waited):.3f} s; first snapshot (allocates "
+          f"the host buffers) {async_stalls[0]:.3f} s, later ones {statistics.mean(async_stalls[1:] or [0]):.3f} s")
     print(f"ratio async / sync     : {async_mean / sync_mean:8.3f}  (target <= 0.10)")
+    print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__}, cuda available: {torch.cuda.is_available()}")
     print(json.dumps({"state_mib": state_mib, "sync_stall_s": sync.stalls, "async_stall_s": async_stalls,
+                      "async_waited_s": waited,
                       "async_write_s": asynchronous.write_seconds, "ratio": async_mean / sync_mean}))
 
 

@@ -84,17 +84,35 @@ def split_name(name: str) -> tuple[int, str]:
     return int(layer), rest
 
 
+def _host_copy(tensor: torch.Tensor, reuse: Any = None) -> torch.Tensor:
+    """A host-memory copy of ``tensor``, written into ``reuse`` when that is a CPU tensor of the same shape and dtype.
+
+    Reusing the buffers of the previous snapshot spares the page faults of fresh allocations,
+    which cost more than the copy itself on large models.
+    """
+    tensor = tensor.detach()
+    if torch.is_tensor(reuse) and reuse.device.type == "cpu" and reuse.shape == tensor.shape and reuse.dtype == tensor.dtype:
+        return reuse.copy_(tensor)
+    return tensor.to("cpu", copy=True)
+
+
 def layer_states(
-    stage: nn.Module, optimizer: torch.optim.Optimizer | None, layers: Iterable[int]
+    stage: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    layers: Iterable[int],
+    reuse: Mapping[int, dict[str, Any]] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Weights and optimizer state of ``layers`` of ``stage`` (a module whose children are named by layer).
 
     Every layer gets an entry, also one without parameters, so a reader can tell it was saved.
+    ``reuse``: an earlier result nobody reads any more; its tensors are overwritten instead of allocating new ones.
     """
+    reuse = reuse or {}
     states: dict[int, dict[str, Any]] = {layer: {"weights": {}, "optimizer": {}} for layer in layers}
     for name, tensor in stage.state_dict().items():
         layer, rest = split_name(name)
-        states[layer]["weights"][rest] = tensor.detach().cpu().clone()
+        old = reuse.get(layer, {}).get("weights", {}).get(rest)
+        states[layer]["weights"][rest] = _host_copy(tensor, old)
     if optimizer is not None:
         names = {id(p): n for n, p in stage.named_parameters()}
         packed = optimizer.state_dict()
@@ -105,8 +123,9 @@ def layer_states(
                 if name is not None:
                     layer, rest = split_name(name)
                     state = packed["state"].get(index, {})
+                    old = reuse.get(layer, {}).get("optimizer", {}).get(rest, {}).get("state", {})
                     states[layer]["optimizer"][rest] = {
-                        "state": {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state.items()},
+                        "state": {k: (_host_copy(v, old.get(k)) if torch.is_tensor(v) else v) for k, v in state.items()},
                         "group": group_index,
                     }
                 index += 1
@@ -183,11 +202,15 @@ def take_shard(
     *,
     writes_layers: bool,
     meta: Callable[[], dict[str, Any]] | None = None,
+    reuse: Shard | None = None,
 ) -> Shard:
-    """The snapshot phase (training thread): copy this process's layers, RNG states and (rank 0) manifest."""
+    """The snapshot phase (training thread): copy this process's layers, RNG states and (rank 0) manifest.
+
+    ``reuse``: a shard already written, whose buffers the copy may overwrite.
+    """
     return Shard(
         rank=rank,
-        layers=layer_states(stage, optimizer, layers) if writes_layers else {},
+        layers=layer_states(stage, optimizer, layers, reuse.layers if reuse is not None else None) if writes_layers else {},
         rng=capture_rng(),
         meta=serialize(meta()) if meta is not None else None,
     )

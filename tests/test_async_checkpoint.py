@@ -98,6 +98,19 @@ def test_sigkill_while_writing_leaves_previous_checkpoint(tmp_path, pause):
     _assert_equals_saved(tmp_path / ckpt.step_name(3), 3)
 
 
+def test_snapshot_reuses_the_buffers_of_a_written_shard():
+    first = shard(1)
+    second = ckpt.take_shard(0, *make_stage(2), range(LAYERS), writes_layers=True, reuse=first)
+    expected = shard(2)
+    for layer in range(LAYERS):
+        for name, tensor in second.layers[layer]["weights"].items():
+            assert tensor.data_ptr() == first.layers[layer]["weights"][name].data_ptr()
+            assert torch.equal(tensor, expected.layers[layer]["weights"][name])
+        for name, saved in second.layers[layer]["optimizer"].items():
+            assert torch.equal(saved["state"]["momentum_buffer"], expected.layers[layer]["optimizer"][name]["state"]["momentum_buffer"])
+            assert saved["state"]["momentum_buffer"].data_ptr() == first.layers[layer]["optimizer"][name]["state"]["momentum_buffer"].data_ptr()
+
+
 def test_keep_last_keeps_the_newest_commits(tmp_path):
     for step in (1, 2, 3):
         ckpt.persist(tmp_path / ckpt.step_name(step), shard(step), world_size=1, token="t", timeout=10, keep_last=2)
@@ -153,9 +166,9 @@ def _fake_trainer(tmp_path: Path) -> SimpleNamespace:
     stage, optimizer = make_stage(1)
     trainer = SimpleNamespace(world_size=1, global_rank=0, global_step=0, default_root_dir=str(tmp_path))
 
-    def checkpoint_shard(checkpoint):
+    def checkpoint_shard(checkpoint, reuse=None):
         meta = {**checkpoint, "bamboo": ckpt.bamboo_meta(LAYERS, [0, LAYERS], 1, optimizer, world_size=1)}
-        return ckpt.take_shard(0, stage, optimizer, range(LAYERS), writes_layers=True, meta=lambda: meta)
+        return ckpt.take_shard(0, stage, optimizer, range(LAYERS), writes_layers=True, meta=lambda: meta, reuse=reuse)
 
     trainer.strategy = SimpleNamespace(root_device=torch.device("cpu"), broadcast=lambda obj, src=0: obj,
                                        checkpoint_shard=checkpoint_shard)

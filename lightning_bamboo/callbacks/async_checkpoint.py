@@ -106,6 +106,8 @@ class AsyncCheckpoint(pl.Callback):
         self._dir: Path | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._pending_shard: ckpt.Shard | None = None  # being written
+        self._written: ckpt.Shard | None = None  # on disk: its buffers are reused by the next snapshot
         self._pending_path: Path | None = None
         self._error: BaseException | None = None
         self._last_batch_end: float | None = None
@@ -160,6 +162,7 @@ class AsyncCheckpoint(pl.Callback):
             self._wait()
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._written = None  # give the host buffers back
         self._raise_stored()
 
     # ------------------------------------------------------------------ state
@@ -219,18 +222,23 @@ class AsyncCheckpoint(pl.Callback):
     def _save(self, trainer: pl.Trainer, step: int) -> float:
         start = time.perf_counter()
         self._wait()  # at most one snapshot in flight per process; counted as stall
+        waited = time.perf_counter() - start
         self._agree(trainer)
         self.interference_seconds = 0.0
         assert self._dir is not None and self._executor is not None
         path = self._dir / ckpt.step_name(step)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        shard = trainer.strategy.checkpoint_shard(checkpoint)  # type: ignore[attr-defined]
+        # the previous shard is on disk (waited for above): its host buffers take this copy
+        shard = trainer.strategy.checkpoint_shard(checkpoint, reuse=self._written)  # type: ignore[attr-defined]
+        self._written = None
         self._pending_path = path
         self._pending = self._executor.submit(self._persist, path, shard, trainer.world_size)
+        self._pending_shard = shard
         self._last_saved_step = step
         stall = time.perf_counter() - start
         self.stall_seconds = stall
-        event = {"step": step, "path": str(path), "stall_seconds": stall, "interval": self.interval}
+        event = {"step": step, "path": str(path), "stall_seconds": stall, "waited_for_previous_seconds": waited,
+                 "interval": self.interval}
         self.events.append(event)
         log.info("async checkpoint %s: training thread stalled %.3f s, next in %s steps", path, stall, self.interval)
         return stall
@@ -251,6 +259,7 @@ class AsyncCheckpoint(pl.Callback):
         error = pending.exception()
         if error is not None and self._error is None:
             self._error = error
+        self._written, self._pending_shard = (self._pending_shard if error is None else None), None
 
     def _agree(self, trainer: pl.Trainer) -> None:
         """One all-reduce on the training thread: did any process's last write fail, and the next interval."""

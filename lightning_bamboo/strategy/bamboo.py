@@ -373,10 +373,11 @@ class _BambooStrategyMixin:
         )
         return out
 
-    def checkpoint_shard(self, checkpoint: dict[str, Any]) -> ckpt.Shard:
+    def checkpoint_shard(self, checkpoint: dict[str, Any], reuse: ckpt.Shard | None = None) -> ckpt.Shard:
         """This process's part of a checkpoint, copied to host memory (no collective; see ``AsyncCheckpoint``).
 
-        Its layers (one pipeline per stage writes them), its RNG states and, on rank 0, the manifest.
+        Its layers (one pipeline per stage writes them), its RNG states and, on rank 0, the manifest;
+        ``reuse`` is an earlier shard, already written, whose buffers the copy overwrites.
         """
         assert self.engine is not None, "saving a checkpoint needs setup() first"
         optimizer = self.engine.optimizer if self.optimizers else None  # type: ignore[attr-defined]
@@ -384,6 +385,7 @@ class _BambooStrategyMixin:
             self.global_rank, self.engine.module, optimizer, self.engine.layer_range,  # type: ignore[attr-defined]
             writes_layers=self.pipeline_rank == 0,
             meta=(lambda: self._checkpoint_meta(checkpoint)) if self.is_global_zero else None,  # type: ignore[attr-defined]
+            reuse=reuse,
         )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
