@@ -342,6 +342,16 @@ def latest_checkpoint(dirpath: str | os.PathLike[str]) -> Path | None:
     return found[-1] if found else None
 
 
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself if it is a checkpoint; the latest complete checkpoint in it if it is a directory of them."""
+    path = Path(path)
+    if not (path / META).exists():
+        latest = latest_checkpoint(path)
+        if latest is not None:
+            return latest
+    return path
+
+
 def prune(dirpath: str | os.PathLike[str], keep_last: int, token: str | None = None) -> None:
     """Delete all but the newest ``keep_last`` checkpoints, and staging directories of runs other than ``token``'s."""
     complete = complete_checkpoints(dirpath)

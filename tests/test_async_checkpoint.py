@@ -115,6 +115,9 @@ def test_keep_last_keeps_the_newest_commits(tmp_path):
     for step in (1, 2, 3):
         ckpt.persist(tmp_path / ckpt.step_name(step), shard(step), world_size=1, token="t", timeout=10, keep_last=2)
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == [ckpt.step_name(2), ckpt.step_name(3)]
+    # fit(ckpt_path=<the callback's directory>) resumes from the latest complete checkpoint in it
+    assert ckpt.resolve_checkpoint(tmp_path) == tmp_path / ckpt.step_name(3)
+    assert ckpt.resolve_checkpoint(tmp_path / ckpt.step_name(2)) == tmp_path / ckpt.step_name(2)
     assert sorted(os.listdir(tmp_path)) == [ckpt.step_name(2), ckpt.step_name(3)]
 
 
