@@ -119,9 +119,9 @@ def layer_states(
         index = 0
         for group_index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
-                name = names.get(id(param))
-                if name is not None:
-                    layer, rest = split_name(name)
+                param_name = names.get(id(param))
+                if param_name is not None:
+                    layer, rest = split_name(param_name)
                     state = packed["state"].get(index, {})
                     old = reuse.get(layer, {}).get("optimizer", {}).get(rest, {}).get("state", {})
                     states[layer]["optimizer"][rest] = {

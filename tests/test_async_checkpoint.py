@@ -52,9 +52,9 @@ def _assert_equals_saved(path: Path, step: int) -> None:
     states = ckpt.read_layers(path, range(LAYERS))
     ckpt.load_weights(stage, states)
     ckpt.load_optimizer(stage, optimizer, states, meta["bamboo"]["param_groups"])
-    for (name, a), b in zip(stage.state_dict().items(), expected_stage.state_dict().values()):
+    for (name, a), b in zip(stage.state_dict().items(), expected_stage.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    for a, b in zip(stage.parameters(), expected_stage.parameters()):
+    for a, b in zip(stage.parameters(), expected_stage.parameters(), strict=True):
         assert torch.equal(optimizer.state[a]["momentum_buffer"], expected_opt.state[b]["momentum_buffer"])
     assert meta["global_step"] == step
 

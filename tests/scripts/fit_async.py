@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import TokenData, make_config  # noqa: E402
-
 import lightning.pytorch as pl  # noqa: E402
+from helpers import TokenData, make_config  # noqa: E402
 
 import lightning_bamboo  # noqa: E402
 from lightning_bamboo.callbacks import AsyncCheckpoint  # noqa: E402
