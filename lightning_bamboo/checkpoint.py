@@ -22,6 +22,7 @@ import io
 import os
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,10 @@ META = "meta.pt"
 
 class CheckpointError(BambooError, ValueError):
     """A checkpoint is missing, incomplete or does not fit the model."""
+
+
+class CheckpointAbandoned(CheckpointError):
+    """A checkpoint in flight was given up on purpose (the processes that write it changed); not a failure."""
 
 
 def layer_file(path: str | os.PathLike[str], layer: int) -> Path:
@@ -232,13 +237,24 @@ def mark_done(path: str | os.PathLike[str], rank: int) -> None:
     atomic_save(b"", marker_file(path, rank))
 
 
-def wait_for_markers(path: str | os.PathLike[str], world_size: int, timeout: float, poll: float = 0.02) -> None:
-    """Block until every process's done marker is in ``path``; a bounded wait that names the missing ranks."""
+def wait_for_markers(
+    path: str | os.PathLike[str],
+    world_size: int,
+    timeout: float,
+    poll: float = 0.02,
+    cancelled: threading.Event | None = None,
+) -> None:
+    """Block until every process's done marker is in ``path``; a bounded wait that names the missing ranks.
+
+    Setting ``cancelled`` ends the wait at once with :class:`CheckpointAbandoned`.
+    """
     deadline = time.monotonic() + timeout
     while True:
         missing = [r for r in range(world_size) if not marker_file(path, r).exists()]
         if not missing:
             return
+        if cancelled is not None and cancelled.is_set():
+            raise CheckpointAbandoned(f"checkpoint {path} abandoned while processes {missing[:16]} had not finished")
         if time.monotonic() >= deadline:
             raise CheckpointError(
                 f"checkpoint {path} is incomplete after waiting {timeout:g} s: processes {missing[:16]} of "
@@ -303,6 +319,7 @@ def persist(
     timeout: float,
     keep_last: int | None = None,
     progress: Callable[[Path], None] | None = None,
+    cancelled: threading.Event | None = None,
 ) -> None:
     """The write phase of one process, with no collective: every process may run it on a background thread.
 
@@ -310,6 +327,7 @@ def persist(
     (the one whose shard holds the manifest) waits, bounded by ``timeout``, for every marker,
     writes ``meta.pt`` last, renames the directory to ``path`` and keeps the newest
     ``keep_last`` checkpoints of the directory. A crash at any point leaves the older ones intact.
+    ``cancelled`` gives up (on rank 0) before the commit, e.g. when a failover changed the processes.
     """
     path = Path(path)
     staging = staging_dir(path, token)
@@ -318,7 +336,7 @@ def persist(
     mark_done(staging, shard.rank)
     if shard.meta is None:
         return
-    wait_for_markers(staging, world_size, timeout)
+    wait_for_markers(staging, world_size, timeout, cancelled=cancelled)
     for rank in range(world_size):
         marker_file(staging, rank).unlink()
     write_meta(staging, shard.meta)
@@ -357,8 +375,11 @@ def prune(dirpath: str | os.PathLike[str], keep_last: int, token: str | None = N
     complete = complete_checkpoints(dirpath)
     for old in complete[: max(0, len(complete) - keep_last)]:
         shutil.rmtree(old, ignore_errors=True)
+    newest = complete[-1].name if complete else None
     for stale in Path(dirpath).glob("step-*.partial-*"):
-        if token is not None and not stale.name.endswith(f".partial-{token}"):
+        step, _, owner = stale.name.partition(".partial-")
+        # a dead run's (another token), or one of this run's that was abandoned before the newest commit
+        if token is not None and (owner != token or (newest is not None and step < newest)):
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -43,7 +43,7 @@ def _read_until(proc: subprocess.Popen, predicate, timeout: float) -> list[str]:
     raise AssertionError(f"the writer did not reach the expected point in {timeout} s; output: {lines}")
 
 
-def _assert_equals_saved(path: Path, step: int) -> None:
+def _assert_equals_saved(path: Path, step: int, global_step: int | None = None) -> None:
     """Load ``path`` into a fresh stage and optimizer: weights and momentum equal those of ``make_stage(step)``."""
     expected_stage, expected_opt = make_stage(step)
     stage, optimizer = make_stage(0)
@@ -56,7 +56,7 @@ def _assert_equals_saved(path: Path, step: int) -> None:
         assert torch.equal(a, b), name
     for a, b in zip(stage.parameters(), expected_stage.parameters(), strict=True):
         assert torch.equal(optimizer.state[a]["momentum_buffer"], expected_opt.state[b]["momentum_buffer"])
-    assert meta["global_step"] == step
+    assert meta["global_step"] == (step if global_step is None else global_step)
 
 
 # ---------------------------------------------------------------------- crash safety
@@ -206,7 +206,26 @@ def test_failed_write_is_raised_at_next_save_or_teardown(tmp_path, reported_at):
         with pytest.raises(AsyncCheckpointError, match=r"step-00000002 failed") as raised:
             callback.teardown(trainer, module, "fit")
         assert isinstance(raised.value.__cause__, OSError)
-    _assert_equals_saved(tmp_path / "moved" / ckpt.step_name(1), 1)
+    _assert_equals_saved(tmp_path / "moved" / ckpt.step_name(1), 1, global_step=1)
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_in_flight_is_abandoned_when_the_processes_change(tmp_path):
+    """A failover between two saves: the commit that waits for a lost process is given up, not waited out."""
+    trainer, module = _fake_trainer(tmp_path), SimpleNamespace(log=lambda *a, **k: None)
+    trainer.world_size, trainer.strategy.layout = 2, "2 stages"  # rank 1 will never write its files
+    callback = AsyncCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=1, commit_timeout=600)
+    callback.setup(trainer, module, "fit")
+    callback.on_train_start(trainer, module)
+    _step(callback, trainer, module)
+    trainer.world_size, trainer.strategy.layout = 1, "1 stage"  # the survivors' new pipeline
+    started = time.monotonic()
+    _step(callback, trainer, module)  # no error: the abandoned checkpoint is not a failed write
+    callback.on_train_end(trainer, module)
+    assert time.monotonic() - started < 30, "waited for the lost process instead of abandoning"
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "ckpts")] == [ckpt.step_name(2)]
+    assert sorted(os.listdir(tmp_path / "ckpts")) == [ckpt.step_name(2)]  # the abandoned staging directory is gone
+    _assert_equals_saved(tmp_path / "ckpts" / ckpt.step_name(2), 1, global_step=2)
 
 
 def test_automatic_interval_follows_the_overhead_budget():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,6 +108,8 @@ class AsyncCheckpoint(pl.Callback):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_shard: ckpt.Shard | None = None  # being written
+        self._pending_world: tuple[int, Any] | None = None  # (world size, layout) of the processes writing it
+        self._cancel = threading.Event()
         self._written: ckpt.Shard | None = None  # on disk: its buffers are reused by the next snapshot
         self._pending_path: Path | None = None
         self._error: BaseException | None = None
@@ -145,6 +148,8 @@ class AsyncCheckpoint(pl.Callback):
         self._last_batch_end = time.perf_counter()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None and self._pending_world != self._world(trainer):
+            self.abandon_pending()
         self._wait()
         self._raise_stored()
 
@@ -221,6 +226,8 @@ class AsyncCheckpoint(pl.Callback):
     # ------------------------------------------------------------------ saving
     def _save(self, trainer: pl.Trainer, step: int) -> float:
         start = time.perf_counter()
+        if self._pending is not None and self._pending_world != self._world(trainer):
+            self.abandon_pending()  # a failover or reconfiguration: some writers of it are gone
         self._wait()  # at most one snapshot in flight per process; counted as stall
         waited = time.perf_counter() - start
         self._agree(trainer)
@@ -232,7 +239,9 @@ class AsyncCheckpoint(pl.Callback):
         shard = trainer.strategy.checkpoint_shard(checkpoint, reuse=self._written)  # type: ignore[attr-defined]
         self._written = None
         self._pending_path = path
-        self._pending = self._executor.submit(self._persist, path, shard, trainer.world_size)
+        self._cancel = threading.Event()
+        self._pending = self._executor.submit(self._persist, path, shard, trainer.world_size, self._cancel)
+        self._pending_world = self._world(trainer)
         self._pending_shard = shard
         self._last_saved_step = step
         stall = time.perf_counter() - start
@@ -243,10 +252,25 @@ class AsyncCheckpoint(pl.Callback):
         log.info("async checkpoint %s: training thread stalled %.3f s, next in %s steps", path, stall, self.interval)
         return stall
 
-    def _persist(self, path: Path, shard: ckpt.Shard, world_size: int) -> float:
+    @staticmethod
+    def _world(trainer: pl.Trainer) -> tuple[int, Any]:
+        return trainer.world_size, getattr(trainer.strategy, "layout", None)
+
+    def abandon_pending(self) -> None:
+        """Give up the checkpoint in flight if it is not committed yet (its writers changed); not an error.
+
+        Called by the next save when the world size or the layout differs from the snapshot's;
+        a failover may call it at once. The checkpoints committed before stay.
+        """
+        if self._pending is not None and not self._pending.done():
+            log.warning("abandoning asynchronous checkpoint %s: the processes that write it changed", self._pending_path)
+            self._cancel.set()
+
+    def _persist(self, path: Path, shard: ckpt.Shard, world_size: int, cancelled: threading.Event) -> float:
         start = time.perf_counter()
         ckpt.persist(
-            path, shard, world_size=world_size, token=self._token, timeout=self.commit_timeout, keep_last=self.keep_last
+            path, shard, world_size=world_size, token=self._token, timeout=self.commit_timeout,
+            keep_last=self.keep_last, cancelled=cancelled,
         )
         self.write_seconds = time.perf_counter() - start
         return self.write_seconds
@@ -257,7 +281,9 @@ class AsyncCheckpoint(pl.Callback):
             return
         pending, self._pending = self._pending, None
         error = pending.exception()
-        if error is not None and self._error is None:
+        if isinstance(error, ckpt.CheckpointAbandoned):
+            log.warning("%s", error)
+        elif error is not None and self._error is None:
             self._error = error
         self._written, self._pending_shard = (self._pending_shard if error is None else None), None
 
