@@ -228,6 +228,34 @@ def test_checkpoint_in_flight_is_abandoned_when_the_processes_change(tmp_path):
     _assert_equals_saved(tmp_path / "ckpts" / ckpt.step_name(2), 1, global_step=2)
 
 
+def test_automatic_interval_is_measured_and_applied(tmp_path, monkeypatch):
+    """1 s steps, 0.25 s snapshots, budget 1/16: the first checkpoint at first_auto_step, then every 4 steps."""
+    from lightning_bamboo.callbacks import async_checkpoint
+
+    clock, main = [0.0], threading.main_thread()
+    # the training thread's clock advances by the test's steps; the writer's stands still (writes cost nothing)
+    fake = SimpleNamespace(perf_counter=lambda: clock[0] if threading.current_thread() is main else 0.0)
+    monkeypatch.setattr(async_checkpoint, "time", fake)
+    trainer, module = _fake_trainer(tmp_path), SimpleNamespace(log=lambda *a, **k: None)
+    take = trainer.strategy.checkpoint_shard
+
+    def slow_snapshot(checkpoint, reuse=None):
+        clock[0] += 0.25
+        return take(checkpoint, reuse)
+
+    trainer.strategy.checkpoint_shard = slow_snapshot
+    callback = AsyncCheckpoint(dirpath=str(tmp_path / "ckpts"), overhead_budget=0.0625, first_auto_step=2, keep_last=1)
+    callback.setup(trainer, module, "fit")
+    callback.on_train_start(trainer, module)
+    for _ in range(12):
+        clock[0] += 1.0
+        _step(callback, trainer, module)
+    callback.on_train_end(trainer, module)
+    assert [(e["step"], e["interval"]) for e in callback.events] == [(2, 2), (4, 4), (8, 4), (12, 4)]
+    assert [e["stall_seconds"] for e in callback.events] == [0.25] * 4
+    assert callback.state_dict()["interval"] == 4 and callback.step_seconds == 1.0
+
+
 def test_automatic_interval_follows_the_overhead_budget():
     callback = AsyncCheckpoint(overhead_budget=0.035, first_auto_step=3)
     assert callback.proposed_interval() == 3  # nothing measured yet
