@@ -228,6 +228,22 @@ def test_checkpoint_in_flight_is_abandoned_when_the_processes_change(tmp_path):
     _assert_equals_saved(tmp_path / "ckpts" / ckpt.step_name(2), 1, global_step=2)
 
 
+@pytest.mark.timeout(60)
+def test_on_exception_waits_a_grace_period_then_abandons(tmp_path, monkeypatch):
+    from lightning_bamboo.callbacks import async_checkpoint
+
+    monkeypatch.setattr(async_checkpoint, "ON_EXCEPTION_GRACE_SECONDS", 0.2)
+    trainer, module = _fake_trainer(tmp_path), SimpleNamespace(log=lambda *a, **k: None)
+    trainer.world_size = 2  # rank 1 died with the failure: its files never come
+    callback = AsyncCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=1, commit_timeout=600)
+    callback.setup(trainer, module, "fit")
+    callback.on_train_start(trainer, module)
+    _step(callback, trainer, module)
+    callback.on_exception(trainer, module, RuntimeError("peer lost"))  # returns: no 600 s wait, no second error
+    callback.teardown(trainer, module, "fit")
+    assert ckpt.complete_checkpoints(tmp_path / "ckpts") == []
+
+
 def test_automatic_interval_is_measured_and_applied(tmp_path, monkeypatch):
     """1 s steps, 0.25 s snapshots, budget 1/16: the first checkpoint at first_auto_step, then every 4 steps."""
     from lightning_bamboo.callbacks import async_checkpoint

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from lightning_bamboo.errors import BambooConfigError, BambooError
 log = logging.getLogger(__name__)
 
 DEFAULT_OVERHEAD_BUDGET = 0.035  # CheckFreq's target: checkpointing costs <= 3.5% of training time
+ON_EXCEPTION_GRACE_SECONDS = 60.0  # how long a failing run lets the checkpoint in flight finish
 
 
 class AsyncCheckpointError(BambooError, RuntimeError):
@@ -154,10 +156,15 @@ class AsyncCheckpoint(pl.Callback):
         self._raise_stored()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        try:
-            self._wait()
-        except BaseException:  # noqa: BLE001 - the original exception is the one to propagate
-            pass
+        # Let the write in flight finish (it may be the newest state to restart from), but do not
+        # wait out commit_timeout for processes that the same failure may have taken down.
+        pending = self._pending
+        if pending is not None:
+            try:
+                pending.exception(timeout=min(self.commit_timeout, ON_EXCEPTION_GRACE_SECONDS))
+            except FutureTimeout:
+                self.abandon_pending()
+        self._wait()
         if self._error is not None:
             log.error("asynchronous checkpoint %s failed as well: %r", self._pending_path, self._error)
             self._error = None
