@@ -401,8 +401,9 @@ class _BambooStrategyMixin:
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        # a directory of step checkpoints (AsyncCheckpoint's dirpath) resumes from the latest complete one
-        checkpoint_path = ckpt.resolve_checkpoint(checkpoint_path)
+        # a directory of step checkpoints (AsyncCheckpoint's dirpath) resumes from the latest complete one,
+        # as rank 0 sees it (all processes call load_checkpoint; a writer may still be committing)
+        checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))  # type: ignore[attr-defined]
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path, self._loaded_meta = Path(checkpoint_path), meta
         cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
