@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import threading
@@ -317,7 +318,9 @@ STEPS, BATCH, MBS = 10, 8, 2
 def _fit(out: Path, *args: str) -> dict:
     proc = run([PYTHON, FIT, "--out", str(out), "--steps", str(STEPS), "--micro-batch-size", str(MBS), *args], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    summary["output"] = proc.stdout
+    return summary
 
 
 @pytest.fixture(scope="module")
@@ -351,8 +354,14 @@ def test_resume_into_layout(four_stage_run, tmp_path, devices, stages, batch, pa
     """fit(ckpt_path=step 6): loads weights and optimizer state exactly, then matches the uninterrupted run."""
     full, _ = four_stage_run
     saved = full / "async" / ckpt.step_name(6)
+    resume_from = saved
+    if stages == 2 and devices == 2:  # fit(ckpt_path=<a directory of checkpoints>) picks its latest one
+        resume_from = tmp_path / "checkpoints"
+        shutil.copytree(saved, resume_from / saved.name)
     summary = _fit(tmp_path, "--devices", str(devices), "--stages", str(stages), "--batch-size", str(batch),
-                   "--partition", partition, "--resume", str(saved), "--dump-loaded")
+                   "--partition", partition, "--resume", str(resume_from), "--dump-loaded")
+    if devices != 4:  # other processes: their RNG streams cannot continue, and the run says so
+        assert "random number generators are not restored" in summary["output"]
     assert summary["global_step"] == STEPS and [e["step"] for e in summary["events"]] == [9]
     # what was loaded, saved again from the new layout, is what was saved
     assert max_abs_diff(ckpt.consolidate_checkpoint(tmp_path / "loaded.ckpt"), ckpt.consolidate_checkpoint(saved)) == 0.0
