@@ -6,7 +6,7 @@ saving synchronously every ``--every`` steps, once with ``AsyncCheckpoint`` at t
 each into its own temporary directory on the same disk. Prints the mean stall of each and the
 ratio. Target: the asynchronous stall is <= 10% of the synchronous save time.
 
-    python benchmarks/checkpoint.py [--steps 13] [--every 3] [--dir DIR]
+    python benchmarks/checkpoint.py [--steps 24] [--every 6] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def fit(steps: int, callback: pl.Callback) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=13)
-    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--every", type=int, default=6)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args()
     state_mib = 2 * LAYERS * (WIDTH * WIDTH + WIDTH) * 4 / 2**20
