@@ -64,6 +64,7 @@ class Replica:
         self.module = module  # children named by global layer index (see stage_container)
         self.optimizer = optimizer
         self.pending = False  # gradients received for the step in flight, not applied yet
+        self._thread: threading.Thread | None = None  # the update running in the background, if any
 
     @property
     def layers(self) -> range:
@@ -94,10 +95,9 @@ class Replica:
         self.pending = False
 
     def wait(self) -> None:
-        thread = getattr(self, "_thread", None)
-        if thread is not None:
-            thread.join()
-        thread: threading.Thread | None = getattr(self, "_thread", None)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def discard(self) -> None:
         self.wait()

@@ -122,6 +122,7 @@ class _BambooStrategyMixin:
         self._loaded_meta: dict[str, Any] | None = None
         self._cursor = (0, 0)  # (epoch, global samples consumed in it)
         self._resume_cursor: tuple[int, int] | None = None
+        self._resume_rng: dict[str, Any] | None = None  # this process's RNG states from the checkpoint, until on_train_start
         self._inject_sampler: bool | None = None  # the Trainer's use_distributed_sampler, before we take it over
 
     # ------------------------------------------------------------------ namespace helpers
@@ -643,8 +644,38 @@ class _BambooStrategyMixin:
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
         return self._resilient(lambda: super(_BambooStrategyMixin, self).all_gather(*args, **kwargs))  # type: ignore[misc]
 
+    def _checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``meta.pt``: Lightning's checkpoint dict without weights, plus what a reader of any layout needs."""
+        layout = self.layout
+        assert layout is not None and self.engine is not None, "saving a checkpoint needs setup() first"
+        optimizer = self.engine.optimizer if self.optimizers else None  # type: ignore[attr-defined]
+        out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        out["optimizer_states"] = []
+        out["bamboo"] = ckpt.bamboo_meta(
+            layout.num_layers, layout.parts, layout.pipelines, optimizer,
+            cursor={"epoch": self._cursor[0], "samples": self._cursor[1]}, seed=self._seed(),
+            redundancy=self.redundancy, world_size=self.world_size,  # type: ignore[attr-defined]
+            step=checkpoint.get("global_step"),
+        )
+        return out
+
+    def checkpoint_shard(self, checkpoint: dict[str, Any], reuse: ckpt.Shard | None = None) -> ckpt.Shard:
+        """This process's part of a checkpoint, copied to host memory (no collective; see ``AsyncCheckpoint``).
+
+        Its layers (one pipeline per stage writes them), its RNG states and, on rank 0, the manifest;
+        ``reuse`` is an earlier shard, already written, whose buffers the copy overwrites.
+        """
+        assert self.engine is not None, "saving a checkpoint needs setup() first"
+        optimizer = self.engine.optimizer if self.optimizers else None  # type: ignore[attr-defined]
+        return ckpt.take_shard(
+            self.global_rank, self.engine.module, optimizer, self.engine.layer_range,  # type: ignore[attr-defined]
+            writes_layers=self.pipeline_rank == 0,
+            meta=(lambda: self._checkpoint_meta(checkpoint)) if self.is_global_zero else None,  # type: ignore[attr-defined]
+            reuse=reuse,
+        )
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Every process writes its layers (one pipeline per stage), rank 0 the manifest; then swap in.
+        """Every process writes its layers (one pipeline per stage) and RNG states, rank 0 the manifest; then swap in.
 
         A loss during the save fails over and saves again from the start in the new layout.
         """
@@ -654,31 +685,40 @@ class _BambooStrategyMixin:
         if storage_options is not None:
             raise BambooConfigError("strategy='bamboo' does not take storage_options in save_checkpoint")
         optimizer = self.engine.optimizer if self.optimizers else None  # type: ignore[attr-defined]
-        layout = self.layout
-        assert layout is not None and self.engine is not None, "save_checkpoint() needs setup() first"
-
-        def meta() -> dict[str, Any]:
-            out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            out["optimizer_states"] = []
-            out["bamboo"] = ckpt.bamboo_meta(
-                layout.num_layers, layout.parts, layout.pipelines, optimizer,
-                cursor={"epoch": self._cursor[0], "samples": self._cursor[1]}, seed=self._seed(),
-                redundancy=self.redundancy,
-            )
-            return out
-
+        assert self.layout is not None and self.engine is not None, "save_checkpoint() needs setup() first"
         ckpt.save_sharded(
-            filepath, self.engine.module, optimizer, self.engine.layer_range, meta,
+            filepath, self.engine.module, optimizer, self.engine.layer_range, lambda: self._checkpoint_meta(checkpoint),
             is_global_zero=self.is_global_zero, writes_layers=self.pipeline_rank == 0,  # type: ignore[attr-defined]
-            barrier=self.barrier,  # type: ignore[attr-defined]
+            barrier=self.barrier, rank=self.global_rank,  # type: ignore[attr-defined]
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # a directory of step checkpoints (AsyncCheckpoint's dirpath) resumes from the latest complete one,
+        # as rank 0 sees it (all processes call load_checkpoint; a writer may still be committing)
+        checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))  # type: ignore[attr-defined]
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path, self._loaded_meta = Path(checkpoint_path), meta
         cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
         self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
+        self._resume_rng = None
+        saved_world = meta["bamboo"].get("world_size")
+        if saved_world == self.world_size:  # type: ignore[attr-defined]
+            self._resume_rng = ckpt.read_rng(checkpoint_path, self.global_rank)  # type: ignore[attr-defined]
+        elif saved_world is not None:
+            log.warning(
+                "checkpoint %s was saved by %s processes, this run has %s: random number generators are not "
+                "restored (their streams belong to processes); weights, optimizer state and data order are",
+                checkpoint_path, saved_world, self.world_size,  # type: ignore[attr-defined]
+            )
         return {**meta, "state_dict": {}}
+
+    def on_train_start(self) -> None:
+        # Restored as late as possible: after Lightning created the data iterator, which draws a
+        # seed from torch's generator exactly as the uninterrupted run did before its first step.
+        super().on_train_start()  # type: ignore[misc]
+        if self._resume_rng is not None:
+            ckpt.restore_rng(self._resume_rng)
+            self._resume_rng = None
 
     def _local_states(self) -> dict[int, dict[str, Any]]:
         assert self._loaded_path is not None and self._loaded_meta is not None

@@ -55,7 +55,8 @@ def main() -> None:
     try:
         trainer.fit(GPT(args.case))
     except lightning_bamboo.BambooConfigError as err:
-        print(json.dumps({"error": str(err)}), flush=True)
+        if trainer.is_global_zero:  # both ranks fail alike; one line keeps the shared pipe readable
+            print(json.dumps({"error": str(err)}), flush=True)
 
 
 if __name__ == "__main__":
