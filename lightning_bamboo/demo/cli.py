@@ -111,6 +111,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     resume: str | None = None
     started = time.monotonic()
     first_step_at: float | None = None
+    last_step_at: float | None = None
     final: dict[str, Any] | None = None
     kill_times: list[float] = []
     notices: dict[str, float] = {}
@@ -139,6 +140,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 steps = [int(kv.value) for kv in snap.kvs]
                 now = max(steps, default=state.progress)
                 if now > state.progress:
+                    last_step_at = time.monotonic()
                     if first_step_at is None:
                         first_step_at = time.monotonic()
                     if kill_times:
@@ -193,6 +195,14 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 final["weights"] = str(out / "weights.pt")
                 break
             # A fatal loss (or no redundancy): restart the survivors from the last checkpoint.
+            # Preemptions that came due while the job was down hit their nodes before they restart.
+            elapsed = time.monotonic() - (first_step_at or started)
+            for event in [e for e in pending if e.kind == "preempt" and e.at_seconds is not None and e.at_seconds <= elapsed]:
+                pending.remove(event)
+                if event.node in alive:
+                    alive.remove(event.node)
+                    state.preempted.append(event.node)
+                    state.log.append(f"step {state.progress}: {event.node} preempted while the job restarted")
             runnable = [n for n in alive if n not in state.preempted]
             if not runnable:
                 raise BambooConfigError("every node is gone and no replacement joined; the run stops at its last checkpoint")
@@ -209,7 +219,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             generation += 1
     finally:
         cluster.close()
-    wall = time.monotonic() - (first_step_at or started)
+    # training time: first to last finished step (start-up and the final save are not training)
+    wall = (last_step_at or time.monotonic()) - (first_step_at or started)
     report = {
         "steps_completed": int(final.get("steps_completed", 0)),
         "target_steps": args.steps,
