@@ -229,7 +229,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "recoveries": state.recoveries,
         "recomputed_steps": state.recomputed_steps + sum(1 for f in final.get("failovers", []) if f["redone"]),
         "recovery_seconds": [round(s, 3) for s in state.recovery_seconds],
-        "samples_per_second": final.get("steps_completed", 0) * 8 / wall if wall > 0 else 0.0,
+        "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * 8 / wall if wall > 0 else 0.0,
         "final_loss": final.get("final_loss"),
         "failovers": final.get("failovers", []),
         "events": state.log,
