@@ -1,7 +1,25 @@
-"""Lightning callbacks: asynchronous checkpoints (and, later, preemption notices and rebalancing)."""
+"""Lightning callbacks: asynchronous checkpoints, preemption notices and the Hydrozoa tuner."""
 
 from __future__ import annotations
 
 from lightning_bamboo.callbacks.async_checkpoint import AsyncCheckpoint, AsyncCheckpointError
+from lightning_bamboo.callbacks.notices import (
+    AwsSpotPoller,
+    AzureScheduledEventsPoller,
+    GcpPreemptionPoller,
+    Notice,
+)
+from lightning_bamboo.callbacks.preemption import PreemptionCallback, preemption_pending
+from lightning_bamboo.callbacks.tuner import HydrozoaTuner
 
-__all__ = ["AsyncCheckpoint", "AsyncCheckpointError"]
+__all__ = [
+    "AsyncCheckpoint",
+    "AsyncCheckpointError",
+    "AwsSpotPoller",
+    "AzureScheduledEventsPoller",
+    "GcpPreemptionPoller",
+    "HydrozoaTuner",
+    "Notice",
+    "PreemptionCallback",
+    "preemption_pending",
+]
