@@ -100,10 +100,8 @@ def initialize(
 
     import deepspeed.comm as ds_comm
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.config import DeepSpeedConfig
 
-    from lightning_bamboo.engine.build import bounded_group_timeouts
-    from lightning_bamboo.engine.pipe import BambooPipelineEngine
+    from lightning_bamboo.engine.build import build_engine
 
     timeout = timedelta(seconds=float(options["timeout"]))
     ds_comm.init_distributed(
@@ -112,20 +110,9 @@ def initialize(
         dist_init_required=dist_init_required,
         timeout=timeout,
     )
-    mpu = model.mpu()
-    with bounded_group_timeouts(timeout):
-        engine = BambooPipelineEngine(
-            args=args,
-            model=model,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            training_data=training_data,
-            lr_scheduler=lr_scheduler,
-            mpu=mpu,
-            dist_init_required=dist_init_required,
-            collate_fn=collate_fn,
-            config=config,
-            config_class=DeepSpeedConfig(config, mpu),
-        )
-    engine.bamboo_options = options
+    engine = build_engine(
+        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, bamboo_options=options,
+        args=args, model_parameters=model_parameters, training_data=training_data,
+        dist_init_required=dist_init_required, collate_fn=collate_fn,
+    )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -79,28 +79,32 @@ def build_pipeline_module(
 
 
 def build_engine(
-    module: BambooPipelineModule,
+    module: Any,
     optimizer: torch.optim.Optimizer | None,
     config: dict[str, Any],
     timeout: timedelta,
     lr_scheduler: Any = None,
     engine_cls: type[BambooPipelineEngine] = BambooPipelineEngine,
     bamboo_options: dict[str, Any] | None = None,
+    **engine_kwargs: Any,
 ) -> BambooPipelineEngine:
-    """Construct the engine directly: ``deepspeed.initialize`` hard-codes ``PipelineEngine``."""
+    """Construct the engine directly: ``deepspeed.initialize`` hard-codes ``PipelineEngine``.
+
+    ``engine_kwargs`` are more of ``DeepSpeedEngine``'s arguments (``args``, ``training_data``, ...).
+    """
     from deepspeed.runtime.config import DeepSpeedConfig
 
     mpu = module.mpu()
+    engine_kwargs.setdefault("dist_init_required", False)
     with bounded_group_timeouts(timeout):
         engine = engine_cls(
-            args=None,
             model=module,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
             mpu=mpu,
-            dist_init_required=False,
             config=config,
             config_class=DeepSpeedConfig(config, mpu),
+            **engine_kwargs,
         )
     engine.bamboo_options = dict(bamboo_options or {})
     return engine

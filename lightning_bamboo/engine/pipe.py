@@ -77,6 +77,25 @@ class BambooPipelineEngine(PipelineEngine):
         """Weights and optimizer state of this stage's layers, by layer (CPU copies)."""
         return ckpt.layer_states(self.module, self.optimizer, self.layer_range)
 
+    def save_layer_checkpoint(self, path: str, client_state: dict[str, Any] | None = None) -> None:
+        """Save in lightning_bamboo's per-layer format (every process calls it).
+
+        ``lightning_bamboo.consolidate_checkpoint(path)`` turns it into one state_dict, and a
+        run with another number of stages or pipelines can load it.
+        """
+        import torch.distributed as dist
+
+        def meta() -> dict[str, Any]:
+            extra = {"global_steps": self.global_steps}
+            return {**(client_state or {}), "bamboo": ckpt.bamboo_meta(
+                self.module._num_layers, self.module.parts, self.grid.data_parallel_size, self.optimizer, **extra)}
+
+        ckpt.save_sharded(
+            path, self.module, self.optimizer, self.layer_range, meta,
+            is_global_zero=dist.get_rank() == 0, writes_layers=self.grid.data_parallel_id == 0,
+            barrier=lambda name: dist.barrier(),
+        )
+
     # ------------------------------------------------------------------ the step
     @property
     def defers_step(self) -> bool:

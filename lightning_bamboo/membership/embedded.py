@@ -21,6 +21,7 @@ from lightning_bamboo.membership.protocol import (
     KeyValue,
     Lease,
     LeaseExpiredError,
+    PutIfAbsentFromCAS,
     Snapshot,
     StoreError,
     StoreTimeoutError,
@@ -298,7 +299,7 @@ class _Ambiguous(Exception):
     """The request was sent but no answer came back: it may or may not have been applied."""
 
 
-class EmbeddedStore:
+class EmbeddedStore(PutIfAbsentFromCAS):
     """Client of an ``EmbeddedServer`` (``embedded://HOST:PORT``); see ``Store`` for the contract."""
 
     def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0) -> None:
@@ -426,14 +427,6 @@ class EmbeddedStore:
             kv = self.get(key, timeout=t)
             return (kv is not None and kv.value == value and kv.lease == lease), kv
         return bool(resp["swapped"]), (KeyValue(**resp["kv"]) if resp["kv"] else None)
-
-    def put_if_absent(
-        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None
-    ) -> tuple[bool, KeyValue]:
-        won, kv = self.compare_and_put(key, value, expected_revision=0, lease=lease, timeout=timeout)
-        if kv is None:  # created then deleted (e.g. lease revoked) before we looked
-            kv = KeyValue(key, value, 0, 0, 0, lease)
-        return won, kv
 
     def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:
         if not ttl > 0:

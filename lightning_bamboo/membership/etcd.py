@@ -14,6 +14,7 @@ from lightning_bamboo.membership.protocol import (
     KeyValue,
     Lease,
     LeaseExpiredError,
+    PutIfAbsentFromCAS,
     Snapshot,
     StoreError,
     StoreTimeoutError,
@@ -55,7 +56,7 @@ class _Ambiguous(Exception):
     """The request reached etcd but the answer did not come back: it may have been applied."""
 
 
-class EtcdStore:
+class EtcdStore(PutIfAbsentFromCAS):
     """A ``Store`` on a real etcd v3 (>= 3.4) server; see ``Store`` for the contract.
 
     etcd3gw finds the gateway prefix (``/v3/`` on etcd >= 3.4; etcd 3.5 dropped ``/v3beta``) and
@@ -207,14 +208,6 @@ class EtcdStore:
         swapped = bool(resp.get("succeeded", False))
         kvs = resp["responses"][-1]["response_range"].get("kvs", [])
         return swapped, (_kv(kvs[0]) if kvs else None)
-
-    def put_if_absent(
-        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None
-    ) -> tuple[bool, KeyValue]:
-        won, kv = self.compare_and_put(key, value, expected_revision=0, lease=lease, timeout=timeout)
-        if kv is None:  # created then deleted (e.g. lease revoked) before we looked
-            kv = KeyValue(key, value, 0, 0, 0, lease)
-        return won, kv
 
     def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:
         if not ttl > 0:

@@ -205,3 +205,17 @@ def prefix_end(prefix: str) -> str:
     if not prefix:
         return "\0"
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class PutIfAbsentFromCAS:
+    """``put_if_absent`` for a backend that has ``compare_and_put`` (expected revision 0 = absent)."""
+
+    def put_if_absent(
+        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None
+    ) -> tuple[bool, KeyValue]:
+        won, kv = self.compare_and_put(  # type: ignore[attr-defined]
+            key, value, expected_revision=0, lease=lease, timeout=timeout
+        )
+        if kv is None:  # created then deleted (e.g. lease revoked) before we looked
+            kv = KeyValue(key, value, 0, 0, 0, lease)
+        return won, kv
