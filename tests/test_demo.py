@@ -100,11 +100,21 @@ def test_etcd_store_restarted_mid_run(clean, tmp_path):
     assert max_abs_diff(weights, clean_weights) <= 1e-5
 
 
+def test_demo_trains_the_layout_of_a_plan(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"stages": 4, "pipelines": 1, "micro_batch_size": 2, "micro_batches": 4,
+                                "partition": [0, 1, 3, 5, 8], "predicted_step_seconds": 0.1}))
+    report, _ = demo(tmp_path, "--plan", str(plan), "--preempt", "")
+    assert report["steps_completed"] == STEPS
+    assert report["parts_at_end"] == [0, 1, 3, 5, 8] and report["micro_batches"] == 4
+
+
 @pytest.mark.parametrize("args, message", [
     (["--preempt", "node9@3"], "names 'node9', which is not a node of this cluster"),
     (["--preempt", "node1-3"], "--preempt entries look like NODE@STEP"),
     (["--stages", "8"], r"fewer nodes than one pipeline needs \(nodes: 4, stages: 8\)"),
     (["--store", "etcd://127.0.0.1:9"], "127.0.0.1:9"),
+    (["--plan", "/nonexistent/plan.json"], "expected the JSON of `lightning-bamboo plan --json`"),
 ])
 def test_bad_input_is_refused_before_anything_starts(args, message):
     import re

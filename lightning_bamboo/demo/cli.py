@@ -17,7 +17,10 @@ from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_
 from lightning_bamboo.errors import BambooConfigError
 
 EXIT_FATAL = 75  # lightning_bamboo.demo.worker.EXIT_FATAL (not imported: that module imports torch)
-DEFAULT_PREEMPT = "node2@6,node3@14:2"  # what `make demo` shows: a kill, and a preemption with notice
+DEFAULT_PREEMPT = "node2@6,node3@14:2"
+#: the demo GPT's pipeline layers (lightning_bamboo.demo.worker.CONFIG: 6 blocks + embedding + head)
+DEMO_LAYERS = 8
+PLAN_HINT = "lightning-bamboo plan --example gpt --n-layer 6 --n-embd 48 --n-head 2 --block-size 16 --world-size N --json"  # what `make demo` shows: a kill, and a preemption with notice
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=4, help="steps between checkpoints (default 4)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds each node pauses per step, to watch")
     parser.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temporary dir)")
+    parser.add_argument("--plan", default=None, help="train with the layout of a `lightning-bamboo plan --json` file")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -51,7 +55,37 @@ class DemoState:
     log: list[str] = field(default_factory=list)
 
 
+def _apply_plan(args: argparse.Namespace) -> list[str]:
+    """Worker arguments from a Plan JSON (``lightning-bamboo plan --json``); sets ``args.stages``."""
+    if not args.plan:
+        return []
+    try:
+        plan = json.loads(Path(args.plan).read_text())
+        stages, pipelines = int(plan["stages"]), int(plan.get("pipelines", 1))
+        micro, count, parts = int(plan["micro_batch_size"]), int(plan["micro_batches"]), list(plan["partition"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BambooConfigError(
+            f"--plan {args.plan}: expected the JSON of `lightning-bamboo plan --json` with stages, pipelines, "
+            f"micro_batch_size, micro_batches and partition ({err})"
+        ) from None
+    if parts[-1] != DEMO_LAYERS:
+        raise BambooConfigError(
+            f"plan {args.plan} cuts a model of {parts[-1]} layers, the demo's GPT has {DEMO_LAYERS}; make the plan with "
+            f"`{PLAN_HINT}`"
+        )
+    if pipelines != 1:
+        raise BambooConfigError(
+            f"the demo trains one pipeline (failover covers one pipeline), but plan {args.plan} has {pipelines} "
+            f"pipelines of {stages} stages; use a plan with pipelines = 1"
+        )
+    if args.stages not in (None, stages):
+        raise BambooConfigError(f"--stages {args.stages} contradicts the plan's {stages} stages; drop --stages")
+    args.stages = stages
+    return ["--micro-batch-size", str(micro), "--batch-size", str(micro * count), "--partition", ",".join(map(str, parts))]
+
+
 def run(args: argparse.Namespace) -> int:
+    args.worker_extra = _apply_plan(args)
     stages = args.stages or args.nodes
     if args.nodes < 1 or args.steps < 1:
         raise BambooConfigError(f"--nodes and --steps must be at least 1 (nodes: {args.nodes}, steps: {args.steps})")
@@ -103,7 +137,9 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     from lightning_bamboo.launcher import Cluster
     from lightning_bamboo.membership.registry import job_prefix
 
-    state = DemoState(args.steps, args.steps and 8, list(nodes))
+    extra = getattr(args, "worker_extra", [])
+    batch = int(extra[extra.index("--batch-size") + 1]) if "--batch-size" in extra else 8  # the worker's default
+    state = DemoState(args.steps, batch, list(nodes))
     ckpt_dir = workdir / "checkpoints"
     pending = sorted(events, key=lambda e: (e.at_step if e.at_step is not None else e.at_seconds or 0.0))
     generation = 0
@@ -128,7 +164,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 sys.executable, "-m", "lightning_bamboo.demo.worker", "--stages", str(depth), "--steps", str(args.steps),
                 "--redundancy", "off" if args.no_redundancy or depth == 1 else "lazy", "--checkpoint-dir", str(ckpt_dir),
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
-            ] + (["--resume", resume] if resume else [])
+            ] + (["--resume", resume] if resume else []) + (args.worker_extra if depth == stages else [])
             logs = open(out / "workers.log", "w")
             for rank, name in enumerate(running):
                 cluster.spawn(name, command, rank, running, stdout=logs, stderr=logs)
@@ -190,6 +226,12 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             cluster.poll()
             state.recoveries["redundant"] += len(cluster.store.get_prefix(f"{base}failovers/").kvs)
             report_file = out / "report.json"
+            if state.progress == 0 and first_step_at is None and not report_file.exists() and generation == 0:
+                codes = ", ".join(f"{n}={c}" for n, c in cluster.codes.items())
+                raise BambooConfigError(
+                    f"the workers failed before their first step (exit codes: {codes}); see {out / 'workers.log'}"
+                    + ("" if args.workdir else " (run with --workdir DIR to keep it)")
+                )
             if report_file.exists() and fatal_at is None:
                 final = json.loads(report_file.read_text())
                 final["weights"] = str(out / "weights.pt")
@@ -229,11 +271,13 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "recoveries": state.recoveries,
         "recomputed_steps": state.recomputed_steps + sum(1 for f in final.get("failovers", []) if f["redone"]),
         "recovery_seconds": [round(s, 3) for s in state.recovery_seconds],
-        "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * 8 / wall if wall > 0 else 0.0,
+        "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * state.global_batch / wall if wall > 0 else 0.0,
         "final_loss": final.get("final_loss"),
         "failovers": final.get("failovers", []),
         "events": state.log,
         "nodes_at_end": final.get("world_size"),
+        "parts_at_end": final.get("parts"),
+        "micro_batches": final.get("micro_batches"),
     }
     if args.save_weights:
         shutil.copyfile(final["weights"], args.save_weights)

@@ -27,7 +27,7 @@ EXIT_FATAL = 75
 #: exit status of a node that left after a preemption notice
 EXIT_LEFT = 0
 
-CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=48)  # 8 pipeline layers
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=48)  # 8 pipeline layers (DEMO_LAYERS)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -96,6 +96,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--redundancy", default="lazy")
+    p.add_argument("--partition", default="uniform", help="uniform, parameters or boundaries like 0,2,5,8")
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--resume", default=None)
@@ -106,7 +107,8 @@ def main() -> int:
     node = os.environ.get("BAMBOO_NODE", "node0")
     model = DemoGPT(samples=args.steps * args.batch_size, batch_size=args.batch_size)
     strategy = lightning_bamboo.BambooStrategy(
-        stages=args.stages, micro_batch_size=args.micro_batch_size, partition="uniform", seed=0,
+        stages=args.stages, micro_batch_size=args.micro_batch_size, seed=0,
+        partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,
         redundancy=args.redundancy, timeout=60, detection_timeout=5,
     )
     checkpoints = pl.callbacks.ModelCheckpoint(
@@ -143,6 +145,8 @@ def main() -> int:
             "train_seconds": seconds,
             "resumed_from": args.resume,
             "world_size": trainer.world_size,
+            "parts": list(strategy.layout.parts),
+            "micro_batches": strategy.engine.micro_batches,
         }
         torch.save(lightning_bamboo.consolidate_checkpoint(out / "final.ckpt"), out / "weights.pt")
         (out / "report.json").write_text(json.dumps(report))

@@ -96,6 +96,7 @@ def build_engine(
 
     mpu = module.mpu()
     engine_kwargs.setdefault("dist_init_required", False)
+    engine_kwargs.setdefault("args", None)
     with bounded_group_timeouts(timeout):
         engine = engine_cls(
             model=module,
