@@ -97,6 +97,8 @@ class HydrozoaTuner(Callback):
     After a node joins or leaves, the reconfiguration asks :meth:`plan_for` for the new size.
     """
 
+    sets_bamboo_layout = True  # BambooStrategy's pre-launch check leaves stages and partition to us
+
     def __init__(
         self,
         sample_input: torch.Tensor | None = None,
