@@ -303,8 +303,12 @@ def configs_for(example: Example, profile: ModelProfile, hw: Hardware, world: in
                                                                chosen.partition):
                 best = cfg
     assert best is not None
-    for method in ("uniform", "parameters"):  # resolved by BambooStrategy, as for a user who picks them
-        configs.append(replace(best, label=f"ds-{method}", partition=method, predicted=float("nan")))
+    # DeepSpeed's splits at the chosen layout and, when the planner chose fewer stages, also at the depth a
+    # pipeline user gets by default (all workers in one pipeline): there the split is what differs
+    deepest = max((c for c in configs if c.micro_batch_size == best.micro_batch_size), key=lambda c: c.stages)
+    for against in (best, deepest) if deepest.stages != best.stages else (best,):
+        for method in ("uniform", "parameters"):  # resolved by BambooStrategy, as for a user who picks them
+            configs.append(replace(against, label=f"ds-{method}", partition=method, predicted=float("nan")))
     return configs, best
 
 
@@ -370,17 +374,25 @@ def main() -> None:
         print(f"{'layout':<16} {'parts':<24} {'predicted ms':>12} {'measured ms':>12} {'error':>7}")
         for i, cfg in enumerate(configs):
             t = seconds[i]
-            same = cfg.label.startswith("ds-") and used[i] == chosen.partition
+            same = cfg.label.startswith("ds-") and used[i] == next(o.partition for o in configs if o.label == "planner" and (o.stages, o.micro_batch_size) == (
+                cfg.stages, cfg.micro_batch_size))
             tag = (f"{cfg.label if cfg.label != 'planner' else ''}{' *' if i == chosen_index else ''}"
-                   f"{' (same split as chosen)' if same else ''}")
+                   f"{' (same split as the planner)' if same else ''}")
             layout = f"{cfg.pipelines}x{cfg.stages} mb{cfg.micro_batch_size}"
             print(f"{layout:<16} {str(list(used[i])):<24} {cfg.predicted * 1e3:>12.1f} {t * 1e3:>12.1f} "
                   f"{(cfg.predicted - t) / t:>+7.1%} {tag}")
             rows.append({**cfg.__dict__, "partition": list(used[i]), "measured": t})
-        vs = {c.label: {"ratio": seconds[chosen_index] / seconds[i], "partition": list(used[i]),
-                        "same_split": used[i] == chosen.partition}
-              for i, c in enumerate(configs) if c.label.startswith("ds-")}
-        print("chosen step time / DeepSpeed's: " + ", ".join(
+        vs = {}
+        for i, c in enumerate(configs):  # the planner's split vs DeepSpeed's, same layout and micro-batching
+            if not c.label.startswith("ds-"):
+                continue
+            ours = next(j for j, o in enumerate(configs) if o.label == "planner" and
+                        (o.stages, o.pipelines, o.micro_batch_size) == (c.stages, c.pipelines, c.micro_batch_size))
+            key = f"{c.label[3:]} {c.pipelines}x{c.stages} mb{c.micro_batch_size}"
+            vs[key] = {"ratio": seconds[ours] / seconds[i], "partition": list(used[i]),
+                       "planner_partition": list(used[ours]), "same_split": used[i] == used[ours],
+                       "chosen_layout": ours == chosen_index}
+        print("planner's split step time / DeepSpeed's: " + ", ".join(
             f"{k} {v['ratio']:.2f}x{' (same split)' if v['same_split'] else ''}" for k, v in vs.items()), flush=True)
         report["models"][name] = {"chosen": {**chosen.__dict__, "partition": list(chosen.partition)},
                                   "regret": regret, "mean_error": statistics.mean(errs), "vs_deepspeed": vs,
