@@ -32,10 +32,9 @@ def tuned_run(tmp_path_factory):
                 "--global-batch", str(GLOBAL_BATCH), "--memory-bytes", str(2**19)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     ranks = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith('{"rank"'):
-            record = json.loads(line)
-            ranks[record["rank"]] = record
+    for path in out.glob("rank*.json"):
+        record = json.loads(path.read_text())
+        ranks[record["rank"]] = record
     return out, proc.stdout, ranks
 
 

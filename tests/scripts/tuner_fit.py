@@ -1,6 +1,6 @@
 """Train the small GPT through Trainer(strategy=BambooStrategy(), callbacks=[HydrozoaTuner(...)]).
 
-Every rank prints one JSON line ``{"rank": r, "plan": ..., "layout": ..., "batches": [...]}``:
+Every rank writes OUT/rank{r}.json ``{"rank": r, "plan": ..., "layout": ..., "batches": [...]}``:
 the plan its tuner holds, the layout its strategy built, the DataLoader batch size and the
 number of micro-batches of every step. Rank 0 also writes the consolidated weights to OUT/final.pt.
 """
@@ -76,11 +76,12 @@ def main() -> None:
     )
     trainer.fit(model)
     layout = trainer.strategy.layout
-    print(json.dumps({
-        "rank": trainer.global_rank, "plan": tuner.plan.to_dict(), "batches": record.batches,
-        "layout": {"stages": layout.stages, "pipelines": layout.pipelines, "parts": list(layout.parts),
-                   "micro_batch_size": trainer.strategy.micro_batch_size},
-    }), flush=True)
+    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:  # stdout lines of 4 processes interleave
+        json.dump({
+            "rank": trainer.global_rank, "plan": tuner.plan.to_dict(), "batches": record.batches,
+            "layout": {"stages": layout.stages, "pipelines": layout.pipelines, "parts": list(layout.parts),
+                       "micro_batch_size": trainer.strategy.micro_batch_size},
+        }, f)
     trainer.save_checkpoint(os.path.join(args.out, "final.ckpt"))
     if trainer.is_global_zero:
         weights = lightning_bamboo.consolidate_checkpoint(os.path.join(args.out, "final.ckpt"))
