@@ -4,8 +4,8 @@ For each model (uneven-width MLP, GPT with a heavy embedding and head, layers of
 sleep-based cost) this profiles the layers, plans for ``--world-size`` workers, then trains
 every feasible layout (each depth x pipelines x micro-batch size, cut at the planner's best
 split) and the chosen layout cut by DeepSpeed's ``uniform`` and ``parameters`` methods, all
-in one set of worker processes running DeepSpeed's PipelineEngine over gloo: the engine that
-BambooStrategy drives. Reports, in one run: the chosen plan's regret against the measured
+in one set of worker processes, each config trained by ``Trainer(strategy=BambooStrategy(stages,
+micro_batch_size, partition))`` over gloo: what a user runs, Lightning's loop included. Reports, in one run: the chosen plan's regret against the measured
 best, the step-time prediction error, planning time for 32 layers x 8 workers, and the chosen
 split's speed against DeepSpeed's. Not a test: timings depend on the machine and its load.
 
@@ -108,77 +108,124 @@ class Example:
 
 @dataclass(frozen=True)
 class Config:
-    """One layout to train: label says where it came from."""
+    """One layout to train: label says where it came from; ``partition`` is what BambooStrategy gets.
+
+    ``partition`` is explicit boundaries (the planner's split) or one of DeepSpeed's methods
+    (``"uniform"``, ``"parameters"``), resolved by the strategy as it would be for a user.
+    """
 
     label: str
     stages: int
     pipelines: int
     micro_batch_size: int
     micro_batches: int
-    parts: tuple[int, ...]
+    partition: tuple[int, ...] | str
     predicted: float
+
+    @property
+    def batch_per_pipeline(self) -> int:
+        return self.micro_batch_size * self.micro_batches
+
+
+class _Samples(torch.utils.data.Dataset):
+    """``n`` fixed random (inputs, targets) pairs of the example."""
+
+    def __init__(self, example: Example, n: int) -> None:
+        self.inputs, self.targets = example.batch(n, torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[i], self.targets[i]
 
 
 # ---------------------------------------------------------------------------- workers
-def _worker(rank: int, world: int, port: int, example: Example, configs: list[Config], steps: int, results: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, example: Example, configs: list[Config], steps: int, rounds: int, results: Any
+) -> None:
+    """One process of ``world``: train every config through Trainer(strategy=BambooStrategy(...)), time the steps.
+
+    The processes are started here and Lightning finds them through the environment (as under
+    torchrun), so one set of processes trains every config in turn instead of paying the start-up
+    (~10 s of imports) per config.
+    """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+                      LOCAL_RANK=str(rank), NODE_RANK="0", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # as profiled: the workers share the host's cores
-    import deepspeed
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
     import torch.distributed as dist
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    class CutAt(PipelineModule):
-        """A PipelineModule cut at given boundaries."""
+    import lightning_bamboo
 
-        def __init__(self, layers: list[nn.Module], parts: tuple[int, ...], **kwargs: Any) -> None:
-            self._cut = list(parts)
-            super().__init__(layers=layers, **kwargs)
-
-        def _partition_layers(self, method: str = "uniform") -> None:
-            stage = self._topo.get_coord(self.global_rank).pipe
-            self.parts = self._cut
-            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "DeepSpeed", "lightning_bamboo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     if example.name == "null":
         from lightning_bamboo.planner.network import measure_link
 
         link = measure_link(num_bytes=2**20, repeats=5)
         if rank == 0:
             results.put(("link", link))
-    for cfg in configs:
-        topology = PipeDataParallelTopology(num_pp=cfg.stages, num_dp=cfg.pipelines)
-        module = CutAt(example.layers(), cfg.parts, topology=topology, loss_fn=example.loss)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            "gradient_accumulation_steps": cfg.micro_batches,
-            "train_batch_size": cfg.micro_batch_size * cfg.micro_batches * cfg.pipelines,
-            "steps_per_print": 2**62,
-        }
-        optimizer = torch.optim.Adam(module.parameters())
-        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
-        generator = torch.Generator().manual_seed(rank)
 
-        feed = _batches(example, cfg.micro_batch_size, generator)
-        times = []
-        for step in range(steps + 2):
+    class Bench(pl.LightningModule):
+        def __init__(self, batch_size: int, samples: int) -> None:
+            super().__init__()
+            self.batch_size, self.samples = batch_size, samples
+
+        def configure_pipeline(self) -> list[nn.Module]:
+            return example.layers()
+
+        def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return example.loss(outputs, targets)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters())
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(_Samples(example, self.samples), batch_size=self.batch_size)
+
+    class StepTimer(pl.Callback):
+        """Wall time of each training step, every process lined up before and after it."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.start = 0.0
+
+        def on_train_batch_start(self, *args: Any) -> None:
             dist.barrier()
-            start = time.perf_counter()
-            engine.train_batch(data_iter=feed)
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
             dist.barrier()
-            if step >= 2:  # two warm-up steps
-                times.append(time.perf_counter() - start)
-        if rank == 0:
-            results.put((cfg, statistics.median(times)))
-        del engine, module, optimizer
-    dist.destroy_process_group()
+            self.times.append(time.perf_counter() - self.start)
 
+    def fit(cfg: Config) -> tuple[tuple[int, ...], float]:
+        partition = cfg.partition if isinstance(cfg.partition, str) else list(cfg.partition)
+        strategy = lightning_bamboo.BambooStrategy(stages=cfg.stages, micro_batch_size=cfg.micro_batch_size,
+                                                   partition=partition, seed=example.seed, timeout=120)
+        timer = StepTimer()
+        trainer = pl.Trainer(
+            strategy=strategy, accelerator="cpu", devices=world, max_steps=steps + 2, callbacks=[timer],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(Bench(cfg.batch_per_pipeline, (steps + 2) * cfg.batch_per_pipeline * cfg.pipelines))
+        layout = strategy.layout
+        assert (layout.stages, layout.pipelines) == (cfg.stages, cfg.pipelines), (layout, cfg)
+        return tuple(int(p) for p in layout.parts), statistics.median(timer.times[2:])  # two warm-up steps
 
-def _batches(example: Example, size: int, generator: torch.Generator) -> Any:
-    while True:
-        yield example.batch(size, generator)
+    fit(configs[0])  # the first run in fresh processes is slow (lazy imports, first allocations): not timed
+    for round_ in range(rounds):  # the order alternates, so drift in the machine's load hits every config alike
+        for index in range(len(configs)) if round_ % 2 == 0 else reversed(range(len(configs))):
+            result = fit(configs[index])
+            if rank == 0:
+                results.put((index, result))
+    dist.barrier()
 
 
 def _free_port() -> int:
@@ -187,25 +234,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(example: Example, configs: list[Config], world: int, steps: int) -> dict[Any, Any]:
+def measure(example: Example, configs: list[Config], world: int, steps: int, rounds: int) -> dict[Any, Any]:
+    """``{config index: (boundaries the strategy used, step seconds)}`` (and ``"link"`` for null).
+
+    Step seconds: the lowest over ``rounds`` of the median of ``steps`` timed steps (the least
+    disturbed measurement on a shared machine).
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    mp.start_processes(_worker, args=(world, _free_port(), example, configs, steps, results), nprocs=world,
+    mp.start_processes(_worker, args=(world, _free_port(), example, configs, steps, rounds, results), nprocs=world,
                        start_method="spawn")
-    expected = len(configs) + (1 if example.name == "null" else 0)
-    return dict(results.get(timeout=60) for _ in range(expected))
+    out: dict[Any, Any] = {}
+    for _ in range(len(configs) * rounds + (1 if example.name == "null" else 0)):
+        key, value = results.get(timeout=60)
+        if key == "link":
+            out[key] = value
+        else:
+            parts, seconds = value
+            out[key] = (parts, min(seconds, out[key][1]) if key in out else seconds)
+    return out
 
 
-def calibrate(world: int, steps: int, compute_scale: float) -> Hardware:
-    """The engine's costs on this machine: link latency/bandwidth, per micro-batch and per step.
+def calibrate(world: int, steps: int, rounds: int, compute_scale: float) -> Hardware:
+    """The training loop's costs on this machine: link latency/bandwidth, per micro-batch and per step.
 
-    A model without compute runs as ``world`` pipelines of one stage with 1 and 16 micro-batches:
-    ``step(m) = step_overhead + m * micro_batch_overhead``.
+    A model without compute runs through the Trainer as ``world`` pipelines of one stage with 1
+    and 16 micro-batches: ``step(m) = step_overhead + m * micro_batch_overhead``.
     """
     runs = [Config("null", 1, world, 1, m, (0, 8), 0.0) for m in (1, 16)]
-    measured = measure(Example("null", 0), runs, world, steps)
+    measured = measure(Example("null", 0), runs, world, steps, rounds)
     bandwidth, latency = measured["link"]
-    one, many = measured[runs[0]], measured[runs[1]]
+    one, many = measured[0][1], measured[1][1]
     per_micro_batch = max(0.0, (many - one) / 15)
     hw = Hardware(
         memory_bytes=2**30,
@@ -215,16 +274,15 @@ def calibrate(world: int, steps: int, compute_scale: float) -> Hardware:
         step_overhead_seconds=max(0.0, one - per_micro_batch),
         compute_scale=compute_scale,
     )
-    print(f"calibrated: link {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us, engine "
+    print(f"calibrated: link {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us, Trainer + engine "
           f"{hw.micro_batch_overhead_seconds * 1e3:.2f} ms per micro-batch, {hw.step_overhead_seconds * 1e3:.2f} ms "
-          f"per step, compute x{hw.compute_scale:.1f} ({world} workers on {os.cpu_count()} cores)")
+          f"per step, compute x{hw.compute_scale:.1f} ({world} workers on {os.cpu_count()} cores)", flush=True)
     return hw
 
 
 # ---------------------------------------------------------------------------- planning
 def configs_for(example: Example, profile: ModelProfile, hw: Hardware, world: int, batch: int) -> tuple[list[Config], Config]:
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
+    """Every feasible layout cut at the planner's best split, then the chosen one cut by DeepSpeed's methods."""
     chosen = plan(profile, hw, world, batch)
     configs: list[Config] = []
     best: Config | None = None
@@ -245,16 +303,12 @@ def configs_for(example: Example, profile: ModelProfile, hw: Hardware, world: in
                                                                chosen.partition):
                 best = cfg
     assert best is not None
-    params = [layer.param_bytes for layer in profile.layers]
-    for label, parts in (("ds-uniform", partition_uniform(profile.num_layers, best.stages)),
-                         ("ds-parameters", partition_balanced(params, best.stages))):
-        parts = tuple(int(p) for p in parts)
-        if parts == best.parts:  # the same split, measured again: the gap to the chosen run is noise
-            configs.append(replace(best, label=label))
-            continue
-        est = estimate_step(profile, hw, parts, best.micro_batch_size, best.micro_batches, best.pipelines)
-        configs.append(Config(label, best.stages, best.pipelines, best.micro_batch_size, best.micro_batches, parts,
-                              est.step_seconds))
+    # DeepSpeed's splits at the chosen layout and, when the planner chose fewer stages, also at the depth a
+    # pipeline user gets by default (all workers in one pipeline): there the split is what differs
+    deepest = max((c for c in configs if c.micro_batch_size == best.micro_batch_size), key=lambda c: c.stages)
+    for against in (best, deepest) if deepest.stages != best.stages else (best,):
+        for method in ("uniform", "parameters"):  # resolved by BambooStrategy, as for a user who picks them
+            configs.append(replace(against, label=f"ds-{method}", partition=method, predicted=float("nan")))
     return configs, best
 
 
@@ -278,6 +332,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (median), after 2 warm-up")
+    parser.add_argument("--rounds", type=int, default=2, help="times every layout is trained (best median counts)")
     parser.add_argument("--models", default="sleep,mlp,gpt")
     parser.add_argument("--report", help="write the numbers as JSON")
     parser.add_argument("--compute-scale", type=float, default=1.0,
@@ -286,37 +341,61 @@ def main() -> None:
                         help="plan with a bare Hardware (no engine overheads) instead of measuring them first")
     args = parser.parse_args()
 
-    hw = (calibrate(args.world_size, args.steps, args.compute_scale) if args.calibrate
+    hw = (calibrate(args.world_size, args.steps, args.rounds, args.compute_scale) if args.calibrate
           else Hardware(memory_bytes=2**30, compute_scale=args.compute_scale))
     report: dict[str, Any] = {"world_size": args.world_size, "global_batch": args.global_batch, "models": {},
-                              "hardware": hw.__dict__}
+                              "hardware": hw.__dict__,
+                              "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                                          "gpu": torch.cuda.is_available(), "load_at_start": os.getloadavg()}}
     regrets, errors = [], []
     for name in args.models.split(","):
         example = Example(name, seed=0)
         profile = profile_layers(example.layers(), lambda n, e=example: e.batch(n, torch.Generator().manual_seed(0))[0],
                                  MICRO_BATCH_SIZES, repeats=3, warmup=1, threads=1)
         configs, chosen = configs_for(example, profile, hw, args.world_size, args.global_batch)
-        measured = measure(example, configs, args.world_size, args.steps)
-        planner_runs = {c: t for c, t in measured.items() if c.label == "planner"}
-        fastest = min(planner_runs.values())
-        regret = measured[chosen] / fastest - 1
-        errs = [abs(c.predicted - t) / t for c, t in planner_runs.items()]
+        measured = measure(example, configs, args.world_size, args.steps, args.rounds)
+        used = {i: parts for i, (parts, _) in measured.items()}
+        seconds = {i: t for i, (_, t) in measured.items()}
+        for i, cfg in enumerate(configs):  # DeepSpeed's splits: predicted for the boundaries the strategy used
+            if cfg.label.startswith("ds-"):
+                est = estimate_step(profile, hw, used[i], cfg.micro_batch_size, cfg.micro_batches, cfg.pipelines)
+                configs[i] = replace(cfg, predicted=est.step_seconds)
+            else:
+                assert used[i] == cfg.partition, (used[i], cfg)
+        planner_runs = {i: seconds[i] for i, c in enumerate(configs) if c.label == "planner"}
+        chosen_index = configs.index(chosen)
+        regret = seconds[chosen_index] / min(planner_runs.values()) - 1
+        errs = [abs(configs[i].predicted - t) / t for i, t in planner_runs.items()]
         regrets.append(regret)
         errors.extend(errs)
         rows = []
-        print(f"\n{name}: chosen {chosen.pipelines}x{chosen.stages} mb{chosen.micro_batch_size} {list(chosen.parts)}; "
+        print(f"\n{name}: chosen {chosen.pipelines}x{chosen.stages} mb{chosen.micro_batch_size} {list(chosen.partition)}; "
               f"regret {regret:.1%}, mean prediction error {statistics.mean(errs):.1%}")
         print(f"{'layout':<16} {'parts':<24} {'predicted ms':>12} {'measured ms':>12} {'error':>7}")
-        for cfg in configs:
-            t = measured[cfg]
-            tag = f"{cfg.label if cfg.label != 'planner' else ''}{' *' if cfg == chosen else ''}"
+        for i, cfg in enumerate(configs):
+            t = seconds[i]
+            same = cfg.label.startswith("ds-") and used[i] == next(o.partition for o in configs if o.label == "planner" and (o.stages, o.micro_batch_size) == (
+                cfg.stages, cfg.micro_batch_size))
+            tag = (f"{cfg.label if cfg.label != 'planner' else ''}{' *' if i == chosen_index else ''}"
+                   f"{' (same split as the planner)' if same else ''}")
             layout = f"{cfg.pipelines}x{cfg.stages} mb{cfg.micro_batch_size}"
-            print(f"{layout:<16} {str(list(cfg.parts)):<24} {cfg.predicted * 1e3:>12.1f} {t * 1e3:>12.1f} "
+            print(f"{layout:<16} {str(list(used[i])):<24} {cfg.predicted * 1e3:>12.1f} {t * 1e3:>12.1f} "
                   f"{(cfg.predicted - t) / t:>+7.1%} {tag}")
-            rows.append({**cfg.__dict__, "parts": list(cfg.parts), "measured": t})
-        vs = {c.label: measured[chosen] / t for c, t in measured.items() if c.label.startswith("ds-")}
-        print("chosen step time / DeepSpeed's: " + ", ".join(f"{k} {v:.2f}x" for k, v in vs.items()))
-        report["models"][name] = {"regret": regret, "mean_error": statistics.mean(errs), "vs_deepspeed": vs,
+            rows.append({**cfg.__dict__, "partition": list(used[i]), "measured": t})
+        vs = {}
+        for i, c in enumerate(configs):  # the planner's split vs DeepSpeed's, same layout and micro-batching
+            if not c.label.startswith("ds-"):
+                continue
+            ours = next(j for j, o in enumerate(configs) if o.label == "planner" and
+                        (o.stages, o.pipelines, o.micro_batch_size) == (c.stages, c.pipelines, c.micro_batch_size))
+            key = f"{c.label[3:]} {c.pipelines}x{c.stages} mb{c.micro_batch_size}"
+            vs[key] = {"ratio": seconds[ours] / seconds[i], "partition": list(used[i]),
+                       "planner_partition": list(used[ours]), "same_split": used[i] == used[ours],
+                       "chosen_layout": ours == chosen_index}
+        print("planner's split step time / DeepSpeed's: " + ", ".join(
+            f"{k} {v['ratio']:.2f}x{' (same split)' if v['same_split'] else ''}" for k, v in vs.items()), flush=True)
+        report["models"][name] = {"chosen": {**chosen.__dict__, "partition": list(chosen.partition)},
+                                  "regret": regret, "mean_error": statistics.mean(errs), "vs_deepspeed": vs,
                                   "configs": rows}
     planning = planning_time_32x8()
     summary = {
@@ -326,6 +405,7 @@ def main() -> None:
         "planning_seconds_32_layers_8_workers": planning,
     }
     report["summary"] = summary
+    report["machine"]["load_at_end"] = os.getloadavg()
     print("\n" + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     if args.report:
         with open(args.report, "w") as f:

@@ -160,3 +160,27 @@ def test_a_planning_error_on_rank0_reaches_every_rank() -> None:
     rank1 = FakeStrategy(world_size=2, global_rank=1, from_rank0={"error": "LayerTooLargeError: layer 0 alone needs 1.0 MiB"})
     with pytest.raises(BambooConfigError, match=r"planned on rank 0\): LayerTooLargeError: layer 0 alone needs"):
         tuner().setup(FakeTrainer(rank1), UnevenMLP(), "fit")
+
+
+def test_the_strategys_prelaunch_check_leaves_the_layout_to_the_tuner() -> None:
+    """4 processes, a 2-layer model: BambooStrategy's default (4 stages) is impossible, the tuner's 2x2 or 4x1 is not."""
+    import lightning_bamboo
+
+    class TwoLayers(UnevenMLP):
+        def configure_pipeline(self) -> list[nn.Module]:
+            return [nn.Linear(16, 8), nn.Linear(8, 4)]
+
+        def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return outputs.sum()
+
+    def trainer(callbacks: list) -> pl.Trainer:
+        return pl.Trainer(strategy=lightning_bamboo.BambooStrategy(), accelerator="cpu", devices=4, logger=False,
+                          callbacks=callbacks, enable_progress_bar=False)
+
+    with pytest.raises(BambooConfigError, match=r"more stages than layers \(stages: 4, layers: 2\)"):
+        plain = trainer([])
+        plain.strategy.check_before_launch(TwoLayers(), plain)
+    tuned = trainer([tuner()])
+    tuned.strategy.check_before_launch(TwoLayers(), tuned)  # the tuner picks the layout inside the processes
+    with pytest.raises(BambooConfigError, match="pipeline_loss"):
+        tuned.strategy.check_before_launch(UnevenMLP(), tuned)  # the model's hooks are still checked

@@ -17,6 +17,7 @@ from lightning_bamboo.planner.costmodel import Hardware
 from lightning_bamboo.planner.plan import Plan, PlanTable, plan_table
 
 log = logging.getLogger(__name__)
+_lightning_log = logging.getLogger("lightning.pytorch.callbacks.hydrozoa_tuner")
 
 _STRATEGY_OPTIONS = ("stages", "micro_batch_size", "partition")
 
@@ -42,6 +43,16 @@ def apply_plan(strategy: Any, plan: Plan) -> None:
     strategy.partition = list(plan.partition)
 
 
+def describe(plan: Plan) -> str:
+    """The one line the tuner logs for the plan it applies (tests parse it: keep the fields)."""
+    return (
+        f"HydrozoaTuner: {plan.layout}, micro-batch {plan.micro_batch_size} x {plan.micro_batches}, "
+        f"batch {plan.batch_per_pipeline} per pipeline ({plan.global_batch} per step), "
+        f"partition {list(plan.partition)}, predicted {plan.predicted_step_seconds:.4f} s/step "
+        f"({plan.samples_per_second:.1f} samples/s)"
+    )
+
+
 def _build_layers(pl_module: Any, seed: int) -> list[nn.Module]:
     """The module's pipeline layers, built as the strategy builds them (LayerSpecs too), RNG untouched."""
     if not hasattr(pl_module, "configure_pipeline"):
@@ -53,6 +64,14 @@ def _build_layers(pl_module: Any, seed: int) -> list[nn.Module]:
         torch.manual_seed(seed)
         specs = list(pl_module.configure_pipeline())
         return [spec if isinstance(spec, nn.Module) else spec.build() for spec in specs]
+
+
+def _strategy_seed(strategy: Any) -> int:
+    """The seed BambooStrategy builds the layers under (its ``seed``, else the ``seed_everything`` seed, else 0)."""
+    if callable(getattr(strategy, "_seed", None)):
+        return int(strategy._seed())
+    seed = getattr(strategy, "seed", None)
+    return int(seed) if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 def _default_memory_bytes(device: torch.device, local_workers: int) -> int:
@@ -77,6 +96,8 @@ class HydrozoaTuner(Callback):
     per-pipeline batch stays and the step's batch grows with the pipelines.
     After a node joins or leaves, the reconfiguration asks :meth:`plan_for` for the new size.
     """
+
+    sets_bamboo_layout = True  # BambooStrategy's pre-launch check leaves stages and partition to us
 
     def __init__(
         self,
@@ -160,8 +181,7 @@ class HydrozoaTuner(Callback):
         pipelines_now = max(1, world_size // stages_now)
         batch = self._batch_target(pl_module, pipelines_now)
         device = getattr(strategy, "root_device", torch.device("cpu"))
-        seed = getattr(strategy, "seed", None) or 0
-        layers = _build_layers(pl_module, seed)
+        layers = _build_layers(pl_module, _strategy_seed(strategy))
         profile = profile_layers(
             layers, self._sample(pl_module), self.micro_batch_sizes, device=device,
             repeats=self.repeats, warmup=self.warmup, threads=self.threads,
@@ -231,11 +251,8 @@ class HydrozoaTuner(Callback):
                 self.batch_arg_name,
             )
         if getattr(trainer, "global_rank", 0) == 0:
-            log.info(
-                "HydrozoaTuner: %s, micro-batch %d x %d, partition %s, predicted %.4f s/step (%.1f samples/s)",
-                plan.layout, plan.micro_batch_size, plan.micro_batches, list(plan.partition),
-                plan.predicted_step_seconds, plan.samples_per_second,
-            )
+            # through Lightning's own logger, so it shows on the console like Lightning's setup messages
+            _lightning_log.info(describe(plan))
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -37,9 +36,12 @@ def measure_link(
 ) -> tuple[float, float]:
     """``(bandwidth bytes/s, latency s)`` of the link ``src`` <-> ``dst``, the same on every rank.
 
-    Latency is half the median round trip of one byte; bandwidth is ``num_bytes`` over half the
-    median round trip of ``num_bytes``, latency taken off. Use the device the workers send from
-    (``cuda`` under NCCL).
+    Latency is half the fastest round trip of one byte; bandwidth is ``num_bytes`` over half the
+    fastest round trip of ``num_bytes``, latency taken off (the fastest: on a shared host noise
+    only adds time). When taking the latency off leaves less than half of the transfer, the
+    difference is noise (a loaded host once gave 10^15 bytes/s): then the latency stays in, which
+    underestimates the bandwidth by at most 2x instead of making it infinite. Use the device the
+    workers send from (``cuda`` under NCCL).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise BambooConfigError(
@@ -60,9 +62,10 @@ def measure_link(
     dev = torch.device(device)
     small = _round_trips(torch.zeros(1, dtype=torch.uint8, device=dev), rank, src, dst, warmup + repeats)[warmup:]
     big = _round_trips(torch.zeros(num_bytes, dtype=torch.uint8, device=dev), rank, src, dst, warmup + repeats)[warmup:]
-    latency = statistics.median(small) / 2
-    one_way = statistics.median(big) / 2
-    result = torch.tensor([num_bytes / max(one_way - latency, 1e-9), latency], dtype=torch.float64, device=dev)
+    latency = min(small) / 2
+    one_way = min(big) / 2
+    transfer = one_way - latency if one_way - latency >= one_way / 2 else one_way
+    result = torch.tensor([num_bytes / max(transfer, 1e-9), latency], dtype=torch.float64, device=dev)
     dist.broadcast(result, src)
     bandwidth, latency = (float(v) for v in result.tolist())
     return bandwidth, latency

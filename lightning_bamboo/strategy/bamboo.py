@@ -140,8 +140,16 @@ class _BambooStrategyMixin:
             )
             self._launcher._bamboo_strategy = self
 
-    def check_before_launch(self, model: Any) -> None:
-        """Checks that need no process group: run once in the launching process, before any child exists."""
+    def check_before_launch(self, model: Any, trainer: Any = None) -> None:
+        """Checks that need no process group: run once in the launching process, before any child exists.
+
+        A callback with ``sets_bamboo_layout = True`` (HydrozoaTuner) chooses stages and partition in
+        its ``setup``, inside the processes: then only the model's hooks are checked here.
+        """
+        if any(getattr(cb, "sets_bamboo_layout", False) for cb in getattr(trainer, "callbacks", None) or ()):
+            if model is not None:
+                self._check_model(model)
+            return
         resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]
         if model is not None:
             self._check_model(model)
@@ -832,7 +840,7 @@ class _PreflightLauncherMixin:
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         model = args[0] if args and hasattr(args[0], "configure_optimizers") else None
         if not self.cluster_environment.creates_processes_externally and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # type: ignore[attr-defined]
-            self._bamboo_strategy.check_before_launch(model)
+            self._bamboo_strategy.check_before_launch(model, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
