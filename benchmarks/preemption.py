@@ -7,7 +7,7 @@ them (SIGKILL) and its later nodes join as standby. "bamboo" keeps replicas and 
 membership change, as torchelastic and Varuna do. Prints useful samples/s of both, the ratio
 and the recovery-time distribution. Targets (issue 4): ratio >= 2x, median recovery <= 5 s.
 
-    python benchmarks/preemption.py [--steps 60] [--time-scale 300]
+    python benchmarks/preemption.py [--steps 600] [--time-scale 100]
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def demo(label: str, out: Path, args: argparse.Namespace, *extra: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--time-scale", type=float, default=300.0, help="trace seconds per real second")
-    parser.add_argument("--checkpoint-every", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--time-scale", type=float, default=100.0, help="trace seconds per real second")
+    parser.add_argument("--checkpoint-every", type=int, default=25)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         bamboo = demo("bamboo", Path(tmp), args)
