@@ -68,6 +68,14 @@ def test_deepspeed_initialize_equals_single_process(tmp_path):
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
 
 
+def test_trainer_under_torchrun_equals_single_process(tmp_path):
+    """torchrun starts the processes (Lightning detects it and launches nothing itself)."""
+    proc = run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29673", FIT,
+                "--out", str(tmp_path), "--steps", str(STEPS), "--devices", "2", "--stages", "2"], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
+
+
 def test_cli_config_equals_single_process(tmp_path):
     config = REPO / "tests" / "scripts" / "gpt_test.yaml"
     proc = run([str(REPO / ".venv" / "bin" / "lightning-bamboo") if (REPO / ".venv" / "bin" / "lightning-bamboo").exists()
