@@ -251,10 +251,11 @@ class StepGuard:
             err = result["error"]
             if isinstance(err, PeerLost):
                 raise err
-            if isinstance(err, RuntimeError) and _is_comm_error(err):
-                ABANDONED.append(thread)
-                # A receive from a dead peer fails fast; wait (bounded) for the store to say who died.
-                if self.lost.wait(self.detection_timeout):
+            if isinstance(err, RuntimeError):
+                # A receive from a dead peer fails fast, with messages that vary by transport and
+                # timing; wait (bounded) for the store to say whether someone died.
+                if self.lost.wait(self.detection_timeout if _is_comm_error(err) else min(2.0, self.detection_timeout)):
+                    ABANDONED.append(thread)
                     raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
             raise err
         return result["value"]
@@ -262,4 +263,7 @@ class StepGuard:
 
 def _is_comm_error(err: BaseException) -> bool:
     text = str(err).lower()
-    return any(k in text for k in ("connection", "gloo", "closed", "reset", "peer", "timed out", "broken pipe", "nccl"))
+    return any(
+        k in text
+        for k in ("connection", "gloo", "closed", "closure", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
+    )

@@ -342,6 +342,7 @@ class _BambooStrategyMixin:
             raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
         old_engine, layout = self.engine, self.layout
         assert layout is not None
+        log.info("%s: failover starts (%.2f s)", res.node, time.monotonic() - started)
         committed = res.committed(step)
         if committed and old_engine.phase != "idle":
             old_engine.apply_step()  # every node had its gradients in: the step counts
@@ -354,6 +355,7 @@ class _BambooStrategyMixin:
             "optimizer": old_engine.optimizer,
             "last_loss": old_engine.last_loss,
         }
+        log.info("%s: state captured (%.2f s)", res.node, time.monotonic() - started)
         suspected = set(getattr(err, "lost", ()))
         for _attempt in range(len(base["nodes"])):
             try:
@@ -388,6 +390,7 @@ class _BambooStrategyMixin:
         plan = plan_failover(base["nodes"], base["parts"], lost)
         log.warning("%s: lost %s at step %d; new pipeline %s parts %s", res.node, sorted(lost), step, plan.order, plan.parts)
         rank, world = res.reform(list(plan.order), tag="-".join(sorted(lost)))
+        log.info("%s: process group re-formed", res.node)
         self.cluster_environment.set_global_rank(rank)  # type: ignore[attr-defined]
         self.cluster_environment.set_world_size(world)  # type: ignore[attr-defined]
         self._pl("utilities.rank_zero").rank_zero_only.rank = rank
