@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import BenchGPT
 
-from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
+from lightning_bamboo.models.gpt import GPTConfig, gpt_layers
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=192)  # 8 pipeline layers
 MICRO = 2
@@ -35,21 +36,6 @@ def worker(args: argparse.Namespace) -> None:
     import lightning_bamboo
 
     batch = MICRO * args.micro_batches
-
-    class GPT(pl.LightningModule):
-        def configure_pipeline(self):
-            return gpt_layers(CONFIG)
-
-        def pipeline_loss(self, outputs, targets):
-            return gpt_loss(outputs, targets)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self):
-            g = torch.Generator().manual_seed(0)
-            tokens = torch.randint(0, CONFIG.vocab_size, (args.steps * batch, CONFIG.block_size + 1), generator=g)
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
 
     class Timer(pl.Callback):
         times: list[float] = []
@@ -70,7 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
                          callbacks=[timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False)
-    trainer.fit(GPT())
+    trainer.fit(BenchGPT(CONFIG, args.steps * batch, batch))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, (peak, dict(strategy.engine.replica_seconds)))

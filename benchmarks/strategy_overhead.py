@@ -19,18 +19,13 @@ import time
 from pathlib import Path
 
 import torch
+from common import BenchGPT, token_dataset
 
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
 # Big enough that one step takes well over 50 ms on a 2-core CPU.
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=192)
 BATCH, MICRO = 16, 4
-
-
-def dataset(steps: int) -> torch.utils.data.Dataset:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CONFIG.vocab_size, (steps * BATCH, CONFIG.block_size + 1), generator=g)
-    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
 def raw(args: argparse.Namespace) -> None:
@@ -47,7 +42,7 @@ def raw(args: argparse.Namespace) -> None:
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": BATCH // MICRO,
               "steps_per_print": 10**9}
     engine, *_ = lightning_bamboo.initialize(model=module, optimizer=optimizer, config=config)
-    loader = torch.utils.data.DataLoader(dataset(args.steps), batch_size=BATCH)
+    loader = torch.utils.data.DataLoader(token_dataset(CONFIG, args.steps * BATCH), batch_size=BATCH)
     times = []
     for x, y in loader:
         start = time.perf_counter()
@@ -63,19 +58,6 @@ def lightning(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
 
     import lightning_bamboo
-
-    class GPT(pl.LightningModule):
-        def configure_pipeline(self):
-            return gpt_layers(CONFIG)
-
-        def pipeline_loss(self, outputs, targets):
-            return gpt_loss(outputs, targets)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(dataset(args.steps), batch_size=BATCH)
 
     class StepTimer(pl.Callback):
         def __init__(self) -> None:
@@ -93,7 +75,7 @@ def lightning(args: argparse.Namespace) -> None:
         devices=2, max_steps=args.steps, callbacks=[timer], logger=pl.loggers.CSVLogger(args.out),
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )
-    trainer.fit(GPT())
+    trainer.fit(BenchGPT(CONFIG, args.steps * BATCH, BATCH))
     _report(args, timer.times, "lightning")
 
 
