@@ -29,6 +29,8 @@ bench: install
 	$(PY) benchmarks/strategy_overhead.py
 	$(PY) benchmarks/rc_overhead.py
 	$(PY) benchmarks/preemption.py
+	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/tuner.py
 
 lint: install
 	$(VENV)/bin/ruff check lightning_bamboo tests examples benchmarks
