@@ -81,15 +81,17 @@ def test_etcd_store_restarted_mid_run(clean, tmp_path):
 
         def restart_when_training() -> None:
             client = connect(etcd.url)
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline:
-                steps = [int(kv.value) for kv in client.get_prefix("/bamboo/demo0/progress/").kvs]
-                if steps and max(steps) >= 6:
-                    etcd.restart()
-                    restarted.set()
-                    return
-                client.wait_for_change("/bamboo/demo0/progress/", 0, timeout=1.0)
-            client.close()
+            try:
+                deadline = time.monotonic() + 240
+                while time.monotonic() < deadline:
+                    steps = [int(kv.value) for kv in client.get_prefix("/bamboo/demo0/progress/").kvs]
+                    if steps and max(steps) >= 6:
+                        etcd.restart()
+                        restarted.set()
+                        return
+                    client.wait_for_change("/bamboo/demo0/progress/", 0, timeout=1.0)
+            finally:
+                client.close()
 
         watcher = threading.Thread(target=restart_when_training, daemon=True)
         watcher.start()

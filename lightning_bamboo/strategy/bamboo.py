@@ -123,6 +123,8 @@ class _BambooStrategyMixin:
         self._cursor = (0, 0)  # (epoch, global samples consumed in it)
         self._resume_cursor: tuple[int, int] | None = None
         self._resume_rng: dict[str, Any] | None = None  # this process's RNG states from the checkpoint, until on_train_start
+        self._gradient_clipping = 0.0  # the Trainer's gradient_clip_val, from setup()
+        self._param_counts: list[int] = []  # trainable parameters per layer, from setup()
         self._inject_sampler: bool | None = None  # the Trainer's use_distributed_sampler, before we take it over
 
     # ------------------------------------------------------------------ namespace helpers
@@ -217,12 +219,7 @@ class _BambooStrategyMixin:
 
     # ------------------------------------------------------------------ model and engine
     def setup(self, trainer: Any) -> None:
-        from lightning_bamboo.engine.build import (
-            build_engine,
-            build_pipeline_module,
-            deepspeed_config,
-            ensure_deepspeed_comm,
-        )
+        from lightning_bamboo.engine.build import ensure_deepspeed_comm
 
         self._check_trainer(trainer)
         self._take_over_sampler_injection(trainer)
@@ -231,15 +228,11 @@ class _BambooStrategyMixin:
         stages, pipelines = resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]
         stage = self.global_rank // pipelines  # type: ignore[attr-defined]
         probe = self._build(model, keep=lambda i: False)
+        self._param_counts = probe.param_counts
         parts = compute_parts(self.partition, stages, probe.param_counts, probe.names)
         self.layout = Layout(stages, pipelines, parts)
-        mine = self.layout.layers_of_stage(stage)
-        built = self._build(model, keep=lambda i: i in mine)
-        timeout = timedelta(seconds=self.timeout_seconds)
         ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
-        module = build_pipeline_module(built.layers, self.layout, model.pipeline_loss, timeout)
-        module.to(self.root_device)  # type: ignore[attr-defined]
-        model._bamboo_stage = module  # configure_optimizers sees this stage's parameters as self.parameters()
+        module = self._stage_module(self.layout, stage)
 
         fitting = trainer.state.fn == self._pl("trainer.states").TrainerFn.FITTING
         optimizer = None
@@ -251,14 +244,48 @@ class _BambooStrategyMixin:
                     f"{len(self.optimizers)}); put parameter groups into one optimizer"  # type: ignore[attr-defined]
                 )
             optimizer = self.optimizers[0]  # type: ignore[attr-defined]
-        clip = float(trainer.gradient_clip_val or 0.0)
-        config = deepspeed_config(self.micro_batch_size, 1, pipelines, clip, self.deepspeed_extra_config)
-        self.engine = build_engine(
-            module, optimizer, config, timeout, bamboo_options={"redundancy": self.redundancy, "layout": self.layout}
-        )
+        self._gradient_clipping = float(trainer.gradient_clip_val or 0.0)
+        self.engine = self._new_engine(module, optimizer, self.layout)
         self._arm(self.engine, fitting)
         self.model = model  # type: ignore[attr-defined]  # no DDP wrapper: the engine reduces gradients
         self.setup_precision_plugin()  # type: ignore[attr-defined]
+
+    def _stage_module(self, layout: Layout, stage: int, states: dict[int, dict[str, Any]] | None = None) -> Any:
+        """This process's ``PipelineModule`` for ``stage`` of ``layout`` (weights from ``states`` if given).
+
+        It is attached to the LightningModule, so configure_optimizers() sees this stage's
+        parameters as ``self.parameters()``.
+        """
+        from lightning_bamboo.engine.build import build_pipeline_module
+
+        model = self.lightning_module  # type: ignore[attr-defined]
+        mine = layout.layers_of_stage(stage)
+        built = self._build(model, keep=lambda i: i in mine)
+        timeout = timedelta(seconds=self.timeout_seconds)
+        module = build_pipeline_module(built.layers, layout, model.pipeline_loss, timeout)
+        module.to(self.root_device)  # type: ignore[attr-defined]
+        if states is not None:
+            ckpt.load_weights(module, states)
+        model._bamboo_stage = module
+        return module
+
+    def _new_engine(self, module: Any, optimizer: Any, layout: Layout) -> Any:
+        from lightning_bamboo.engine.build import build_engine, deepspeed_config
+
+        config = deepspeed_config(
+            self.micro_batch_size, 1, layout.pipelines, self._gradient_clipping, self.deepspeed_extra_config
+        )
+        return build_engine(
+            module, optimizer, config, timedelta(seconds=self.timeout_seconds),
+            bamboo_options={"redundancy": self.redundancy, "layout": layout},
+        )
+
+    def _watch(self, engine: Any) -> None:
+        """Under the Bamboo launcher: name the engine's node, commit its steps through the store, guard them."""
+        res = self.resilience
+        engine.node_id = res.node
+        engine.commit = lambda _step: res.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
+        engine.guard = res.guard()
 
     # ------------------------------------------------------------------ redundancy and failover
     def _rank_of(self, stage: int, pipeline: int) -> int:
@@ -276,7 +303,7 @@ class _BambooStrategyMixin:
             model._bamboo_stage = previous
         return optimizers[0]
 
-    def _build_stage(self, layers: range, states: dict[int, dict[str, Any]] | None = None) -> torch.nn.Module:
+    def _replica_container(self, layers: range, states: dict[int, dict[str, Any]] | None = None) -> torch.nn.Module:
         """``layers`` built under the seed (and given ``states``' weights) in one stage container."""
         from lightning_bamboo.engine.replica import stage_container
 
@@ -291,38 +318,28 @@ class _BambooStrategyMixin:
     def _check_host_memory(self, layers: range) -> None:
         import psutil
 
-        built = self._build(self.lightning_module, keep=lambda i: False)  # type: ignore[attr-defined]
-        check_replica_memory(layers, sum(built.param_counts[i] for i in layers), psutil.virtual_memory().available)
+        counts = self._param_counts  # measured by setup() when it cut the model into stages
+        check_replica_memory(layers, sum(counts[i] for i in layers), psutil.virtual_memory().available)
 
     def _arm(self, engine: Any, fitting: bool) -> None:
         """Give the engine its replica, its commit hook and its watchdog."""
         layout = self.layout
         assert layout is not None
         stage, pipeline = layout.stage_of_rank(self.global_rank), layout.pipeline_of_rank(self.global_rank)  # type: ignore[attr-defined]
-        if self.resilience is not None:
-            engine.node_id = self.resilience.node
         if not fitting:
             return
         if self.redundancy != "off" and layout.stages > 1:
-            from lightning_bamboo.engine.replica import Replica
-
             successor = (stage + 1) % layout.stages
-            layers = layout.layers_of_stage(successor)
-            self._check_host_memory(layers)
-            container = self._build_stage(layers)
-            engine.replica = Replica(successor, container, self._make_optimizer(container))
-            engine.replica_peers = (
-                self._rank_of((stage - 1) % layout.stages, pipeline),
-                self._rank_of(successor, pipeline),
-            )
+            self._check_host_memory(layout.layers_of_stage(successor))
+            peers = (self._rank_of((stage - 1) % layout.stages, pipeline), self._rank_of(successor, pipeline))
+            self._attach_replica(engine, layout, successor, peers)
         if self.resilience is not None:
             if layout.pipelines > 1:
                 raise BambooConfigError(
                     f"failover under the Bamboo launcher supports one pipeline for now (pipelines: {layout.pipelines}); "
                     f"use devices == stages"
                 )
-            engine.commit = lambda step: self.resilience.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
-            engine.guard = self.resilience.guard()
+            self._watch(engine)
 
     def _fail_over(self, err: Exception, step: int, in_flight: bool = True) -> bool:
         """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed.
@@ -376,12 +393,7 @@ class _BambooStrategyMixin:
         return committed
 
     def _fail_over_once(self, base: dict[str, Any], suspected: set[str], step: int) -> tuple[Any, int, int]:
-        from lightning_bamboo.engine.build import (
-            build_engine,
-            build_pipeline_module,
-            deepspeed_config,
-            ensure_deepspeed_comm,
-        )
+        from lightning_bamboo.engine.build import ensure_deepspeed_comm
         from lightning_bamboo.engine.failover import plan_failover
         from lightning_bamboo.engine.replica import copy_hyperparameters
 
@@ -407,49 +419,47 @@ class _BambooStrategyMixin:
             raise BambooError(f"failover plan gives {res.node} layers {missing} it does not hold")
         stage_states = {i: base["states"][i] for i in mine}
         self.stages, self.layout = world, new_layout
-        model = self.lightning_module  # type: ignore[attr-defined]
-        built = self._build(model, keep=lambda i: i in mine)
-        module = build_pipeline_module(built.layers, new_layout, model.pipeline_loss, timedelta(seconds=self.timeout_seconds))
-        module.to(self.root_device)  # type: ignore[attr-defined]
-        ckpt.load_weights(module, stage_states)
-        model._bamboo_stage = module
+        module = self._stage_module(new_layout, rank, stage_states)
         optimizer = self._make_optimizer(module)
         ckpt.load_optimizer(module, optimizer, stage_states, ckpt.param_group_hyperparameters(base["optimizer"]))
         copy_hyperparameters(base["optimizer"], optimizer)
-        config = deepspeed_config(self.micro_batch_size, 1, 1, 0.0, self.deepspeed_extra_config)
 
         def build_and_arm() -> Any:
             # Collectives with the new peers: bounded by the new membership watch like a step.
-            engine = build_engine(
-                module, optimizer, config, timedelta(seconds=self.timeout_seconds),
-                bamboo_options={"redundancy": self.redundancy, "layout": new_layout},
-            )
+            engine = self._new_engine(module, optimizer, new_layout)
             self._arm_replica_from_successor(engine, new_layout, rank, world, stage_states)
             return engine
 
         engine = res.guard().run(build_and_arm)
         self.engine = engine
         self._rebind_optimizer(base["optimizer"], optimizer)
-        engine.node_id = res.node
-        engine.commit = lambda _step: res.commit(self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
-        engine.guard = res.guard()
+        self._watch(engine)
         return plan, rank, world
 
     def _arm_replica_from_successor(
         self, engine: Any, layout: Layout, rank: int, world: int, own_states: dict[int, dict[str, Any]]
     ) -> None:
         """Rebuild redundancy: every node sends its stage to its predecessor, which keeps it as the replica."""
-        from lightning_bamboo.engine.replica import Replica, exchange_objects
+        from lightning_bamboo.engine.replica import exchange_objects
 
         if self.redundancy == "off" or world < 2:
             return
         successor = (rank + 1) % world
         received = exchange_objects(engine.own_states(), send_to=(rank - 1) % world, recv_from=successor)
-        container = self._build_stage(layout.layers_of_stage(successor), received)
+        self._attach_replica(engine, layout, successor, ((rank - 1) % world, successor), received)
+
+    def _attach_replica(
+        self, engine: Any, layout: Layout, stage: int, peers: tuple[int, int], states: dict[int, dict[str, Any]] | None = None
+    ) -> None:
+        """Give ``engine`` a replica of ``stage`` (built under the seed, or from ``states``) and its exchange peers."""
+        from lightning_bamboo.engine.replica import Replica
+
+        container = self._replica_container(layout.layers_of_stage(stage), states)
         optimizer = self._make_optimizer(container)
-        ckpt.load_optimizer(container, optimizer, received, ckpt.param_group_hyperparameters(engine.optimizer))
-        engine.replica = Replica(successor, container, optimizer)
-        engine.replica_peers = ((rank - 1) % world, successor)
+        if states is not None:
+            ckpt.load_optimizer(container, optimizer, states, ckpt.param_group_hyperparameters(engine.optimizer))
+        engine.replica = Replica(stage, container, optimizer)
+        engine.replica_peers = peers
 
     def _rebind_optimizer(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
         """Point Lightning (its optimizer list and LR schedulers) at the rebuilt stage's optimizer."""
