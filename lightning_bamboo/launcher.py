@@ -24,6 +24,8 @@ from lightning_bamboo.engine.failover import free_port
 from lightning_bamboo.errors import BambooConfigError
 
 STORE_ENV, JOB_ENV, NODE_ENV, NODES_ENV = "BAMBOO_STORE", "BAMBOO_JOB", "BAMBOO_NODE", "BAMBOO_NODES"
+#: set to "1" for a node that joins a running job: it waits as standby until a reconfiguration admits it
+JOIN_ENV = "BAMBOO_JOIN"
 
 
 def node_names(nodes: int) -> list[str]:
@@ -53,6 +55,16 @@ class Cluster:
     def spawn(self, name: str, command: Sequence[str], rank: int, world: Sequence[str], **popen: object) -> None:
         env = {**self.env, JOB_ENV: self.job, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
                "LOCAL_RANK": str(rank), NODE_ENV: name}
+        env.pop(JOIN_ENV, None)
+        self._start(name, command, env, popen)
+
+    def spawn_joiner(self, name: str, command: Sequence[str], **popen: object) -> None:
+        """Start a node that joins the running job: standby until a reconfiguration admits it."""
+        env = {**self.env, JOB_ENV: self.job, NODES_ENV: name, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+               NODE_ENV: name, JOIN_ENV: "1"}
+        self._start(name, command, env, popen)
+
+    def _start(self, name: str, command: Sequence[str], env: dict[str, str], popen: Mapping[str, object]) -> None:
         self.codes.pop(name, None)
         self.procs[name] = subprocess.Popen(list(command), env=env, **popen)  # type: ignore[call-overload]
 

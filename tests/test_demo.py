@@ -123,3 +123,21 @@ def test_bad_input_is_refused_before_anything_starts(args, message):
 
     proc = run([PYTHON, "-m", "lightning_bamboo.cli", "demo", "--nodes", "4", *args], timeout=60)
     assert proc.returncode != 0 and re.search(message, proc.stdout), proc.stdout[-2000:]
+
+
+def test_node_added_mid_run_joins_the_pipeline_live(clean, tmp_path):
+    """node2 is killed at step 3 (failover, then its layers are spread evenly over the 3 survivors);
+    spare1 starts at step 1, registers as standby once up, and is admitted at a step boundary: the
+    pipeline is 4 deep again. Same weights and sample order as the clean run; no restart."""
+    clean_dir, clean_weights = clean
+    report, weights = demo(tmp_path, "--preempt", "node2@3", "--join", "spare1@1", "--step-delay", "1.0")
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 1 and report["joins"] == 1
+    assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    actions = [r["reason"].split(":")[0] for r in report["reconfigurations"]]
+    assert actions == ["restore_redundancy", "change_depth"], report["reconfigurations"]
+    assert report["reconfigurations"][0]["parts"] == [0, 2, 5, 8]  # the overloaded node's layers spread out
+    assert "spare1" in report["reconfigurations"][1]["order"] and report["nodes_at_end"] == 4
+    assert max_abs_diff(weights, clean_weights) <= 1e-5
+    ran = order(tmp_path, "spare1")  # the joiner saw exactly the clean run's remaining steps
+    assert 0 < len(ran) < STEPS and ran == order(clean_dir, "node0")[-len(ran):]
+    assert order(tmp_path, "node0") == order(clean_dir, "node0")

@@ -1,4 +1,4 @@
-"""Lightning callbacks: asynchronous checkpoints, preemption notices and the Hydrozoa tuner."""
+"""Lightning callbacks: asynchronous checkpoints, preemption notices, rebalancing and the Hydrozoa tuner."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from lightning_bamboo.callbacks.notices import (
     Notice,
 )
 from lightning_bamboo.callbacks.preemption import PreemptionCallback, preemption_pending
+from lightning_bamboo.callbacks.rebalance import RebalanceCallback
 from lightning_bamboo.callbacks.tuner import HydrozoaTuner
 
 __all__ = [
@@ -21,5 +22,6 @@ __all__ = [
     "HydrozoaTuner",
     "Notice",
     "PreemptionCallback",
+    "RebalanceCallback",
     "preemption_pending",
 ]

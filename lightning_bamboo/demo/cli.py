@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_preempt
+from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_join, parse_preempt
 from lightning_bamboo.errors import BambooConfigError
 
 EXIT_FATAL = 75  # lightning_bamboo.demo.worker.EXIT_FATAL (not imported: that module imports torch)
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="Bamboo trace CSV (ms,add|remove,node) to replay")
     parser.add_argument("--time-scale", type=float, default=600.0, help="trace seconds per real second (default 600)")
     parser.add_argument("--preempt", default=None, help="NODE@STEP[:notice],... e.g. node2@7,node1@12:3")
+    parser.add_argument("--join", default=None, help="NAME@STEP,... new nodes that join, e.g. spare1@9")
     parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
     parser.add_argument("--report", default=None, help="write the run's report JSON here")
     parser.add_argument("--save-weights", default=None, help="write the final consolidated fp32 state_dict here")
@@ -51,6 +52,8 @@ class DemoState:
     recoveries: dict[str, int] = field(default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0})
     recovery_seconds: list[float] = field(default_factory=list)
     recomputed_steps: int = 0
+    failovers: list[dict[str, Any]] = field(default_factory=list)
+    reconfigurations: list[dict[str, Any]] = field(default_factory=list)
     progress: int = 0
     log: list[str] = field(default_factory=list)
 
@@ -108,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         events = events_from_trace(read_trace(args.trace), nodes, args.time_scale)
     else:
         events = parse_preempt(DEFAULT_PREEMPT if args.preempt is None else args.preempt, nodes)
+    if args.join:
+        events += parse_join(args.join, nodes)
     if args.store != "embedded":
         _check_store_reachable(args.store)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bamboo-demo-"))
@@ -164,6 +169,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 sys.executable, "-m", "lightning_bamboo.demo.worker", "--stages", str(depth), "--steps", str(args.steps),
                 "--redundancy", "off" if args.no_redundancy or depth == 1 else "lazy", "--checkpoint-dir", str(ckpt_dir),
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
+                "--preferred-stages", str(stages),
             ] + (["--resume", resume] if resume else []) + (args.worker_extra if depth == stages else [])
             logs = open(out / "workers.log", "w")
             for rank, name in enumerate(running):
@@ -187,7 +193,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 progress = {kv.key.rsplit("/", 1)[1]: int(kv.value) for kv in snap.kvs}
                 elapsed = time.monotonic() - (first_step_at or started)
                 for event in list(pending):
-                    due = (event.at_step is not None and progress.get(event.node, 0) >= event.at_step) or (
+                    reached = state.progress if event.kind == "join" else progress.get(event.node, 0)
+                    due = (event.at_step is not None and reached >= event.at_step) or (
                         event.at_seconds is not None and first_step_at is not None and elapsed >= event.at_seconds
                     )
                     if not due:
@@ -210,7 +217,11 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     elif event.kind == "join":
                         state.joined.append(event.node)
                         alive.append(event.node)
-                        state.log.append(f"step {state.progress}: {event.node} joined (standby until the next rebuild)")
+                        if args.no_redundancy or depth == 1:
+                            state.log.append(f"step {state.progress}: {event.node} joined (standby until the next restart)")
+                        else:  # it registers as standby; the policy admits it at a step boundary
+                            cluster.spawn_joiner(event.node, command, stdout=logs, stderr=logs)
+                            state.log.append(f"step {state.progress}: {event.node} joined (standby, running)")
                 for name, deadline in list(notices.items()):
                     if time.monotonic() >= deadline:
                         cluster.kill(name, signal.SIGKILL)  # the grace period is over
@@ -224,7 +235,10 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     break
                 time.sleep(0.05)
             cluster.poll()
-            state.recoveries["redundant"] += len(cluster.store.get_prefix(f"{base}failovers/").kvs)
+            failovers = [json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}failovers/").kvs]
+            state.failovers += failovers
+            state.recoveries["redundant"] += len(failovers)
+            state.reconfigurations += [json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}reconfigurations/").kvs]
             report_file = out / "report.json"
             if state.progress == 0 and first_step_at is None and not report_file.exists() and generation == 0:
                 codes = ", ".join(f"{n}={c}" for n, c in cluster.codes.items())
@@ -269,11 +283,12 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "preemptions": len(state.preempted),
         "joins": len(state.joined),
         "recoveries": state.recoveries,
-        "recomputed_steps": state.recomputed_steps + sum(1 for f in final.get("failovers", []) if f["redone"]),
+        "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if f["redone"]),
         "recovery_seconds": [round(s, 3) for s in state.recovery_seconds],
         "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * state.global_batch / wall if wall > 0 else 0.0,
         "final_loss": final.get("final_loss"),
-        "failovers": final.get("failovers", []),
+        "failovers": state.failovers,
+        "reconfigurations": [{k: r.get(k) for k in ("step", "reason", "order", "parts", "seconds")} for r in state.reconfigurations],
         "events": state.log,
         "nodes_at_end": final.get("world_size"),
         "parts_at_end": final.get("parts"),
@@ -317,6 +332,8 @@ def _summary(report: dict[str, Any]) -> None:
         ("steps completed", f"{report['steps_completed']} / {report['target_steps']}"),
         ("preemptions", str(report["preemptions"])),
         ("joins", str(report["joins"])),
+        ("reconfigurations", ", ".join(f"step {r['step']} {str(r['reason']).split(':')[0]} {r['seconds']:.2f} s"
+                                       for r in report["reconfigurations"]) or "-"),
         ("recoveries", ", ".join(f"{k} {v}" for k, v in report["recoveries"].items())),
         ("recomputed steps", str(report["recomputed_steps"])),
         ("recovery seconds", ", ".join(f"{s:.2f}" for s in report["recovery_seconds"]) or "-"),

@@ -57,6 +57,25 @@ def parse_preempt(spec: str, nodes: Sequence[str]) -> list[ClusterEvent]:
     return events
 
 
+def parse_join(spec: str, nodes: Sequence[str]) -> list[ClusterEvent]:
+    """``spare1@9,spare2@15`` -> new nodes started when the job has finished that many steps."""
+    events = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        match = _PREEMPT.match(item)
+        if not match or match["notice"]:
+            raise BambooConfigError(f"--join entries look like NAME@STEP, e.g. spare1@9 (got {item!r})")
+        node, step = match["node"], int(match["step"])
+        if node in nodes or any(e.node == node for e in events):
+            raise BambooConfigError(
+                f"--join {item!r}: {node!r} is already a node of this cluster (nodes: {', '.join(nodes)}); "
+                "give the new node a new name, e.g. spare1"
+            )
+        if step < 1:
+            raise BambooConfigError(f"--join {item!r}: the step must be at least 1")
+        events.append(ClusterEvent("join", node, at_step=step))
+    return events
+
+
 def events_from_trace(trace, nodes: Sequence[str], time_scale: float) -> list[ClusterEvent]:
     """Replay a Bamboo trace: its first ``len(nodes)`` nodes are ours; later adds start new nodes.
 

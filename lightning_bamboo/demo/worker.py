@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_bamboo
+from lightning_bamboo.callbacks import RebalanceCallback
 from lightning_bamboo.engine.failover import FatalLoss
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
@@ -102,6 +103,7 @@ def main() -> int:
     p.add_argument("--resume", default=None)
     p.add_argument("--out", required=True, help="directory for this run's report part and weights")
     p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--preferred-stages", type=int, default=None, help="the depth to return to when nodes join")
     args = p.parse_args()
 
     node = os.environ.get("BAMBOO_NODE", "node0")
@@ -117,6 +119,9 @@ def main() -> int:
     )
     out = Path(args.out)
     callbacks = [Progress(args.step_delay), checkpoints, SampleOrder(Tokens(model.samples), out / f"order-{node}.json")]
+    if args.redundancy != "off":
+        # after a failover: even out the layers; when spare nodes join: the preferred depth again
+        callbacks.append(RebalanceCallback(stages=args.preferred_stages))
     # SIGTERM is a preemption notice: a flag-only handler; the node announces that it leaves
     # before its next commit and exits once that step committed (see Resilience.commit).
     from lightning_bamboo.strategy.resilience import request_leave

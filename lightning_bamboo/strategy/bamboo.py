@@ -8,6 +8,7 @@ its ``DDPStrategy`` (see :func:`make_strategy_class`).
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import importlib
 import logging
@@ -148,7 +149,9 @@ class _BambooStrategyMixin:
         A callback with ``sets_bamboo_layout = True`` (HydrozoaTuner) chooses stages and partition in
         its ``setup``, inside the processes: then only the model's hooks are checked here.
         """
-        if any(getattr(cb, "sets_bamboo_layout", False) for cb in getattr(trainer, "callbacks", None) or ()):
+        from lightning_bamboo.strategy.resilience import joining
+
+        if joining() or any(getattr(cb, "sets_bamboo_layout", False) for cb in getattr(trainer, "callbacks", None) or ()):
             if model is not None:
                 self._check_model(model)
             return
@@ -180,12 +183,37 @@ class _BambooStrategyMixin:
 
     # ------------------------------------------------------------------ environment
     def setup_environment(self) -> None:
+        from lightning_bamboo.strategy.resilience import Resilience, joining, launched_by_bamboo
+
+        if joining() and self.resilience is None:
+            # A node joining a running job: standby until a reconfiguration admits it, then its
+            # process group is the job's (Lightning finds it initialised and keeps it).
+            self.resilience = Resilience(self.detection_timeout, rendezvous_timeout=self.timeout_seconds)
+            record = self.resilience.wait_admission()
+            if record is None:
+                log.warning("%s: the job finished before this standby node was needed", self.resilience.node)
+                self.resilience.stop()
+                raise SystemExit(0)
+            self._admission = record
+            self._admitted_rank, world = self.resilience.enter(record)
+            self.stages = world
+            self.set_world_ranks()
+            self._catching_up = True  # until its first step (see barrier)
+            log.warning("%s: admitted as rank %d of %d at step %d", self.resilience.node, self._admitted_rank, world, record["step"])
         resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]  # fail before joining a group
         super().setup_environment()  # type: ignore[misc]
-        from lightning_bamboo.strategy.resilience import Resilience, launched_by_bamboo
-
         if launched_by_bamboo() and self.resilience is None:
             self.resilience = Resilience(self.detection_timeout, rendezvous_timeout=self.timeout_seconds)
+
+    _admission: dict[str, Any] | None = None  # the reconfiguration record that admitted this (joining) node
+    _admitted_rank = 0
+
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()  # type: ignore[misc]
+        if self._admission is not None:  # rank and size come from the admission, not the launch environment
+            self.cluster_environment.set_global_rank(self._admitted_rank)  # type: ignore[attr-defined]
+            self.cluster_environment.set_world_size(len(self._admission["order"]))  # type: ignore[attr-defined]
+            self._pl("utilities.rank_zero").rank_zero_only.rank = self._admitted_rank
 
     @property
     def pipelines(self) -> int:
@@ -223,8 +251,12 @@ class _BambooStrategyMixin:
 
         self._check_trainer(trainer)
         self._take_over_sampler_injection(trainer)
+        self._no_sigterm_broadcast_under_membership(trainer)
         self.accelerator.setup(trainer)  # type: ignore[attr-defined]
         model = self.lightning_module  # type: ignore[attr-defined]
+        if self._admission is not None:
+            self._setup_admitted(trainer)
+            return
         stages, pipelines = resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]
         stage = self.global_rank // pipelines  # type: ignore[attr-defined]
         probe = self._build(model, keep=lambda i: False)
@@ -249,6 +281,98 @@ class _BambooStrategyMixin:
         self._arm(self.engine, fitting)
         self.model = model  # type: ignore[attr-defined]  # no DDP wrapper: the engine reduces gradients
         self.setup_precision_plugin()  # type: ignore[attr-defined]
+
+    def _setup_admitted(self, trainer: Any) -> None:
+        """A joining node's setup: its layers and Lightning's training state come from the running nodes."""
+        from lightning_bamboo.engine.build import ensure_deepspeed_comm
+        from lightning_bamboo.engine.reconfigure import move_layers, transfer_plan
+        from lightning_bamboo.engine.replica import exchange_objects
+
+        record, res = self._admission, self.resilience
+        assert record is not None and res is not None
+        if trainer.state.fn != self._pl("trainer.states").TrainerFn.FITTING:
+            raise BambooConfigError("a node joins a running job only to train (trainer.fit)")
+        self._param_counts = self._build(self.lightning_module, keep=lambda i: False).param_counts  # type: ignore[attr-defined]
+        ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
+        order, rank = list(record["order"]), self._admitted_rank
+        self._gradient_clipping = float(trainer.gradient_clip_val or 0.0)
+
+        def receive() -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+            moves = transfer_plan(record["old_order"], record["old_parts"], order, record["parts"])
+            held = move_layers(moves, res.node, {n: i for i, n in enumerate(order)}, {})
+            return held, exchange_objects(None, send_to=None, recv_from=order.index(record["sender"]))
+
+        held, meta = res.guard().run(receive)
+        self._rebuild_stage(Layout(len(order), 1, tuple(record["parts"])), rank, held, meta["bamboo"]["param_groups"], trainer)
+        self.model = self.lightning_module  # type: ignore[attr-defined]
+        self.setup_precision_plugin()  # type: ignore[attr-defined]
+        # Lightning restores loops, schedulers and callbacks from this as from a checkpoint file
+        # (weights and optimizer state are in the stage already).
+        trainer._checkpoint_connector._loaded_checkpoint = {**meta, "state_dict": {}}
+        cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
+        self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
+        res.reconfigurations.append({**record, "joined": res.node})  # the running nodes record it in the store
+
+    def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "") -> float:
+        """Change the pipeline between two steps, with no loss: standby nodes join, layers move point to point.
+
+        ``order`` (the nodes, one stage each) may add standby nodes to the current ones, never
+        drop one; ``parts`` is the new layer split. Every layer a node must run and does not run
+        now comes from the node that runs it (weights and optimizer state; no disk); joining
+        nodes also get Lightning's training state; replicas are rebuilt by the ring exchange.
+        Call at a step boundary on every node of the pipeline (``RebalanceCallback`` does).
+        Returns the seconds it took. A node lost meanwhile ends in ``FatalLoss`` (restart from the
+        last checkpoint): the reconfiguration is not retried.
+        """
+        from lightning_bamboo.engine.failover import FatalLoss
+        from lightning_bamboo.engine.pipe import PeerLost
+        from lightning_bamboo.engine.reconfigure import move_layers, transfer_plan
+        from lightning_bamboo.engine.replica import exchange_objects
+        from lightning_bamboo.membership.registry import BarrierTimeoutError
+
+        res, layout, engine = self.resilience, self.layout, self.engine
+        if res is None or layout is None or engine is None:
+            raise BambooConfigError("reconfigure() needs a job started by the Bamboo launcher and setup() done")
+        started = time.monotonic()
+        old_order, old_parts, order, parts = list(res.nodes), tuple(layout.parts), list(order), tuple(parts)
+        if (order, parts) == (old_order, old_parts):
+            return 0.0
+        moves = transfer_plan(old_order, old_parts, order, parts)  # validates the new layout first
+        trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
+        step = trainer.global_step
+        joiners = [n for n in order if n not in old_order]
+        sender = next(n for n in order if n in old_order)
+        record = {"generation": res.generation + 1, "order": order, "parts": list(parts), "old_order": old_order,
+                  "old_parts": list(old_parts), "sender": sender, "tag": "reconf", "step": step, "reason": reason}
+        if joiners and res.node == old_order[0]:
+            res.admit(record)
+        meta = None
+        if joiners and res.node == sender:
+            meta = self._checkpoint_meta(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+        if engine.replica is not None:
+            engine.replica.wait()
+        held, hyper = engine.own_states(), engine.optimizer
+        log.warning("%s: reconfiguring at step %d: %s parts %s -> %s parts %s (%s)", res.node, step, old_order,
+                    list(old_parts), order, list(parts), reason)
+        try:
+            rank, world = res.reform(order, tag="reconf")
+            self._enter_group(rank, world)
+
+            def move() -> dict[int, dict[str, Any]]:
+                received = move_layers(moves, res.node, {n: i for i, n in enumerate(order)}, held)
+                for joiner in joiners if meta is not None else ():
+                    exchange_objects(meta, send_to=order.index(joiner), recv_from=None)
+                return received
+
+            held = {**held, **res.guard().run(move)}
+            self._rebuild_stage(Layout(world, 1, parts), rank, held, hyper)
+        except (PeerLost, BarrierTimeoutError) as err:
+            raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
+                            "the run must restore its last checkpoint") from err
+        seconds = time.monotonic() - started
+        res.record_reconfiguration({**record, "seconds": seconds})
+        log.warning("%s: reconfigured in %.2f s (rank %d of %d)", res.node, seconds, rank, world)
+        return seconds
 
     def _stage_module(self, layout: Layout, stage: int, states: dict[int, dict[str, Any]] | None = None) -> Any:
         """This process's ``PipelineModule`` for ``stage`` of ``layout`` (weights from ``states`` if given).
@@ -374,15 +498,21 @@ class _BambooStrategyMixin:
         }
         log.info("%s: state captured (%.2f s)", res.node, time.monotonic() - started)
         suspected = set(getattr(err, "lost", ()))
-        for _attempt in range(len(base["nodes"])):
-            try:
-                plan, rank, world = self._fail_over_once(base, suspected, step)
-                break
-            except (PeerLost, BarrierTimeoutError) as again:
-                suspected |= set(getattr(again, "lost", ())) | res.detector.lost
-                log.warning("%s: another loss during the failover (%s); trying again with %s", res.node, again, sorted(suspected))
-        else:
-            raise BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts")
+        # A failover should take well under a detection timeout; if one does not, every thread's stack
+        # goes to stderr (the node's log) so the wait can be named.
+        faulthandler.dump_traceback_later(max(4 * self.detection_timeout, 10.0), repeat=True)
+        try:
+            for _attempt in range(len(base["nodes"])):
+                try:
+                    plan, rank, world = self._fail_over_once(base, suspected, step)
+                    break
+                except (PeerLost, BarrierTimeoutError) as again:
+                    suspected |= set(getattr(again, "lost", ())) | res.detector.lost
+                    log.warning("%s: another loss during the failover (%s); trying again with %s", res.node, again, sorted(suspected))
+            else:
+                raise BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts")
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         seconds = time.monotonic() - started
         res.record_failover({"step": step, "lost": sorted(set(base["nodes"]) - set(plan.order)), "committed": committed,
                              "seconds": seconds, "redone": in_flight and not committed,
@@ -393,9 +523,7 @@ class _BambooStrategyMixin:
         return committed
 
     def _fail_over_once(self, base: dict[str, Any], suspected: set[str], step: int) -> tuple[Any, int, int]:
-        from lightning_bamboo.engine.build import ensure_deepspeed_comm
         from lightning_bamboo.engine.failover import plan_failover
-        from lightning_bamboo.engine.replica import copy_hyperparameters
 
         res = self.resilience
         lost = res.decide_lost(tuple(suspected), base["nodes"])
@@ -403,6 +531,15 @@ class _BambooStrategyMixin:
         log.warning("%s: lost %s at step %d; new pipeline %s parts %s", res.node, sorted(lost), step, plan.order, plan.parts)
         rank, world = res.reform(list(plan.order), tag="-".join(sorted(lost)))
         log.info("%s: process group re-formed", res.node)
+        self._enter_group(rank, world)
+        # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
+        self._rebuild_stage(Layout(world, 1, plan.parts), rank, base["states"], base["optimizer"])
+        return plan, rank, world
+
+    def _enter_group(self, rank: int, world: int) -> None:
+        """This process is ``rank`` of ``world`` in the process group just formed (Lightning and DeepSpeed too)."""
+        from lightning_bamboo.engine.build import ensure_deepspeed_comm
+
         self.cluster_environment.set_global_rank(rank)  # type: ignore[attr-defined]
         self.cluster_environment.set_world_size(world)  # type: ignore[attr-defined]
         self._pl("utilities.rank_zero").rank_zero_only.rank = rank
@@ -411,30 +548,46 @@ class _BambooStrategyMixin:
         ds_comm_module.cdb = None
         ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
 
-        # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
-        new_layout = Layout(world, 1, plan.parts)
-        mine = new_layout.layers_of_stage(rank)
-        missing = [i for i in mine if i not in base["states"]]
+    def _rebuild_stage(
+        self, layout: Layout, rank: int, held: dict[int, dict[str, Any]], hyper: torch.optim.Optimizer | list[dict[str, Any]],
+        trainer: Any = None,
+    ) -> None:
+        """Build this node's stage of ``layout`` from ``held`` layer states, its engine, and the replica ring.
+
+        ``hyper`` gives the optimizer's current hyperparameters (the old optimizer, or saved param
+        groups). With ``trainer`` (a node joining), the optimizer and schedulers come from
+        Lightning's ``configure_optimizers``; otherwise the old optimizer is swapped for the new one.
+        """
+        from lightning_bamboo.engine.replica import copy_hyperparameters
+
+        res = self.resilience
+        mine = layout.layers_of_stage(rank)
+        missing = [i for i in mine if i not in held]
         if missing:
-            raise BambooError(f"failover plan gives {res.node} layers {missing} it does not hold")
-        stage_states = {i: base["states"][i] for i in mine}
-        self.stages, self.layout = world, new_layout
-        module = self._stage_module(new_layout, rank, stage_states)
-        optimizer = self._make_optimizer(module)
-        ckpt.load_optimizer(module, optimizer, stage_states, ckpt.param_group_hyperparameters(base["optimizer"]))
-        copy_hyperparameters(base["optimizer"], optimizer)
+            raise BambooError(f"the new layout gives {res.node} layers {missing} it does not hold")
+        stage_states = {i: held[i] for i in mine}
+        self.stages, self.layout = layout.stages, layout
+        module = self._stage_module(layout, rank, stage_states)
+        if trainer is not None:
+            self.setup_optimizers(trainer)  # type: ignore[attr-defined]
+            optimizer = self.optimizers[0]  # type: ignore[attr-defined]
+        else:
+            optimizer = self._make_optimizer(module)
+        groups = hyper if isinstance(hyper, list) else ckpt.param_group_hyperparameters(hyper)
+        ckpt.load_optimizer(module, optimizer, stage_states, groups)
+        if isinstance(hyper, torch.optim.Optimizer):
+            copy_hyperparameters(hyper, optimizer)
 
         def build_and_arm() -> Any:
             # Collectives with the new peers: bounded by the new membership watch like a step.
-            engine = self._new_engine(module, optimizer, new_layout)
-            self._arm_replica_from_successor(engine, new_layout, rank, world, stage_states)
+            engine = self._new_engine(module, optimizer, layout)
+            self._arm_replica_from_successor(engine, layout, rank, layout.stages, stage_states)
             return engine
 
-        engine = res.guard().run(build_and_arm)
-        self.engine = engine
-        self._rebind_optimizer(base["optimizer"], optimizer)
-        self._watch(engine)
-        return plan, rank, world
+        self.engine = res.guard().run(build_and_arm)
+        if isinstance(hyper, torch.optim.Optimizer):
+            self._rebind_optimizer(hyper, optimizer)
+        self._watch(self.engine)
 
     def _arm_replica_from_successor(
         self, engine: Any, layout: Layout, rank: int, world: int, own_states: dict[int, dict[str, Any]]
@@ -522,6 +675,7 @@ class _BambooStrategyMixin:
 
         step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
         res = self.resilience
+        self._catching_up = False
         if res is not None and res.leavers:
             # A peer announced at the last commit that it leaves: switch now, between steps, losing nothing.
             self._fail_over(PeerLost(f"{sorted(res.leavers)} left after a notice", res.leavers), step, in_flight=False)
@@ -566,6 +720,25 @@ class _BambooStrategyMixin:
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         return closure()  # the closure runs train_batch, which ends with the optimizer step
+
+    def _no_sigterm_broadcast_under_membership(self, trainer: Any) -> None:
+        """Under the Bamboo launcher, Lightning's per-step SIGTERM broadcast is replaced by the membership protocol.
+
+        Lightning broadcasts a "rank 0 got SIGTERM" flag with a raw ``torch.distributed.broadcast``
+        before every batch. With a node just lost that call blocks until the process-group
+        timeout (it bypasses the strategy, so no failover can rescue it), and its meaning, stop
+        every rank, is the opposite of Bamboo's: a node with a notice leaves alone and its
+        neighbours take over (``Resilience.commit``). The epoch loop gets a subclass that skips
+        the broadcast when membership is on and keeps Lightning's behaviour otherwise.
+        """
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is not None and hasattr(loop, "_broadcast_sigterm_tensor") and not getattr(loop, "_bamboo", False):
+            loop.__class__ = _without_raw_broadcast(type(loop), "_broadcast_sigterm_tensor")
+        # Lightning's SIGTERM handler broadcasts too (inside the handler); under membership SIGTERM is
+        # a preemption notice: flag only, and the node leaves after its next commit.
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None and hasattr(connector, "_sigterm_notifier_fn") and not getattr(connector, "_bamboo", False):
+            connector.__class__ = _without_raw_broadcast(type(connector), "_sigterm_notifier_fn")
 
     def _take_over_sampler_injection(self, trainer: Any) -> None:
         """Shard data by pipeline ourselves: Lightning would always shuffle training data."""
@@ -653,13 +826,23 @@ class _BambooStrategyMixin:
                 self._inside_resilient = False
         raise BambooError(f"a collective failed over {len(res.nodes)} times at step {step}; giving up")
 
+    #: a joining node between its admission and its first step: the running nodes are past the
+    #: barriers and broadcasts of Lightning's start-up (they are training), so it meets them alone
+    _catching_up = False
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._catching_up:
+            return
         self._resilient(lambda: super(_BambooStrategyMixin, self).barrier(*args, **kwargs))  # type: ignore[misc]
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._catching_up:
+            return obj  # same program, same arguments: what rank ``src`` had at start-up
         return self._resilient(lambda: super(_BambooStrategyMixin, self).broadcast(obj, src))  # type: ignore[misc]
 
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        if self._catching_up:  # start-up checks (e.g. "every rank's dataloader has a length"): the local value
+            return args[0] if args else kwargs["tensor"]
         return self._resilient(lambda: super(_BambooStrategyMixin, self).reduce(*args, **kwargs))  # type: ignore[misc]
 
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
@@ -765,6 +948,9 @@ class _BambooStrategyMixin:
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         if self.resilience is not None:
+            trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+            if trainer is not None and not trainer.interrupted:
+                self.resilience.finish()  # standby nodes never admitted stop waiting
             self.resilience.stop()
         # The engine and the process group outlive fit(): trainer.save_checkpoint() after fit is
         # common and needs both. They are released at interpreter exit (see _release_at_exit).
@@ -838,6 +1024,40 @@ def _record_failures() -> None:
         previous(*args)
 
     sys.excepthook = hook
+
+
+_PATCHED: dict[tuple[type, str], type] = {}
+
+
+def _under_membership(obj: Any) -> bool:
+    return getattr(obj.trainer.strategy, "resilience", None) is not None
+
+
+def _skip_sigterm_broadcast(self: Any) -> None:
+    """The epoch loop's per-batch "did rank 0 get SIGTERM" broadcast; skipped under membership."""
+    if not _under_membership(self):
+        type(self).__mro__[1]._broadcast_sigterm_tensor(self)
+
+
+def _sigterm_is_a_notice(self: Any, signum: Any, frame: Any) -> None:
+    """Lightning's SIGTERM handler; under membership a flag only (never a collective in a handler)."""
+    if not _under_membership(self):
+        type(self).__mro__[1]._sigterm_notifier_fn(self, signum, frame)
+        return
+    from lightning_bamboo.strategy.resilience import request_leave
+
+    self.received_sigterm = True
+    request_leave()
+
+
+_REPLACEMENTS = {"_broadcast_sigterm_tensor": _skip_sigterm_broadcast, "_sigterm_notifier_fn": _sigterm_is_a_notice}
+
+
+def _without_raw_broadcast(base: type, method: str) -> type:
+    """A subclass of Lightning's ``base`` whose ``method`` makes no raw collective under membership."""
+    if (base, method) not in _PATCHED:
+        _PATCHED[base, method] = type(f"Bamboo{base.__name__}", (base,), {"_bamboo": True, method: _REPLACEMENTS[method]})
+    return _PATCHED[base, method]
 
 
 def _pipeline_step_placeholder(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 from lightning_bamboo.engine.failover import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
-from lightning_bamboo.launcher import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
+from lightning_bamboo.launcher import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,11 @@ def _leave_requested() -> bool:
 
 def launched_by_bamboo() -> bool:
     return STORE_ENV in os.environ
+
+
+def joining() -> bool:
+    """This process is a node joining a running job (it waits as standby until admitted)."""
+    return launched_by_bamboo() and os.environ.get(JOIN_ENV) == "1"
 
 
 class Resilience:
@@ -65,12 +70,20 @@ class Resilience:
         self.store = connect(self.url)
         self.registry = Registry(self.store, self.job, self.node, ttl=max(1.0, detection_timeout * 0.8))
         self.registry.join()
-        barrier(self.store, f"{self.base}rdzv/0", self.node, self.nodes, timeout=rendezvous_timeout)
+        self.joining = joining()
         self._detector_cls = LossDetector
+        if self.joining:
+            self.nodes = []  # not in any pipeline until admitted (see wait_admission)
+            self.store.put(f"{self.base}standby/{self.node}", "1")
+        else:
+            barrier(self.store, f"{self.base}rdzv/0", self.node, self.nodes, timeout=rendezvous_timeout)
         self.detector = self._watch(self.nodes)
         self.failovers: list[dict[str, Any]] = []
+        self.reconfigurations: list[dict[str, Any]] = []
         self.leaving = False  # this node announced it leaves after the step in flight
         self.leavers: set[str] = set()  # peers that announced they leave (seen at a commit)
+        self.admitting = False  # set by RebalanceCallback: standby nodes are reported at every commit
+        self.joiners: list[str] = []  # standby nodes seen at the last commit (the same list on every node)
 
     def _watch(self, nodes: list[str]) -> Any:
         peers = [n for n in nodes if n != self.node]
@@ -86,6 +99,11 @@ class Resilience:
     def commit(self, step: int) -> None:
         """Say our part of ``step`` is ready and wait (bounded, abortable) until everyone's is."""
         prefix = self._commit_prefix(step)
+        joiners_key = f"{self.base}joiners/{self.generation}/{step}"
+        if self.admitting and self.nodes[0] == self.node:
+            # Put before our commit key: whoever sees the step commit sees the same standby list.
+            if standby := self.standby():
+                self.store.put(joiners_key, json.dumps(standby))
         if not self.leaving and _leave_requested():
             # Announce before our commit key: whoever sees the step commit also sees that we leave,
             # so the neighbours switch at the next step boundary and no work is lost.
@@ -99,6 +117,9 @@ class Resilience:
             if {kv.key[len(prefix):] for kv in snap.kvs} >= set(self.nodes):
                 leaving = self.store.get_prefix(f"{self.base}leaving/")
                 self.leavers = {kv.key.rsplit("/", 1)[1] for kv in leaving.kvs} & set(self.nodes) - {self.node}
+                if self.admitting:
+                    kv = self.store.get(joiners_key)
+                    self.joiners = json.loads(kv.value) if kv is not None else []
                 return
             if self.detector.event.is_set():
                 raise PeerLost(f"lost {sorted(self.detector.lost)} before step {step} committed", self.detector.lost)
@@ -106,6 +127,52 @@ class Resilience:
                 raise BambooError(f"step {step} did not commit within {self.rendezvous_timeout} s ({prefix})")
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=0.2)
             revision = change.revision
+
+    # ------------------------------------------------------------------ standby nodes and admission
+    def standby(self) -> list[str]:
+        """Live nodes waiting to join (registered as standby, not in the pipeline), sorted."""
+        live = set(self.registry.members().live)
+        keys = self.store.get_prefix(f"{self.base}standby/").kvs
+        return sorted(n for n in (kv.key.rsplit("/", 1)[1] for kv in keys) if n in live and n not in self.nodes)
+
+    def admit(self, record: dict[str, Any]) -> None:
+        """Publish a reconfiguration (generation, order, parts...) so that the standby nodes in it join."""
+        self.store.put(f"{self.base}admit/{record['generation']}", json.dumps(record))
+
+    def wait_admission(self, poll: float = 1.0) -> dict[str, Any] | None:
+        """Standby until a reconfiguration names this node (its record) or the job finishes (None).
+
+        A standby node is live (its lease is kept) and costs nothing; it waits as long as the job runs.
+        """
+        prefix = f"{self.base}admit/"
+        revision = 0
+        while True:
+            snap = self.store.get_prefix(prefix)
+            records = sorted((json.loads(kv.value) for kv in snap.kvs), key=lambda r: r["generation"])
+            mine = [r for r in records if self.node in r["order"]]
+            if mine:
+                return mine[-1]
+            if self.store.get(f"{self.base}finished") is not None:
+                return None
+            change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
+            revision = change.revision
+
+    def enter(self, record: dict[str, Any]) -> tuple[int, int]:
+        """Join the process group of an admission record (as a standby node); returns (rank, world size)."""
+        self.generation = int(record["generation"]) - 1
+        rank, world = self.reform(list(record["order"]), tag=record["tag"])
+        self.joining = False
+        self.store.delete(f"{self.base}standby/{self.node}")
+        return rank, world
+
+    def finish(self) -> None:
+        """The job is over: standby nodes that were never admitted stop waiting."""
+        self.store.put(f"{self.base}finished", "1")
+
+    def record_reconfiguration(self, record: dict[str, Any]) -> None:
+        self.reconfigurations.append(record)
+        if self.nodes and self.nodes[0] == self.node:
+            self.store.put(f"{self.base}reconfigurations/{self.generation}", json.dumps(record))
 
     def committed(self, step: int) -> bool:
         prefix = self._commit_prefix(step)
@@ -142,6 +209,8 @@ class Resilience:
 
         generation = self.generation + 1
         prefix = f"{self.base}rdzv/{generation}/{tag}"
+        if set(order) - set(self.nodes) - {self.node}:
+            self.detector.watch([n for n in order if n != self.node])  # newcomers too: none may be waited on dead
         deadline = time.monotonic() + self.rendezvous_timeout
         while True:
             gone = self.detector.lost & set(order)

@@ -1,0 +1,143 @@
+"""RebalanceCallback: at every step boundary, ask the reconfiguration policy what the pipeline should be, and do it.
+
+Bamboo's runtime keeps training through a loss by letting the lost node's predecessor run both
+stages (failover). That node is then *overloaded* and the job runs at the pace of its double
+stage; standby nodes may be waiting to help. At each step boundary this callback describes the
+cluster to :func:`lightning_bamboo.membership.policy.reconfigure` (the live pipeline nodes, the
+standby nodes that registered, which nodes are overloaded) and executes its decision with
+``BambooStrategy.reconfigure``: layers and optimizer state move point to point, joining nodes
+get Lightning's training state, replicas are rebuilt. Every decision that changes something is
+logged with its measured cost.
+
+It needs the Bamboo launcher (membership in a store); elsewhere nothing can change and it only
+keeps the layout. With ``admit=True`` (the default) standby nodes are reported at every commit,
+one store read per step on the first node.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.pytorch import Callback
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.policy import Decision, Layout, PolicyConfig, reconfigure
+
+log = logging.getLogger(__name__)
+
+
+class RebalanceCallback(Callback):
+    """Rebalance, re-deepen or grow the pipeline at step boundaries, as the reconfiguration policy decides.
+
+    Args:
+        stages: the preferred pipeline depth (default: the depth the job started with). When
+            fewer nodes remain the pipeline gets shallower; when standby nodes come back it gets
+            this deep again.
+        min_stages: the shallowest pipeline to run (default 2: a replica needs a second stage).
+        max_overloaded_fraction: Bamboo's risk rule: rebuild as soon as ``2 * overloaded / active``
+            exceeds this (default 0.05, i.e. any overloaded node in a small job).
+        admit: let standby nodes join (they are started with ``BAMBOO_JOIN=1``, see
+            ``Cluster.spawn_joiner``).
+    """
+
+    def __init__(
+        self, stages: int | None = None, min_stages: int = 2, max_overloaded_fraction: float = 0.05, admit: bool = True
+    ) -> None:
+        if stages is not None and stages < 1:
+            raise BambooConfigError(f"RebalanceCallback(stages={stages}): the preferred depth must be >= 1, or None")
+        if min_stages < 1:
+            raise BambooConfigError(f"RebalanceCallback(min_stages={min_stages}) must be >= 1")
+        if not 0.0 <= max_overloaded_fraction <= 1.0:
+            raise BambooConfigError(
+                f"RebalanceCallback(max_overloaded_fraction={max_overloaded_fraction}) must be in [0, 1]; use e.g. 0.05"
+            )
+        self.stages, self.min_stages, self.admit = stages, min_stages, admit
+        self.max_overloaded_fraction = max_overloaded_fraction
+        self.layout: Layout | None = None  # the policy's view: lost nodes stay in it until a decision drops them
+        self.decisions: list[dict[str, Any]] = []  # every decision that changed something, with its cost
+        self._deferred: str | None = None
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if not callable(getattr(trainer.strategy, "reconfigure", None)):
+            raise BambooConfigError(
+                f"RebalanceCallback reconfigures a BambooStrategy; this trainer runs {type(trainer.strategy).__name__}. "
+                "Use Trainer(strategy='bamboo')"
+            )
+        res = trainer.strategy.resilience
+        if res is not None and self.admit:
+            res.admitting = True
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        current = self._runtime(trainer)
+        if self.layout is None or not set(current.nodes) <= set(self.layout.nodes):
+            self.layout = current  # a fresh start, or a restart in another layout
+        if self.stages is None:
+            self.stages = max(self.layout.stages, current.stages)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = trainer.strategy
+        res = strategy.resilience
+        if res is None or res.leavers or self.layout is None:
+            return  # no membership, or a node leaves now: its neighbours take over at the next step first
+        decision = self.decide(list(res.nodes), [n for n in res.joiners if n not in res.nodes], strategy.layout.num_layers)
+        if not decision.changed:
+            return
+        new = decision.require_layout()
+        if new.pipelines != 1:
+            reason = f"{decision.action} to {new.pipelines} pipelines deferred: failover runs one pipeline for now"
+            if reason != self._deferred:
+                log.warning("RebalanceCallback: %s", reason)
+                self._deferred = reason
+            return
+        order, parts = list(new.grid[0]), tuple(new.parts)
+        self.layout, self._deferred = new, None  # before the move: a joining node gets this state
+        seconds = strategy.reconfigure(order, parts, reason=f"{decision.action}: {decision.reason}")
+        event = {"step": trainer.global_step, "action": decision.action, "reason": decision.reason, "order": order,
+                 "parts": list(parts), "moved": list(decision.moved), "seconds": seconds}
+        self.decisions.append(event)
+        log.warning("RebalanceCallback: step %d %s (%s) -> %s parts %s in %.2f s", event["step"], decision.action,
+                    decision.reason, order, list(parts), seconds)
+        pl_module.log("rebalance/seconds", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
+        pl_module.log("rebalance/count", float(len(self.decisions)), on_step=True, on_epoch=False, rank_zero_only=True)
+
+    # ------------------------------------------------------------------ the decision (pure)
+    def decide(self, nodes: list[str], standby: list[str], layers: int) -> Decision:
+        """The policy's decision for pipeline ``nodes`` (the runtime's, after any failover) and ``standby`` nodes."""
+        assert self.layout is not None and self.stages is not None
+        layout = self.layout
+        lost = [n for n in layout.nodes if n not in nodes]
+        overloaded = sorted({layout.replica_holder(n) for n in lost} & set(nodes))
+        micro = sum(layout.micro_batches)
+        config = PolicyConfig(
+            stages=self.stages, layers=layers, global_micro_batches=micro,
+            min_stages=min(self.min_stages, self.stages), max_overloaded_fraction=self.max_overloaded_fraction,
+        )
+        return reconfigure(nodes + standby, standby, layout, overloaded, config)
+
+    @staticmethod
+    def _runtime(trainer: Any) -> Layout:
+        """The pipeline the strategy runs now, as the policy's ``Layout``."""
+        strategy = trainer.strategy
+        runtime = strategy.layout
+        res = strategy.resilience
+        names = list(res.nodes) if res is not None else [f"rank{r}" for r in range(trainer.world_size)]
+        grid = tuple(tuple(names[s * runtime.pipelines + p] for s in range(runtime.stages)) for p in range(runtime.pipelines))
+        micro = strategy.engine.micro_batches if strategy.engine is not None else 1
+        return Layout(grid, tuple(runtime.parts), (int(micro),) * runtime.pipelines)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        layout = None
+        if self.layout is not None:
+            layout = {"grid": [list(r) for r in self.layout.grid], "parts": list(self.layout.parts),
+                      "micro_batches": list(self.layout.micro_batches)}
+        return {"layout": layout, "stages": self.stages, "decisions": list(self.decisions)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("layout")
+        if saved is not None:
+            self.layout = Layout(tuple(tuple(r) for r in saved["grid"]), tuple(saved["parts"]), tuple(saved["micro_batches"]))
+        self.stages = state_dict.get("stages", self.stages)
+        self.decisions = list(state_dict.get("decisions", []))

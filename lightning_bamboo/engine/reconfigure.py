@@ -1,0 +1,100 @@
+"""Live reconfiguration: which layers move from which node to which (pure), and moving them point to point.
+
+A reconfiguration changes a pipeline between two steps without a loss: standby nodes join, the
+layer split is evened out after a failover left one node with two stages, the pipeline gets
+deeper again. Every layer a node must run and does not already run is sent to it by the node
+that runs it now (its weights and optimizer state, no disk); replicas are rebuilt afterwards by
+the usual ring exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_bamboo.errors import BambooError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Move:
+    """Layers ``start..stop-1`` go from node ``src`` (which runs them now) to node ``dst``."""
+
+    src: str
+    dst: str
+    start: int
+    stop: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+def _owners(order: Sequence[str], parts: Sequence[int]) -> dict[int, str]:
+    if len(parts) != len(order) + 1 or parts[0] != 0 or any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
+        raise BambooError(
+            f"a layout needs {len(order) + 1} strictly increasing layer boundaries from 0 for {len(order)} nodes "
+            f"(got parts {list(parts)} for nodes {list(order)})"
+        )
+    return {layer: node for s, node in enumerate(order) for layer in range(parts[s], parts[s + 1])}
+
+
+def transfer_plan(
+    old_order: Sequence[str], old_parts: Sequence[int], new_order: Sequence[str], new_parts: Sequence[int]
+) -> tuple[Move, ...]:
+    """The moves that turn layout ``(old_order, old_parts)`` into ``(new_order, new_parts)``.
+
+    Nodes that keep a layer keep it (nothing sent); every other layer of a node's new range comes
+    from its current owner, in contiguous runs. Moves are ordered by destination rank, then layer,
+    so that every node executes them in the same order (no deadlock with blocking sends).
+    """
+    old, new = _owners(old_order, old_parts), _owners(new_order, new_parts)
+    if sorted(old) != sorted(new):
+        raise BambooError(
+            f"the new layout must cover the same layers as the old one (old: {len(old)} layers, new: {len(new)})"
+        )
+    if dups := sorted({n for n in new_order if list(new_order).count(n) > 1}):
+        raise BambooError(f"a node may run one stage only (repeated: {dups})")
+    if gone := sorted(set(old_order) - set(new_order)):
+        raise BambooError(
+            f"a reconfiguration keeps every node that holds layers (missing from the new layout: {gone}); "
+            "losses are served by failover first"
+        )
+    moves: list[Move] = []
+    for layer in sorted(new):
+        src, dst = old[layer], new[layer]
+        if src == dst:
+            continue
+        last = moves[-1] if moves else None
+        if last is not None and last.src == src and last.dst == dst and last.stop == layer:
+            moves[-1] = Move(src, dst, last.start, layer + 1)
+        else:
+            moves.append(Move(src, dst, layer, layer + 1))
+    rank = {n: i for i, n in enumerate(new_order)}
+    return tuple(sorted(moves, key=lambda m: (rank[m.dst], m.start)))
+
+
+def move_layers(
+    moves: Sequence[Move], me: str, rank_of: Mapping[str, int], states: Mapping[int, dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """Execute ``moves`` over the current process group; returns the layer states this node received.
+
+    ``states`` are the layers this node runs now (sent where a move says so); ``rank_of`` maps
+    nodes to ranks of the (new) process group. Every node walks the same list in the same order
+    and takes part only in its own moves, so the blocking point-to-point calls cannot deadlock.
+    """
+    from lightning_bamboo.engine.replica import exchange_objects
+
+    received: dict[int, dict[str, Any]] = {}
+    for move in moves:
+        if move.src == me:
+            missing = [i for i in move.layers if i not in states]
+            if missing:
+                raise BambooError(f"{me} must send layers {missing} it does not hold")
+            exchange_objects({i: states[i] for i in move.layers}, send_to=rank_of[move.dst], recv_from=None)
+        elif move.dst == me:
+            received.update(exchange_objects(None, send_to=None, recv_from=rank_of[move.src]))
+    return received

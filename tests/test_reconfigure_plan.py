@@ -1,0 +1,92 @@
+"""Live reconfiguration, the pure parts: which layers move where, and what the rebalancing callback decides."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_bamboo.callbacks.rebalance import RebalanceCallback
+from lightning_bamboo.engine.reconfigure import Move, transfer_plan
+from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.policy import Layout
+
+
+def test_nothing_moves_when_the_layout_is_the_same():
+    assert transfer_plan(["a", "b"], [0, 3, 6], ["a", "b"], [0, 3, 6]) == ()
+
+
+def test_even_out_after_a_failover():
+    # b ran its own stage and its lost successor's (layers 2..5): layer 5 goes to d
+    moves = transfer_plan(["a", "b", "d"], [0, 2, 6, 8], ["a", "b", "d"], [0, 2, 5, 8])
+    assert moves == (Move("b", "d", 5, 6),)
+
+
+def test_a_joining_node_gets_its_layers_from_their_owners_in_runs():
+    moves = transfer_plan(["a", "b", "d"], [0, 2, 5, 8], ["a", "b", "d", "s"], [0, 2, 4, 6, 8])
+    # b keeps 2..3, d takes 4 from b and keeps 5, s takes 6..7 from d; ordered by destination rank
+    assert moves == (Move("b", "d", 4, 5), Move("d", "s", 6, 8))
+    assert list(moves[1].layers) == [6, 7]
+
+
+def test_a_new_node_in_the_middle_and_a_shift():
+    moves = transfer_plan(["a", "b"], [0, 4, 8], ["a", "s", "b"], [0, 3, 6, 8])
+    assert moves == (Move("a", "s", 3, 4), Move("b", "s", 4, 6))
+
+
+@pytest.mark.parametrize(
+    ("old", "old_parts", "new", "new_parts", "message"),
+    [
+        (["a", "b"], [0, 4, 8], ["a"], [0, 8], "keeps every node that holds layers"),
+        (["a", "b"], [0, 4, 8], ["a", "b"], [0, 4, 9], "same layers"),
+        (["a", "b"], [0, 4, 8], ["a", "a"], [0, 4, 8], "one stage only"),
+        (["a", "b"], [0, 4, 4], ["a", "b"], [0, 4, 8], "strictly increasing"),
+    ],
+)
+def test_bad_layouts_are_refused(old, old_parts, new, new_parts, message):
+    with pytest.raises(BambooError, match=message):
+        transfer_plan(old, old_parts, new, new_parts)
+
+
+def _callback(nodes, parts, stages=None):
+    cb = RebalanceCallback(stages=stages)
+    cb.layout = Layout((tuple(nodes),), tuple(parts), (4,))
+    cb.stages = stages or len(nodes)
+    return cb
+
+
+def test_callback_keeps_a_healthy_pipeline():
+    cb = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
+    assert cb.decide(["n0", "n1", "n2", "n3"], [], 8).action == "keep"
+
+
+def test_callback_spreads_the_layers_of_a_lost_node_over_the_survivors():
+    cb = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
+    decision = cb.decide(["n0", "n1", "n3"], [], 8)  # n2 lost, n1 serves its stage from the replica
+    assert decision.action == "restore_redundancy"
+    assert decision.layout.grid == (("n0", "n1", "n3"),) and decision.layout.parts == (0, 2, 5, 8)
+
+
+def test_callback_admits_a_standby_node_to_get_back_to_the_preferred_depth():
+    cb = _callback(["n0", "n1", "n3"], [0, 2, 5, 8], stages=4)
+    decision = cb.decide(["n0", "n1", "n3"], ["s1"], 8)
+    assert decision.action == "change_depth"
+    assert set(decision.layout.grid[0]) == {"n0", "n1", "n3", "s1"} and decision.layout.parts == (0, 2, 4, 6, 8)
+    # a full pipeline leaves a spare standby (one pipeline is all the global batch needs here)
+    full = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
+    assert full.decide(["n0", "n1", "n2", "n3"], ["s1"], 8).action == "keep"
+
+
+def test_callback_state_round_trips():
+    cb = _callback(["n0", "n1", "n3"], [0, 2, 5, 8], stages=4)
+    cb.decisions.append({"step": 3, "action": "restore_redundancy"})
+    other = RebalanceCallback()
+    other.load_state_dict(cb.state_dict())
+    assert other.layout == cb.layout and other.stages == 4 and other.decisions == cb.decisions
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"stages": 0}, "depth must be >= 1"), ({"min_stages": 0}, "min_stages"), ({"max_overloaded_fraction": 2}, r"\[0, 1\]")],
+)
+def test_callback_bad_arguments(kwargs, message):
+    with pytest.raises(BambooError, match=message):
+        RebalanceCallback(**kwargs)
