@@ -8,17 +8,28 @@ store URL and the node names), announces a worker that dies in the membership st
 every worker has exited::
 
     python -m lightning_bamboo.launcher --nodes 4 -- python train.py --stages 4
+
+Across machines, run one supervisor per machine against a shared etcd, each naming its node, the
+initial pipeline and the address its peers reach it at::
+
+    python -m lightning_bamboo.launcher --store etcd://10.0.0.1:2379 --node node1 \
+        --peers node0,node1,node2,node3 --addr 10.0.0.12 -- python train.py --stages 4
+
+A supervisor started later with ``--join`` (and no ``--peers``) adds a standby node that a
+``RebalanceCallback`` admits into the running job.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lightning_bamboo.engine.failover import free_port
 from lightning_bamboo.errors import BambooConfigError
@@ -26,6 +37,12 @@ from lightning_bamboo.errors import BambooConfigError
 STORE_ENV, JOB_ENV, NODE_ENV, NODES_ENV = "BAMBOO_STORE", "BAMBOO_JOB", "BAMBOO_NODE", "BAMBOO_NODES"
 #: set to "1" for a node that joins a running job: it waits as standby until a reconfiguration admits it
 JOIN_ENV = "BAMBOO_JOIN"
+#: the address this node's peers reach it at (process-group stores are hosted there); default loopback
+ADDR_ENV = "BAMBOO_ADDR"
+
+
+def node_address() -> str:
+    return os.environ.get(ADDR_ENV, "127.0.0.1")
 
 
 def node_names(nodes: int) -> list[str]:
@@ -84,14 +101,18 @@ class Cluster:
     def running(self) -> list[str]:
         return [n for n, p in self.procs.items() if n not in self.codes and p.poll() is None]
 
-    def poll(self) -> dict[str, int]:
-        """Reap workers that exited since the last call; announce the ones that died."""
+    def poll(self, announce_always: bool = False) -> dict[str, int]:
+        """Reap workers that exited since the last call; announce the ones that died.
+
+        A death is announced while other workers of this cluster run (they are its audience), or
+        always with ``announce_always`` (a one-node supervisor: its peers run elsewhere).
+        """
         exited = {}
         for name, proc in self.procs.items():
             if name in self.codes or proc.poll() is None:
                 continue
             self.codes[name] = exited[name] = proc.returncode
-            if proc.returncode != 0 and self.running:
+            if proc.returncode != 0 and (announce_always or self.running):
                 try:  # tell the survivors now; the lease would take its TTL
                     self._reporter.announce_loss(name, f"process exited with {proc.returncode}", timeout=2.0)
                 except Exception as err:  # noqa: BLE001 - the lease is the backstop
@@ -137,9 +158,79 @@ def launch(
         cluster.close()
 
 
+def supervise(
+    command: Sequence[str],
+    node: str,
+    *,
+    store: str,
+    peers: Sequence[str] = (),
+    addr: str = "127.0.0.1",
+    join: bool = False,
+    job: str = "bamboo",
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300.0,
+) -> int:
+    """Run one node of a job whose other nodes run elsewhere (one supervisor per machine); its exit code.
+
+    The first of ``peers`` publishes the address of the initial process group in the store
+    (``addr`` and a free port there); the others wait for it (at most ``timeout`` s). A worker
+    that dies is announced in the store at once, so its peers fail over in milliseconds.
+    """
+    from lightning_bamboo.engine.failover import free_port
+    from lightning_bamboo.membership.registry import job_prefix
+
+    if store == "embedded":
+        raise BambooConfigError(
+            "a node on its own needs a shared store: pass --store etcd://HOST:PORT (or embedded://HOST:PORT of a "
+            "running server); 'embedded' starts a private one"
+        )
+    if join == bool(peers):
+        raise BambooConfigError(
+            f"give --peers (the initial pipeline's nodes, in order) or --join (a standby node), exactly one "
+            f"(peers: {list(peers)}, join: {join})"
+        )
+    if peers and node not in peers:
+        raise BambooConfigError(f"--node {node!r} is not one of --peers {list(peers)}; list every initial node, this one too")
+    cluster = Cluster(store, job, {**(env or {}), ADDR_ENV: addr})
+    try:
+        if join:
+            cluster.spawn_joiner(node, command)
+        else:
+            key = f"{job_prefix(job)}master"
+            if node == peers[0]:
+                master = {"host": addr, "port": free_port(addr)}
+                cluster.store.put(key, json.dumps(master))
+            else:
+                master = _wait_for_key(cluster.store, key, timeout, f"the first node {peers[0]!r} to publish its address")
+            cluster.env.update({"MASTER_ADDR": str(master["host"]), "MASTER_PORT": str(master["port"])})
+            cluster.spawn(node, command, list(peers).index(node), list(peers))
+        while cluster.running:
+            cluster.poll(announce_always=True)
+            time.sleep(0.05)
+        cluster.poll(announce_always=True)
+        return cluster.codes[node]
+    finally:
+        cluster.close()
+
+
+def _wait_for_key(store: Any, key: str, timeout: float, what: str) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    revision = 0
+    while (kv := store.get(key)) is None:
+        if time.monotonic() > deadline:
+            raise BambooConfigError(f"waited {timeout:g} s for {what} ({key} in the store); start that node, or raise --timeout")
+        revision = store.wait_for_change(key, revision, timeout=1.0).revision
+    return dict(json.loads(kv.value))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_bamboo.launcher", description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--nodes", type=int, default=None, help="run this many nodes here (one machine)")
+    parser.add_argument("--node", default=None, help="run just this node here (one supervisor per machine)")
+    parser.add_argument("--peers", default="", help="with --node: the initial pipeline's nodes, in order, comma-separated")
+    parser.add_argument("--join", action="store_true", help="with --node: a standby node joining a running job")
+    parser.add_argument("--addr", default="127.0.0.1", help="with --node: the address peers reach this machine at")
+    parser.add_argument("--timeout", type=float, default=300.0, help="with --node: seconds to wait for the first node")
     parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
     parser.add_argument("--job", default="bamboo")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
@@ -147,6 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the worker command after --")
+    if (args.nodes is None) == (args.node is None):
+        parser.error("give --nodes N (all nodes on this machine) or --node NAME (one node of a larger job)")
+    if args.node is not None:
+        peers = [p for p in args.peers.split(",") if p]
+        code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
+                         job=args.job, timeout=args.timeout)
+        print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
+        return 0 if code == 0 else 1
     codes = launch(command, args.nodes, store=args.store, job=args.job)
     print("[launcher] exit codes: " + ", ".join(f"{n}={c}" for n, c in codes.items()), file=sys.stderr)
     return 0 if any(c == 0 for c in codes.values()) and all(c in (0, -9) for c in codes.values()) else 1

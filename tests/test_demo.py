@@ -55,7 +55,9 @@ def test_notice_then_two_far_apart_kills(clean, tmp_path):
     _, clean_weights = clean
     report, weights = demo(tmp_path, "--preempt", "node1@5:2,node3@15")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 2
-    assert report["recoveries"]["redundant"] == 2 and report["recoveries"]["checkpoint"] == 0
+    assert report["recoveries"] == {"redundant": 2, "checkpoint": 0, "restart": 0}
+    # after each loss the survivors' layers are evened out again (RebalanceCallback)
+    assert [r["parts"] for r in report["reconfigurations"]] == [[0, 2, 5, 8], [0, 4, 8]]
     assert report["nodes_at_end"] == 2
     assert max_abs_diff(weights, clean_weights) <= 1e-5
 

@@ -9,13 +9,19 @@ standby nodes that registered, which nodes are overloaded) and executes its deci
 get Lightning's training state, replicas are rebuilt. Every decision that changes something is
 logged with its measured cost.
 
+When: at the start of every step, after the strategy has handled nodes that left with a notice,
+so every node of the pipeline is in the same generation at the same step. What: each node
+computes the decision from what it knows, and the first proposal put in the store for that
+generation and step is the one every node executes (standby lists seen at slightly different
+times cannot split the pipeline). Cost without a change: two small store calls per step.
+
 It needs the Bamboo launcher (membership in a store); elsewhere nothing can change and it only
-keeps the layout. With ``admit=True`` (the default) standby nodes are reported at every commit,
-one store read per step on the first node.
+keeps the layout. With ``admit=True`` (the default) standby nodes are reported at every commit.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -57,6 +63,7 @@ class RebalanceCallback(Callback):
         self.layout: Layout | None = None  # the policy's view: lost nodes stay in it until a decision drops them
         self.decisions: list[dict[str, Any]] = []  # every decision that changed something, with its cost
         self._deferred: str | None = None
+        self._pl_module: Any = None
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -68,6 +75,8 @@ class RebalanceCallback(Callback):
         res = trainer.strategy.resilience
         if res is not None and self.admit:
             res.admitting = True
+        self._pl_module = pl_module
+        trainer.strategy.rebalancer = self.at_step_start  # called by the strategy: see the module docstring
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         current = self._runtime(trainer)
@@ -76,31 +85,42 @@ class RebalanceCallback(Callback):
         if self.stages is None:
             self.stages = max(self.layout.stages, current.stages)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        strategy = trainer.strategy
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if getattr(trainer.strategy, "rebalancer", None) == self.at_step_start:
+            trainer.strategy.rebalancer = None
+
+    def at_step_start(self, strategy: Any, step: int) -> None:
+        """Decide (agreed through the store) and reconfigure if the decision changes the pipeline."""
         res = strategy.resilience
-        if res is None or res.leavers or self.layout is None:
-            return  # no membership, or a node leaves now: its neighbours take over at the next step first
-        decision = self.decide(list(res.nodes), [n for n in res.joiners if n not in res.nodes], strategy.layout.num_layers)
-        if not decision.changed:
+        if res is None or self.layout is None:
             return
-        new = decision.require_layout()
-        if new.pipelines != 1:
-            reason = f"{decision.action} to {new.pipelines} pipelines deferred: failover runs one pipeline for now"
+        mine = self.decide(list(res.nodes), [n for n in res.joiners if n not in res.nodes], strategy.layout.num_layers)
+        proposal = {"action": mine.action, "reason": mine.reason, "moved": list(mine.moved), "layout": _layout_json(mine.layout),
+                    "by": res.node}
+        _, kv = res.store.put_if_absent(f"{res.base}rebalance/{res.generation}/{step}", json.dumps(proposal))
+        agreed = json.loads(kv.value)
+        if agreed["action"] == "keep":
+            return
+        new = _layout_from_json(agreed["layout"])
+        if new is None or new.pipelines != 1:
+            reason = f"{agreed['action']} deferred: " + (
+                "no layout (too few nodes)" if new is None else f"{new.pipelines} pipelines; failover runs one pipeline for now"
+            )
             if reason != self._deferred:
                 log.warning("RebalanceCallback: %s", reason)
                 self._deferred = reason
             return
         order, parts = list(new.grid[0]), tuple(new.parts)
         self.layout, self._deferred = new, None  # before the move: a joining node gets this state
-        seconds = strategy.reconfigure(order, parts, reason=f"{decision.action}: {decision.reason}")
-        event = {"step": trainer.global_step, "action": decision.action, "reason": decision.reason, "order": order,
-                 "parts": list(parts), "moved": list(decision.moved), "seconds": seconds}
+        seconds = strategy.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}")
+        event = {"step": step, "action": agreed["action"], "reason": agreed["reason"], "order": order,
+                 "parts": list(parts), "moved": agreed["moved"], "seconds": seconds}
         self.decisions.append(event)
-        log.warning("RebalanceCallback: step %d %s (%s) -> %s parts %s in %.2f s", event["step"], decision.action,
-                    decision.reason, order, list(parts), seconds)
-        pl_module.log("rebalance/seconds", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
-        pl_module.log("rebalance/count", float(len(self.decisions)), on_step=True, on_epoch=False, rank_zero_only=True)
+        log.warning("RebalanceCallback: step %d %s (%s) -> %s parts %s in %.2f s", step, agreed["action"],
+                    agreed["reason"], order, list(parts), seconds)
+        module = self._pl_module
+        module.log("rebalance/seconds", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
+        module.log("rebalance/count", float(len(self.decisions)), on_step=True, on_epoch=False, rank_zero_only=True)
 
     # ------------------------------------------------------------------ the decision (pure)
     def decide(self, nodes: list[str], standby: list[str], layers: int) -> Decision:
@@ -129,15 +149,22 @@ class RebalanceCallback(Callback):
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
-        layout = None
-        if self.layout is not None:
-            layout = {"grid": [list(r) for r in self.layout.grid], "parts": list(self.layout.parts),
-                      "micro_batches": list(self.layout.micro_batches)}
-        return {"layout": layout, "stages": self.stages, "decisions": list(self.decisions)}
+        return {"layout": _layout_json(self.layout), "stages": self.stages, "decisions": list(self.decisions)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("layout")
-        if saved is not None:
-            self.layout = Layout(tuple(tuple(r) for r in saved["grid"]), tuple(saved["parts"]), tuple(saved["micro_batches"]))
+        if (saved := _layout_from_json(state_dict.get("layout"))) is not None:
+            self.layout = saved
         self.stages = state_dict.get("stages", self.stages)
         self.decisions = list(state_dict.get("decisions", []))
+
+
+def _layout_json(layout: Layout | None) -> dict[str, Any] | None:
+    if layout is None:
+        return None
+    return {"grid": [list(r) for r in layout.grid], "parts": list(layout.parts), "micro_batches": list(layout.micro_batches)}
+
+
+def _layout_from_json(saved: dict[str, Any] | None) -> Layout | None:
+    if saved is None:
+        return None
+    return Layout(tuple(tuple(r) for r in saved["grid"]), tuple(saved["parts"]), tuple(saved["micro_batches"]))

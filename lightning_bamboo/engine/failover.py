@@ -93,9 +93,9 @@ def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[s
     return FailoverPlan(tuple(order), tuple(new_parts), tuple(serving))
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -111,13 +111,14 @@ def reform_process_group(
     """
     import torch.distributed as dist
 
+    from lightning_bamboo.launcher import node_address
     from lightning_bamboo.membership.registry import job_prefix
 
     rank, world = order.index(me), len(order)
     key = f"{job_prefix(job)}pg/{generation}/{tag}"
-    host = "127.0.0.1"
+    host = node_address()  # the new rank 0 hosts the group's store where its peers reach it
     if rank == 0:
-        port = free_port()
+        port = free_port(host)
         tcp = dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         store.put(key, json.dumps({"host": host, "port": port}))
     else:

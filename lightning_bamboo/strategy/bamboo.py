@@ -205,6 +205,8 @@ class _BambooStrategyMixin:
         if launched_by_bamboo() and self.resilience is None:
             self.resilience = Resilience(self.detection_timeout, rendezvous_timeout=self.timeout_seconds)
 
+    #: called at the start of every step under membership (``RebalanceCallback.at_step_start``)
+    rebalancer: Callable[[Any, int], None] | None = None
     _admission: dict[str, Any] | None = None  # the reconfiguration record that admitted this (joining) node
     _admitted_rank = 0
 
@@ -513,6 +515,7 @@ class _BambooStrategyMixin:
                 raise BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts")
         finally:
             faulthandler.cancel_dump_traceback_later()
+        res.leavers &= set(res.nodes)  # a leaver this failover already served needs no second one
         seconds = time.monotonic() - started
         res.record_failover({"step": step, "lost": sorted(set(base["nodes"]) - set(plan.order)), "committed": committed,
                              "seconds": seconds, "redone": in_flight and not committed,
@@ -675,11 +678,15 @@ class _BambooStrategyMixin:
 
         step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
         res = self.resilience
-        self._catching_up = False
+        joined_now, self._catching_up = self._catching_up, False
         if res is not None and res.leavers:
             # A peer announced at the last commit that it leaves: switch now, between steps, losing nothing.
             self._fail_over(PeerLost(f"{sorted(res.leavers)} left after a notice", res.leavers), step, in_flight=False)
             res.leavers = set()
+        if res is not None and self.rebalancer is not None and not joined_now:  # (a new node: decided already)
+            # Every node of the pipeline is here in the same generation at the same step (a failover
+            # that raced with the last commit has been joined by all): the place to reconfigure.
+            self.rebalancer(self, step)
         for _ in range(len(res.nodes) if res is not None else 1):
             self.engine.set_micro_batches(len(chunks))
             self.engine.batches_run = step
