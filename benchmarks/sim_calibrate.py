@@ -6,8 +6,12 @@ checkpoints every 4 steps), each line ``step N/K`` of the demo's progress stampe
 * Bamboo (lazy replicas), three far-apart kills (SIGKILL) -> step time at depth 6 and, after each
   failover, at depths 5, 4 and 3; checkpoint-save pause; failover pause (demo's recovery time
   minus the first step at the new depth: the step in flight is redone).
+  The step after each redone step starts with the RebalanceCallback evening out the layers: its
+  extra time over a plain step is the reconfiguration pause.
 * ``--no-redundancy``, one kill -> step time at depths 6 and 5 without replicas; restart pause
   (recovery time minus the first step after the restart).
+* a join: node2 killed at step 4, spare1 started at step 5 -> from starting a node to its
+  admission at a step start (process and model start-up, standby registration).
 
 The numbers go to the ``demo`` section of lightning_bamboo/data/sim_params.json through
 ``record_measurement(..., section="demo")``: they describe the demo on this machine, NOT a GPU
@@ -41,7 +45,9 @@ CHECKPOINT_EVERY = 4
 RUNS = {
     "bamboo": (36, "node2@9,node4@18,node0@27", ()),
     "no_redundancy": (24, "node2@9", ("--no-redundancy",)),
+    "join": (120, "node2@4", ("--join", "spare1@5")),
 }
+JOIN_AT = 5
 
 
 def timed_demo(steps: int, preempt: str, extra: tuple[str, ...], workdir: Path) -> dict:
@@ -91,11 +97,13 @@ def from_bamboo(run: dict) -> dict:
     """Depth-6..3 step times, save pause and failover pause from the run with three failovers."""
     iv = step_intervals(parse_progress(run["lines"]))
     kills = [9, 18, 27]
-    bounds = [(2, 9), (11, 18), (20, 27), (29, 36)]  # step kills[i] + 1 holds the failover
+    # step kills[i] + 1 holds the failover, kills[i] + 2 the rebalance (RebalanceCallback) before it
+    bounds = [(2, 9), (12, 18), (21, 27), (30, 36)]
     depths = {
         6 - i: mean_of(iv, clean_steps(a, b, CHECKPOINT_EVERY), f"depth {6 - i}")
         for i, (a, b) in enumerate(bounds)
     }
+    rebalance = [iv[k + 2] - depths[5 - i] for i, k in enumerate(kills) if k + 2 in clean_steps(k + 2, k + 2, CHECKPOINT_EVERY)]
     saves = [
         iv[s] - depths[6 - i]
         for i, (a, b) in enumerate(bounds)
@@ -106,7 +114,16 @@ def from_bamboo(run: dict) -> dict:
     if len(recov) != len(kills):
         raise RuntimeError(f"expected {len(kills)} recoveries in the bamboo run, got {recov}; see its report")
     failover = [r - depths[5 - i] for i, r in enumerate(recov)]
-    return {"step_seconds": depths, "saves": saves, "failover": failover, "end": end_seconds(run)}
+    return {"step_seconds": depths, "saves": saves, "failover": failover, "rebalance": rebalance, "end": end_seconds(run)}
+
+
+def from_join(run: dict) -> float:
+    """Seconds from starting the joining node (when step JOIN_AT is done) to the step its admission precedes."""
+    admitted = [r["step"] for r in run["report"]["reconfigurations"] if "spare1" in r["order"]]
+    if not admitted:
+        raise RuntimeError(f"spare1 was never admitted in the join run: {run['report']['reconfigurations']}")
+    done = {step: t for t, step in parse_progress(run["lines"])}
+    return done[admitted[0]] - done[JOIN_AT]
 
 
 def from_no_redundancy(run: dict) -> dict:
@@ -128,6 +145,8 @@ def from_no_redundancy(run: dict) -> dict:
 def derive(runs: dict) -> dict:
     b, n = from_bamboo(runs["bamboo"]), from_no_redundancy(runs["no_redundancy"])
     return {
+        "reconfigure_seconds": round(statistics.fmean(b["rebalance"]), 3),
+        "join_seconds": round(from_join(runs["join"]), 3),
         "step_seconds": {str(k): round(v, 3) for k, v in b["step_seconds"].items()},
         "step_seconds_no_redundancy": {str(k): round(v, 3) for k, v in n["step_seconds"].items()},
         "checkpoint_save_seconds": round(statistics.fmean(b["saves"] + n["saves"]), 3),
@@ -151,7 +170,9 @@ PROVENANCE = {
     "restart_seconds": "demo recovery time of one --no-redundancy kill minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
     "startup_timeout_seconds": "CONFIGURED, not measured: the demo's rendezvous timeout (BambooStrategy(timeout=60) in "
     "lightning_bamboo/demo/worker.py); a worker lost while a restart starts leaves the others waiting that long",
-    "end_seconds": "seconds the demo's wall time counts after the last step (final save, consolidation, exit), mean of both runs (4.6 s with replicas, 13.1 s after a restart in this calibration)",
+    "reconfigure_seconds": "mean extra time of the step interval after each redone step (no checkpoint in it): the RebalanceCallback evening out the layers",
+    "join_seconds": "from the step at which the demo started spare1 (--join spare1@5) to the step boundary it was admitted at: start-up and standby registration, 6 workers busy",
+    "end_seconds": "seconds the demo's wall time counts after the last step (final save, consolidation, exit), mean of the runs with replicas and without",
 }
 
 

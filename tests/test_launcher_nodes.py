@@ -2,7 +2,8 @@
 
 Each node runs `python -m lightning_bamboo.launcher --node NAME --peers ... --addr 127.0.0.N`, as it
 would on its own machine. The first node publishes the initial process group's address; after node0
-is killed, the new rank 0 (node1) hosts the re-formed group's store at *its* address.
+is killed, the new rank 0 (node2, which took stage 0 over from its replica) hosts the re-formed
+group's store at *its* address.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def test_nodes_on_their_own_addresses_fail_over_across_them(etcd, tmp_path):
             except ProcessLookupError:
                 pass
     assert procs["node0"].returncode == 1, outputs["node0"][-2000:]  # its worker was SIGKILLed
-    assert procs["node1"].returncode == 0 and procs["node2"].returncode == 0, outputs["node1"][-3000:]
-    summary = [json.loads(line) for line in outputs["node1"].splitlines() if line.startswith("{") and "global_step" in line][-1]
+    assert procs["node1"].returncode == 0 and procs["node2"].returncode == 0, outputs["node2"][-3000:]
+    lines = [json.loads(line) for out in outputs.values() for line in out.splitlines() if line.startswith("{") and "global_step" in line]
+    assert len(lines) == 1, {node: out[-1500:] for node, out in outputs.items()}
+    (summary,) = lines
     assert summary["global_step"] == 10 and summary["world_size"] == 2 and summary["failovers"][0]["lost"] == ["node0"]
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(10, 8, 1, 2)) <= 1e-5
     store = connect(etcd.url)
@@ -74,7 +77,9 @@ def test_nodes_on_their_own_addresses_fail_over_across_them(etcd, tmp_path):
         base = job_prefix("multi")
         assert json.loads(store.get(f"{base}master").value)["host"] == ADDRS["node0"]
         (pg,) = [json.loads(kv.value) for kv in store.get_prefix(f"{base}pg/1/").kvs]
-        assert pg["host"] == ADDRS["node1"]  # the new rank 0 hosts the new group where its peers reach it
+        # stage 0's replica holder (the last node) took it over and is the new rank 0: it hosts the new group
+        assert summary["failovers"][0]["order"] == ["node2", "node1"]
+        assert pg["host"] == ADDRS["node2"]
     finally:
         store.close()
 

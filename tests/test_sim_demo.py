@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -116,7 +117,23 @@ def test_without_redundancy_every_loss_restarts_and_standby_losses_do_not():
 def test_replay_uses_the_demos_own_view_of_a_trace():
     trace = parse_trace(["0,add,a", "0,add,b", "0,add,c", "0,add,d", "0,add,e", "3000,remove,c"], "t")
     events = events_from_trace(trace, NODES, time_scale=2.0)  # e joins as standby, c = node2 dies at 1.5 s
-    assert replay_demo(events, NODES, P, 4).seconds == pytest.approx(6.75)
+    # step 2 ends at 1; step 3 is cut at 1.5 and redone on 3 stages from 1.75 (2 s); e is still starting
+    # (join_seconds 10): step 4 runs on 3 stages too -> 5.75, + 1 s end
+    assert replay_demo(events, NODES, replace(P, join_seconds=10.0), 4).seconds == pytest.approx(6.75)
+    # e is up: at the start of step 4 (3.75) it is admitted (a 0.5 s reconfiguration), step 4 on 4 stages
+    fast = replace(P, join_seconds=0.0, reconfigure_seconds=0.5)
+    prediction = replay_demo(events, NODES, fast, 4)
+    assert prediction.seconds == pytest.approx(3.75 + 0.5 + 1.0 + 1.0)
+    assert any("admit" in what for _, what in prediction.timeline)
+
+
+def test_replay_evens_out_the_layers_after_a_failover_with_nobody_to_admit():
+    trace = parse_trace(["0,add,a", "0,add,b", "0,add,c", "0,add,d", "3000,remove,c"], "t")
+    events = events_from_trace(trace, NODES, time_scale=2.0)
+    prediction = replay_demo(events, NODES, replace(P, reconfigure_seconds=0.5), 4)
+    # as above, and the rebalance pause before step 4 (still 3 stages): 1.75 + 2 + 0.5 + 2 + 1
+    assert prediction.seconds == pytest.approx(7.25)
+    assert prediction.recoveries["redundant"] == 1
 
 
 def test_demo_measurements_live_in_their_own_section(tmp_path):

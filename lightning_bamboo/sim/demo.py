@@ -3,10 +3,13 @@
 The cluster policies of :mod:`lightning_bamboo.sim.policies` describe a cluster of many pipelines
 with a fluid rate. The demo differs in ways that matter at 20-60 steps, so it gets its own replay:
 
-* one pipeline of at most ``stages`` nodes; every other live node waits as standby and is used
-  only when the job restarts (the demo never rebuilds a running pipeline);
+* one pipeline of at most ``stages`` nodes; every other live node waits as standby;
 * with replicas, a lost node's stage moves to its replica holder (the pipeline gets one node
-  shorter, replicas are rebuilt around the new ring) and the step in flight is redone; losses that
+  shorter, replicas are rebuilt around the new ring) and the step in flight is redone; at the start
+  of the next step the demo's ``RebalanceCallback`` reconfigures (a ``reconfigure_seconds`` pause):
+  standby nodes that are up take the pipeline back towards ``stages``, else the layers are evened
+  out over the survivors; a node that joins is up ``join_seconds`` later and is admitted the same
+  way at the next step start while the pipeline is shorter than ``stages``; losses that
   :func:`lightning_bamboo.engine.failover.plan_failover` calls fatal (a node and its replica
   holder together, or the last node of a one-node pipeline) restart from the last checkpoint;
 * without replicas (``--no-redundancy``) every loss of a running node restarts the job from the
@@ -50,6 +53,8 @@ class DemoParams:
         0.0  # a worker lost while a restart starts: the others wait this long, then fail
     )
     samples_per_step: int = 8
+    reconfigure_seconds: float = 0.0  # a live reconfiguration (rebalance after a failover, admitting a node)
+    join_seconds: float = 0.0  # from starting a joining node to it standing by (process and model start-up)
 
     def __post_init__(self) -> None:
         for name in ("step_seconds", "step_seconds_no_redundancy"):
@@ -65,6 +70,8 @@ class DemoParams:
             "checkpoint_save_seconds",
             "end_seconds",
             "startup_timeout_seconds",
+            "reconfigure_seconds",
+            "join_seconds",
         ):
             if not float(getattr(self, name)) >= 0:
                 raise ParamError(f"demo parameter {name} must be >= 0 (got {getattr(self, name)!r})")
@@ -129,6 +136,8 @@ class _Run:
     start: float = 0.0  # when the next step starts (after a pause) or the step in flight started
     restart_until: float = -1.0  # the job is restarting (no process group to fail over in) until then
     respawn_at: float | None = None  # a restart that lost a worker while starting fails and respawns then
+    ready: dict[str, float] = field(default_factory=dict)  # joined nodes started live -> when they stand by
+    rebalance_due: bool = False  # a failover happened: the next step start reconfigures
 
 
 def replay_demo(
@@ -181,6 +190,8 @@ def replay_demo(
         if run.done % checkpoint_every == 0 and run.done < steps:
             run.start = finish + params.checkpoint_save_seconds
             run.pending = (run.done, run.start)
+        if redundancy and run.done < steps:
+            _step_start(run, params, stages, out)
     out.steps_completed = run.done
     out.seconds = run.start + params.end_seconds
     out.samples_per_second = steps * params.samples_per_step / out.seconds if out.seconds > 0 else 0.0
@@ -203,8 +214,11 @@ def _apply(
     for e in batch:
         if e.kind == "join":
             run.alive.append(e.node)
+            if redundancy:
+                run.ready[e.node] = now + params.join_seconds  # started now; admitted live once up
         elif e.node in run.alive:
             run.alive.remove(e.node)
+            run.ready.pop(e.node, None)
             if e.node in run.running:
                 lost.append(e.node)
     if not lost:
@@ -226,6 +240,7 @@ def _apply(
         return
     out.recoveries["redundant"] += 1
     run.running, run.parts = list(plan.order), plan.parts
+    run.rebalance_due = True
     if run.pending is not None:  # a save was cut: it runs again after the failover
         run.start = now + params.failover_seconds + params.checkpoint_save_seconds
         run.pending = (run.pending[0], run.start)
@@ -235,6 +250,21 @@ def _apply(
     else:  # already paused (an earlier failover): the pause runs on from now
         run.start = max(run.start, now + params.failover_seconds)
     out.timeline.append((now, f"lost {lost}: failover to {len(run.running)} stages"))
+
+
+def _step_start(run: _Run, params: DemoParams, stages: int, out: DemoPrediction) -> None:
+    """RebalanceCallback at the start of a step: admit standby nodes that are up, or even out the layers."""
+    up = [n for n, t in run.ready.items() if t <= run.start and n not in run.running]
+    admitted = up[: max(0, stages - len(run.running))]
+    if not admitted and not run.rebalance_due:
+        return
+    for node in admitted:
+        run.running.append(node)
+        del run.ready[node]
+    run.parts = even_parts(DEMO_LAYERS, len(run.running))
+    run.rebalance_due = False
+    run.start += params.reconfigure_seconds
+    out.timeline.append((run.start, f"reconfigure to {len(run.running)} stages" + (f" (admit {admitted})" if admitted else "")))
 
 
 def _restart(
@@ -248,6 +278,8 @@ def _restart(
     out.recomputed_steps += run.done - run.checkpoint
     run.done = run.checkpoint
     run.running = run.alive[:stages]
+    run.ready.clear()  # every live node restarts as a worker or a (restarted) standby
+    run.rebalance_due = False
     run.parts = even_parts(DEMO_LAYERS, len(run.running))
     run.start = run.restart_until = now + params.restart_seconds
     out.timeline.append((now, f"lost {lost}: restart {len(run.running)} stages from step {run.checkpoint}"))
