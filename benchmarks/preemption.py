@@ -2,7 +2,8 @@
 
 Both runs are `lightning-bamboo demo` on the same slice: the first 6 nodes of
 lightning_bamboo/data/aws-p3-trace.csv train one 6-stage pipeline, the trace's removals kill
-them (SIGKILL) and its later nodes join as standby. "bamboo" keeps replicas and fails over;
+them (SIGKILL) and its later nodes join. "bamboo" keeps replicas, fails over, evens out the layers
+and admits joining nodes into the running pipeline (RebalanceCallback);
 "checkpoint-restart" (--no-redundancy) restarts every worker from the last checkpoint at every
 membership change, as torchelastic and Varuna do. Prints useful samples/s of both, the ratio
 and the recovery-time distribution. Targets (issue 4): ratio >= 2x, median recovery <= 5 s.

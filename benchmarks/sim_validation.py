@@ -10,7 +10,7 @@ recoveries, with the relative errors; the target is <= 15%.
 The simulator sees exactly the events the demo sees (lightning_bamboo.demo.events.events_from_trace
 on the same slice and time scale). Run on the machine that was calibrated.
 
-    python benchmarks/sim_validation.py [--start-hours 1.5] [--hours 1] [--time-scale 30] [--steps 200] [--predict-only]
+    python benchmarks/sim_validation.py [--start-hours 1.5] [--hours 1] [--time-scale 30] [--steps 800] [--predict-only]
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=1.0, help="slice length (trace hours)")
     parser.add_argument("--time-scale", type=float, default=30.0, help="trace seconds per demo second")
     parser.add_argument(
-        "--steps", type=int, default=200, help="demo steps (a multiple of --checkpoint-every)"
+        "--steps", type=int, default=800, help="demo steps (a multiple of --checkpoint-every)"
     )
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--predict-only", action="store_true", help="print the predictions, run no demo")

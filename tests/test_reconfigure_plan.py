@@ -90,3 +90,25 @@ def test_callback_state_round_trips():
 def test_callback_bad_arguments(kwargs, message):
     with pytest.raises(BambooError, match=message):
         RebalanceCallback(**kwargs)
+
+
+def test_callback_configurable_from_cli_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--callback", type=RebalanceCallback)
+    config = parser.parse_string(
+        "callback:\n  class_path: lightning_bamboo.callbacks.RebalanceCallback\n"
+        "  init_args: {stages: 6, min_stages: 3, max_overloaded_fraction: 0.2, admit: false}\n"
+    )
+    callback = parser.instantiate_classes(config).callback
+    assert isinstance(callback, RebalanceCallback)
+    assert (callback.stages, callback.min_stages, callback.max_overloaded_fraction, callback.admit) == (6, 3, 0.2, False)
+
+
+def test_callback_needs_the_bamboo_strategy():
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(BambooError, match="strategy='bamboo'"):
+        RebalanceCallback().setup(trainer, pl.LightningModule(), "fit")

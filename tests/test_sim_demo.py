@@ -186,3 +186,14 @@ def test_a_worker_lost_while_a_restart_starts_costs_the_startup_timeout_and_anot
     assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 2}
     assert pred.seconds == pytest.approx(44.7 + 1.0)
     assert [round(t, 1) for t, _ in pred.timeline] == [0.7, 5.0, 30.7]
+
+
+def test_checkpoint_restart_takes_a_joining_node_in_by_restarting():
+    # c dies at 1.5 s (restart on 3 nodes, 10 s); e joins at 20 s while the pipeline is short: restart again
+    trace = parse_trace(["0,add,a", "0,add,b", "0,add,c", "0,add,d", "3000,remove,c", "40000,add,e"], "t")
+    events = events_from_trace(trace, NODES, time_scale=2.0)
+    prediction = replay_demo(events, NODES, P, 40, redundancy=False)
+    assert prediction.recoveries["checkpoint"] + prediction.recoveries["restart"] == 2
+    assert [what for _, what in prediction.timeline][-1].startswith("lost []: restart 4 stages")
+    with_replicas = replay_demo(events, NODES, P, 40)
+    assert with_replicas.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}  # e is admitted live instead

@@ -17,6 +17,8 @@ from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_
 from lightning_bamboo.errors import BambooConfigError
 
 EXIT_FATAL = 75  # lightning_bamboo.demo.worker.EXIT_FATAL (not imported: that module imports torch)
+#: standby processes beyond a full pipeline (joined nodes past that wait without a process until a place frees)
+STANDBY_PROCESSES = 1
 DEFAULT_PREEMPT = "node2@6,node3@14:2"
 #: the demo GPT's pipeline layers (lightning_bamboo.demo.worker.CONFIG: 6 blocks + embedding + head)
 DEMO_LAYERS = 8
@@ -163,7 +165,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             cluster.new_job(job)
             out = workdir / f"run{generation}"
             out.mkdir(exist_ok=True)
-            running = alive[:stages]  # one pipeline; nodes beyond it wait as standby for a rebuild
+            running = alive[:stages]  # one pipeline; the others stand by (see STANDBY_PROCESSES)
+            waiting = [n for n in alive if n not in running] if not args.no_redundancy and len(running) > 1 else []
             depth = len(running)
             command = [
                 sys.executable, "-m", "lightning_bamboo.demo.worker", "--stages", str(depth), "--steps", str(args.steps),
@@ -176,6 +179,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 cluster.spawn(name, command, rank, running, stdout=logs, stderr=logs)
             base = job_prefix(job)
             fatal_at: int | None = None
+            rescale = False
             while True:
                 exited = cluster.poll()
                 snap = cluster.store.get_prefix(f"{base}progress/")
@@ -202,6 +206,12 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     pending.remove(event)
                     if event.kind == "preempt" and event.node in alive and event.node not in cluster.running:
                         alive.remove(event.node)
+                        if event.node in waiting:
+                            waiting.remove(event.node)
+                        state.log.append(f"step {state.progress}: standby {event.node} preempted")
+                    elif event.kind == "preempt" and event.node in cluster.running and _standing_by(cluster, base, event.node, running):
+                        cluster.kill(event.node, signal.SIGKILL)  # a standby process: nothing to recover
+                        alive.remove(event.node)
                         state.log.append(f"step {state.progress}: standby {event.node} preempted")
                     elif event.kind == "preempt" and event.node in cluster.running:
                         if event.notice:
@@ -217,21 +227,29 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     elif event.kind == "join":
                         state.joined.append(event.node)
                         alive.append(event.node)
-                        if args.no_redundancy or depth == 1:
+                        if (args.no_redundancy or depth == 1) and len(cluster.running) < stages:
+                            # checkpoint-restart scales up as torchelastic and Varuna do: restart everyone
+                            state.log.append(f"step {state.progress}: {event.node} joined: restart to take it in")
+                            rescale = True
+                        elif args.no_redundancy or depth == 1:
                             state.log.append(f"step {state.progress}: {event.node} joined (standby until the next restart)")
-                        else:  # it registers as standby; the policy admits it at a step boundary
-                            cluster.spawn_joiner(event.node, command, stdout=logs, stderr=logs)
-                            state.log.append(f"step {state.progress}: {event.node} joined (standby, running)")
+                        else:  # started as a standby node; the policy admits it at a step start
+                            waiting.append(event.node)
+                            state.log.append(f"step {state.progress}: {event.node} joined")
+                # Standby nodes are real processes here, on the same cores as the pipeline: start as many
+                # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
+                while waiting and len(cluster.running) < stages + STANDBY_PROCESSES:
+                    cluster.spawn_joiner(waiting.pop(0), command, stdout=logs, stderr=logs)
                 for name, deadline in list(notices.items()):
                     if time.monotonic() >= deadline:
                         cluster.kill(name, signal.SIGKILL)  # the grace period is over
                         del notices[name]
-                if any(code == EXIT_FATAL for code in exited.values()):
+                if any(code == EXIT_FATAL for code in exited.values()) or rescale:
                     fatal_at = state.progress
                 if not cluster.running:
                     break
                 if fatal_at is not None:
-                    _stop_within(cluster, 15.0)
+                    _stop_within(cluster, 0.0 if rescale else 15.0)
                     break
                 time.sleep(0.05)
             cluster.poll()
@@ -267,8 +285,9 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             state.recomputed_steps += max(0, state.progress - restart_from)
             state.recoveries["checkpoint" if resume else "restart"] += 1
             state.log.append(
-                f"step {state.progress}: no replica left for a lost stage: restart {len(runnable)} nodes from "
-                + (f"checkpoint step {restart_from}" if resume else "the beginning")
+                f"step {state.progress}: "
+                + ("restart to add the nodes that joined: " if rescale else "no replica left for a lost stage: ")
+                + f"restart {len(runnable)} nodes from " + (f"checkpoint step {restart_from}" if resume else "the beginning")
             )
             state.progress = restart_from
             alive = runnable
@@ -297,6 +316,13 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     if args.save_weights:
         shutil.copyfile(final["weights"], args.save_weights)
     return report
+
+
+def _standing_by(cluster: Any, base: str, node: str, started: list[str]) -> bool:
+    """``node`` runs as a standby process: started to join, and no reconfiguration has admitted it yet."""
+    if node in started:
+        return False
+    return not any(node in json.loads(kv.value)["order"] for kv in cluster.store.get_prefix(f"{base}admit/").kvs)
 
 
 def _stop_within(cluster: Any, seconds: float) -> None:

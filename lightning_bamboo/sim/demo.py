@@ -8,12 +8,15 @@ with a fluid rate. The demo differs in ways that matter at 20-60 steps, so it ge
   shorter, replicas are rebuilt around the new ring) and the step in flight is redone; at the start
   of the next step the demo's ``RebalanceCallback`` reconfigures (a ``reconfigure_seconds`` pause):
   standby nodes that are up take the pipeline back towards ``stages``, else the layers are evened
-  out over the survivors; a node that joins is up ``join_seconds`` later and is admitted the same
-  way at the next step start while the pipeline is shorter than ``stages``; losses that
+  out over the survivors; a node that joins is started at once if fewer than ``stages + 1``
+  processes run (else when a place frees: standby processes share the demo's cores), is up
+  ``join_seconds`` later and is admitted the same way at the next step start while the pipeline
+  is shorter than ``stages``; losses that
   :func:`lightning_bamboo.engine.failover.plan_failover` calls fatal (a node and its replica
   holder together, or the last node of a one-node pipeline) restart from the last checkpoint;
 * without replicas (``--no-redundancy``) every loss of a running node restarts the job from the
-  last checkpoint with the first ``stages`` live nodes;
+  last checkpoint with the first ``stages`` live nodes, and so does a node joining while the
+  pipeline is shorter than ``stages`` (scale-up by restart, as torchelastic and Varuna do);
 * a checkpoint is saved after every ``checkpoint_every`` steps (a synchronous pause);
 * step times are measured per pipeline depth (on 2 cores they follow the number of processes,
   not the 1F1B formula), in whole steps: a step cut by a loss is lost.
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_bamboo.demo.cli import STANDBY_PROCESSES
 from lightning_bamboo.demo.events import ClusterEvent
 from lightning_bamboo.engine.failover import FatalLoss, plan_failover
 from lightning_bamboo.membership.policy import even_parts
@@ -137,6 +141,7 @@ class _Run:
     restart_until: float = -1.0  # the job is restarting (no process group to fail over in) until then
     respawn_at: float | None = None  # a restart that lost a worker while starting fails and respawns then
     ready: dict[str, float] = field(default_factory=dict)  # joined nodes started live -> when they stand by
+    waiting: list[str] = field(default_factory=list)  # joined nodes not started yet (no place for a process)
     rebalance_due: bool = False  # a failover happened: the next step start reconfigures
 
 
@@ -211,17 +216,25 @@ def _apply(
     if run.pending is not None and run.pending[1] <= now:
         run.checkpoint, run.pending = run.pending[0], None
     lost = []
+    rescale = False
     for e in batch:
         if e.kind == "join":
             run.alive.append(e.node)
             if redundancy:
-                run.ready[e.node] = now + params.join_seconds  # started now; admitted live once up
+                run.waiting.append(e.node)
+            elif len(run.running) < stages:
+                rescale = True  # checkpoint-restart takes a new node in by restarting (torchelastic, Varuna)
         elif e.node in run.alive:
             run.alive.remove(e.node)
             run.ready.pop(e.node, None)
+            if e.node in run.waiting:
+                run.waiting.remove(e.node)
             if e.node in run.running:
                 lost.append(e.node)
+    _start_standby(run, now, params, stages)
     if not lost:
+        if rescale and run.respawn_at is None and now >= run.restart_until:
+            _restart(now, [], run, params, stages, out)
         return
     out.preemptions += len(lost)
     if run.respawn_at is not None:  # this generation already failed: it only waits to be replaced
@@ -241,6 +254,7 @@ def _apply(
     out.recoveries["redundant"] += 1
     run.running, run.parts = list(plan.order), plan.parts
     run.rebalance_due = True
+    _start_standby(run, now, params, stages)
     if run.pending is not None:  # a save was cut: it runs again after the failover
         run.start = now + params.failover_seconds + params.checkpoint_save_seconds
         run.pending = (run.pending[0], run.start)
@@ -250,6 +264,12 @@ def _apply(
     else:  # already paused (an earlier failover): the pause runs on from now
         run.start = max(run.start, now + params.failover_seconds)
     out.timeline.append((now, f"lost {lost}: failover to {len(run.running)} stages"))
+
+
+def _start_standby(run: _Run, now: float, params: DemoParams, stages: int) -> None:
+    """Start waiting joined nodes while fewer than ``stages + STANDBY_PROCESSES`` processes run."""
+    while run.waiting and len(run.running) + len(run.ready) < stages + STANDBY_PROCESSES:
+        run.ready[run.waiting.pop(0)] = now + params.join_seconds
 
 
 def _step_start(run: _Run, params: DemoParams, stages: int, out: DemoPrediction) -> None:
@@ -278,7 +298,9 @@ def _restart(
     out.recomputed_steps += run.done - run.checkpoint
     run.done = run.checkpoint
     run.running = run.alive[:stages]
-    run.ready.clear()  # every live node restarts as a worker or a (restarted) standby
+    run.ready.clear()  # every live node restarts as a worker or waits to be started as a standby
+    run.waiting = [n for n in run.alive if n not in run.running] if len(run.running) > 1 else []
+    _start_standby(run, now, params, stages)  # started with the restarted workers
     run.rebalance_due = False
     run.parts = even_parts(DEMO_LAYERS, len(run.running))
     run.start = run.restart_until = now + params.restart_seconds
