@@ -135,10 +135,15 @@ def test_node_added_mid_run_joins_the_pipeline_live(clean, tmp_path):
     report, weights = demo(tmp_path, "--preempt", "node2@3", "--join", "spare1@1", "--step-delay", "1.0")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 1 and report["joins"] == 1
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    # Either spare1 is up before the next step (the policy's "rebalance": it takes the lost node's
+    # place at once) or not yet (the overloaded node's layers are spread over the 3 survivors, and
+    # spare1 comes in later with "change_depth"): which one depends on how fast it starts.
     actions = [r["reason"].split(":")[0] for r in report["reconfigurations"]]
-    assert actions == ["restore_redundancy", "change_depth"], report["reconfigurations"]
-    assert report["reconfigurations"][0]["parts"] == [0, 2, 5, 8]  # the overloaded node's layers spread out
-    assert "spare1" in report["reconfigurations"][1]["order"] and report["nodes_at_end"] == 4
+    assert actions in (["rebalance"], ["restore_redundancy", "change_depth"]), report["reconfigurations"]
+    if actions[0] == "restore_redundancy":
+        assert report["reconfigurations"][0]["parts"] == [0, 2, 5, 8]
+    last = report["reconfigurations"][-1]
+    assert "spare1" in last["order"] and last["parts"] == [0, 2, 4, 6, 8] and report["nodes_at_end"] == 4
     assert max_abs_diff(weights, clean_weights) <= 1e-5
     ran = order(tmp_path, "spare1")  # the joiner saw exactly the clean run's remaining steps
     assert 0 < len(ran) < STEPS and ran == order(clean_dir, "node0")[-len(ran):]

@@ -180,6 +180,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             base = job_prefix(job)
             fatal_at: int | None = None
             rescale = False
+            joiners: set[str] = set()  # started as standby processes in this generation
             while True:
                 exited = cluster.poll()
                 snap = cluster.store.get_prefix(f"{base}progress/")
@@ -239,6 +240,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 # Standby nodes are real processes here, on the same cores as the pipeline: start as many
                 # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
                 while waiting and len(cluster.running) < stages + STANDBY_PROCESSES:
+                    joiners.add(waiting[0])
                     cluster.spawn_joiner(waiting.pop(0), command, stdout=logs, stderr=logs)
                 for name, deadline in list(notices.items()):
                     if time.monotonic() >= deadline:
@@ -247,6 +249,9 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 if any(code == EXIT_FATAL for code in exited.values()) or rescale:
                     fatal_at = state.progress
                 if not cluster.running:
+                    break
+                if joiners and not [n for n in cluster.running if n not in joiners or not _standing_by(cluster, base, n, running)]:
+                    _stop_within(cluster, 0.0)  # the pipeline is gone; standby nodes wait for nothing
                     break
                 if fatal_at is not None:
                     _stop_within(cluster, 0.0 if rescale else 15.0)

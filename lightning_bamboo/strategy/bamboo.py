@@ -201,9 +201,10 @@ class _BambooStrategyMixin:
             self._catching_up = True  # until its first step (see barrier)
             log.warning("%s: admitted as rank %d of %d at step %d", self.resilience.node, self._admitted_rank, world, record["step"])
         resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]  # fail before joining a group
-        super().setup_environment()  # type: ignore[misc]
         if launched_by_bamboo() and self.resilience is None:
+            # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
             self.resilience = Resilience(self.detection_timeout, rendezvous_timeout=self.timeout_seconds)
+        super().setup_environment()  # type: ignore[misc]
 
     #: called at the start of every step under membership (``RebalanceCallback.at_step_start``)
     rebalancer: Callable[[Any, int], None] | None = None

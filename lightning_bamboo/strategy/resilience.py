@@ -57,7 +57,7 @@ class Resilience:
 
     def __init__(self, detection_timeout: float, rendezvous_timeout: float) -> None:
         from lightning_bamboo.membership import connect
-        from lightning_bamboo.membership.registry import LossDetector, Registry, barrier, job_prefix
+        from lightning_bamboo.membership.registry import LossDetector, Registry, job_prefix
 
         self.url = os.environ[STORE_ENV]
         self.job = os.environ.get(JOB_ENV, "bamboo")
@@ -76,7 +76,7 @@ class Resilience:
             self.nodes = []  # not in any pipeline until admitted (see wait_admission)
             self.store.put(f"{self.base}standby/{self.node}", "1")
         else:
-            barrier(self.store, f"{self.base}rdzv/0", self.node, self.nodes, timeout=rendezvous_timeout)
+            self._start_rendezvous(rendezvous_timeout)
         self.detector = self._watch(self.nodes)
         self.failovers: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []
@@ -85,9 +85,32 @@ class Resilience:
         self.admitting = False  # set by RebalanceCallback: standby nodes are reported at every commit
         self.joiners: list[str] = []  # standby nodes seen at the last commit (the same list on every node)
 
+    def _start_rendezvous(self, timeout: float) -> None:
+        """Wait for every node of the job to come up; a node announced dead meanwhile ends the wait at once.
+
+        (Before any process group exists: a TCPStore rendezvous would wait its whole timeout for it.)
+        """
+        from lightning_bamboo.engine.failover import FatalLoss
+        from lightning_bamboo.membership.registry import BarrierTimeoutError, barrier
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                barrier(self.store, f"{self.base}rdzv/0", self.node, self.nodes, timeout=0.5)
+                return
+            except BarrierTimeoutError:
+                gone = set(self.nodes) & set(self.registry.members().lost)
+                if gone:
+                    raise FatalLoss(f"{sorted(gone)} died while the job started; start again with the nodes that are up") from None
+                if time.monotonic() > deadline:
+                    raise
+
     def _watch(self, nodes: list[str]) -> Any:
         peers = [n for n in nodes if n != self.node]
-        return self._detector_cls(self.store, self.job, peers, poll=0.2).start()
+        # A preemption notice is not a loss: the leaver finishes and commits its step, and the others
+        # switch at the next step start (``leavers``). Counting it here would abort a step whose commit
+        # the leaver is about to complete, and the nodes would disagree on whether it committed.
+        return self._detector_cls(self.store, self.job, peers, poll=0.2, notice_counts=False).start()
 
     def guard(self) -> StepGuard:
         return StepGuard(self.detector.event, lambda: tuple(sorted(self.detector.lost)), self.detection_timeout)
