@@ -84,3 +84,13 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, c
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def callback_from_yaml(cls: type, init_args: str) -> object:
+    """``cls`` built the way LightningCLI builds a callback from YAML (``class_path`` + ``init_args``)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--callback", type=cls)
+    config = parser.parse_string(f"callback:\n  class_path: {cls.__module__}.{cls.__qualname__}\n  init_args: {init_args}\n")
+    return parser.instantiate_classes(config).callback

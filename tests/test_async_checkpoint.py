@@ -19,7 +19,7 @@ import torch
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.callbacks import AsyncCheckpoint, AsyncCheckpointError
 from lightning_bamboo.errors import BambooConfigError
-from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run
+from tests.helpers import PYTHON, REPO, callback_from_yaml, max_abs_diff, reference_weights, run
 from tests.scripts.async_writer_kill import LAYERS, make_stage, shard
 
 KILL = str(REPO / "tests" / "scripts" / "async_writer_kill.py")
@@ -298,15 +298,7 @@ def test_bad_options(kwargs, message):
 
 
 def test_configurable_from_cli_yaml():
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=AsyncCheckpoint)
-    config = parser.parse_string(
-        "callback:\n  class_path: lightning_bamboo.callbacks.AsyncCheckpoint\n"
-        "  init_args: {dirpath: /ckpt, every_n_train_steps: 50, keep_last: 3, overhead_budget: 0.02}\n"
-    )
-    callback = parser.instantiate_classes(config).callback
+    callback = callback_from_yaml(AsyncCheckpoint, "{dirpath: /ckpt, every_n_train_steps: 50, keep_last: 3, overhead_budget: 0.02}")
     assert isinstance(callback, AsyncCheckpoint)
     assert (callback.dirpath, callback.every_n_train_steps, callback.keep_last, callback.overhead_budget) == ("/ckpt", 50, 3, 0.02)
 

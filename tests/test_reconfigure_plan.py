@@ -8,6 +8,7 @@ from lightning_bamboo.callbacks.rebalance import RebalanceCallback
 from lightning_bamboo.engine.reconfigure import Move, transfer_plan
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.membership.policy import Layout
+from tests.helpers import callback_from_yaml
 
 
 def test_nothing_moves_when_the_layout_is_the_same():
@@ -93,15 +94,7 @@ def test_callback_bad_arguments(kwargs, message):
 
 
 def test_callback_configurable_from_cli_yaml():
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_argument("--callback", type=RebalanceCallback)
-    config = parser.parse_string(
-        "callback:\n  class_path: lightning_bamboo.callbacks.RebalanceCallback\n"
-        "  init_args: {stages: 6, min_stages: 3, max_overloaded_fraction: 0.2, admit: false}\n"
-    )
-    callback = parser.instantiate_classes(config).callback
+    callback = callback_from_yaml(RebalanceCallback, "{stages: 6, min_stages: 3, max_overloaded_fraction: 0.2, admit: false}")
     assert isinstance(callback, RebalanceCallback)
     assert (callback.stages, callback.min_stages, callback.max_overloaded_fraction, callback.admit) == (6, 3, 0.2, False)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import random
@@ -43,6 +44,7 @@ class _State:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.kvs: dict[str, KeyValue] = {}
+        self.keys: list[str] = []  # self.kvs's keys, sorted: a prefix read is a bisect, not a sort of every key
         self.revision = 1  # etcd starts at 1 too; revision 0 never names a change
         self.history: collections.deque[Event] = collections.deque(maxlen=HISTORY_EVENTS)
         self.leases: dict[int, list[Any]] = {}  # id -> [ttl, expires_at, set(keys)]
@@ -60,6 +62,7 @@ class _State:
             kv = self.kvs.pop(key, None)
             if kv is None:
                 continue
+            del self.keys[bisect.bisect_left(self.keys, key)]
             n += 1
             if kv.lease and kv.lease in self.leases:
                 self.leases[kv.lease][2].discard(key)
@@ -83,6 +86,8 @@ class _State:
             version=(old.version + 1) if old else 1,
             lease=lease,
         )
+        if old is None:
+            bisect.insort(self.keys, key)
         self.kvs[key] = kv
         if lease:
             self.leases[lease][2].add(key)
@@ -107,7 +112,11 @@ class _State:
         self.cond.notify_all()
 
     def _range(self, prefix: str) -> list[KeyValue]:
-        return [self.kvs[k] for k in sorted(self.kvs) if k.startswith(prefix)]
+        out, i = [], bisect.bisect_left(self.keys, prefix)
+        while i < len(self.keys) and self.keys[i].startswith(prefix):
+            out.append(self.kvs[self.keys[i]])
+            i += 1
+        return out
 
     # -- operations (called with the lock held) --
     def op_put(self, key: str, value: str, lease: int = 0) -> dict[str, Any]:

@@ -154,9 +154,21 @@ class Membership:
         return cls(snap.revision, nodes, lost, leaving)
 
 
+_MEMBERSHIP_KINDS = ("leaving", "lost", "nodes")
+
+
 def read_membership(store: Store, job: str, *, timeout: float | None = None) -> Membership:
-    """One consistent read of ``job``'s membership."""
-    return Membership.from_snapshot(job, store.get_prefix(job_prefix(job), timeout=timeout))
+    """``job``'s membership: its ``nodes/``, ``lost/`` and ``leaving/`` keys.
+
+    Three prefix reads, not one of the whole job: the job's other keys (step commits, barriers)
+    grow with every step, and a read of them all on every membership change made each step
+    slower than the last. The snapshot takes the revision of the first read, so a change that
+    lands between the reads is seen again by ``wait_for_membership_change`` (never missed).
+    """
+    base = job_prefix(job)
+    snaps = [store.get_prefix(f"{base}{kind}/", timeout=timeout) for kind in _MEMBERSHIP_KINDS]
+    kvs = tuple(kv for snap in snaps for kv in snap.kvs)
+    return Membership.from_snapshot(job, Snapshot(kvs, snaps[0].revision))
 
 
 def wait_for_membership_change(store: Store, job: str, after: Membership, timeout: float) -> Membership:
@@ -165,21 +177,31 @@ def wait_for_membership_change(store: Store, job: str, after: Membership, timeou
     Returns the new membership (re-read), or ``after`` itself if nothing changed in time.
     Barrier keys under the job do not count as changes.
     """
+    now, _ = _wait_relevant(store, job, after.revision, timeout)
+    return after if now is None else now
+
+
+def _wait_relevant(store: Store, job: str, revision: int, timeout: float) -> tuple[Membership | None, int]:
+    """Wait for a membership change after ``revision``: (the new membership or None, the revision seen up to).
+
+    A caller that waits again passes the returned revision, so the job's other keys (a commit per
+    node per step) are looked at once, not again on every wait.
+    """
     deadline = time.monotonic() + timeout
     base = job_prefix(job)
-    rev = after.revision
+    rev = revision
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return after
+            return None, rev
         change = store.wait_for_change(base, rev, remaining)
         if change.timed_out:
-            return after
+            return None, max(rev, change.revision)
         relevant = change.compacted or any(
             e.key[len(base) :].split("/", 1)[0] in ("nodes", "lost", "leaving") for e in change.events
         )
         if relevant:
-            return read_membership(store, job, timeout=max(remaining, 1.0))
+            return read_membership(store, job, timeout=max(remaining, 1.0)), change.revision
         rev = change.revision
 
 
@@ -427,15 +449,16 @@ class LossDetector:
     def _run(self) -> None:
         assert self.membership is not None
         m = self.membership
+        seen = m.revision
         while not self._stop.is_set():
             try:
-                now = wait_for_membership_change(self.store, self.job, m, self.poll)
+                now, seen = _wait_relevant(self.store, self.job, max(seen, m.revision), self.poll)
             except Exception as e:  # noqa: BLE001 - a watcher that dies silently is worse than any error
                 self.error = e
                 self._stop.wait(self.poll)
                 continue
             self.error = None
-            if now is not m:
+            if now is not None:
                 self._check(m, now)
                 self.membership = m = now
 
