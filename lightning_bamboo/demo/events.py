@@ -59,7 +59,7 @@ def parse_preempt(spec: str, nodes: Sequence[str]) -> list[ClusterEvent]:
 
 def parse_join(spec: str, nodes: Sequence[str]) -> list[ClusterEvent]:
     """``spare1@9,spare2@15`` -> new nodes started when the job has finished that many steps."""
-    events = []
+    events: list[ClusterEvent] = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         match = _PREEMPT.match(item)
         if not match or match["notice"]:

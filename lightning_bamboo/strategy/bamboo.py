@@ -1044,13 +1044,15 @@ def _under_membership(obj: Any) -> bool:
 def _skip_sigterm_broadcast(self: Any) -> None:
     """The epoch loop's per-batch "did rank 0 get SIGTERM" broadcast; skipped under membership."""
     if not _under_membership(self):
-        type(self).__mro__[1]._broadcast_sigterm_tensor(self)
+        base: Any = type(self).__mro__[1]  # Lightning's class (ours is the subclass made below)
+        base._broadcast_sigterm_tensor(self)
 
 
 def _sigterm_is_a_notice(self: Any, signum: Any, frame: Any) -> None:
     """Lightning's SIGTERM handler; under membership a flag only (never a collective in a handler)."""
     if not _under_membership(self):
-        type(self).__mro__[1]._sigterm_notifier_fn(self, signum, frame)
+        base: Any = type(self).__mro__[1]
+        base._sigterm_notifier_fn(self, signum, frame)
         return
     from lightning_bamboo.strategy.resilience import request_leave
 
