@@ -752,3 +752,39 @@ def test_embedded_history_limit(prefix: str) -> None:
             assert [e.revision for e in recent.events] == revs[2:]
         finally:
             s.close()
+
+
+# ---------------------------------------------------------------- what the training runtime relies on
+
+
+def test_membership_wait_resumes_after_unrelated_keys(store: Store) -> None:
+    """The job's other keys (a commit per node per step) are passed over once: the wait reports the
+    revision it saw, so the next wait starts there instead of scanning them all again."""
+    from lightning_bamboo.membership.registry import _wait_relevant, read_membership
+
+    job = f"w{uuid.uuid4().hex[:6]}"
+    base = job_prefix(job)
+    start = read_membership(store, job).revision
+    for step in range(20):
+        last = store.put(f"{base}commit/0/{step}/node0", "1")
+    now, seen = _wait_relevant(store, job, start, timeout=0.3)
+    assert now is None  # commits are not membership changes
+    assert seen >= last > start  # it got past all 20 commits
+    assert read_membership(store, job).nodes == {}  # and a membership read does not carry them
+
+
+def test_start_rendezvous_ends_at_once_when_a_node_died_starting(embedded_server: EmbeddedServer, monkeypatch) -> None:
+    """A node announced dead before the job's first rendezvous: the others stop with FatalLoss (a
+    restart with the nodes that are up) instead of waiting the rendezvous timeout for it."""
+    from lightning_bamboo.engine.failover import FatalLoss
+    from lightning_bamboo.launcher import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
+    from lightning_bamboo.strategy.resilience import Resilience
+
+    job = f"r{uuid.uuid4().hex[:6]}"
+    reporter = Registry(connect(embedded_server.url), job, "launcher")
+    reporter.announce_loss("node1", "process exited with -9", timeout=2.0)
+    for key, value in {STORE_ENV: embedded_server.url, JOB_ENV: job, NODE_ENV: "node0", NODES_ENV: "node0,node1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(FatalLoss, match=r"\['node1'\] died while the job started"):
+        Resilience(detection_timeout=5.0, rendezvous_timeout=120.0)  # a BarrierTimeoutError if it waited it out
+    reporter.store.close()

@@ -210,7 +210,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                         if event.node in waiting:
                             waiting.remove(event.node)
                         state.log.append(f"step {state.progress}: standby {event.node} preempted")
-                    elif event.kind == "preempt" and event.node in cluster.running and _standing_by(cluster, base, event.node, running):
+                    elif event.kind == "preempt" and event.node in cluster.running and event.node in _standing_by(cluster, base, joiners):
                         cluster.kill(event.node, signal.SIGKILL)  # a standby process: nothing to recover
                         alive.remove(event.node)
                         state.log.append(f"step {state.progress}: standby {event.node} preempted")
@@ -250,7 +250,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     fatal_at = state.progress
                 if not cluster.running:
                     break
-                if joiners and not [n for n in cluster.running if n not in joiners or not _standing_by(cluster, base, n, running)]:
+                if joiners and set(cluster.running) <= _standing_by(cluster, base, joiners):
                     _stop_within(cluster, 0.0)  # the pipeline is gone; standby nodes wait for nothing
                     break
                 if fatal_at is not None:
@@ -323,11 +323,12 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     return report
 
 
-def _standing_by(cluster: Any, base: str, node: str, started: list[str]) -> bool:
-    """``node`` runs as a standby process: started to join, and no reconfiguration has admitted it yet."""
-    if node in started:
-        return False
-    return not any(node in json.loads(kv.value)["order"] for kv in cluster.store.get_prefix(f"{base}admit/").kvs)
+def _standing_by(cluster: Any, base: str, joiners: set[str]) -> set[str]:
+    """The ``joiners`` (started as standby processes) that no reconfiguration has admitted yet: one store read."""
+    if not joiners:
+        return set()
+    admitted = {n for kv in cluster.store.get_prefix(f"{base}admit/").kvs for n in json.loads(kv.value)["order"]}
+    return joiners - admitted
 
 
 def _stop_within(cluster: Any, seconds: float) -> None:

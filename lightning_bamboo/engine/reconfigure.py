@@ -78,16 +78,17 @@ def transfer_plan(
 
 
 def move_layers(
-    moves: Sequence[Move], me: str, rank_of: Mapping[str, int], states: Mapping[int, dict[str, Any]]
+    moves: Sequence[Move], me: str, order: Sequence[str], states: Mapping[int, dict[str, Any]]
 ) -> dict[int, dict[str, Any]]:
     """Execute ``moves`` over the current process group; returns the layer states this node received.
 
-    ``states`` are the layers this node runs now (sent where a move says so); ``rank_of`` maps
-    nodes to ranks of the (new) process group. Every node walks the same list in the same order
+    ``states`` are the layers this node runs now (sent where a move says so); ``order`` is the new
+    process group's nodes (rank = position). Every node walks the same list in the same order
     and takes part only in its own moves, so the blocking point-to-point calls cannot deadlock.
     """
     from lightning_bamboo.engine.replica import exchange_objects
 
+    rank_of = {node: rank for rank, node in enumerate(order)}
     received: dict[int, dict[str, Any]] = {}
     for move in moves:
         if move.src == me:

@@ -302,7 +302,7 @@ class _BambooStrategyMixin:
 
         def receive() -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
             moves = transfer_plan(record["old_order"], record["old_parts"], order, record["parts"])
-            held = move_layers(moves, res.node, {n: i for i, n in enumerate(order)}, {})
+            held = move_layers(moves, res.node, order, {})
             return held, exchange_objects(None, send_to=None, recv_from=order.index(record["sender"]))
 
         held, meta = res.guard().run(receive)
@@ -314,7 +314,6 @@ class _BambooStrategyMixin:
         trainer._checkpoint_connector._loaded_checkpoint = {**meta, "state_dict": {}}
         cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
         self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
-        res.reconfigurations.append({**record, "joined": res.node})  # the running nodes record it in the store
 
     def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "") -> float:
         """Change the pipeline between two steps, with no loss: standby nodes join, layers move point to point.
@@ -362,7 +361,7 @@ class _BambooStrategyMixin:
             self._enter_group(rank, world)
 
             def move() -> dict[int, dict[str, Any]]:
-                received = move_layers(moves, res.node, {n: i for i, n in enumerate(order)}, held)
+                received = move_layers(moves, res.node, order, held)
                 for joiner in joiners if meta is not None else ():
                     exchange_objects(meta, send_to=order.index(joiner), recv_from=None)
                 return received

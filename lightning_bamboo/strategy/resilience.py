@@ -70,16 +70,19 @@ class Resilience:
         self.store = connect(self.url)
         self.registry = Registry(self.store, self.job, self.node, ttl=max(1.0, detection_timeout * 0.8))
         self.registry.join()
-        self.joining = joining()
         self._detector_cls = LossDetector
-        if self.joining:
+        if joining():
             self.nodes = []  # not in any pipeline until admitted (see wait_admission)
             self.store.put(f"{self.base}standby/{self.node}", "1")
         else:
-            self._start_rendezvous(rendezvous_timeout)
+            try:
+                self._start_rendezvous(rendezvous_timeout)
+            except BaseException:
+                self.registry.stop_heartbeat()  # this node never joined the job: leave nothing running
+                self.store.close()
+                raise
         self.detector = self._watch(self.nodes)
         self.failovers: list[dict[str, Any]] = []
-        self.reconfigurations: list[dict[str, Any]] = []
         self.leaving = False  # this node announced it leaves after the step in flight
         self.leavers: set[str] = set()  # peers that announced they leave (seen at a commit)
         self.admitting = False  # set by RebalanceCallback: standby nodes are reported at every commit
@@ -153,10 +156,16 @@ class Resilience:
 
     # ------------------------------------------------------------------ standby nodes and admission
     def standby(self) -> list[str]:
-        """Live nodes waiting to join (registered as standby, not in the pipeline), sorted."""
+        """Live nodes waiting to join (registered as standby, not in the pipeline), sorted.
+
+        Called at every commit on the first node: the membership is read only when a standby key exists.
+        """
+        waiting = [n for n in (kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{self.base}standby/").kvs)
+                   if n not in self.nodes]
+        if not waiting:
+            return []
         live = set(self.registry.members().live)
-        keys = self.store.get_prefix(f"{self.base}standby/").kvs
-        return sorted(n for n in (kv.key.rsplit("/", 1)[1] for kv in keys) if n in live and n not in self.nodes)
+        return sorted(n for n in waiting if n in live)
 
     def admit(self, record: dict[str, Any]) -> None:
         """Publish a reconfiguration (generation, order, parts...) so that the standby nodes in it join."""
@@ -184,7 +193,6 @@ class Resilience:
         """Join the process group of an admission record (as a standby node); returns (rank, world size)."""
         self.generation = int(record["generation"]) - 1
         rank, world = self.reform(list(record["order"]), tag=record["tag"])
-        self.joining = False
         self.store.delete(f"{self.base}standby/{self.node}")
         return rank, world
 
@@ -193,7 +201,7 @@ class Resilience:
         self.store.put(f"{self.base}finished", "1")
 
     def record_reconfiguration(self, record: dict[str, Any]) -> None:
-        self.reconfigurations.append(record)
+        """The new rank 0 keeps the record in the store, for reports (``reconfigurations/<generation>``)."""
         if self.nodes and self.nodes[0] == self.node:
             self.store.put(f"{self.base}reconfigurations/{self.generation}", json.dumps(record))
 
