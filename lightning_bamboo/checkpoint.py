@@ -461,7 +461,8 @@ def load_weights(stage: nn.Module, states: Mapping[int, dict[str, Any]], strict:
     missing, unexpected = stage.load_state_dict(flat, strict=False)
     if strict and (missing or unexpected):
         raise CheckpointError(
-            f"checkpoint does not fit the model: missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}; "
+            f"checkpoint does not fit the model: missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]} "
+            f"(layers in the checkpoint: {sorted(states)}; in the model: {[n for n, _ in stage.named_children()]}); "
             f"was it saved from the same configure_pipeline()?"
         )
 

@@ -30,7 +30,6 @@ def test_registered_in_both_namespaces():
         ({"micro_batch_size": 0}, r"micro_batch_size must be a positive integer \(micro_batch_size: 0\)"),
         ({"redundancy": "always"}, r"redundancy must be one of \('off', 'lazy', 'eager'\) \(redundancy: 'always'\)"),
         ({"redundancy": "lazy", "stages": 1}, r"needs at least 2 stages.*\(stages: 1\); use stages >= 2"),
-        ({"redundancy": "eager", "stages": 2}, r"redundancy='eager' .* is not implemented yet; use redundancy='lazy'"),
         ({"stages": 3, "partition": [0, 2, 2, 4]}, r"partition \[0, 2, 2, 4\] leaves stage 1 empty"),
         ({"timeout": 0}, r"timeout must be a positive number of seconds"),
     ],

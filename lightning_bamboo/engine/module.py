@@ -61,11 +61,48 @@ def build_layers(
     return BuiltLayers(layers, counts, names)
 
 
+class Splice:
+    """Forward results of layers ``boundary..`` (the end of a stage) computed earlier, to be reused once.
+
+    ``kept[k]`` is ``(input, output)`` of those layers on micro-batch ``k``: the input a graph leaf,
+    the output with its graph (an eager redundant forward, RF). The stage that now runs those
+    layers (a node that took over its dead successor from the replica, sharing the replica's layer
+    objects) skips their forward for micro-batch ``k`` and backpropagates through the kept graph (RB).
+    """
+
+    def __init__(self, boundary: int, kept: dict[int, tuple[Any, Any]]) -> None:
+        self.boundary = boundary
+        self.kept = kept
+        self.calls = 0  # forwards seen in this step: the micro-batch index
+        self.reused: list[int] = []  # micro-batches whose forward was reused
+        self.backwards = 0  # lazy backwards run through kept graphs
+        self.anchor = torch.zeros((), requires_grad=True)  # makes the output need a gradient on the first stage
+
+
+class _Reuse(torch.autograd.Function):
+    """Output: the kept RF output. Backward: through the kept graph (RB), handing on its input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, inputs: torch.Tensor, anchor: torch.Tensor, kept: Any, splice: Splice) -> torch.Tensor:  # noqa: ARG004
+        ctx.kept, ctx.splice = kept, splice
+        return kept[1].detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        leaf, output = ctx.kept
+        torch.autograd.backward(output, grad)
+        ctx.splice.backwards += 1
+        return leaf.grad if ctx.needs_input_grad[0] else None, None, None, None
+
+
 class BambooPipelineModule(PipelineModule):
     """A ``PipelineModule`` cut at explicit layer boundaries (``parts``) instead of by a method.
 
-    Layers that other stages own may be ``None``: only this stage's layers are touched.
+    Layers that other stages own may be ``None``: only this stage's layers are touched. With a
+    ``splice`` (see ``Splice``) the forward of its micro-batches reuses kept results.
     """
+
+    splice: Splice | None = None
 
     def __init__(self, layers: Sequence[Any], parts: Sequence[int], **kwargs: Any) -> None:
         self._bamboo_parts = list(parts)
@@ -81,3 +118,21 @@ class BambooPipelineModule(PipelineModule):
             )
         self.parts = list(self._bamboo_parts)
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def forward(self, forward_input: Any) -> Any:
+        splice = self.splice
+        if splice is None or self.activation_checkpoint_interval or self.seed_layers:
+            return super().forward(forward_input)
+        micro_batch = splice.calls
+        splice.calls += 1
+        cut = splice.boundary - self._local_start
+        x = forward_input
+        for layer in self.forward_funcs[:cut]:
+            x = layer(x)
+        kept = splice.kept.get(micro_batch)
+        if kept is None or not torch.is_tensor(x) or not torch.is_tensor(kept[1]):
+            for layer in self.forward_funcs[cut:]:
+                x = layer(x)
+            return x
+        splice.reused.append(micro_batch)
+        return _Reuse.apply(x, splice.anchor, kept, splice)

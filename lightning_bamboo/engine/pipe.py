@@ -34,6 +34,51 @@ class PeerLost(BambooError):
         self.lost = tuple(lost)
 
 
+class RedundantForward(ds_schedule.PipeInstruction):
+    """Forward of the replica (the successor's stage) on micro-batch ``micro_batch``, its graph kept.
+
+    The input is what this stage sent the successor for that micro-batch (the loaded inputs
+    when the replica is stage 0, on the last stage). The output and the graph (its saved tensors
+    in host memory) are what a lazy backward of the successor's stage needs after a failure;
+    they are freed when the step commits.
+    """
+
+
+class EagerTrainSchedule(ds_schedule.TrainSchedule):
+    """DeepSpeed's ``TrainSchedule`` with ``RedundantForward`` placed where the stage would wait.
+
+    The steps come from ``lightning_bamboo.schedule.build_schedule(stages, micro_batches, "eager")``
+    (for DeepSpeed's own instructions the same steps, buffers and order as ``TrainSchedule``). Its
+    replica-sync actions are carried out by ``OptimizerStep`` (see ``BambooPipelineEngine``).
+    """
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, costs: Any = None) -> None:
+        from lightning_bamboo.schedule import build_schedule
+
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.plan = build_schedule(stages, micro_batches, "eager", costs=costs)
+
+    def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
+        from lightning_bamboo.schedule import deepspeed_steps
+
+        for step in deepspeed_steps(self.plan, self.stage_id):
+            commands: list[ds_schedule.PipeInstruction] = []
+            for name, kwargs, _action in step:
+                if name == "RedundantForward":
+                    commands.append(RedundantForward(micro_batch=kwargs["micro_batch"]))
+                elif name not in ("SendReplicaSync", "RecvReplicaSync"):  # OptimizerStep ships and receives them
+                    commands.append(getattr(ds_schedule, name)(**kwargs))
+            yield commands
+
+
+class _RedundantStep:
+    """What eager redundancy keeps during one step: RF inputs in micro-batch order, and each RF's (input, output)."""
+
+    def __init__(self) -> None:
+        self.inputs: list[Any] = []
+        self.kept: dict[int, tuple[Any, Any]] = {}
+
+
 class BambooPipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` that lightning_bamboo builds directly (``deepspeed.initialize`` cannot).
 
@@ -54,13 +99,52 @@ class BambooPipelineEngine(PipelineEngine):
     guard: Any = None
     node_id: str = ""
     batches_run = 0
+    redundant_forwards_run = 0
 
     @property
     def replica_seconds(self) -> dict[str, float]:
-        """Seconds spent keeping the replica fresh, summed over steps: gradient exchange, commit, replica update."""
+        """Seconds spent on redundancy, summed over steps: gradient exchange, commit, replica update, eager RFs."""
         if "_replica_seconds" not in self.__dict__:
-            self.__dict__["_replica_seconds"] = {"exchange": 0.0, "commit": 0.0, "replica_step": 0.0}
+            self.__dict__["_replica_seconds"] = {"exchange": 0.0, "commit": 0.0, "replica_step": 0.0,
+                                                 "redundant_forward": 0.0}
         return self.__dict__["_replica_seconds"]
+
+    # ------------------------------------------------------------------ eager redundancy
+    @property
+    def eager(self) -> bool:
+        """Whether this engine runs the successor's forward in the bubbles (``redundancy="eager"`` with a replica)."""
+        return self.replica is not None and getattr(self, "bamboo_options", {}).get("redundancy") == "eager"
+
+    #: the RF state of the step running now (None outside a training step or without eager redundancy)
+    redundant: _RedundantStep | None = None
+
+    def _train_schedule(self) -> Any:
+        if self.eager:
+            return EagerTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        return super()._train_schedule()
+
+    def _next_batch(self) -> Any:
+        batch = super()._next_batch()
+        if self.redundant is not None and self.is_last_stage() and self.replica is not None and self.replica.stage == 0:
+            self.redundant.inputs.append(_to_device(batch[0], self.device))  # stage 0's RF runs on the loaded inputs
+        return batch
+
+    def _exec_forward_keeping_output(self, buffer_id: int) -> None:
+        PipelineEngine._exec_forward_pass(self, buffer_id)
+        if self.redundant is not None and not self.is_last_stage():
+            self.redundant.inputs.append(_detached(self.pipe_buffers["outputs"][buffer_id]))
+
+    def _exec_redundant_forward(self, micro_batch: int) -> None:
+        assert self.redundant is not None and self.replica is not None
+        started = time.perf_counter()
+        self.replica.wait()  # the previous step's replica update runs in the background
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        # The replica's own RNG stream: an RF never changes what the own stage draws next.
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), _saved_on_host(self.device):
+            leaf = _leaf(self.redundant.inputs[micro_batch])
+            self.redundant.kept[micro_batch] = (leaf, self.replica.module(leaf))
+        self.redundant_forwards_run += 1
+        self.replica_seconds["redundant_forward"] += time.perf_counter() - started
 
     # ------------------------------------------------------------------ micro-batches
     def set_micro_batches(self, micro_batches: int) -> None:
@@ -115,7 +199,11 @@ class BambooPipelineEngine(PipelineEngine):
     def _train_and_commit(self, data_iter: Any, step: int) -> torch.Tensor:
         self._pending_step = False
         self.phase = "schedule"
-        loss = super().train_batch(data_iter)
+        self.redundant = _RedundantStep() if self.eager else None
+        try:
+            loss = super().train_batch(data_iter)
+        finally:
+            self._end_splice()
         self.last_loss = loss
         if self._pending_step:
             if self.commit is not None:
@@ -128,8 +216,25 @@ class BambooPipelineEngine(PipelineEngine):
         self.phase = "idle"
         return loss
 
+    #: over the run: kept redundant forwards a failover step reused, and the lazy backwards run through them
+    redundant_forwards_reused = 0
+    redundant_backwards_run = 0
+
+    def _end_splice(self) -> None:
+        """A step after an eager failover reuses the kept forwards once; then the module runs plainly again."""
+        splice = getattr(self.module, "splice", None)
+        if splice is None:
+            return
+        self.module.splice = None
+        self.redundant_forwards_reused += len(splice.reused)
+        self.redundant_backwards_run += splice.backwards
+        log.warning("%s: the redone step reused %d of %d kept redundant forwards (micro-batches %s) and ran %d lazy "
+                    "backwards through them", self.node_id, len(splice.reused), len(splice.kept), splice.reused,
+                    splice.backwards)
+
     def apply_step(self) -> None:
         """Apply the deferred update of the own stage and the replica (after the step committed)."""
+        self.redundant = None  # the step counts: what a lazy backward would have needed is freed
         PipelineEngine._exec_optimizer_step(self)
         if self.replica is not None and self.replica.pending:
             started = time.perf_counter()
@@ -162,6 +267,8 @@ class BambooPipelineEngine(PipelineEngine):
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ds_schedule.OptimizerStep: _exec_deferred_optimizer_step,
+        ds_schedule.ForwardPass: _exec_forward_keeping_output,
+        RedundantForward: _exec_redundant_forward,
     }
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
@@ -178,8 +285,36 @@ class BambooPipelineEngine(PipelineEngine):
         """This engine's training step as a Step x Rank table (lightning_bamboo.schedule)."""
         from lightning_bamboo.schedule import build_schedule, format_table
 
-        mode = "lazy" if self.replica is not None else "off"
+        mode = "eager" if self.eager else "lazy" if self.replica is not None else "off"
         return format_table(build_schedule(self.num_stages, self.micro_batches, mode), error_at=error_at)
+
+
+def _detached(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach()
+    return tuple(_detached(v) for v in value)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    return tuple(_to_device(v, device) for v in value)
+
+
+def _leaf(value: Any) -> Any:
+    """A graph leaf with ``value``'s data (floating tensors require grad, so a lazy backward yields their gradient)."""
+    if torch.is_tensor(value):
+        return value.detach().clone().requires_grad_(value.is_floating_point())
+    return tuple(_leaf(v) for v in value)
+
+
+def _saved_on_host(device: torch.device) -> Any:
+    """Keep the tensors an RF's graph saves in host memory (pinned) on an accelerator; on CPU they are there already."""
+    import contextlib
+
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
 def _maybe_fail(node: str, step: int, instruction: int | None) -> None:

@@ -22,12 +22,29 @@ from torch import nn
 from lightning_bamboo import checkpoint as ckpt
 
 
-def stage_container(layers: Mapping[int, nn.Module]) -> nn.Module:
-    """A module whose children are ``layers`` named by global layer index (like a pipeline stage)."""
-    module = nn.Module()
-    for index in sorted(layers):
-        module.add_module(str(index), layers[index])
-    return module
+class StageContainer(nn.Module):
+    """The layers of one stage: module children named by global layer index (like a pipeline stage),
+    and ``forward`` running every layer in order, plain callables included (like ``PipelineModule``)."""
+
+    def __init__(self, layers: Mapping[int, Any]) -> None:
+        super().__init__()
+        self._calls: list[Any] = []
+        self.indices = sorted(layers)  # every layer's global index, plain callables included
+        for index in sorted(layers):
+            layer = layers[index]
+            if isinstance(layer, nn.Module):
+                self.add_module(str(index), layer)
+            self._calls.append(layer)
+
+    def forward(self, inputs: Any) -> Any:
+        for layer in self._calls:
+            inputs = layer(inputs)
+        return inputs
+
+
+def stage_container(layers: Mapping[int, Any]) -> StageContainer:
+    """A module whose children are ``layers`` named by global layer index; see ``StageContainer``."""
+    return StageContainer(layers)
 
 
 def flat_grads(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +85,8 @@ class Replica:
 
     @property
     def layers(self) -> range:
-        names = sorted(int(n) for n, _ in self.module.named_children())
-        return range(names[0], names[-1] + 1)
+        indices = getattr(self.module, "indices", None) or sorted(int(n) for n, _ in self.module.named_children())
+        return range(indices[0], indices[-1] + 1)
 
     def states(self) -> dict[int, dict[str, Any]]:
         self.wait()

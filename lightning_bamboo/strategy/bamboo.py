@@ -78,7 +78,9 @@ class _BambooStrategyMixin:
             seed: seed the layers are built under (default: the ``seed_everything`` seed, else 0).
             redundancy: ``"off"``: a plain pipeline. ``"lazy"``: every node keeps an exact replica of
                 its successor's stage (host memory) and takes over when the successor is lost.
-                ``"eager"`` (forward RC of the successor in the bubbles) is not implemented yet.
+                ``"eager"``: lazy, plus the successor's forward run redundantly in the pipeline
+                bubbles, its graph kept (host memory) until the step commits; a failover then skips
+                the dead stage's forward for those micro-batches and runs only its backward.
             timeout: seconds any communication may block before the run fails (never 30 minutes).
             detection_timeout: under the Bamboo launcher, the most seconds a survivor needs to learn
                 that a node is gone (the node lease's TTL is a bit below it).
@@ -91,11 +93,6 @@ class _BambooStrategyMixin:
         check_partition_option(partition, stages)
         if redundancy not in REDUNDANCY_MODES:
             raise BambooConfigError(f"redundancy must be one of {REDUNDANCY_MODES} (redundancy: {redundancy!r})")
-        if redundancy == "eager":
-            raise BambooConfigError(
-                "redundancy='eager' (the successor's forward computed in the bubbles) is not implemented yet; use "
-                "redundancy='lazy': it keeps the same exact replicas and a failover redoes only the step in flight"
-            )
         if redundancy != "off" and stages == 1:
             raise BambooConfigError(
                 f"redundancy={redundancy!r} needs at least 2 stages: a node holds a replica of its successor's "
@@ -376,22 +373,29 @@ class _BambooStrategyMixin:
         log.warning("%s: reconfigured in %.2f s (rank %d of %d)", res.node, seconds, rank, world)
         return seconds
 
-    def _stage_module(self, layout: Layout, stage: int, states: dict[int, dict[str, Any]] | None = None) -> Any:
+    def _stage_module(
+        self, layout: Layout, stage: int, states: dict[int, dict[str, Any]] | None = None,
+        prebuilt: dict[int, torch.nn.Module] | None = None,
+    ) -> Any:
         """This process's ``PipelineModule`` for ``stage`` of ``layout`` (weights from ``states`` if given).
 
+        ``prebuilt`` layers are used as they are (the replica's own layer objects, whose kept
+        graphs a failover reuses): their weights are not loaded again.
         It is attached to the LightningModule, so configure_optimizers() sees this stage's
         parameters as ``self.parameters()``.
         """
         from lightning_bamboo.engine.build import build_pipeline_module
 
+        prebuilt = prebuilt or {}
         model = self.lightning_module  # type: ignore[attr-defined]
         mine = layout.layers_of_stage(stage)
-        built = self._build(model, keep=lambda i: i in mine)
+        built = self._build(model, keep=lambda i: i in mine and i not in prebuilt)
+        layers = [prebuilt.get(i, layer) for i, layer in enumerate(built.layers)]
         timeout = timedelta(seconds=self.timeout_seconds)
-        module = build_pipeline_module(built.layers, layout, model.pipeline_loss, timeout)
+        module = build_pipeline_module(layers, layout, model.pipeline_loss, timeout)
         module.to(self.root_device)  # type: ignore[attr-defined]
         if states is not None:
-            ckpt.load_weights(module, states)
+            ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         model._bamboo_stage = module
         return module
 
@@ -435,7 +439,7 @@ class _BambooStrategyMixin:
 
         built = self._build(self.lightning_module, keep=lambda i: i in layers)  # type: ignore[attr-defined]
         container = stage_container(
-            {i: layer for i, layer in enumerate(built.layers) if isinstance(layer, torch.nn.Module)}
+            {i: layer for i, layer in enumerate(built.layers) if layer is not None}
         ).to(self.root_device)  # type: ignore[attr-defined]
         if states is not None:
             ckpt.load_weights(container, states)
@@ -497,6 +501,9 @@ class _BambooStrategyMixin:
             "states": {**old_engine.own_states(), **(old_engine.replica.states() if old_engine.replica else {})},
             "optimizer": old_engine.optimizer,
             "last_loss": old_engine.last_loss,
+            # eager: the successor's forwards of the failed step, reused when this node takes its stage over
+            "reuse": None if committed or old_engine.redundant is None or not old_engine.redundant.kept
+            else (old_engine.replica.module, dict(old_engine.redundant.kept)),
         }
         log.info("%s: state captured (%.2f s)", res.node, time.monotonic() - started)
         suspected = set(getattr(err, "lost", ()))
@@ -536,7 +543,7 @@ class _BambooStrategyMixin:
         log.info("%s: process group re-formed", res.node)
         self._enter_group(rank, world)
         # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
-        self._rebuild_stage(Layout(world, 1, plan.parts), rank, base["states"], base["optimizer"])
+        self._rebuild_stage(Layout(world, 1, plan.parts), rank, base["states"], base["optimizer"], reuse=base["reuse"])
         return plan, rank, world
 
     def _enter_group(self, rank: int, world: int) -> None:
@@ -553,14 +560,18 @@ class _BambooStrategyMixin:
 
     def _rebuild_stage(
         self, layout: Layout, rank: int, held: dict[int, dict[str, Any]], hyper: torch.optim.Optimizer | list[dict[str, Any]],
-        trainer: Any = None,
+        trainer: Any = None, reuse: tuple[torch.nn.Module, dict[int, Any]] | None = None,
     ) -> None:
         """Build this node's stage of ``layout`` from ``held`` layer states, its engine, and the replica ring.
 
         ``hyper`` gives the optimizer's current hyperparameters (the old optimizer, or saved param
         groups). With ``trainer`` (a node joining), the optimizer and schedulers come from
         Lightning's ``configure_optimizers``; otherwise the old optimizer is swapped for the new one.
+        ``reuse`` (eager failover): the old replica's container and its kept redundant forwards; when
+        the new stage ends with the replica's layers, it takes those layer objects over and the next
+        step reuses the kept forwards (``engine.module.Splice``).
         """
+        from lightning_bamboo.engine.module import Splice
         from lightning_bamboo.engine.replica import copy_hyperparameters
 
         res = self.resilience
@@ -570,7 +581,16 @@ class _BambooStrategyMixin:
             raise BambooError(f"the new layout gives {res.node} layers {missing} it does not hold")
         stage_states = {i: held[i] for i in mine}
         self.stages, self.layout = layout.stages, layout
-        module = self._stage_module(layout, rank, stage_states)
+        prebuilt: dict[int, torch.nn.Module] = {}
+        if reuse is not None:
+            container, kept = reuse
+            indices: list[int] = container.indices  # type: ignore[assignment]  # a StageContainer
+            replica_layers = range(indices[0], indices[-1] + 1)
+            if mine.stop == replica_layers.stop and mine.start <= replica_layers.start:
+                prebuilt = {int(n): layer for n, layer in container.named_children()}
+        module = self._stage_module(layout, rank, stage_states, prebuilt)
+        if reuse is not None and prebuilt:
+            module.splice = Splice(replica_layers.start, reuse[1])
         if trainer is not None:
             self.setup_optimizers(trainer)  # type: ignore[attr-defined]
             optimizer = self.optimizers[0]  # type: ignore[attr-defined]
