@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from lightning_bamboo.schedule import build_schedule
 from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,22 +20,36 @@ def _lines(stdout: str, key: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{") and key in line]
 
 
-@pytest.mark.parametrize("stages, optimizer", [(2, "adam"), (4, "sgd")])
-def test_replicas_equal_their_originals_after_every_step(tmp_path, stages, optimizer):
+@pytest.mark.parametrize("stages, optimizer, mode", [(2, "adam", "lazy"), (4, "sgd", "lazy"), (2, "sgd", "eager")])
+def test_replicas_equal_their_originals_after_every_step(tmp_path, stages, optimizer, mode):
     proc = run([PYTHON, *FIT, "--devices", str(stages), "--stages", str(stages), "--steps", "5", "--partition", "uniform",
-                "--redundancy", "lazy", "--check-replicas", "--optimizer", optimizer, "--out", str(tmp_path)], timeout=240)
+                "--redundancy", mode, "--check-replicas", "--optimizer", optimizer, "--out", str(tmp_path)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     checks = _lines(proc.stdout, "replica_check")
     assert [c["replica_check"] for c in checks] == [1, 2, 3, 4, 5]
     assert all(c["problems"] == [] for c in checks), checks
+    assert all(c["kept_after_commit"] == [False] * stages for c in checks), checks  # freed when the step commits
+    # eager: each rank ran the successor's forwards the schedule places in its bubbles, every step; lazy: none
+    per_step = [len(build_schedule(stages, 4, "eager").redundant_forwards(r)) if mode == "eager" else 0
+                for r in range(stages)]
+    assert [c["redundant_forwards"] for c in checks] == [[n * step for n in per_step] for step in range(1, 6)]
+    if mode == "eager":
+        assert sum(per_step) > 0
+        # the forwards run in the bubbles change nothing: the same weights as a single process
+        assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(5, 8, 1, 2, optimizer)) <= 1e-5
 
 
-@pytest.mark.parametrize("kill", ["node2@7", "node3@7", "node0@7", "node2@7:5"],
-                         ids=["middle", "last", "first", "mid-step"])
-def test_sigkill_is_taken_over_and_weights_equal_the_run_without_it(tmp_path, kill):
+@pytest.mark.parametrize("kill, mode, reused", [
+    ("node2@7", "lazy", {}), ("node3@7", "lazy", {}), ("node0@7", "lazy", {}), ("node2@7:5", "lazy", {}),
+    # eager: node2 dies after node1 ran the RF of micro-batches 0-2 of stage 2 (schedule step 6 of 14)
+    ("node2@7:8", "eager", {"node1": 3}),
+    # node0 dies when every RF is done: node3 takes stage 0, node2 stage 3, both from kept forwards
+    ("node0@7:13", "eager", {"node3": 4, "node2": 4}),
+], ids=["middle", "last", "first", "mid-step", "eager-mid-step", "eager-first"])
+def test_sigkill_is_taken_over_and_weights_equal_the_run_without_it(tmp_path, kill, mode, reused):
     """4 stages, one node SIGKILLed at step 7 of 20: the run ends at step 20 with the clean run's weights."""
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
-                "--stages", "4", "--steps", "20", "--partition", "uniform", "--redundancy", "lazy", "--out", str(tmp_path)],
+                "--stages", "4", "--steps", "20", "--partition", "uniform", "--redundancy", mode, "--out", str(tmp_path)],
                timeout=240, env={"BAMBOO_FAIL_AT": kill})
     assert proc.returncode == 0, proc.stdout[-4000:]
     victim = kill.split("@")[0]
@@ -44,3 +60,8 @@ def test_sigkill_is_taken_over_and_weights_equal_the_run_without_it(tmp_path, ki
     assert failover["lost"] == [victim] and failover["step"] == 7 and not failover["committed"]
     got = torch.load(tmp_path / "final.pt")
     assert max_abs_diff(got, reference_weights(20, 8, 1, 2)) <= 1e-5
+    found = dict(re.findall(r"(node\d): the redone step reused (\d+) of", proc.stdout))
+    assert {node: int(n) for node, n in found.items()} == reused
+    for node, n in reused.items():
+        assert f"{node}: the redone step reused {n} of {n} kept redundant forwards" in proc.stdout
+        assert f"and ran {n} lazy backwards through them" in proc.stdout
