@@ -31,6 +31,13 @@ def bamboo_options(config: dict[str, Any]) -> dict[str, Any]:
         raise BambooConfigError(
             f'"{BAMBOO_KEY}.redundancy" must be one of {REDUNDANCY_MODES} (got {options["redundancy"]!r})'
         )
+    if options["redundancy"] != "off":
+        raise BambooConfigError(
+            f'"{BAMBOO_KEY}.redundancy" = {options["redundancy"]!r} is not available through lightning_bamboo.initialize: '
+            f"replicas and failover are run by BambooStrategy (its training loop redoes a step and rebuilds the "
+            f'pipeline after a loss); use "redundancy": "off" here, or train with '
+            f'Trainer(strategy=BambooStrategy(redundancy={options["redundancy"]!r})) under the Bamboo launcher'
+        )
     if not isinstance(options["timeout"], (int, float)) or options["timeout"] <= 0:
         raise BambooConfigError(f'"{BAMBOO_KEY}.timeout" must be a positive number of seconds (got {options["timeout"]!r})')
     return options
@@ -72,7 +79,8 @@ def initialize(
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` where ``engine`` is a
     :class:`~lightning_bamboo.engine.pipe.BambooPipelineEngine`. Bamboo's options live under
-    the config's ``"bamboo"`` key: ``{"redundancy": "off" | "lazy" | "eager", "timeout": seconds}``.
+    the config's ``"bamboo"`` key: ``{"redundancy": "off", "timeout": seconds}`` (``"lazy"`` and ``"eager"``
+    need ``BambooStrategy``, whose training loop runs the failover; they are refused here).
     """
     from deepspeed.pipe import PipelineModule
 

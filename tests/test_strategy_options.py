@@ -111,3 +111,22 @@ def test_layers_are_built_under_the_seed_whatever_is_kept():
             assert torch.equal(a, b), name
     assert built.names == ["Embedding", "Block", "Block", "Head"]
     assert built.param_counts[0] == sum(p.numel() for p in reference[0].parameters())
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"redundancy": "lazy"}, r'"bamboo.redundancy" = \'lazy\' is not available through lightning_bamboo.initialize'
+                                 r'.*use "redundancy": "off" here, or train with Trainer\(strategy=BambooStrategy'),
+        ({"redundancy": "eager"}, r"'eager' is not available through lightning_bamboo.initialize"),
+        ({"redundancy": "always"}, r'"bamboo.redundancy" must be one of'),
+        ({"timeout": 0}, r'"bamboo.timeout" must be a positive number of seconds \(got 0\)'),
+        ({"retries": 3}, r"unknown keys in the \"bamboo\" config entry: \['retries'\]"),
+    ],
+)
+def test_initialize_bamboo_options_are_checked(section, message):
+    from lightning_bamboo.deepspeed_api import bamboo_options
+
+    with pytest.raises(BambooConfigError, match=message):
+        bamboo_options({"bamboo": section})
+    assert bamboo_options({"bamboo": {"timeout": 60}}) == {"redundancy": "off", "timeout": 60}
