@@ -7,7 +7,7 @@ time and the time from the kill to the next completed step. Prints a table and r
 Targets (issue 3): eager <= 1.10x and lazy <= 1.03x step time at 2 stages x 8 micro-batches;
 recovery <= 5 s + one step.
 
-    python benchmarks/rc_overhead.py [--steps 20] [--warmup 5] [--shapes 2x8,4x8]
+    python benchmarks/rc_overhead.py [--steps 20] [--warmup 5] [--repeats 3] [--shapes 2x8,4x8]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--redundancy", default="off")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median of their medians)")
     parser.add_argument("--shapes", default="2x4,2x8,4x4,4x8", help="stages x micro-batches to measure")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -105,18 +107,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
         for stages, m in shapes:
+            medians: dict[str, list[float]] = {mode: [] for mode in MODES}
+            peaks: dict[str, list[int]] = {mode: [] for mode in MODES}
+            # modes interleaved and repeated: a burst of load elsewhere on the machine hits all of them alike
+            for repeat in range(args.repeats):
+                for mode in MODES:
+                    r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}-{repeat}.json"))
+                    times = sorted(r["times"][args.warmup:])
+                    medians[mode].append(times[len(times) // 2])
+                    peaks[mode].append(max(r["peak_bytes"]))
+                    if mode != "off" and repeat == 0:
+                        per_step = {k: max(s[k] for s in r["replica_seconds"]) / args.steps for k in r["replica_seconds"][0]}
+                        costs[(stages, m, mode)] = per_step
             for mode in MODES:
-                r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}.json"))
-                times = sorted(r["times"][args.warmup:])
-                rows[(stages, m, mode)] = (times[len(times) // 2], max(r["peak_bytes"]))
-                if mode != "off":
-                    per_step = {k: max(s[k] for s in r["replica_seconds"]) / args.steps for k in r["replica_seconds"][0]}
-                    costs[(stages, m, mode)] = per_step
+                rows[(stages, m, mode)] = (statistics.median(medians[mode]), max(peaks[mode]))
         kill_step = args.steps // 2
         kills = {mode: run_config(4, 8, mode, args.steps, Path(tmp, f"kill-{mode}.json"), kill=f"node2@{kill_step}")
                  for mode in ("lazy", "eager")}
     print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, "
-          f"micro-batch {MICRO}, AdamW, CPU (gloo), {args.steps - args.warmup} timed steps per config")
+          f"micro-batch {MICRO}, AdamW, CPU (gloo), {args.steps - args.warmup} timed steps per run, "
+          f"median of {args.repeats} interleaved runs per config")
     print(f"{'stages':>6} {'micro-b':>7} {'mode':>5} {'step ms':>9} {'x off':>6} {'peak MiB/proc':>14} {'x off':>6}")
     for (stages, m, mode), (step, peak) in rows.items():
         base_step, base_peak = rows[(stages, m, "off")]

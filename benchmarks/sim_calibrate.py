@@ -1,17 +1,19 @@
 """Measure the demo-scale simulator parameters with real `lightning-bamboo demo` runs on this machine.
 
-Two demo runs of one 6-stage pipeline (the demo's built-in 8-layer GPT, 8 samples per step,
+Three demo runs of one 6-stage pipeline (the demo's built-in 8-layer GPT, 8 samples per step,
 checkpoints every 4 steps), each line ``step N/K`` of the demo's progress stamped as it arrives:
 
-* Bamboo (lazy replicas), three far-apart kills (SIGKILL) -> step time at depth 6 and, after each
-  failover, at depths 5, 4 and 3; checkpoint-save pause; failover pause (demo's recovery time
-  minus the first step at the new depth: the step in flight is redone).
-  The step after each redone step starts with the RebalanceCallback evening out the layers: its
-  extra time over a plain step is the reconfiguration pause.
-* ``--no-redundancy``, one kill -> step time at depths 6 and 5 without replicas; restart pause
-  (recovery time minus the first step after the restart).
-* a join: node2 killed at step 4, spare1 started at step 5 -> from starting a node to its
-  admission at a step start (process and model start-up, standby registration).
+* Bamboo (lazy replicas), three far-apart kills (SIGKILL) -> step time at depths 4 and 3 (after
+  the second and third failover); checkpoint-save pause; failover pause (demo's recovery time
+  minus the first step at the new depth: the step in flight is redone). The step after each
+  redone step starts with the RebalanceCallback evening out the layers: its extra time over a
+  plain step is the reconfiguration pause.
+* ``--no-redundancy``, one kill at step 40 of 80 -> step time at depths 6 and 5 without replicas
+  (long segments); restart pause (recovery time minus the first step after the restart).
+* a join: node2 killed at step 4, spare1 started at step 40 of 160 -> step time at depth 5 (steps
+  8-40) and at depth 6 (after spare1's admission, 100+ steps): the long segments the simulator's
+  steady state needs; from starting a node to its admission at a step start; the training time
+  its start-up costs the busy cores.
 
 The numbers go to the ``demo`` section of lightning_bamboo/data/sim_params.json through
 ``record_measurement(..., section="demo")``: they describe the demo on this machine, NOT a GPU
@@ -44,10 +46,11 @@ CHECKPOINT_EVERY = 4
 # (name, steps, kills as --preempt, extra flags)
 RUNS = {
     "bamboo": (36, "node2@9,node4@18,node0@27", ()),
-    "no_redundancy": (24, "node2@9", ("--no-redundancy",)),
-    "join": (120, "node2@4", ("--join", "spare1@5")),
+    "no_redundancy": (80, "node2@40", ("--no-redundancy",)),
+    "join": (160, "node2@4", ("--join", "spare1@40")),
 }
-JOIN_AT = 5
+JOIN_AT = 40
+NO_REDUNDANCY_KILL = 40
 
 
 def timed_demo(steps: int, preempt: str, extra: tuple[str, ...], workdir: Path) -> dict:
@@ -117,24 +120,46 @@ def from_bamboo(run: dict) -> dict:
     return {"step_seconds": depths, "saves": saves, "failover": failover, "rebalance": rebalance, "end": end_seconds(run)}
 
 
-def from_join(run: dict) -> float:
-    """Seconds from starting the joining node (when step JOIN_AT is done) to the step its admission precedes."""
+def from_join(run: dict) -> dict:
+    """From the join run (node2 lost at step 4, spare1 started when step JOIN_AT is done):
+
+    * depth-5 step time over steps 8..JOIN_AT and depth-6 step time from two steps after spare1's
+      admission to the end: the long segments of the calibration;
+    * ``join``: seconds from starting spare1 to the step boundary it was admitted at;
+    * ``standby_start``: training time lost to spare1's start-up: the extra time of the steps it
+      overlapped over the depth-5 step time (saves excluded, scaled to every step of the window).
+    """
     admitted = [r["step"] for r in run["report"]["reconfigurations"] if "spare1" in r["order"]]
     if not admitted:
         raise RuntimeError(f"spare1 was never admitted in the join run: {run['report']['reconfigurations']}")
-    done = {step: t for t, step in parse_progress(run["lines"])}
-    return done[admitted[0]] - done[JOIN_AT]
+    at = admitted[0]
+    progress = parse_progress(run["lines"])
+    done = {step: t for t, step in progress}
+    iv = step_intervals(progress)
+    steps = run["report"]["steps_completed"]
+    depth5 = mean_of(iv, clean_steps(8, JOIN_AT, CHECKPOINT_EVERY), "depth 5 before the join")
+    depth6 = mean_of(iv, clean_steps(at + 2, steps, CHECKPOINT_EVERY), "depth 6 after the join")
+    window = list(range(JOIN_AT + 1, at))
+    clean = [s for s in clean_steps(JOIN_AT + 1, at - 1, CHECKPOINT_EVERY) if s in iv]
+    if not clean:
+        raise RuntimeError(f"no clean step while spare1 started (steps {window}); the join run needs more steps")
+    extra = sum(iv[s] - depth5 for s in clean) * len(window) / len(clean)
+    return {"step_seconds": {6: depth6, 5: depth5}, "join": done[at] - done[JOIN_AT], "standby_start": max(0.0, extra),
+            "saves": [iv[s] - depth5 for s in save_steps(8, JOIN_AT, CHECKPOINT_EVERY) if s in iv]
+            + [iv[s] - depth6 for s in save_steps(at + 2, steps, CHECKPOINT_EVERY) if s in iv]}
 
 
 def from_no_redundancy(run: dict) -> dict:
     """Depth-6/5 step times without replicas, save pause and restart pause from the run with one restart."""
     iv = step_intervals(parse_progress(run["lines"]))
+    steps, kill = run["report"]["steps_completed"], NO_REDUNDANCY_KILL
+    after = kill + 4  # the restart goes back to the last checkpoint; steps from here on ran after it
     depths = {
-        6: mean_of(iv, clean_steps(2, 9, CHECKPOINT_EVERY), "depth 6"),
-        5: mean_of(iv, clean_steps(10, 24, CHECKPOINT_EVERY), "depth 5"),
+        6: mean_of(iv, clean_steps(2, kill - 1, CHECKPOINT_EVERY), "depth 6"),
+        5: mean_of(iv, clean_steps(after, steps, CHECKPOINT_EVERY), "depth 5"),
     }
-    saves = [
-        iv[s] - depths[6 if s <= 9 else 5] for s in save_steps(2, 24, CHECKPOINT_EVERY) if s in iv and s != 9
+    saves = [iv[s] - depths[6] for s in save_steps(2, kill - 1, CHECKPOINT_EVERY) if s in iv] + [
+        iv[s] - depths[5] for s in save_steps(after, steps, CHECKPOINT_EVERY) if s in iv
     ]
     recov = run["report"]["recovery_seconds"]
     if len(recov) != 1 or run["report"]["recoveries"]["checkpoint"] != 1:
@@ -143,18 +168,21 @@ def from_no_redundancy(run: dict) -> dict:
 
 
 def derive(runs: dict) -> dict:
-    b, n = from_bamboo(runs["bamboo"]), from_no_redundancy(runs["no_redundancy"])
+    b, n, j = from_bamboo(runs["bamboo"]), from_no_redundancy(runs["no_redundancy"]), from_join(runs["join"])
+    # depths 6 and 5 from the join run's long segments; 4 and 3 exist only after the bamboo run's failovers
+    depths = {**b["step_seconds"], **j["step_seconds"]}
     return {
         "reconfigure_seconds": round(statistics.fmean(b["rebalance"]), 3),
-        "join_seconds": round(from_join(runs["join"]), 3),
-        "step_seconds": {str(k): round(v, 3) for k, v in b["step_seconds"].items()},
+        "join_seconds": round(j["join"], 3),
+        "standby_start_seconds": round(j["standby_start"], 3),
+        "step_seconds": {str(k): round(v, 3) for k, v in sorted(depths.items(), reverse=True)},
         "step_seconds_no_redundancy": {str(k): round(v, 3) for k, v in n["step_seconds"].items()},
-        "checkpoint_save_seconds": round(statistics.fmean(b["saves"] + n["saves"]), 3),
+        "checkpoint_save_seconds": round(statistics.fmean(b["saves"] + n["saves"] + j["saves"]), 3),
         "failover_seconds": round(statistics.fmean(b["failover"]), 3),
         "restart_seconds": round(n["restart"], 3),
         "end_seconds": round(statistics.fmean([b["end"], n["end"]]), 3),
         "startup_timeout_seconds": STARTUP_TIMEOUT,
-        "_detail": {"bamboo": b, "no_redundancy": n},
+        "_detail": {"bamboo": b, "no_redundancy": n, "join": j},
     }
 
 
@@ -163,15 +191,19 @@ def derive(runs: dict) -> dict:
 STARTUP_TIMEOUT = 60.0
 
 PROVENANCE = {
-    "step_seconds": "mean step interval (no checkpoint in it) per pipeline depth (lazy replicas; depths 5-3 are the layouts left after 1-3 failovers)",
-    "step_seconds_no_redundancy": "mean step interval per depth with --no-redundancy (depth 5 after a restart)",
+    "step_seconds": "mean step interval (no checkpoint in it) per pipeline depth with lazy replicas: depths 6 and 5 over "
+    "long segments of the join run (depth 5 for 33 steps after a failover, depth 6 for 100+ steps after the admission), "
+    "depths 4 and 3 after the bamboo run's second and third failovers",
+    "step_seconds_no_redundancy": "mean step interval per depth with --no-redundancy (depth 6 for 38 steps, depth 5 for 36 after a restart)",
+    "standby_start_seconds": "training time lost while spare1 started (join run): the extra time of the steps its start-up "
+    "overlapped over the depth-5 step time, saves excluded and scaled to every step of that window",
     "checkpoint_save_seconds": "mean extra time of a step interval that follows a checkpoint (ModelCheckpoint every 4 steps), both runs",
     "failover_seconds": "mean over 3 kills of (demo recovery time - step time at the new depth): the step in flight is redone",
-    "restart_seconds": "demo recovery time of one --no-redundancy kill minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
+    "restart_seconds": "demo recovery time of one --no-redundancy kill (node2@40) minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
     "startup_timeout_seconds": "CONFIGURED, not measured: the demo's rendezvous timeout (BambooStrategy(timeout=60) in "
     "lightning_bamboo/demo/worker.py); a worker lost while a restart starts leaves the others waiting that long",
     "reconfigure_seconds": "mean extra time of the step interval after each redone step (no checkpoint in it): the RebalanceCallback evening out the layers",
-    "join_seconds": "from the step at which the demo started spare1 (--join spare1@5) to the step boundary it was admitted at: start-up and standby registration, 6 workers busy",
+    "join_seconds": "from the step at which the demo started spare1 (--join spare1@40) to the step boundary it was admitted at: start-up and standby registration, 5 workers busy",
     "end_seconds": "seconds the demo's wall time counts after the last step (final save, consolidation, exit), mean of the runs with replicas and without",
 }
 

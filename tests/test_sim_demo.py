@@ -127,6 +127,26 @@ def test_replay_uses_the_demos_own_view_of_a_trace():
     assert any("admit" in what for _, what in prediction.timeline)
 
 
+def test_a_standby_process_starting_while_the_pipeline_trains_costs_its_startup():
+    # a full pipeline; spare1 joins at 0.5 during step 2 and its process starts at once (a spare place):
+    # its start-up costs the training 0.3 s, so steps 2..4 end at 1.3, 2.3, 3.3; + 1 s end
+    events = [ClusterEvent("join", "spare1", at_seconds=0.5)]
+    assert replay_demo(events, NODES, replace(P, standby_start_seconds=0.3), 4).seconds == pytest.approx(4.3)
+    # a second joiner finds no place (a full pipeline plus one spare): it waits without a process, costing nothing
+    events.append(ClusterEvent("join", "spare2", at_seconds=1.5))
+    assert replay_demo(events, NODES, replace(P, standby_start_seconds=0.3), 4).seconds == pytest.approx(4.3)
+    # after node2 is lost at 2.5 (step 4 cut, redone on 3 stages from 2.75), spare2 gets the freed place:
+    # its start-up delays the redone step by 0.3 s too; spare1 (up after join_seconds 0) is admitted
+    # at the next step start only if steps remain
+    events.append(kill("node2", 2.5))
+    pred = replay_demo(events, NODES, replace(P, standby_start_seconds=0.3), 4)
+    assert pred.recoveries["redundant"] == 1
+    assert pred.seconds == pytest.approx(2.75 + 0.3 + 2.0 + 1.0)
+    # without replicas no standby process is started, and a full pipeline takes joiners in at no cost
+    no_red = replay_demo(events[:2], NODES, replace(P, standby_start_seconds=0.3), 4, redundancy=False)
+    assert no_red.seconds == pytest.approx(3 * 0.5 + 1.0)
+
+
 def test_replay_evens_out_the_layers_after_a_failover_with_nobody_to_admit():
     trace = parse_trace(["0,add,a", "0,add,b", "0,add,c", "0,add,d", "3000,remove,c"], "t")
     events = events_from_trace(trace, NODES, time_scale=2.0)

@@ -11,7 +11,8 @@ with a fluid rate. The demo differs in ways that matter at 20-60 steps, so it ge
   out over the survivors; a node that joins is started at once if fewer than ``stages + 1``
   processes run (else when a place frees: standby processes share the demo's cores), is up
   ``join_seconds`` later and is admitted the same way at the next step start while the pipeline
-  is shorter than ``stages``; losses that
+  is shorter than ``stages``; each such start-up while the demo trains costs the training
+  ``standby_start_seconds`` (a Python, torch and DeepSpeed start-up on the same cores); losses that
   :func:`lightning_bamboo.engine.failover.plan_failover` calls fatal (a node and its replica
   holder together, or the last node of a one-node pipeline) restart from the last checkpoint;
 * without replicas (``--no-redundancy``) every loss of a running node restarts the job from the
@@ -59,6 +60,7 @@ class DemoParams:
     samples_per_step: int = 8
     reconfigure_seconds: float = 0.0  # a live reconfiguration (rebalance after a failover, admitting a node)
     join_seconds: float = 0.0  # from starting a joining node to it standing by (process and model start-up)
+    standby_start_seconds: float = 0.0  # training time lost to one standby process starting (it shares the cores)
 
     def __post_init__(self) -> None:
         for name in ("step_seconds", "step_seconds_no_redundancy"):
@@ -76,6 +78,7 @@ class DemoParams:
             "startup_timeout_seconds",
             "reconfigure_seconds",
             "join_seconds",
+            "standby_start_seconds",
         ):
             if not float(getattr(self, name)) >= 0:
                 raise ParamError(f"demo parameter {name} must be >= 0 (got {getattr(self, name)!r})")
@@ -254,7 +257,6 @@ def _apply(
     out.recoveries["redundant"] += 1
     run.running, run.parts = list(plan.order), plan.parts
     run.rebalance_due = True
-    _start_standby(run, now, params, stages)
     if run.pending is not None:  # a save was cut: it runs again after the failover
         run.start = now + params.failover_seconds + params.checkpoint_save_seconds
         run.pending = (run.pending[0], run.start)
@@ -263,13 +265,17 @@ def _apply(
         run.start = now + params.failover_seconds
     else:  # already paused (an earlier failover): the pause runs on from now
         run.start = max(run.start, now + params.failover_seconds)
+    _start_standby(run, now, params, stages)  # a place freed: the next waiting node starts
     out.timeline.append((now, f"lost {lost}: failover to {len(run.running)} stages"))
 
 
-def _start_standby(run: _Run, now: float, params: DemoParams, stages: int) -> None:
-    """Start waiting joined nodes while fewer than ``stages + STANDBY_PROCESSES`` processes run."""
+def _start_standby(run: _Run, now: float, params: DemoParams, stages: int, training: bool = True) -> None:
+    """Start waiting joined nodes while fewer than ``stages + STANDBY_PROCESSES`` processes run; each
+    start-up while the pipeline trains delays it by ``standby_start_seconds``."""
     while run.waiting and len(run.running) + len(run.ready) < stages + STANDBY_PROCESSES:
         run.ready[run.waiting.pop(0)] = now + params.join_seconds
+        if training:
+            run.start += params.standby_start_seconds
 
 
 def _step_start(run: _Run, params: DemoParams, stages: int, out: DemoPrediction) -> None:
@@ -300,7 +306,7 @@ def _restart(
     run.running = run.alive[:stages]
     run.ready.clear()  # every live node restarts as a worker or waits to be started as a standby
     run.waiting = [n for n in run.alive if n not in run.running] if len(run.running) > 1 else []
-    _start_standby(run, now, params, stages)  # started with the restarted workers
+    _start_standby(run, now, params, stages, training=False)  # started with the restarted workers (in restart_seconds)
     run.rebalance_due = False
     run.parts = even_parts(DEMO_LAYERS, len(run.running))
     run.start = run.restart_until = now + params.restart_seconds
