@@ -126,13 +126,13 @@ class BambooPipelineEngine(PipelineEngine):
     def _next_batch(self) -> Any:
         batch = super()._next_batch()
         if self.redundant is not None and self.is_last_stage() and self.replica is not None and self.replica.stage == 0:
-            self.redundant.inputs.append(_to_device(batch[0], self.device))  # stage 0's RF runs on the loaded inputs
+            self.redundant.inputs.append(_on_host(batch[0]))  # stage 0's RF runs on the loaded inputs
         return batch
 
     def _exec_forward_keeping_output(self, buffer_id: int) -> None:
         PipelineEngine._exec_forward_pass(self, buffer_id)
         if self.redundant is not None and not self.is_last_stage():
-            self.redundant.inputs.append(_detached(self.pipe_buffers["outputs"][buffer_id]))
+            self.redundant.inputs.append(_on_host(_detached(self.pipe_buffers["outputs"][buffer_id])))
 
     def _exec_redundant_forward(self, micro_batch: int) -> None:
         assert self.redundant is not None and self.replica is not None
@@ -141,7 +141,7 @@ class BambooPipelineEngine(PipelineEngine):
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         # The replica's own RNG stream: an RF never changes what the own stage draws next.
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), _saved_on_host(self.device):
-            leaf = _leaf(self.redundant.inputs[micro_batch])
+            leaf = _leaf(_to_device(self.redundant.inputs[micro_batch], self.device))
             self.redundant.kept[micro_batch] = (leaf, self.replica.module(leaf))
         self.redundant_forwards_run += 1
         self.replica_seconds["redundant_forward"] += time.perf_counter() - started
@@ -293,6 +293,15 @@ def _detached(value: Any) -> Any:
     if torch.is_tensor(value):
         return value.detach()
     return tuple(_detached(v) for v in value)
+
+
+def _on_host(value: Any) -> Any:
+    """``value`` in host memory: as it is on CPU, else a pinned copy (the copy runs asynchronously)."""
+    if torch.is_tensor(value):
+        if value.device.type == "cpu":
+            return value
+        return torch.empty_like(value, device="cpu", pin_memory=True).copy_(value, non_blocking=True)
+    return tuple(_on_host(v) for v in value)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
