@@ -7,7 +7,9 @@ time and the time from the kill to the next completed step. Prints a table and r
 Targets (issue 3): eager <= 1.10x and lazy <= 1.03x step time at 2 stages x 8 micro-batches;
 recovery <= 5 s + one step.
 
-    python benchmarks/rc_overhead.py [--steps 20] [--warmup 5] [--repeats 3] [--shapes 2x8,4x8]
+    python benchmarks/rc_overhead.py [--steps 20] [--warmup 5] [--repeats 3] [--shapes 2x8,4x8] [--record]
+
+With ``--record`` it writes eager's overhead at 2 x 8 to the simulator's ``redundancy_overhead`` default.
 """
 
 from __future__ import annotations
@@ -87,6 +89,23 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
     return result
 
 
+def record_overhead(overhead: float, args: argparse.Namespace) -> None:
+    """The simulator's ``redundancy_overhead`` default (Bamboo runs eager RC) from this run."""
+    import datetime
+    import platform
+
+    from lightning_bamboo.sim.params import record_measurement
+
+    record_measurement(
+        "redundancy_overhead", round(max(0.0, overhead), 3),
+        f"benchmarks/rc_overhead.py, {datetime.date.today().isoformat()}, {platform.node() or 'this machine'}: "
+        f"{os.cpu_count()}-core CPU, no GPU, gloo; eager vs off step time - 1 at 2 stages x 8 micro-batches (one "
+        f"process per core, so the bubbles are idle as on GPUs), median of {args.repeats} interleaved runs; "
+        f"GPT {CONFIG.n_layer} blocks x {CONFIG.n_embd}, not GPT-2 XL",
+    )
+    print(f"recorded redundancy_overhead = {max(0.0, overhead):.3f} in lightning_bamboo/data/sim_params.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default=None)
@@ -97,6 +116,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median of their medians)")
     parser.add_argument("--shapes", default="2x4,2x8,4x4,4x8", help="stages x micro-batches to measure")
+    parser.add_argument("--record", action="store_true",
+                        help="write eager's measured overhead at 2 x 8 to the simulator's defaults (sim_params.json)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.role == "worker":
@@ -139,6 +160,8 @@ def main() -> None:
         base = rows[(2, 8, "off")][0]
         print(f"targets at 2 stages x 8 micro-batches: lazy {rows[(2, 8, 'lazy')][0] / base:.3f}x (<= 1.03x), "
               f"eager {rows[(2, 8, 'eager')][0] / base:.3f}x (<= 1.10x)")
+    if args.record and (2, 8, "off") in rows:
+        record_overhead(rows[(2, 8, "eager")][0] / rows[(2, 8, "off")][0] - 1, args)
     for mode, r in kills.items():
         (failover,) = r["failovers"]
         before = sorted(r["times"][args.warmup:kill_step] or r["times"])
