@@ -9,7 +9,7 @@ micro_batch_size, partition))`` over gloo: what a user runs, Lightning's loop in
 best, the step-time prediction error, planning time for 32 layers x 8 workers, and the chosen
 split's speed against DeepSpeed's. Not a test: timings depend on the machine and its load.
 
-    python benchmarks/tuner.py --world-size 4 --steps 5 --report tuner.json
+    python benchmarks/tuner.py [--world-size W (default: one worker per core)] --steps 5 --report tuner.json
 """
 
 from __future__ import annotations
@@ -329,7 +329,8 @@ def planning_time_32x8() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--world-size", type=int, default=max(2, os.cpu_count() or 2),
+                        help="workers (default: one per core, as Hydrozoa's model has one device per worker)")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (median), after 2 warm-up")
     parser.add_argument("--rounds", type=int, default=2, help="times every layout is trained (best median counts)")
