@@ -76,6 +76,30 @@ def test_callback_admits_a_standby_node_to_get_back_to_the_preferred_depth():
     assert full.decide(["n0", "n1", "n2", "n3"], ["s1"], 8).action == "keep"
 
 
+def test_callback_takes_the_layer_split_of_a_hydrozoa_tuner():
+    asked = []
+
+    def split_for(stages, micro_batch_size, micro_batches):
+        asked.append((stages, micro_batch_size, micro_batches))
+        return (0, 1, 6, 8) if stages == 3 else None
+
+    cb = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
+    cb.split_for, cb.micro_batch_size = split_for, 2
+    decision = cb.decide(["n0", "n1", "n3"], [], 8)  # n2 lost: the planner's split for 3 stages, not an even one
+    assert asked == [(3, 2, 4)]
+    assert decision.action == "restore_redundancy" and decision.layout.parts == (0, 1, 6, 8)
+    assert "HydrozoaTuner" in decision.reason
+    assert decision.moved == ("n0", "n1")  # with this split n3 keeps layers 6-7; n0 and n1 change
+    # no split for that depth (None): the policy's own
+    cb = _callback(["n0", "n1", "n3"], [0, 2, 5, 8], stages=4)
+    cb.split_for = split_for
+    assert cb.decide(["n0", "n1", "n3"], ["s1"], 8).layout.parts == (0, 2, 4, 6, 8)
+    # a healthy pipeline is kept as it is, whatever the planner would split
+    cb = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
+    cb.split_for = lambda *a: (0, 1, 2, 3, 8)
+    assert cb.decide(["n0", "n1", "n2", "n3"], [], 8).action == "keep"
+
+
 def test_callback_state_round_trips():
     cb = _callback(["n0", "n1", "n3"], [0, 2, 5, 8], stages=4)
     cb.decisions.append({"step": 3, "action": "restore_redundancy"})
@@ -105,3 +129,19 @@ def test_callback_needs_the_bamboo_strategy():
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     with pytest.raises(BambooError, match="strategy='bamboo'"):
         RebalanceCallback().setup(trainer, pl.LightningModule(), "fit")
+
+
+def test_callback_finds_the_tuner_among_the_trainers_callbacks():
+    from types import SimpleNamespace
+
+    from lightning_bamboo.callbacks.tuner import HydrozoaTuner
+
+    tuner = HydrozoaTuner()
+    strategy = SimpleNamespace(reconfigure=lambda *a, **k: 0.0, resilience=None, micro_batch_size=4, rebalancer=None)
+    cb = RebalanceCallback()
+    cb.setup(SimpleNamespace(strategy=strategy, callbacks=[tuner, cb]), object(), "fit")
+    assert cb.split_for == tuner.split_for and cb.micro_batch_size == 4
+    assert strategy.rebalancer == cb.at_step_start
+    alone = RebalanceCallback()
+    alone.setup(SimpleNamespace(strategy=strategy, callbacks=[alone]), object(), "fit")
+    assert alone.split_for is None

@@ -109,6 +109,29 @@ def test_state_dict_restores_the_table_and_skips_profiling() -> None:
     assert module.built == 0 and second.plan == first.plan_for(3)
 
 
+def test_split_for_a_reconfigured_depth_is_the_planners_on_every_rank() -> None:
+    from lightning_bamboo.planner.solver import solve_split
+
+    rank0 = tuner(max_world_size=4)
+    rank0.setup(FakeTrainer(FakeStrategy(world_size=4, stages=4)), UnevenMLP(batch_size=2), "fit")
+    assert rank0.profile is not None and rank0.hardware is not None
+    # the pipeline after a loss: 3 stages, micro-batch size 1, 8 micro-batches
+    split = rank0.split_for(3, 1, 8)
+    assert split == solve_split(rank0.profile, rank0.hardware, 3, 1, 8).partition
+    assert len(split) == 4 and split[0] == 0 and split[-1] == 5
+    assert rank0.split_for(3, 16, 8) is None  # a micro-batch size that was never profiled: no opinion
+    assert rank0.split_for(9, 1, 8) is None  # more stages than layers: no split
+    # another rank plans nothing but gets the profile with the table, so its split is the same
+    strategy = FakeStrategy(world_size=4, stages=4, global_rank=1, from_rank0=rank0._model_state() | {"table": rank0.table.to_dict()})
+    other = tuner()
+    other.setup(FakeTrainer(strategy), UnevenMLP(batch_size=2), "fit")
+    assert other.split_for(3, 1, 8) == split
+    # and so does a run resumed from a checkpoint
+    resumed = tuner()
+    resumed.load_state_dict(rank0.state_dict())
+    assert resumed.split_for(3, 1, 8) == split
+
+
 def test_only_fit_is_tuned() -> None:
     module, strategy = UnevenMLP(), FakeStrategy(world_size=2)
     tuner().setup(FakeTrainer(strategy), module, "validate")

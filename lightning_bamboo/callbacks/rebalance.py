@@ -21,6 +21,7 @@ keeps the layout. With ``admit=True`` (the default) standby nodes are reported a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.membership.policy import Decision, Layout, PolicyConfig, reconfigure
+from lightning_bamboo.membership.policy import Decision, Layout, PolicyConfig, moved_nodes, reconfigure
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ class RebalanceCallback(Callback):
             exceeds this (default 0.05, i.e. any overloaded node in a small job).
         admit: let standby nodes join (they are started with ``BAMBOO_JOIN=1``, see
             ``Cluster.spawn_joiner``).
+
+    With a ``HydrozoaTuner`` among the trainer's callbacks, a new layout's layer split is the
+    planner's for that depth (``HydrozoaTuner.split_for``: its profile, cost model and memory
+    limit), not an even one.
     """
 
     def __init__(
@@ -64,6 +69,9 @@ class RebalanceCallback(Callback):
         self.decisions: list[dict[str, Any]] = []  # every decision that changed something, with its cost
         self._deferred: str | None = None
         self._pl_module: Any = None
+        #: (stages, micro-batch size, micro-batches) -> the planner's split, or None; set from a HydrozoaTuner in setup
+        self.split_for: Any = None
+        self.micro_batch_size = 1
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -77,6 +85,12 @@ class RebalanceCallback(Callback):
             res.admitting = True
         self._pl_module = pl_module
         trainer.strategy.rebalancer = self.at_step_start  # called by the strategy: see the module docstring
+        from lightning_bamboo.callbacks.tuner import HydrozoaTuner
+
+        tuner = next((c for c in trainer.callbacks if isinstance(c, HydrozoaTuner)), None)
+        if tuner is not None:
+            self.split_for = tuner.split_for
+        self.micro_batch_size = int(getattr(trainer.strategy, "micro_batch_size", 1) or 1)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         current = self._runtime(trainer)
@@ -134,7 +148,16 @@ class RebalanceCallback(Callback):
             stages=self.stages, layers=layers, global_micro_batches=micro,
             min_stages=min(self.min_stages, self.stages), max_overloaded_fraction=self.max_overloaded_fraction,
         )
-        return reconfigure(nodes + standby, standby, layout, overloaded, config)
+        decision = reconfigure(nodes + standby, standby, layout, overloaded, config)
+        new = decision.layout
+        if self.split_for is None or new is None or decision.action == "keep":
+            return decision
+        planned = self.split_for(new.stages, self.micro_batch_size, new.micro_batches[0])
+        if planned is None or tuple(planned) == tuple(new.parts):
+            return decision
+        planned_layout = dataclasses.replace(new, parts=tuple(planned))
+        return Decision(decision.action, planned_layout, f"{decision.reason}; layer split by HydrozoaTuner",
+                        moved_nodes(layout, planned_layout))
 
     @staticmethod
     def _runtime(trainer: Any) -> Layout:

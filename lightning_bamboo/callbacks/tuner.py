@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch import nn
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.planner.costmodel import Hardware
+from lightning_bamboo.planner.costmodel import Hardware, ModelProfile
 from lightning_bamboo.planner.plan import Plan, PlanTable, plan_table
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class HydrozoaTuner(Callback):
         self.threads = threads  # torch threads while profiling; None: what this worker already uses
         self.table: PlanTable | None = None
         self.plan: Plan | None = None
+        self.profile: ModelProfile | None = None  # what the table was planned from (for split_for)
+        self.hardware: Hardware | None = None
 
     # ------------------------------------------------------------------ planning (rank 0)
     def _batch_target(self, pl_module: Any, pipelines_now: int) -> int:
@@ -195,6 +198,7 @@ class HydrozoaTuner(Callback):
             micro_batch_overhead_seconds=self.micro_batch_overhead_seconds,
             step_overhead_seconds=self.step_overhead_seconds,
         )
+        self.profile, self.hardware = profile, hw
         return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch)
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -215,7 +219,7 @@ class HydrozoaTuner(Callback):
             try:
                 if table is None or table.max_world_size < world_size:
                     table = self.build_table(trainer, pl_module)
-                message = {"table": table.to_dict()}
+                message = {"table": table.to_dict(), **self._model_state()}
             except Exception as err:  # every rank must fail, not wait for a table that never comes
                 failure = err
                 message = {"error": f"{type(err).__name__}: {err}"}
@@ -226,6 +230,7 @@ class HydrozoaTuner(Callback):
             raise BambooConfigError(f"HydrozoaTuner (planned on rank 0): {message['error']}")
         table_dict = message["table"]
         self.table = PlanTable.from_dict(table_dict)
+        self._load_model_state(message)
         self.plan = self.plan_for(int(getattr(strategy, "world_size", 1)))
         self.apply(trainer, pl_module, self.plan)
 
@@ -237,6 +242,30 @@ class HydrozoaTuner(Callback):
                 "load_state_dict(); run trainer.fit first"
             )
         return self.table.lookup(world_size)
+
+    def split_for(self, stages: int, micro_batch_size: int, micro_batches: int, pipelines: int = 1) -> tuple[int, ...] | None:
+        """The planner's layer split for a layout chosen by the reconfiguration after the world size
+        changed (``RebalanceCallback`` asks: one pipeline of ``stages`` nodes, the running
+        micro-batch size and count). ``None`` without a profile, or when no split fits the memory limit."""
+        from lightning_bamboo.planner.solver import NoSplit, solve_split
+
+        if self.profile is None or self.hardware is None or micro_batch_size not in self.profile.micro_batch_sizes:
+            return None
+        result = solve_split(self.profile, self.hardware, stages, micro_batch_size, micro_batches, pipelines)
+        if isinstance(result, NoSplit):
+            log.warning("HydrozoaTuner: no split of %d stages fits (%s); the reconfiguration keeps its own", stages, result.reason)
+            return None
+        return tuple(result.partition)
+
+    def _model_state(self) -> dict[str, Any]:
+        if self.profile is None or self.hardware is None:
+            return {}
+        return {"profile": self.profile.to_dict(), "hardware": dataclasses.asdict(self.hardware)}
+
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        if state.get("profile") is not None and state.get("hardware") is not None:
+            self.profile = ModelProfile.from_dict(state["profile"])
+            self.hardware = Hardware(**state["hardware"])
 
     def apply(self, trainer: Any, pl_module: Any, plan: Plan) -> None:
         """Apply ``plan`` to the strategy and, where the batch size is exposed, to the data."""
@@ -260,6 +289,7 @@ class HydrozoaTuner(Callback):
             "table": self.table.to_dict() if self.table is not None else None,
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "scale_batch": self.scale_batch,
+            **self._model_state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -271,3 +301,4 @@ class HydrozoaTuner(Callback):
         self.table = PlanTable.from_dict(table) if table is not None else None
         plan = state_dict.get("plan")
         self.plan = Plan.from_dict(plan) if plan is not None else None
+        self._load_model_state(state_dict)

@@ -392,7 +392,8 @@ def _rebuild(
     return Layout(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
-def _moved(old: Layout | None, new: Layout | None) -> tuple[str, ...]:
+def moved_nodes(old: Layout | None, new: Layout | None) -> tuple[str, ...]:
+    """Nodes of ``new`` that run layers they did not run in ``old`` (they must receive them)."""
     if new is None:
         return ()
     moved = []
@@ -464,7 +465,7 @@ def reconfigure(
 
     def build(action: str, reason: str, p: int = pipelines, d: int = depth) -> Decision:
         new = _rebuild(layout, usable, standby_list, p, d, config, domains)
-        return Decision(action, new, reason, _moved(layout, new))
+        return Decision(action, new, reason, moved_nodes(layout, new))
 
     if layout is None:
         return build("start", f"{len(usable)} nodes: {pipelines} x {depth}")
