@@ -16,6 +16,7 @@ With ``--record`` it writes eager's overhead at 2 x 8 and its failover pause to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -33,6 +34,12 @@ from lightning_bamboo.models.gpt import GPTConfig, gpt_layers
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=192)  # 8 pipeline layers
 MICRO = 2
+
+
+def config_for(block_size: int) -> GPTConfig:
+    """The benchmark GPT with sequences of ``block_size`` tokens (the parameters barely change)."""
+    return dataclasses.replace(CONFIG, block_size=block_size)
+
 MODES = ("off", "lazy", "eager")
 
 
@@ -62,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
                          callbacks=[timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False)
-    trainer.fit(BenchGPT(CONFIG, args.steps * batch, batch))
+    trainer.fit(BenchGPT(config_for(args.block_size), args.steps * batch, batch))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, (peak, dict(strategy.engine.replica_seconds)))
@@ -75,11 +82,12 @@ def worker(args: argparse.Namespace) -> None:
         }))
 
 
-def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None) -> dict:
+def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
+               block_size: int = CONFIG.block_size) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
     cmd = [sys.executable, __file__, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
-           "--redundancy", redundancy, "--steps", str(steps), "--out", str(out)]
+           "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size)]
     if kill:
         env["BAMBOO_FAIL_AT"] = kill
         cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--", *cmd]
@@ -132,8 +140,11 @@ def main() -> None:
     parser.add_argument("--redundancy", default="off")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=CONFIG.block_size,
+                        help="tokens per sequence: compute per step grows with it, the redundancy's per-step cost does not")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median of their medians)")
     parser.add_argument("--shapes", default="2x4,2x8,4x4,4x8", help="stages x micro-batches to measure")
+    parser.add_argument("--no-kills", dest="kills", action="store_false", help="skip the two recovery runs")
     parser.add_argument("--record", action="store_true",
                         help="write eager's measured overhead at 2 x 8 to the simulator's defaults (sim_params.json)")
     parser.add_argument("--out")
@@ -151,7 +162,8 @@ def main() -> None:
             # modes interleaved and repeated: a burst of load elsewhere on the machine hits all of them alike
             for repeat in range(args.repeats):
                 for mode in MODES:
-                    r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}-{repeat}.json"))
+                    r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}-{repeat}.json"),
+                               block_size=args.block_size)
                     times = sorted(r["times"][args.warmup:])
                     medians[mode].append(times[len(times) // 2])
                     peaks[mode].append(max(r["peak_bytes"]))
@@ -161,9 +173,10 @@ def main() -> None:
             for mode in MODES:
                 rows[(stages, m, mode)] = (statistics.median(medians[mode]), max(peaks[mode]))
         kill_step = args.steps // 2
-        kills = {mode: run_config(4, 8, mode, args.steps, Path(tmp, f"kill-{mode}.json"), kill=f"node2@{kill_step}")
-                 for mode in ("lazy", "eager")}
+        kills = {mode: run_config(4, 8, mode, args.steps, Path(tmp, f"kill-{mode}.json"), kill=f"node2@{kill_step}",
+                                  block_size=args.block_size) for mode in ("lazy", "eager")} if args.kills else {}
     print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, "
+          f"{args.block_size}-token sequences, "
           f"micro-batch {MICRO}, AdamW, CPU (gloo), {args.steps - args.warmup} timed steps per run, "
           f"median of {args.repeats} interleaved runs per config")
     print(f"{'stages':>6} {'micro-b':>7} {'mode':>5} {'step ms':>9} {'x off':>6} {'peak MiB/proc':>14} {'x off':>6}")
@@ -180,7 +193,7 @@ def main() -> None:
               f"eager {rows[(2, 8, 'eager')][0] / base:.3f}x (<= 1.10x)")
     if args.record and (2, 8, "off") in rows:
         record_overhead(rows[(2, 8, "eager")][0] / rows[(2, 8, "off")][0] - 1, args)
-    if args.record:
+    if args.record and kills:
         record_failover(kills["eager"]["failovers"][0]["seconds"])
     for mode, r in kills.items():
         (failover,) = r["failovers"]
