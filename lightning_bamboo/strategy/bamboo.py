@@ -1075,7 +1075,9 @@ def _sigterm_is_a_notice(self: Any, signum: Any, frame: Any) -> None:
         return
     from lightning_bamboo.strategy.resilience import request_leave
 
-    self.received_sigterm = True
+    # Not ``received_sigterm``: Lightning would raise SIGTERMException after the batch, and a notice
+    # that arrives between a commit and the end of the batch would stop the node before it
+    # announced that it leaves (its neighbours would lose the step in flight to a failover).
     request_leave()
 
 
