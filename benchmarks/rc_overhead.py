@@ -98,38 +98,32 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
     return result
 
 
-def record_overhead(overhead: float, args: argparse.Namespace) -> None:
-    """The simulator's ``redundancy_overhead`` default (Bamboo runs eager RC) from this run."""
+def record(key: str, value: float, how: str) -> None:
+    """Write one of the simulator's defaults (lightning_bamboo/data/sim_params.json), measured by this run."""
     import datetime
     import platform
 
     from lightning_bamboo.sim.params import record_measurement
 
-    record_measurement(
-        "redundancy_overhead", round(max(0.0, overhead), 3),
-        f"benchmarks/rc_overhead.py, {datetime.date.today().isoformat()}, {platform.node() or 'this machine'}: "
-        f"{os.cpu_count()}-core CPU, no GPU, gloo; eager vs off step time - 1 at 2 stages x 8 micro-batches (one "
-        f"process per core, so the bubbles are idle as on GPUs), median of {args.repeats} interleaved runs; "
-        f"GPT {CONFIG.n_layer} blocks x {CONFIG.n_embd}, not GPT-2 XL",
-    )
-    print(f"recorded redundancy_overhead = {max(0.0, overhead):.3f} in lightning_bamboo/data/sim_params.json")
+    record_measurement(key, value, f"benchmarks/rc_overhead.py, {datetime.date.today().isoformat()}, "
+                                   f"{platform.node() or 'this machine'}: {os.cpu_count()}-core CPU, no GPU, gloo; {how}")
+    print(f"recorded {key} = {value} in lightning_bamboo/data/sim_params.json")
+
+
+def record_overhead(overhead: float, args: argparse.Namespace) -> None:
+    """The simulator's ``redundancy_overhead`` default (Bamboo runs eager RC) from this run."""
+    record("redundancy_overhead", round(max(0.0, overhead), 3),
+           f"eager vs off step time - 1 at 2 stages x 8 micro-batches (one process per core, so the bubbles are idle "
+           f"as on GPUs), median of {args.repeats} interleaved runs; GPT {CONFIG.n_layer} blocks x {CONFIG.n_embd}, "
+           f"{args.block_size}-token sequences, not GPT-2 XL")
 
 
 def record_failover(seconds: float) -> None:
     """The simulator's ``failover_seconds`` default: this run's eager failover, from the loss to the rebuilt pipeline."""
-    import datetime
-    import platform
-
-    from lightning_bamboo.sim.params import record_measurement
-
-    record_measurement(
-        "failover_seconds", round(seconds, 2),
-        f"benchmarks/rc_overhead.py, {datetime.date.today().isoformat()}, {platform.node() or 'this machine'}: "
-        f"{os.cpu_count()}-core CPU, gloo; eager failover after a SIGKILL at 4 stages x 8 micro-batches, from the "
-        f"loss (announced at once by the Bamboo launcher) to the rebuilt pipeline; a node that vanishes without a "
-        f"launcher to see it is detected within the detection timeout (default 10 s) on top of this",
-    )
-    print(f"recorded failover_seconds = {seconds:.2f} in lightning_bamboo/data/sim_params.json")
+    record("failover_seconds", round(seconds, 2),
+           "eager failover after a SIGKILL at 4 stages x 8 micro-batches, from the loss (announced at once by the "
+           "Bamboo launcher) to the rebuilt pipeline; a node that vanishes without a launcher to see it is detected "
+           "within the detection timeout (default 10 s) on top of this")
 
 
 def main() -> None:

@@ -42,11 +42,6 @@ class StageContainer(nn.Module):
         return inputs
 
 
-def stage_container(layers: Mapping[int, Any]) -> StageContainer:
-    """A module whose children are ``layers`` named by global layer index; see ``StageContainer``."""
-    return StageContainer(layers)
-
-
 def flat_grads(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """All gradients of ``module`` in one fp32 buffer, and which parameters had one."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -76,17 +71,16 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
 class Replica:
     """Layers of stage ``stage`` (the successor's) with their own optimizer, held on this node."""
 
-    def __init__(self, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, stage: int, module: StageContainer, optimizer: torch.optim.Optimizer) -> None:
         self.stage = stage
-        self.module = module  # children named by global layer index (see stage_container)
+        self.module = module
         self.optimizer = optimizer
         self.pending = False  # gradients received for the step in flight, not applied yet
         self._thread: threading.Thread | None = None  # the update running in the background, if any
 
     @property
     def layers(self) -> range:
-        indices = getattr(self.module, "indices", None) or sorted(int(n) for n, _ in self.module.named_children())
-        return range(indices[0], indices[-1] + 1)
+        return range(self.module.indices[0], self.module.indices[-1] + 1)
 
     def states(self) -> dict[int, dict[str, Any]]:
         self.wait()

@@ -19,12 +19,15 @@ import types
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from lightning_bamboo.engine.replica import StageContainer
 from lightning_bamboo.data import PipelineSampler
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.strategy.layout import (
@@ -433,12 +436,12 @@ class _BambooStrategyMixin:
             model._bamboo_stage = previous
         return optimizers[0]
 
-    def _replica_container(self, layers: range, states: dict[int, dict[str, Any]] | None = None) -> torch.nn.Module:
+    def _replica_container(self, layers: range, states: dict[int, dict[str, Any]] | None = None) -> StageContainer:
         """``layers`` built under the seed (and given ``states``' weights) in one stage container."""
-        from lightning_bamboo.engine.replica import stage_container
+        from lightning_bamboo.engine.replica import StageContainer
 
         built = self._build(self.lightning_module, keep=lambda i: i in layers)  # type: ignore[attr-defined]
-        container = stage_container(
+        container = StageContainer(
             {i: layer for i, layer in enumerate(built.layers) if layer is not None}
         ).to(self.root_device)  # type: ignore[attr-defined]
         if states is not None:
@@ -560,7 +563,7 @@ class _BambooStrategyMixin:
 
     def _rebuild_stage(
         self, layout: Layout, rank: int, held: dict[int, dict[str, Any]], hyper: torch.optim.Optimizer | list[dict[str, Any]],
-        trainer: Any = None, reuse: tuple[torch.nn.Module, dict[int, Any]] | None = None,
+        trainer: Any = None, reuse: tuple[StageContainer, dict[int, Any]] | None = None,
     ) -> None:
         """Build this node's stage of ``layout`` from ``held`` layer states, its engine, and the replica ring.
 
@@ -584,8 +587,7 @@ class _BambooStrategyMixin:
         prebuilt: dict[int, torch.nn.Module] = {}
         if reuse is not None:
             container, kept = reuse
-            indices: list[int] = container.indices  # type: ignore[assignment]  # a StageContainer
-            replica_layers = range(indices[0], indices[-1] + 1)
+            replica_layers = range(container.indices[0], container.indices[-1] + 1)
             if mine.stop == replica_layers.stop and mine.start <= replica_layers.start:
                 prebuilt = {int(n): layer for n, layer in container.named_children()}
         module = self._stage_module(layout, rank, stage_states, prebuilt)
