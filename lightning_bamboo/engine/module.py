@@ -95,6 +95,10 @@ class _Reuse(torch.autograd.Function):
         return leaf.grad if ctx.needs_input_grad[0] else None, None, None, None
 
 
+def _same(recomputed: torch.Tensor, leaf: Any) -> bool:
+    return torch.is_tensor(leaf) and recomputed.shape == leaf.shape and bool(torch.equal(recomputed.detach(), leaf.detach()))
+
+
 class BambooPipelineModule(PipelineModule):
     """A ``PipelineModule`` cut at explicit layer boundaries (``parts``) instead of by a method.
 
@@ -130,7 +134,9 @@ class BambooPipelineModule(PipelineModule):
         for layer in self.forward_funcs[:cut]:
             x = layer(x)
         kept = splice.kept.get(micro_batch)
-        if kept is None or not torch.is_tensor(x) or not torch.is_tensor(kept[1]):
+        # Reused only where the stage recomputed exactly the input the kept forward ran on (the same
+        # micro-batch through the same, uncommitted weights): anything else is computed afresh.
+        if kept is None or not torch.is_tensor(x) or not torch.is_tensor(kept[1]) or not _same(x, kept[0]):
             for layer in self.forward_funcs[cut:]:
                 x = layer(x)
             return x

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -52,23 +53,26 @@ class EagerTrainSchedule(ds_schedule.TrainSchedule):
     replica-sync actions are carried out by ``OptimizerStep`` (see ``BambooPipelineEngine``).
     """
 
-    def __init__(self, micro_batches: int, stages: int, stage_id: int, costs: Any = None) -> None:
-        from lightning_bamboo.schedule import build_schedule
-
-        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
-        self.plan = build_schedule(stages, micro_batches, "eager", costs=costs)
-
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
-        from lightning_bamboo.schedule import deepspeed_steps
+        for step in _eager_steps(self.stages, self.micro_batches, self.stage_id):
+            yield [RedundantForward(**kwargs) if name == "RedundantForward" else getattr(ds_schedule, name)(**kwargs)
+                   for name, kwargs in step]
 
-        for step in deepspeed_steps(self.plan, self.stage_id):
-            commands: list[ds_schedule.PipeInstruction] = []
-            for name, kwargs, _action in step:
-                if name == "RedundantForward":
-                    commands.append(RedundantForward(micro_batch=kwargs["micro_batch"]))
-                elif name not in ("SendReplicaSync", "RecvReplicaSync"):  # OptimizerStep ships and receives them
-                    commands.append(getattr(ds_schedule, name)(**kwargs))
-            yield commands
+
+@functools.lru_cache(maxsize=64)
+def _eager_steps(stages: int, micro_batches: int, stage_id: int) -> tuple[tuple[tuple[str, dict[str, int]], ...], ...]:
+    """The eager steps of one stage as (instruction name, kwargs), built once per shape (the placement
+    simulates every rank: milliseconds, not to be paid every step)."""
+    from lightning_bamboo.schedule import build_schedule, deepspeed_steps
+
+    out = []
+    for step in deepspeed_steps(build_schedule(stages, micro_batches, "eager"), stage_id):
+        out.append(tuple(
+            (name, {"micro_batch": kwargs["micro_batch"]} if name == "RedundantForward" else kwargs)
+            for name, kwargs, _action in step
+            if name not in ("SendReplicaSync", "RecvReplicaSync")  # OptimizerStep ships and receives them
+        ))
+    return tuple(out)
 
 
 class _RedundantStep:
@@ -216,18 +220,12 @@ class BambooPipelineEngine(PipelineEngine):
         self.phase = "idle"
         return loss
 
-    #: over the run: kept redundant forwards a failover step reused, and the lazy backwards run through them
-    redundant_forwards_reused = 0
-    redundant_backwards_run = 0
-
     def _end_splice(self) -> None:
         """A step after an eager failover reuses the kept forwards once; then the module runs plainly again."""
         splice = getattr(self.module, "splice", None)
         if splice is None:
             return
         self.module.splice = None
-        self.redundant_forwards_reused += len(splice.reused)
-        self.redundant_backwards_run += splice.backwards
         log.warning("%s: the redone step reused %d of %d kept redundant forwards (micro-batches %s) and ran %d lazy "
                     "backwards through them", self.node_id, len(splice.reused), len(splice.kept), splice.reused,
                     splice.backwards)

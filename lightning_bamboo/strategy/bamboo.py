@@ -25,9 +25,6 @@ import torch
 import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
-
-if TYPE_CHECKING:
-    from lightning_bamboo.engine.replica import StageContainer
 from lightning_bamboo.data import PipelineSampler
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.strategy.layout import (
@@ -39,6 +36,9 @@ from lightning_bamboo.strategy.layout import (
     micro_batches,
     resolve_stages,
 )
+
+if TYPE_CHECKING:
+    from lightning_bamboo.engine.replica import StageContainer
 
 log = logging.getLogger(__name__)
 
@@ -585,14 +585,15 @@ class _BambooStrategyMixin:
         stage_states = {i: held[i] for i in mine}
         self.stages, self.layout = layout.stages, layout
         prebuilt: dict[int, torch.nn.Module] = {}
+        splice = None
         if reuse is not None:
             container, kept = reuse
-            replica_layers = range(container.indices[0], container.indices[-1] + 1)
-            if mine.stop == replica_layers.stop and mine.start <= replica_layers.start:
+            first, stop = container.indices[0], container.indices[-1] + 1
+            if mine.stop == stop and mine.start <= first:  # the new stage ends with the replica's layers
                 prebuilt = {int(n): layer for n, layer in container.named_children()}
+                splice = Splice(first, kept)
         module = self._stage_module(layout, rank, stage_states, prebuilt)
-        if reuse is not None and prebuilt:
-            module.splice = Splice(replica_layers.start, reuse[1])
+        module.splice = splice
         if trainer is not None:
             self.setup_optimizers(trainer)  # type: ignore[attr-defined]
             optimizer = self.optimizers[0]  # type: ignore[attr-defined]
