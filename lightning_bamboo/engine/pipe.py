@@ -16,7 +16,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine.replica import Replica, exchange_gradients
+from lightning_bamboo.engine.replica import GradientExchange, Replica
 from lightning_bamboo.errors import BambooError
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class BambooPipelineEngine(PipelineEngine):
     def _exec_redundant_forward(self, micro_batch: int) -> None:
         assert self.redundant is not None and self.replica is not None
         started = time.perf_counter()
-        self.replica.wait()  # the previous step's replica update runs in the background
+        self._settle_replica()  # an RF runs on the replica's weights of this step
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         # The replica's own RNG stream: an RF never changes what the own stage draws next.
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), _saved_on_host(self.device):
@@ -210,6 +210,13 @@ class BambooPipelineEngine(PipelineEngine):
             self._end_splice()
         self.last_loss = loss
         if self._pending_step:
+            # The replica's gradients: waited for only now, so the loss went out first (the last stage
+            # sends it once its schedule ends; the first stage's gradients come last of all). The
+            # last stage's replica update still due runs in this wait.
+            self._settle_replica()
+            started = time.perf_counter()
+            self.exchange.receive()
+            self.replica_seconds["exchange"] += time.perf_counter() - started
             if self.commit is not None:
                 self.phase = "commit"
                 started = time.perf_counter()
@@ -235,9 +242,7 @@ class BambooPipelineEngine(PipelineEngine):
         self.redundant = None  # the step counts: what a lazy backward would have needed is freed
         PipelineEngine._exec_optimizer_step(self)
         if self.replica is not None and self.replica.pending:
-            started = time.perf_counter()
-            self.replica.step(self.optimizer, background=True)
-            self.replica_seconds["replica_step"] += time.perf_counter() - started
+            self.replica.step(self.optimizer, defer=True)  # applied where the next step first waits
         self._pending_step = False
 
     def discard_step(self) -> None:
@@ -256,14 +261,37 @@ class BambooPipelineEngine(PipelineEngine):
                 "redundant computation does not support gradient clipping yet (gradient_clipping: "
                 f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
             )
-        send_to, recv_from = self.replica_peers
         started = time.perf_counter()
-        exchange_gradients(self.module, self.replica, send_to, recv_from)
+        self.exchange.ship(self.module)  # the replica's gradients are taken after the loss went out
         self.replica_seconds["exchange"] += time.perf_counter() - started
         self._pending_step = True
 
+    @property
+    def exchange(self) -> GradientExchange:
+        """The gradient exchange with this engine's replica peers (rebuilt when they change)."""
+        key = (self.replica, self.replica_peers)
+        if getattr(self, "_exchange_key", None) != key:
+            self._exchange, self._exchange_key = GradientExchange(self.replica, *self.replica_peers), key
+        return self._exchange
+
+    def _settle_replica(self) -> None:
+        """The step's first wait: apply the last step's replica update, and let the successor's gradients in early."""
+        if self.replica is not None and self.replica.due:
+            self.replica_seconds["replica_step"] += self.replica.settle()
+        if self.phase == "schedule" and self.defers_step:
+            self.exchange.post_receive()
+
+    def _exec_recv_grads_settling(self, buffer_id: int) -> None:
+        # A stage waits longest before its first gradient arrives (its successors run their forwards
+        # and backwards meanwhile): the last step's replica update runs there, in idle time. The last
+        # stage receives no gradients; it waits longest for the first stage's gradients at the end of
+        # the step, where ``GradientExchange.receive`` settles its replica.
+        self._settle_replica()
+        PipelineEngine._exec_recv_grads(self, buffer_id)
+
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.RecvGrad: _exec_recv_grads_settling,
         ds_schedule.OptimizerStep: _exec_deferred_optimizer_step,
         ds_schedule.ForwardPass: _exec_forward_keeping_output,
         RedundantForward: _exec_redundant_forward,

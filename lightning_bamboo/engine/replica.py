@@ -6,12 +6,19 @@ optimizer update. Same weights, same optimizer state, same gradients and the sam
 give the same result bit for bit. Cost per step: one copy of the stage's gradients (plus a
 one-byte-per-parameter mask of which parameters got a gradient) over the network, sent with
 non-blocking point-to-point calls; the replica's update costs one optimizer step of that stage.
+
+Where that cost goes (``GradientExchange``, ``Replica.settle``): the holder posts its receive at
+the step's first wait, so the successor's gradients travel while this stage still runs its last
+backward; the own gradients leave without waiting, and the replica's gradients are waited for
+only after the loss went out. The replica's update is not applied at the step boundary but
+where the next step waits anyway (before its first gradient arrives; on the last stage, while
+it waits for the first stage's gradients).
 """
 
 from __future__ import annotations
 
 import io
-import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -56,7 +63,8 @@ def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) ->
     params = [p for p in module.parameters() if p.requires_grad]
     for param, has in zip(params, mask.tolist(), strict=True):
         n = param.numel()
-        param.grad = flat[offset : offset + n].view_as(param).to(param.device, param.dtype).clone() if has else None
+        # a view of the received buffer (no copy) where device and dtype already match
+        param.grad = flat[offset : offset + n].view_as(param).to(param.device, param.dtype) if has else None
         offset += n
 
 
@@ -75,67 +83,106 @@ class Replica:
         self.stage = stage
         self.module = module
         self.optimizer = optimizer
-        self.pending = False  # gradients received for the step in flight, not applied yet
-        self._thread: threading.Thread | None = None  # the update running in the background, if any
+        self.pending = False  # gradients received for the step in flight, not committed yet
+        self.due = False  # a committed update taken on, not applied yet (see ``settle``)
 
     @property
     def layers(self) -> range:
         return range(self.module.indices[0], self.module.indices[-1] + 1)
 
     def states(self) -> dict[int, dict[str, Any]]:
-        self.wait()
+        self.settle()
         return ckpt.layer_states(self.module, self.optimizer, self.layers)
 
-    def step(self, own_optimizer: torch.optim.Optimizer | None, background: bool = False) -> None:
+    def step(self, own_optimizer: torch.optim.Optimizer | None, defer: bool = False) -> None:
         """Apply the update the owner applies (after the step committed).
 
-        With ``background`` the update runs on a thread, in the idle time of the next step's
-        pipeline bubbles; ``wait`` (called before anything reads or changes the replica) joins it.
+        With ``defer`` the update is only taken on (with this step's hyperparameters) and applied by
+        ``settle``: the engine calls it where the next step waits for a peer, so the update costs
+        idle time instead of the step boundary, and everything that reads or changes the replica
+        (states, redundant forwards, the next gradients, a failover) settles it first.
         """
         if own_optimizer is not None:
             copy_hyperparameters(own_optimizer, self.optimizer)  # this step's learning rate, taken now
-        if background:
-            self._thread = threading.Thread(target=self._apply, name="bamboo-replica-step", daemon=True)
-            self._thread.start()
-        else:
-            self._apply()
+        self.pending = False
+        self.due = True
+        if not defer:
+            self.settle()
 
-    def _apply(self) -> None:
+    def settle(self) -> float:
+        """Apply the committed update that is due, if any; the seconds it took."""
+        if not self.due:
+            return 0.0
+        started = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.pending = False
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.due = False
+        return time.perf_counter() - started
 
     def discard(self) -> None:
-        self.wait()
+        """Forget the gradients of a step that did not commit (a committed update still due is applied first)."""
+        self.settle()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending = False
 
 
-def exchange_gradients(
-    own: nn.Module, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None
-) -> None:
-    """Ship ``own``'s gradients to ``send_to`` and receive the replica's from ``recv_from`` (both non-blocking)."""
-    requests = []
-    if send_to is not None:
-        flat, mask = flat_grads(own)
-        requests += [dist.isend(mask, send_to, group=group), dist.isend(flat, send_to, group=group)]
-    if recv_from is not None:
-        assert replica is not None
-        replica.wait()  # the previous step's update must be done before new gradients land
-        params = [p for p in replica.module.parameters() if p.requires_grad]
+#: the tag of the gradient exchange's messages: DeepSpeed's own point-to-point messages use tag 0 on the
+#: same process group, and a receive posted early must never match one of those
+REPLICA_TAG = 0xB0
+
+
+class GradientExchange:
+    """One step's exchange: ship this stage's gradients to ``send_to``, take the replica's from ``recv_from``.
+
+    The receive can be posted early (``post_receive``, where the step first waits), so the successor's
+    gradients travel as soon as it sends them, while this stage still runs its last backward; only
+    this stage's own gradients are shipped on the critical path. The send is waited for by
+    ``finish_send`` after the own update (under a commit, the receiver has them by then).
+    """
+
+    def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
+        if recv_from is not None and replica is None:
+            raise ValueError(f"receiving replica gradients from rank {recv_from} needs a replica")
+        self.replica, self.send_to, self.recv_from, self.group = replica, send_to, recv_from, group
+        self._recv: tuple[torch.Tensor, torch.Tensor, list[Any]] | None = None
+        self._send: list[Any] = []
+
+    def post_receive(self) -> None:
+        if self.recv_from is None or self._recv is not None:
+            return
+        assert self.replica is not None
+        params = [p for p in self.replica.module.parameters() if p.requires_grad]
         mask = torch.zeros(len(params), dtype=torch.uint8)
         flat = torch.zeros(sum(p.numel() for p in params))
-        requests += [dist.irecv(mask, recv_from, group=group), dist.irecv(flat, recv_from, group=group)]
-    _wait_all(requests)
-    if recv_from is not None:
-        assert replica is not None
-        set_flat_grads(replica.module, flat, mask)
-        replica.pending = True
+        requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG),
+                    dist.irecv(flat, self.recv_from, group=self.group, tag=REPLICA_TAG)]
+        self._recv = (mask, flat, requests)
+
+    def ship(self, own: nn.Module) -> None:
+        """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted."""
+        self.finish_send()
+        if self.send_to is not None:
+            flat, mask = flat_grads(own)
+            self._send = [mask, flat, dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG),
+                          dist.isend(flat, self.send_to, group=self.group, tag=REPLICA_TAG)]
+        self.post_receive()
+
+    def receive(self) -> None:
+        """Wait for the replica's gradients and hand them to it (``replica.pending``)."""
+        if self._recv is None:
+            return
+        assert self.replica is not None
+        self.replica.settle()  # the last step's update, if still due, runs while the gradients travel
+        mask, received, requests = self._recv
+        self._recv = None
+        _wait_all(requests)
+        set_flat_grads(self.replica.module, received, mask)
+        self.replica.pending = True
+
+    def finish_send(self) -> None:
+        """Wait until the last gradients sent are gone (kept alive until then)."""
+        pending, self._send = self._send, []
+        _wait_all(x for x in pending if not torch.is_tensor(x))
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:

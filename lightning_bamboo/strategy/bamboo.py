@@ -352,7 +352,7 @@ class _BambooStrategyMixin:
         if joiners and res.node == sender:
             meta = self._checkpoint_meta(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
         if engine.replica is not None:
-            engine.replica.wait()
+            engine.replica.settle()
         held, hyper = engine.own_states(), engine.optimizer
         log.warning("%s: reconfiguring at step %d: %s parts %s -> %s parts %s (%s)", res.node, step, old_order,
                     list(old_parts), order, list(parts), reason)
