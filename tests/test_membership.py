@@ -774,8 +774,9 @@ def test_membership_wait_resumes_after_unrelated_keys(store: Store) -> None:
 
 
 def test_start_rendezvous_ends_at_once_when_a_node_died_starting(embedded_server: EmbeddedServer, monkeypatch) -> None:
-    """A node announced dead before the job's first rendezvous: the others stop with FatalLoss (a
-    restart with the nodes that are up) instead of waiting the rendezvous timeout for it."""
+    """A node announced dead before the job's first rendezvous: the others learn it at once instead of
+    waiting the rendezvous timeout for it (``start_lost``); with too few nodes left to start without
+    it, ``start_without`` stops with FatalLoss (a restart with the nodes that are up)."""
     from lightning_bamboo.engine.failover import FatalLoss
     from lightning_bamboo.launcher import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
     from lightning_bamboo.strategy.resilience import Resilience
@@ -785,6 +786,12 @@ def test_start_rendezvous_ends_at_once_when_a_node_died_starting(embedded_server
     reporter.announce_loss("node1", "process exited with -9", timeout=2.0)
     for key, value in {STORE_ENV: embedded_server.url, JOB_ENV: job, NODE_ENV: "node0", NODES_ENV: "node0,node1"}.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(FatalLoss, match=r"\['node1'\] died while the job started"):
-        Resilience(detection_timeout=5.0, rendezvous_timeout=120.0)  # a BarrierTimeoutError if it waited it out
-    reporter.store.close()
+    started = time.monotonic()
+    res = Resilience(detection_timeout=5.0, rendezvous_timeout=120.0)  # a BarrierTimeoutError if it waited it out
+    try:
+        assert res.start_lost == {"node1"} and time.monotonic() - started < 10
+        with pytest.raises(FatalLoss, match=r"\['node1'\] died while the job started, leaving 1 of 2 nodes \(at least 2 needed\)"):
+            res.start_without(min_nodes=2)
+    finally:
+        res.stop()
+        reporter.store.close()

@@ -254,6 +254,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     _stop_within(cluster, 0.0)  # the pipeline is gone; standby nodes wait for nothing
                     break
                 if fatal_at is not None:
+                    for name in _standing_by(cluster, base, joiners) & set(cluster.running):
+                        cluster.kill(name, signal.SIGKILL)  # holds nothing to save: do not wait for it
                     _stop_within(cluster, 0.0 if rescale else 15.0)
                     break
                 time.sleep(0.05)

@@ -352,15 +352,17 @@ def _saved_on_host(device: torch.device) -> Any:
     return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
-def _maybe_fail(node: str, step: int, instruction: int | None) -> None:
+def _maybe_fail(node: str, step: int | str, instruction: int | None) -> None:
+    """SIGKILL this process where BAMBOO_FAIL_AT names it: ``node@step``, ``node@step:instruction``, or
+    ``node@start`` (registered, before the job's first rendezvous)."""
     spec = os.environ.get(FAIL_AT_ENV, "")
     for item in filter(None, (s.strip() for s in spec.split(","))):
         who, _, when = item.partition("@")
         at_step, _, at_instruction = when.partition(":")
-        if who != node or int(at_step) != step:
+        if who != node or at_step != str(step):
             continue
         if (instruction is None and not at_instruction) or (at_instruction and instruction == int(at_instruction)):
-            log.warning("%s: injected SIGKILL at step %d%s", node, step, "" if instruction is None else f" instruction {instruction}")
+            log.warning("%s: injected SIGKILL at step %s%s", node, step, "" if instruction is None else f" instruction {instruction}")
             os.kill(os.getpid(), signal.SIGKILL)
 
 

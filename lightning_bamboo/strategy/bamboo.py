@@ -195,28 +195,51 @@ class _BambooStrategyMixin:
                 self.resilience.stop()
                 raise SystemExit(0)
             self._admission = record
-            self._admitted_rank, world = self.resilience.enter(record)
-            self.stages = world
+            self._assigned = self.resilience.enter(record)
+            self.stages = world = self._assigned[1]
             self.set_world_ranks()
             self._catching_up = True  # until its first step (see barrier)
-            log.warning("%s: admitted as rank %d of %d at step %d", self.resilience.node, self._admitted_rank, world, record["step"])
+            log.warning("%s: admitted as rank %d of %d at step %d", self.resilience.node, self._assigned[0], world, record["step"])
         resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]  # fail before joining a group
         if launched_by_bamboo() and self.resilience is None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
             self.resilience = Resilience(self.detection_timeout, rendezvous_timeout=self.timeout_seconds)
+            if self.resilience.start_lost:
+                self._start_without_lost()
         super().setup_environment()  # type: ignore[misc]
+
+    def _start_without_lost(self) -> None:
+        """Nodes died before the job's process group formed: start one pipeline of the nodes that are up.
+
+        No step has run, so this is a smaller launch, not a failover: the job's process group is
+        formed of the survivors, and the stage count follows them (the checkpoint it resumes from,
+        if any, loads into any layout). A data-parallel job, or too few nodes left, stops with
+        ``FatalLoss`` as before: the launcher starts it again with the nodes that are up.
+        """
+        from lightning_bamboo.engine.failover import FatalLoss
+
+        res = self.resilience
+        if self.stages is not None and self.stages != len(res.nodes):
+            raise FatalLoss(f"{sorted(res.start_lost)} died while the job started; a job of {len(res.nodes)} nodes in "
+                            f"{self.stages}-stage pipelines starts again with the nodes that are up")
+        self._assigned = res.start_without(min_nodes=1 if self.redundancy == "off" else 2)
+        self.stages = self._assigned[1]
+        self.set_world_ranks()
 
     #: called at the start of every step under membership (``RebalanceCallback.at_step_start``)
     rebalancer: Callable[[Any, int], None] | None = None
     _admission: dict[str, Any] | None = None  # the reconfiguration record that admitted this (joining) node
-    _admitted_rank = 0
+    #: (rank, world size) of a process group formed by lightning_bamboo before Lightning's setup (an
+    #: admission, or a start without nodes that died), not the launch environment's
+    _assigned: tuple[int, int] | None = None
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()  # type: ignore[misc]
-        if self._admission is not None:  # rank and size come from the admission, not the launch environment
-            self.cluster_environment.set_global_rank(self._admitted_rank)  # type: ignore[attr-defined]
-            self.cluster_environment.set_world_size(len(self._admission["order"]))  # type: ignore[attr-defined]
-            self._pl("utilities.rank_zero").rank_zero_only.rank = self._admitted_rank
+        if self._assigned is not None:
+            rank, world = self._assigned
+            self.cluster_environment.set_global_rank(rank)  # type: ignore[attr-defined]
+            self.cluster_environment.set_world_size(world)  # type: ignore[attr-defined]
+            self._pl("utilities.rank_zero").rank_zero_only.rank = rank
 
     @property
     def pipelines(self) -> int:
@@ -292,12 +315,12 @@ class _BambooStrategyMixin:
         from lightning_bamboo.engine.replica import exchange_objects
 
         record, res = self._admission, self.resilience
-        assert record is not None and res is not None
+        assert record is not None and res is not None and self._assigned is not None
         if trainer.state.fn != self._pl("trainer.states").TrainerFn.FITTING:
             raise BambooConfigError("a node joins a running job only to train (trainer.fit)")
         self._param_counts = self._build(self.lightning_module, keep=lambda i: False).param_counts  # type: ignore[attr-defined]
         ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
-        order, rank = list(record["order"]), self._admitted_rank
+        order, rank = list(record["order"]), self._assigned[0]
         self._gradient_clipping = float(trainer.gradient_clip_val or 0.0)
 
         def receive() -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:

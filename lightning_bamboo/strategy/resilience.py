@@ -75,6 +75,9 @@ class Resilience:
             self.nodes = []  # not in any pipeline until admitted (see wait_admission)
             self.store.put(f"{self.base}standby/{self.node}", "1")
         else:
+            from lightning_bamboo.engine.pipe import _maybe_fail
+
+            _maybe_fail(self.node, "start", None)  # tests: a node that dies while the job starts
             try:
                 self._start_rendezvous(rendezvous_timeout)
             except BaseException:
@@ -88,25 +91,76 @@ class Resilience:
         self.admitting = False  # set by RebalanceCallback: standby nodes are reported at every commit
         self.joiners: list[str] = []  # standby nodes seen at the last commit (the same list on every node)
 
+    #: nodes that died while the job started (see ``start_without``); empty when all came up
+    start_lost: frozenset[str] = frozenset()
+
+    @property
+    def _passed_prefix(self) -> str:
+        return f"{self.base}rdzv/0-passed/"
+
     def _start_rendezvous(self, timeout: float) -> None:
         """Wait for every node of the job to come up; a node announced dead meanwhile ends the wait at once.
 
         (Before any process group exists: a TCPStore rendezvous would wait its whole timeout for it.)
+        A node lost before the process group formed leaves ``start_lost`` set, once every other node
+        is up: the strategy then starts without it (``start_without``) instead of restarting the job.
         """
-        from lightning_bamboo.engine.failover import FatalLoss
         from lightning_bamboo.membership.registry import BarrierTimeoutError, barrier
 
         deadline = time.monotonic() + timeout
         while True:
             try:
                 barrier(self.store, f"{self.base}rdzv/0", self.node, self.nodes, timeout=0.5)
-                return
             except BarrierTimeoutError:
-                gone = set(self.nodes) & set(self.registry.members().lost)
-                if gone:
-                    raise FatalLoss(f"{sorted(gone)} died while the job started; start again with the nodes that are up") from None
                 if time.monotonic() > deadline:
                     raise
+            else:
+                # Past the rendezvous this node waits in the process group's own, which cannot see a
+                # loss: say so before looking (a node that sees a loss later also sees this key, and
+                # ``start_without`` gives up on a start it cannot finish without us).
+                self.store.put(self._passed_prefix + self.node, "1")
+                if not set(self.nodes) & set(self.registry.members().lost):
+                    return
+                self.store.delete(self._passed_prefix + self.node)
+            members = self.registry.members()
+            gone = set(self.nodes) & set(members.lost)
+            if gone and set(self.nodes) - gone <= set(members.live):
+                self.start_lost = frozenset(gone)
+                return
+            if time.monotonic() > deadline:
+                raise BarrierTimeoutError(f"the job's nodes {self.nodes} did not all come up within {timeout} s "
+                                          f"(lost: {sorted(gone)}, live: {sorted(members.live)})")
+
+    def start_without(self, min_nodes: int) -> tuple[int, int]:
+        """After a loss during the start (``start_lost``): form the job's process group of the nodes
+        that are up (in the launch order), agreed through the store like a failover; returns
+        (rank, world size). Nothing has trained yet, so nothing is lost but the dead nodes' places.
+        Fewer than ``min_nodes`` left: ``FatalLoss`` (the job starts again when more are up).
+        """
+        from lightning_bamboo.engine.failover import FatalLoss
+        from lightning_bamboo.engine.pipe import PeerLost
+        from lightning_bamboo.membership.registry import BarrierTimeoutError
+
+        launched, suspected = list(self.nodes), set(self.start_lost)
+        for _attempt in range(len(launched)):
+            lost = self.decide_lost(tuple(suspected), launched)
+            order = [n for n in launched if n not in lost]
+            passed = {kv.key[len(self._passed_prefix):] for kv in self.store.get_prefix(self._passed_prefix).kvs}
+            if passed & set(order):
+                raise FatalLoss(f"{sorted(lost)} died while the job started, after {sorted(passed & set(order))} had "
+                                "passed the start rendezvous; start again with the nodes that are up")
+            if self.node not in order or len(order) < min_nodes:
+                raise FatalLoss(f"{sorted(lost)} died while the job started, leaving {len(order)} of {len(launched)} "
+                                f"nodes (at least {min_nodes} needed); start again with the nodes that are up")
+            try:
+                rank, world = self.reform(order, tag="start-" + "-".join(sorted(lost)))
+            except (PeerLost, BarrierTimeoutError) as again:
+                suspected |= set(getattr(again, "lost", ())) | self.detector.lost
+                continue
+            log.warning("%s: %s died while the job started; starting with %d nodes", self.node, sorted(lost), world)
+            self.start_lost = frozenset()
+            return rank, world
+        raise FatalLoss(f"the start without lost nodes did not converge after {len(launched)} attempts")
 
     def _watch(self, nodes: list[str]) -> Any:
         peers = [n for n in nodes if n != self.node]
