@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from lightning_bamboo.schedule import build_schedule
+from lightning_bamboo.schedule import Costs, build_schedule
 from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,12 +29,25 @@ def test_replicas_equal_their_originals_after_every_step(tmp_path, stages, optim
     assert [c["replica_check"] for c in checks] == [1, 2, 3, 4, 5]
     assert all(c["problems"] == [] for c in checks), checks
     assert all(c["kept_after_commit"] == [False] * stages for c in checks), checks  # freed when the step commits
-    # eager: each rank ran the successor's forwards the schedule places in its bubbles, every step; lazy: none
+    # eager: each rank ran the successor's forwards the schedule places in its bubbles, every step; lazy: none.
+    # Steps 1-4 place them with the model's costs (F = 1, B = 2) while each rank times its own forwards
+    # and backwards; step 5 with the measured ratio, as each rank logged.
     per_step = [len(build_schedule(stages, 4, "eager").redundant_forwards(r)) if mode == "eager" else 0
                 for r in range(stages)]
-    assert [c["redundant_forwards"] for c in checks] == [[n * step for n in per_step] for step in range(1, 6)]
+    ran = [c["redundant_forwards"] for c in checks]
+    assert ran[:4] == [[n * step for n in per_step] for step in range(1, 5)]
+    measured = {int(rank): (float(b), int(n), int(model)) for rank, b, n, model in re.findall(
+        r"rank (\d+): eager RFs placed with measured costs F = 1, B = ([\d.]+): (\d+) per step \(the model's F = 1, "
+        r"B = 2: (\d+)\)", proc.stdout)}
     if mode == "eager":
+        assert sorted(measured) == list(range(stages)), proc.stdout[-3000:]
+        for rank, (ratio, n, model) in measured.items():
+            costs = Costs(forward=1, backward=ratio)
+            assert n == len(build_schedule(stages, 4, "eager", costs=costs).redundant_forwards(rank))
+            assert model == per_step[rank] and ran[4][rank] - ran[3][rank] == n
         assert sum(per_step) > 0
+    else:
+        assert measured == {} and ran[4] == [0] * stages
         # the forwards run in the bubbles change nothing: the same weights as a single process
         assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(5, 8, 1, 2, optimizer)) <= 1e-5
 
@@ -49,7 +62,8 @@ def test_replicas_equal_their_originals_after_every_step(tmp_path, stages, optim
 def test_sigkill_is_taken_over_and_weights_equal_the_run_without_it(tmp_path, kill, mode, reused):
     """4 stages, one node SIGKILLed at step 7 of 20: the run ends at step 20 with the clean run's weights."""
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
-                "--stages", "4", "--steps", "20", "--partition", "uniform", "--redundancy", mode, "--out", str(tmp_path)],
+                "--stages", "4", "--steps", "20", "--partition", "uniform", "--redundancy", mode, "--out", str(tmp_path),
+                "--rf-costs", "1,2"],  # the kill points below name schedule steps of the model's placement
                timeout=240, env={"BAMBOO_FAIL_AT": kill})
     assert proc.returncode == 0, proc.stdout[-4000:]
     victim = kill.split("@")[0]

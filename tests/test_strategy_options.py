@@ -32,6 +32,9 @@ def test_registered_in_both_namespaces():
         ({"redundancy": "lazy", "stages": 1}, r"needs at least 2 stages.*\(stages: 1\); use stages >= 2"),
         ({"stages": 3, "partition": [0, 2, 2, 4]}, r"partition \[0, 2, 2, 4\] leaves stage 1 empty"),
         ({"timeout": 0}, r"timeout must be a positive number of seconds"),
+        ({"rf_costs": "fast"}, r"rf_costs must be 'measured' or a dict such as \{'forward': 1, 'backward': 2\} \(rf_costs: 'fast'\)"),
+        ({"rf_costs": {"forward": 1, "bwd": 2}}, r"rf_costs \{'forward': 1, 'bwd': 2\}: .*'bwd'.*; the fields are forward, backward"),
+        ({"rf_costs": {"forward": 0}}, r"rf_costs \{'forward': 0\}: Costs.forward must be > 0"),
     ],
 )
 def test_bad_options(kwargs, message):

@@ -18,6 +18,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.replica import GradientExchange, Replica
 from lightning_bamboo.errors import BambooError
+from lightning_bamboo.schedule import Costs
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,25 @@ class EagerTrainSchedule(ds_schedule.TrainSchedule):
     replica-sync actions are carried out by ``OptimizerStep`` (see ``BambooPipelineEngine``).
     """
 
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, costs: Costs | None = None) -> None:
+        super().__init__(micro_batches, stages, stage_id)
+        self.costs = costs  # the placement's action costs (None: the schedule model's F = 1, B = 2)
+
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
-        for step in _eager_steps(self.stages, self.micro_batches, self.stage_id):
+        for step in _eager_steps(self.stages, self.micro_batches, self.stage_id, self.costs):
             yield [RedundantForward(**kwargs) if name == "RedundantForward" else getattr(ds_schedule, name)(**kwargs)
                    for name, kwargs in step]
 
 
 @functools.lru_cache(maxsize=64)
-def _eager_steps(stages: int, micro_batches: int, stage_id: int) -> tuple[tuple[tuple[str, dict[str, int]], ...], ...]:
-    """The eager steps of one stage as (instruction name, kwargs), built once per shape (the placement
-    simulates every rank: milliseconds, not to be paid every step)."""
+def _eager_steps(stages: int, micro_batches: int, stage_id: int,
+                 costs: Costs | None = None) -> tuple[tuple[tuple[str, dict[str, int]], ...], ...]:
+    """The eager steps of one stage as (instruction name, kwargs), built once per shape and costs (the
+    placement simulates every rank: milliseconds, not to be paid every step)."""
     from lightning_bamboo.schedule import build_schedule, deepspeed_steps
 
     out = []
-    for step in deepspeed_steps(build_schedule(stages, micro_batches, "eager"), stage_id):
+    for step in deepspeed_steps(build_schedule(stages, micro_batches, "eager", costs=costs), stage_id):
         out.append(tuple(
             (name, {"micro_batch": kwargs["micro_batch"]} if name == "RedundantForward" else kwargs)
             for name, kwargs, _action in step
@@ -124,8 +130,47 @@ class BambooPipelineEngine(PipelineEngine):
 
     def _train_schedule(self) -> Any:
         if self.eager:
-            return EagerTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+            return EagerTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, self.rf_costs)
         return super()._train_schedule()
+
+    # ------------------------------------------------------------------ where eager's RFs go
+    #: training steps whose forward and backward times are measured (after the first, which allocates)
+    COST_STEPS = range(1, 4)
+
+    @property
+    def rf_costs(self) -> Costs | None:
+        """The action costs eager's RFs are placed with: ``bamboo_options["rf_costs"]`` as given, or with
+        ``"measured"`` (the default) this stage's own backward/forward time ratio over ``COST_STEPS``
+        (rounded to 0.1, so the placement is built once), or the model's F = 1, B = 2 until then."""
+        option = getattr(self, "bamboo_options", {}).get("rf_costs", "measured")
+        if option != "measured":
+            return option if isinstance(option, Costs) else Costs(**option)
+        if "_measured_costs" in self.__dict__:
+            return self.__dict__["_measured_costs"]
+        times = self.__dict__.get("_action_seconds")
+        if self.batches_run - 1 < self.COST_STEPS.stop or not times or not times["forward"] or not times["backward"]:
+            return None
+        import statistics
+
+        ratio = max(0.1, round(statistics.median(times["backward"]) / statistics.median(times["forward"]), 1))
+        costs = self.__dict__["_measured_costs"] = Costs(forward=1, backward=ratio)
+        placed = [sum(1 for s in _eager_steps(self.num_stages, self.micro_batches, self.stage_id, c)
+                      for name, _ in s if name == "RedundantForward") for c in (costs, None)]
+        log.warning("%s: eager RFs placed with measured costs F = 1, B = %.1f: %d per step (the model's F = 1, B = 2: %d)",
+                 self.node_id or f"rank {self.global_rank}", ratio, *placed)
+        return costs
+
+    def _timed(self, kind: str, fn: Callable[[], None]) -> None:
+        if not self.eager or self.batches_run - 1 not in self.COST_STEPS:
+            fn()
+            return
+        started = time.perf_counter()
+        fn()
+        self.__dict__.setdefault("_action_seconds", {"forward": [], "backward": []})[kind].append(
+            time.perf_counter() - started)
+
+    def _exec_backward_timed(self, buffer_id: int) -> None:
+        self._timed("backward", lambda: PipelineEngine._exec_backward_pass(self, buffer_id))
 
     def _next_batch(self) -> Any:
         batch = super()._next_batch()
@@ -134,7 +179,7 @@ class BambooPipelineEngine(PipelineEngine):
         return batch
 
     def _exec_forward_keeping_output(self, buffer_id: int) -> None:
-        PipelineEngine._exec_forward_pass(self, buffer_id)
+        self._timed("forward", lambda: PipelineEngine._exec_forward_pass(self, buffer_id))
         if self.redundant is not None and not self.is_last_stage():
             self.redundant.inputs.append(_on_host(_detached(self.pipe_buffers["outputs"][buffer_id])))
 
@@ -294,6 +339,7 @@ class BambooPipelineEngine(PipelineEngine):
         ds_schedule.RecvGrad: _exec_recv_grads_settling,
         ds_schedule.OptimizerStep: _exec_deferred_optimizer_step,
         ds_schedule.ForwardPass: _exec_forward_keeping_output,
+        ds_schedule.BackwardPass: _exec_backward_timed,
         RedundantForward: _exec_redundant_forward,
     }
 
@@ -312,7 +358,8 @@ class BambooPipelineEngine(PipelineEngine):
         from lightning_bamboo.schedule import build_schedule, format_table
 
         mode = "eager" if self.eager else "lazy" if self.replica is not None else "off"
-        return format_table(build_schedule(self.num_stages, self.micro_batches, mode), error_at=error_at)
+        costs = self.rf_costs if self.eager else None
+        return format_table(build_schedule(self.num_stages, self.micro_batches, mode, costs=costs), error_at=error_at)
 
 
 def _detached(value: Any) -> Any:

@@ -67,6 +67,7 @@ class _BambooStrategyMixin:
         detection_timeout: float = 10.0,
         config: dict[str, Any] | None = None,
         process_group_backend: str | None = None,
+        rf_costs: str | dict[str, float] = "measured",
         **kwargs: Any,
     ) -> None:
         """
@@ -88,6 +89,10 @@ class _BambooStrategyMixin:
             detection_timeout: under the Bamboo launcher, the most seconds a survivor needs to learn
                 that a node is gone (the node lease's TTL is a bit below it).
             config: extra DeepSpeed config merged into the generated one (e.g. ``{"bf16": {"enabled": True}}``).
+            rf_costs: where ``"eager"`` puts its redundant forwards: ``"measured"`` places them in the waits
+                that this stage's own measured backward/forward time ratio predicts (timed over steps
+                1-3; the schedule model's F = 1, B = 2 until then), or fixed action costs such as
+                ``{"forward": 1, "backward": 2}`` (``lightning_bamboo.schedule.Costs`` fields).
         """
         if stages is not None and (not isinstance(stages, int) or stages < 1):
             raise BambooConfigError(f"stages must be a positive integer or None (stages: {stages!r})")
@@ -103,6 +108,7 @@ class _BambooStrategyMixin:
             )
         if not timeout or timeout <= 0:
             raise BambooConfigError(f"timeout must be a positive number of seconds (timeout: {timeout!r})")
+        self.rf_costs = check_rf_costs(rf_costs)
         super().__init__(  # type: ignore[call-arg]
             process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout), **kwargs
         )
@@ -433,7 +439,7 @@ class _BambooStrategyMixin:
         )
         return build_engine(
             module, optimizer, config, timedelta(seconds=self.timeout_seconds),
-            bamboo_options={"redundancy": self.redundancy, "layout": layout},
+            bamboo_options={"redundancy": self.redundancy, "layout": layout, "rf_costs": self.rf_costs},
         )
 
     def _watch(self, engine: Any) -> None:
@@ -1152,3 +1158,21 @@ def make_strategy_class(namespace: str) -> type:
         {"_pl_name": namespace, "__module__": __name__, "__doc__": _BambooStrategyMixin.__doc__},
     )
 
+
+def check_rf_costs(rf_costs: Any) -> Any:
+    """``"measured"``, or a dict of ``lightning_bamboo.schedule.Costs`` fields (checked now, not at the first step)."""
+    from lightning_bamboo.schedule import Costs, ScheduleError
+
+    if rf_costs == "measured":
+        return rf_costs
+    if not isinstance(rf_costs, dict):
+        raise BambooConfigError(f"rf_costs must be 'measured' or a dict such as {{'forward': 1, 'backward': 2}} "
+                                f"(rf_costs: {rf_costs!r})")
+    try:
+        Costs(**rf_costs)
+    except TypeError as err:
+        raise BambooConfigError(f"rf_costs {rf_costs!r}: {err}; the fields are forward, backward, load, send, sync, "
+                                "reduce, optimizer") from None
+    except ScheduleError as err:
+        raise BambooConfigError(f"rf_costs {rf_costs!r}: {err}") from None
+    return dict(rf_costs)
