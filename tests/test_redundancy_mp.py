@@ -48,6 +48,7 @@ def test_replicas_equal_their_originals_after_every_step(tmp_path, stages, optim
         assert sum(per_step) > 0
     else:
         assert measured == {} and ran[4] == [0] * stages
+    if mode == "eager":
         # the forwards run in the bubbles change nothing: the same weights as a single process
         assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(5, 8, 1, 2, optimizer)) <= 1e-5
 
