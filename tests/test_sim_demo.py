@@ -189,12 +189,10 @@ def test_compare_with_demo_checks_samples_per_second():
     assert compare_with_demo({**measured, "samples_per_second": pred.samples_per_second}, pred).ok
 
 
-def test_a_worker_lost_while_a_restart_starts_costs_the_startup_timeout_and_another_restart():
+def test_a_worker_lost_while_a_restart_starts_is_started_without():
     # no replicas, 0.5 s steps at depth 4, 1 s at 3: node0 dies at 0.7 -> restart of node1..3 + spare1 (depth 4),
-    # training would start at 10.7; node1 dies at 5.0 while starting: that generation waits for it until
-    # 10.7 + 20 = 30.7, fails, and node2, node3, spare1 (spare2 died at 6.0) restart: training at 40.7, depth 3;
-    # steps 1..4 end at 41.7 .. 44.7
-    params = dataclasses.replace(P, startup_timeout_seconds=20.0)
+    # training would start at 10.7; node1 dies at 5.0 while starting: the others start without it, still at
+    # 10.7, at depth 3 (spare2, standby, dies at 6.0); steps 1..4 end at 11.7 .. 14.7, no second restart
     events = [
         ClusterEvent("join", "spare1", at_seconds=0.1),
         ClusterEvent("join", "spare2", at_seconds=0.1),
@@ -202,10 +200,24 @@ def test_a_worker_lost_while_a_restart_starts_costs_the_startup_timeout_and_anot
         kill("node1", 5.0),
         kill("spare2", 6.0),
     ]
-    pred = replay_demo(events, NODES, params, 4, redundancy=False, checkpoint_every=100)
-    assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 2}
-    assert pred.seconds == pytest.approx(44.7 + 1.0)
-    assert [round(t, 1) for t, _ in pred.timeline] == [0.7, 5.0, 30.7]
+    pred = replay_demo(events, NODES, dataclasses.replace(P, startup_timeout_seconds=20.0), 4, redundancy=False,
+                       checkpoint_every=100)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 0, "restart": 1}
+    assert pred.seconds == pytest.approx(14.7 + 1.0)
+    assert [round(t, 1) for t, _ in pred.timeline] == [0.7, 5.0]
+    assert "the others start without it (3 stages)" in pred.timeline[1][1]
+
+
+def test_a_worker_lost_while_a_restart_starts_costs_the_startup_timeout_when_too_few_are_left():
+    # replicas: node1 and its replica holder node0 die together at 0.7 -> restart of node2, node3 (depth 2),
+    # training would start at 10.7; node3 dies at 5.0 while starting: one node cannot hold a replica, so
+    # that generation waits for it until 10.7 + 20 = 30.7 and fails
+    events = [kill("node0", 0.7), kill("node1", 0.7), kill("node3", 5.0)]
+    pred = replay_demo(events, NODES, dataclasses.replace(P, startup_timeout_seconds=20.0, step_seconds={2: 3.0, 1: 1.0}),
+                       4, checkpoint_every=100)
+    assert pred.recoveries["redundant"] == 0 and pred.recoveries["checkpoint"] + pred.recoveries["restart"] == 2
+    assert [round(t, 1) for t, _ in pred.timeline][:2] == [0.7, 5.0]
+    assert pred.timeline[1][1].endswith("that generation fails at 30.7 s")
 
 
 def test_checkpoint_restart_takes_a_joining_node_in_by_restarting():

@@ -18,6 +18,9 @@ with a fluid rate. The demo differs in ways that matter at 20-60 steps, so it ge
 * without replicas (``--no-redundancy``) every loss of a running node restarts the job from the
   last checkpoint with the first ``stages`` live nodes, and so does a node joining while the
   pipeline is shorter than ``stages`` (scale-up by restart, as torchelastic and Varuna do);
+* a node lost while a restart starts: the others start without it (``Resilience.start_without``,
+  one stage fewer, no extra time) if enough are left (two with replicas, one without), else that
+  generation waits ``startup_timeout_seconds``, fails and starts again;
 * a checkpoint is saved after every ``checkpoint_every`` steps (a synchronous pause);
 * step times are measured per pipeline depth (on 2 cores they follow the number of processes,
   not the 1F1B formula), in whole steps: a step cut by a loss is lost.
@@ -243,7 +246,7 @@ def _apply(
     if run.respawn_at is not None:  # this generation already failed: it only waits to be replaced
         return
     if now < run.restart_until:
-        _lost_while_starting(now, lost, run, params, out)
+        _lost_while_starting(now, lost, run, params, out, min_nodes=2 if redundancy else 1)
         return
     plan = None
     if redundancy and len(run.running) > 1:
@@ -314,10 +317,17 @@ def _restart(
 
 
 def _lost_while_starting(
-    now: float, lost: list[str], run: _Run, params: DemoParams, out: DemoPrediction
+    now: float, lost: list[str], run: _Run, params: DemoParams, out: DemoPrediction, min_nodes: int
 ) -> None:
-    """A worker of a restarting generation died: the others finish starting, wait for it until the
-    rendezvous times out (``startup_timeout_seconds``), fail, and the job restarts again."""
+    """A worker of a restarting generation died: the others start without it, one stage fewer and at
+    the same time (the loss is seen at their first rendezvous; modelled as if it always were). With
+    fewer than ``min_nodes`` left they wait for it until the rendezvous times out
+    (``startup_timeout_seconds``), fail, and the job restarts again."""
+    left = [n for n in run.running if n not in lost]
+    if len(left) >= min_nodes:
+        run.running, run.parts = left, even_parts(DEMO_LAYERS, len(left))
+        out.timeline.append((now, f"lost {lost} while restarting: the others start without it ({len(left)} stages)"))
+        return
     out.recoveries["checkpoint" if run.checkpoint else "restart"] += 1
     run.respawn_at = run.restart_until + params.startup_timeout_seconds
     run.start = run.respawn_at + params.restart_seconds
