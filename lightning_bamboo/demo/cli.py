@@ -16,7 +16,7 @@ from typing import Any
 from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_join, parse_preempt
 from lightning_bamboo.errors import BambooConfigError
 
-EXIT_FATAL = 75  # lightning_bamboo.demo.worker.EXIT_FATAL (not imported: that module imports torch)
+EXIT_FATAL = 75  # lightning_bamboo.engine.failover.FATAL_EXIT_CODE (not imported: that module imports torch)
 #: standby processes beyond a full pipeline (joined nodes past that wait without a process until a place frees)
 STANDBY_PROCESSES = 1
 DEFAULT_PREEMPT = "node2@6,node3@14:2"

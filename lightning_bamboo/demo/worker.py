@@ -20,11 +20,11 @@ import torch
 
 import lightning_bamboo
 from lightning_bamboo.callbacks import RebalanceCallback
-from lightning_bamboo.engine.failover import FatalLoss
+from lightning_bamboo.engine.failover import FATAL_EXIT_CODE, FatalLoss
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
 #: exit status of a survivor that cannot fail over (a node and its replica holder were lost)
-EXIT_FATAL = 75
+EXIT_FATAL = FATAL_EXIT_CODE
 #: exit status of a node that left after a preemption notice
 EXIT_LEFT = 0
 

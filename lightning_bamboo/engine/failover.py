@@ -21,6 +21,11 @@ class FatalLoss(BambooError):
     """A lost stage has no live replica (a node and its replica holder were lost together)."""
 
 
+#: exit status of a process that stops on a FatalLoss: "start the job again from its last checkpoint
+#: with the nodes that are up" (EX_TEMPFAIL; the demo's driver does that on seeing it)
+FATAL_EXIT_CODE = 75
+
+
 @dataclass(frozen=True)
 class Segment:
     """Layers ``start..stop-1`` (old stage ``stage``) served by ``node`` from its ``source`` copy."""

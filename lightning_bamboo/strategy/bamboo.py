@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -238,6 +239,44 @@ class _BambooStrategyMixin:
     #: (rank, world size) of a process group formed by lightning_bamboo before Lightning's setup (an
     #: admission, or a start without nodes that died), not the launch environment's
     _assigned: tuple[int, int] | None = None
+
+    def setup_distributed(self) -> None:
+        """Lightning's process group; under the Bamboo launcher its forming is bounded by a short timeout.
+
+        Every node passed the start rendezvous, so all are up; one that dies now leaves the others in
+        gloo's connect, which no loss detector can interrupt, for the whole strategy timeout. The
+        connect gets a few detection timeouts instead (``FatalLoss``: start again with the nodes that
+        are up), and the group gets the strategy's timeout back once formed.
+        """
+        if self.resilience is None or self._assigned is not None or torch_dist.is_initialized():
+            super().setup_distributed()  # type: ignore[misc]
+            return
+        from lightning_bamboo.engine.failover import FATAL_EXIT_CODE, FatalLoss
+
+        full: timedelta = self._timeout  # type: ignore[has-type]
+        connect = min(full, timedelta(seconds=max(3 * self.detection_timeout, 15.0)))
+        res, formed = self.resilience, threading.Event()
+
+        def watchdog() -> None:
+            # gloo's connect does not always honour its timeout (seen: minutes, waiting for a dead
+            # peer's key): a process that is still not connected well after it exits for a restart.
+            if not formed.wait(connect.total_seconds() + 5.0):
+                log.error("%s: the job's process group did not form within %g s (lost: %s); exiting with %d: start "
+                          "again with the nodes that are up", res.node, connect.total_seconds() + 5.0,
+                          sorted(res.detector.lost), FATAL_EXIT_CODE)
+                os._exit(FATAL_EXIT_CODE)
+
+        threading.Thread(target=watchdog, name="bamboo-connect-watchdog", daemon=True).start()
+        self._timeout = connect
+        try:
+            super().setup_distributed()  # type: ignore[misc]
+        except (RuntimeError, torch_dist.DistError) as err:
+            raise FatalLoss(f"the job's process group did not form within {connect.total_seconds():g} s ({err}); a "
+                            "node died after the start rendezvous: start again with the nodes that are up") from err
+        finally:
+            formed.set()
+            self._timeout = full
+        torch_dist.distributed_c10d._set_pg_timeout(full)
 
     def set_world_ranks(self) -> None:
         super().set_world_ranks()  # type: ignore[misc]
