@@ -42,6 +42,13 @@ def test_bad_options(kwargs, message):
         lightning_bamboo.BambooStrategy(**kwargs)
 
 
+def test_rf_costs_are_checked_once_into_costs():
+    from lightning_bamboo.schedule import Costs
+
+    assert lightning_bamboo.BambooStrategy(rf_costs={"forward": 1, "backward": 1.7}).rf_costs == Costs(backward=1.7)
+    assert lightning_bamboo.BambooStrategy().rf_costs == "measured"
+
+
 class Tiny(pl.LightningModule):
     def __init__(self, n_layer=2):
         super().__init__()

@@ -139,12 +139,12 @@ class BambooPipelineEngine(PipelineEngine):
 
     @property
     def rf_costs(self) -> Costs | None:
-        """The action costs eager's RFs are placed with: ``bamboo_options["rf_costs"]`` as given, or with
+        """The action costs eager's RFs are placed with: ``bamboo_options["rf_costs"]`` (a ``Costs``), or with
         ``"measured"`` (the default) this stage's own backward/forward time ratio over ``COST_STEPS``
         (rounded to 0.1, so the placement is built once), or the model's F = 1, B = 2 until then."""
         option = getattr(self, "bamboo_options", {}).get("rf_costs", "measured")
         if option != "measured":
-            return option if isinstance(option, Costs) else Costs(**option)
+            return option
         if "_measured_costs" in self.__dict__:
             return self.__dict__["_measured_costs"]
         times = self.__dict__.get("_action_seconds")

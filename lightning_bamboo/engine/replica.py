@@ -136,8 +136,9 @@ class GradientExchange:
 
     The receive can be posted early (``post_receive``, where the step first waits), so the successor's
     gradients travel as soon as it sends them, while this stage still runs its last backward; only
-    this stage's own gradients are shipped on the critical path. The send is waited for by
-    ``finish_send`` after the own update (under a commit, the receiver has them by then).
+    this stage's own gradients are shipped on the critical path. The send is not waited for in the
+    step (under a commit the receiver has them before anyone applies the step): the next ``ship``
+    waits for it first.
     """
 
     def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
@@ -145,7 +146,7 @@ class GradientExchange:
             raise ValueError(f"receiving replica gradients from rank {recv_from} needs a replica")
         self.replica, self.send_to, self.recv_from, self.group = replica, send_to, recv_from, group
         self._recv: tuple[torch.Tensor, torch.Tensor, list[Any]] | None = None
-        self._send: list[Any] = []
+        self._sent: tuple[tuple[torch.Tensor, ...], list[Any]] = ((), [])  # buffers kept alive, requests
 
     def post_receive(self) -> None:
         if self.recv_from is None or self._recv is not None:
@@ -163,8 +164,8 @@ class GradientExchange:
         self.finish_send()
         if self.send_to is not None:
             flat, mask = flat_grads(own)
-            self._send = [mask, flat, dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG),
-                          dist.isend(flat, self.send_to, group=self.group, tag=REPLICA_TAG)]
+            self._sent = ((mask, flat), [dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG),
+                                         dist.isend(flat, self.send_to, group=self.group, tag=REPLICA_TAG)])
         self.post_receive()
 
     def receive(self) -> None:
@@ -181,8 +182,8 @@ class GradientExchange:
 
     def finish_send(self) -> None:
         """Wait until the last gradients sent are gone (kept alive until then)."""
-        pending, self._send = self._send, []
-        _wait_all(x for x in pending if not torch.is_tensor(x))
+        (_buffers, requests), self._sent = self._sent, ((), [])
+        _wait_all(requests)
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:

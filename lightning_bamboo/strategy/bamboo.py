@@ -1199,7 +1199,8 @@ def make_strategy_class(namespace: str) -> type:
 
 
 def check_rf_costs(rf_costs: Any) -> Any:
-    """``"measured"``, or a dict of ``lightning_bamboo.schedule.Costs`` fields (checked now, not at the first step)."""
+    """``"measured"``, or the ``lightning_bamboo.schedule.Costs`` a dict of its fields gives (checked now,
+    not at the first step)."""
     from lightning_bamboo.schedule import Costs, ScheduleError
 
     if rf_costs == "measured":
@@ -1208,10 +1209,9 @@ def check_rf_costs(rf_costs: Any) -> Any:
         raise BambooConfigError(f"rf_costs must be 'measured' or a dict such as {{'forward': 1, 'backward': 2}} "
                                 f"(rf_costs: {rf_costs!r})")
     try:
-        Costs(**rf_costs)
+        return Costs(**rf_costs)
     except TypeError as err:
         raise BambooConfigError(f"rf_costs {rf_costs!r}: {err}; the fields are forward, backward, load, send, sync, "
                                 "reduce, optimizer") from None
     except ScheduleError as err:
         raise BambooConfigError(f"rf_costs {rf_costs!r}: {err}") from None
-    return dict(rf_costs)

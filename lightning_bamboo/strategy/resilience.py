@@ -149,7 +149,10 @@ class Resilience:
             if passed & set(order):
                 raise FatalLoss(f"{sorted(lost)} died while the job started, after {sorted(passed & set(order))} had "
                                 "passed the start rendezvous; start again with the nodes that are up")
-            if self.node not in order or len(order) < min_nodes:
+            if self.node not in order:
+                raise FatalLoss(f"the others count this node as lost while the job started (lost: {sorted(lost)}); "
+                                "it stops, and starts again with the job")
+            if len(order) < min_nodes:
                 raise FatalLoss(f"{sorted(lost)} died while the job started, leaving {len(order)} of {len(launched)} "
                                 f"nodes (at least {min_nodes} needed); start again with the nodes that are up")
             try:
