@@ -435,14 +435,35 @@ class _FailureInjector:
 ABANDONED: list[threading.Thread] = []
 
 
+class AbandonedStep(BaseException):
+    """Raised inside a step thread the failover left behind, at its next Python call.
+
+    DeepSpeed's point-to-point calls resolve the *default* process group when they are made: a
+    left-behind step thread whose blocked call returns would otherwise go on with the old
+    schedule on the failover's new group, and its sends and receives would match (and corrupt)
+    the new pipeline's messages (seen: a receive posted by the old step took the size message of
+    the replica exchange, and gloo aborted the process). A ``BaseException``, so that no
+    ``except Exception`` on the way swallows it.
+    """
+
+
+def _abandon(thread: threading.Thread) -> None:
+    """Leave ``thread`` behind: it raises ``AbandonedStep`` as soon as it runs Python code again."""
+    import ctypes
+
+    ABANDONED.append(thread)
+    if thread.ident is not None and thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(AbandonedStep))
+
+
 class StepGuard:
     """Runs a step on a worker thread so that a lost peer can never block the caller.
 
     A gloo send or receive with a frozen or vanished peer blocks until the process-group
     timeout, and no other thread can interrupt it. So the step runs on a worker thread while
     the caller waits for it *or* for ``lost`` (set by the membership watcher). On a loss the
-    worker is abandoned: its process group is destroyed by the failover and it only ever
-    touches the old engine's objects.
+    worker is abandoned: its process group is destroyed by the failover, and the thread is made
+    to raise ``AbandonedStep`` at its next Python call, so it never reaches the new group.
     """
 
     def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float) -> None:
@@ -464,7 +485,7 @@ class StepGuard:
         thread.start()
         while not done.wait(0.02):
             if self.lost.is_set() and not busy():
-                ABANDONED.append(thread)
+                _abandon(thread)
                 raise PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
         if "error" in result:
             err = result["error"]
@@ -474,7 +495,7 @@ class StepGuard:
                 # A receive from a dead peer fails fast, with messages that vary by transport and
                 # timing; wait (bounded) for the store to say whether someone died.
                 if self.lost.wait(self.detection_timeout if _is_comm_error(err) else min(2.0, self.detection_timeout)):
-                    ABANDONED.append(thread)
+                    ABANDONED.append(thread)  # it has ended already (it raised)
                     raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
             raise err
         return result["value"]

@@ -144,7 +144,10 @@ class GradientExchange:
     def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
         if recv_from is not None and replica is None:
             raise ValueError(f"receiving replica gradients from rank {recv_from} needs a replica")
-        self.replica, self.send_to, self.recv_from, self.group = replica, send_to, recv_from, group
+        # The group of now, not "the default group" at each call: a step thread a failover left behind
+        # must fail on its destroyed group, never post on the new one.
+        self.replica, self.send_to, self.recv_from = replica, send_to, recv_from
+        self.group = group if group is not None else dist.group.WORLD
         self._recv: tuple[torch.Tensor, torch.Tensor, list[Any]] | None = None
         self._sent: tuple[tuple[torch.Tensor, ...], list[Any]] = ((), [])  # buffers kept alive, requests
 
