@@ -26,10 +26,12 @@ from lightning_bamboo.membership import (
 )
 from lightning_bamboo.membership.registry import (
     BarrierTimeoutError,
+    GatherFailed,
     LossDetector,
     NodeIdInUseError,
     Registry,
     barrier,
+    gather,
     job_prefix,
 )
 
@@ -695,6 +697,64 @@ def test_barrier(store: Store, prefix: str) -> None:
     with pytest.raises(BarrierTimeoutError, match=r"missing \['n1', 'n2'\]"):
         barrier(store, prefix + "r2", "n0", names, 0.5)
     assert time.monotonic() - start < 0.5 + 1.5
+
+
+def _gather_all(store: Store, prefix: str, names: list[str], lost: dict[str, set[str]], skip: set[str] = frozenset()):
+    """Every name in ``names`` but ``skip`` takes part in one ``gather`` on its own thread; name -> result or error."""
+    results: dict[str, object] = {}
+
+    def take_part(n: str) -> None:
+        try:
+            results[n] = gather(store, prefix, n, names, n.upper(), 10.0, lambda: lost[n], poll=0.05)
+        except GatherFailed as err:
+            results[n] = err
+
+    threads = [threading.Thread(target=take_part, args=(n,), daemon=True) for n in names if n not in skip]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_gather_returns_every_part_in_order(store: Store, prefix: str) -> None:
+    names = ["n0", "n1", "n2"]
+    threads, results = _gather_all(store, prefix + "c0", names, {n: set() for n in names})
+    for t in threads:
+        t.join(15)
+    assert results == {n: ["N0", "N1", "N2"] for n in names}
+    assert store.get(prefix + "c0/outcome").value.startswith("done:")
+
+
+def test_gather_fails_for_every_survivor_when_a_node_is_lost_before_its_part(store: Store, prefix: str) -> None:
+    names = ["n0", "n1", "n2"]
+    lost: dict[str, set[str]] = {n: set() for n in names}
+    threads, results = _gather_all(store, prefix + "c1", names, lost, skip={"n2"})
+    time.sleep(0.3)
+    assert results == {}  # waiting for n2
+    lost["n1"] = {"n2"}  # only n1's detector has seen it yet: n0 fails all the same
+    for t in threads:
+        t.join(15)
+    assert sorted(results) == ["n0", "n1"]
+    for err in results.values():
+        assert isinstance(err, GatherFailed) and err.lost == ("n2",)
+
+
+def test_gather_counts_the_part_of_a_node_lost_after_putting_it(store: Store, prefix: str) -> None:
+    names = ["n0", "n1", "n2"]
+    store.put(prefix + "c2/n/n2", "N2")  # n2 put its part, then died
+    lost = {n: {"n2"} for n in names}
+    threads, results = _gather_all(store, prefix + "c2", names, lost, skip={"n2"})
+    for t in threads:
+        t.join(15)
+    assert results == {n: ["N0", "N1", "N2"] for n in ["n0", "n1"]}
+
+
+def test_gather_outcome_is_decided_once(store: Store, prefix: str) -> None:
+    """A node that sees every part after another decided the collective failed fails too (no split outcome)."""
+    names = ["n0", "n1"]
+    store.put(prefix + "c3/outcome", "failed:n1:n1")  # n0 took n1 for lost (a false alarm) and decided
+    store.put(prefix + "c3/n/n1", "N1")  # n1 puts its part late
+    with pytest.raises(GatherFailed, match="n1 lost"):
+        gather(store, prefix + "c3", "n0", names, "N0", 5.0, lambda: set())
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", " x", "tab\t"])

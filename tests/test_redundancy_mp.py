@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from lightning_bamboo import consolidate_checkpoint
 from lightning_bamboo.schedule import Costs, build_schedule
 from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run
 
@@ -96,3 +97,22 @@ def test_a_node_lost_while_the_job_starts_is_started_without(tmp_path):
     summary = _lines(proc.stdout, "global_step")[-1]
     assert summary["global_step"] == 6 and summary["world_size"] == 3 and summary["failovers"] == []
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(6, 8, 1, 2)) <= 1e-5
+
+
+def test_a_node_lost_in_a_checkpoint_save_is_failed_over_and_the_save_redone(tmp_path):
+    """node2 is SIGKILLed inside the checkpoint save after step 8, between two of its collectives: the
+    survivors fail the same collective, fail over, save again in the 3-stage layout and train to the end
+    with the clean run's weights; the checkpoint of step 8 is complete."""
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
+                "--stages", "4", "--steps", "12", "--partition", "uniform", "--redundancy", "lazy", "--save-every", "4",
+                "--out", str(tmp_path)],
+               timeout=240, env={"BAMBOO_FAIL_AT": "node2@save8"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "node2=-9" in proc.stdout and "injected SIGKILL at step save8" in proc.stdout
+    summary = _lines(proc.stdout, "global_step")[-1]
+    assert summary["global_step"] == 12 and summary["world_size"] == 3
+    (failover,) = summary["failovers"]
+    assert failover["lost"] == ["node2"] and failover["step"] == 8 and not failover["redone"]  # between steps
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(12, 8, 1, 2)) <= 1e-5
+    saved = consolidate_checkpoint(tmp_path / "step8.ckpt")
+    assert max_abs_diff(saved, reference_weights(8, 8, 1, 2)) <= 1e-5

@@ -140,3 +140,24 @@ def test_initialize_bamboo_options_are_checked(section, message):
     with pytest.raises(BambooConfigError, match=message):
         bamboo_options({"bamboo": section})
     assert bamboo_options({"bamboo": {"timeout": 60}}) == {"redundancy": "off", "timeout": 60}
+
+
+def test_reductions_between_steps_match_lightnings() -> None:
+    """Under the Bamboo launcher, reduce() between steps goes through the store: the same ops as Lightning's."""
+    from torch.distributed import ReduceOp
+
+    from lightning_bamboo.strategy.bamboo import _reduce_kind, _reduced
+
+    parts = [torch.tensor([1.0, 4.0]), torch.tensor([3.0, 2.0]), torch.tensor([2.0, 6.0])]
+    assert _reduce_kind(None) == _reduce_kind(ReduceOp.SUM) == _reduce_kind("sum") == "sum"
+    assert _reduce_kind("mean") == _reduce_kind("avg") == "avg" and _reduce_kind(ReduceOp.MAX) == "max"
+    assert _reduced(parts, "sum").tolist() == [6.0, 12.0]
+    assert _reduced(parts, "avg").tolist() == [2.0, 4.0]
+    assert _reduced(parts, "max").tolist() == [3.0, 6.0] and _reduced(parts, "min").tolist() == [1.0, 2.0]
+    assert _reduced(parts, "product").tolist() == [6.0, 48.0]
+    # integers (reduce_boolean_decision's votes) stay integers; a mean truncates as Lightning's does on gloo
+    votes = [torch.tensor(1), torch.tensor(1), torch.tensor(0)]
+    assert _reduced(votes, "sum").item() == 2 and _reduced(votes, "sum").dtype == torch.int64
+    assert _reduced(votes, "avg").item() == 0
+    with pytest.raises(BambooConfigError, match="reduce_op='median'"):
+        _reduce_kind("median")

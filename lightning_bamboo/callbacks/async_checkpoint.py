@@ -301,10 +301,9 @@ class AsyncCheckpoint(pl.Callback):
         flags[trainer.global_rank] = 1.0 if self._error is not None else 0.0
         flags[world] = float(self.proposed_interval())
         if world > 1 and torch_dist.is_available() and torch_dist.is_initialized():
+            # through the strategy: under the Bamboo launcher its collectives survive a lost node
             device = trainer.strategy.root_device
-            flags = flags.to(device)
-            torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
-            flags = flags.cpu()
+            flags = trainer.strategy.reduce(flags.to(device), reduce_op="max").cpu()
         failed = [r for r in range(world) if flags[r] > 0]
         if failed:
             self._raise_stored(failed)

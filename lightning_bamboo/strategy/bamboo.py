@@ -8,9 +8,11 @@ its ``DDPStrategy`` (see :func:`make_strategy_class`).
 from __future__ import annotations
 
 import atexit
+import base64
 import faulthandler
 import gc
 import importlib
+import io
 import logging
 import os
 import sys
@@ -928,23 +930,56 @@ class _BambooStrategyMixin:
     #: barriers and broadcasts of Lightning's start-up (they are training), so it meets them alone
     _catching_up = False
 
+    def _between_steps(self) -> bool:
+        """Under the Bamboo launcher, once the engine exists, collectives go through the membership store.
+
+        A gloo collective cut by a loss can leave some survivors past it and others still in it;
+        after the failover they would retry different collectives and wait on each other until
+        the process group's timeout (seen: a checkpoint save's barrier against a reduction, 60 s,
+        then a restart). ``Resilience.gather`` fails the same collective on every survivor.
+        """
+        return self.resilience is not None and self.resilience.active and self.engine is not None
+
+    def _gather(self, obj: Any, send: bool = True) -> list[Any]:
+        """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""
+        assert self.resilience is not None
+        return [None if not part else _decode(part) for part in self.resilience.gather(_encode(obj) if send else "")]
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._catching_up:
+            return
+        if self._between_steps():
+            self._resilient(lambda: self.resilience.gather(""))  # type: ignore[union-attr]
             return
         self._resilient(lambda: super(_BambooStrategyMixin, self).barrier(*args, **kwargs))  # type: ignore[misc]
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._catching_up:
             return obj  # same program, same arguments: what rank ``src`` had at start-up
+        if self._between_steps():
+            # the rank is read at each attempt: after a failover ``src`` names a rank of the new group
+            return self._resilient(lambda: self._gather(obj, send=self.global_rank == src)[src])  # type: ignore[attr-defined]
         return self._resilient(lambda: super(_BambooStrategyMixin, self).broadcast(obj, src))  # type: ignore[misc]
 
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if self._catching_up:  # start-up checks (e.g. "every rank's dataloader has a length"): the local value
-            return args[0] if args else kwargs["tensor"]
-        return self._resilient(lambda: super(_BambooStrategyMixin, self).reduce(*args, **kwargs))  # type: ignore[misc]
+            return tensor
+        if self._between_steps():
+            if not isinstance(tensor, torch.Tensor):
+                return tensor  # as Lightning's DDP strategy: only tensors are reduced
+            kind = _reduce_kind(reduce_op)
+            return self._resilient(lambda: _reduced(self._gather(tensor.detach().cpu()), kind).to(tensor.device))
+        return self._resilient(lambda: super(_BambooStrategyMixin, self).reduce(tensor, group, reduce_op))  # type: ignore[misc]
 
-    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        return self._resilient(lambda: super(_BambooStrategyMixin, self).all_gather(*args, **kwargs))  # type: ignore[misc]
+    def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        if self._between_steps():
+            if sync_grads:
+                raise BambooConfigError(
+                    "strategy='bamboo' gathers between steps through the membership store, without gradients "
+                    "(all_gather(sync_grads=True)); gather detached values"
+                )
+            return self._resilient(lambda: torch.stack(self._gather(tensor.detach().cpu())).to(tensor.device))
+        return self._resilient(lambda: super(_BambooStrategyMixin, self).all_gather(tensor, group, sync_grads))  # type: ignore[misc]
 
     def _checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """``meta.pt``: Lightning's checkpoint dict without weights, plus what a reader of any layout needs."""
@@ -988,10 +1023,19 @@ class _BambooStrategyMixin:
             raise BambooConfigError("strategy='bamboo' does not take storage_options in save_checkpoint")
         optimizer = self.engine.optimizer if self.optimizers else None  # type: ignore[attr-defined]
         assert self.layout is not None and self.engine is not None, "save_checkpoint() needs setup() first"
+
+        def barrier(name: str) -> None:
+            if self.resilience is not None and name == "bamboo_checkpoint_layers":
+                from lightning_bamboo.engine.pipe import _maybe_fail
+
+                # tests: a node that dies in the middle of a save (BAMBOO_FAIL_AT=node@save<step>)
+                _maybe_fail(self.resilience.node, f"save{checkpoint.get('global_step')}", None)
+            self.barrier(name)
+
         ckpt.save_sharded(
             filepath, self.engine.module, optimizer, self.engine.layer_range, lambda: self._checkpoint_meta(checkpoint),
             is_global_zero=self.is_global_zero, writes_layers=self.pipeline_rank == 0,  # type: ignore[attr-defined]
-            barrier=self.barrier, rank=self.global_rank,  # type: ignore[attr-defined]
+            barrier=barrier, rank=self.global_rank,  # type: ignore[attr-defined]
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -1129,6 +1173,51 @@ _PATCHED: dict[tuple[type, str], type] = {}
 
 def _under_membership(obj: Any) -> bool:
     return getattr(obj.trainer.strategy, "resilience", None) is not None
+
+
+def _encode(obj: Any) -> str:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _decode(text: str) -> Any:
+    return torch.load(io.BytesIO(base64.b64decode(text)), map_location="cpu", weights_only=False)
+
+
+_REDUCE_KINDS = ("sum", "avg", "max", "min", "product")
+
+
+def _reduce_kind(reduce_op: Any) -> str:
+    """Lightning's ``reduce_op`` (None for a sum, a name, or a ``ReduceOp``) as one of ``_REDUCE_KINDS``."""
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        kind = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+        if kind in _REDUCE_KINDS:
+            return kind
+    else:
+        from torch.distributed import ReduceOp
+
+        for kind in _REDUCE_KINDS:
+            if reduce_op == getattr(ReduceOp, kind.upper()):
+                return kind
+    raise BambooConfigError(
+        f"strategy='bamboo' reduces with one of {', '.join(_REDUCE_KINDS)} (also 'mean' or a ReduceOp of those); "
+        f"got reduce_op={reduce_op!r}"
+    )
+
+
+def _reduced(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """Every rank's tensor reduced in rank order (the same result on every rank)."""
+    stacked = torch.stack(parts)
+    if kind == "sum":
+        return stacked.sum(0, dtype=stacked.dtype)
+    if kind == "avg":  # as Lightning on gloo: the sum divided by the world size, in the tensor's dtype
+        return (stacked.sum(0, dtype=stacked.dtype) / len(parts)).to(stacked.dtype)
+    if kind == "product":
+        return stacked.prod(0, dtype=stacked.dtype)
+    return stacked.amax(0) if kind == "max" else stacked.amin(0)
 
 
 def _skip_sigterm_broadcast(self: Any) -> None:

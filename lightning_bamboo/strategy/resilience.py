@@ -90,6 +90,8 @@ class Resilience:
         self.leavers: set[str] = set()  # peers that announced they leave (seen at a commit)
         self.admitting = False  # set by RebalanceCallback: standby nodes are reported at every commit
         self.joiners: list[str] = []  # standby nodes seen at the last commit (the same list on every node)
+        self._collectives: dict[int, int] = {}  # generation -> collectives begun (see gather)
+        self._collectives_dropped = 0  # generations below this have no collective keys left
 
     #: nodes that died while the job started (see ``start_without``); empty when all came up
     start_lost: frozenset[str] = frozenset()
@@ -266,6 +268,33 @@ class Resilience:
         prefix = self._commit_prefix(step)
         return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs} >= set(self.nodes)
 
+    # ------------------------------------------------------------------ collectives between steps
+    def gather(self, value: str) -> list[str]:
+        """One collective of the pipeline's nodes through the store: every node's ``value``, in rank order.
+
+        Lightning's collectives between steps (barriers, broadcasts, reductions, checkpoint saves)
+        go here, not through gloo: a loss fails the same collective on every survivor (see
+        ``registry.gather``), so after the failover they all retry the same operation. Collectives
+        are numbered per generation; the numbering restarts with each new process group.
+        """
+        from lightning_bamboo.membership.registry import GatherFailed, gather
+
+        generation, nodes = self.generation, list(self.nodes)
+        seq = self._collectives.get(generation, 0)
+        self._collectives[generation] = seq + 1
+        try:
+            parts = gather(self.store, f"{self.base}coll/{generation}/{seq}", self.node, nodes, value,
+                           self.rendezvous_timeout, lambda: self.detector.lost)
+        except GatherFailed as err:
+            raise PeerLost(str(err), set(err.lost) | self.detector.lost) from err
+        if nodes[0] == self.node:  # everyone has put this one, so everyone is done with the ones before
+            if seq:
+                self.store.delete_prefix(f"{self.base}coll/{generation}/{seq - 1}/")
+            for old in range(self._collectives_dropped, generation):
+                self.store.delete_prefix(f"{self.base}coll/{old}/")
+            self._collectives_dropped = generation
+        return parts
+
     # ------------------------------------------------------------------ failover
     def decide_lost(self, suspected: tuple[str, ...], nodes: list[str]) -> set[str]:
         """The lost nodes for the next generation: a set in the store that only grows, so all agree.
@@ -333,7 +362,11 @@ class Resilience:
         sys.stderr.flush()
         os._exit(0)
 
+    #: False once ``stop`` closed the store (after fit: collectives go through the process group again)
+    active = True
+
     def stop(self) -> None:
+        self.active = False
         try:
             self.detector.stop()
             self.registry.stop_heartbeat()
