@@ -66,6 +66,21 @@ def test_callback_spreads_the_layers_of_a_lost_node_over_the_survivors():
     assert decision.layout.grid == (("n0", "n1", "n3"),) and decision.layout.parts == (0, 2, 5, 8)
 
 
+def test_callback_splits_by_the_strategys_layer_costs():
+    """With partition='parameters' the strategy gives the policy parameter counts: a GPT's small embedding
+    and head share stages with blocks, as in the job's first split, instead of an even count of layers."""
+    cb = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
+    cb.layer_costs = (3840.0, *[28272.0] * 6, 3168.0)
+    decision = cb.decide(["n0", "n1", "n3"], [], 8)
+    assert decision.action == "restore_redundancy" and decision.layout.parts == (0, 3, 5, 8)  # 2 blocks at most
+    cb = _callback(["n0", "n1", "n3"], [0, 3, 5, 8], stages=6)
+    cb.layer_costs = (3840.0, *[28272.0] * 6, 3168.0)
+    decision = cb.decide(["n0", "n1", "n3"], ["s1", "s2", "s3"], 8)
+    assert decision.layout.stages == 6 and decision.layout.parts == (0, 2, 3, 4, 5, 6, 8)  # one block each
+    assert _callback(["n0", "n1", "n3"], [0, 3, 5, 8], stages=6).decide(
+        ["n0", "n1", "n3"], ["s1", "s2", "s3"], 8).layout.parts == (0, 1, 2, 4, 5, 6, 8)  # equal layers: 2 blocks
+
+
 def test_callback_admits_a_standby_node_to_get_back_to_the_preferred_depth():
     cb = _callback(["n0", "n1", "n3"], [0, 2, 5, 8], stages=4)
     decision = cb.decide(["n0", "n1", "n3"], ["s1"], 8)

@@ -71,6 +71,8 @@ class RebalanceCallback(Callback):
         self._pl_module: Any = None
         #: (stages, micro-batch size, micro-batches) -> the planner's split, or None; set from a HydrozoaTuner in setup
         self.split_for: Any = None
+        #: relative cost per layer for the policy's splits, from the strategy's ``partition`` (None: equal)
+        self.layer_costs: tuple[float, ...] | None = None
         self.micro_batch_size = 1
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -98,6 +100,8 @@ class RebalanceCallback(Callback):
             self.layout = current  # a fresh start, or a restart in another layout
         if self.stages is None:
             self.stages = max(self.layout.stages, current.stages)
+        costs = getattr(trainer.strategy, "layer_costs", None)
+        self.layer_costs = costs() if callable(costs) else None
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if getattr(trainer.strategy, "rebalancer", None) == self.at_step_start:
@@ -147,6 +151,7 @@ class RebalanceCallback(Callback):
         config = PolicyConfig(
             stages=self.stages, layers=layers, global_micro_batches=micro,
             min_stages=min(self.min_stages, self.stages), max_overloaded_fraction=self.max_overloaded_fraction,
+            layer_costs=self.layer_costs if self.layer_costs is not None and len(self.layer_costs) == layers else None,
         )
         decision = reconfigure(nodes + standby, standby, layout, overloaded, config)
         new = decision.layout

@@ -97,7 +97,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--redundancy", default="lazy")
-    p.add_argument("--partition", default="uniform", help="uniform, parameters or boundaries like 0,2,5,8")
+    p.add_argument("--partition", default="parameters", help="uniform, parameters or boundaries like 0,2,5,8")
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--resume", default=None)

@@ -15,6 +15,7 @@ import importlib
 import io
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -517,6 +518,24 @@ class _BambooStrategyMixin:
         if states is not None:
             ckpt.load_weights(container, states)
         return container
+
+    def layer_costs(self) -> tuple[float, ...] | None:
+        """Relative cost per layer as ``partition`` weighs them, for splits made later (``RebalanceCallback``).
+
+        ``"parameters"``: the layers' parameter counts; ``"type:REGEX"``: 1 per matching layer; ``"uniform"``
+        or explicit boundaries: None (every layer the same). A split by the same weights as the
+        first one keeps a rebuilt pipeline as balanced as the one the job started with.
+        """
+        counts = self._param_counts
+        if not counts or not isinstance(self.partition, str):
+            return None
+        if self.partition == "parameters":
+            return tuple(float(max(c, 1)) for c in counts)
+        if self.partition.startswith("type:"):
+            pattern = re.compile(self.partition[5:], re.IGNORECASE)
+            names = self._build(self.lightning_module, keep=lambda i: False).names  # type: ignore[attr-defined]
+            return tuple(1.0 if pattern.search(name) else 1e-3 for name in names)
+        return None
 
     def _check_host_memory(self, layers: range) -> None:
         import psutil
