@@ -8,7 +8,7 @@ checkpoints every 4 steps), each line ``step N/K`` of the demo's progress stampe
   minus the first step at the new depth: the step in flight is redone). The step after each
   redone step starts with the RebalanceCallback evening out the layers: its extra time over a
   plain step is the reconfiguration pause.
-* ``--no-redundancy``, one kill at step 40 of 80 -> step time at depths 6 and 5 without replicas
+* ``--no-redundancy``, one kill at step 80 of 160 -> step time at depths 6 and 5 without replicas
   (long segments); restart pause (recovery time minus the first step after the restart).
 * a join: node2 killed at step 4, spare1 started at step 40 of 160 -> step time at depth 5 (steps
   8-40) and at depth 6 (after spare1's admission, 100+ steps): the long segments the simulator's
@@ -46,11 +46,11 @@ CHECKPOINT_EVERY = 4
 # (name, steps, kills as --preempt, extra flags)
 RUNS = {
     "bamboo": (36, "node2@9,node4@18,node0@27", ()),
-    "no_redundancy": (80, "node2@40", ("--no-redundancy",)),
+    "no_redundancy": (160, "node2@80", ("--no-redundancy",)),
     "join": (160, "node2@4", ("--join", "spare1@40")),
 }
 JOIN_AT = 40
-NO_REDUNDANCY_KILL = 40
+NO_REDUNDANCY_KILL = 80
 
 
 def timed_demo(steps: int, preempt: str, extra: tuple[str, ...], workdir: Path) -> dict:
@@ -194,12 +194,12 @@ PROVENANCE = {
     "step_seconds": "mean step interval (no checkpoint in it) per pipeline depth with lazy replicas: depths 6 and 5 over "
     "long segments of the join run (depth 5 for 33 steps after a failover, depth 6 for 100+ steps after the admission), "
     "depths 4 and 3 after the bamboo run's second and third failovers",
-    "step_seconds_no_redundancy": "mean step interval per depth with --no-redundancy (depth 6 for 38 steps, depth 5 for 36 after a restart)",
+    "step_seconds_no_redundancy": "mean step interval per depth with --no-redundancy (depth 6 for 78 steps, depth 5 for 76 after a restart: long segments, the step time varies by 10-20% over a few seconds on this machine)",
     "standby_start_seconds": "training time lost while spare1 started (join run): the extra time of the steps its start-up "
     "overlapped over the depth-5 step time, saves excluded and scaled to every step of that window",
     "checkpoint_save_seconds": "mean extra time of a step interval that follows a checkpoint (ModelCheckpoint every 4 steps), both runs",
     "failover_seconds": "mean over 3 kills of (demo recovery time - step time at the new depth): the step in flight is redone",
-    "restart_seconds": "demo recovery time of one --no-redundancy kill (node2@40) minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
+    "restart_seconds": "demo recovery time of one --no-redundancy kill (node2@80) minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
     "startup_timeout_seconds": "CONFIGURED, not measured: the demo's rendezvous timeout (BambooStrategy(timeout=60) in "
     "lightning_bamboo/demo/worker.py); a worker lost while a restart starts leaves the others waiting that long",
     "reconfigure_seconds": "mean extra time of the step interval after each redone step (no checkpoint in it): the RebalanceCallback evening out the layers",
