@@ -104,6 +104,19 @@ def test_adjacent_kill_restarts_from_the_checkpoint_with_a_standby_node():
     assert pred.seconds == pytest.approx(16.5 + 1.0)
 
 
+def test_a_loss_during_a_save_restarts_from_the_save_before_it():
+    # no redundancy, 0.5 s steps (step 1 ends at 0), a 0.25 s save after every 2nd step: the saves of
+    # steps 2, 4, 6 end at 0.75, 2.0, 3.25. node0 dies at 3.1, inside the save of step 6: the checkpoint
+    # is step 4's, although no event came between the saves (the simulator used to fall back to the
+    # checkpoint known at the last event: none here, a restart from scratch). Restart 10 s at depth 3
+    # (1 s steps): steps 5..8 end at 14.1, 15.1 (+0.25 s save), 16.35, 17.35; then 1 s to the end.
+    params = dataclasses.replace(P, checkpoint_save_seconds=0.25)
+    pred = replay_demo([kill("node0", 3.1)], NODES, params, 8, redundancy=False, checkpoint_every=2)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 1, "restart": 0}
+    assert pred.recomputed_steps == 2  # steps 5 and 6
+    assert pred.seconds == pytest.approx(17.35 + 1.0)
+
+
 def test_without_redundancy_every_loss_restarts_and_standby_losses_do_not():
     # 0.5 s steps; standby spare1 dies (nothing happens); node0 dies at 0.7 during step 3 -> no checkpoint yet:
     # restart from scratch with 3 nodes (1 s steps): steps 1..4 end at 11.7 .. 14.7

@@ -199,6 +199,8 @@ def replay_demo(
         run.done += 1
         run.start = finish
         if run.done % checkpoint_every == 0 and run.done < steps:
+            if run.pending is not None:  # the save before this one ended before the steps since then began
+                run.checkpoint = run.pending[0]
             run.start = finish + params.checkpoint_save_seconds
             run.pending = (run.done, run.start)
         if redundancy and run.done < steps:
