@@ -209,7 +209,13 @@ class Resilience:
             if self.detector.event.is_set():
                 raise PeerLost(f"lost {sorted(self.detector.lost)} before step {step} committed", self.detector.lost)
             if time.monotonic() > deadline:
-                raise BambooError(f"step {step} did not commit within {self.rendezvous_timeout} s ({prefix})")
+                missing = sorted(set(self.nodes) - {kv.key[len(prefix):] for kv in snap.kvs})
+                live = set(self.registry.members().live)
+                raise BambooError(
+                    f"step {step} did not commit within {self.rendezvous_timeout} s ({prefix}): no commit from "
+                    f"{missing} ({', '.join(f'{n} live' if n in live else f'{n} not registered' for n in missing)}); "
+                    "a live node that does not commit is stuck: its log says where"
+                )
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=0.2)
             revision = change.revision
 
