@@ -802,6 +802,10 @@ class _BambooStrategyMixin:
         for _ in range(len(res.nodes) if res is not None else 1):
             self.engine.set_micro_batches(len(chunks))
             self.engine.batches_run = step
+            if res is not None:
+                # A step that takes a commit timeout is stuck somewhere: every thread's stack goes to the
+                # node's log then, so that the node the others wait for shows where it waits.
+                faulthandler.dump_traceback_later(res.rendezvous_timeout * 0.75, repeat=False)
             try:
                 loss = self.engine.train_batch(data_iter=iter(chunks))
                 if res is not None and res.leaving:
@@ -812,6 +816,9 @@ class _BambooStrategyMixin:
                     raise
                 if self._fail_over(err, step):
                     return self.engine.last_loss
+            finally:
+                if res is not None:
+                    faulthandler.cancel_dump_traceback_later()
         raise BambooConfigError(f"step {step} failed over {len(self.resilience.nodes)} times; giving up")
 
     def _eval_step(self, name: str, batch: Any) -> torch.Tensor:
