@@ -69,12 +69,21 @@ def test_notice_then_two_far_apart_kills(clean, tmp_path):
 
 
 def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
-    _, clean_weights = clean
-    report, weights = demo(tmp_path, "--preempt", "node1@10,node2@10")
-    assert report["steps_completed"] == STEPS and report["preemptions"] == 2
-    assert report["recoveries"]["checkpoint"] == 1
+    """node1 and node2 (its replica holder) die together: the two others restart from the step-8
+    checkpoint; then two new nodes join that restarted job and are admitted live. The restarted job
+    starts the nodes that join it with its resume path too: they take their state from the running
+    nodes, not from that file (they used to load step 8's loops and weights, commit as step 8 while
+    the others committed a later step, and stall the job for the 60 s commit timeout)."""
+    clean_dir, clean_weights = clean
+    report, weights = demo(tmp_path, "--preempt", "node1@10,node2@10", "--join", "spare1@12,spare2@12",
+                           "--step-delay", "1.0")
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 2 and report["joins"] == 2
+    assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0}
     assert report["recomputed_steps"] >= 2  # back to the step-8 checkpoint
+    (admission,) = report["reconfigurations"]
+    assert admission["reason"].startswith("change_depth") and {"spare1", "spare2"} <= set(admission["order"])
     assert max_abs_diff(weights, clean_weights) <= 1e-5
+    assert order(tmp_path, "node0") == order(clean_dir, "node0")[8:]  # the restarted job's steps 9-24
 
 
 def test_etcd_store_restarted_mid_run(clean, tmp_path):

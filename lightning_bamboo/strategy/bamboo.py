@@ -131,6 +131,7 @@ class _BambooStrategyMixin:
         self.layout: Layout | None = None
         self._loaded_path: Path | None = None
         self._loaded_meta: dict[str, Any] | None = None
+        self._admitted_checkpoint: dict[str, Any] | None = None  # a joining node's state, from a running node
         self._cursor = (0, 0)  # (epoch, global samples consumed in it)
         self._resume_cursor: tuple[int, int] | None = None
         self._resume_rng: dict[str, Any] | None = None  # this process's RNG states from the checkpoint, until on_train_start
@@ -382,7 +383,8 @@ class _BambooStrategyMixin:
         self.setup_precision_plugin()  # type: ignore[attr-defined]
         # Lightning restores loops, schedulers and callbacks from this as from a checkpoint file
         # (weights and optimizer state are in the stage already).
-        trainer._checkpoint_connector._loaded_checkpoint = {**meta, "state_dict": {}}
+        self._admitted_checkpoint = {**meta, "state_dict": {}}
+        trainer._checkpoint_connector._loaded_checkpoint = self._admitted_checkpoint
         cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
         self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
 
@@ -1065,6 +1067,11 @@ class _BambooStrategyMixin:
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._admitted_checkpoint is not None:
+            # A node admitted into a running job has its layers, optimizer state, loops and cursor from a
+            # running node (``_setup_admitted``), not from the file the job last started from: a restarted
+            # job starts the nodes that join it later with the same ``ckpt_path``.
+            return self._admitted_checkpoint
         # a directory of step checkpoints (AsyncCheckpoint's dirpath) resumes from the latest complete one,
         # as rank 0 sees it (all processes call load_checkpoint; a writer may still be committing)
         checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))  # type: ignore[attr-defined]
