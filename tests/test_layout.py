@@ -11,6 +11,7 @@ from lightning_bamboo.strategy.layout import (
     check_parts,
     compute_parts,
     micro_batches,
+    partition_weights,
     resolve_stages,
 )
 
@@ -83,3 +84,12 @@ def test_layout_maps_ranks_like_deepspeed():
     assert [layout.pipeline_of_rank(r) for r in range(4)] == [0, 1, 0, 1]
     assert list(layout.layers_of_stage(1)) == [3, 4]
     assert layout.stage_of_layer(4) == 1
+
+
+def test_partition_weights_are_what_the_first_split_and_later_splits_balance():
+    counts, names = [10, 300, 300, 5], ["Embedding", "Block", "Block", "Linear"]
+    assert partition_weights("parameters", counts, names) == counts
+    assert partition_weights("type:block", counts, names) == [0, 1, 1, 0]
+    assert partition_weights("uniform", counts, names) is None and partition_weights([0, 2, 4], counts, names) is None
+    # compute_parts balances the same weights: one block per stage, the light layers beside them
+    assert compute_parts("parameters", 2, counts, names) == compute_parts("type:block", 2, counts, names) == (0, 2, 4)

@@ -15,7 +15,6 @@ import importlib
 import io
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from lightning_bamboo.strategy.layout import (
     check_replica_memory,
     compute_parts,
     micro_batches,
+    partition_weights,
     resolve_stages,
 )
 
@@ -137,6 +137,7 @@ class _BambooStrategyMixin:
         self._resume_rng: dict[str, Any] | None = None  # this process's RNG states from the checkpoint, until on_train_start
         self._gradient_clipping = 0.0  # the Trainer's gradient_clip_val, from setup()
         self._param_counts: list[int] = []  # trainable parameters per layer, from setup()
+        self._layer_names: list[str] = []  # each layer's class name, from setup()
         self._inject_sampler: bool | None = None  # the Trainer's use_distributed_sampler, before we take it over
 
     # ------------------------------------------------------------------ namespace helpers
@@ -335,7 +336,7 @@ class _BambooStrategyMixin:
         stages, pipelines = resolve_stages(self.world_size, self.stages)  # type: ignore[attr-defined]
         stage = self.global_rank // pipelines  # type: ignore[attr-defined]
         probe = self._build(model, keep=lambda i: False)
-        self._param_counts = probe.param_counts
+        self._param_counts, self._layer_names = probe.param_counts, probe.names
         parts = compute_parts(self.partition, stages, probe.param_counts, probe.names)
         self.layout = Layout(stages, pipelines, parts)
         ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
@@ -367,7 +368,8 @@ class _BambooStrategyMixin:
         assert record is not None and res is not None and self._assigned is not None
         if trainer.state.fn != self._pl("trainer.states").TrainerFn.FITTING:
             raise BambooConfigError("a node joins a running job only to train (trainer.fit)")
-        self._param_counts = self._build(self.lightning_module, keep=lambda i: False).param_counts  # type: ignore[attr-defined]
+        probe = self._build(self.lightning_module, keep=lambda i: False)  # type: ignore[attr-defined]
+        self._param_counts, self._layer_names = probe.param_counts, probe.names
         ensure_deepspeed_comm(self._get_process_group_backend())  # type: ignore[attr-defined]
         order, rank = list(record["order"]), self._assigned[0]
         self._gradient_clipping = float(trainer.gradient_clip_val or 0.0)
@@ -528,16 +530,13 @@ class _BambooStrategyMixin:
         or explicit boundaries: None (every layer the same). A split by the same weights as the
         first one keeps a rebuilt pipeline as balanced as the one the job started with.
         """
-        counts = self._param_counts
-        if not counts or not isinstance(self.partition, str):
+        if not self._param_counts:
             return None
-        if self.partition == "parameters":
-            return tuple(float(max(c, 1)) for c in counts)
-        if self.partition.startswith("type:"):
-            pattern = re.compile(self.partition[5:], re.IGNORECASE)
-            names = self._build(self.lightning_module, keep=lambda i: False).names  # type: ignore[attr-defined]
-            return tuple(1.0 if pattern.search(name) else 1e-3 for name in names)
-        return None
+        weights = partition_weights(self.partition, self._param_counts, self._layer_names)
+        # the policy needs a positive cost per layer: a layer the partition does not weigh costs little
+        if weights is None or max(weights) <= 0:
+            return None
+        return tuple(float(w) if w > 0 else 1e-3 * max(weights) for w in weights)
 
     def _check_host_memory(self, layers: range) -> None:
         import psutil
@@ -1095,6 +1094,7 @@ class _BambooStrategyMixin:
         # Restored as late as possible: after Lightning created the data iterator, which draws a
         # seed from torch's generator exactly as the uninterrupted run did before its first step.
         super().on_train_start()  # type: ignore[misc]
+        self._admitted_checkpoint = None  # restored by now; a later fit() reads its own ckpt_path again
         if self._resume_rng is not None:
             ckpt.restore_rng(self._resume_rng)
             self._resume_rng = None

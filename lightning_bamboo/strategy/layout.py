@@ -123,6 +123,19 @@ def check_partition_option(partition: str | Sequence[int], stages: int | None) -
             )
 
 
+def partition_weights(
+    partition: str | Sequence[int], param_counts: Sequence[int], layer_names: Sequence[str]
+) -> list[int] | None:
+    """What a named ``partition`` balances per layer: parameter counts (``"parameters"``), 1 per layer
+    whose class matches (``"type:REGEX"``); None for ``"uniform"`` and explicit boundaries."""
+    if not isinstance(partition, str) or partition == "uniform":
+        return None
+    if partition == "parameters":
+        return list(param_counts)
+    pattern = re.compile(partition[5:], re.IGNORECASE)  # "type:REGEX"
+    return [1 if pattern.search(name) else 0 for name in layer_names]
+
+
 def compute_parts(
     partition: str | Sequence[int],
     stages: int,
@@ -142,11 +155,9 @@ def compute_parts(
         parts = [int(p) for p in partition]
     elif partition == "uniform":
         parts = list(partition_uniform(num_items=num_layers, num_parts=stages))
-    elif partition == "parameters":
-        parts = list(partition_balanced(weights=list(param_counts), num_parts=stages))
-    else:  # "type:REGEX": balance the layers whose class name matches
-        pattern = re.compile(partition[5:], re.IGNORECASE)
-        weights = [1 if pattern.search(name) else 0 for name in layer_names]
+    else:  # "parameters", or "type:REGEX": balance the layers whose class name matches
+        weights = partition_weights(partition, param_counts, layer_names)
+        assert weights is not None
         if not any(weights):
             raise BambooConfigError(
                 f"partition {partition!r} matches no layer class (classes: {sorted(set(layer_names))})"
