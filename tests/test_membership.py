@@ -699,7 +699,7 @@ def test_barrier(store: Store, prefix: str) -> None:
     assert time.monotonic() - start < 0.5 + 1.5
 
 
-def _gather_all(store: Store, prefix: str, names: list[str], lost: dict[str, set[str]], skip: set[str] = frozenset()):
+def _gather_all(store: Store, prefix: str, names: list[str], lost: dict[str, set[str]], skip: frozenset[str] = frozenset()):
     """Every name in ``names`` but ``skip`` takes part in one ``gather`` on its own thread; name -> result or error."""
     results: dict[str, object] = {}
 
@@ -727,9 +727,9 @@ def test_gather_returns_every_part_in_order(store: Store, prefix: str) -> None:
 def test_gather_fails_for_every_survivor_when_a_node_is_lost_before_its_part(store: Store, prefix: str) -> None:
     names = ["n0", "n1", "n2"]
     lost: dict[str, set[str]] = {n: set() for n in names}
-    threads, results = _gather_all(store, prefix + "c1", names, lost, skip={"n2"})
-    time.sleep(0.3)
-    assert results == {}  # waiting for n2
+    threads, results = _gather_all(store, prefix + "c1", names, lost, skip=frozenset({"n2"}))
+    wait_until(store, prefix + "c1/n/", lambda keys: len(keys) == 2, 10.0)  # n0 and n1 put their parts
+    assert store.get(prefix + "c1/outcome") is None and results == {}  # undecided: waiting for n2
     lost["n1"] = {"n2"}  # only n1's detector has seen it yet: n0 fails all the same
     for t in threads:
         t.join(15)
@@ -742,7 +742,7 @@ def test_gather_counts_the_part_of_a_node_lost_after_putting_it(store: Store, pr
     names = ["n0", "n1", "n2"]
     store.put(prefix + "c2/n/n2", "N2")  # n2 put its part, then died
     lost = {n: {"n2"} for n in names}
-    threads, results = _gather_all(store, prefix + "c2", names, lost, skip={"n2"})
+    threads, results = _gather_all(store, prefix + "c2", names, lost, skip=frozenset({"n2"}))
     for t in threads:
         t.join(15)
     assert results == {n: ["N0", "N1", "N2"] for n in ["n0", "n1"]}
