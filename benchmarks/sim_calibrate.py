@@ -11,8 +11,8 @@ checkpoints every 4 steps), each line ``step N/K`` of the demo's progress stampe
 * ``--no-redundancy``, one kill at step 80 of 160 -> step time at depths 6 and 5 without replicas
   (long segments); restart pause (recovery time minus the first step after the restart).
 * a join: node2 killed at step 4, spare1 started at step 40 of 160 -> step time at depth 5 (steps
-  8-40) and at depth 6 (after spare1's admission, 100+ steps): the long segments the simulator's
-  steady state needs; from starting a node to its admission at a step start; the training time
+  8-40) and at depth 6 (from 2 steps after spare1's admission to step 160: about 60 steps): the
+  long segments the simulator's steady state needs; from starting a node to its admission at a step start; the training time
   its start-up costs the busy cores.
 
 The numbers go to the ``demo`` section of lightning_bamboo/data/sim_params.json through
@@ -192,7 +192,7 @@ STARTUP_TIMEOUT = 60.0
 
 PROVENANCE = {
     "step_seconds": "mean step interval (no checkpoint in it) per pipeline depth with lazy replicas: depths 6 and 5 over "
-    "long segments of the join run (depth 5 for 33 steps after a failover, depth 6 for 100+ steps after the admission), "
+    "long segments of the join run (depth 5 for 33 steps after a failover, depth 6 for about 60 steps after the admission), "
     "depths 4 and 3 after the bamboo run's second and third failovers",
     "step_seconds_no_redundancy": "mean step interval per depth with --no-redundancy (depth 6 for 78 steps, depth 5 for 76 after a restart: long segments, the step time varies by 10-20% over a few seconds on this machine)",
     "standby_start_seconds": "training time lost while spare1 started (join run): the extra time of the steps its start-up "
