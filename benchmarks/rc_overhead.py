@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 from common import BenchGPT
 
@@ -44,8 +45,6 @@ MODES = ("off", "lazy", "eager")
 
 
 def worker(args: argparse.Namespace) -> None:
-    import lightning.pytorch as pl
-
     import lightning_bamboo
 
     batch = MICRO * args.micro_batches
@@ -62,12 +61,13 @@ def worker(args: argparse.Namespace) -> None:
             self.ends.append(time.time())
 
     timer = Timer()
+    rotate = Rotate(args.warmup)
     strategy = lightning_bamboo.BambooStrategy(
         stages=args.stages, micro_batch_size=MICRO, partition="uniform", seed=0, redundancy=args.redundancy,
         detection_timeout=5,
     )
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
-                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         callbacks=[timer, rotate] if args.rotate else [timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False)
     trainer.fit(BenchGPT(config_for(args.block_size), args.steps * batch, batch))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -79,15 +79,49 @@ def worker(args: argparse.Namespace) -> None:
             "times": timer.times, "ends": timer.ends, "peak_bytes": [g[0] for g in gathered],
             "replica_seconds": [g[1] for g in gathered],
             "failovers": res.failovers if res is not None else [],
+            "modes": rotate.modes,
         }))
 
 
+class Rotate(pl.Callback):
+    """Switches the engine between "off", "lazy" and "eager" at every step, after ``warmup`` eager steps.
+
+    Off, lazy and eager steps then alternate in the same processes, so a drift of the machine's speed
+    (tens of percent here between runs minutes apart) hits the three modes alike. The engine is built
+    with redundancy="eager"; an "off" step runs without replica and exchange (a plain DeepSpeed step),
+    a "lazy" step without the redundant forwards. Each redundant step pays one replica update (the one
+    the redundant step before it deferred) and one gradient exchange, as in a run of that mode alone.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.modes, self.saved = warmup, [], None
+
+    def on_train_batch_start(self, trainer, *_):
+        engine = trainer.strategy.engine
+        if self.saved is None:
+            self.saved = (engine.replica, engine.replica_peers, dict(engine.bamboo_options))
+        replica, peers, options = self.saved
+        step = len(self.modes)
+        # the warm-up is eager: its steps 1-3 measure the costs eager places its forwards with
+        mode = "eager" if step < self.warmup else MODES[(step - self.warmup) % len(MODES)]
+        if mode == "off":
+            if engine.replica is not None:
+                engine.exchange.finish_send()  # the last gradients sent are gone before their buffers go
+            engine.replica, engine.replica_peers = None, (None, None)
+        else:
+            engine.replica, engine.replica_peers = replica, peers
+        engine.bamboo_options = {**options, "redundancy": "lazy" if mode == "off" else mode}
+        self.modes.append(mode)
+
+
 def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
-               block_size: int = CONFIG.block_size) -> dict:
+               block_size: int = CONFIG.block_size, rotate: bool = False) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
     cmd = [sys.executable, __file__, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
            "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size)]
+    if rotate:
+        cmd.append("--rotate")
     if kill:
         env["BAMBOO_FAIL_AT"] = kill
         cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--", *cmd]
@@ -141,13 +175,16 @@ def main() -> None:
     parser.add_argument("--no-kills", dest="kills", action="store_false", help="skip the two recovery runs")
     parser.add_argument("--record", action="store_true",
                         help="write eager's measured overhead at 2 x 8 to the simulator's defaults (sim_params.json)")
+    parser.add_argument("--paired-steps", type=int, default=30,
+                        help="steps per mode in the paired runs (off, lazy and eager alternating in one run; 0: none)")
+    parser.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
 
     rows = {}
-    costs: dict[tuple[int, int], dict[str, float]] = {}
+    costs: dict[tuple[int, int, str], dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
         for stages, m in shapes:
@@ -162,10 +199,19 @@ def main() -> None:
                     medians[mode].append(times[len(times) // 2])
                     peaks[mode].append(max(r["peak_bytes"]))
                     if mode != "off" and repeat == 0:
-                        per_step = {k: max(s[k] for s in r["replica_seconds"]) / args.steps for k in r["replica_seconds"][0]}
+                        per_step = {k: [s[k] / args.steps for s in r["replica_seconds"]] for k in r["replica_seconds"][0]}
                         costs[(stages, m, mode)] = per_step
             for mode in MODES:
                 rows[(stages, m, mode)] = (statistics.median(medians[mode]), max(peaks[mode]))
+        # the same shapes with the three modes alternating step by step in one run (see Rotate)
+        paired: dict[tuple[int, int], list[dict[str, float]]] = {}
+        for stages, m in shapes if args.paired_steps else []:
+            for repeat in range(args.repeats):
+                r = run_config(stages, m, "eager", args.warmup + len(MODES) * args.paired_steps,
+                               Path(tmp, f"paired-{stages}-{m}-{repeat}.json"), block_size=args.block_size, rotate=True)
+                by_mode = {mode: sorted(t for t, md in list(zip(r["times"], r["modes"], strict=True))[args.warmup:] if md == mode)
+                           for mode in MODES}
+                paired.setdefault((stages, m), []).append({mode: ts[len(ts) // 2] for mode, ts in by_mode.items()})
         kill_step = args.steps // 2
         kills = {mode: run_config(4, 8, mode, args.steps, Path(tmp, f"kill-{mode}.json"), kill=f"node2@{kill_step}",
                                   block_size=args.block_size) for mode in ("lazy", "eager")} if args.kills else {}
@@ -179,12 +225,26 @@ def main() -> None:
         print(f"{stages:>6} {m:>7} {mode:>5} {step * 1e3:>9.1f} {step / base_step:>6.3f} {peak / 2**20:>14.0f} "
               f"{peak / base_peak:>6.3f}")
     for (stages, m, mode), per_step in costs.items():
-        print(f"{mode} {stages} stages x {m} micro-batches, per step on the slowest process: "
-              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in per_step.items()))
+        print(f"{mode} {stages} stages x {m} micro-batches, ms per step on each rank: "
+              + ", ".join(f"{k} " + "/".join(f"{v * 1e3:.1f}" for v in values) for k, values in per_step.items()))
     if (2, 8, "off") in rows:
         base = rows[(2, 8, "off")][0]
         print(f"targets at 2 stages x 8 micro-batches: lazy {rows[(2, 8, 'lazy')][0] / base:.3f}x (<= 1.03x), "
               f"eager {rows[(2, 8, 'eager')][0] / base:.3f}x (<= 1.10x)")
+    if paired:
+        print(f"paired: off, lazy and eager alternating step by step in the same processes, {args.paired_steps} steps "
+              f"of each per run, median step per mode; ratio to off per run (median of {args.repeats} runs)")
+        print(f"{'stages':>6} {'micro-b':>7} {'mode':>5} {'step ms':>9} {'x off':>6}  per run")
+        for (stages, m), runs in paired.items():
+            for mode in MODES:
+                ratios = [run[mode] / run["off"] for run in runs]
+                print(f"{stages:>6} {m:>7} {mode:>5} {statistics.median(run[mode] for run in runs) * 1e3:>9.1f} "
+                      f"{statistics.median(ratios):>6.3f}  " + " ".join(f"{x:.3f}" for x in ratios))
+        if (2, 8) in paired:
+            runs = paired[(2, 8)]
+            lazy, eager = (statistics.median(run[mode] / run["off"] for run in runs) for mode in ("lazy", "eager"))
+            print(f"targets at 2 stages x 8 micro-batches, paired: lazy {lazy:.3f}x (<= 1.03x), eager {eager:.3f}x "
+                  f"(<= 1.10x)")
     if args.record and (2, 8, "off") in rows:
         record_overhead(rows[(2, 8, "eager")][0] / rows[(2, 8, "off")][0] - 1, args)
     if args.record and kills:

@@ -113,9 +113,10 @@ class BambooPipelineEngine(PipelineEngine):
 
     @property
     def replica_seconds(self) -> dict[str, float]:
-        """Seconds spent on redundancy, summed over steps: gradient exchange, commit, replica update, eager RFs."""
+        """Seconds spent on redundancy, summed over steps: shipping the own gradients, waiting for the replica's,
+        commit, replica update, eager RFs."""
         if "_replica_seconds" not in self.__dict__:
-            self.__dict__["_replica_seconds"] = {"exchange": 0.0, "commit": 0.0, "replica_step": 0.0,
+            self.__dict__["_replica_seconds"] = {"ship": 0.0, "receive": 0.0, "commit": 0.0, "replica_step": 0.0,
                                                  "redundant_forward": 0.0}
         return self.__dict__["_replica_seconds"]
 
@@ -261,7 +262,7 @@ class BambooPipelineEngine(PipelineEngine):
             self._settle_replica()
             started = time.perf_counter()
             self.exchange.receive()
-            self.replica_seconds["exchange"] += time.perf_counter() - started
+            self.replica_seconds["receive"] += time.perf_counter() - started
             if self.commit is not None:
                 self.phase = "commit"
                 started = time.perf_counter()
@@ -308,7 +309,7 @@ class BambooPipelineEngine(PipelineEngine):
             )
         started = time.perf_counter()
         self.exchange.ship(self.module)  # the replica's gradients are taken after the loss went out
-        self.replica_seconds["exchange"] += time.perf_counter() - started
+        self.replica_seconds["ship"] += time.perf_counter() - started
         self._pending_step = True
 
     @property
@@ -327,16 +328,23 @@ class BambooPipelineEngine(PipelineEngine):
             self.exchange.post_receive()
 
     def _exec_recv_grads_settling(self, buffer_id: int) -> None:
-        # A stage waits longest before its first gradient arrives (its successors run their forwards
-        # and backwards meanwhile): the last step's replica update runs there, in idle time. The last
-        # stage receives no gradients; it waits longest for the first stage's gradients at the end of
-        # the step, where ``GradientExchange.receive`` settles its replica.
+        # The first stage waits longest before its first gradient arrives (its successors run their
+        # forwards and backwards meanwhile): the last step's replica update runs there, in idle time.
         self._settle_replica()
         PipelineEngine._exec_recv_grads(self, buffer_id)
+
+    def _exec_recv_activations_settling(self, buffer_id: int) -> None:
+        # Every other stage first waits for its first activation, while its predecessors run their
+        # first forwards: the update runs there. (At the end of the step it would not be idle time on
+        # the last stage: the loss broadcast holds it until the first stage's last backward, and the
+        # next step's first activation is on its way by the time the update would run.)
+        self._settle_replica()
+        PipelineEngine._exec_recv_activations(self, buffer_id)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ds_schedule.RecvGrad: _exec_recv_grads_settling,
+        ds_schedule.RecvActivation: _exec_recv_activations_settling,
         ds_schedule.OptimizerStep: _exec_deferred_optimizer_step,
         ds_schedule.ForwardPass: _exec_forward_keeping_output,
         ds_schedule.BackwardPass: _exec_backward_timed,

@@ -11,8 +11,10 @@ Where that cost goes (``GradientExchange``, ``Replica.settle``): the holder post
 the step's first wait, so the successor's gradients travel while this stage still runs its last
 backward; the own gradients leave without waiting, and the replica's gradients are waited for
 only after the loss went out. The replica's update is not applied at the step boundary but
-where the next step waits anyway (before its first gradient arrives; on the last stage, while
-it waits for the first stage's gradients).
+where the next step first waits anyway (the first stage before its first gradient arrives, every
+other stage before its first activation arrives). The gradient buffers are allocated once and
+reused: a fresh 5.6 MB buffer costs about 4 ms of page faults per step on a 2-core CPU, a copy
+into a used one about 1 ms.
 """
 
 from __future__ import annotations
@@ -49,13 +51,17 @@ class StageContainer(nn.Module):
         return inputs
 
 
-def flat_grads(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """All gradients of ``module`` in one fp32 buffer, and which parameters had one."""
+def flat_grads(module: nn.Module, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All gradients of ``module`` in one fp32 buffer (``out`` when it fits), and which parameters had one."""
     params = [p for p in module.parameters() if p.requires_grad]
     mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
     pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
-    flat = torch.cat(pieces) if pieces else torch.zeros(0)
-    return flat.cpu(), mask
+    if not pieces:
+        return torch.zeros(0), mask
+    if out is not None and out.numel() == sum(t.numel() for t in pieces) and all(t.device == out.device for t in pieces):
+        # a buffer used before: no fresh pages to fault in (a new 5.6 MB buffer costs 4 ms on a 2-core CPU)
+        return torch.cat(pieces, out=out), mask
+    return torch.cat(pieces).cpu(), mask
 
 
 def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) -> None:
@@ -150,6 +156,24 @@ class GradientExchange:
         self.group = group if group is not None else dist.group.WORLD
         self._recv: tuple[torch.Tensor, torch.Tensor, list[Any]] | None = None
         self._sent: tuple[tuple[torch.Tensor, ...], list[Any]] = ((), [])  # buffers kept alive, requests
+        # Buffers reused step after step (allocating them anew costs more than copying into them): one
+        # to send from, two to receive into by turns, as the replica's gradients of one step are views
+        # of its receive buffer until its deferred update is applied, during the next step.
+        self._send_buffer: torch.Tensor | None = None
+        self._recv_buffers: list[torch.Tensor] = []
+
+    def _receive_buffer(self, numel: int) -> torch.Tensor:
+        assert self.replica is not None
+        held = {p.grad.untyped_storage().data_ptr() for p in self.replica.module.parameters() if p.grad is not None}
+        self._recv_buffers = [b for b in self._recv_buffers if b.numel() == numel]
+        for buffer in self._recv_buffers:
+            if buffer.untyped_storage().data_ptr() not in held:  # no gradient of the replica is a view of it
+                self._recv_buffers.remove(buffer)
+                self._recv_buffers.append(buffer)  # the one used last goes last
+                return buffer
+        buffer = torch.empty(numel)
+        self._recv_buffers = [*self._recv_buffers[-1:], buffer]
+        return buffer
 
     def post_receive(self) -> None:
         if self.recv_from is None or self._recv is not None:
@@ -157,7 +181,7 @@ class GradientExchange:
         assert self.replica is not None
         params = [p for p in self.replica.module.parameters() if p.requires_grad]
         mask = torch.zeros(len(params), dtype=torch.uint8)
-        flat = torch.zeros(sum(p.numel() for p in params))
+        flat = self._receive_buffer(sum(p.numel() for p in params))
         requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG),
                     dist.irecv(flat, self.recv_from, group=self.group, tag=REPLICA_TAG)]
         self._recv = (mask, flat, requests)
@@ -166,7 +190,8 @@ class GradientExchange:
         """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted."""
         self.finish_send()
         if self.send_to is not None:
-            flat, mask = flat_grads(own)
+            flat, mask = flat_grads(own, out=self._send_buffer)
+            self._send_buffer = flat
             self._sent = ((mask, flat), [dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG),
                                          dist.isend(flat, self.send_to, group=self.group, tag=REPLICA_TAG)])
         self.post_receive()
