@@ -1,6 +1,6 @@
 """Measure the demo-scale simulator parameters with real `lightning-bamboo demo` runs on this machine.
 
-Three demo runs of one 6-stage pipeline (the demo's built-in 8-layer GPT, 8 samples per step,
+Four demo runs of one 6-stage pipeline (the demo's built-in 8-layer GPT, 8 samples per step,
 checkpoints every 4 steps), each line ``step N/K`` of the demo's progress stamped as it arrives:
 
 * Bamboo (lazy replicas), three far-apart kills (SIGKILL) -> step time at depths 4 and 3 (after
@@ -10,6 +10,8 @@ checkpoints every 4 steps), each line ``step N/K`` of the demo's progress stampe
   plain step is the reconfiguration pause.
 * ``--no-redundancy``, one kill at step 80 of 160 -> step time at depths 6 and 5 without replicas
   (long segments); restart pause (recovery time minus the first step after the restart).
+* two adjacent kills (node1 and its replica holder node2) at step 22 of 40 -> the pause of a
+  restart in place (the four survivors reload the step-20 checkpoint in their running processes).
 * a join: node2 killed at step 4, spare1 started at step 40 of 160 -> step time at depth 5 (steps
   8-40) and at depth 6 (from 2 steps after spare1's admission to step 160: about 60 steps): the
   long segments the simulator's steady state needs; from starting a node to its admission at a step start; the training time
@@ -43,11 +45,13 @@ from lightning_bamboo.sim.params import record_measurement
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_PER_STEP = 8  # the demo's global batch
 CHECKPOINT_EVERY = 4
+FATAL_AT = 22  # node1 and its replica holder node2 die together: back to the step-20 checkpoint
 # (name, steps, kills as --preempt, extra flags)
 RUNS = {
     "bamboo": (36, "node2@9,node4@18,node0@27", ()),
     "no_redundancy": (160, "node2@80", ("--no-redundancy",)),
     "join": (160, "node2@4", ("--join", "spare1@40")),
+    "fatal": (40, f"node1@{FATAL_AT},node2@{FATAL_AT}", ()),
 }
 JOIN_AT = 40
 NO_REDUNDANCY_KILL = 80
@@ -167,8 +171,20 @@ def from_no_redundancy(run: dict) -> dict:
     return {"step_seconds": depths, "saves": saves, "restart": recov[0] - depths[5], "end": end_seconds(run)}
 
 
+def from_fatal(run: dict, depth4: float) -> dict:
+    """The pause of a restart in place: node1 and node2 die together; node0, node3, node4 and node5
+    restart from the last checkpoint in their running processes (a depth-4 pipeline)."""
+    report = run["report"]
+    recov = report["recovery_seconds"]
+    if report["recoveries"]["checkpoint"] != 1 or report.get("processes_kept") != 4 or not recov:
+        raise RuntimeError(f"expected one restart in place keeping 4 processes, got {report['recoveries']}, "
+                           f"{report.get('processes_kept')} kept, recoveries {recov}")
+    return {"restart_in_place": recov[0] - depth4}
+
+
 def derive(runs: dict) -> dict:
     b, n, j = from_bamboo(runs["bamboo"]), from_no_redundancy(runs["no_redundancy"]), from_join(runs["join"])
+    f = from_fatal(runs["fatal"], b["step_seconds"][4])
     # depths 6 and 5 from the join run's long segments; 4 and 3 exist only after the bamboo run's failovers
     depths = {**b["step_seconds"], **j["step_seconds"]}
     return {
@@ -180,9 +196,10 @@ def derive(runs: dict) -> dict:
         "checkpoint_save_seconds": round(statistics.fmean(b["saves"] + n["saves"] + j["saves"]), 3),
         "failover_seconds": round(statistics.fmean(b["failover"]), 3),
         "restart_seconds": round(n["restart"], 3),
+        "restart_in_place_seconds": round(f["restart_in_place"], 3),
         "end_seconds": round(statistics.fmean([b["end"], n["end"]]), 3),
         "startup_timeout_seconds": STARTUP_TIMEOUT,
-        "_detail": {"bamboo": b, "no_redundancy": n, "join": j},
+        "_detail": {"bamboo": b, "no_redundancy": n, "join": j, "fatal": f},
     }
 
 
@@ -200,6 +217,8 @@ PROVENANCE = {
     "checkpoint_save_seconds": "mean extra time of a step interval that follows a checkpoint (ModelCheckpoint every 4 steps), both runs",
     "failover_seconds": "mean over 3 kills of (demo recovery time - step time at the new depth): the step in flight is redone",
     "restart_seconds": "demo recovery time of one --no-redundancy kill (node2@80) minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
+    "restart_in_place_seconds": f"demo recovery time of two adjacent kills (node1@{FATAL_AT},node2@{FATAL_AT}) minus one depth-4 "
+    "step: the 4 survivors restart from the last checkpoint in their running processes",
     "startup_timeout_seconds": "CONFIGURED, not measured: the demo's rendezvous timeout (BambooStrategy(timeout=60) in "
     "lightning_bamboo/demo/worker.py); a worker lost while a restart starts leaves the others waiting that long",
     "reconfigure_seconds": "mean extra time of the step interval after each redone step (no checkpoint in it): the RebalanceCallback evening out the layers",

@@ -70,10 +70,29 @@ class Cluster:
         self._reporter = Registry(self.store, job, "launcher")
 
     def spawn(self, name: str, command: Sequence[str], rank: int, world: Sequence[str], **popen: object) -> None:
-        env = {**self.env, JOB_ENV: self.job, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), NODE_ENV: name}
+        env = {**self.env, **self._rank_env(name, rank, world)}
         env.pop(JOIN_ENV, None)
         self._start(name, command, env, popen)
+
+    def _rank_env(self, name: str, rank: int, world: Sequence[str]) -> dict[str, str]:
+        return {JOB_ENV: self.job, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
+                "LOCAL_RANK": str(rank), NODE_ENV: name, "MASTER_ADDR": self.env["MASTER_ADDR"],
+                "MASTER_PORT": self.env["MASTER_PORT"]}
+
+    def offered(self, job: str) -> set[str]:
+        """The running workers of ``job`` that offered their process to the next job (``offer_process``)."""
+        from lightning_bamboo.membership.registry import job_prefix
+
+        offers = {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{job_prefix(job)}{OFFER_KEY}").kvs}
+        return offers & set(self.running)
+
+    def reuse(self, name: str, args: Sequence[str], rank: int, world: Sequence[str], offered_in: str) -> None:
+        """Run the worker again with ``args`` as rank ``rank`` of ``world`` in the current job, in ``name``'s
+        running process, which offered it in job ``offered_in``: no new interpreter, no imports."""
+        from lightning_bamboo.membership.registry import job_prefix
+
+        assignment = {"env": self._rank_env(name, rank, world), "args": list(args)}
+        self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{name}", json.dumps(assignment))
 
     def spawn_joiner(self, name: str, command: Sequence[str], **popen: object) -> None:
         """Start a node that joins the running job: standby until a reconfiguration admits it."""
@@ -91,6 +110,7 @@ class Cluster:
 
         self.job = self._reporter.job = job
         self._reporter.base = job_prefix(job)
+        self.env["MASTER_PORT"] = str(free_port())  # a process kept from the last job may still hold the old one
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.get(name)
@@ -127,6 +147,39 @@ class Cluster:
         self.store.close()
         if self._server is not None:
             self._server.stop()
+
+
+#: keys of a restart in the same processes, under the failed job's prefix: ``offer/<node>`` (the worker
+#: waits to be given the next job), ``assign/<node>`` (its rank environment and arguments there)
+OFFER_KEY, ASSIGN_KEY = "offer/", "assign/"
+
+
+def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
+    """Offer this worker's process to the job that follows its failed one; wait for an assignment.
+
+    Called by a worker whose job ended with a fatal loss, after releasing what the job held
+    (``lightning_bamboo.strategy.bamboo.release_for_restart``). Returns ``{"env": ..., "args": ...}``:
+    set the environment and run the worker again with the arguments (a restart from the last
+    checkpoint without a new interpreter: no imports, seconds saved per node), or None when no
+    assignment came within ``timeout`` seconds (exit then; the launcher starts a fresh process).
+    """
+    from lightning_bamboo.membership import connect
+    from lightning_bamboo.membership.registry import job_prefix
+
+    base, node = job_prefix(os.environ[JOB_ENV]), os.environ[NODE_ENV]
+    store = connect(os.environ[STORE_ENV])
+    try:
+        store.put(f"{base}{OFFER_KEY}{node}", "1")
+        deadline = time.monotonic() + timeout
+        revision = 0
+        while (kv := store.get(f"{base}{ASSIGN_KEY}{node}")) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            revision = store.wait_for_change(f"{base}{ASSIGN_KEY}{node}", revision, timeout=min(remaining, 1.0)).revision
+        return dict(json.loads(kv.value))
+    finally:
+        store.close()
 
 
 def launch(

@@ -70,7 +70,8 @@ def test_notice_then_two_far_apart_kills(clean, tmp_path):
 
 def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
     """node1 and node2 (its replica holder) die together: the two others restart from the step-8
-    checkpoint; then two new nodes join that restarted job and are admitted live. The restarted job
+    checkpoint in their running processes (no new interpreter); then two new nodes join that
+    restarted job and are admitted live. The restarted job
     starts the nodes that join it with its resume path too: they take their state from the running
     nodes, not from that file (they used to load step 8's loops and weights, commit as step 8 while
     the others committed a later step, and stall the job for the 60 s commit timeout)."""
@@ -79,6 +80,7 @@ def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
                            "--step-delay", "1.0")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 2 and report["joins"] == 2
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0}
+    assert report["processes_kept"] == 2  # node0 and node3 ran the restarted job in their own processes
     assert report["recomputed_steps"] >= 2  # back to the step-8 checkpoint
     (admission,) = report["reconfigurations"]
     assert admission["reason"].startswith("change_depth") and {"spare1", "spare2"} <= set(admission["order"])

@@ -104,6 +104,24 @@ def test_adjacent_kill_restarts_from_the_checkpoint_with_a_standby_node():
     assert pred.seconds == pytest.approx(16.5 + 1.0)
 
 
+def test_a_fatal_loss_restarts_the_survivors_in_their_processes_and_the_others_join_them():
+    # node1 and node2 die at 2.5 (checkpoint after step 2): node0 and node3 restart in their running
+    # processes (2 s) at depth 2 (3 s/step) from 4.5; spare1 (joined at 0.5) starts as a standby node
+    # then and is up 5 s later: step 3 ends at 7.5, spare1 is admitted there, step 4 (depth 3) ends at 9.5
+    events = [ClusterEvent("join", "spare1", at_seconds=0.5), kill("node1", 2.5), kill("node2", 2.5)]
+    params = replace(P, restart_in_place_seconds=2.0, join_seconds=5.0)
+    pred = replay_demo(events, NODES, params, 4, checkpoint_every=2)
+    assert pred.recoveries == {"redundant": 0, "checkpoint": 1, "restart": 0}
+    assert pred.recomputed_steps == 1
+    assert pred.seconds == pytest.approx(9.5 + 1.0)
+    # one survivor cannot form a pipeline with replicas: every node starts afresh (restart_seconds, 10 s),
+    # node3 and spare1 together at depth 2: steps 3 and 4 end at 15.5 and 18.5
+    events = [ClusterEvent("join", "spare1", at_seconds=0.5)] + [kill(n, 2.5) for n in ("node0", "node1", "node2")]
+    pred = replay_demo(events, NODES, params, 4, checkpoint_every=2)
+    assert pred.recoveries["checkpoint"] == 1
+    assert pred.seconds == pytest.approx(18.5 + 1.0)
+
+
 def test_a_loss_during_a_save_restarts_from_the_save_before_it():
     # no redundancy, 0.5 s steps (step 1 ends at 0), a 0.25 s save after every 2nd step: the saves of
     # steps 2, 4, 6 end at 0.75, 2.0, 3.25. node0 dies at 3.1, inside the save of step 6: the checkpoint
@@ -172,7 +190,8 @@ def test_replay_evens_out_the_layers_after_a_failover_with_nobody_to_admit():
 def test_demo_measurements_live_in_their_own_section(tmp_path):
     path = tmp_path / "p.json"
     shutil.copy(DEFAULT_PATH, path)
-    for key, value in vars(P).items():
+    full = replace(P, restart_in_place_seconds=2.0)  # every parameter set
+    for key, value in vars(full).items():
         record_measurement(
             key,
             value if not isinstance(value, dict) else {str(k): v for k, v in value.items()},
@@ -180,7 +199,7 @@ def test_demo_measurements_live_in_their_own_section(tmp_path):
             path,
             section="demo",
         )
-    assert load_demo_params(path) == P
+    assert load_demo_params(path) == full
     assert load_params(path) == load_params(DEFAULT_PATH)  # cluster-scale defaults untouched
     data = json.loads(path.read_text())
     assert "not GPU-cluster" in data["demo"]["about"]

@@ -54,6 +54,7 @@ class DemoState:
     recoveries: dict[str, int] = field(default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0})
     recovery_seconds: list[float] = field(default_factory=list)
     recomputed_steps: int = 0
+    processes_kept: int = 0  # worker processes that ran on after a fatal loss (restarts in place)
     failovers: list[dict[str, Any]] = field(default_factory=list)
     reconfigurations: list[dict[str, Any]] = field(default_factory=list)
     progress: int = 0
@@ -159,24 +160,37 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     kill_times: list[float] = []
     notices: dict[str, float] = {}
     cluster = Cluster(args.store, job=f"demo{generation}")
+    kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
     try:
         while final is None:
             job = f"demo{generation}"
+            previous_job = cluster.job
             cluster.new_job(job)
             out = workdir / f"run{generation}"
             out.mkdir(exist_ok=True)
-            running = alive[:stages]  # one pipeline; the others stand by (see STANDBY_PROCESSES)
+            # one pipeline; the others stand by (see STANDBY_PROCESSES). After a fatal loss the survivors'
+            # processes, kept, form it (no start-up); the other nodes join it as standby nodes.
+            running = [n for n in alive if n in kept][:stages] if kept else alive[:stages]
             waiting = [n for n in alive if n not in running] if not args.no_redundancy and len(running) > 1 else []
             depth = len(running)
-            command = [
-                sys.executable, "-m", "lightning_bamboo.demo.worker", "--stages", str(depth), "--steps", str(args.steps),
+            worker_args = [
+                "--stages", str(depth), "--steps", str(args.steps),
                 "--redundancy", "off" if args.no_redundancy or depth == 1 else "lazy", "--checkpoint-dir", str(ckpt_dir),
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
                 "--preferred-stages", str(stages),
             ] + (["--resume", resume] if resume else []) + (args.worker_extra if depth == stages else [])
+            if not args.no_redundancy:
+                # Bamboo keeps its processes through a fatal loss too; checkpoint-restart (torchelastic,
+                # Varuna) starts new ones
+                worker_args.append("--restart-in-place")
+            command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *worker_args]
             logs = open(out / "workers.log", "w")
             for rank, name in enumerate(running):
-                cluster.spawn(name, command, rank, running, stdout=logs, stderr=logs)
+                if name in kept:
+                    cluster.reuse(name, worker_args, rank, running, offered_in=previous_job)
+                else:
+                    cluster.spawn(name, command, rank, running, stdout=logs, stderr=logs)
+            kept = set()
             base = job_prefix(job)
             fatal_at: int | None = None
             rescale = False
@@ -246,7 +260,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     if time.monotonic() >= deadline:
                         cluster.kill(name, signal.SIGKILL)  # the grace period is over
                         del notices[name]
-                if any(code == EXIT_FATAL for code in exited.values()) or rescale:
+                if any(code == EXIT_FATAL for code in exited.values()) or rescale or (
+                        not args.no_redundancy and cluster.offered(job)):
                     fatal_at = state.progress
                 if not cluster.running:
                     break
@@ -256,7 +271,10 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 if fatal_at is not None:
                     for name in _standing_by(cluster, base, joiners) & set(cluster.running):
                         cluster.kill(name, signal.SIGKILL)  # holds nothing to save: do not wait for it
-                    _stop_within(cluster, 0.0 if rescale else 15.0)
+                    if args.no_redundancy:
+                        _stop_within(cluster, 0.0 if rescale else 15.0)
+                    else:
+                        kept = _keep_offered(cluster, job, 15.0)
                     break
                 time.sleep(0.05)
             cluster.poll()
@@ -284,7 +302,13 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     alive.remove(event.node)
                     state.preempted.append(event.node)
                     state.log.append(f"step {state.progress}: {event.node} preempted while the job restarted")
+                    cluster.kill(event.node, signal.SIGKILL)  # a kept process goes with its node
             runnable = [n for n in alive if n not in state.preempted]
+            kept &= set(runnable)
+            if len(kept) < 2:  # a pipeline with replicas needs two: start every node afresh
+                for name in kept:
+                    cluster.kill(name, signal.SIGKILL)
+                kept = set()
             if not runnable:
                 raise BambooConfigError("every node is gone and no replacement joined; the run stops at its last checkpoint")
             resume = _last_checkpoint(ckpt_dir)
@@ -295,8 +319,10 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 f"step {state.progress}: "
                 + ("restart to add the nodes that joined: " if rescale else "no replica left for a lost stage: ")
                 + f"restart {len(runnable)} nodes from " + (f"checkpoint step {restart_from}" if resume else "the beginning")
+                + (f" ({len(kept)} in their running processes)" if kept else "")
             )
             state.progress = restart_from
+            state.processes_kept += len(kept)
             alive = runnable
             generation += 1
     finally:
@@ -309,6 +335,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "preemptions": len(state.preempted),
         "joins": len(state.joined),
         "recoveries": state.recoveries,
+        "processes_kept": state.processes_kept,
         "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if f["redone"]),
         "recovery_seconds": [round(s, 3) for s in state.recovery_seconds],
         "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * state.global_batch / wall if wall > 0 else 0.0,
@@ -331,6 +358,20 @@ def _standing_by(cluster: Any, base: str, joiners: set[str]) -> set[str]:
         return set()
     admitted = {n for kv in cluster.store.get_prefix(f"{base}admit/").kvs for n in json.loads(kv.value)["order"]}
     return joiners - admitted
+
+
+def _keep_offered(cluster: Any, job: str, seconds: float) -> set[str]:
+    """After a fatal loss: wait (at most ``seconds``) until every worker of ``job`` either exited or offered its
+    process to the next job (``offer_process``); stop the others. Returns the workers that offered."""
+    deadline = time.monotonic() + seconds
+    while set(cluster.running) - cluster.offered(job) and time.monotonic() < deadline:
+        cluster.poll()
+        time.sleep(0.05)
+    offered = cluster.offered(job)
+    for name in set(cluster.running) - offered:
+        cluster.kill(name, signal.SIGKILL)
+    cluster.poll()
+    return offered
 
 
 def _stop_within(cluster: Any, seconds: float) -> None:

@@ -90,7 +90,7 @@ class Progress(pl.Callback):
             time.sleep(self.delay)  # demo pacing, so a person can watch; 0 in tests
 
 
-def main() -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -104,8 +104,43 @@ def main() -> int:
     p.add_argument("--out", required=True, help="directory for this run's report part and weights")
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--preferred-stages", type=int, default=None, help="the depth to return to when nodes join")
-    args = p.parse_args()
+    p.add_argument("--restart-in-place", action="store_true",
+                   help="after a fatal loss, offer this process to the restarted job instead of exiting")
+    return p.parse_args(argv)
 
+
+def main() -> int:
+    args = parse(sys.argv[1:])
+    while True:
+        try:
+            return train(args)
+        except FatalLoss as err:
+            print(json.dumps({"node": os.environ.get("BAMBOO_NODE", "node0"), "fatal": str(err)}), flush=True)
+            assignment = _restart_in_place() if args.restart_in_place else None
+            if assignment is None:
+                sys.stdout.flush()
+                os._exit(EXIT_FATAL)
+            os.environ.update(assignment["env"])
+            os.environ.pop("BAMBOO_JOIN", None)
+            args = parse(assignment["args"])
+
+
+def _restart_in_place() -> dict | None:
+    """Free the failed job and wait to be given the next one (``lightning_bamboo.launcher.offer_process``)."""
+    from lightning_bamboo.launcher import offer_process
+    from lightning_bamboo.strategy.bamboo import release_for_restart
+
+    if not release_for_restart():
+        return None
+    assignment = offer_process()
+    if assignment is not None:
+        # as a fresh process starts: the checkpoint restores the model, the loops and the data cursor;
+        # the default generator goes back to its initial seed (a new interpreter's state)
+        torch.manual_seed(torch.initial_seed())
+    return assignment
+
+
+def train(args: argparse.Namespace) -> int:
     node = os.environ.get("BAMBOO_NODE", "node0")
     model = DemoGPT(samples=args.steps * args.batch_size, batch_size=args.batch_size)
     strategy = lightning_bamboo.BambooStrategy(
@@ -133,12 +168,7 @@ def main() -> int:
         enable_model_summary=False, num_sanity_val_steps=0,
     )
     start = time.perf_counter()
-    try:
-        trainer.fit(model, ckpt_path=args.resume)
-    except FatalLoss as err:
-        print(json.dumps({"node": node, "fatal": str(err)}), flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_FATAL)
+    trainer.fit(model, ckpt_path=args.resume)
     seconds = time.perf_counter() - start
     trainer.save_checkpoint(out / "final.ckpt")
     if trainer.is_global_zero:

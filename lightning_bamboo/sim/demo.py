@@ -64,6 +64,9 @@ class DemoParams:
     reconfigure_seconds: float = 0.0  # a live reconfiguration (rebalance after a failover, admitting a node)
     join_seconds: float = 0.0  # from starting a joining node to it standing by (process and model start-up)
     standby_start_seconds: float = 0.0  # training time lost to one standby process starting (it shares the cores)
+    #: with replicas, a fatal loss restarts the survivors in their running processes: from the loss to the
+    #: first step after reloading the checkpoint (None: as long as ``restart_seconds``)
+    restart_in_place_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("step_seconds", "step_seconds_no_redundancy"):
@@ -82,8 +85,9 @@ class DemoParams:
             "reconfigure_seconds",
             "join_seconds",
             "standby_start_seconds",
+            "restart_in_place_seconds",
         ):
-            if not float(getattr(self, name)) >= 0:
+            if getattr(self, name) is not None and not float(getattr(self, name)) >= 0:
                 raise ParamError(f"demo parameter {name} must be >= 0 (got {getattr(self, name)!r})")
         if self.samples_per_step < 1:
             raise ParamError(f"demo parameter samples_per_step must be >= 1 (got {self.samples_per_step})")
@@ -242,7 +246,7 @@ def _apply(
     _start_standby(run, now, params, stages)
     if not lost:
         if rescale and run.respawn_at is None and now >= run.restart_until:
-            _restart(now, [], run, params, stages, out)
+            _restart(now, [], run, params, stages, out, redundancy)
         return
     out.preemptions += len(lost)
     if run.respawn_at is not None:  # this generation already failed: it only waits to be replaced
@@ -257,7 +261,7 @@ def _apply(
         except FatalLoss:
             plan = None
     if plan is None:
-        _restart(now, lost, run, params, stages, out)
+        _restart(now, lost, run, params, stages, out, redundancy)
         return
     out.recoveries["redundant"] += 1
     run.running, run.parts = list(plan.order), plan.parts
@@ -299,23 +303,34 @@ def _step_start(run: _Run, params: DemoParams, stages: int, out: DemoPrediction)
 
 
 def _restart(
-    now: float, lost: list[str], run: _Run, params: DemoParams, stages: int, out: DemoPrediction
+    now: float, lost: list[str], run: _Run, params: DemoParams, stages: int, out: DemoPrediction, redundancy: bool
 ) -> None:
-    """No replica to take over (or no replicas at all): every worker restarts from the last checkpoint."""
+    """No replica to take over (or no replicas at all): every worker restarts from the last checkpoint.
+
+    With replicas, two or more survivors of the pipeline restart in their running processes
+    (``restart_in_place_seconds``) and the other live nodes join that pipeline as standby nodes.
+    """
     if not run.alive:
         raise ParamError(f"at {now:.1f} s every node is gone and none joined: the demo stops (lost {lost})")
     run.pending = None  # a save cut short is not a checkpoint
     out.recoveries["checkpoint" if run.checkpoint else "restart"] += 1
     out.recomputed_steps += run.done - run.checkpoint
     run.done = run.checkpoint
-    run.running = run.alive[:stages]
+    kept = [n for n in run.running if n not in lost and n in run.alive] if redundancy and lost else []
+    in_place = len(kept) >= 2
+    run.running = kept[:stages] if in_place else run.alive[:stages]
     run.ready.clear()  # every live node restarts as a worker or waits to be started as a standby
     run.waiting = [n for n in run.alive if n not in run.running] if len(run.running) > 1 else []
-    _start_standby(run, now, params, stages, training=False)  # started with the restarted workers (in restart_seconds)
     run.rebalance_due = False
     run.parts = even_parts(DEMO_LAYERS, len(run.running))
-    run.start = run.restart_until = now + params.restart_seconds
-    out.timeline.append((now, f"lost {lost}: restart {len(run.running)} stages from step {run.checkpoint}"))
+    pause = params.restart_in_place_seconds if in_place and params.restart_in_place_seconds is not None else params.restart_seconds
+    run.start = run.restart_until = now + pause
+    # standby nodes start with the restarted workers (in the pause), or while the kept ones train
+    _start_standby(run, now, params, stages, training=in_place)
+    if in_place:
+        _step_start(run, params, stages, out)  # the restarted job's first step admits standby nodes already up
+    out.timeline.append((now, f"lost {lost}: restart {len(run.running)} stages from step {run.checkpoint}"
+                         + (" in their processes" if in_place else "")))
 
 
 def _lost_while_starting(

@@ -1153,11 +1153,8 @@ def _release_at_exit(strategy: Any) -> None:
         _TO_RELEASE.append(strategy)
 
 
-def _release() -> None:
-    """Drop engines and destroy the process group before the interpreter tears modules down.
-
-    Without this a gloo run aborts at interpreter exit about one time in four.
-    """
+def _drop_all() -> None:
+    """Drop engines and membership watchers of every strategy that ran, and destroy the process group."""
     stores = []
     for strategy in _TO_RELEASE:
         if strategy.resilience is not None:
@@ -1174,6 +1171,14 @@ def _release() -> None:
         torch_dist.destroy_process_group()
     del stores  # a TCPStore we host goes after the group that used it
     gc.collect()
+
+
+def _release() -> None:
+    """Drop engines and destroy the process group before the interpreter tears modules down.
+
+    Without this a gloo run aborts at interpreter exit about one time in four.
+    """
+    _drop_all()
     from lightning_bamboo.engine.pipe import ABANDONED
 
     if any(thread.is_alive() for thread in ABANDONED):
@@ -1184,6 +1189,27 @@ def _release() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1 if _FAILED else 0)
+
+
+def release_for_restart(wait: float = 5.0) -> bool:
+    """Free what a failed ``fit()`` left (engines, membership watcher, process group), so that this
+    process can run ``fit()`` again in a new job: a restart from a checkpoint without a new process.
+
+    Returns False, freeing nothing, when a step thread abandoned at a failover is still blocked in the
+    old process group after ``wait`` seconds (destroying the group under it can abort the process):
+    start a new process then. Such threads usually end within milliseconds, when their dead peer's
+    connection closes.
+    """
+    from lightning_bamboo.engine.pipe import ABANDONED
+
+    deadline = time.monotonic() + wait
+    for thread in ABANDONED:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in ABANDONED):
+        return False
+    ABANDONED.clear()
+    _drop_all()
+    return True
 
 
 _FAILED = False
