@@ -16,11 +16,11 @@ pytestmark = pytest.mark.timeout(420)
 STEPS = 24
 
 
-def demo(tmp_path, *args: str, timeout: float = 360) -> tuple[dict, dict]:
+def demo(tmp_path, *args: str, timeout: float = 360, env: dict[str, str] | None = None) -> tuple[dict, dict]:
     report, weights = tmp_path / "report.json", tmp_path / "weights.pt"
     proc = run([PYTHON, "-m", "lightning_bamboo.cli", "demo", "--nodes", "4", "--steps", str(STEPS), "--checkpoint-every",
                 "8", "--quiet", "--report", str(report), "--save-weights", str(weights), "--workdir", str(tmp_path / "work"),
-                *args], timeout=timeout)
+                *args], timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return json.loads(report.read_text()), torch.load(weights)
 
@@ -165,3 +165,23 @@ def test_node_added_mid_run_joins_the_pipeline_live(clean, tmp_path):
     ran = order(tmp_path, "spare1")  # the joiner saw exactly the clean run's remaining steps
     assert 0 < len(ran) < STEPS and ran == order(clean_dir, "node0")[-len(ran):]
     assert order(tmp_path, "node0") == order(clean_dir, "node0")
+
+
+def test_a_node_lost_while_the_pipeline_is_reconfigured_restarts_in_place(clean, tmp_path):
+    """node2 is killed at step 9 (failover); node1 dies inside the reconfiguration that follows (the
+    survivors' layers evened out, or spare1 admitted), after the layers moved: the others were about to
+    form the new stage's process groups, where gloo's connect to a dead peer blocks for the whole group
+    timeout (60 s here; it held a benchmark run for 5 minutes). Bounded like a step, it is a fatal
+    loss: the others restart from the step-8 checkpoint. (In new processes: the abandoned connect is
+    still blocked in the old process group, so the survivors' processes cannot be freed for reuse.)"""
+    clean_dir, clean_weights = clean
+    report, weights = demo(tmp_path, "--preempt", "node2@9", "--join", "spare1@9", "--step-delay", "1.0",
+                           env={"BAMBOO_FAIL_AT": "node1@reconfigure"})
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 1
+    assert report["recoveries"] == {"redundant": 1, "checkpoint": 1, "restart": 0}
+    # the survivors learnt of node1's death from the membership watch, not from gloo's connect timeout
+    log = (tmp_path / "work" / "run0" / "workers.log").read_text()
+    assert "a node was lost while the pipeline was reconfigured" in log and "lost node1" in log, log[-3000:]
+    assert "Connect timeout" not in log
+    assert max_abs_diff(weights, clean_weights) <= 1e-5
+    assert order(tmp_path, "node0") == order(clean_dir, "node0")[8:]  # the restarted job's steps 9-24

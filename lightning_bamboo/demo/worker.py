@@ -131,6 +131,8 @@ def _restart_in_place() -> dict | None:
     from lightning_bamboo.strategy.bamboo import release_for_restart
 
     if not release_for_restart():
+        print(json.dumps({"node": os.environ.get("BAMBOO_NODE", "node0"), "restart_in_place": "declined: a step "
+                          "thread is still blocked in the old process group; a new process takes over"}), flush=True)
         return None
     assignment = offer_process()
     if assignment is not None:

@@ -409,8 +409,9 @@ def _saved_on_host(device: torch.device) -> Any:
 
 def _maybe_fail(node: str, step: int | str, instruction: int | None) -> None:
     """SIGKILL this process where BAMBOO_FAIL_AT names it: ``node@step``, ``node@step:instruction``,
-    ``node@start`` (registered, before the job's first rendezvous) or ``node@save<step>`` (in the
-    checkpoint save after that step, once its layers are written)."""
+    ``node@start`` (registered, before the job's first rendezvous), ``node@save<step>`` (in the
+    checkpoint save after that step, once its layers are written) or ``node@reconfigure`` (in a live
+    reconfiguration, after the layers moved, before the new stage forms its process groups)."""
     spec = os.environ.get(FAIL_AT_ENV, "")
     for item in filter(None, (s.strip() for s in spec.split(","))):
         who, _, when = item.partition("@")

@@ -402,7 +402,7 @@ class _BambooStrategyMixin:
         last checkpoint): the reconfiguration is not retried.
         """
         from lightning_bamboo.engine.failover import FatalLoss
-        from lightning_bamboo.engine.pipe import PeerLost
+        from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
         from lightning_bamboo.engine.reconfigure import move_layers, transfer_plan
         from lightning_bamboo.engine.replica import exchange_objects
         from lightning_bamboo.membership.registry import BarrierTimeoutError
@@ -442,6 +442,7 @@ class _BambooStrategyMixin:
                 return received
 
             held = {**held, **res.guard().run(move)}
+            _maybe_fail(res.node, "reconfigure", None)  # fault injection (BAMBOO_FAIL_AT=node@reconfigure)
             self._rebuild_stage(Layout(world, 1, parts), rank, held, hyper)
         except (PeerLost, BarrierTimeoutError) as err:
             raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
@@ -682,7 +683,9 @@ class _BambooStrategyMixin:
             if mine.stop == stop and mine.start <= first:  # the new stage ends with the replica's layers
                 prebuilt = {int(n): layer for n, layer in container.named_children()}
                 splice = Splice(first, kept)
-        module = self._stage_module(layout, rank, stage_states, prebuilt)
+        # DeepSpeed's PipelineModule forms its process groups (gloo connects to every peer): a peer lost
+        # meanwhile would hold that connect for the whole group timeout, so it is bounded like a step.
+        module = res.guard().run(lambda: self._stage_module(layout, rank, stage_states, prebuilt))
         module.splice = splice
         if trainer is not None:
             self.setup_optimizers(trainer)  # type: ignore[attr-defined]
