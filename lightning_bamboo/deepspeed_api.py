@@ -57,6 +57,9 @@ def init_distributed(timeout: float = BAMBOO_DEFAULTS["timeout"], dist_backend: 
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         if isinstance(getattr(c10d, name, None), timedelta):
             setattr(c10d, name, delta)
+    from lightning_bamboo.engine.build import skip_shm_op
+
+    skip_shm_op()
     ds_comm.init_distributed(dist_backend=dist_backend, timeout=delta, **kwargs)
 
 
@@ -109,9 +112,10 @@ def initialize(
     import deepspeed.comm as ds_comm
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_bamboo.engine.build import build_engine
+    from lightning_bamboo.engine.build import build_engine, skip_shm_op
 
     timeout = timedelta(seconds=float(options["timeout"]))
+    skip_shm_op()
     ds_comm.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,

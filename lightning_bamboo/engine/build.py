@@ -37,10 +37,31 @@ def bounded_group_timeouts(timeout: timedelta) -> Iterator[None]:
             setattr(c10d, name, value)
 
 
+#: DeepSpeed's shared-memory all-reduce op for CPUs (``ShareMemCommBuilder``)
+SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_op() -> None:
+    """Keep DeepSpeed from loading its shared-memory all-reduce op when its communication layer starts.
+
+    On CPU, ``deepspeed.comm.init_distributed`` JIT-loads that op (and rebuilds it when its build
+    files look stale) under a lock file in ``~/.cache/torch_extensions``. A process killed while it
+    holds that lock (a SIGKILLed spot node, at any moment) leaves the file behind, and every later
+    start on the machine waits for it forever; a rebuild makes every start wait for tens of seconds.
+    Seen in the preemption benchmark: a restarted job sat in that wait until it was stopped.
+    lightning_bamboo never uses the op (it serves DeepSpeed's ``inference_all_reduce``), so it is
+    marked incompatible, which DeepSpeed reads as "do not load".
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False
+
+
 def ensure_deepspeed_comm(backend: str) -> None:
     """Let DeepSpeed's communication layer use the process group that is already initialised."""
     import deepspeed.comm as ds_comm
 
+    skip_shm_op()
     ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, auto_mpi_discovery=False)
 
 
