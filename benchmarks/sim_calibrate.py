@@ -173,11 +173,13 @@ def from_no_redundancy(run: dict) -> dict:
 
 def from_fatal(run: dict, depth4: float) -> dict:
     """The pause of a restart in place: node1 and node2 die together; node0, node3, node4 and node5
-    restart from the last checkpoint in their running processes (a depth-4 pipeline)."""
+    restart from the last checkpoint, in their running processes where they could free them (a
+    survivor whose step thread is still blocked in the old process group starts afresh: at least
+    two must be kept for a restart in place), at depth 4."""
     report = run["report"]
     recov = report["recovery_seconds"]
-    if report["recoveries"]["checkpoint"] != 1 or report.get("processes_kept") != 4 or not recov:
-        raise RuntimeError(f"expected one restart in place keeping 4 processes, got {report['recoveries']}, "
+    if report["recoveries"]["checkpoint"] != 1 or (report.get("processes_kept") or 0) < 2 or not recov:
+        raise RuntimeError(f"expected one restart in place keeping 2-4 processes, got {report['recoveries']}, "
                            f"{report.get('processes_kept')} kept, recoveries {recov}")
     return {"restart_in_place": recov[0] - depth4}
 
@@ -218,7 +220,7 @@ PROVENANCE = {
     "failover_seconds": "mean over 3 kills of (demo recovery time - step time at the new depth): the step in flight is redone",
     "restart_seconds": "demo recovery time of one --no-redundancy kill (node2@80) minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
     "restart_in_place_seconds": f"demo recovery time of two adjacent kills (node1@{FATAL_AT},node2@{FATAL_AT}) minus one depth-4 "
-    "step: the 4 survivors restart from the last checkpoint in their running processes",
+    "step: the 4 survivors restart from the last checkpoint, in their running processes where they could free them",
     "startup_timeout_seconds": "CONFIGURED, not measured: the demo's rendezvous timeout (BambooStrategy(timeout=60) in "
     "lightning_bamboo/demo/worker.py); a worker lost while a restart starts leaves the others waiting that long",
     "reconfigure_seconds": "mean extra time of the step interval after each redone step (no checkpoint in it): the RebalanceCallback evening out the layers",
