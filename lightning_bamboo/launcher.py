@@ -164,20 +164,14 @@ def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
     assignment came within ``timeout`` seconds (exit then; the launcher starts a fresh process).
     """
     from lightning_bamboo.membership import connect
-    from lightning_bamboo.membership.registry import job_prefix
+    from lightning_bamboo.membership.registry import job_prefix, wait_for_key
 
     base, node = job_prefix(os.environ[JOB_ENV]), os.environ[NODE_ENV]
     store = connect(os.environ[STORE_ENV])
     try:
         store.put(f"{base}{OFFER_KEY}{node}", "1")
-        deadline = time.monotonic() + timeout
-        revision = 0
-        while (kv := store.get(f"{base}{ASSIGN_KEY}{node}")) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            revision = store.wait_for_change(f"{base}{ASSIGN_KEY}{node}", revision, timeout=min(remaining, 1.0)).revision
-        return dict(json.loads(kv.value))
+        kv = wait_for_key(store, f"{base}{ASSIGN_KEY}{node}", timeout)
+        return None if kv is None else dict(json.loads(kv.value))
     finally:
         store.close()
 
@@ -267,12 +261,11 @@ def supervise(
 
 
 def _wait_for_key(store: Any, key: str, timeout: float, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    revision = 0
-    while (kv := store.get(key)) is None:
-        if time.monotonic() > deadline:
-            raise BambooConfigError(f"waited {timeout:g} s for {what} ({key} in the store); start that node, or raise --timeout")
-        revision = store.wait_for_change(key, revision, timeout=1.0).revision
+    from lightning_bamboo.membership.registry import wait_for_key
+
+    kv = wait_for_key(store, key, timeout)
+    if kv is None:
+        raise BambooConfigError(f"waited {timeout:g} s for {what} ({key} in the store); start that node, or raise --timeout")
     return dict(json.loads(kv.value))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,7 +116,7 @@ def reform_process_group(
     import torch.distributed as dist
 
     from lightning_bamboo.launcher import node_address
-    from lightning_bamboo.membership.registry import job_prefix
+    from lightning_bamboo.membership.registry import job_prefix, wait_for_key
 
     rank, world = order.index(me), len(order)
     key = f"{job_prefix(job)}pg/{generation}/{tag}"
@@ -127,20 +126,13 @@ def reform_process_group(
         tcp = dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         store.put(key, json.dumps({"host": host, "port": port}))
     else:
-        deadline = time.monotonic() + timeout
-        kv = store.get(key)
-        revision = 0
-        while kv is None:
-            if gone():
-                from lightning_bamboo.engine.pipe import PeerLost
+        kv = wait_for_key(store, key, timeout, abort=lambda: bool(gone()))
+        if kv is None and gone():
+            from lightning_bamboo.engine.pipe import PeerLost
 
-                raise PeerLost(f"{sorted(gone())} lost before the new process group formed", gone())
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BambooError(f"no process group address for generation {generation} within {timeout} s ({key})")
-            change = store.wait_for_change(key, revision, timeout=min(remaining, 1.0))
-            revision = change.revision
-            kv = store.get(key)
+            raise PeerLost(f"{sorted(gone())} lost before the new process group formed", gone())
+        if kv is None:
+            raise BambooError(f"no process group address for generation {generation} within {timeout} s ({key})")
         address = json.loads(kv.value)
         tcp = dist.TCPStore(address["host"], address["port"], world, is_master=False, timeout=timedelta(seconds=timeout))
     if dist.is_initialized():

@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.protocol import (
+    KeyValue,
     LeaseExpiredError,
     Snapshot,
     Store,
@@ -163,6 +164,19 @@ class Membership:
 
 
 _MEMBERSHIP_KINDS = ("leaving", "lost", "nodes")
+
+
+def wait_for_key(store: Store, key: str, timeout: float, abort: Callable[[], bool] = lambda: False) -> KeyValue | None:
+    """``key``'s entry once it is in the store; None after ``timeout`` seconds, or as soon as ``abort()``
+    is true (asked at least once a second while the key is missing)."""
+    deadline = time.monotonic() + timeout
+    revision = 0
+    while (kv := store.get(key)) is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or abort():
+            return None
+        revision = store.wait_for_change(key, revision, timeout=min(remaining, 1.0)).revision
+    return kv
 
 
 def read_membership(store: Store, job: str, *, timeout: float | None = None) -> Membership:
