@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -271,10 +273,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 if fatal_at is not None:
                     for name in _standing_by(cluster, base, joiners) & set(cluster.running):
                         cluster.kill(name, signal.SIGKILL)  # holds nothing to save: do not wait for it
-                    if args.no_redundancy:
-                        _stop_within(cluster, 0.0 if rescale else 15.0)
-                    else:
-                        kept = _keep_offered(cluster, job, 15.0)
+                    offered = set if args.no_redundancy else functools.partial(cluster.offered, job)
+                    kept = _stop_within(cluster, 0.0 if rescale else 15.0, keep=offered)
                     break
                 time.sleep(0.05)
             cluster.poll()
@@ -360,28 +360,18 @@ def _standing_by(cluster: Any, base: str, joiners: set[str]) -> set[str]:
     return joiners - admitted
 
 
-def _keep_offered(cluster: Any, job: str, seconds: float) -> set[str]:
-    """After a fatal loss: wait (at most ``seconds``) until every worker of ``job`` either exited or offered its
-    process to the next job (``offer_process``); stop the others. Returns the workers that offered."""
+def _stop_within(cluster: Any, seconds: float, keep: Callable[[], set[str]] = set) -> set[str]:
+    """Wait (at most ``seconds``) until every worker exited or is in ``keep()``; SIGKILL the others.
+    Returns the kept ones (after a fatal loss: the workers that offered their process to the next job)."""
     deadline = time.monotonic() + seconds
-    while set(cluster.running) - cluster.offered(job) and time.monotonic() < deadline:
+    while set(cluster.running) - keep() and time.monotonic() < deadline:
         cluster.poll()
         time.sleep(0.05)
-    offered = cluster.offered(job)
-    for name in set(cluster.running) - offered:
+    kept = keep() & set(cluster.running)
+    for name in set(cluster.running) - kept:
         cluster.kill(name, signal.SIGKILL)
     cluster.poll()
-    return offered
-
-
-def _stop_within(cluster: Any, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while cluster.running and time.monotonic() < deadline:
-        cluster.poll()
-        time.sleep(0.05)
-    for name in cluster.running:
-        cluster.kill(name, signal.SIGKILL)
-    cluster.poll()
+    return kept
 
 
 def _checkpoint_step(path: str) -> int:
