@@ -33,6 +33,7 @@ from lightning_bamboo.membership.registry import (
     barrier,
     gather,
     job_prefix,
+    wait_for_key,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -260,6 +261,25 @@ def test_watch_wakes_on_change(store: Store, url: str, prefix: str) -> None:
     assert box["woke"] - put_at < 2.0
     # Nothing new after change.revision: the next wait times out.
     assert store.wait_for_change(prefix, change.revision, 0.2).timed_out
+
+
+def test_wait_for_key_returns_the_entry_once_put_or_none(store: Store, url: str, prefix: str) -> None:
+    key = prefix + "address"
+    assert wait_for_key(store, key, 0.3) is None  # never put: None after the timeout
+    asked = []
+    # abort is asked while the key is missing, and ends the wait at once
+    assert wait_for_key(store, key, 30, abort=lambda: asked.append(1) or len(asked) >= 2) is None
+    assert len(asked) == 2
+    box: dict = {}
+    waiter = threading.Thread(target=lambda: box.update(kv=wait_for_key(store, key, 20)), daemon=True)
+    waiter.start()
+    other = connect(url)
+    try:
+        other.put(key, "10.0.0.1:29500")
+    finally:
+        other.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and box["kv"].value == "10.0.0.1:29500"
 
 
 def test_changes_between_read_and_wait_are_not_lost(store: Store, prefix: str) -> None:
