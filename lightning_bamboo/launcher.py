@@ -22,11 +22,13 @@ A supervisor started later with ``--join`` (and no ``--peers``) adds a standby n
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,6 +51,41 @@ def node_names(nodes: int) -> list[str]:
     return [f"node{i}" for i in range(nodes)]
 
 
+def leave_idle_priority() -> bool:
+    """Give every thread of this process normal CPU priority again if it runs at idle priority
+    (a standby node started with ``Cluster.spawn_joiner(idle=True)``, now admitted). True if it did."""
+    if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
+        return False
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return True
+
+
+@functools.cache
+def idle_priority_supported() -> bool:
+    """Whether a thread of this process may go to idle CPU priority and back (Linux: root, CAP_SYS_NICE
+    or RLIMIT_NICE >= 20); tried on a short-lived thread."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="bamboo-priority-probe")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
 class Cluster:
     """Worker processes, one per node, sharing a store; a dead worker is announced at once.
 
@@ -56,7 +93,8 @@ class Cluster:
     (announcing the unexpected deaths in the store) and returns them.
     """
 
-    def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None,
+                 local_workers: int | None = None) -> None:
         from lightning_bamboo.membership import connect, resolve_store
         from lightning_bamboo.membership.registry import Registry
 
@@ -64,6 +102,10 @@ class Cluster:
         self.job = job
         self.env = {**os.environ, **(env or {}), STORE_ENV: self.url, JOB_ENV: job, "NODE_RANK": "0",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        if local_workers and "OMP_NUM_THREADS" not in self.env:
+            # ``local_workers`` processes share this machine's cores: split them (as torchrun and Lightning's
+            # launchers do for the processes they start) instead of each using them all
+            self.env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // local_workers))
         self.procs: dict[str, subprocess.Popen] = {}
         self.codes: dict[str, int] = {}
         self.store = connect(self.url)
@@ -94,11 +136,23 @@ class Cluster:
         assignment = {"env": self._rank_env(name, rank, world), "args": list(args)}
         self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{name}", json.dumps(assignment))
 
-    def spawn_joiner(self, name: str, command: Sequence[str], **popen: object) -> None:
-        """Start a node that joins the running job: standby until a reconfiguration admits it."""
+    def spawn_joiner(self, name: str, command: Sequence[str], idle: bool = False, **popen: object) -> None:
+        """Start a node that joins the running job: standby until a reconfiguration admits it.
+
+        ``idle``: start it at idle CPU priority (where this process may raise it back, see
+        ``idle_priority_supported``); it returns to normal priority when admitted. For nodes that
+        share the running nodes' cores (a local cluster): their start-up and wait then take only
+        the cycles training leaves, as a separate machine's would take none."""
         env = {**self.env, JOB_ENV: self.job, NODES_ENV: name, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
                NODE_ENV: name, JOIN_ENV: "1"}
         self._start(name, command, env, popen)
+        if idle and idle_priority_supported():
+            # before the new interpreter starts a thread (its threads inherit the policy); no preexec_fn,
+            # which is unsafe in a process with threads
+            try:
+                os.sched_setscheduler(self.procs[name].pid, os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:  # it died at once; poll() reports it
+                pass
 
     def _start(self, name: str, command: Sequence[str], env: dict[str, str], popen: Mapping[str, object]) -> None:
         self.codes.pop(name, None)
@@ -189,7 +243,7 @@ def launch(
     if nodes < 1:
         raise BambooConfigError(f"a job needs at least one node (nodes: {nodes})")
     names = node_names(nodes)
-    cluster = Cluster(store, job, env)
+    cluster = Cluster(store, job, env, local_workers=nodes)
     try:
         for rank, name in enumerate(names):
             cluster.spawn(name, command, rank, names)

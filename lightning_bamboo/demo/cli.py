@@ -161,7 +161,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     final: dict[str, Any] | None = None
     kill_times: list[float] = []
     notices: dict[str, float] = {}
-    cluster = Cluster(args.store, job=f"demo{generation}")
+    cluster = Cluster(args.store, job=f"demo{generation}", local_workers=stages + STANDBY_PROCESSES)
     kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
     try:
         while final is None:
@@ -257,7 +257,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
                 while waiting and len(cluster.running) < stages + STANDBY_PROCESSES:
                     joiners.add(waiting[0])
-                    cluster.spawn_joiner(waiting.pop(0), command, stdout=logs, stderr=logs)
+                    cluster.spawn_joiner(waiting.pop(0), command, idle=True, stdout=logs, stderr=logs)
                 for name, deadline in list(notices.items()):
                     if time.monotonic() >= deadline:
                         cluster.kill(name, signal.SIGKILL)  # the grace period is over

@@ -195,6 +195,7 @@ class _BambooStrategyMixin:
 
     # ------------------------------------------------------------------ environment
     def setup_environment(self) -> None:
+        from lightning_bamboo.launcher import leave_idle_priority
         from lightning_bamboo.strategy.resilience import Resilience, joining, launched_by_bamboo
 
         if joining() and self.resilience is None:
@@ -207,6 +208,7 @@ class _BambooStrategyMixin:
                 self.resilience.stop()
                 raise SystemExit(0)
             self._admission = record
+            leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
             self._assigned = self.resilience.enter(record)
             self.stages = world = self._assigned[1]
             self.set_world_ranks()

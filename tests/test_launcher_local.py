@@ -1,0 +1,71 @@
+"""The local launcher's share of one machine: compute threads per worker, standby processes at idle priority."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_bamboo.launcher import Cluster, idle_priority_supported
+from tests.helpers import REPO
+
+# a standby node's process in miniature: reports its policy, starts a thread, is "admitted", reports every thread's
+CHILD = """
+import json, os, sys, threading
+from lightning_bamboo.launcher import leave_idle_priority
+before = os.sched_getscheduler(0)
+stop = threading.Event()
+helper = threading.Thread(target=stop.wait)
+helper.start()
+helper_before = os.sched_getscheduler(helper.native_id)
+left = leave_idle_priority()
+after = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+stop.set()
+print(json.dumps({"before": before, "helper_before": helper_before, "left": left, "after": after}))
+"""
+
+
+def _run_joiner(idle: bool) -> dict:
+    cluster = Cluster("embedded", job="prio")
+    try:
+        out = subprocess.PIPE
+        cluster.spawn_joiner("standby0", [sys.executable, "-c", CHILD], idle=idle, stdout=out, cwd=REPO)
+        proc = cluster.procs["standby0"]
+        stdout, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        return json.loads(stdout)
+    finally:
+        cluster.close()
+
+
+@pytest.mark.skipif(not idle_priority_supported(), reason="this user may not raise a thread from idle priority")
+def test_a_standby_process_waits_at_idle_priority_and_leaves_it_when_admitted():
+    report = _run_joiner(idle=True)
+    assert report["before"] == os.SCHED_IDLE and report["helper_before"] == os.SCHED_IDLE  # threads inherit it
+    assert report["left"] is True
+    assert len(report["after"]) == 2 and set(report["after"].values()) == {os.SCHED_OTHER}
+
+
+def test_a_standby_process_not_asked_to_idle_runs_at_normal_priority():
+    report = _run_joiner(idle=False)
+    assert report["before"] == os.SCHED_OTHER and report["left"] is False
+    assert set(report["after"].values()) == {os.SCHED_OTHER}
+
+
+def test_local_workers_split_the_machines_cores_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    for workers, threads in ((1, cores), (cores, 1), (cores * 3, 1)):
+        cluster = Cluster("embedded", job="threads", local_workers=workers)
+        cluster.close()
+        assert cluster.env["OMP_NUM_THREADS"] == str(threads)
+    cluster = Cluster("embedded", job="threads")  # workers on machines of their own (supervise): torch's default
+    cluster.close()
+    assert "OMP_NUM_THREADS" not in cluster.env
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cluster = Cluster("embedded", job="threads", local_workers=8)
+    cluster.close()
+    assert cluster.env["OMP_NUM_THREADS"] == "3"
