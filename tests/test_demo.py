@@ -81,6 +81,9 @@ def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
     assert report["steps_completed"] == STEPS and report["preemptions"] == 2 and report["joins"] == 2
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0}
     assert report["processes_kept"] == 2  # node0 and node3 ran the restarted job in their own processes
+    # both kills are recovered from when the restarted job completes a step (seconds), not at a step
+    # that a survivor completed before the loss was found and that the restart undid
+    assert len(report["recovery_seconds"]) == 2 and min(report["recovery_seconds"]) >= 1.0
     assert report["recomputed_steps"] >= 2  # back to the step-8 checkpoint
     (admission,) = report["reconfigurations"]
     assert admission["reason"].startswith("change_depth") and {"spare1", "spare2"} <= set(admission["order"])

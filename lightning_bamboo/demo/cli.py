@@ -159,7 +159,9 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     first_step_at: float | None = None
     last_step_at: float | None = None
     final: dict[str, Any] | None = None
-    kill_times: list[float] = []
+    kill_times: list[float] = []  # kills not recovered from yet
+    # (kill time, the step whose progress ended its recovery, its index in recovery_seconds), this job
+    recovered: list[tuple[float, int, int]] = []
     notices: dict[str, float] = {}
     cluster = Cluster(args.store, job=f"demo{generation}", local_workers=stages + STANDBY_PROCESSES)
     kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
@@ -206,9 +208,10 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     last_step_at = time.monotonic()
                     if first_step_at is None:
                         first_step_at = time.monotonic()
-                    if kill_times:
-                        state.recovery_seconds += [time.monotonic() - t for t in kill_times]
-                        kill_times.clear()
+                    for t in kill_times:
+                        recovered.append((t, now, len(state.recovery_seconds)))
+                        state.recovery_seconds.append(time.monotonic() - t)
+                    kill_times.clear()
                     state.progress = now
                     _show(args, state, cluster.running)
                 progress = {kv.key.rsplit("/", 1)[1]: int(kv.value) for kv in snap.kvs}
@@ -314,6 +317,13 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             resume = _last_checkpoint(ckpt_dir)
             restart_from = _checkpoint_step(resume) if resume else 0
             state.recomputed_steps += max(0, state.progress - restart_from)
+            # a kill "recovered" by a step that this restart undoes is recovered when the restarted job
+            # completes its first step, as checkpoint-restart's kills are
+            for t, step, index in recovered:
+                if step > restart_from:
+                    state.recovery_seconds[index] = -1.0
+                    kill_times.append(t)
+            recovered.clear()
             state.recoveries["checkpoint" if resume else "restart"] += 1
             state.log.append(
                 f"step {state.progress}: "
@@ -337,7 +347,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "recoveries": state.recoveries,
         "processes_kept": state.processes_kept,
         "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if f["redone"]),
-        "recovery_seconds": [round(s, 3) for s in state.recovery_seconds],
+        "recovery_seconds": [round(s, 3) for s in state.recovery_seconds if s >= 0],
         "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * state.global_batch / wall if wall > 0 else 0.0,
         "final_loss": final.get("final_loss"),
         "failovers": state.failovers,

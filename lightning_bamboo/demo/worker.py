@@ -130,10 +130,7 @@ def _restart_in_place() -> dict | None:
     from lightning_bamboo.launcher import offer_process
     from lightning_bamboo.strategy.bamboo import release_for_restart
 
-    if not release_for_restart():
-        print(json.dumps({"node": os.environ.get("BAMBOO_NODE", "node0"), "restart_in_place": "declined: a step "
-                          "thread is still blocked in the old process group; a new process takes over"}), flush=True)
-        return None
+    release_for_restart()
     assignment = offer_process()
     if assignment is not None:
         # as a fresh process starts: the checkpoint restores the model, the loops and the data cursor;

@@ -1196,25 +1196,23 @@ def _release() -> None:
         os._exit(1 if _FAILED else 0)
 
 
-def release_for_restart(wait: float = 5.0) -> bool:
+def release_for_restart(wait: float = 1.0) -> None:
     """Free what a failed ``fit()`` left (engines, membership watcher, process group), so that this
     process can run ``fit()`` again in a new job: a restart from a checkpoint without a new process.
 
-    Returns False, freeing nothing, when a step thread abandoned at a failover is still blocked in the
-    old process group after ``wait`` seconds (destroying the group under it can abort the process):
-    start a new process then. Such threads usually end within milliseconds, when their dead peer's
-    connection closes.
+    A step thread abandoned at a failover may still be blocked in the old process group, waiting on
+    a peer that gave up its own step. It is given ``wait`` seconds to end, then left: it holds the old
+    group (whose teardown under it could abort the process) until the peer's connection closes or
+    the group's timeout ends its wait, as a failover leaves it. Before, such a process declined the
+    restart and a new one was started, and peers waiting on each other all declined.
     """
     from lightning_bamboo.engine.pipe import ABANDONED
 
     deadline = time.monotonic() + wait
     for thread in ABANDONED:
         thread.join(max(0.0, deadline - time.monotonic()))
-    if any(thread.is_alive() for thread in ABANDONED):
-        return False
-    ABANDONED.clear()
+    ABANDONED[:] = [thread for thread in ABANDONED if thread.is_alive()]  # the exit still skips teardown for them
     _drop_all()
-    return True
 
 
 _FAILED = False
