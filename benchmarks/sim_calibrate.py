@@ -173,13 +173,11 @@ def from_no_redundancy(run: dict) -> dict:
 
 def from_fatal(run: dict, depth4: float) -> dict:
     """The pause of a restart in place: node1 and node2 die together; node0, node3, node4 and node5
-    restart from the last checkpoint, in their running processes where they could free them (a
-    survivor whose step thread is still blocked in the old process group starts afresh: at least
-    two must be kept for a restart in place), at depth 4."""
+    restart from the last checkpoint in their running processes, at depth 4."""
     report = run["report"]
     recov = report["recovery_seconds"]
-    if report["recoveries"]["checkpoint"] != 1 or (report.get("processes_kept") or 0) < 2 or not recov:
-        raise RuntimeError(f"expected one restart in place keeping 2-4 processes, got {report['recoveries']}, "
+    if report["recoveries"]["checkpoint"] != 1 or report.get("processes_kept") != 4 or not recov:
+        raise RuntimeError(f"expected one restart in place keeping 4 processes, got {report['recoveries']}, "
                            f"{report.get('processes_kept')} kept, recoveries {recov}")
     return {"restart_in_place": recov[0] - depth4}
 
@@ -214,13 +212,13 @@ PROVENANCE = {
     "long segments of the join run (depth 5 for 33 steps after a failover, depth 6 for about 60 steps after the admission), "
     "depths 4 and 3 after the bamboo run's second and third failovers",
     "step_seconds_no_redundancy": "mean step interval per depth with --no-redundancy (depth 6 for 78 steps, depth 5 for 76 after a restart: long segments, the step time varies by 10-20% over a few seconds on this machine)",
-    "standby_start_seconds": "training time lost while spare1 started (join run): the extra time of the steps its start-up "
-    "overlapped over the depth-5 step time, saves excluded and scaled to every step of that window",
+    "standby_start_seconds": "training time lost while spare1 started (join run; the demo starts it at idle CPU priority): the "
+    "extra time of the steps its start-up overlapped over the depth-5 step time, saves excluded and scaled to every step of that window",
     "checkpoint_save_seconds": "mean extra time of a step interval that follows a checkpoint (ModelCheckpoint every 4 steps), both runs",
     "failover_seconds": "mean over 3 kills of (demo recovery time - step time at the new depth): the step in flight is redone",
     "restart_seconds": "demo recovery time of one --no-redundancy kill (node2@80) minus one depth-5 step: stop, respawn 5 workers, load the checkpoint",
     "restart_in_place_seconds": f"demo recovery time of two adjacent kills (node1@{FATAL_AT},node2@{FATAL_AT}) minus one depth-4 "
-    "step: the 4 survivors restart from the last checkpoint, in their running processes where they could free them",
+    "step: the 4 survivors restart from the last checkpoint in their running processes",
     "startup_timeout_seconds": "CONFIGURED, not measured: the demo's rendezvous timeout (BambooStrategy(timeout=60) in "
     "lightning_bamboo/demo/worker.py); a worker lost while a restart starts leaves the others waiting that long",
     "reconfigure_seconds": "mean extra time of the step interval after each redone step (no checkpoint in it): the RebalanceCallback evening out the layers",
