@@ -61,6 +61,7 @@ class DemoState:
     reconfigurations: list[dict[str, Any]] = field(default_factory=list)
     progress: int = 0
     log: list[str] = field(default_factory=list)
+    shared_cores_noted: bool = False
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
@@ -144,7 +145,7 @@ def _check_store_reachable(url: str) -> None:
 
 
 def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list[ClusterEvent], workdir: Path) -> dict[str, Any]:
-    from lightning_bamboo.launcher import Cluster
+    from lightning_bamboo.launcher import Cluster, idle_priority_supported
     from lightning_bamboo.membership.registry import job_prefix
 
     extra = getattr(args, "worker_extra", [])
@@ -259,6 +260,11 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 # Standby nodes are real processes here, on the same cores as the pipeline: start as many
                 # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
                 while waiting and len(cluster.running) < stages + STANDBY_PROCESSES:
+                    if not idle_priority_supported() and not state.shared_cores_noted:
+                        state.shared_cores_noted = True
+                        state.log.append(f"step {state.progress}: standby processes start at normal CPU priority (this "
+                                         "user may not raise a thread back from idle priority: needs root, CAP_SYS_NICE "
+                                         "or RLIMIT_NICE 20); their start-up slows the pipeline on these shared cores")
                     joiners.add(waiting[0])
                     cluster.spawn_joiner(waiting.pop(0), command, idle=True, stdout=logs, stderr=logs)
                 for name, deadline in list(notices.items()):

@@ -1201,10 +1201,10 @@ def release_for_restart(wait: float = 1.0) -> None:
     process can run ``fit()`` again in a new job: a restart from a checkpoint without a new process.
 
     A step thread abandoned at a failover may still be blocked in the old process group, waiting on
-    a peer that gave up its own step. It is given ``wait`` seconds to end, then left: it holds the old
-    group (whose teardown under it could abort the process) until the peer's connection closes or
-    the group's timeout ends its wait, as a failover leaves it. Before, such a process declined the
-    restart and a new one was started, and peers waiting on each other all declined.
+    a peer that gave up its own step. It is given ``wait`` seconds to end, then left, as a failover
+    leaves it: it holds the old group (whose teardown under it could abort the process) until the
+    peer's connection closes or the group's timeout ends its wait. (Declining the restart instead
+    made survivors whose threads waited on each other all start new processes.)
     """
     from lightning_bamboo.engine.pipe import ABANDONED
 
