@@ -49,7 +49,6 @@ def init_distributed(timeout: float = BAMBOO_DEFAULTS["timeout"], dist_backend: 
     Call it before building a ``PipelineModule``: DeepSpeed creates the pipeline's process
     groups there, and torch gives groups created without a timeout its 30-minute default.
     """
-    import deepspeed.comm as ds_comm
     import torch.distributed as torch_dist
 
     delta = timedelta(seconds=timeout)
@@ -57,10 +56,9 @@ def init_distributed(timeout: float = BAMBOO_DEFAULTS["timeout"], dist_backend: 
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         if isinstance(getattr(c10d, name, None), timedelta):
             setattr(c10d, name, delta)
-    from lightning_bamboo.engine.build import skip_shm_op
+    from lightning_bamboo.engine.build import init_deepspeed_comm
 
-    skip_shm_op()
-    ds_comm.init_distributed(dist_backend=dist_backend, timeout=delta, **kwargs)
+    init_deepspeed_comm(dist_backend=dist_backend, timeout=delta, **kwargs)
 
 
 def initialize(
@@ -109,14 +107,12 @@ def initialize(
     options = bamboo_options(config)
     config.pop(BAMBOO_KEY, None)
 
-    import deepspeed.comm as ds_comm
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_bamboo.engine.build import build_engine, skip_shm_op
+    from lightning_bamboo.engine.build import build_engine, init_deepspeed_comm
 
     timeout = timedelta(seconds=float(options["timeout"]))
-    skip_shm_op()
-    ds_comm.init_distributed(
+    init_deepspeed_comm(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,
         dist_init_required=dist_init_required,

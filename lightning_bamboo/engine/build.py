@@ -57,12 +57,18 @@ def skip_shm_op() -> None:
     deepspeed.ops.__compatible_ops__[SHM_OP] = False
 
 
-def ensure_deepspeed_comm(backend: str) -> None:
-    """Let DeepSpeed's communication layer use the process group that is already initialised."""
+def init_deepspeed_comm(**kwargs: Any) -> None:
+    """``deepspeed.comm.init_distributed(**kwargs)`` without its shared-memory op (``skip_shm_op``):
+    every start of DeepSpeed's communication layer in lightning_bamboo goes through here."""
     import deepspeed.comm as ds_comm
 
     skip_shm_op()
-    ds_comm.init_distributed(dist_backend=backend, dist_init_required=False, auto_mpi_discovery=False)
+    ds_comm.init_distributed(**kwargs)
+
+
+def ensure_deepspeed_comm(backend: str) -> None:
+    """Let DeepSpeed's communication layer use the process group that is already initialised."""
+    init_deepspeed_comm(dist_backend=backend, dist_init_required=False, auto_mpi_discovery=False)
 
 
 def deepspeed_config(
