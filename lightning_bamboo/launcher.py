@@ -56,17 +56,12 @@ def leave_idle_priority() -> bool:
     (a standby node started with ``Cluster.spawn_joiner(idle=True)``, now admitted). True if it did."""
     if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
         return False
-    for _ in range(3):  # again for a thread that an idle one started during the pass
-        idle = False
-        for tid in map(int, os.listdir("/proc/self/task")):
-            try:
-                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                    idle = True
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            except ProcessLookupError:  # the thread ended meanwhile
-                pass
-        if not idle:
-            break
+    # threads started later by the calling thread inherit its (now normal) policy
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
     return True
 
 

@@ -1196,21 +1196,17 @@ def _release() -> None:
         os._exit(1 if _FAILED else 0)
 
 
-def release_for_restart(wait: float = 1.0) -> None:
+def release_for_restart() -> None:
     """Free what a failed ``fit()`` left (engines, membership watcher, process group), so that this
     process can run ``fit()`` again in a new job: a restart from a checkpoint without a new process.
 
     A step thread abandoned at a failover may still be blocked in the old process group, waiting on
-    a peer that gave up its own step. It is given ``wait`` seconds to end, then left, as a failover
-    leaves it: it holds the old group (whose teardown under it could abort the process) until the
-    peer's connection closes or the group's timeout ends its wait. (Declining the restart instead
-    made survivors whose threads waited on each other all start new processes.)
+    a peer that gave up its own step. It is left as a failover leaves it: it holds the old group
+    (whose teardown under it could abort the process) until the peer's connection closes or the
+    group's timeout ends its wait, and raises ``AbandonedStep`` at its next Python call.
     """
     from lightning_bamboo.engine.pipe import ABANDONED
 
-    deadline = time.monotonic() + wait
-    for thread in ABANDONED:
-        thread.join(max(0.0, deadline - time.monotonic()))
     ABANDONED[:] = [thread for thread in ABANDONED if thread.is_alive()]  # the exit still skips teardown for them
     _drop_all()
 
