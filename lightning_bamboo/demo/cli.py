@@ -46,6 +46,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+class RecoveryClock:
+    """Seconds from each kill to the completed step that recovered from it.
+
+    A step that a restart from a checkpoint then undoes (a survivor may complete one before the loss
+    is found) does not count: those kills are recovered when the restarted job completes a step, as
+    checkpoint-restart's kills are.
+    """
+
+    def __init__(self) -> None:
+        self._done: list[float] = []  # recoveries no restart can undo any more
+        self._open: list[float] = []  # kill times not recovered from yet
+        self._job: list[tuple[float, int, float]] = []  # (kill time, recovering step, seconds) in the running job
+
+    def killed(self, at: float) -> None:
+        self._open.append(at)
+
+    def stepped(self, step: int, at: float) -> None:
+        self._job += [(kill, step, at - kill) for kill in self._open]
+        self._open.clear()
+
+    def restarted(self, from_step: int) -> None:
+        """The job restarts from the checkpoint of ``from_step``: steps after it are undone."""
+        for kill, step, seconds in self._job:
+            if step > from_step:
+                self._open.append(kill)
+            else:
+                self._done.append(seconds)
+        self._job.clear()
+
+    @property
+    def seconds(self) -> list[float]:
+        return self._done + [seconds for _, _, seconds in self._job]
+
+
 @dataclass
 class DemoState:
     target_steps: int
@@ -54,14 +88,13 @@ class DemoState:
     preempted: list[str] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
     recoveries: dict[str, int] = field(default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0})
-    recovery_seconds: list[float] = field(default_factory=list)
+    recovery: RecoveryClock = field(default_factory=RecoveryClock)
     recomputed_steps: int = 0
     processes_kept: int = 0  # worker processes that ran on after a fatal loss (restarts in place)
     failovers: list[dict[str, Any]] = field(default_factory=list)
     reconfigurations: list[dict[str, Any]] = field(default_factory=list)
     progress: int = 0
     log: list[str] = field(default_factory=list)
-    shared_cores_noted: bool = False
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
@@ -151,6 +184,10 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     extra = getattr(args, "worker_extra", [])
     batch = int(extra[extra.index("--batch-size") + 1]) if "--batch-size" in extra else 8  # the worker's default
     state = DemoState(args.steps, batch, list(nodes))
+    if not args.no_redundancy and not idle_priority_supported():
+        state.log.append("step 0: standby processes start at normal CPU priority (this user may not raise a thread back "
+                         "from idle priority: needs root, CAP_SYS_NICE or RLIMIT_NICE 20); their start-up slows the "
+                         "pipeline on these shared cores")
     ckpt_dir = workdir / "checkpoints"
     pending = sorted(events, key=lambda e: (e.at_step if e.at_step is not None else e.at_seconds or 0.0))
     generation = 0
@@ -160,9 +197,6 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     first_step_at: float | None = None
     last_step_at: float | None = None
     final: dict[str, Any] | None = None
-    kill_times: list[float] = []  # kills not recovered from yet
-    # (kill time, the step whose progress ended its recovery, its index in recovery_seconds), this job
-    recovered: list[tuple[float, int, int]] = []
     notices: dict[str, float] = {}
     cluster = Cluster(args.store, job=f"demo{generation}", local_workers=stages + STANDBY_PROCESSES)
     kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
@@ -209,10 +243,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     last_step_at = time.monotonic()
                     if first_step_at is None:
                         first_step_at = time.monotonic()
-                    for t in kill_times:
-                        recovered.append((t, now, len(state.recovery_seconds)))
-                        state.recovery_seconds.append(time.monotonic() - t)
-                    kill_times.clear()
+                    state.recovery.stepped(now, time.monotonic())
                     state.progress = now
                     _show(args, state, cluster.running)
                 progress = {kv.key.rsplit("/", 1)[1]: int(kv.value) for kv in snap.kvs}
@@ -242,7 +273,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                         else:
                             cluster.kill(event.node, signal.SIGKILL)
                             state.log.append(f"step {state.progress}: {event.node} preempted (SIGKILL)")
-                        kill_times.append(time.monotonic())
+                        state.recovery.killed(time.monotonic())
                         state.preempted.append(event.node)
                         alive.remove(event.node)
                     elif event.kind == "join":
@@ -260,11 +291,6 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 # Standby nodes are real processes here, on the same cores as the pipeline: start as many
                 # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
                 while waiting and len(cluster.running) < stages + STANDBY_PROCESSES:
-                    if not idle_priority_supported() and not state.shared_cores_noted:
-                        state.shared_cores_noted = True
-                        state.log.append(f"step {state.progress}: standby processes start at normal CPU priority (this "
-                                         "user may not raise a thread back from idle priority: needs root, CAP_SYS_NICE "
-                                         "or RLIMIT_NICE 20); their start-up slows the pipeline on these shared cores")
                     joiners.add(waiting[0])
                     cluster.spawn_joiner(waiting.pop(0), command, idle=True, stdout=logs, stderr=logs)
                 for name, deadline in list(notices.items()):
@@ -323,13 +349,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             resume = _last_checkpoint(ckpt_dir)
             restart_from = _checkpoint_step(resume) if resume else 0
             state.recomputed_steps += max(0, state.progress - restart_from)
-            # a kill "recovered" by a step that this restart undoes is recovered when the restarted job
-            # completes its first step, as checkpoint-restart's kills are
-            for t, step, index in recovered:
-                if step > restart_from:
-                    state.recovery_seconds[index] = -1.0
-                    kill_times.append(t)
-            recovered.clear()
+            state.recovery.restarted(restart_from)
             state.recoveries["checkpoint" if resume else "restart"] += 1
             state.log.append(
                 f"step {state.progress}: "
@@ -353,7 +373,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "recoveries": state.recoveries,
         "processes_kept": state.processes_kept,
         "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if f["redone"]),
-        "recovery_seconds": [round(s, 3) for s in state.recovery_seconds if s >= 0],
+        "recovery_seconds": [round(s, 3) for s in state.recovery.seconds],
         "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * state.global_batch / wall if wall > 0 else 0.0,
         "final_loss": final.get("final_loss"),
         "failovers": state.failovers,
