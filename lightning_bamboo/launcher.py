@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_bamboo.engine.failover import free_port
 from lightning_bamboo.errors import BambooConfigError
@@ -63,6 +63,33 @@ def leave_idle_priority() -> bool:
         except ProcessLookupError:  # the thread ended meanwhile
             pass
     return True
+
+
+#: the command line a released node starts again with (``rejoin_as_standby``); None: this process's own. A
+#: worker that took over another job's arguments in its process (a restart in place) sets it.
+standby_command: list[str] | None = None
+
+
+def rejoin_as_standby() -> NoReturn:
+    """Replace this worker by a fresh process of the same command that joins the job as a standby node.
+
+    For a node released from a running layout (its pipeline was dropped after a loss): same
+    process id, so its supervisor (``Cluster``, ``supervise``) still sees it running; nothing of
+    the old process (threads blocked on the old process group included) survives the ``exec``.
+    It waits at idle CPU priority where it may come back from it (``idle_priority_supported``),
+    as ``Cluster.spawn_joiner(idle=True)`` starts standby nodes.
+    """
+    import logging
+
+    env = {**os.environ, JOIN_ENV: "1", NODES_ENV: os.environ.get(NODE_ENV, ""), "WORLD_SIZE": "1", "RANK": "0",
+           "LOCAL_RANK": "0"}
+    if idle_priority_supported():
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread: the new main thread
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = standby_command or [sys.executable, *sys.orig_argv[1:]]
+    os.execve(argv[0], argv, env)
 
 
 @functools.cache

@@ -335,7 +335,7 @@ def test_four_stage_run_keeps_last_two_and_equals_single_process(four_stage_run)
     assert [e["step"] for e in summary["events"]] == [3, 6, 9]
     assert sorted(os.listdir(out / "async")) == [ckpt.step_name(6), ckpt.step_name(9)]
     assert max_abs_diff(torch.load(out / "final.pt"), reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
-    assert ckpt.read_meta(out / "async" / ckpt.step_name(6))["bamboo"]["cursor"] == {"epoch": 0, "samples": 6 * BATCH}
+    assert ckpt.read_meta(out / "async" / ckpt.step_name(6))["bamboo"]["cursor"] == {"epoch": 0, "samples": 6 * BATCH, "global_batch": BATCH}
 
 
 @pytest.mark.timeout(300)

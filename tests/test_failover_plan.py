@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_bamboo.engine.failover import FatalLoss, plan_failover
+from lightning_bamboo.engine.failover import FatalLoss, layout_tag, plan_failover, plan_loss
 from lightning_bamboo.engine.replica import equal_states
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.strategy.layout import check_replica_memory
@@ -71,3 +71,48 @@ def test_equal_states_finds_a_one_bit_difference():
 def test_not_enough_host_memory_for_the_replica():
     with pytest.raises(BambooConfigError, match=r"not enough host memory for the replica of layers 2..3: it needs about 0.06 GiB .* 0.01 GiB are free"):
         check_replica_memory(range(2, 4), params=4 * 2**20, available_bytes=2**20 * 10)
+
+
+# ---------------------------------------------------------------------- data-parallel pipelines (plan_loss)
+# 2 pipelines x 2 stages in rank order: rank r runs stage r // 2 of pipeline r % 2
+GRID = ["a0", "b0", "a1", "b1"]  # pipeline a: a0 -> a1, pipeline b: b0 -> b1
+
+
+def test_a_pipeline_that_lost_a_node_is_dropped_and_the_whole_one_trains_on():
+    plan = plan_loss(GRID, 2, [0, 4, 8], {"a1"})
+    assert plan.order == ("b0", "b1") and plan.pipelines == 1 and plan.parts == (0, 4, 8)
+    assert plan.released == ("a0",) and plan.rows == (("b0", "b1"),)
+    assert [s.source for s in plan.segments] == ["own", "own"]  # nothing moves, no replica is used
+
+
+def test_whole_pipelines_keep_their_rank_order():
+    six = ["a0", "b0", "c0", "a1", "b1", "c1"]  # 3 pipelines x 2 stages
+    plan = plan_loss(six, 3, [0, 4, 8], {"b0"})
+    assert plan.order == ("a0", "c0", "a1", "c1") and plan.pipelines == 2 and plan.released == ("b1",)
+
+
+def test_when_every_pipeline_lost_a_node_the_fullest_fails_over_alone():
+    six = ["a0", "b0", "a1", "b1", "a2", "b2"]  # 2 pipelines x 3 stages
+    plan = plan_loss(six, 2, [0, 2, 5, 8], {"a1", "b0", "b2"})
+    assert plan.order == ("a0", "a2") and plan.parts == (0, 5, 8) and plan.pipelines == 1  # a0 runs a1's stage
+    assert plan.released == ("b1",) and plan.rows == (("a0", "a1", "a2"),)
+
+
+def test_a_data_parallel_loss_no_pipeline_survives_is_fatal():
+    six = ["a0", "b0", "a1", "b1", "a2", "b2"]  # 2 pipelines x 3 stages
+    with pytest.raises(FatalLoss, match="every pipeline lost a node"):
+        plan_loss(six, 2, [0, 2, 5, 8], {"a0", "a1", "b1", "b2"})  # each lost a node and its replica holder
+    with pytest.raises(FatalLoss, match="redundancy='off'"):
+        plan_loss(GRID, 2, [0, 4, 8], {"a1", "b1"}, replicas=False)  # no whole pipeline, no replica
+    assert plan_loss(GRID, 2, [0, 4, 8], {"a1"}, replicas=False).order == ("b0", "b1")  # dropping needs none
+    with pytest.raises(FatalLoss, match="redundancy='off'"):
+        plan_loss(["n0", "n1"], 1, [0, 4, 8], {"n1"}, replicas=False)
+
+
+def test_one_pipeline_is_plain_failover():
+    plan = plan_loss(NODES, 1, PARTS, {"n2"})
+    assert (plan.order, plan.parts, plan.released) == (("n0", "n1", "n3"), (0, 2, 6, 8), ())
+
+
+def test_the_process_group_tag_follows_the_layout():
+    assert layout_tag(["b0", "b1"]) == layout_tag(("b0", "b1")) != layout_tag(["b1", "b0"])

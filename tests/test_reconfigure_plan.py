@@ -33,6 +33,25 @@ def test_a_new_node_in_the_middle_and_a_shift():
     assert moves == (Move("a", "s", 3, 4), Move("b", "s", 4, 6))
 
 
+def test_a_new_pipeline_copies_every_stage_from_a_running_one():
+    # 1 x 2 (b0 -> b1) to 2 x 2 in rank order [b0, a0, b1, a1]: a0 and a1 get stage 0 and stage 1 from b0 and b1
+    moves = transfer_plan(["b0", "b1"], [0, 4, 8], ["b0", "a0", "b1", "a1"], [0, 4, 8], 1, 2)
+    assert moves == (Move("b0", "a0", 0, 4), Move("b1", "a1", 4, 8))
+
+
+def test_new_pipelines_take_their_layers_from_different_running_ones():
+    # 2 x 2 to 4 x 2: new pipeline p takes from old pipeline p mod 2, so both old ones send
+    old, new = ["a0", "b0", "a1", "b1"], ["a0", "b0", "c0", "d0", "a1", "b1", "c1", "d1"]
+    moves = transfer_plan(old, [0, 4, 8], new, [0, 4, 8], 2, 4)
+    assert moves == (Move("a0", "c0", 0, 4), Move("b0", "d0", 0, 4), Move("a1", "c1", 4, 8), Move("b1", "d1", 4, 8))
+
+
+def test_a_deeper_layout_of_two_pipelines():
+    # 2 x 1 (a and b each run all 8 layers) to 2 x 2: a and b keep layers 0..3, s and t get 4..7 from them
+    moves = transfer_plan(["a", "b"], [0, 8], ["a", "b", "s", "t"], [0, 4, 8], 2, 2)
+    assert moves == (Move("a", "s", 4, 8), Move("b", "t", 4, 8))
+
+
 @pytest.mark.parametrize(
     ("old", "old_parts", "new", "new_parts", "message"),
     [
@@ -40,6 +59,7 @@ def test_a_new_node_in_the_middle_and_a_shift():
         (["a", "b"], [0, 4, 8], ["a", "b"], [0, 4, 9], "same layers"),
         (["a", "b"], [0, 4, 8], ["a", "a"], [0, 4, 8], "one stage only"),
         (["a", "b"], [0, 4, 4], ["a", "b"], [0, 4, 8], "strictly increasing"),
+        (["a", "b", "c"], [0, 8], ["a", "b", "c"], [0, 8], "layer boundaries"),  # one pipeline of 3 needs 4
     ],
 )
 def test_bad_layouts_are_refused(old, old_parts, new, new_parts, message):
@@ -64,6 +84,21 @@ def test_callback_spreads_the_layers_of_a_lost_node_over_the_survivors():
     decision = cb.decide(["n0", "n1", "n3"], [], 8)  # n2 lost, n1 serves its stage from the replica
     assert decision.action == "restore_redundancy"
     assert decision.layout.grid == (("n0", "n1", "n3"),) and decision.layout.parts == (0, 2, 5, 8)
+
+
+def test_callback_follows_a_failover_that_dropped_a_pipeline_and_adds_one_back():
+    cb = RebalanceCallback(stages=2)
+    cb.layout, cb.stages = Layout((("a0", "a1"), ("b0", "b1")), (0, 4, 8), (2, 2)), 2
+    cb._follow_failovers([{"old_pipelines": 2, "rows": [["b0", "b1"]], "old_parts": [0, 4, 8]}])
+    assert cb.layout == Layout((("b0", "b1"),), (0, 4, 8), (4,))  # the global batch stays: 4 micro-batches
+    assert cb.decide(["b0", "b1"], ["a0"], 8).action == "keep"  # 3 nodes make one pipeline of 2
+    decision = cb.decide(["b0", "b1"], ["a0", "s"], 8)
+    assert decision.action == "add_pipeline" and decision.layout.grid == (("b0", "b1"), ("a0", "s"))
+    assert decision.layout.micro_batches == (2, 2)
+    # a failover of one pipeline keeps the lost node in the view (its replica holder is overloaded)
+    single = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
+    single._follow_failovers([{"old_pipelines": 1, "rows": [["n0", "n1", "n2", "n3"]], "old_parts": [0, 2, 4, 6, 8]}])
+    assert single.decide(["n0", "n1", "n3"], [], 8).action == "restore_redundancy"
 
 
 def test_callback_splits_by_the_strategys_layer_costs():

@@ -51,6 +51,16 @@ def test_resume_mid_epoch_is_bit_exact_in_pytorch_lightning(two_stage_run, tmp_p
     assert max_abs_diff(resumed, uninterrupted) == 0.0
 
 
+def test_resume_into_more_pipelines_keeps_the_global_batch(two_stage_run, tmp_path):
+    """The step-5 checkpoint of one 2-stage pipeline (4 micro-batches a step) resumed by 3 one-stage pipelines:
+    the global batch stays (taken from the checkpoint), shared 2, 1, 1 micro-batches; gradients are weighted
+    so that the step still averages over all 4, and the run ends where the uninterrupted one did."""
+    out, _ = two_stage_run
+    summary = _fit(tmp_path, "--devices", "3", "--stages", "1", "--resume", str(out / "step5.ckpt"))
+    assert summary["global_step"] == STEPS
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(out / "final.pt")) <= 1e-5
+
+
 def test_four_stages_equal_single_process(tmp_path):
     _fit(tmp_path, "--devices", "4", "--stages", "4", "--partition", "uniform")
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-5
@@ -90,7 +100,7 @@ def test_cli_config_equals_single_process(tmp_path):
 
 @pytest.mark.parametrize("case, devices, message", [
     ("tuple", 2, r"needs batches of the form \(inputs, targets\), got a list of length 3"),
-    ("divisible", 1, r"batch size 6 per pipeline .* not a multiple of micro_batch_size x pipelines = 4 x 1 = 4"),
+    ("divisible", 1, r"the global batch of 6 samples .* is not a multiple of micro_batch_size 4"),
 ])
 def test_bad_batch_fails_with_message_and_no_hang(case, devices, message):
     import re

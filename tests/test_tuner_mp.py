@@ -54,8 +54,9 @@ def test_every_rank_applies_the_plan_rank0_logged(tuned_run):
     for record in ranks.values():
         assert record["layout"] == {"stages": stages, "pipelines": pipelines, "parts": partition,
                                     "micro_batch_size": mbs}
-        # the DataLoader yields the plan's batch per pipeline; the engine runs it as m micro-batches of mbs
-        assert record["batches"] == [[per_pipeline, m, mbs]] * STEPS
+        # every node loads the step's global batch (the plan's batch per pipeline x pipelines); the engine
+        # runs its pipeline's share as m micro-batches of mbs
+        assert record["batches"] == [[per_pipeline * pipelines, m, mbs]] * STEPS
     assert per_pipeline * pipelines == per_step == GLOBAL_BATCH  # global batch fixed
 
 

@@ -29,7 +29,14 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.membership.policy import Decision, Layout, PolicyConfig, moved_nodes, reconfigure
+from lightning_bamboo.membership.policy import (
+    Decision,
+    Layout,
+    PolicyConfig,
+    moved_nodes,
+    reconfigure,
+    split_micro_batches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ class RebalanceCallback(Callback):
         self.layout: Layout | None = None  # the policy's view: lost nodes stay in it until a decision drops them
         self.decisions: list[dict[str, Any]] = []  # every decision that changed something, with its cost
         self._deferred: str | None = None
+        self._failovers_seen = 0  # failover records of the strategy already taken into the policy's view
         self._pl_module: Any = None
         #: (stages, micro-batch size, micro-batches) -> the planner's split, or None; set from a HydrozoaTuner in setup
         self.split_for: Any = None
@@ -112,6 +120,7 @@ class RebalanceCallback(Callback):
         res = strategy.resilience
         if res is None or self.layout is None:
             return
+        self._follow_failovers(res.failovers)
         mine = self.decide(list(res.nodes), [n for n in res.joiners if n not in res.nodes], strategy.layout.num_layers)
         proposal = {"action": mine.action, "reason": mine.reason, "moved": list(mine.moved), "layout": _layout_json(mine.layout),
                     "by": res.node}
@@ -120,25 +129,46 @@ class RebalanceCallback(Callback):
         if agreed["action"] == "keep":
             return
         new = _layout_from_json(agreed["layout"])
-        if new is None or new.pipelines != 1:
+        elastic = getattr(strategy, "elastic_pipelines", False)
+        if new is None or (new.pipelines != strategy.layout.pipelines and not elastic):
             reason = f"{agreed['action']} deferred: " + (
-                "no layout (too few nodes)" if new is None else f"{new.pipelines} pipelines; failover runs one pipeline for now"
+                "no layout (too few nodes)" if new is None else
+                f"{new.pipelines} pipelines, but this job's sampler fixes the number of pipelines"
             )
             if reason != self._deferred:
                 log.warning("RebalanceCallback: %s", reason)
                 self._deferred = reason
             return
-        order, parts = list(new.grid[0]), tuple(new.parts)
+        # rank order: rank r runs stage r // pipelines of pipeline r % pipelines
+        order = [row[s] for s in range(new.stages) for row in new.grid]
+        parts = tuple(new.parts)
         self.layout, self._deferred = new, None  # before the move: a joining node gets this state
-        seconds = strategy.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}")
+        seconds = strategy.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}",
+                                       pipelines=new.pipelines)
         event = {"step": step, "action": agreed["action"], "reason": agreed["reason"], "order": order,
-                 "parts": list(parts), "moved": agreed["moved"], "seconds": seconds}
+                 "parts": list(parts), "pipelines": new.pipelines, "moved": agreed["moved"], "seconds": seconds}
         self.decisions.append(event)
         log.warning("RebalanceCallback: step %d %s (%s) -> %s parts %s in %.2f s", step, agreed["action"],
                     agreed["reason"], order, list(parts), seconds)
         module = self._pl_module
         module.log("rebalance/seconds", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
         module.log("rebalance/count", float(len(self.decisions)), on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def _follow_failovers(self, failovers: list[dict[str, Any]]) -> None:
+        """After a failover of a data-parallel layout, reason about the pipelines it kept.
+
+        A failover of one pipeline leaves its lost nodes in the policy's view (their replica holders
+        are overloaded); one of several pipelines dropped the pipelines that lost nodes (their
+        survivors come back as standby nodes), or kept one that failed over on its own: the policy's
+        view becomes those pipelines, lost nodes included.
+        """
+        assert self.layout is not None
+        for record in failovers[self._failovers_seen:]:
+            if record.get("old_pipelines", 1) > 1 and record.get("rows"):
+                rows = tuple(tuple(r) for r in record["rows"])
+                total = sum(self.layout.micro_batches)
+                self.layout = Layout(rows, tuple(record["old_parts"]), split_micro_batches(total, len(rows)))
+        self._failovers_seen = len(failovers)
 
     # ------------------------------------------------------------------ the decision (pure)
     def decide(self, nodes: list[str], standby: list[str], layers: int) -> Decision:
@@ -172,6 +202,9 @@ class RebalanceCallback(Callback):
         res = strategy.resilience
         names = list(res.nodes) if res is not None else [f"rank{r}" for r in range(trainer.world_size)]
         grid = tuple(tuple(names[s * runtime.pipelines + p] for s in range(runtime.stages)) for p in range(runtime.pipelines))
+        total = getattr(strategy, "global_micro_batches", None)
+        if total:  # global batches: the pipelines share each step's micro-batches
+            return Layout(grid, tuple(runtime.parts), split_micro_batches(int(total), runtime.pipelines))
         micro = strategy.engine.micro_batches if strategy.engine is not None else 1
         return Layout(grid, tuple(runtime.parts), (int(micro),) * runtime.pipelines)
 

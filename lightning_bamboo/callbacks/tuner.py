@@ -270,6 +270,8 @@ class HydrozoaTuner(Callback):
     def apply(self, trainer: Any, pl_module: Any, plan: Plan) -> None:
         """Apply ``plan`` to the strategy and, where the batch size is exposed, to the data."""
         apply_plan(trainer.strategy, plan)
+        if self.scale_batch:  # a resume in another layout scales the global batch with the pipelines
+            trainer.strategy.keep_global_batch = False
         if lightning_hasattr(pl_module, self.batch_arg_name):
             lightning_setattr(pl_module, self.batch_arg_name, plan.batch_per_pipeline)
         else:

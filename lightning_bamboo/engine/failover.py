@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -36,11 +37,20 @@ class Segment:
 
 @dataclass(frozen=True)
 class FailoverPlan:
-    """The pipeline after a loss: ``order[i]`` is new rank i, serving layers ``parts[i]..parts[i+1]-1``."""
+    """The layout after a loss: ``order[r]`` is new rank ``r``, running stage ``r // pipelines`` (layers
+    ``parts[s]..parts[s+1]-1``) of pipeline ``r % pipelines``.
+
+    ``released``: survivors left out (their pipeline lost a node while another pipeline is whole);
+    they join the job again as standby nodes. ``rows``: the old pipelines the new layout is made of,
+    lost nodes included (what the reconfiguration policy reasons about).
+    """
 
     order: tuple[str, ...]
     parts: tuple[int, ...]
-    segments: tuple[Segment, ...]  # every old stage, in layer order
+    segments: tuple[Segment, ...]  # every old stage, in layer order (of the pipeline that failed over)
+    pipelines: int = 1
+    released: tuple[str, ...] = ()
+    rows: tuple[tuple[str, ...], ...] = ()
 
     def segments_of(self, node: str) -> tuple[Segment, ...]:
         return tuple(s for s in self.segments if s.node == node)
@@ -95,6 +105,54 @@ def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[s
         order.append(seg.node)
         new_parts.append(parts[seg.stage + 1])
     return FailoverPlan(tuple(order), tuple(new_parts), tuple(serving))
+
+
+def plan_loss(
+    nodes: Sequence[str], pipelines: int, parts: Sequence[int], lost: Collection[str], replicas: bool = True
+) -> FailoverPlan:
+    """The layout after losing ``lost`` from ``pipelines`` data-parallel pipelines (``nodes`` in rank order).
+
+    Every stage of a whole pipeline is also in every other one, so a pipeline that lost a node is
+    dropped and the whole ones train on (no data moves; the global batch stays, each pipeline
+    takes more micro-batches); its survivors are released. Only when every pipeline lost a node
+    does one of them fail over on its own (``plan_failover``: the one keeping the most nodes whose
+    lost stages all have a live replica holder), and the others are released. ``FatalLoss`` when
+    none can. Without ``replicas`` (``redundancy="off"``) only dropping a pipeline is possible.
+    """
+    lost = set(lost)
+    if pipelines == 1 and not replicas:
+        raise FatalLoss(f"lost {sorted(lost)} with redundancy='off' and one pipeline: no replica to take over")
+    if pipelines == 1:
+        plan = plan_failover(nodes, parts, lost)
+        return FailoverPlan(plan.order, plan.parts, plan.segments, rows=(tuple(nodes),))
+    if len(nodes) % pipelines:
+        raise BambooError(f"{len(nodes)} nodes do not form {pipelines} pipelines of equal depth")
+    if unknown := lost - set(nodes):
+        raise BambooError(f"lost nodes {sorted(unknown)} are not in the layout {list(nodes)}")
+    stages = len(nodes) // pipelines
+    rows = [tuple(nodes[s * pipelines + p] for s in range(stages)) for p in range(pipelines)]
+    whole = [row for row in rows if not lost & set(row)]
+    if whole:
+        order = tuple(row[s] for s in range(stages) for row in whole)
+        segments = tuple(Segment(s, row[s], "own") for row in whole[:1] for s in range(stages))
+        released = tuple(n for n in nodes if n not in order and n not in lost)
+        return FailoverPlan(order, tuple(parts), segments, len(whole), released, tuple(whole))
+    problems = [] if replicas else ["redundancy='off': no replica to take over"]
+    for row in sorted(rows if replicas else (), key=lambda r: -sum(n not in lost for n in r)):
+        try:
+            plan = plan_failover(row, parts, lost & set(row))
+        except FatalLoss as err:
+            problems.append(str(err))
+            continue
+        released = tuple(n for n in nodes if n not in plan.order and n not in lost and n not in row)
+        return FailoverPlan(plan.order, plan.parts, plan.segments, 1, released, (row,))
+    raise FatalLoss(f"every pipeline lost a node and none can fail over ({'; '.join(problems)}); the run must "
+                    "restore its last checkpoint")
+
+
+def layout_tag(order: Sequence[str]) -> str:
+    """A short name for the process group of ``order`` (the same for every node that computed the same layout)."""
+    return "g" + hashlib.sha1(",".join(order).encode()).hexdigest()[:12]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -341,8 +341,27 @@ class BambooPipelineEngine(PipelineEngine):
         self._settle_replica()
         PipelineEngine._exec_recv_activations(self, buffer_id)
 
+    #: (micro-batches of this pipeline, micro-batches of all pipelines) of the step; None: an even split
+    share: tuple[int, int] | None = None
+
+    def _exec_reduce_grads_weighted(self) -> None:
+        """Average over samples, not over pipelines, when the pipelines ran different numbers of micro-batches.
+
+        DeepSpeed averages each pipeline's gradients over its own micro-batches, then over the
+        pipelines: with ``m_p`` of ``M`` micro-batches on pipeline ``p`` of ``P``, scaling its gradients
+        by ``m_p * P / M`` first makes the result the mean over all ``M``, as with an even split.
+        """
+        share, pipelines = self.share, self.grid.data_parallel_size
+        if share is not None and share[0] * pipelines != share[1]:
+            weight = share[0] * pipelines / share[1]
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(weight)
+        PipelineEngine._exec_reduce_grads(self)
+
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.ReduceGrads: _exec_reduce_grads_weighted,
         ds_schedule.RecvGrad: _exec_recv_grads_settling,
         ds_schedule.RecvActivation: _exec_recv_activations_settling,
         ds_schedule.OptimizerStep: _exec_deferred_optimizer_step,

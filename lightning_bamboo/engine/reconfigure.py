@@ -33,25 +33,33 @@ class Move:
         return range(self.start, self.stop)
 
 
-def _owners(order: Sequence[str], parts: Sequence[int]) -> dict[int, str]:
-    if len(parts) != len(order) + 1 or parts[0] != 0 or any(b <= a for a, b in zip(parts, parts[1:], strict=False)):
+def _owners(order: Sequence[str], parts: Sequence[int], pipelines: int = 1) -> dict[int, list[str]]:
+    """Layer -> the nodes running it, by pipeline (``order`` in rank order: rank ``r`` runs stage ``r // pipelines``)."""
+    if (pipelines < 1 or len(order) % pipelines or len(parts) != len(order) // pipelines + 1 or parts[0] != 0
+            or any(b <= a for a, b in zip(parts, parts[1:], strict=False))):
         raise BambooError(
-            f"a layout needs {len(order) + 1} strictly increasing layer boundaries from 0 for {len(order)} nodes "
-            f"(got parts {list(parts)} for nodes {list(order)})"
+            f"a layout of {len(order)} nodes in {pipelines} pipeline(s) needs {len(order) // max(1, pipelines) + 1} "
+            f"strictly increasing layer boundaries from 0 (got parts {list(parts)} for nodes {list(order)})"
         )
-    return {layer: node for s, node in enumerate(order) for layer in range(parts[s], parts[s + 1])}
+    stages = len(order) // pipelines
+    return {layer: [order[s * pipelines + p] for p in range(pipelines)]
+            for s in range(stages) for layer in range(parts[s], parts[s + 1])}
 
 
 def transfer_plan(
-    old_order: Sequence[str], old_parts: Sequence[int], new_order: Sequence[str], new_parts: Sequence[int]
+    old_order: Sequence[str], old_parts: Sequence[int], new_order: Sequence[str], new_parts: Sequence[int],
+    old_pipelines: int = 1, new_pipelines: int = 1,
 ) -> tuple[Move, ...]:
     """The moves that turn layout ``(old_order, old_parts)`` into ``(new_order, new_parts)``.
 
-    Nodes that keep a layer keep it (nothing sent); every other layer of a node's new range comes
-    from its current owner, in contiguous runs. Moves are ordered by destination rank, then layer,
-    so that every node executes them in the same order (no deadlock with blocking sends).
+    Orders list nodes by rank (rank ``r`` runs stage ``r // pipelines`` of pipeline ``r % pipelines``).
+    Nodes that keep a layer keep it (nothing sent); every other layer of a node's new stage comes
+    from a node running it now (data-parallel pipelines hold equal copies: pipeline ``p`` of the new
+    layout takes from old pipeline ``p mod old_pipelines``, which spreads the sending), in contiguous
+    runs. Moves are ordered by destination rank, then layer, so that every node executes them in
+    the same order (no deadlock with blocking sends).
     """
-    old, new = _owners(old_order, old_parts), _owners(new_order, new_parts)
+    old, new = _owners(old_order, old_parts, old_pipelines), _owners(new_order, new_parts, new_pipelines)
     if sorted(old) != sorted(new):
         raise BambooError(
             f"the new layout must cover the same layers as the old one (old: {len(old)} layers, new: {len(new)})"
@@ -65,14 +73,16 @@ def transfer_plan(
         )
     moves: list[Move] = []
     for layer in sorted(new):
-        src, dst = old[layer], new[layer]
-        if src == dst:
-            continue
-        last = moves[-1] if moves else None
-        if last is not None and last.src == src and last.dst == dst and last.stop == layer:
-            moves[-1] = Move(src, dst, last.start, layer + 1)
-        else:
-            moves.append(Move(src, dst, layer, layer + 1))
+        holders = old[layer]
+        for p, dst in enumerate(new[layer]):
+            if dst in holders:
+                continue
+            src = holders[p % len(holders)]
+            same = [i for i, m in enumerate(moves) if m.src == src and m.dst == dst and m.stop == layer]
+            if same:
+                moves[same[0]] = Move(src, dst, moves[same[0]].start, layer + 1)
+            else:
+                moves.append(Move(src, dst, layer, layer + 1))
     rank = {n: i for i, n in enumerate(new_order)}
     return tuple(sorted(moves, key=lambda m: (rank[m.dst], m.start)))
 

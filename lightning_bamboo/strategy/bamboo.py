@@ -22,13 +22,13 @@ import types
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.data import PipelineSampler
+from lightning_bamboo.data import StepSampler
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.strategy.layout import (
     REDUNDANCY_MODES,
@@ -38,6 +38,7 @@ from lightning_bamboo.strategy.layout import (
     compute_parts,
     micro_batches,
     partition_weights,
+    pipeline_share,
     resolve_stages,
 )
 
@@ -133,6 +134,8 @@ class _BambooStrategyMixin:
         self._loaded_meta: dict[str, Any] | None = None
         self._admitted_checkpoint: dict[str, Any] | None = None  # a joining node's state, from a running node
         self._cursor = (0, 0)  # (epoch, global samples consumed in it)
+        self._global_batch: int | None = None  # samples per step over all pipelines (fixed by the first start)
+        self._global_batches = False  # whether every node loads the global batch (see process_dataloader)
         self._resume_cursor: tuple[int, int] | None = None
         self._resume_rng: dict[str, Any] | None = None  # this process's RNG states from the checkpoint, until on_train_start
         self._gradient_clipping = 0.0  # the Trainer's gradient_clip_val, from setup()
@@ -210,7 +213,8 @@ class _BambooStrategyMixin:
             self._admission = record
             leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
             self._assigned = self.resilience.enter(record)
-            self.stages = world = self._assigned[1]
+            world = self._assigned[1]
+            self.stages = world // int(record.get("pipelines", 1))
             self.set_world_ranks()
             self._catching_up = True  # until its first step (see barrier)
             log.warning("%s: admitted as rank %d of %d at step %d", self.resilience.node, self._assigned[0], world, record["step"])
@@ -240,6 +244,9 @@ class _BambooStrategyMixin:
         self.stages = self._assigned[1]
         self.set_world_ranks()
 
+    #: a run resumed (or a node admitted) in another layout keeps the global batch of the checkpoint; False
+    #: (``HydrozoaTuner(scale_batch=True)``): the DataLoader's batch per pipeline stays, the global batch scales
+    keep_global_batch = True
     #: called at the start of every step under membership (``RebalanceCallback.at_step_start``)
     rebalancer: Callable[[Any, int], None] | None = None
     _admission: dict[str, Any] | None = None  # the reconfiguration record that admitted this (joining) node
@@ -301,6 +308,18 @@ class _BambooStrategyMixin:
     def pipeline_rank(self) -> int:
         """Which data-parallel pipeline this process belongs to."""
         return self.global_rank % self.pipelines  # type: ignore[attr-defined]
+
+    @property
+    def elastic_pipelines(self) -> bool:
+        """Whether the number of pipelines may change between steps (every node loads the global batches)."""
+        return self._global_batches
+
+    @property
+    def global_micro_batches(self) -> int | None:
+        """Micro-batches per step over all pipelines, once the training data is set up with global batches."""
+        if not self._global_batches or self._global_batch is None:
+            return None
+        return self._global_batch // self.micro_batch_size
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -377,26 +396,30 @@ class _BambooStrategyMixin:
         self._gradient_clipping = float(trainer.gradient_clip_val or 0.0)
 
         def receive() -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-            moves = transfer_plan(record["old_order"], record["old_parts"], order, record["parts"])
+            moves = transfer_plan(record["old_order"], record["old_parts"], order, record["parts"],
+                                  record.get("old_pipelines", 1), record.get("pipelines", 1))
             held = move_layers(moves, res.node, order, {})
             return held, exchange_objects(None, send_to=None, recv_from=order.index(record["sender"]))
 
         held, meta = res.guard().run(receive)
-        self._rebuild_stage(Layout(len(order), 1, tuple(record["parts"])), rank, held, meta["bamboo"]["param_groups"], trainer)
+        pipelines = int(record.get("pipelines", 1))
+        layout = Layout(len(order) // pipelines, pipelines, tuple(record["parts"]))
+        self._rebuild_stage(layout, rank, held, meta["bamboo"]["param_groups"], trainer)
         self.model = self.lightning_module  # type: ignore[attr-defined]
         self.setup_precision_plugin()  # type: ignore[attr-defined]
         # Lightning restores loops, schedulers and callbacks from this as from a checkpoint file
         # (weights and optimizer state are in the stage already).
         self._admitted_checkpoint = {**meta, "state_dict": {}}
         trainer._checkpoint_connector._loaded_checkpoint = self._admitted_checkpoint
-        cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
-        self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
+        self._restore_cursor(meta["bamboo"])
 
-    def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "") -> float:
-        """Change the pipeline between two steps, with no loss: standby nodes join, layers move point to point.
+    def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "", pipelines: int = 1) -> float:
+        """Change the layout between two steps, with no loss: standby nodes join, layers move point to point.
 
-        ``order`` (the nodes, one stage each) may add standby nodes to the current ones, never
-        drop one; ``parts`` is the new layer split. Every layer a node must run and does not run
+        ``order`` (the nodes in rank order: rank ``r`` runs stage ``r // pipelines`` of pipeline
+        ``r % pipelines``) may add standby nodes to the current ones, never drop one; ``parts`` is
+        the new layer split, ``pipelines`` the new number of data-parallel pipelines (the global
+        batch stays: each pipeline's share of micro-batches follows). Every layer a node must run and does not run
         now comes from the node that runs it (weights and optimizer state; no disk); joining
         nodes also get Lightning's training state; replicas are rebuilt by the ring exchange.
         Call at a step boundary on every node of the pipeline (``RebalanceCallback`` does).
@@ -414,15 +437,23 @@ class _BambooStrategyMixin:
             raise BambooConfigError("reconfigure() needs a job started by the Bamboo launcher and setup() done")
         started = time.monotonic()
         old_order, old_parts, order, parts = list(res.nodes), tuple(layout.parts), list(order), tuple(parts)
-        if (order, parts) == (old_order, old_parts):
+        if (order, parts, pipelines) == (old_order, old_parts, layout.pipelines):
             return 0.0
-        moves = transfer_plan(old_order, old_parts, order, parts)  # validates the new layout first
+        if pipelines != layout.pipelines and not self._global_batches:
+            raise BambooConfigError(
+                f"changing the number of pipelines ({layout.pipelines} -> {pipelines}) needs the training data loaded "
+                "by global steps (a DataLoader with a sequential or random sampler, which the strategy shards); this "
+                "job's sampler is sharded per pipeline"
+            )
+        # validates the new layout first
+        moves = transfer_plan(old_order, old_parts, order, parts, layout.pipelines, pipelines)
         trainer = self.lightning_module.trainer  # type: ignore[attr-defined]
         step = trainer.global_step
         joiners = [n for n in order if n not in old_order]
         sender = next(n for n in order if n in old_order)
         record = {"generation": res.generation + 1, "order": order, "parts": list(parts), "old_order": old_order,
-                  "old_parts": list(old_parts), "sender": sender, "tag": "reconf", "step": step, "reason": reason}
+                  "old_parts": list(old_parts), "sender": sender, "tag": "reconf", "step": step, "reason": reason,
+                  "pipelines": pipelines, "old_pipelines": layout.pipelines}
         if joiners and res.node == old_order[0]:
             res.admit(record)
         meta = None
@@ -445,7 +476,7 @@ class _BambooStrategyMixin:
 
             held = {**held, **res.guard().run(move)}
             _maybe_fail(res.node, "reconfigure", None)  # fault injection (BAMBOO_FAIL_AT=node@reconfigure)
-            self._rebuild_stage(Layout(world, 1, parts), rank, held, hyper)
+            self._rebuild_stage(Layout(world // pipelines, pipelines, parts), rank, held, hyper)
         except (PeerLost, BarrierTimeoutError) as err:
             raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
                             "the run must restore its last checkpoint") from err
@@ -560,11 +591,6 @@ class _BambooStrategyMixin:
             peers = (self._rank_of((stage - 1) % layout.stages, pipeline), self._rank_of(successor, pipeline))
             self._attach_replica(engine, layout, successor, peers)
         if self.resilience is not None:
-            if layout.pipelines > 1:
-                raise BambooConfigError(
-                    f"failover under the Bamboo launcher supports one pipeline for now (pipelines: {layout.pipelines}); "
-                    f"use devices == stages"
-                )
             self._watch(engine)
 
     def _fail_over(self, err: Exception, step: int, in_flight: bool = True) -> bool:
@@ -579,7 +605,7 @@ class _BambooStrategyMixin:
 
         res = self.resilience
         started = time.monotonic()
-        if self.redundancy == "off":
+        if self.redundancy == "off" and self.layout is not None and self.layout.pipelines == 1:
             from lightning_bamboo.engine.failover import FatalLoss
 
             raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
@@ -593,6 +619,7 @@ class _BambooStrategyMixin:
             old_engine.discard_step()
         base = {
             "nodes": list(res.nodes),
+            "pipelines": layout.pipelines,
             "parts": tuple(layout.parts),
             "states": {**old_engine.own_states(), **(old_engine.replica.states() if old_engine.replica else {})},
             "optimizer": old_engine.optimizer,
@@ -620,27 +647,51 @@ class _BambooStrategyMixin:
             faulthandler.cancel_dump_traceback_later()
         res.leavers &= set(res.nodes)  # a leaver this failover already served needs no second one
         seconds = time.monotonic() - started
-        res.record_failover({"step": step, "lost": sorted(set(base["nodes"]) - set(plan.order)), "committed": committed,
-                             "seconds": seconds, "redone": in_flight and not committed,
-                             "order": list(plan.order), "parts": list(plan.parts)})
+        # a released node may have left before another survivor decided: the lost set then names it too
+        released = set(plan.released) | res.released() if base["pipelines"] > 1 else set()
+        res.record_failover({"step": step, "lost": sorted(set(base["nodes"]) - set(plan.order) - released),
+                             "committed": committed, "seconds": seconds, "redone": in_flight and not committed,
+                             "order": list(plan.order), "parts": list(plan.parts), "pipelines": plan.pipelines,
+                             "released": sorted(released), "rows": [list(r) for r in plan.rows],
+                             "old_parts": list(base["parts"]), "old_pipelines": base["pipelines"]})
         log.warning("%s: failover done in %.2f s (rank %d of %d)", res.node, seconds, rank, world)
         if committed:
             self.engine.last_loss = base["last_loss"]
         return committed
 
     def _fail_over_once(self, base: dict[str, Any], suspected: set[str], step: int) -> tuple[Any, int, int]:
-        from lightning_bamboo.engine.failover import plan_failover
+        from lightning_bamboo.engine.failover import layout_tag, plan_loss
 
         res = self.resilience
         lost = res.decide_lost(tuple(suspected), base["nodes"])
-        plan = plan_failover(base["nodes"], base["parts"], lost)
-        log.warning("%s: lost %s at step %d; new pipeline %s parts %s", res.node, sorted(lost), step, plan.order, plan.parts)
-        rank, world = res.reform(list(plan.order), tag="-".join(sorted(lost)))
+        plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=self.redundancy != "off")
+        log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", res.node, sorted(lost), step,
+                    plan.order, plan.pipelines, plan.parts, f"; released {list(plan.released)}" if plan.released else "")
+        if res.node in plan.released:
+            self._release(step)
+        # The group's tag names its members: survivors that saw a released node's lease end (it left)
+        # and those that did not agree on the same layout, so they must meet in the same group.
+        rank, world = res.reform(list(plan.order), tag=layout_tag(plan.order))
         log.info("%s: process group re-formed", res.node)
         self._enter_group(rank, world)
         # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
-        self._rebuild_stage(Layout(world, 1, plan.parts), rank, base["states"], base["optimizer"], reuse=base["reuse"])
+        layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
+        self._rebuild_stage(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"])
         return plan, rank, world
+
+    def _release(self, step: int) -> NoReturn:
+        """Leave the layout (this node's pipeline was dropped) and come back as a standby node, in a fresh process."""
+        from lightning_bamboo.launcher import rejoin_as_standby
+
+        res = self.resilience
+        log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); joining again "
+                    "as a standby node", res.node, step)
+        try:
+            res.release()
+            res.registry.leave(timeout=2.0)  # its id is free at once for the standby incarnation
+        finally:
+            res.stop()
+        rejoin_as_standby()
 
     def _enter_group(self, rank: int, world: int) -> None:
         """This process is ``rank`` of ``world`` in the process group just formed (Lightning and DeepSpeed too)."""
@@ -671,7 +722,8 @@ class _BambooStrategyMixin:
         from lightning_bamboo.engine.replica import copy_hyperparameters
 
         res = self.resilience
-        mine = layout.layers_of_stage(rank)
+        stage = layout.stage_of_rank(rank)
+        mine = layout.layers_of_stage(stage)
         missing = [i for i in mine if i not in held]
         if missing:
             raise BambooError(f"the new layout gives {res.node} layers {missing} it does not hold")
@@ -687,7 +739,7 @@ class _BambooStrategyMixin:
                 splice = Splice(first, kept)
         # DeepSpeed's PipelineModule forms its process groups (gloo connects to every peer): a peer lost
         # meanwhile would hold that connect for the whole group timeout, so it is bounded like a step.
-        module = res.guard().run(lambda: self._stage_module(layout, rank, stage_states, prebuilt))
+        module = res.guard().run(lambda: self._stage_module(layout, stage, stage_states, prebuilt))
         module.splice = splice
         if trainer is not None:
             self.setup_optimizers(trainer)  # type: ignore[attr-defined]
@@ -702,7 +754,7 @@ class _BambooStrategyMixin:
         def build_and_arm() -> Any:
             # Collectives with the new peers: bounded by the new membership watch like a step.
             engine = self._new_engine(module, optimizer, layout)
-            self._arm_replica_from_successor(engine, layout, rank, layout.stages, stage_states)
+            self._arm_replica_from_successor(engine, layout, rank)
             return engine
 
         self.engine = res.guard().run(build_and_arm)
@@ -710,17 +762,17 @@ class _BambooStrategyMixin:
             self._rebind_optimizer(hyper, optimizer)
         self._watch(self.engine)
 
-    def _arm_replica_from_successor(
-        self, engine: Any, layout: Layout, rank: int, world: int, own_states: dict[int, dict[str, Any]]
-    ) -> None:
-        """Rebuild redundancy: every node sends its stage to its predecessor, which keeps it as the replica."""
+    def _arm_replica_from_successor(self, engine: Any, layout: Layout, rank: int) -> None:
+        """Rebuild redundancy: every node sends its stage to its predecessor in its pipeline, which keeps it as the replica."""
         from lightning_bamboo.engine.replica import exchange_objects
 
-        if self.redundancy == "off" or world < 2:
+        if self.redundancy == "off" or layout.stages < 2:
             return
-        successor = (rank + 1) % world
-        received = exchange_objects(engine.own_states(), send_to=(rank - 1) % world, recv_from=successor)
-        self._attach_replica(engine, layout, successor, ((rank - 1) % world, successor), received)
+        stage, pipeline = layout.stage_of_rank(rank), layout.pipeline_of_rank(rank)
+        successor = (stage + 1) % layout.stages
+        peers = (self._rank_of((stage - 1) % layout.stages, pipeline), self._rank_of(successor, pipeline))
+        received = exchange_objects(engine.own_states(), send_to=peers[0], recv_from=peers[1])
+        self._attach_replica(engine, layout, successor, peers, received)
 
     def _attach_replica(
         self, engine: Any, layout: Layout, stage: int, peers: tuple[int, int], states: dict[int, dict[str, Any]] | None = None
@@ -767,7 +819,8 @@ class _BambooStrategyMixin:
         pass  # the engine places the stage; the LightningModule holds no other weights
 
     # ------------------------------------------------------------------ steps
-    def _split(self, batch: Any) -> list[tuple[Any, Any]]:
+    def _split(self, batch: Any, global_batch: bool = False) -> list[tuple[Any, Any]]:
+        """This pipeline's micro-batches of ``batch`` (of a global batch: its share, see ``pipeline_share``)."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             kind = f"a {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
             raise BambooConfigError(
@@ -776,22 +829,28 @@ class _BambooStrategyMixin:
             )
         inputs, targets = batch
         size = len(inputs)
-        m = micro_batches(size, self.micro_batch_size, self.pipelines)
         b = self.micro_batch_size
-        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(m)]
+        if global_batch:
+            first, m, _ = pipeline_share(size, b, self.pipelines, self.pipeline_rank)
+        else:
+            first, m = 0, micro_batches(size, b, self.pipelines)
+        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)]
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
-        chunks = self._split(batch)
-        loss = self._train_batch_surviving(chunks)
+        loss = self._train_batch_surviving(batch)
         epoch = self.lightning_module.trainer.current_epoch  # type: ignore[attr-defined]
         done = self._cursor[1] if self._cursor[0] == epoch else 0
-        self._cursor = (epoch, done + len(batch[0]) * self.pipelines)
+        self._cursor = (epoch, done + len(batch[0]) * (1 if self._global_batches else self.pipelines))
         self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True, sync_dist=False)  # type: ignore[attr-defined]
         return loss
 
-    def _train_batch_surviving(self, chunks: list[tuple[Any, Any]]) -> torch.Tensor:
-        """Run the batch; if a peer is lost, fail over and redo it (unless it had committed)."""
+    def _train_batch_surviving(self, batch: Any) -> torch.Tensor:
+        """Run the batch; if a peer is lost, fail over and redo it (unless it had committed).
+
+        The batch is cut into this pipeline's micro-batches at every attempt: a failover or a
+        reconfiguration may have changed the number of pipelines (the global batch stays).
+        """
         from lightning_bamboo.engine.pipe import PeerLost
 
         step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
@@ -806,7 +865,11 @@ class _BambooStrategyMixin:
             # that raced with the last commit has been joined by all): the place to reconfigure.
             self.rebalancer(self, step)
         for _ in range(len(res.nodes) if res is not None else 1):
+            chunks = self._split(batch, global_batch=self._global_batches)
             self.engine.set_micro_batches(len(chunks))
+            if self._global_batches:
+                self.engine.share = pipeline_share(len(batch[0]), self.micro_batch_size, self.pipelines,
+                                                   self.pipeline_rank)[1:]
             self.engine.batches_run = step
             if res is not None:
                 # A step that takes a commit timeout is stuck somewhere: every thread's stack goes to the
@@ -880,7 +943,12 @@ class _BambooStrategyMixin:
         connector.use_distributed_sampler = False
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Give each pipeline its share of the data: one global order, cut per step (see PipelineSampler)."""
+        """Give each pipeline its share of the data: one global order, cut per step (see ``StepSampler``).
+
+        Training: every node loads each step's global batch (``batch_size`` of the DataLoader times
+        the pipelines the job started with) and trains on its pipeline's micro-batches of it, so the
+        number of pipelines may change between steps. Evaluation: each pipeline loads its shard.
+        """
         sampler = getattr(dataloader, "sampler", None)
         if not self._inject_sampler or not isinstance(dataloader, torch.utils.data.DataLoader) or sampler is None:
             return dataloader
@@ -893,28 +961,39 @@ class _BambooStrategyMixin:
         ours: torch.utils.data.Sampler
         if type(sampler) in (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler):
             shuffle = isinstance(sampler, torch.utils.data.RandomSampler)
-            if training:
-                ours = PipelineSampler(
-                    dataloader.dataset,  # type: ignore[arg-type]
-                    self.pipelines,
-                    self.pipeline_rank,
-                    batch_size=int(dataloader.batch_size or 1),
-                    shuffle=shuffle,
-                    seed=seed,
-                    drop_last=bool(dataloader.drop_last),
-                )
-                if self._resume_cursor is not None:
-                    ours.resume_at(*self._resume_cursor)
-            else:
-                ours = torch.utils.data.DistributedSampler(
-                    dataloader.dataset, self.pipelines, self.pipeline_rank, shuffle=shuffle, seed=seed
-                )
+            if training and dataloader.batch_size is not None:
+                return self._global_step_loader(dataloader, shuffle, seed)
+            ours = torch.utils.data.DistributedSampler(
+                dataloader.dataset, self.pipelines, self.pipeline_rank, shuffle=shuffle, seed=seed
+            )
         else:
             from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-            log.warning("custom sampler %s: a run resumed mid-epoch restarts the epoch", type(sampler).__name__)
+            log.warning("custom sampler %s: a run resumed mid-epoch restarts the epoch, and the number of pipelines "
+                        "stays fixed", type(sampler).__name__)
             ours = DistributedSamplerWrapper(sampler, num_replicas=self.pipelines, rank=self.pipeline_rank, shuffle=False)
         return data._update_dataloader(dataloader, ours, mode=running.TRAINING if training else None)
+
+    def _global_step_loader(self, dataloader: Any, shuffle: bool, seed: int) -> Any:
+        """``dataloader``'s dataset and worker settings, loading each step's global batch (``StepSampler``)."""
+        if self._global_batch is None:  # a resumed or admitted run keeps the global batch it was started with
+            self._global_batch = int(dataloader.batch_size) * self.pipelines
+        steps = StepSampler(dataloader.dataset, self._global_batch, shuffle=shuffle, seed=seed,
+                            drop_last=bool(dataloader.drop_last), multiple=self.pipelines)
+        if self._resume_cursor is not None:
+            steps.resume_at(*self._resume_cursor)
+        if type(dataloader) is not torch.utils.data.DataLoader:
+            log.warning("%s: the training data is loaded by a torch DataLoader with its dataset and settings",
+                        type(dataloader).__name__)
+        self._global_batches = True
+        return torch.utils.data.DataLoader(
+            dataloader.dataset, batch_sampler=steps, num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
+            worker_init_fn=dataloader.worker_init_fn, multiprocessing_context=dataloader.multiprocessing_context,
+            generator=dataloader.generator, prefetch_factor=dataloader.prefetch_factor,
+            persistent_workers=dataloader.persistent_workers, pin_memory_device=dataloader.pin_memory_device,
+            in_order=getattr(dataloader, "in_order", True),
+        )
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -1022,7 +1101,8 @@ class _BambooStrategyMixin:
         out["optimizer_states"] = []
         out["bamboo"] = ckpt.bamboo_meta(
             layout.num_layers, layout.parts, layout.pipelines, optimizer,
-            cursor={"epoch": self._cursor[0], "samples": self._cursor[1]}, seed=self._seed(),
+            cursor={"epoch": self._cursor[0], "samples": self._cursor[1], "global_batch": self._global_batch},
+            seed=self._seed(),
             redundancy=self.redundancy, world_size=self.world_size,  # type: ignore[attr-defined]
             step=checkpoint.get("global_step"),
         )
@@ -1081,8 +1161,7 @@ class _BambooStrategyMixin:
         checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))  # type: ignore[attr-defined]
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path, self._loaded_meta = Path(checkpoint_path), meta
-        cursor = meta["bamboo"].get("cursor", {"epoch": 0, "samples": 0})
-        self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
+        self._restore_cursor(meta["bamboo"])
         self._resume_rng = None
         saved_world = meta["bamboo"].get("world_size")
         if saved_world == self.world_size:  # type: ignore[attr-defined]
@@ -1094,6 +1173,13 @@ class _BambooStrategyMixin:
                 checkpoint_path, saved_world, self.world_size,  # type: ignore[attr-defined]
             )
         return {**meta, "state_dict": {}}
+
+    def _restore_cursor(self, bamboo: dict[str, Any]) -> None:
+        """The data cursor (and the global batch, which a run keeps in every later layout) of a checkpoint's meta."""
+        cursor = bamboo.get("cursor", {"epoch": 0, "samples": 0})
+        self._cursor = self._resume_cursor = (int(cursor["epoch"]), int(cursor["samples"]))
+        if cursor.get("global_batch") and self.keep_global_batch:
+            self._global_batch = int(cursor["global_batch"])
 
     def on_train_start(self) -> None:
         # Restored as late as possible: after Lightning created the data iterator, which draws a

@@ -190,6 +190,27 @@ def micro_batches(batch_size: int, micro_batch_size: int, pipelines: int) -> int
     return batch_size // micro_batch_size
 
 
+def pipeline_share(global_batch: int, micro_batch_size: int, pipelines: int, pipeline: int) -> tuple[int, int, int]:
+    """``(first, count, total)``: pipeline ``pipeline`` trains micro-batches ``first .. first+count-1`` of a
+    global batch of ``total`` micro-batches; the first pipelines take one more when they do not divide evenly."""
+    if global_batch % micro_batch_size:
+        raise BambooConfigError(
+            f"the batch must split into whole micro-batches: the global batch of {global_batch} samples (DataLoader "
+            f"batch_size x the pipelines the job started with) is not a multiple of micro_batch_size "
+            f"{micro_batch_size}; use a DataLoader batch_size that is a multiple of {micro_batch_size} (and "
+            f"drop_last=True if the last batch is short)"
+        )
+    total = global_batch // micro_batch_size
+    if total < pipelines:
+        raise BambooConfigError(
+            f"{pipelines} pipelines need at least one micro-batch each, the global batch has {total} "
+            f"({global_batch} samples / micro_batch_size {micro_batch_size}); raise the batch size or use fewer pipelines"
+        )
+    base, extra = divmod(total, pipelines)
+    first = pipeline * base + min(pipeline, extra)
+    return first, base + (1 if pipeline < extra else 0), total
+
+
 def _even_parts(num_layers: int, stages: int) -> list[int]:
     if stages < 1 or num_layers < stages:
         return list(range(num_layers + 1))

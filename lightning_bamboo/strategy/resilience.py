@@ -355,6 +355,15 @@ class Resilience:
         self.detector = self._watch(self.nodes)
         return rank, world
 
+    def release(self) -> None:
+        """Say that this node leaves the layout of the next generation released, not lost (see ``released``)."""
+        self.store.put(f"{self.base}released/{self.generation + 1}/{self.node}", "1")
+
+    def released(self) -> set[str]:
+        """The nodes released from the layout of the current generation (read after the failover that formed it)."""
+        prefix = f"{self.base}released/{self.generation}/"
+        return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs}
+
     def record_failover(self, record: dict[str, Any]) -> None:
         self.failovers.append(record)
         if self.nodes and self.nodes[0] == self.node:
