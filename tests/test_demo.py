@@ -90,6 +90,30 @@ def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
     assert order(tmp_path, "node0") == order(clean_dir, "node0")[8:]  # the restarted job's steps 9-24
 
 
+def test_two_pipelines_drop_the_damaged_one_and_grow_back(clean, tmp_path):
+    """2 pipelines x 2 stages (node0 -> node2, node1 -> node3) share the clean run's global batch. node2 is
+    killed at step 7: its pipeline is dropped and node1 -> node3 redo the step with all 4 micro-batches (no
+    replica used, nothing moved); node0 is released and comes back as a standby node (a fresh process);
+    with spare1 (joins at step 9) there are two standby nodes: a second pipeline is added live, its
+    stages copied from the running one. Same weights and sample order as the clean 4-stage run."""
+    clean_dir, clean_weights = clean
+    report, weights = demo(tmp_path, "--stages", "2", "--preempt", "node2@7", "--join", "spare1@9",
+                           "--step-delay", "1.0")
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 1 and report["joins"] == 1
+    assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    (drop,) = report["failovers"]
+    assert drop["lost"] == ["node2"] and drop["released"] == ["node0"] and drop["redone"]
+    assert drop["order"] == ["node1", "node3"] and drop["pipelines"] == 1
+    (grow,) = report["reconfigurations"]
+    assert grow["reason"].startswith("add_pipeline") and set(grow["order"]) == {"node0", "node1", "node3", "spare1"}
+    assert report["nodes_at_end"] == 4 and report["micro_batches"] == 2  # 2 pipelines x 2 of the 4 micro-batches
+    assert max_abs_diff(weights, clean_weights) <= 1e-5
+    # every node loads each step's whole global batch: node1 saw exactly the clean run's steps
+    assert order(tmp_path, "node1") == order(clean_dir, "node0")
+    ran = order(tmp_path, "spare1")
+    assert 0 < len(ran) < STEPS and ran == order(clean_dir, "node0")[-len(ran):]
+
+
 def test_etcd_store_restarted_mid_run(clean, tmp_path):
     from lightning_bamboo.membership import connect
     from tests.etcd_server import EtcdServer, etcd_binary
@@ -136,6 +160,7 @@ def test_demo_trains_the_layout_of_a_plan(tmp_path):
     (["--preempt", "node9@3"], "names 'node9', which is not a node of this cluster"),
     (["--preempt", "node1-3"], "--preempt entries look like NODE@STEP"),
     (["--stages", "8"], r"fewer nodes than one pipeline needs \(nodes: 4, stages: 8\)"),
+    (["--stages", "3"], r"--nodes must be a multiple of --stages: .* use --nodes 3"),
     (["--store", "etcd://127.0.0.1:9"], "127.0.0.1:9"),
     (["--plan", "/nonexistent/plan.json"], "expected the JSON of `lightning-bamboo plan --json`"),
 ])

@@ -22,6 +22,8 @@ EXIT_FATAL = 75  # lightning_bamboo.engine.failover.FATAL_EXIT_CODE (not importe
 #: standby processes beyond a full pipeline (joined nodes past that wait without a process until a place frees)
 STANDBY_PROCESSES = 1
 DEFAULT_PREEMPT = "node2@6,node3@14:2"
+#: samples per step over all pipelines (each of P pipelines loads GLOBAL_BATCH / P; the worker's micro-batch is 2)
+GLOBAL_BATCH = 8
 #: the demo GPT's pipeline layers (lightning_bamboo.demo.worker.CONFIG: 6 blocks + embedding + head)
 DEMO_LAYERS = 8
 PLAN_HINT = "lightning-bamboo plan --example gpt --n-layer 6 --n-embd 48 --n-head 2 --block-size 16 --world-size N --json"  # what `make demo` shows: a kill, and a preemption with notice
@@ -98,7 +100,9 @@ class DemoState:
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
-    """Worker arguments from a Plan JSON (``lightning-bamboo plan --json``); sets ``args.stages``."""
+    """Worker arguments from a Plan JSON (``lightning-bamboo plan --json``); sets ``args.stages``, ``args.micro_batch``
+    and ``args.global_batch`` (without a plan: micro-batches of 2, ``GLOBAL_BATCH``)."""
+    args.micro_batch, args.global_batch = 2, GLOBAL_BATCH
     if not args.plan:
         return []
     try:
@@ -115,15 +119,16 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
             f"plan {args.plan} cuts a model of {parts[-1]} layers, the demo's GPT has {DEMO_LAYERS}; make the plan with "
             f"`{PLAN_HINT}`"
         )
-    if pipelines != 1:
+    if stages * pipelines != args.nodes:
         raise BambooConfigError(
-            f"the demo trains one pipeline (failover covers one pipeline), but plan {args.plan} has {pipelines} "
-            f"pipelines of {stages} stages; use a plan with pipelines = 1"
+            f"plan {args.plan} lays out {pipelines} pipeline(s) of {stages} stages = {stages * pipelines} nodes, the "
+            f"demo runs --nodes {args.nodes}; make the plan with --world-size {args.nodes}"
         )
     if args.stages not in (None, stages):
         raise BambooConfigError(f"--stages {args.stages} contradicts the plan's {stages} stages; drop --stages")
     args.stages = stages
-    return ["--micro-batch-size", str(micro), "--batch-size", str(micro * count), "--partition", ",".join(map(str, parts))]
+    args.micro_batch, args.global_batch = micro, micro * count * pipelines
+    return ["--micro-batch-size", str(micro), "--partition", ",".join(map(str, parts))]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,10 +141,14 @@ def run(args: argparse.Namespace) -> int:
             f"fewer nodes than one pipeline needs (nodes: {args.nodes}, stages: {stages}); use --stages {args.nodes}"
         )
     if args.nodes % stages:
-        raise BambooConfigError(f"--nodes must be a multiple of --stages (nodes: {args.nodes}, stages: {stages})")
-    if args.nodes != stages:
         raise BambooConfigError(
-            f"the demo trains one pipeline (nodes: {args.nodes}, stages: {stages}); use --stages {args.nodes}"
+            f"--nodes must be a multiple of --stages: the nodes form data-parallel pipelines of --stages stages "
+            f"(nodes: {args.nodes}, stages: {stages}); use --nodes {stages * max(1, args.nodes // stages)}"
+        )
+    if not args.plan and GLOBAL_BATCH % (args.nodes // stages * 2):
+        raise BambooConfigError(
+            f"{args.nodes // stages} pipelines cannot share the demo's global batch of {GLOBAL_BATCH} samples in "
+            f"micro-batches of 2; use at most {GLOBAL_BATCH // 2} pipelines (--nodes up to {GLOBAL_BATCH // 2 * stages})"
         )
     if args.trace and args.preempt:
         raise BambooConfigError("give either --trace or --preempt, not both")
@@ -181,9 +190,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     from lightning_bamboo.launcher import Cluster, idle_priority_supported
     from lightning_bamboo.membership.registry import job_prefix
 
-    extra = getattr(args, "worker_extra", [])
-    batch = int(extra[extra.index("--batch-size") + 1]) if "--batch-size" in extra else 8  # the worker's default
-    state = DemoState(args.steps, batch, list(nodes))
+    width = len(nodes)  # the nodes of the layout the job starts with: width // stages pipelines of stages
+    state = DemoState(args.steps, args.global_batch, list(nodes))
     if not args.no_redundancy and not idle_priority_supported():
         state.log.append("step 0: standby processes start at normal CPU priority (this user may not raise a thread back "
                          "from idle priority: needs root, CAP_SYS_NICE or RLIMIT_NICE 20); their start-up slows the "
@@ -198,7 +206,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     last_step_at: float | None = None
     final: dict[str, Any] | None = None
     notices: dict[str, float] = {}
-    cluster = Cluster(args.store, job=f"demo{generation}", local_workers=stages + STANDBY_PROCESSES)
+    cluster = Cluster(args.store, job=f"demo{generation}", local_workers=width + STANDBY_PROCESSES)
     kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
     try:
         while final is None:
@@ -207,13 +215,15 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             cluster.new_job(job)
             out = workdir / f"run{generation}"
             out.mkdir(exist_ok=True)
-            # one pipeline; the others stand by (see STANDBY_PROCESSES). After a fatal loss the survivors'
-            # processes, kept, form it (no start-up); the other nodes join it as standby nodes.
-            running = [n for n in alive if n in kept][:stages] if kept else alive[:stages]
+            # the pipelines of the start; other nodes stand by (see STANDBY_PROCESSES). After a fatal loss
+            # the survivors' processes, kept, form it (no start-up); the other nodes join it as standby nodes.
+            pool = [n for n in alive if n in kept] if kept else alive
+            count, depth = _layout_for(len(pool), stages, width, args.global_batch, args.micro_batch)
+            running = pool[:count]
             waiting = [n for n in alive if n not in running] if not args.no_redundancy and len(running) > 1 else []
-            depth = len(running)
             worker_args = [
-                "--stages", str(depth), "--steps", str(args.steps),
+                "--stages", str(depth), "--steps", str(args.steps), "--batch-size", str(args.global_batch // (count // depth)),
+                "--global-batch", str(args.global_batch),
                 "--redundancy", "off" if args.no_redundancy or depth == 1 else "lazy", "--checkpoint-dir", str(ckpt_dir),
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
                 "--preferred-stages", str(stages),
@@ -279,7 +289,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     elif event.kind == "join":
                         state.joined.append(event.node)
                         alive.append(event.node)
-                        if (args.no_redundancy or depth == 1) and len(cluster.running) < stages:
+                        if (args.no_redundancy or depth == 1) and len(cluster.running) < width:
                             # checkpoint-restart scales up as torchelastic and Varuna do: restart everyone
                             state.log.append(f"step {state.progress}: {event.node} joined: restart to take it in")
                             rescale = True
@@ -290,7 +300,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                             state.log.append(f"step {state.progress}: {event.node} joined")
                 # Standby nodes are real processes here, on the same cores as the pipeline: start as many
                 # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
-                while waiting and len(cluster.running) < stages + STANDBY_PROCESSES:
+                while waiting and len(cluster.running) < width + STANDBY_PROCESSES:
                     joiners.add(waiting[0])
                     cluster.spawn_joiner(waiting.pop(0), command, idle=True, stdout=logs, stderr=logs)
                 for name, deadline in list(notices.items()):
@@ -388,12 +398,26 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     return report
 
 
+def _layout_for(nodes: int, stages: int, width: int, global_batch: int, micro_batch: int) -> tuple[int, int]:
+    """``(nodes used, depth)`` of a job started on ``nodes`` nodes: the start's layout (``width`` nodes in
+    pipelines of ``stages``) when they are there, else as many whole pipelines as fit (and share the global
+    batch in whole micro-batches), else one shallower pipeline of them all."""
+    if nodes < stages:
+        return nodes, nodes
+    pipelines = min(width, nodes) // stages
+    while global_batch % (pipelines * micro_batch):
+        pipelines -= 1
+    return pipelines * stages, stages
+
+
 def _standing_by(cluster: Any, base: str, joiners: set[str]) -> set[str]:
-    """The ``joiners`` (started as standby processes) that no reconfiguration has admitted yet: one store read."""
+    """Nodes waiting as standby: the ``joiners`` (started as standby processes) that no reconfiguration has
+    admitted yet, and nodes registered as standby (a node released from a dropped pipeline is one)."""
+    registered = {kv.key.rsplit("/", 1)[1] for kv in cluster.store.get_prefix(f"{base}standby/").kvs}
     if not joiners:
-        return set()
+        return registered
     admitted = {n for kv in cluster.store.get_prefix(f"{base}admit/").kvs for n in json.loads(kv.value)["order"]}
-    return joiners - admitted
+    return (joiners - admitted) | registered
 
 
 def _stop_within(cluster: Any, seconds: float, keep: Callable[[], set[str]] = set) -> set[str]:

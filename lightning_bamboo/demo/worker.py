@@ -94,7 +94,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step of each pipeline the job starts with")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step over all pipelines (default: "
+                   "--batch-size); sizes the dataset")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--redundancy", default="lazy")
     p.add_argument("--partition", default="parameters", help="uniform, parameters or boundaries like 0,2,5,8")
@@ -123,6 +125,9 @@ def main() -> int:
             os.environ.update(assignment["env"])
             os.environ.pop("BAMBOO_JOIN", None)
             args = parse(assignment["args"])
+            from lightning_bamboo import launcher
+
+            launcher.standby_command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *assignment["args"]]
 
 
 def _restart_in_place() -> dict | None:
@@ -141,7 +146,7 @@ def _restart_in_place() -> dict | None:
 
 def train(args: argparse.Namespace) -> int:
     node = os.environ.get("BAMBOO_NODE", "node0")
-    model = DemoGPT(samples=args.steps * args.batch_size, batch_size=args.batch_size)
+    model = DemoGPT(samples=args.steps * (args.global_batch or args.batch_size), batch_size=args.batch_size)
     strategy = lightning_bamboo.BambooStrategy(
         stages=args.stages, micro_batch_size=args.micro_batch_size, seed=0,
         partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,
