@@ -114,6 +114,22 @@ def test_two_pipelines_drop_the_damaged_one_and_grow_back(clean, tmp_path):
     assert 0 < len(ran) < STEPS and ran == order(clean_dir, "node0")[-len(ran):]
 
 
+def test_two_pipelines_that_each_lose_a_node_keep_one_failing_over(clean, tmp_path):
+    """node2 (pipeline node0 -> node2) and node1 (pipeline node1 -> node3) are killed at once: no pipeline is
+    whole, so node0 serves node2's stage from its replica alone (Bamboo's failover, one pipeline of one
+    node) and node3 is released; back as a standby node it takes the second stage over (rebalance)."""
+    _, clean_weights = clean
+    report, weights = demo(tmp_path, "--stages", "2", "--preempt", "node2@7,node1@7", "--step-delay", "1.0")
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 2
+    assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    (failover,) = report["failovers"]
+    assert failover["lost"] == ["node1", "node2"] and failover["released"] == ["node3"]
+    assert failover["order"] == ["node0"] and failover["rows"] == [["node0", "node2"]]
+    (back,) = report["reconfigurations"]
+    assert back["reason"].startswith("rebalance") and back["order"] == ["node0", "node3"]
+    assert max_abs_diff(weights, clean_weights) <= 1e-5
+
+
 def test_etcd_store_restarted_mid_run(clean, tmp_path):
     from lightning_bamboo.membership import connect
     from tests.etcd_server import EtcdServer, etcd_binary

@@ -129,14 +129,14 @@ def test_callback_admits_a_standby_node_to_get_back_to_the_preferred_depth():
 def test_callback_takes_the_layer_split_of_a_hydrozoa_tuner():
     asked = []
 
-    def split_for(stages, micro_batch_size, micro_batches):
-        asked.append((stages, micro_batch_size, micro_batches))
+    def split_for(stages, micro_batch_size, micro_batches, pipelines):
+        asked.append((stages, micro_batch_size, micro_batches, pipelines))
         return (0, 1, 6, 8) if stages == 3 else None
 
     cb = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
     cb.split_for, cb.micro_batch_size = split_for, 2
     decision = cb.decide(["n0", "n1", "n3"], [], 8)  # n2 lost: the planner's split for 3 stages, not an even one
-    assert asked == [(3, 2, 4)]
+    assert asked == [(3, 2, 4, 1)]
     assert decision.action == "restore_redundancy" and decision.layout.parts == (0, 1, 6, 8)
     assert "HydrozoaTuner" in decision.reason
     assert decision.moved == ("n0", "n1")  # with this split n3 keeps layers 6-7; n0 and n1 change

@@ -187,7 +187,7 @@ class RebalanceCallback(Callback):
         new = decision.layout
         if self.split_for is None or new is None or decision.action == "keep":
             return decision
-        planned = self.split_for(new.stages, self.micro_batch_size, new.micro_batches[0])
+        planned = self.split_for(new.stages, self.micro_batch_size, max(new.micro_batches), new.pipelines)
         if planned is None or tuple(planned) == tuple(new.parts):
             return decision
         planned_layout = dataclasses.replace(new, parts=tuple(planned))
