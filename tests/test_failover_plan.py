@@ -102,11 +102,9 @@ def test_a_data_parallel_loss_no_pipeline_survives_is_fatal():
     six = ["a0", "b0", "a1", "b1", "a2", "b2"]  # 2 pipelines x 3 stages
     with pytest.raises(FatalLoss, match="every pipeline lost a node"):
         plan_loss(six, 2, [0, 2, 5, 8], {"a0", "a1", "b1", "b2"})  # each lost a node and its replica holder
+    # redundancy='off' is a plain pipeline: every loss restarts from the checkpoint, a whole pipeline or not
     with pytest.raises(FatalLoss, match="redundancy='off'"):
-        plan_loss(GRID, 2, [0, 4, 8], {"a1", "b1"}, replicas=False)  # no whole pipeline, no replica
-    assert plan_loss(GRID, 2, [0, 4, 8], {"a1"}, replicas=False).order == ("b0", "b1")  # dropping needs none
-    with pytest.raises(FatalLoss, match="redundancy='off'"):
-        plan_loss(["n0", "n1"], 1, [0, 4, 8], {"n1"}, replicas=False)
+        plan_loss(GRID, 2, [0, 4, 8], {"a1"}, replicas=False)
 
 
 def test_one_pipeline_is_plain_failover():

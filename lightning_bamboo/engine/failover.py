@@ -117,11 +117,12 @@ def plan_loss(
     takes more micro-batches); its survivors are released. Only when every pipeline lost a node
     does one of them fail over on its own (``plan_failover``: the one keeping the most nodes whose
     lost stages all have a live replica holder), and the others are released. ``FatalLoss`` when
-    none can. Without ``replicas`` (``redundancy="off"``) only dropping a pipeline is possible.
+    none can. Without ``replicas`` (``redundancy="off"``: a plain pipeline) every loss is fatal, also
+    with several pipelines: such a job restarts from its checkpoint, as checkpoint-restart systems do.
     """
     lost = set(lost)
-    if pipelines == 1 and not replicas:
-        raise FatalLoss(f"lost {sorted(lost)} with redundancy='off' and one pipeline: no replica to take over")
+    if not replicas:
+        raise FatalLoss(f"lost {sorted(lost)} with redundancy='off': the job restarts from its last checkpoint")
     if pipelines == 1:
         plan = plan_failover(nodes, parts, lost)
         return FailoverPlan(plan.order, plan.parts, plan.segments, rows=(tuple(nodes),))
@@ -137,8 +138,8 @@ def plan_loss(
         segments = tuple(Segment(s, row[s], "own") for row in whole[:1] for s in range(stages))
         released = tuple(n for n in nodes if n not in order and n not in lost)
         return FailoverPlan(order, tuple(parts), segments, len(whole), released, tuple(whole))
-    problems = [] if replicas else ["redundancy='off': no replica to take over"]
-    for row in sorted(rows if replicas else (), key=lambda r: -sum(n not in lost for n in r)):
+    problems = []
+    for row in sorted(rows, key=lambda r: -sum(n not in lost for n in r)):
         try:
             plan = plan_failover(row, parts, lost & set(row))
         except FatalLoss as err:

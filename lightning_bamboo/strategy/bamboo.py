@@ -605,7 +605,7 @@ class _BambooStrategyMixin:
 
         res = self.resilience
         started = time.monotonic()
-        if self.redundancy == "off" and self.layout is not None and self.layout.pipelines == 1:
+        if self.redundancy == "off":
             from lightning_bamboo.engine.failover import FatalLoss
 
             raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
