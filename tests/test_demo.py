@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from lightning_bamboo.demo.cli import RecoveryClock
+from lightning_bamboo.demo.cli import RecoveryClock, _layout_for
 from tests.helpers import PYTHON, max_abs_diff, run
 
 pytestmark = pytest.mark.timeout(420)
@@ -241,3 +241,13 @@ def test_recovery_clock_counts_a_kill_until_a_step_no_restart_undoes():
     assert clock.seconds == [0.5]
     clock.stepped(13, 26.0)  # the restarted job's first step
     assert clock.seconds == [0.5, 6.0, 6.0]
+
+
+def test_a_restart_takes_the_layout_that_fits_the_nodes_up():
+    """(nodes used, depth) of a restarted job: the start's pipelines when all are up, else as many whole
+    pipelines as split the global batch of 8 into whole micro-batches of 2 each, else one shallower pipeline."""
+    assert _layout_for(4, 2, 4, 8, 2) == (4, 2)  # 2 x 2 as at the start
+    assert _layout_for(5, 2, 4, 8, 2) == (4, 2)  # a spare node stands by
+    assert _layout_for(3, 2, 4, 8, 2) == (2, 2)  # one pipeline; the third node stands by
+    assert _layout_for(6, 2, 6, 8, 2) == (4, 2)  # 3 pipelines would load 8 / 3 samples each: 2
+    assert _layout_for(1, 2, 4, 8, 2) == (1, 1)
