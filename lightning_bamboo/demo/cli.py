@@ -323,10 +323,14 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     break
                 time.sleep(0.05)
             cluster.poll()
-            failovers = [json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}failovers/").kvs]
+            # keyed by generation, which the store lists as text ("10" before "4"): in step order
+            failovers = sorted((json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}failovers/").kvs),
+                               key=lambda r: r["step"])
             state.failovers += failovers
             state.recoveries["redundant"] += len(failovers)
-            state.reconfigurations += [json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}reconfigurations/").kvs]
+            state.reconfigurations += sorted(
+                (json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}reconfigurations/").kvs),
+                key=lambda r: r["step"])
             report_file = out / "report.json"
             if state.progress == 0 and first_step_at is None and not report_file.exists() and generation == 0:
                 codes = ", ".join(f"{n}={c}" for n, c in cluster.codes.items())

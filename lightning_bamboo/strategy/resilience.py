@@ -266,8 +266,9 @@ class Resilience:
         self.store.put(f"{self.base}finished", "1")
 
     def record_reconfiguration(self, record: dict[str, Any]) -> None:
-        """The new rank 0 keeps the record in the store, for reports (``reconfigurations/<generation>``)."""
-        if self.nodes and self.nodes[0] == self.node:
+        """The sender (the first node of the new order that ran before it; a joining node at rank 0 does not
+        call this) keeps the record in the store, for reports (``reconfigurations/<generation>``)."""
+        if record.get("sender") == self.node:
             self.store.put(f"{self.base}reconfigurations/{self.generation}", json.dumps(record))
 
     def committed(self, step: int) -> bool:
