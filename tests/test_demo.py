@@ -130,6 +130,20 @@ def test_two_pipelines_that_each_lose_a_node_keep_one_failing_over(clean, tmp_pa
     assert max_abs_diff(weights, clean_weights) <= 1e-5
 
 
+def test_two_pipelines_that_each_lose_a_node_and_its_replica_holder_restart_from_the_checkpoint(clean, tmp_path):
+    """6 nodes as 2 pipelines of 3 stages (node0 -> node2 -> node4, node1 -> node3 -> node5); node0 and node2,
+    node3 and node5 are killed at step 10: no pipeline can fail over, so the two survivors restart from the
+    step-8 checkpoint in their own processes as one pipeline of 2 (the layout that fits them), which needs no
+    reconfiguration at its start. Same weights as the clean run."""
+    _, clean_weights = clean
+    report, weights = demo(tmp_path, "--nodes", "6", "--stages", "3", "--preempt", "node0@10,node2@10,node3@10,node5@10",
+                           "--step-delay", "0.5")
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 4
+    assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0} and report["processes_kept"] == 2
+    assert report["nodes_at_end"] == 2 and report["reconfigurations"] == []
+    assert max_abs_diff(weights, clean_weights) <= 1e-5
+
+
 def test_etcd_store_restarted_mid_run(clean, tmp_path):
     from lightning_bamboo.membership import connect
     from tests.etcd_server import EtcdServer, etcd_binary

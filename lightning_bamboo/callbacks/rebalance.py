@@ -104,8 +104,12 @@ class RebalanceCallback(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         current = self._runtime(trainer)
-        if self.layout is None or not set(current.nodes) <= set(self.layout.nodes):
-            self.layout = current  # a fresh start, or a restart in another layout
+        if (self.layout is None or not set(current.nodes) <= set(self.layout.nodes)
+                or (current.stages, current.pipelines) != (self.layout.stages, self.layout.pipelines)):
+            # a fresh start, or a restart in another layout: a job restarted from a checkpoint holds no
+            # overloaded node, whatever the saved view said (a node admitted into a running job gets the
+            # view of the layout it was admitted into, which is its runtime's)
+            self.layout = current
         if self.stages is None:
             self.stages = max(self.layout.stages, current.stages)
         costs = getattr(trainer.strategy, "layer_costs", None)
