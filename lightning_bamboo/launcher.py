@@ -65,6 +65,12 @@ def leave_idle_priority() -> bool:
     return True
 
 
+def joiner_env(name: str) -> dict[str, str]:
+    """The environment that makes worker ``name`` join a running job as a standby node (with the store and
+    job variables of the job it joins)."""
+    return {NODES_ENV: name, NODE_ENV: name, JOIN_ENV: "1", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+
+
 #: the command line a released node starts again with (``rejoin_as_standby``); None: this process's own. A
 #: worker that took over another job's arguments in its process (a restart in place) sets it.
 standby_command: list[str] | None = None
@@ -81,8 +87,7 @@ def rejoin_as_standby() -> NoReturn:
     """
     import logging
 
-    env = {**os.environ, JOIN_ENV: "1", NODES_ENV: os.environ.get(NODE_ENV, ""), "WORLD_SIZE": "1", "RANK": "0",
-           "LOCAL_RANK": "0"}
+    env = {**os.environ, **joiner_env(os.environ.get(NODE_ENV, ""))}
     if idle_priority_supported():
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread: the new main thread
     logging.shutdown()
@@ -171,8 +176,7 @@ class Cluster:
         ``idle_priority_supported``); it returns to normal priority when admitted. For nodes that
         share the running nodes' cores (a local cluster): their start-up and wait then take only
         the cycles training leaves, as a separate machine's would take none."""
-        env = {**self.env, JOB_ENV: self.job, NODES_ENV: name, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
-               NODE_ENV: name, JOIN_ENV: "1"}
+        env = {**self.env, JOB_ENV: self.job, **joiner_env(name)}
         self._start(name, command, env, popen)
         if idle and idle_priority_supported():
             # before the new interpreter starts a thread (its threads inherit the policy); no preexec_fn,
