@@ -49,7 +49,7 @@ def _span(share: tuple[int, int, int]) -> tuple[int, int]:
 
 @pytest.mark.parametrize(("args", "message"), [
     ((6, 4, 1, 0), r"global batch of 6 samples .* not a multiple of micro_batch_size 4"),
-    ((8, 2, 5, 0), r"5 pipelines need at least one micro-batch each, the global batch has 4"),
+    ((8, 2, 5, 0), r"cannot give 5 pipelines at least one micro-batch each out of 4"),
 ])
 def test_bad_shares_are_refused(args, message):
     with pytest.raises(BambooConfigError, match=message):

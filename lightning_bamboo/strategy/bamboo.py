@@ -819,8 +819,9 @@ class _BambooStrategyMixin:
         pass  # the engine places the stage; the LightningModule holds no other weights
 
     # ------------------------------------------------------------------ steps
-    def _split(self, batch: Any, global_batch: bool = False) -> list[tuple[Any, Any]]:
-        """This pipeline's micro-batches of ``batch`` (of a global batch: its share, see ``pipeline_share``)."""
+    def _split(self, batch: Any, global_batch: bool = False) -> tuple[list[tuple[Any, Any]], tuple[int, int] | None]:
+        """This pipeline's micro-batches of ``batch``, and of a global batch its share (``(count, total)``
+        micro-batches, see ``pipeline_share``; None for a batch of this pipeline's own)."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             kind = f"a {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
             raise BambooConfigError(
@@ -830,11 +831,13 @@ class _BambooStrategyMixin:
         inputs, targets = batch
         size = len(inputs)
         b = self.micro_batch_size
+        share: tuple[int, int] | None = None
         if global_batch:
-            first, m, _ = pipeline_share(size, b, self.pipelines, self.pipeline_rank)
+            first, m, total = pipeline_share(size, b, self.pipelines, self.pipeline_rank)
+            share = (m, total)
         else:
             first, m = 0, micro_batches(size, b, self.pipelines)
-        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)]
+        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)], share
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
@@ -865,11 +868,8 @@ class _BambooStrategyMixin:
             # that raced with the last commit has been joined by all): the place to reconfigure.
             self.rebalancer(self, step)
         for _ in range(len(res.nodes) if res is not None else 1):
-            chunks = self._split(batch, global_batch=self._global_batches)
+            chunks, self.engine.share = self._split(batch, global_batch=self._global_batches)
             self.engine.set_micro_batches(len(chunks))
-            if self._global_batches:
-                self.engine.share = pipeline_share(len(batch[0]), self.micro_batch_size, self.pipelines,
-                                                   self.pipeline_rank)[1:]
             self.engine.batches_run = step
             if res is not None:
                 # A step that takes a commit timeout is stuck somewhere: every thread's stack goes to the
@@ -891,7 +891,7 @@ class _BambooStrategyMixin:
         raise BambooConfigError(f"step {step} failed over {len(self.resilience.nodes)} times; giving up")
 
     def _eval_step(self, name: str, batch: Any) -> torch.Tensor:
-        chunks = self._split(batch)
+        chunks, _ = self._split(batch)
         self.engine.set_micro_batches(len(chunks))
         loss = self.engine.eval_batch(data_iter=iter(chunks), num_micro_batches=len(chunks))
         # equal on every stage of a pipeline; averaging over all processes averages the pipelines

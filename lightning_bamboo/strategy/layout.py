@@ -192,7 +192,8 @@ def micro_batches(batch_size: int, micro_batch_size: int, pipelines: int) -> int
 
 def pipeline_share(global_batch: int, micro_batch_size: int, pipelines: int, pipeline: int) -> tuple[int, int, int]:
     """``(first, count, total)``: pipeline ``pipeline`` trains micro-batches ``first .. first+count-1`` of a
-    global batch of ``total`` micro-batches; the first pipelines take one more when they do not divide evenly."""
+    global batch of ``total`` micro-batches, split as the reconfiguration policy splits them
+    (``split_micro_batches``: the first pipelines take one more when they do not divide evenly)."""
     if global_batch % micro_batch_size:
         raise BambooConfigError(
             f"the batch must split into whole micro-batches: the global batch of {global_batch} samples (DataLoader "
@@ -200,15 +201,11 @@ def pipeline_share(global_batch: int, micro_batch_size: int, pipelines: int, pip
             f"{micro_batch_size}; use a DataLoader batch_size that is a multiple of {micro_batch_size} (and "
             f"drop_last=True if the last batch is short)"
         )
+    from lightning_bamboo.membership.policy import split_micro_batches  # the policy's split, so both agree
+
     total = global_batch // micro_batch_size
-    if total < pipelines:
-        raise BambooConfigError(
-            f"{pipelines} pipelines need at least one micro-batch each, the global batch has {total} "
-            f"({global_batch} samples / micro_batch_size {micro_batch_size}); raise the batch size or use fewer pipelines"
-        )
-    base, extra = divmod(total, pipelines)
-    first = pipeline * base + min(pipeline, extra)
-    return first, base + (1 if pipeline < extra else 0), total
+    shares = split_micro_batches(total, pipelines)
+    return sum(shares[:pipeline]), shares[pipeline], total
 
 
 def _even_parts(num_layers: int, stages: int) -> list[int]:
