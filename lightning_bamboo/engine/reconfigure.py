@@ -71,20 +71,20 @@ def transfer_plan(
             f"a reconfiguration keeps every node that holds layers (missing from the new layout: {gone}); "
             "losses are served by failover first"
         )
-    moves: list[Move] = []
+    runs: dict[tuple[str, str], list[Move]] = {}  # (src, dst) -> its contiguous runs of layers, in order
     for layer in sorted(new):
         holders = old[layer]
         for p, dst in enumerate(new[layer]):
             if dst in holders:
                 continue
             src = holders[p % len(holders)]
-            same = [i for i, m in enumerate(moves) if m.src == src and m.dst == dst and m.stop == layer]
-            if same:
-                moves[same[0]] = Move(src, dst, moves[same[0]].start, layer + 1)
+            pair = runs.setdefault((src, dst), [])
+            if pair and pair[-1].stop == layer:
+                pair[-1] = Move(src, dst, pair[-1].start, layer + 1)
             else:
-                moves.append(Move(src, dst, layer, layer + 1))
+                pair.append(Move(src, dst, layer, layer + 1))
     rank = {n: i for i, n in enumerate(new_order)}
-    return tuple(sorted(moves, key=lambda m: (rank[m.dst], m.start)))
+    return tuple(sorted((m for pair in runs.values() for m in pair), key=lambda m: (rank[m.dst], m.start)))
 
 
 def move_layers(
