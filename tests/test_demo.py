@@ -17,9 +17,9 @@ pytestmark = pytest.mark.timeout(420)
 STEPS = 24
 
 
-def demo(tmp_path, *args: str, timeout: float = 360, env: dict[str, str] | None = None) -> tuple[dict, dict]:
+def demo(tmp_path, *args: str, nodes: int = 4, timeout: float = 360, env: dict[str, str] | None = None) -> tuple[dict, dict]:
     report, weights = tmp_path / "report.json", tmp_path / "weights.pt"
-    proc = run([PYTHON, "-m", "lightning_bamboo.cli", "demo", "--nodes", "4", "--steps", str(STEPS), "--checkpoint-every",
+    proc = run([PYTHON, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(nodes), "--steps", str(STEPS), "--checkpoint-every",
                 "8", "--quiet", "--report", str(report), "--save-weights", str(weights), "--workdir", str(tmp_path / "work"),
                 *args], timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -136,8 +136,8 @@ def test_two_pipelines_that_each_lose_a_node_and_its_replica_holder_restart_from
     step-8 checkpoint in their own processes as one pipeline of 2 (the layout that fits them), which needs no
     reconfiguration at its start. Same weights as the clean run."""
     _, clean_weights = clean
-    report, weights = demo(tmp_path, "--nodes", "6", "--stages", "3", "--preempt", "node0@10,node2@10,node3@10,node5@10",
-                           "--step-delay", "0.5")
+    report, weights = demo(tmp_path, "--stages", "3", "--preempt", "node0@10,node2@10,node3@10,node5@10",
+                           "--step-delay", "0.5", nodes=6)
     assert report["steps_completed"] == STEPS and report["preemptions"] == 4
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0} and report["processes_kept"] == 2
     assert report["nodes_at_end"] == 2 and report["reconfigurations"] == []
@@ -191,6 +191,8 @@ def test_demo_trains_the_layout_of_a_plan(tmp_path):
     (["--preempt", "node1-3"], "--preempt entries look like NODE@STEP"),
     (["--stages", "8"], r"fewer nodes than one pipeline needs \(nodes: 4, stages: 8\)"),
     (["--stages", "3"], r"--nodes must be a multiple of --stages: .* use --nodes 3"),
+    (["--nodes", "6", "--stages", "2"], r"3 pipelines cannot split the demo's global batch of 8 samples into whole "
+                                        r"micro-batches of 2 each"),
     (["--store", "etcd://127.0.0.1:9"], "127.0.0.1:9"),
     (["--plan", "/nonexistent/plan.json"], "expected the JSON of `lightning-bamboo plan --json`"),
 ])

@@ -145,10 +145,11 @@ def run(args: argparse.Namespace) -> int:
             f"--nodes must be a multiple of --stages: the nodes form data-parallel pipelines of --stages stages "
             f"(nodes: {args.nodes}, stages: {stages}); use --nodes {stages * max(1, args.nodes // stages)}"
         )
-    if not args.plan and GLOBAL_BATCH % (args.nodes // stages * 2):
+    if _layout_for(args.nodes, stages, args.nodes, args.global_batch, args.micro_batch)[0] != args.nodes:
         raise BambooConfigError(
-            f"{args.nodes // stages} pipelines cannot share the demo's global batch of {GLOBAL_BATCH} samples in "
-            f"micro-batches of 2; use at most {GLOBAL_BATCH // 2} pipelines (--nodes up to {GLOBAL_BATCH // 2 * stages})"
+            f"{args.nodes // stages} pipelines cannot split the demo's global batch of {args.global_batch} samples "
+            f"into whole micro-batches of {args.micro_batch} each; use --nodes up to "
+            f"{args.global_batch // args.micro_batch * stages}, with pipelines dividing {args.global_batch // args.micro_batch}"
         )
     if args.trace and args.preempt:
         raise BambooConfigError("give either --trace or --preempt, not both")
