@@ -14,13 +14,24 @@ only after the loss went out. The replica's update is not applied at the step bo
 where the next step first waits anyway (the first stage before its first gradient arrives, every
 other stage before its first activation arrives). The gradient buffers are allocated once and
 reused: a fresh buffer of a stage's gradients has its pages faulted in again at every step.
+
+The first stage's last backward ends every 1F1B step, while the other stages' cores are idle
+waiting for it: there, copying and sending its gradients would be on the critical path. So, during
+that backward (``GradientExchange.copy_early``), a helper thread copies each gradient into the send
+buffer as soon as the backward has accumulated its final value, and sends each chunk of the buffer
+as soon as all of its gradients are in; ``ship`` is left with the mask and what the backward did
+not reach.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
+import queue
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -131,9 +142,71 @@ class Replica:
         self.pending = False
 
 
-#: the tag of the gradient exchange's messages: DeepSpeed's own point-to-point messages use tag 0 on the
-#: same process group, and a receive posted early must never match one of those
+#: the tags of the gradient exchange's messages (the mask, then each chunk of the gradients): DeepSpeed's
+#: own point-to-point messages use tag 0 on the same process group, and a receive posted early must
+#: never match one of those
 REPLICA_TAG = 0xB0
+#: the gradients travel in chunks of whole parameters of at least this many elements (1 MiB of fp32),
+#: so that a chunk can leave while the backward still computes the gradients of the next
+CHUNK_NUMEL = 1 << 18
+
+
+def chunk_plan(numels: Iterable[int], chunk_numel: int = CHUNK_NUMEL) -> list[tuple[int, int, int, int]]:
+    """Split parameters (their sizes in order) into chunks: ``(first param, end param, first element, end element)``.
+
+    Sender and receiver hold the same layers, so both derive the same chunks (and tags) from them.
+    """
+    chunks, first, start, offset = [], 0, 0, 0
+    sizes = list(numels)
+    for index, numel in enumerate(sizes):
+        offset += numel
+        if offset - start >= chunk_numel or index == len(sizes) - 1:
+            chunks.append((first, index + 1, start, offset))
+            first, start = index + 1, offset
+    return chunks
+
+
+class _Copier:
+    """A helper thread running jobs in the order submitted; ``drain`` waits for all of them."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | threading.Event] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name="bamboo-grad-copy", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if isinstance(job, threading.Event):
+                job.set()
+                continue
+            try:
+                if self._error is None:
+                    job()
+            except BaseException as err:  # handed to the thread that drains
+                self._error = err
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        done = threading.Event()
+        self._jobs.put(done)
+        done.wait()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"sending gradients early failed: {error}") from error
+
+
+class _EarlyShip:
+    """The state of one step's early copies: which parameters were copied, which chunks already left."""
+
+    def __init__(self, chunks: list[tuple[int, int, int, int]]) -> None:
+        self.chunks = chunks
+        self.missing = [end - first for first, end, _, _ in chunks]  # parameters still to copy, per chunk
+        self.copied: set[int] = set()  # indices of the parameters copied
+        self.requests: list[Any] = []  # the sends of the chunks that left
+        self.complete = False  # the backward ran to its end
 
 
 class GradientExchange:
@@ -143,7 +216,9 @@ class GradientExchange:
     gradients travel as soon as it sends them, while this stage still runs its last backward; only
     this stage's own gradients are shipped on the critical path. The send is not waited for in the
     step (under a commit the receiver has them before anyone applies the step): the next ``ship``
-    waits for it first.
+    waits for it first. The gradients travel in chunks (``chunk_plan``) behind a mask of which
+    parameters have one: ``copy_early`` sends each chunk during the last backward, as soon as its
+    gradients are final.
     """
 
     def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
@@ -160,6 +235,8 @@ class GradientExchange:
         # of its receive buffer until its deferred update is applied, during the next step.
         self._send_buffer: torch.Tensor | None = None
         self._recv_buffers: list[torch.Tensor] = []
+        self._copier: _Copier | None = None
+        self._early: _EarlyShip | None = None  # the early copies of the step in flight
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
@@ -179,19 +256,115 @@ class GradientExchange:
         params = [p for p in self.replica.module.parameters() if p.requires_grad]
         mask = torch.zeros(len(params), dtype=torch.uint8)
         flat = self._receive_buffer(sum(p.numel() for p in params))
-        requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG),
-                    dist.irecv(flat, self.recv_from, group=self.group, tag=REPLICA_TAG)]
+        requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG)]
+        for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
+            requests.append(dist.irecv(flat[start:end], self.recv_from, group=self.group, tag=REPLICA_TAG + 1 + index))
         self._recv = (mask, flat, requests)
 
-    def ship(self, own: nn.Module) -> None:
-        """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted."""
-        self.finish_send()
+    def _send_chunk(self, flat: torch.Tensor, index: int, start: int, end: int) -> Any:
+        assert self.send_to is not None
+        return dist.isend(flat[start:end], self.send_to, group=self.group, tag=REPLICA_TAG + 1 + index)
+
+    @contextlib.contextmanager
+    def copy_early(self, own: nn.Module) -> Iterator[None]:
+        """Around the last backward of a step: copy each of ``own``'s gradients into the send buffer as
+        soon as that backward has accumulated it, and send each chunk once all of its gradients are
+        copied, on a helper thread (the other stages wait for this backward: their cores are idle).
+        ``ship`` then only sends what the backward did not reach, and the mask.
+
+        Only for parameters on the host (the buffer is); with any other, or nothing to send, the
+        backward runs plainly and ``ship`` copies and sends everything.
+        """
+        params = [p for p in own.parameters() if p.requires_grad]
+        if self.send_to is None or not params or any(p.device.type != "cpu" for p in params):
+            yield
+            return
+        self.finish_send()  # the buffer is free again
+        numel = sum(p.numel() for p in params)
+        if self._send_buffer is None or self._send_buffer.numel() != numel:
+            self._send_buffer = torch.empty(numel)
+        if self._copier is None:
+            self._copier = _Copier()
+        buffer, copier = self._send_buffer, self._copier
+        early = self._early = _EarlyShip(chunk_plan(p.numel() for p in params))
+
+        def copy(index: int, chunk: int, start: int, grad: torch.Tensor) -> None:
+            buffer[start : start + grad.numel()].copy_(grad)
+            early.copied.add(index)
+            early.missing[chunk] -= 1
+            if early.missing[chunk] == 0:
+                early.requests.append(self._send_chunk(buffer, chunk, *early.chunks[chunk][2:]))
+
+        def hook_for(index: int, chunk: int, start: int) -> Any:
+            def hook(param: torch.Tensor) -> None:
+                assert param.grad is not None
+                copier.submit(functools.partial(copy, index, chunk, start, param.grad.detach().reshape(-1)))
+            return hook
+
+        handles = []
+        for chunk, (first, end, start, _) in enumerate(early.chunks):
+            for index in range(first, end):
+                handles.append(params[index].register_post_accumulate_grad_hook(hook_for(index, chunk, start)))
+                start += params[index].numel()
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        early.complete = True  # only when the backward succeeded
+
+    def ship(self, own: nn.Module) -> bool:
+        """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted.
+
+        True when (most of) they left during the last backward (``copy_early``).
+        """
+        early, self._early = self._early, None
+        shipped_early = False
         if self.send_to is not None:
-            flat, mask = flat_grads(own, out=self._send_buffer)
-            self._send_buffer = flat
-            self._sent = ((mask, flat), [dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG),
-                                         dist.isend(flat, self.send_to, group=self.group, tag=REPLICA_TAG)])
+            params = [p for p in own.parameters() if p.requires_grad]
+            chunks = chunk_plan(p.numel() for p in params)
+            if early is not None and early.complete and early.chunks == chunks:
+                assert self._copier is not None and self._send_buffer is not None
+                self._copier.drain()  # the last copies and chunks left
+                flat, requests = self._send_buffer, early.requests
+                for chunk, (first, end, start, stop) in enumerate(chunks):
+                    if early.missing[chunk] == 0:
+                        continue
+                    for index in range(first, end):  # a parameter the last backward did not reach: as it is
+                        piece = flat[start : start + params[index].numel()]
+                        grad = params[index].grad
+                        if index not in early.copied:
+                            if grad is None:
+                                piece.zero_()
+                            else:
+                                piece.copy_(grad.detach().reshape(-1))
+                        start += params[index].numel()
+                    requests.append(self._send_chunk(flat, chunk, chunks[chunk][2], stop))
+                shipped_early = True
+            else:
+                if early is not None:
+                    self._drain(early)
+                self.finish_send()
+                flat, _ = flat_grads(own, out=self._send_buffer)
+                self._send_buffer = flat
+                requests = [self._send_chunk(flat, chunk, start, end) for chunk, (_, _, start, end) in enumerate(chunks)]
+            mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+            requests.append(dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG))
+            self._sent = ((mask, flat), requests)
         self.post_receive()
+        return shipped_early
+
+    def _drain(self, early: _EarlyShip) -> None:
+        """Let the early copies of a step that is not shipped from them finish (their sends are waited for too)."""
+        assert self._copier is not None
+        self._copier.drain()
+        self._sent = (self._sent[0], [*self._sent[1], *early.requests])
+
+    def discard(self) -> None:
+        """Forget the early copies of a step that will not be shipped."""
+        early, self._early = self._early, None
+        if early is not None:
+            self._drain(early)
 
     def receive(self) -> None:
         """Wait for the replica's gradients and hand them to it (``replica.pending``)."""
