@@ -343,6 +343,9 @@ class BambooPipelineEngine(PipelineEngine):
         """The gradient exchange with this engine's replica peers (rebuilt when they change)."""
         key = (self.replica, self.replica_peers)
         if getattr(self, "_exchange_key", None) != key:
+            old: GradientExchange | None = self.__dict__.get("_exchange")
+            if old is not None:
+                old.close()  # its helper thread ends
             self._exchange, self._exchange_key = GradientExchange(self.replica, *self.replica_peers), key
         return self._exchange
 

@@ -170,13 +170,16 @@ class _Copier:
     """A helper thread running jobs in the order submitted; ``drain`` waits for all of them."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | threading.Event] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | threading.Event | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, name="bamboo-grad-copy", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="bamboo-grad-copy", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:
+                return
             if isinstance(job, threading.Event):
                 job.set()
                 continue
@@ -192,10 +195,16 @@ class _Copier:
     def drain(self) -> None:
         done = threading.Event()
         self._jobs.put(done)
-        done.wait()
+        while not done.wait(0.5):
+            if not self._thread.is_alive():  # closed before it got there: never returns forever
+                raise RuntimeError("the gradient exchange was closed (its peers changed) while a step still used it")
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"sending gradients early failed: {error}") from error
+
+    def close(self) -> None:
+        """End the thread once the jobs submitted so far ran."""
+        self._jobs.put(None)
 
 
 class _EarlyShip:
@@ -382,6 +391,11 @@ class GradientExchange:
         """Wait until the last gradients sent are gone (kept alive until then)."""
         (_buffers, requests), self._sent = self._sent, ((), [])
         _wait_all(requests)
+
+    def close(self) -> None:
+        """Let the helper thread end (the exchange is replaced: its peers changed)."""
+        if self._copier is not None:
+            self._copier.close()
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:

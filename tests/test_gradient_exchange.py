@@ -1,10 +1,14 @@
-"""The chunks the gradient exchange sends in: sender and receiver derive them from the same layers."""
+"""The gradient exchange's parts that need no peer: its chunks (sender and receiver derive them from the
+same layers) and the helper thread that copies and sends during the last backward."""
 
 from __future__ import annotations
 
-import pytest
+import threading
 
-from lightning_bamboo.engine.replica import CHUNK_NUMEL, chunk_plan
+import pytest
+import torch
+
+from lightning_bamboo.engine.replica import CHUNK_NUMEL, _Copier, chunk_plan
 
 
 @pytest.mark.parametrize("numels", [[5], [3, 4, 5, 6, 7, 8], [100, 1, 1, 1, 100], [1] * 40, [9, 9, 9, 9]])
@@ -33,3 +37,36 @@ def test_a_stage_of_the_benchmark_model_travels_in_several_chunks():
 
 def test_no_parameters_no_chunks():
     assert chunk_plan([]) == []
+
+
+def test_the_copier_runs_jobs_in_order_and_drain_waits_for_them():
+    copier, gate, done = _Copier(), threading.Event(), []
+    dst = torch.zeros(4)
+    copier.submit(gate.wait)  # holds the thread until released
+    copier.submit(lambda: dst.copy_(torch.arange(4.0)))
+    copier.submit(lambda: done.append(dst.sum().item()))
+    threading.Timer(0.2, gate.set).start()
+    copier.drain()
+    assert done == [6.0] and torch.equal(dst, torch.arange(4.0))
+    copier.close()
+
+
+def test_a_failed_job_surfaces_at_drain_and_skips_the_rest():
+    copier, ran = _Copier(), []
+    copier.submit(lambda: torch.zeros(3).copy_(torch.zeros(5)))  # wrong size
+    copier.submit(lambda: ran.append(1))
+    with pytest.raises(RuntimeError, match="sending gradients early failed"):
+        copier.drain()
+    assert ran == []
+    copier.submit(lambda: ran.append(2))  # the error was handed over: later jobs run again
+    copier.drain()
+    assert ran == [2]
+    copier.close()
+
+
+def test_drain_after_close_raises_instead_of_waiting_forever():
+    copier = _Copier()
+    copier.close()
+    copier._thread.join(timeout=5)
+    with pytest.raises(RuntimeError, match="closed"):
+        copier.drain()
