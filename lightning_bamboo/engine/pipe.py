@@ -346,7 +346,8 @@ class BambooPipelineEngine(PipelineEngine):
             old: GradientExchange | None = self.__dict__.get("_exchange")
             if old is not None:
                 old.close()  # its helper thread ends
-            self._exchange, self._exchange_key = GradientExchange(self.replica, *self.replica_peers), key
+            self._exchange = GradientExchange(self.replica, *self.replica_peers, first_stage=self.is_first_stage())
+            self._exchange_key = key
         return self._exchange
 
     def _settle_replica(self) -> None:

@@ -225,14 +225,18 @@ class GradientExchange:
     gradients travel as soon as it sends them, while this stage still runs its last backward; only
     this stage's own gradients are shipped on the critical path. The send is not waited for in the
     step (under a commit the receiver has them before anyone applies the step): the next ``ship``
-    waits for it first. The gradients travel in chunks (``chunk_plan``) behind a mask of which
-    parameters have one: ``copy_early`` sends each chunk during the last backward, as soon as its
-    gradients are final.
+    waits for it first. The gradients travel with a mask of which parameters have one; the first
+    stage's in chunks (``chunk_plan``), which ``copy_early`` sends during the last backward as soon
+    as each chunk's gradients are final.
     """
 
-    def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
+    def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None,
+                 first_stage: bool = False) -> None:
         if recv_from is not None and replica is None:
             raise ValueError(f"receiving replica gradients from rank {recv_from} needs a replica")
+        # Only the first stage's gradients travel in chunks (``copy_early``); every other stage's in one
+        # message, which costs its sender less. Both ends know: the receiver holds stage 0's replica.
+        self.chunked_send = first_stage
         # The group of now, not "the default group" at each call: a step thread a failover left behind
         # must fail on its destroyed group, never post on the new one.
         self.replica, self.send_to, self.recv_from = replica, send_to, recv_from
@@ -266,9 +270,13 @@ class GradientExchange:
         mask = torch.zeros(len(params), dtype=torch.uint8)
         flat = self._receive_buffer(sum(p.numel() for p in params))
         requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG)]
-        for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
+        for index, (_, _, start, end) in enumerate(self._chunks([p.numel() for p in params], self.replica.stage == 0)):
             requests.append(dist.irecv(flat[start:end], self.recv_from, group=self.group, tag=REPLICA_TAG + 1 + index))
         self._recv = (mask, flat, requests)
+
+    @staticmethod
+    def _chunks(numels: list[int], chunked: bool) -> list[tuple[int, int, int, int]]:
+        return chunk_plan(numels) if chunked else chunk_plan(numels, chunk_numel=sum(numels) + 1)
 
     def _send_chunk(self, flat: torch.Tensor, index: int, start: int, end: int) -> Any:
         assert self.send_to is not None
@@ -285,7 +293,7 @@ class GradientExchange:
         backward runs plainly and ``ship`` copies and sends everything.
         """
         params = [p for p in own.parameters() if p.requires_grad]
-        if self.send_to is None or not params or any(p.device.type != "cpu" for p in params):
+        if not self.chunked_send or self.send_to is None or not params or any(p.device.type != "cpu" for p in params):
             yield
             return
         self.finish_send()  # the buffer is free again
@@ -331,7 +339,7 @@ class GradientExchange:
         shipped_early = False
         if self.send_to is not None:
             params = [p for p in own.parameters() if p.requires_grad]
-            chunks = chunk_plan(p.numel() for p in params)
+            chunks = self._chunks([p.numel() for p in params], self.chunked_send)
             if early is not None and early.complete and early.chunks == chunks:
                 assert self._copier is not None and self._send_buffer is not None
                 self._copier.drain()  # the last copies and chunks left
