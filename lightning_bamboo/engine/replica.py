@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import itertools
 import queue
 import threading
 import time
@@ -210,9 +211,10 @@ class _Copier:
 class _EarlyShip:
     """The state of one step's early copies: which parameters were copied, which chunks already left."""
 
-    def __init__(self, chunks: list[tuple[int, int, int, int]]) -> None:
-        self.chunks = chunks
-        self.missing = [end - first for first, end, _, _ in chunks]  # parameters still to copy, per chunk
+    def __init__(self, numels: list[int]) -> None:
+        self.chunks = chunk_plan(numels)
+        self.offsets = [0, *itertools.accumulate(numels)]  # parameter i is elements offsets[i]:offsets[i + 1]
+        self.missing = [end - first for first, end, _, _ in self.chunks]  # parameters still to copy, per chunk
         self.copied: set[int] = set()  # indices of the parameters copied
         self.requests: list[Any] = []  # the sends of the chunks that left
         self.complete = False  # the backward ran to its end
@@ -276,7 +278,8 @@ class GradientExchange:
 
     @staticmethod
     def _chunks(numels: list[int], chunked: bool) -> list[tuple[int, int, int, int]]:
-        return chunk_plan(numels) if chunked else chunk_plan(numels, chunk_numel=sum(numels) + 1)
+        """The first stage's gradients in chunks (``copy_early``), any other stage's in one message."""
+        return chunk_plan(numels, CHUNK_NUMEL if chunked else max(sum(numels), 1))
 
     def _send_chunk(self, flat: torch.Tensor, index: int, start: int, end: int) -> Any:
         assert self.send_to is not None
@@ -303,26 +306,23 @@ class GradientExchange:
         if self._copier is None:
             self._copier = _Copier()
         buffer, copier = self._send_buffer, self._copier
-        early = self._early = _EarlyShip(chunk_plan(p.numel() for p in params))
+        early = self._early = _EarlyShip([p.numel() for p in params])
 
-        def copy(index: int, chunk: int, start: int, grad: torch.Tensor) -> None:
-            buffer[start : start + grad.numel()].copy_(grad)
+        def copy(index: int, chunk: int, grad: torch.Tensor) -> None:
+            buffer[early.offsets[index] : early.offsets[index + 1]].copy_(grad)
             early.copied.add(index)
             early.missing[chunk] -= 1
             if early.missing[chunk] == 0:
                 early.requests.append(self._send_chunk(buffer, chunk, *early.chunks[chunk][2:]))
 
-        def hook_for(index: int, chunk: int, start: int) -> Any:
+        def hook_for(index: int, chunk: int) -> Any:
             def hook(param: torch.Tensor) -> None:
                 assert param.grad is not None
-                copier.submit(functools.partial(copy, index, chunk, start, param.grad.detach().reshape(-1)))
+                copier.submit(functools.partial(copy, index, chunk, param.grad.detach().reshape(-1)))
             return hook
 
-        handles = []
-        for chunk, (first, end, start, _) in enumerate(early.chunks):
-            for index in range(first, end):
-                handles.append(params[index].register_post_accumulate_grad_hook(hook_for(index, chunk, start)))
-                start += params[index].numel()
+        handles = [params[index].register_post_accumulate_grad_hook(hook_for(index, chunk))
+                   for chunk, (first, end, _, _) in enumerate(early.chunks) for index in range(first, end)]
         try:
             yield
         finally:
@@ -347,25 +347,22 @@ class GradientExchange:
                 for chunk, (first, end, start, stop) in enumerate(chunks):
                     if early.missing[chunk] == 0:
                         continue
-                    for index in range(first, end):  # a parameter the last backward did not reach: as it is
-                        piece = flat[start : start + params[index].numel()]
-                        grad = params[index].grad
-                        if index not in early.copied:
-                            if grad is None:
-                                piece.zero_()
-                            else:
-                                piece.copy_(grad.detach().reshape(-1))
-                        start += params[index].numel()
-                    requests.append(self._send_chunk(flat, chunk, chunks[chunk][2], stop))
+                    for index in set(range(first, end)) - early.copied:  # not reached by the last backward
+                        piece, grad = flat[early.offsets[index] : early.offsets[index + 1]], params[index].grad
+                        if grad is None:
+                            piece.zero_()
+                        else:
+                            piece.copy_(grad.detach().reshape(-1))
+                    requests.append(self._send_chunk(flat, chunk, start, stop))
+                mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
                 shipped_early = True
             else:
                 if early is not None:
                     self._drain(early)
                 self.finish_send()
-                flat, _ = flat_grads(own, out=self._send_buffer)
+                flat, mask = flat_grads(own, out=self._send_buffer)
                 self._send_buffer = flat
                 requests = [self._send_chunk(flat, chunk, start, end) for chunk, (_, _, start, end) in enumerate(chunks)]
-            mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
             requests.append(dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG))
             self._sent = ((mask, flat), requests)
         self.post_receive()
