@@ -1,14 +1,25 @@
-"""The gradient exchange's parts that need no peer: its chunks (sender and receiver derive them from the
-same layers) and the helper thread that copies and sends during the last backward."""
+"""The gradient exchange: its chunks (sender and receiver derive them from the same layers), the helper
+thread that copies and sends during the last backward, and a real exchange between two processes."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from lightning_bamboo.engine.replica import CHUNK_NUMEL, _Copier, chunk_plan
+from lightning_bamboo.engine.replica import (
+    CHUNK_NUMEL,
+    GradientExchange,
+    Replica,
+    StageContainer,
+    _Copier,
+    chunk_plan,
+)
 
 
 @pytest.mark.parametrize("numels", [[5], [3, 4, 5, 6, 7, 8], [100, 1, 1, 1, 100], [1] * 40, [9, 9, 9, 9]])
@@ -70,3 +81,79 @@ def test_drain_after_close_raises_instead_of_waiting_forever():
     copier._thread.join(timeout=5)
     with pytest.raises(RuntimeError, match="closed"):
         copier.drain()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two real processes on gloo: stage 0's owner ships, its replica holder receives.
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Stage(torch.nn.Module):
+    """Three parameters of 300,000 elements: three chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Parameter(torch.randn(300_000)) for _ in range(3))
+
+
+def _gradients(stage: _Stage, exchange: GradientExchange | None) -> None:
+    """Two backwards: the first reaches a and b, the last (copied early) only a; c never gets one."""
+    (stage.a * stage.b).sum().backward()
+    with exchange.copy_early(stage) if exchange is not None else contextlib.nullcontext():
+        (stage.a ** 2).sum().backward()
+
+
+def _exchange_worker(rank: int, port: int, early: bool, errors) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        stage = _Stage()
+        if rank == 0:
+            exchange = GradientExchange(None, send_to=1, recv_from=None, first_stage=True)
+            _gradients(stage, exchange if early else None)
+            assert exchange.ship(stage) is early
+            exchange.finish_send()
+        else:
+            replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
+            exchange = GradientExchange(replica, send_to=None, recv_from=0)
+            exchange.post_receive()
+            _gradients(stage, None)  # what the owner computed, bit for bit
+            exchange.receive()
+            got = replica.module.get_submodule("0")
+            for name in "abc":
+                want, have = getattr(stage, name).grad, getattr(got, name).grad
+                assert (want is None) == (have is None), name
+                assert want is None or torch.equal(want, have), name
+        exchange.close()
+    except BaseException as err:
+        errors.put(f"rank {rank}: {err!r}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["sent-during-backward", "sent-after-it"])
+def test_stage_zero_gradients_arrive_exactly_in_chunks(early):
+    """Chunks sent during the last backward, what it did not reach sent after it, and a parameter without a
+    gradient: the holder gets the owner's gradients bit for bit (and None where the owner has none)."""
+    assert len(chunk_plan([300_000] * 3)) == 3
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_exchange_worker, args=(rank, port, early, errors)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(timeout=60)
+        assert all(proc.exitcode == 0 for proc in procs), [errors.get(timeout=1) for _ in range(errors.qsize())]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
