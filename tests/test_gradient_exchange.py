@@ -1,11 +1,9 @@
-"""The gradient exchange: its chunks (sender and receiver derive them from the same layers), the helper
-thread that copies and sends during the last backward, and a real exchange between two processes."""
+"""The gradient exchange: its chunks (sender and receiver derive them from the same layers) and a real
+exchange between two processes."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ from lightning_bamboo.engine.replica import (
     GradientExchange,
     Replica,
     StageContainer,
-    _Copier,
     chunk_plan,
 )
 
@@ -42,45 +39,12 @@ def test_a_stage_of_the_benchmark_model_travels_in_several_chunks():
     # a GPT block of width 192: attention in, attention out, MLP in, MLP out (with biases) and two norms
     block = [192 * 576, 576, 192 * 192, 192, 192 * 768, 768, 768 * 192, 192, 192, 192, 192, 192]
     chunks = chunk_plan(block * 3)
-    # several chunks that can leave one by one, but not a message per parameter
+    # several chunks, but not a message per parameter
     assert 1 < len(chunks) < len(block) * 3 and all(stop - start >= CHUNK_NUMEL for _, _, start, stop in chunks[:-1])
 
 
 def test_no_parameters_no_chunks():
     assert chunk_plan([]) == []
-
-
-def test_the_copier_runs_jobs_in_order_and_drain_waits_for_them():
-    copier, gate, done = _Copier(), threading.Event(), []
-    dst = torch.zeros(4)
-    copier.submit(gate.wait)  # holds the thread until released
-    copier.submit(lambda: dst.copy_(torch.arange(4.0)))
-    copier.submit(lambda: done.append(dst.sum().item()))
-    threading.Timer(0.2, gate.set).start()
-    copier.drain()
-    assert done == [6.0] and torch.equal(dst, torch.arange(4.0))
-    copier.close()
-
-
-def test_a_failed_job_surfaces_at_drain_and_skips_the_rest():
-    copier, ran = _Copier(), []
-    copier.submit(lambda: torch.zeros(3).copy_(torch.zeros(5)))  # wrong size
-    copier.submit(lambda: ran.append(1))
-    with pytest.raises(RuntimeError, match="sending gradients early failed"):
-        copier.drain()
-    assert ran == []
-    copier.submit(lambda: ran.append(2))  # the error was handed over: later jobs run again
-    copier.drain()
-    assert ran == [2]
-    copier.close()
-
-
-def test_drain_after_close_raises_instead_of_waiting_forever():
-    copier = _Copier()
-    copier.close()
-    copier._thread.join(timeout=5)
-    with pytest.raises(RuntimeError, match="closed"):
-        copier.drain()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,34 +65,32 @@ class _Stage(torch.nn.Module):
         self.a, self.b, self.c = (torch.nn.Parameter(torch.randn(300_000)) for _ in range(3))
 
 
-def _gradients(stage: _Stage, exchange: GradientExchange | None) -> None:
-    """Two backwards: the first reaches a and b, the last (copied early) only a; c never gets one."""
+def _gradients(stage: _Stage) -> None:
+    """Two backwards: the first reaches a and b, the second only a; c never gets a gradient."""
     (stage.a * stage.b).sum().backward()
-    with exchange.copy_early(stage) if exchange is not None else contextlib.nullcontext():
-        (stage.a ** 2).sum().backward()
+    (stage.a ** 2).sum().backward()
 
 
-def _exchange_worker(rank: int, port: int, early: bool, errors) -> None:
+def _exchange_worker(rank: int, port: int, errors) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         stage = _Stage()
         if rank == 0:
-            exchange = GradientExchange(None, send_to=1, recv_from=None, first_stage=True)
-            _gradients(stage, exchange if early else None)
-            assert exchange.ship(stage) is early
+            exchange = GradientExchange(None, send_to=1, recv_from=None)
+            _gradients(stage)
+            exchange.ship(stage)
             exchange.finish_send()
         else:
             replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
             exchange = GradientExchange(replica, send_to=None, recv_from=0)
             exchange.post_receive()
-            _gradients(stage, None)  # what the owner computed, bit for bit
+            _gradients(stage)  # what the owner computed, bit for bit
             exchange.receive()
             got = replica.module.get_submodule("0")
             for name in "abc":
                 want, have = getattr(stage, name).grad, getattr(got, name).grad
                 assert (want is None) == (have is None), name
                 assert want is None or torch.equal(want, have), name
-        exchange.close()
     except BaseException as err:
         errors.put(f"rank {rank}: {err!r}")
         raise
@@ -137,15 +99,14 @@ def _exchange_worker(rank: int, port: int, early: bool, errors) -> None:
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["sent-during-backward", "sent-after-it"])
-def test_stage_zero_gradients_arrive_exactly_in_chunks(early):
-    """Chunks sent during the last backward, what it did not reach sent after it, and a parameter without a
-    gradient: the holder gets the owner's gradients bit for bit (and None where the owner has none)."""
+def test_gradients_arrive_exactly_in_chunks():
+    """Three chunks and a parameter without a gradient: the holder gets the owner's gradients bit for bit
+    (and None where the owner has none)."""
     assert len(chunk_plan([300_000] * 3)) == 3
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_exchange_worker, args=(rank, port, early, errors)) for rank in range(2)]
+    procs = [ctx.Process(target=_exchange_worker, args=(rank, port, errors)) for rank in range(2)]
     for proc in procs:
         proc.start()
     try:

@@ -110,9 +110,6 @@ class BambooPipelineEngine(PipelineEngine):
     node_id: str = ""
     batches_run = 0
     redundant_forwards_run = 0
-    #: backwards run in the step in flight; steps whose gradients were shipped from early copies
-    backwards_run = 0
-    early_ships = 0
 
     @property
     def replica_seconds(self) -> dict[str, float]:
@@ -174,26 +171,7 @@ class BambooPipelineEngine(PipelineEngine):
             time.perf_counter() - started)
 
     def _exec_backward_timed(self, buffer_id: int) -> None:
-        self.backwards_run += 1
-        if self.backwards_run == self.micro_batches and self._copies_early:
-            with self.exchange.copy_early(self.module):
-                self._timed("backward", lambda: PipelineEngine._exec_backward_pass(self, buffer_id))
-            return
         self._timed("backward", lambda: PipelineEngine._exec_backward_pass(self, buffer_id))
-
-    @property
-    def _copies_early(self) -> bool:
-        """Whether the last backward copies the gradients into the send buffer as they become final.
-
-        Only the first stage's last backward ends the step while every other stage waits, and only
-        there the gradients it leaves are the ones shipped: no data-parallel reduction, tied-weight
-        reduction, ZeRO or mixed-precision optimizer (which keep their own gradients) and no failover splice
-        (which runs lazy backwards of its own) comes after it.
-        """
-        return (self.defers_step and self.replica_peers[0] is not None and self.is_first_stage()
-                and self.grid.data_parallel_size == 1 and not getattr(self.module, "tied_modules", None)
-                and self.zero_optimization_stage() == 0 and not self.bfloat16_enabled() and not self.fp16_enabled()
-                and getattr(self.module, "splice", None) is None)
 
     def _next_batch(self) -> Any:
         batch = super()._next_batch()
@@ -270,7 +248,6 @@ class BambooPipelineEngine(PipelineEngine):
 
     def _train_and_commit(self, data_iter: Any, step: int) -> torch.Tensor:
         self._pending_step = False
-        self.backwards_run = 0
         self.phase = "schedule"
         self.redundant = _RedundantStep() if self.eager else None
         try:
@@ -320,8 +297,6 @@ class BambooPipelineEngine(PipelineEngine):
             self.optimizer.zero_grad(set_to_none=True)
         if self.replica is not None:
             self.replica.discard()
-        if "_exchange" in self.__dict__:
-            self._exchange.discard()
         self._pending_step = False
 
     def _exec_deferred_optimizer_step(self, lr_kwargs: Any = None) -> None:
@@ -333,8 +308,7 @@ class BambooPipelineEngine(PipelineEngine):
                 f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
             )
         started = time.perf_counter()
-        if self.exchange.ship(self.module):  # the replica's gradients are taken after the loss went out
-            self.early_ships += 1
+        self.exchange.ship(self.module)  # the replica's gradients are taken after the loss went out
         self.replica_seconds["ship"] += time.perf_counter() - started
         self._pending_step = True
 
@@ -343,11 +317,7 @@ class BambooPipelineEngine(PipelineEngine):
         """The gradient exchange with this engine's replica peers (rebuilt when they change)."""
         key = (self.replica, self.replica_peers)
         if getattr(self, "_exchange_key", None) != key:
-            old: GradientExchange | None = self.__dict__.get("_exchange")
-            if old is not None:
-                old.close()  # its helper thread ends
-            self._exchange = GradientExchange(self.replica, *self.replica_peers, first_stage=self.is_first_stage())
-            self._exchange_key = key
+            self._exchange, self._exchange_key = GradientExchange(self.replica, *self.replica_peers), key
         return self._exchange
 
     def _settle_replica(self) -> None:

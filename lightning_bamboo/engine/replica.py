@@ -15,24 +15,17 @@ where the next step first waits anyway (the first stage before its first gradien
 other stage before its first activation arrives). The gradient buffers are allocated once and
 reused: a fresh buffer of a stage's gradients has its pages faulted in again at every step.
 
-The first stage's last backward ends every 1F1B step, while the other stages' cores are idle
-waiting for it: there, copying and sending its gradients would be on the critical path. So, during
-that backward (``GradientExchange.copy_early``), a helper thread copies each gradient into the send
-buffer as soon as the backward has accumulated its final value, and sends each chunk of the buffer
-as soon as all of its gradients are in; ``ship`` is left with the mask and what the backward did
-not reach.
+The gradients travel in chunks of whole parameters of about 1 MiB (``chunk_plan``). The send is
+written to the socket in the calling thread; copying them during the last backward and sending
+them from a helper thread was tried and measured slower: the first stage's last backward (the end
+of every step) grew by more than the send it hid, and each step cost both processes more CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import io
-import itertools
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -147,8 +140,8 @@ class Replica:
 #: own point-to-point messages use tag 0 on the same process group, and a receive posted early must
 #: never match one of those
 REPLICA_TAG = 0xB0
-#: the gradients travel in chunks of whole parameters of at least this many elements (1 MiB of fp32),
-#: so that a chunk can leave while the backward still computes the gradients of the next
+#: the gradients travel in chunks of whole parameters of at least this many elements (1 MiB of fp32); in
+#: traced 2-stage runs one message per stage cost as much wall time and 1-3 ms more CPU time per step
 CHUNK_NUMEL = 1 << 18
 
 
@@ -167,59 +160,6 @@ def chunk_plan(numels: Iterable[int], chunk_numel: int = CHUNK_NUMEL) -> list[tu
     return chunks
 
 
-class _Copier:
-    """A helper thread running jobs in the order submitted; ``drain`` waits for all of them."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | threading.Event | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="bamboo-grad-copy", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if isinstance(job, threading.Event):
-                job.set()
-                continue
-            try:
-                if self._error is None:
-                    job()
-            except BaseException as err:  # handed to the thread that drains
-                self._error = err
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
-
-    def drain(self) -> None:
-        done = threading.Event()
-        self._jobs.put(done)
-        while not done.wait(0.5):
-            if not self._thread.is_alive():  # closed before it got there: never returns forever
-                raise RuntimeError("the gradient exchange was closed (its peers changed) while a step still used it")
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"sending gradients early failed: {error}") from error
-
-    def close(self) -> None:
-        """End the thread once the jobs submitted so far ran."""
-        self._jobs.put(None)
-
-
-class _EarlyShip:
-    """The state of one step's early copies: which parameters were copied, which chunks already left."""
-
-    def __init__(self, numels: list[int]) -> None:
-        self.chunks = chunk_plan(numels)
-        self.offsets = [0, *itertools.accumulate(numels)]  # parameter i is elements offsets[i]:offsets[i + 1]
-        self.missing = [end - first for first, end, _, _ in self.chunks]  # parameters still to copy, per chunk
-        self.copied: set[int] = set()  # indices of the parameters copied
-        self.requests: list[Any] = []  # the sends of the chunks that left
-        self.complete = False  # the backward ran to its end
-
-
 class GradientExchange:
     """One step's exchange: ship this stage's gradients to ``send_to``, take the replica's from ``recv_from``.
 
@@ -227,18 +167,13 @@ class GradientExchange:
     gradients travel as soon as it sends them, while this stage still runs its last backward; only
     this stage's own gradients are shipped on the critical path. The send is not waited for in the
     step (under a commit the receiver has them before anyone applies the step): the next ``ship``
-    waits for it first. The gradients travel with a mask of which parameters have one; the first
-    stage's in chunks (``chunk_plan``), which ``copy_early`` sends during the last backward as soon
-    as each chunk's gradients are final.
+    waits for it first. The gradients travel in chunks (``chunk_plan``), with a mask of which
+    parameters have one.
     """
 
-    def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None,
-                 first_stage: bool = False) -> None:
+    def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
         if recv_from is not None and replica is None:
             raise ValueError(f"receiving replica gradients from rank {recv_from} needs a replica")
-        # Only the first stage's gradients travel in chunks (``copy_early``); every other stage's in one
-        # message, which costs its sender less. Both ends know: the receiver holds stage 0's replica.
-        self.chunked_send = first_stage
         # The group of now, not "the default group" at each call: a step thread a failover left behind
         # must fail on its destroyed group, never post on the new one.
         self.replica, self.send_to, self.recv_from = replica, send_to, recv_from
@@ -250,8 +185,6 @@ class GradientExchange:
         # of its receive buffer until its deferred update is applied, during the next step.
         self._send_buffer: torch.Tensor | None = None
         self._recv_buffers: list[torch.Tensor] = []
-        self._copier: _Copier | None = None
-        self._early: _EarlyShip | None = None  # the early copies of the step in flight
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
@@ -272,113 +205,22 @@ class GradientExchange:
         mask = torch.zeros(len(params), dtype=torch.uint8)
         flat = self._receive_buffer(sum(p.numel() for p in params))
         requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG)]
-        for index, (_, _, start, end) in enumerate(self._chunks([p.numel() for p in params], self.replica.stage == 0)):
+        for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
             requests.append(dist.irecv(flat[start:end], self.recv_from, group=self.group, tag=REPLICA_TAG + 1 + index))
         self._recv = (mask, flat, requests)
 
-    @staticmethod
-    def _chunks(numels: list[int], chunked: bool) -> list[tuple[int, int, int, int]]:
-        """The first stage's gradients in chunks (``copy_early``), any other stage's in one message."""
-        return chunk_plan(numels, CHUNK_NUMEL if chunked else max(sum(numels), 1))
-
-    def _send_chunk(self, flat: torch.Tensor, index: int, start: int, end: int) -> Any:
-        assert self.send_to is not None
-        return dist.isend(flat[start:end], self.send_to, group=self.group, tag=REPLICA_TAG + 1 + index)
-
-    @contextlib.contextmanager
-    def copy_early(self, own: nn.Module) -> Iterator[None]:
-        """Around the last backward of a step: copy each of ``own``'s gradients into the send buffer as
-        soon as that backward has accumulated it, and send each chunk once all of its gradients are
-        copied, on a helper thread (the other stages wait for this backward: their cores are idle).
-        ``ship`` then only sends what the backward did not reach, and the mask.
-
-        Only for parameters on the host (the buffer is); with any other, or nothing to send, the
-        backward runs plainly and ``ship`` copies and sends everything.
-        """
-        params = [p for p in own.parameters() if p.requires_grad]
-        if not self.chunked_send or self.send_to is None or not params or any(p.device.type != "cpu" for p in params):
-            yield
-            return
-        self.finish_send()  # the buffer is free again
-        numel = sum(p.numel() for p in params)
-        if self._send_buffer is None or self._send_buffer.numel() != numel:
-            self._send_buffer = torch.empty(numel)
-        if self._copier is None:
-            self._copier = _Copier()
-        buffer, copier = self._send_buffer, self._copier
-        early = self._early = _EarlyShip([p.numel() for p in params])
-
-        def copy(index: int, chunk: int, grad: torch.Tensor) -> None:
-            buffer[early.offsets[index] : early.offsets[index + 1]].copy_(grad)
-            early.copied.add(index)
-            early.missing[chunk] -= 1
-            if early.missing[chunk] == 0:
-                early.requests.append(self._send_chunk(buffer, chunk, *early.chunks[chunk][2:]))
-
-        def hook_for(index: int, chunk: int) -> Any:
-            def hook(param: torch.Tensor) -> None:
-                assert param.grad is not None
-                copier.submit(functools.partial(copy, index, chunk, param.grad.detach().reshape(-1)))
-            return hook
-
-        handles = [params[index].register_post_accumulate_grad_hook(hook_for(index, chunk))
-                   for chunk, (first, end, _, _) in enumerate(early.chunks) for index in range(first, end)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-        early.complete = True  # only when the backward succeeded
-
-    def ship(self, own: nn.Module) -> bool:
-        """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted.
-
-        True when (most of) they left during the last backward (``copy_early``).
-        """
-        early, self._early = self._early, None
-        shipped_early = False
+    def ship(self, own: nn.Module) -> None:
+        """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted."""
+        self.finish_send()
         if self.send_to is not None:
-            params = [p for p in own.parameters() if p.requires_grad]
-            chunks = self._chunks([p.numel() for p in params], self.chunked_send)
-            if early is not None and early.complete and early.chunks == chunks:
-                assert self._copier is not None and self._send_buffer is not None
-                self._copier.drain()  # the last copies and chunks left
-                flat, requests = self._send_buffer, early.requests
-                for chunk, (first, end, start, stop) in enumerate(chunks):
-                    if early.missing[chunk] == 0:
-                        continue
-                    for index in set(range(first, end)) - early.copied:  # not reached by the last backward
-                        piece, grad = flat[early.offsets[index] : early.offsets[index + 1]], params[index].grad
-                        if grad is None:
-                            piece.zero_()
-                        else:
-                            piece.copy_(grad.detach().reshape(-1))
-                    requests.append(self._send_chunk(flat, chunk, start, stop))
-                mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-                shipped_early = True
-            else:
-                if early is not None:
-                    self._drain(early)
-                self.finish_send()
-                flat, mask = flat_grads(own, out=self._send_buffer)
-                self._send_buffer = flat
-                requests = [self._send_chunk(flat, chunk, start, end) for chunk, (_, _, start, end) in enumerate(chunks)]
+            flat, mask = flat_grads(own, out=self._send_buffer)
+            self._send_buffer = flat
+            numels = (p.numel() for p in own.parameters() if p.requires_grad)
+            requests = [dist.isend(flat[start:end], self.send_to, group=self.group, tag=REPLICA_TAG + 1 + index)
+                        for index, (_, _, start, end) in enumerate(chunk_plan(numels))]
             requests.append(dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG))
             self._sent = ((mask, flat), requests)
         self.post_receive()
-        return shipped_early
-
-    def _drain(self, early: _EarlyShip) -> None:
-        """Let the early copies of a step that is not shipped from them finish (their sends are waited for too)."""
-        assert self._copier is not None
-        self._copier.drain()
-        self._sent = (self._sent[0], [*self._sent[1], *early.requests])
-
-    def discard(self) -> None:
-        """Forget the early copies of a step that will not be shipped."""
-        early, self._early = self._early, None
-        if early is not None:
-            self._drain(early)
 
     def receive(self) -> None:
         """Wait for the replica's gradients and hand them to it (``replica.pending``)."""
@@ -396,11 +238,6 @@ class GradientExchange:
         """Wait until the last gradients sent are gone (kept alive until then)."""
         (_buffers, requests), self._sent = self._sent, ((), [])
         _wait_all(requests)
-
-    def close(self) -> None:
-        """Let the helper thread end (the exchange is replaced: its peers changed)."""
-        if self._copier is not None:
-            self._copier.close()
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:
