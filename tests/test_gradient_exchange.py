@@ -1,5 +1,5 @@
 """The gradient exchange: its chunks (sender and receiver derive them from the same layers) and a real
-exchange between two processes."""
+exchange between two processes, over the process group and through shared memory."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_bamboo.engine import replica as replica_module
 from lightning_bamboo.engine.replica import (
     CHUNK_NUMEL,
     GradientExchange,
     Replica,
     StageContainer,
     chunk_plan,
+    free,
 )
 
 
@@ -65,32 +67,50 @@ class _Stage(torch.nn.Module):
         self.a, self.b, self.c = (torch.nn.Parameter(torch.randn(300_000)) for _ in range(3))
 
 
-def _gradients(stage: _Stage) -> None:
+def _gradients(stage: _Stage, step: int) -> None:
     """Two backwards: the first reaches a and b, the second only a; c never gets a gradient."""
-    (stage.a * stage.b).sum().backward()
+    for param in stage.parameters():
+        param.grad = None
+    (stage.a * stage.b).sum().mul(step + 1).backward()
     (stage.a ** 2).sum().backward()
 
 
-def _exchange_worker(rank: int, port: int, errors) -> None:
+STEPS = 4
+
+
+def _exchange_worker(rank: int, port: int, same_host: bool, errors, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         stage = _Stage()
         if rank == 0:
+            if not same_host:  # the owner believes it runs elsewhere: it must decline the holder's shared buffer
+                replica_module.host_identity = lambda: "another-host/0"
             exchange = GradientExchange(None, send_to=1, recv_from=None)
-            _gradients(stage)
-            exchange.ship(stage)
+            mapped = []
+            for step in range(STEPS):
+                _gradients(stage, step)
+                exchange.ship(stage)
+                mapped.append(exchange._peer_shared is not None)
+                dist.barrier()  # what the loss broadcast does in a pipeline
             exchange.finish_send()
+            results.put(("owner", mapped))
         else:
             replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
             exchange = GradientExchange(replica, send_to=None, recv_from=0)
-            exchange.post_receive()
-            _gradients(stage)  # what the owner computed, bit for bit
-            exchange.receive()
-            got = replica.module.get_submodule("0")
-            for name in "abc":
-                want, have = getattr(stage, name).grad, getattr(got, name).grad
-                assert (want is None) == (have is None), name
-                assert want is None or torch.equal(want, have), name
+            got, shared = replica.module.get_submodule("0"), []
+            for step in range(STEPS):
+                shared.append(exchange._owner_writes_shared)
+                exchange.post_receive()
+                _gradients(stage, step)  # what the owner computed, bit for bit
+                exchange.receive()
+                for name in "abc":
+                    want, have = getattr(stage, name).grad, getattr(got, name).grad
+                    assert (want is None) == (have is None), (step, name)
+                    assert want is None or torch.equal(want, have), (step, name)
+                replica.pending = False
+                free([replica.module])  # the update was applied: the receive buffer is free again
+                dist.barrier()
+            results.put(("holder", shared))
     except BaseException as err:
         errors.put(f"rank {rank}: {err!r}")
         raise
@@ -99,20 +119,28 @@ def _exchange_worker(rank: int, port: int, errors) -> None:
             dist.destroy_process_group()
 
 
-def test_gradients_arrive_exactly_in_chunks():
+@pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "another-host"])
+def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same_host):
     """Three chunks and a parameter without a gradient: the holder gets the owner's gradients bit for bit
-    (and None where the owner has none)."""
+    (and None where the owner has none), step after step. On one host, the first two steps go over the
+    process group while the owner takes the holder's offer, and the rest through shared memory; an owner
+    on another host declines the offer and every step goes over the process group."""
     assert len(chunk_plan([300_000] * 3)) == 3
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
+    errors, results = ctx.Queue(), ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_exchange_worker, args=(rank, port, errors)) for rank in range(2)]
+    procs = [ctx.Process(target=_exchange_worker, args=(rank, port, same_host, errors, results)) for rank in range(2)]
     for proc in procs:
         proc.start()
     try:
         for proc in procs:
             proc.join(timeout=60)
         assert all(proc.exitcode == 0 for proc in procs), [errors.get(timeout=1) for _ in range(errors.qsize())]
+        seen = dict(results.get(timeout=5) for _ in range(2))
+        if same_host:
+            assert seen == {"owner": [False, True, True, True], "holder": [False, False, True, True]}
+        else:
+            assert seen == {"owner": [False] * STEPS, "holder": [False] * STEPS}
     finally:
         for proc in procs:
             if proc.is_alive():

@@ -24,8 +24,13 @@ of every step) grew by more than the send it hid, and each step cost both proces
 from __future__ import annotations
 
 import io
+import logging
+import pickle
+import secrets
+import socket
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
 
 
 class StageContainer(nn.Module):
@@ -143,6 +150,30 @@ REPLICA_TAG = 0xB0
 #: the gradients travel in chunks of whole parameters of at least this many elements (1 MiB of fp32); in
 #: traced 2-stage runs one message per stage cost as much wall time and 1-3 ms more CPU time per step
 CHUNK_NUMEL = 1 << 18
+#: the tags of the shared-memory handshake: the holder's offer of its buffer, and its "read" after each step
+OFFER_TAG, READ_TAG = REPLICA_TAG - 1, REPLICA_TAG - 2
+#: the size of an offer message (a pickled host identity, token and shared-memory handle)
+OFFER_BYTES = 1024
+#: bytes after the mask: the token of the shared buffer this step's gradients are in, then the next step's (0: none)
+_HEADER = 16
+
+
+def host_identity() -> str:
+    """This machine (host name and boot): two processes share memory only where these are equal."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _header(mask: torch.Tensor, this: int, following: int) -> torch.Tensor:
+    return torch.cat([mask, torch.tensor([this, following], dtype=torch.int64).view(torch.uint8)])
+
+
+def _tokens(message: torch.Tensor) -> tuple[int, int]:
+    this, following = message[-_HEADER:].clone().view(torch.int64).tolist()
+    return this, following
 
 
 def chunk_plan(numels: Iterable[int], chunk_numel: int = CHUNK_NUMEL) -> list[tuple[int, int, int, int]]:
@@ -169,6 +200,15 @@ class GradientExchange:
     step (under a commit the receiver has them before anyone applies the step): the next ``ship``
     waits for it first. The gradients travel in chunks (``chunk_plan``), with a mask of which
     parameters have one.
+
+    Between two processes on one host they travel through shared memory instead: the holder offers
+    a buffer of its own (``OFFER_TAG``, at its first ``post_receive``); once the owner has it
+    mapped, it copies its gradients straight into it and sends only the mask, and the holder copies
+    them out and answers "read" (``READ_TAG``) before the owner writes there again. The mask
+    message says where the step's gradients are and where the next step's will be (a token that
+    names the buffer), so both ends switch at the same step; socket writes of the whole gradients
+    and the receiving thread's reads are saved. Every wait is still a wait on a message from the
+    peer, so a lost peer is noticed as before.
     """
 
     def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
@@ -185,6 +225,16 @@ class GradientExchange:
         # of its receive buffer until its deferred update is applied, during the next step.
         self._send_buffer: torch.Tensor | None = None
         self._recv_buffers: list[torch.Tensor] = []
+        # shared memory, holder's end: its buffer and token, the offer in flight, whether the owner writes there
+        self._shared: tuple[torch.Tensor, int] | None = None
+        self._offer: tuple[torch.Tensor, Any] | None = None
+        self._owner_writes_shared = False
+        self._read_sent: tuple[torch.Tensor, Any] | None = None
+        # owner's end: the holder's offer being received, then its mapped buffer and token
+        self._offer_in: tuple[torch.Tensor, Any] | None = None
+        self._peer_shared: tuple[torch.Tensor, int] | None = None
+        self._read: torch.Tensor | None = None  # the holder's "read" being received, with its token
+        self._offer_answered = False
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
@@ -202,25 +252,100 @@ class GradientExchange:
             return
         assert self.replica is not None
         params = [p for p in self.replica.module.parameters() if p.requires_grad]
-        mask = torch.zeros(len(params), dtype=torch.uint8)
-        flat = self._receive_buffer(sum(p.numel() for p in params))
+        numel = sum(p.numel() for p in params)
+        self._offer_shared(numel)
+        mask = torch.zeros(len(params) + _HEADER, dtype=torch.uint8)
+        flat = self._receive_buffer(numel)
         requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG)]
-        for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
-            requests.append(dist.irecv(flat[start:end], self.recv_from, group=self.group, tag=REPLICA_TAG + 1 + index))
+        if not self._owner_writes_shared:
+            for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
+                requests.append(dist.irecv(flat[start:end], self.recv_from, group=self.group,
+                                           tag=REPLICA_TAG + 1 + index))
         self._recv = (mask, flat, requests)
+
+    def _offer_shared(self, numel: int) -> None:
+        """Once: offer the owner a shared buffer for the gradients (it takes it if it runs on this host).
+
+        The owner waits for this message at its second ``ship``, so it is always sent: empty when this
+        holder has no shared memory to offer.
+        """
+        if self._offer is not None or self.recv_from is None:
+            return
+        payload = b""
+        if numel:
+            try:
+                buffer = torch.empty(numel)
+                handle = buffer.untyped_storage()._share_filename_cpu_()
+                token = secrets.randbits(62) + 1
+                payload = pickle.dumps((host_identity(), token, handle, numel))
+                if len(payload) <= OFFER_BYTES - 4:
+                    self._shared = (buffer, token)
+                else:
+                    payload = b""
+            except Exception as err:  # no shared memory here: the gradients keep coming over the process group
+                log.debug("no shared memory for the replica's gradients: %s", err)
+                payload = b""
+        message = torch.zeros(OFFER_BYTES, dtype=torch.uint8)
+        message[:4] = torch.tensor([len(payload)], dtype=torch.int32).view(torch.uint8)
+        if payload:
+            message[4 : 4 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self._offer = (message, dist.isend(message, self.recv_from, group=self.group, tag=OFFER_TAG))
 
     def ship(self, own: nn.Module) -> None:
         """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted."""
-        self.finish_send()
+        self.finish_send()  # and, through shared memory, until the holder read the last ones
         if self.send_to is not None:
-            flat, mask = flat_grads(own, out=self._send_buffer)
-            self._send_buffer = flat
-            numels = (p.numel() for p in own.parameters() if p.requires_grad)
-            requests = [dist.isend(flat[start:end], self.send_to, group=self.group, tag=REPLICA_TAG + 1 + index)
-                        for index, (_, _, start, end) in enumerate(chunk_plan(numels))]
-            requests.append(dist.isend(mask, self.send_to, group=self.group, tag=REPLICA_TAG))
-            self._sent = ((mask, flat), requests)
+            shared = self._peer_shared
+            if shared is not None:
+                buffer, token = shared
+                self._send_buffer = None  # not needed any more
+                flat, mask = flat_grads(own, out=buffer)
+                if flat is not buffer:  # gradients elsewhere than on the host
+                    buffer.copy_(flat)
+                message = _header(mask, token, token)
+                self._read = torch.zeros(1, dtype=torch.int64)
+                requests = [dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG),
+                            dist.irecv(self._read, self.send_to, group=self.group, tag=READ_TAG)]
+                self._sent = ((message, self._read), requests)
+            else:
+                flat, mask = flat_grads(own, out=self._send_buffer)
+                self._send_buffer = flat
+                numels = [p.numel() for p in own.parameters() if p.requires_grad]
+                requests = [dist.isend(flat[start:end], self.send_to, group=self.group, tag=REPLICA_TAG + 1 + index)
+                            for index, (_, _, start, end) in enumerate(chunk_plan(numels))]
+                self._take_offer(sum(numels))  # the next step's gradients go through it, if there is one
+                following = self._peer_shared[1] if self._peer_shared is not None else 0
+                message = _header(mask, 0, following)
+                requests.append(dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG))
+                self._sent = ((message, flat), requests)
         self.post_receive()
+
+    def _take_offer(self, numel: int) -> None:
+        """The holder's offer: received from the first ``ship`` on, taken at the second, when the holder has
+        long sent it (at its first wait in the first step); its buffer is mapped if it is on this host."""
+        if self._offer_answered or self.send_to is None:
+            return
+        if self._offer_in is None:
+            message = torch.zeros(OFFER_BYTES, dtype=torch.uint8)
+            self._offer_in = (message, dist.irecv(message, self.send_to, group=self.group, tag=OFFER_TAG))
+            return
+        message, request = self._offer_in
+        request.wait()
+        self._offer_answered = True
+        size = int(message[:4].view(torch.int32).item())
+        if not size:
+            return  # the holder has no shared memory to offer
+        host, token, handle, offered = pickle.loads(message[4 : 4 + size].numpy().tobytes())
+        if host != host_identity() or offered != numel:
+            return  # another machine (or other layers): the gradients keep going over the process group
+        try:
+            storage = torch.UntypedStorage._new_shared_filename_cpu(*handle)
+        except Exception as err:
+            log.debug("could not map the replica holder's shared buffer: %s", err)
+            return
+        buffer = torch.empty(0).set_(storage)
+        if buffer.numel() == numel:
+            self._peer_shared = (buffer, token)
 
     def receive(self) -> None:
         """Wait for the replica's gradients and hand them to it (``replica.pending``)."""
@@ -228,16 +353,34 @@ class GradientExchange:
             return
         assert self.replica is not None
         self.replica.settle()  # the last step's update, if still due, runs while the gradients travel
-        mask, received, requests = self._recv
+        message, received, requests = self._recv
         self._recv = None
         _wait_all(requests)
-        set_flat_grads(self.replica.module, received, mask)
+        this, following = _tokens(message)
+        own = self._shared[1] if self._shared is not None else None
+        if this or following:
+            if own is None or {this, following} - {0, own}:
+                raise RuntimeError(f"the replica's gradients name shared buffer {this or following}, but this holder "
+                                   f"offered {own}: the gradient exchange is out of step with rank {self.recv_from}")
+        if this:
+            assert self._shared is not None
+            received.copy_(self._shared[0])
+            if self._read_sent is not None:
+                self._read_sent[1].wait()
+            read = torch.tensor([this], dtype=torch.int64)
+            self._read_sent = (read, dist.isend(read, self.recv_from, group=self.group, tag=READ_TAG))
+        self._owner_writes_shared = bool(following)
+        set_flat_grads(self.replica.module, received, message[:-_HEADER])
         self.replica.pending = True
 
     def finish_send(self) -> None:
-        """Wait until the last gradients sent are gone (kept alive until then)."""
+        """Wait until the last gradients sent are gone (kept alive until then), or read from shared memory."""
         (_buffers, requests), self._sent = self._sent, ((), [])
         _wait_all(requests)
+        read, self._read = self._read, None
+        if read is not None and self._peer_shared is not None and int(read.item()) != self._peer_shared[1]:
+            raise RuntimeError(f"rank {self.send_to} acknowledged shared buffer {int(read.item())}, not "
+                               f"{self._peer_shared[1]}: the gradient exchange is out of step")
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:
