@@ -90,7 +90,7 @@ def _exchange_worker(rank: int, port: int, same_host: bool, errors, results) -> 
             for step in range(STEPS):
                 _gradients(stage, step)
                 exchange.ship(stage)
-                mapped.append(exchange._peer_shared is not None)
+                mapped.append(exchange.through_shared_memory)
                 dist.barrier()  # what the loss broadcast does in a pipeline
             exchange.finish_send()
             results.put(("owner", mapped))

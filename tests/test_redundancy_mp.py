@@ -30,6 +30,9 @@ def test_replicas_equal_their_originals_after_every_step(tmp_path, stages, optim
     assert [c["replica_check"] for c in checks] == [1, 2, 3, 4, 5]
     assert all(c["problems"] == [] for c in checks), checks
     assert all(c["kept_after_commit"] == [False] * stages for c in checks), checks  # freed when the step commits
+    # one host: every stage's gradients go through its holder's shared buffer once it took the offer, at its
+    # second step (and the replicas above are still exact)
+    assert [c["shared_memory"] for c in checks] == [[False] * stages] + [[True] * stages] * 4, checks
     # eager: each rank ran the successor's forwards the schedule places in its bubbles, every step; lazy: none.
     # Steps 1-4 place them with the model's costs (F = 1, B = 2) while each rank times its own forwards
     # and backwards; step 5 with the measured ratio, as each rank logged.

@@ -233,7 +233,7 @@ class GradientExchange:
         # owner's end: the holder's offer being received, then its mapped buffer and token
         self._offer_in: tuple[torch.Tensor, Any] | None = None
         self._peer_shared: tuple[torch.Tensor, int] | None = None
-        self._read: torch.Tensor | None = None  # the holder's "read" being received, with its token
+        self._read: tuple[torch.Tensor, int] | None = None  # the holder's "read" being received, the token it must name
         self._offer_answered = False
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
@@ -296,29 +296,29 @@ class GradientExchange:
         self.finish_send()  # and, through shared memory, until the holder read the last ones
         if self.send_to is not None:
             shared = self._peer_shared
+            flat, mask = flat_grads(own, out=shared[0] if shared is not None else self._send_buffer)
             if shared is not None:
-                buffer, token = shared
+                if flat is not shared[0]:  # gradients elsewhere than on the host
+                    shared[0].copy_(flat)
                 self._send_buffer = None  # not needed any more
-                flat, mask = flat_grads(own, out=buffer)
-                if flat is not buffer:  # gradients elsewhere than on the host
-                    buffer.copy_(flat)
-                message = _header(mask, token, token)
-                self._read = torch.zeros(1, dtype=torch.int64)
-                requests = [dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG),
-                            dist.irecv(self._read, self.send_to, group=self.group, tag=READ_TAG)]
-                self._sent = ((message, self._read), requests)
+                self._read = (torch.zeros(1, dtype=torch.int64), shared[1])
+                requests = [dist.irecv(self._read[0], self.send_to, group=self.group, tag=READ_TAG)]
             else:
-                flat, mask = flat_grads(own, out=self._send_buffer)
                 self._send_buffer = flat
                 numels = [p.numel() for p in own.parameters() if p.requires_grad]
                 requests = [dist.isend(flat[start:end], self.send_to, group=self.group, tag=REPLICA_TAG + 1 + index)
                             for index, (_, _, start, end) in enumerate(chunk_plan(numels))]
                 self._take_offer(sum(numels))  # the next step's gradients go through it, if there is one
-                following = self._peer_shared[1] if self._peer_shared is not None else 0
-                message = _header(mask, 0, following)
-                requests.append(dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG))
-                self._sent = ((message, flat), requests)
+            following = self._peer_shared[1] if self._peer_shared is not None else 0
+            message = _header(mask, shared[1] if shared is not None else 0, following)
+            requests.append(dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG))
+            self._sent = ((message, flat), requests)
         self.post_receive()
+
+    @property
+    def through_shared_memory(self) -> bool:
+        """Whether this stage's gradients go to its replica holder through shared memory (from the next ship on)."""
+        return self._peer_shared is not None
 
     def _take_offer(self, numel: int) -> None:
         """The holder's offer: received from the first ``ship`` on, taken at the second, when the holder has
@@ -358,10 +358,9 @@ class GradientExchange:
         _wait_all(requests)
         this, following = _tokens(message)
         own = self._shared[1] if self._shared is not None else None
-        if this or following:
-            if own is None or {this, following} - {0, own}:
-                raise RuntimeError(f"the replica's gradients name shared buffer {this or following}, but this holder "
-                                   f"offered {own}: the gradient exchange is out of step with rank {self.recv_from}")
+        if {this, following} - {0, own}:
+            raise RuntimeError(f"the replica's gradients name shared buffer {this or following}, but this holder "
+                               f"offered {own}: the gradient exchange is out of step with rank {self.recv_from}")
         if this:
             assert self._shared is not None
             received.copy_(self._shared[0])
@@ -378,9 +377,9 @@ class GradientExchange:
         (_buffers, requests), self._sent = self._sent, ((), [])
         _wait_all(requests)
         read, self._read = self._read, None
-        if read is not None and self._peer_shared is not None and int(read.item()) != self._peer_shared[1]:
-            raise RuntimeError(f"rank {self.send_to} acknowledged shared buffer {int(read.item())}, not "
-                               f"{self._peer_shared[1]}: the gradient exchange is out of step")
+        if read is not None and int(read[0].item()) != read[1]:
+            raise RuntimeError(f"rank {self.send_to} acknowledged shared buffer {int(read[0].item())}, not "
+                               f"{read[1]}: the gradient exchange is out of step")
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:
