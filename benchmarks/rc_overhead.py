@@ -115,11 +115,12 @@ class Rotate(pl.Callback):
 
 
 def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
-               block_size: int = CONFIG.block_size, rotate: bool = False) -> dict:
+               block_size: int = CONFIG.block_size, rotate: bool = False, warmup: int = 5, script: str = __file__) -> dict:
+    """Run ``script``'s worker (this one's, or one that wraps it) on a fresh set of processes; its result."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, __file__, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
-           "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size)]
+    cmd = [sys.executable, script, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
+           "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size), "--warmup", str(warmup)]
     if rotate:
         cmd.append("--rotate")
     if kill:
@@ -160,8 +161,8 @@ def record_failover(seconds: float) -> None:
            "within the detection timeout (default 10 s) on top of this")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a worker reads (``run_config`` passes them), with the shape of the run."""
     parser.add_argument("--role", default=None)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=8)
@@ -170,6 +171,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=CONFIG.block_size,
                         help="tokens per sequence: compute per step grows with it, the redundancy's per-step cost does not")
+    parser.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    worker_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median of their medians)")
     parser.add_argument("--shapes", default="2x4,2x8,4x4,4x8", help="stages x micro-batches to measure")
     parser.add_argument("--no-kills", dest="kills", action="store_false", help="skip the two recovery runs")
@@ -177,8 +185,6 @@ def main() -> None:
                         help="write eager's measured overhead at 2 x 8 to the simulator's defaults (sim_params.json)")
     parser.add_argument("--paired-steps", type=int, default=30,
                         help="steps per mode in the paired runs (off, lazy and eager alternating in one run; 0: none)")
-    parser.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out")
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
@@ -194,7 +200,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for mode in MODES:
                     r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}-{repeat}.json"),
-                               block_size=args.block_size)
+                               block_size=args.block_size, warmup=args.warmup)
                     times = sorted(r["times"][args.warmup:])
                     medians[mode].append(times[len(times) // 2])
                     peaks[mode].append(max(r["peak_bytes"]))
@@ -208,13 +214,13 @@ def main() -> None:
         for stages, m in shapes if args.paired_steps else []:
             for repeat in range(args.repeats):
                 r = run_config(stages, m, "eager", args.warmup + len(MODES) * args.paired_steps,
-                               Path(tmp, f"paired-{stages}-{m}-{repeat}.json"), block_size=args.block_size, rotate=True)
+                               Path(tmp, f"paired-{stages}-{m}-{repeat}.json"), block_size=args.block_size, rotate=True, warmup=args.warmup)
                 by_mode = {mode: sorted(t for t, md in list(zip(r["times"], r["modes"], strict=True))[args.warmup:] if md == mode)
                            for mode in MODES}
                 paired.setdefault((stages, m), []).append({mode: ts[len(ts) // 2] for mode, ts in by_mode.items()})
         kill_step = args.steps // 2
         kills = {mode: run_config(4, 8, mode, args.steps, Path(tmp, f"kill-{mode}.json"), kill=f"node2@{kill_step}",
-                                  block_size=args.block_size) for mode in ("lazy", "eager")} if args.kills else {}
+                                  block_size=args.block_size, warmup=args.warmup) for mode in ("lazy", "eager")} if args.kills else {}
     print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, "
           f"{args.block_size}-token sequences, "
           f"micro-batch {MICRO}, AdamW, CPU (gloo), {args.steps - args.warmup} timed steps per run, "

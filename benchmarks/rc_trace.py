@@ -20,7 +20,6 @@ import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +51,8 @@ def instrument(records: list[tuple[int, str, float]]) -> None:
         setattr(engine, name, timed(name, getattr(engine, name)))
     for name in ("ship", "receive"):
         setattr(replica.GradientExchange, name, timed(f"exchange.{name}", getattr(replica.GradientExchange, name)))
+    # the copy of the own gradients into the buffer they are sent from, inside ship
+    replica.flat_grads = timed("exchange.ship: copy", replica.flat_grads)
     train_batch = engine.train_batch
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -80,14 +81,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(stages: int, micro_batches: int, steps: int, warmup: int, out: Path) -> dict[int, dict[str, dict[str, float]]]:
-    import subprocess
-
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, __file__, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
-           "--redundancy", "eager", "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), "--rotate"]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-    modes = json.loads(out.read_text())["modes"]
+    modes = rc_overhead.run_config(stages, micro_batches, "eager", steps, out, rotate=True, warmup=warmup,
+                                   script=__file__)["modes"]
     means: dict[int, dict[str, dict[str, float]]] = {}
     for rank in range(stages):
         per_step: dict[int, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
@@ -106,18 +101,9 @@ def run(stages: int, micro_batches: int, steps: int, warmup: int, out: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", default=None)
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--micro-batches", type=int, default=8)
+    rc_overhead.worker_arguments(parser)
     parser.add_argument("--paired-steps", type=int, default=30, help="steps of each mode per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs (their means are averaged)")
-    parser.add_argument("--warmup", type=int, default=5)
-    # what rc_overhead's worker reads
-    parser.add_argument("--redundancy", default="eager")
-    parser.add_argument("--steps", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=rc_overhead.CONFIG.block_size)
-    parser.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out")
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
