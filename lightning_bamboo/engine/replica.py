@@ -15,10 +15,11 @@ where the next step first waits anyway (the first stage before its first gradien
 other stage before its first activation arrives). The gradient buffers are allocated once and
 reused: a fresh buffer of a stage's gradients has its pages faulted in again at every step.
 
-The gradients travel in chunks of whole parameters of about 1 MiB (``chunk_plan``). The send is
-written to the socket in the calling thread; copying them during the last backward and sending
-them from a helper thread was tried and measured slower: the first stage's last backward (the end
-of every step) grew by more than the send it hid, and each step cost both processes more CPU.
+The gradients travel in chunks of whole parameters of about 1 MiB (``chunk_plan``), or through
+shared memory between two processes on one host (``GradientExchange``). Copying and sending them
+during the first stage's last backward, from a helper thread, was tried and taken out: it made
+that backward (the end of every step) about 1 ms longer, and with shared memory there is almost
+no send left to hide (``benchmarks/rc_trace.py`` on the commits before and after, in the README).
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ class Replica:
 #: own point-to-point messages use tag 0 on the same process group, and a receive posted early must
 #: never match one of those
 REPLICA_TAG = 0xB0
-#: the gradients travel in chunks of whole parameters of at least this many elements (1 MiB of fp32); in
-#: traced 2-stage runs one message per stage cost as much wall time and 1-3 ms more CPU time per step
+#: the gradients travel over the process group in chunks of whole parameters of at least this many
+#: elements (1 MiB of fp32); sender and receiver derive the same chunks, and tags, from their layers
 CHUNK_NUMEL = 1 << 18
 #: the tags of the shared-memory handshake: the holder's offer of its buffer, and its "read" after each step
 OFFER_TAG, READ_TAG = REPLICA_TAG - 1, REPLICA_TAG - 2
