@@ -64,6 +64,16 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def optimizer_states(path: Path) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor of a saved checkpoint (any layout), keyed ``layer.param.state``."""
+    from lightning_bamboo import checkpoint as ckpt
+
+    layers = ckpt.read_layers(path, range(ckpt.read_meta(path)["bamboo"]["num_layers"]))
+    return {f"{layer}.{name}.{key}": torch.as_tensor(value)
+            for layer, state in layers.items() for name, saved in state["optimizer"].items()
+            for key, value in saved["state"].items()}
+
+
 def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout kill the whole process group (children included)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}

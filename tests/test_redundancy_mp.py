@@ -10,7 +10,7 @@ import torch
 
 from lightning_bamboo import consolidate_checkpoint
 from lightning_bamboo.schedule import Costs, build_schedule
-from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run
+from tests.helpers import PYTHON, REPO, max_abs_diff, optimizer_states, reference_weights, run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -119,3 +119,25 @@ def test_a_node_lost_in_a_checkpoint_save_is_failed_over_and_the_save_redone(tmp
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(12, 8, 1, 2)) <= 1e-5
     saved = consolidate_checkpoint(tmp_path / "step8.ckpt")
     assert max_abs_diff(saved, reference_weights(8, 8, 1, 2)) <= 1e-5
+
+
+def test_a_resumed_job_keeps_its_replicas_exact_and_a_kill_after_it_is_bit_exact(tmp_path):
+    """4 stages, lazy, Adam: a clean run of 8 steps saves at step 3; a second run resumes from it and node2 is
+    SIGKILLed at step 5. Every replica equals its original after every step of the resumed run (a replica
+    rebuilt from the seed instead of the checkpoint is what a failover would train on), and the run ends
+    with the clean run's weights and optimizer state, bit for bit."""
+    clean, resumed = tmp_path / "clean", tmp_path / "resumed"
+    job = [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4", "--stages",
+           "4", "--steps", "8", "--partition", "uniform", "--redundancy", "lazy", "--optimizer", "adam"]
+    proc = run([*job, "--save-every", "3", "--out", str(clean)], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    proc = run([*job, "--resume", str(clean / "step3.ckpt"), "--check-replicas", "--out", str(resumed)], timeout=240,
+               env={"BAMBOO_FAIL_AT": "node2@5"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "node2=-9" in proc.stdout, proc.stdout[-2000:]
+    checks = _lines(proc.stdout, "replica_check")
+    assert [c["replica_check"] for c in checks][:2] == [4, 5] and all(c["problems"] == [] for c in checks), checks
+    (failover,) = _lines(proc.stdout, "global_step")[-1]["failovers"]
+    assert failover["lost"] == ["node2"] and failover["step"] == 5
+    assert max_abs_diff(torch.load(resumed / "final.pt"), torch.load(clean / "final.pt")) == 0.0
+    assert max_abs_diff(optimizer_states(resumed / "final.ckpt"), optimizer_states(clean / "final.ckpt")) == 0.0

@@ -1190,7 +1190,8 @@ class _BambooStrategyMixin:
             ckpt.restore_rng(self._resume_rng)
             self._resume_rng = None
 
-    def _local_states(self) -> dict[int, dict[str, Any]]:
+    def _saved_states(self, layers: range) -> dict[int, dict[str, Any]]:
+        """``layers``' weights and optimizer state from the checkpoint being loaded (any saved layout)."""
         assert self._loaded_path is not None and self._loaded_meta is not None
         saved_layers = self._loaded_meta["bamboo"]["num_layers"]
         if saved_layers != self.layout.num_layers:  # type: ignore[union-attr]
@@ -1198,18 +1199,27 @@ class _BambooStrategyMixin:
                 f"checkpoint {self._loaded_path} holds {saved_layers} layers but configure_pipeline() builds "
                 f"{self.layout.num_layers}"  # type: ignore[union-attr]
             )
-        return ckpt.read_layers(self._loaded_path, self.engine.layer_range)
+        return ckpt.read_layers(self._loaded_path, layers)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """The stage's weights from the checkpoint, and the replica's too: a replica is the successor's state
+        as saved, never the seed's (a failover after a resume trains on it)."""
         if self._loaded_path is None:
             return
-        ckpt.load_weights(self.engine.module, self._local_states(), strict=strict)
+        ckpt.load_weights(self.engine.module, self._saved_states(self.engine.layer_range), strict=strict)
+        replica = self.engine.replica
+        if replica is not None:
+            ckpt.load_weights(replica.module, self._saved_states(replica.layers), strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The stage's optimizer state (moments, step counts, hyperparameters) from the checkpoint, and the replica's."""
         if self._loaded_path is None or not self.optimizers:  # type: ignore[attr-defined]
             return
-        meta = self._loaded_meta or {}
-        ckpt.load_optimizer(self.engine.module, self.engine.optimizer, self._local_states(), meta["bamboo"]["param_groups"])
+        groups = (self._loaded_meta or {})["bamboo"]["param_groups"]
+        ckpt.load_optimizer(self.engine.module, self.engine.optimizer, self._saved_states(self.engine.layer_range), groups)
+        replica = self.engine.replica
+        if replica is not None:
+            ckpt.load_optimizer(replica.module, replica.optimizer, self._saved_states(replica.layers), groups)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
