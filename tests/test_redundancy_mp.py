@@ -131,13 +131,28 @@ def test_a_resumed_job_keeps_its_replicas_exact_and_a_kill_after_it_is_bit_exact
            "4", "--steps", "8", "--partition", "uniform", "--redundancy", "lazy", "--optimizer", "adam"]
     proc = run([*job, "--save-every", "3", "--out", str(clean)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    proc = run([*job, "--resume", str(clean / "step3.ckpt"), "--check-replicas", "--out", str(resumed)], timeout=240,
+    proc = run([*job, "--resume", str(clean / "step3.ckpt"), "--check-replicas", "--audit", "--out", str(resumed)], timeout=240,
                env={"BAMBOO_FAIL_AT": "node2@5"})
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "node2=-9" in proc.stdout, proc.stdout[-2000:]
     checks = _lines(proc.stdout, "replica_check")
     assert [c["replica_check"] for c in checks][:2] == [4, 5] and all(c["problems"] == [] for c in checks), checks
-    (failover,) = _lines(proc.stdout, "global_step")[-1]["failovers"]
+    summary = _lines(proc.stdout, "global_step")[-1]
+    (failover,) = summary["failovers"]
     assert failover["lost"] == ["node2"] and failover["step"] == 5
+    # the replica audit passed on resuming, after each of steps 3-7 and after the failover's rebuild
+    assert summary["audits"] == 1 + 5 + 1, summary
     assert max_abs_diff(torch.load(resumed / "final.pt"), torch.load(clean / "final.pt")) == 0.0
     assert max_abs_diff(optimizer_states(resumed / "final.ckpt"), optimizer_states(clean / "final.ckpt")) == 0.0
+
+
+def test_the_replica_audit_stops_the_run_naming_layer_step_and_node(tmp_path):
+    """Two stages under Lightning's launcher with audit_replicas=True: rank 1 changes one weight of its replica
+    (of stage 0) before step 2; the audit after that step stops both processes with an error that names it."""
+    proc = run([PYTHON, *FIT, "--devices", "2", "--stages", "2", "--steps", "4", "--partition", "uniform",
+                "--redundancy", "lazy", "--optimizer", "adam", "--audit", "--perturb-replica", "2:1",
+                "--out", str(tmp_path)], timeout=240)
+    assert proc.returncode != 0
+    assert "ReplicaAuditError: replica audit failed" in proc.stdout, proc.stdout[-3000:]
+    assert "after step 2: rank 1's replica of stage 0 (run by rank 0): layer 0 weights/" in proc.stdout, proc.stdout[-3000:]
+    assert "after step 1" not in proc.stdout  # steps 0 and 1 passed

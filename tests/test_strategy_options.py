@@ -35,6 +35,7 @@ def test_registered_in_both_namespaces():
         ({"rf_costs": "fast"}, r"rf_costs must be 'measured' or a dict such as \{'forward': 1, 'backward': 2\} \(rf_costs: 'fast'\)"),
         ({"rf_costs": {"forward": 1, "bwd": 2}}, r"rf_costs \{'forward': 1, 'bwd': 2\}: .*'bwd'.*; the fields are forward, backward"),
         ({"rf_costs": {"forward": 0}}, r"rf_costs \{'forward': 0\}: Costs.forward must be > 0"),
+        ({"audit_replicas": "yes"}, r"audit_replicas must be True or False \(audit_replicas: 'yes'\)"),
     ],
 )
 def test_bad_options(kwargs, message):

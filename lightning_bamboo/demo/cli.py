@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_join, parse_preempt
-from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.errors import BambooConfigError, BambooError
 
 EXIT_FATAL = 75  # lightning_bamboo.engine.failover.FATAL_EXIT_CODE (not imported: that module imports torch)
+EXIT_AUDIT = 76  # lightning_bamboo.demo.worker.EXIT_AUDIT: the replica audit found a difference
 #: standby processes beyond a full pipeline (joined nodes past that wait without a process until a place frees)
 STANDBY_PROCESSES = 1
 DEFAULT_PREEMPT = "node2@6,node3@14:2"
@@ -46,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temporary dir)")
     parser.add_argument("--plan", default=None, help="train with the layout of a `lightning-bamboo plan --json` file")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--audit", action="store_true", help="compare every replica with its stage, bit for bit, "
+                        "after every step and membership change; a difference stops the run naming layer, step, node")
 
 
 class RecoveryClock:
@@ -229,6 +232,8 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
                 "--preferred-stages", str(stages),
             ] + (["--resume", resume] if resume else []) + (args.worker_extra if depth == stages else [])
+            if args.audit:
+                worker_args.append("--audit")
             if not args.no_redundancy:
                 # Bamboo keeps its processes through a fatal loss too; checkpoint-restart (torchelastic,
                 # Varuna) starts new ones
@@ -247,6 +252,9 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             joiners: set[str] = set()  # started as standby processes in this generation
             while True:
                 exited = cluster.poll()
+                if EXIT_AUDIT in exited.values():
+                    raise BambooError(f"replica audit failed at step {state.progress}; the workers' error is in "
+                                      f"{out / 'workers.log'}: {_audit_error(out / 'workers.log')}")
                 snap = cluster.store.get_prefix(f"{base}progress/")
                 steps = [int(kv.value) for kv in snap.kvs]
                 now = max(steps, default=state.progress)
@@ -401,6 +409,14 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     if args.save_weights:
         shutil.copyfile(final["weights"], args.save_weights)
     return report
+
+
+def _audit_error(log: Path) -> str:
+    """The replica audit's error as a worker printed it (a JSON line with ``"audit"``)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"audit"' in line:
+            return str(json.loads(line)["audit"])
+    return "(no audit line in the log)"
 
 
 def _layout_for(nodes: int, stages: int, width: int, global_batch: int, micro_batch: int) -> tuple[int, int]:

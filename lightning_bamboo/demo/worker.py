@@ -20,11 +20,13 @@ import torch
 
 import lightning_bamboo
 from lightning_bamboo.callbacks import RebalanceCallback
+from lightning_bamboo.engine.audit import ReplicaAuditError
 from lightning_bamboo.engine.failover import FATAL_EXIT_CODE, FatalLoss
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
 #: exit status of a survivor that cannot fail over (a node and its replica holder were lost)
 EXIT_FATAL = FATAL_EXIT_CODE
+EXIT_AUDIT = 76  # a replica differed from its stage (``--audit``): the run stops, nothing restarts
 #: exit status of a node that left after a preemption notice
 EXIT_LEFT = 0
 
@@ -106,6 +108,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for this run's report part and weights")
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--preferred-stages", type=int, default=None, help="the depth to return to when nodes join")
+    p.add_argument("--audit", action="store_true", help="compare every replica with its stage after every step and "
+                   "membership change (BambooStrategy(audit_replicas=True))")
     p.add_argument("--restart-in-place", action="store_true",
                    help="after a fatal loss, offer this process to the restarted job instead of exiting")
     return p.parse_args(argv)
@@ -116,6 +120,10 @@ def main() -> int:
     while True:
         try:
             return train(args)
+        except ReplicaAuditError as err:
+            # every node found the same difference: the controller stops the demo with this message
+            print(json.dumps({"node": os.environ.get("BAMBOO_NODE", "node0"), "audit": str(err)}), flush=True)
+            return EXIT_AUDIT
         except FatalLoss as err:
             print(json.dumps({"node": os.environ.get("BAMBOO_NODE", "node0"), "fatal": str(err)}), flush=True)
             assignment = _restart_in_place() if args.restart_in_place else None
@@ -150,7 +158,7 @@ def train(args: argparse.Namespace) -> int:
     strategy = lightning_bamboo.BambooStrategy(
         stages=args.stages, micro_batch_size=args.micro_batch_size, seed=0,
         partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,
-        redundancy=args.redundancy, timeout=60, detection_timeout=5,
+        redundancy=args.redundancy, timeout=60, detection_timeout=5, audit_replicas=args.audit,
     )
     checkpoints = pl.callbacks.ModelCheckpoint(
         dirpath=args.checkpoint_dir, filename="step{step}", every_n_train_steps=args.checkpoint_every,

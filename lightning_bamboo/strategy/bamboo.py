@@ -73,6 +73,7 @@ class _BambooStrategyMixin:
         config: dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         rf_costs: str | dict[str, float] = "measured",
+        audit_replicas: bool = False,
         **kwargs: Any,
     ) -> None:
         """
@@ -98,6 +99,11 @@ class _BambooStrategyMixin:
                 that this stage's own measured backward/forward time ratio predicts (timed over steps
                 1-3; the schedule model's F = 1, B = 2 until then), or fixed action costs such as
                 ``{"forward": 1, "backward": 2}`` (``lightning_bamboo.schedule.Costs`` fields).
+            audit_replicas: after every step and every membership change (failover, reconfiguration,
+                admission), compare each replica with its owner's live stage (weights and every optimizer
+                state tensor, bit for bit, through digests) and stop the run with ``ReplicaAuditError``
+                naming the layer, step and node at the first difference. Off by default: it costs a
+                hash of every stage and replica and a collective per check.
         """
         if stages is not None and (not isinstance(stages, int) or stages < 1):
             raise BambooConfigError(f"stages must be a positive integer or None (stages: {stages!r})")
@@ -114,6 +120,10 @@ class _BambooStrategyMixin:
         if not timeout or timeout <= 0:
             raise BambooConfigError(f"timeout must be a positive number of seconds (timeout: {timeout!r})")
         self.rf_costs = check_rf_costs(rf_costs)
+        if not isinstance(audit_replicas, bool):
+            raise BambooConfigError(f"audit_replicas must be True or False (audit_replicas: {audit_replicas!r})")
+        self.audit_replicas = audit_replicas
+        self.audits = 0  # replica audits passed by this process
         super().__init__(  # type: ignore[call-arg]
             process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout), **kwargs
         )
@@ -761,6 +771,7 @@ class _BambooStrategyMixin:
         if isinstance(hyper, torch.optim.Optimizer):
             self._rebind_optimizer(hyper, optimizer)
         self._watch(self.engine)
+        self._audit("membership change before", self.lightning_module.trainer.global_step)  # type: ignore[attr-defined]
 
     def _arm_replica_from_successor(self, engine: Any, layout: Layout, rank: int) -> None:
         """Rebuild redundancy: every node sends its stage to its predecessor in its pipeline, which keeps it as the replica."""
@@ -786,6 +797,39 @@ class _BambooStrategyMixin:
             ckpt.load_optimizer(container, optimizer, states, ckpt.param_group_hyperparameters(engine.optimizer))
         engine.replica = Replica(stage, container, optimizer)
         engine.replica_peers = peers
+
+    def _audit(self, when: str, step: int) -> None:
+        """With ``audit_replicas``: every replica against its owner's live stage, on every node (``engine.audit``).
+
+        Every node gathers every node's digests and finds the same differences, so all stop together.
+        Under the Bamboo launcher the digests go through the membership store, so a node lost meanwhile
+        fails the audit like any collective: callers between steps run it through ``_resilient`` (fail
+        over, audit again); inside a failover, the failover is retried with the larger lost set.
+        """
+        if not self.audit_replicas or self.engine is None or self.layout is None:
+            return
+        from dataclasses import asdict
+
+        from lightning_bamboo.engine import audit
+
+        engine, layout, rank = self.engine, self.layout, self.global_rank  # type: ignore[attr-defined]
+        replica = engine.replica
+        report = asdict(audit.NodeDigest(
+            node=self.resilience.node if self.resilience is not None else f"rank {rank}",
+            stage=layout.stage_of_rank(rank), pipeline=layout.pipeline_of_rank(rank),
+            own=audit.digest(engine.own_states()),
+            replica_stage=replica.stage if replica is not None else None,
+            replica=audit.digest(replica.states()) if replica is not None else {},
+        ))
+        if self._between_steps():
+            reports = self._gather(report)
+        elif torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            reports = [None] * torch_dist.get_world_size()
+            torch_dist.all_gather_object(reports, report)
+        else:
+            reports = [report]
+        audit.check([audit.NodeDigest(**r) for r in reports], step, when)
+        self.audits += 1
 
     def _rebind_optimizer(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
         """Point Lightning (its optimizer list and LR schedulers) at the rebuilt stage's optimizer."""
@@ -841,7 +885,10 @@ class _BambooStrategyMixin:
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
+        step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
         loss = self._train_batch_surviving(batch)
+        # a node lost (or gone after a notice) meanwhile fails the audit's collective: fail over, audit again
+        self._resilient(lambda: self._audit("after", step))
         epoch = self.lightning_module.trainer.current_epoch  # type: ignore[attr-defined]
         done = self._cursor[1] if self._cursor[0] == epoch else 0
         self._cursor = (epoch, done + len(batch[0]) * (1 if self._global_batches else self.pipelines))
@@ -1185,10 +1232,15 @@ class _BambooStrategyMixin:
         # Restored as late as possible: after Lightning created the data iterator, which draws a
         # seed from torch's generator exactly as the uninterrupted run did before its first step.
         super().on_train_start()  # type: ignore[misc]
-        self._admitted_checkpoint = None  # restored by now; a later fit() reads its own ckpt_path again
+        admitted, self._admitted_checkpoint = self._admitted_checkpoint, None  # a later fit() reads its own ckpt_path
         if self._resume_rng is not None:
             ckpt.restore_rng(self._resume_rng)
             self._resume_rng = None
+        if admitted is None and self._loaded_path is not None:
+            # a resume (also a restart from a checkpoint): replicas must be the loaded stages before a failover
+            # can take one over (an admitted node was audited with the nodes that admitted it)
+            step = self.lightning_module.trainer.global_step  # type: ignore[attr-defined]
+            self._resilient(lambda: self._audit("resumed before", step))
 
     def _saved_states(self, layers: range) -> dict[int, dict[str, Any]]:
         """``layers``' weights and optimizer state from the checkpoint being loaded (any saved layout)."""

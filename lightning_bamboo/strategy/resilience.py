@@ -290,10 +290,12 @@ class Resilience:
         seq = self._collectives.get(generation, 0)
         self._collectives[generation] = seq + 1
         try:
+            # a peer that announced at the last commit that it leaves is gone by now: waiting for its part
+            # would last until its lease ends (the failover that serves it comes at once instead)
             parts = gather(self.store, f"{self.base}coll/{generation}/{seq}", self.node, nodes, value,
-                           self.rendezvous_timeout, lambda: self.detector.lost)
+                           self.rendezvous_timeout, lambda: self.detector.lost | self.leavers)
         except GatherFailed as err:
-            raise PeerLost(str(err), set(err.lost) | self.detector.lost) from err
+            raise PeerLost(str(err), set(err.lost) | self.detector.lost | self.leavers) from err
         if nodes[0] == self.node:  # everyone has put this one, so everyone is done with the ones before
             if seq:
                 self.store.delete_prefix(f"{self.base}coll/{generation}/{seq - 1}/")

@@ -44,6 +44,20 @@ def ReplicaCheck(pl):  # noqa: N802 - a Callback class for the namespace in use
     return _ReplicaCheck()
 
 
+def PerturbReplica(pl, step: int, rank: int):  # noqa: N802 - a Callback class for the namespace in use
+    class _PerturbReplica(pl.Callback):
+        """A fault for the replica audit to find: before step ``step``, rank ``rank`` changes one weight of its replica."""
+
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == step and trainer.global_rank == rank:
+                replica = trainer.strategy.engine.replica
+                replica.settle()
+                with torch.no_grad():
+                    next(replica.module.parameters()).view(-1)[0] += 1e-3
+
+    return _PerturbReplica()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--namespace", default="lightning.pytorch")
@@ -59,6 +73,8 @@ def main() -> None:
     p.add_argument("--redundancy", default="off")
     p.add_argument("--rf-costs", default="measured", help="'measured' or FORWARD,BACKWARD (eager's RF placement)")
     p.add_argument("--check-replicas", action="store_true", help="after every step, compare replicas with their originals")
+    p.add_argument("--audit", action="store_true", help="BambooStrategy(audit_replicas=True)")
+    p.add_argument("--perturb-replica", default=None, help="STEP:RANK: change one weight of that rank's replica before that step")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -84,13 +100,15 @@ def main() -> None:
     partition = args.partition if not args.partition[0].isdigit() else [int(x) for x in args.partition.split(",")]
     strategy = (lightning_bamboo.BambooStrategy if args.namespace == "lightning.pytorch" else lightning_bamboo.PTLBambooStrategy)(
         stages=args.stages, micro_batch_size=args.micro_batch_size, partition=partition, seed=1234, timeout=60,
-        redundancy=args.redundancy, detection_timeout=5,
+        redundancy=args.redundancy, detection_timeout=5, audit_replicas=args.audit,
         rf_costs=args.rf_costs if args.rf_costs == "measured"
         else dict(zip(("forward", "backward"), map(float, args.rf_costs.split(",")), strict=True)),
     )
     callbacks = []
     if args.check_replicas:
         callbacks.append(ReplicaCheck(pl))
+    if args.perturb_replica:
+        callbacks.append(PerturbReplica(pl, *map(int, args.perturb_replica.split(":"))))
     if args.save_every:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(
@@ -112,6 +130,7 @@ def main() -> None:
         print(json.dumps({
             "global_step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"]),
             "failovers": res.failovers if res is not None else [], "world_size": trainer.world_size,
+            "audits": trainer.strategy.audits,
         }))
 
 
