@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temporary dir)")
     parser.add_argument("--plan", default=None, help="train with the layout of a `lightning-bamboo plan --json` file")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                        help="the demo model's optimizer (default sgd with momentum)")
     parser.add_argument("--audit", action="store_true", help="compare every replica with its stage, bit for bit, "
                         "after every step and membership change; a difference stops the run naming layer, step, node")
 
@@ -157,14 +159,14 @@ def run(args: argparse.Namespace) -> int:
     if args.trace and args.preempt:
         raise BambooConfigError("give either --trace or --preempt, not both")
     nodes = [f"node{i}" for i in range(args.nodes)]
+    joins = parse_join(args.join, nodes) if args.join else []
     if args.trace:
         from lightning_bamboo.sim.trace import read_trace
 
         events = events_from_trace(read_trace(args.trace), nodes, args.time_scale)
-    else:
-        events = parse_preempt(DEFAULT_PREEMPT if args.preempt is None else args.preempt, nodes)
-    if args.join:
-        events += parse_join(args.join, nodes)
+    else:  # a node that joins may be preempted later too
+        events = parse_preempt(DEFAULT_PREEMPT if args.preempt is None else args.preempt, nodes + [e.node for e in joins])
+    events += joins
     if args.store != "embedded":
         _check_store_reachable(args.store)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bamboo-demo-"))
@@ -232,8 +234,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
                 "--preferred-stages", str(stages),
             ] + (["--resume", resume] if resume else []) + (args.worker_extra if depth == stages else [])
-            if args.audit:
-                worker_args.append("--audit")
+            worker_args += ["--optimizer", args.optimizer] + (["--audit"] if args.audit else [])
             if not args.no_redundancy:
                 # Bamboo keeps its processes through a fatal loss too; checkpoint-restart (torchelastic,
                 # Varuna) starts new ones

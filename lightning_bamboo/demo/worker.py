@@ -48,9 +48,9 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class DemoGPT(pl.LightningModule):
-    def __init__(self, samples: int, batch_size: int) -> None:
+    def __init__(self, samples: int, batch_size: int, optimizer: str = "sgd") -> None:
         super().__init__()
-        self.samples, self.batch_size = samples, batch_size
+        self.samples, self.batch_size, self.optimizer_name = samples, batch_size, optimizer
 
     def configure_pipeline(self):
         return gpt_layers(CONFIG)
@@ -59,6 +59,8 @@ class DemoGPT(pl.LightningModule):
         return gpt_loss(outputs, targets)
 
     def configure_optimizers(self):
+        if self.optimizer_name == "adamw":  # moments and a step count per parameter: more state a replica must match
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self):
@@ -74,8 +76,13 @@ class SampleOrder(pl.Callback):
         self.steps: list[list[int]] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.steps.append([self.index[bytes(row.numpy().tobytes())] for row in batch[0]])
+        samples = [self.index[bytes(row.numpy().tobytes())] for row in batch[0]]
+        self.steps.append(samples)
         self.path.write_text(json.dumps(self.steps))
+        # and by step number, appended (a SIGKILL loses no earlier line): which samples each step trained on,
+        # whichever process and job ran it (``benchmarks/chaos.py`` checks none is lost or repeated)
+        with self.path.with_name(self.path.name.replace("order-", "samples-") + "l").open("a") as log:
+            log.write(json.dumps({"step": trainer.global_step, "samples": samples}) + "\n")
 
 
 class Progress(pl.Callback):
@@ -101,6 +108,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    "--batch-size); sizes the dataset")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--redundancy", default="lazy")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     p.add_argument("--partition", default="parameters", help="uniform, parameters or boundaries like 0,2,5,8")
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--checkpoint-every", type=int, default=4)
@@ -154,7 +162,8 @@ def _restart_in_place() -> dict | None:
 
 def train(args: argparse.Namespace) -> int:
     node = os.environ.get("BAMBOO_NODE", "node0")
-    model = DemoGPT(samples=args.steps * (args.global_batch or args.batch_size), batch_size=args.batch_size)
+    model = DemoGPT(samples=args.steps * (args.global_batch or args.batch_size), batch_size=args.batch_size,
+                    optimizer=args.optimizer)
     strategy = lightning_bamboo.BambooStrategy(
         stages=args.stages, micro_batch_size=args.micro_batch_size, seed=0,
         partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 #: node SIGKILLs itself at the start of step STEP (0-based count of train_batch calls), or after
 #: INSTRUCTION schedule steps of it (a kill in the middle of a step).
 FAIL_AT_ENV = "BAMBOO_FAIL_AT"
+#: a directory: with it, each BAMBOO_FAIL_AT item kills only once (a node started again after it is spared)
+FAIL_ONCE_ENV = "BAMBOO_FAIL_ONCE_DIR"
 
 
 class PeerLost(BambooError):
@@ -268,6 +270,7 @@ class BambooPipelineEngine(PipelineEngine):
                 started = time.perf_counter()
                 self.commit(step)
                 self.replica_seconds["commit"] += time.perf_counter() - started
+            _maybe_fail(self.node_id, f"apply{step}", None)  # tests: committed everywhere, applied nowhere yet
             self.phase = "apply"
             self.apply_step()
         self.phase = "idle"
@@ -429,8 +432,11 @@ def _saved_on_host(device: torch.device) -> Any:
 def _maybe_fail(node: str, step: int | str, instruction: int | None) -> None:
     """SIGKILL this process where BAMBOO_FAIL_AT names it: ``node@step``, ``node@step:instruction``,
     ``node@start`` (registered, before the job's first rendezvous), ``node@save<step>`` (in the
-    checkpoint save after that step, once its layers are written) or ``node@reconfigure`` (in a live
-    reconfiguration, after the layers moved, before the new stage forms its process groups)."""
+    checkpoint save after that step, once its layers are written), ``node@apply<step>`` (the step
+    committed on every node, its update not applied yet), ``node@reconfigure`` (in a live
+    reconfiguration, after the layers moved, before the new stage forms its process groups) or
+    ``node@failover`` (in its first failover, once the new process group formed, before the stage
+    is rebuilt)."""
     spec = os.environ.get(FAIL_AT_ENV, "")
     for item in filter(None, (s.strip() for s in spec.split(","))):
         who, _, when = item.partition("@")
@@ -438,6 +444,12 @@ def _maybe_fail(node: str, step: int | str, instruction: int | None) -> None:
         if who != node or at_step != str(step):
             continue
         if (instruction is None and not at_instruction) or (at_instruction and instruction == int(at_instruction)):
+            once = os.environ.get(FAIL_ONCE_ENV)
+            if once:  # each item kills once, whichever incarnation of the node reaches it first
+                try:
+                    os.close(os.open(os.path.join(once, item.replace("/", "_")), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    continue
             log.warning("%s: injected SIGKILL at step %s%s", node, step, "" if instruction is None else f" instruction {instruction}")
             os.kill(os.getpid(), signal.SIGKILL)
 

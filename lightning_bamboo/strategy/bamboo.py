@@ -671,6 +671,7 @@ class _BambooStrategyMixin:
 
     def _fail_over_once(self, base: dict[str, Any], suspected: set[str], step: int) -> tuple[Any, int, int]:
         from lightning_bamboo.engine.failover import layout_tag, plan_loss
+        from lightning_bamboo.engine.pipe import _maybe_fail
 
         res = self.resilience
         lost = res.decide_lost(tuple(suspected), base["nodes"])
@@ -683,6 +684,7 @@ class _BambooStrategyMixin:
         # and those that did not agree on the same layout, so they must meet in the same group.
         rank, world = res.reform(list(plan.order), tag=layout_tag(plan.order))
         log.info("%s: process group re-formed", res.node)
+        _maybe_fail(res.node, "failover", None)  # fault injection (BAMBOO_FAIL_AT=node@failover)
         self._enter_group(rank, world)
         # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
         layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)

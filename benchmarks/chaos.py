@@ -1,0 +1,320 @@
+"""Chaos: seeded random membership changes replayed by the demo, each run checked against a clean run.
+
+For every seed, a schedule of at least ``--changes`` membership changes is drawn and replayed by
+``lightning-bamboo demo --audit --optimizer adamw`` (4 nodes, one 4-stage pipeline, checkpoints every
+4 steps): SIGKILLs, preemption notices, joins, a kill soon after a join, two non-neighbours at once,
+a node and its replica holder at once (the checkpoint fallback), a kill a few steps after that
+restart, and kills at points inside the runtime (``BAMBOO_FAIL_AT``): during a failover, during a live
+reconfiguration, inside a checkpoint save, and between a step's commit and its update. The replica
+audit runs after every step and membership change. Each run is compared with a run of the same
+steps without preemptions:
+
+- weights and every optimizer state tensor (AdamW's moments and step counts), max absolute difference;
+- the samples of every step, in every process and job that ran it (none lost, none repeated);
+- every step finished; every recovery's seconds (a loss to the next finished step).
+
+Prints a table (seeds, changes, mismatches, recoveries by kind, p50/p99/max recovery) and exits 1 if
+any run differs, stops short, or recovers slower than ``--max-recovery`` seconds.
+
+    python benchmarks/chaos.py [--seeds 10] [--changes 30] [--first-seed 0] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lightning_bamboo import checkpoint as ckpt  # noqa: E402
+
+NODES = 4
+CHECKPOINT_EVERY = 4
+#: steps from a join to the new node's first step, at ``--step-delay`` 0.4 s (a process's start-up, on 2 cores)
+JOIN_LAG = 12
+#: points inside the runtime where a node is killed (``BAMBOO_FAIL_AT``); ``{step}`` is filled in
+INSIDE = {"in_failover": "failover", "in_reconfiguration": "reconfigure", "in_checkpoint_save": "save{step}",
+          "between_commit_and_apply": "apply{step}"}
+
+
+@dataclass
+class Schedule:
+    """One seed's membership changes as demo flags; ``kinds`` counts them by kind."""
+
+    seed: int
+    steps: int
+    preempt: list[str] = field(default_factory=list)
+    join: list[str] = field(default_factory=list)
+    fail_at: list[str] = field(default_factory=list)
+    kinds: collections.Counter = field(default_factory=collections.Counter)
+    changes: int = 0  # nodes lost or joined
+
+
+def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = JOIN_LAG) -> Schedule:
+    """Draw membership changes until there are ``changes`` of them (a node lost or joined is one change).
+
+    The schedule follows who runs by itself (the demo's order: the first nodes, then each joined node
+    appended) and names only those as victims, keeping at least two; a joined node counts as running
+    ``join_lag`` steps after it joined (its process starts, registers and is admitted meanwhile).
+    Neighbours are neighbours in that order, which is the pipeline's until a rebalance reorders it
+    (then a "node and holder" pair may be survivable and a "non-neighbours" pair fatal: the report
+    says what happened).
+    """
+    rng = random.Random(seed)
+    alive = [f"node{i}" for i in range(nodes)]
+    joining: dict[str, int] = {}  # joined, not yet running: the step from which it runs
+    schedule = Schedule(seed, 0)
+    step, spares, fatal = 2, 0, 0
+    unused = list(INSIDE)
+
+    def kill(name: str, at: int, notice: int | None = None) -> None:
+        schedule.preempt.append(f"{name}@{at}" + (f":{notice}" if notice else ""))
+        alive.remove(name)
+        schedule.changes += 1
+
+    def join(at: int) -> str:
+        nonlocal spares
+        spares += 1
+        schedule.join.append(f"spare{spares}@{at}")
+        joining[f"spare{spares}"] = at + join_lag
+        schedule.changes += 1
+        return f"spare{spares}"
+
+    while schedule.changes < changes:
+        step += rng.choice((1, 2, 2, 3))
+        for name, ready in list(joining.items()):
+            if ready <= step:
+                alive.append(name)
+                del joining[name]
+        weights = {
+            "join": 3 if len(alive) + len(joining) <= nodes else 0,
+            "kill_after_join": 1 if len(alive) + len(joining) <= nodes and len(alive) >= 3 else 0,
+            "kill": 4 if len(alive) > 2 else 0,
+            "notice": 2 if len(alive) > 2 else 0,
+            "inside": 3 if len(alive) > 2 and unused else 0,
+            "two_non_neighbours": 2 if len(alive) >= 4 else 0,
+            "node_and_holder": 2 if len(alive) >= 4 and fatal < 2 else 0,
+        }
+        if sum(weights.values()) == 0:
+            continue  # wait for the joining nodes
+        kind = rng.choices(list(weights), weights=list(weights.values()))[0]
+        if kind == "join":
+            join(step)
+        elif kind == "kill_after_join":  # killed as soon as it has run a step
+            name = join(step)
+            del joining[name]
+            schedule.preempt.append(f"{name}@{step + 1}")
+            schedule.changes += 1
+        elif kind == "kill":
+            kill(rng.choice(alive), step)
+        elif kind == "notice":
+            kill(rng.choice(alive), step, notice=rng.choice((1, 2, 3)))
+        elif kind == "two_non_neighbours":
+            first = rng.randrange(len(alive))
+            for name in [alive[first], alive[(first + 2) % len(alive)]]:
+                kill(name, step)
+        elif kind == "node_and_holder":  # fatal for the replicas: the checkpoint fallback, then a kill right after
+            first = rng.randrange(len(alive) - 1)
+            for name in alive[first : first + 2]:
+                kill(name, step)
+            fatal += 1
+            if len(alive) > 2:
+                step += 2
+                kill(rng.choice(alive), step)
+                schedule.kinds["kill_after_restart"] += 1
+        else:  # a kill at a point inside the runtime
+            kind = unused.pop(rng.randrange(len(unused)))
+            name = rng.choice(alive)
+            at = -(-step // CHECKPOINT_EVERY) * CHECKPOINT_EVERY if kind == "in_checkpoint_save" else step
+            schedule.fail_at.append(f"{name}@{INSIDE[kind].format(step=at)}")
+            alive.remove(name)
+            schedule.changes += 1
+            if kind in ("in_failover", "in_reconfiguration"):
+                # reached at the next failover or reconfiguration: a kill now brings both
+                kill(rng.choice(alive), step)
+        schedule.kinds[kind] += 1
+    schedule.steps = max([step, *joining.values()]) + 6
+    return schedule
+
+
+def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float = 0.0) -> dict:
+    """Run the demo (``schedule`` None: no preemptions) in ``out``; its report, with where its files are."""
+    report = out / "report.json"
+    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(NODES), "--steps", str(steps),
+           "--checkpoint-every", str(CHECKPOINT_EVERY), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
+           "--report", str(report), "--save-weights", str(out / "weights.pt"),
+           "--preempt", ",".join(schedule.preempt) if schedule else ""]
+    if schedule is not None:
+        cmd += ["--audit", "--step-delay", str(step_delay)] + (["--join", ",".join(schedule.join)] if schedule.join else [])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("BAMBOO_FAIL_AT", None)
+    if schedule is not None and schedule.fail_at:
+        env["BAMBOO_FAIL_AT"] = ",".join(schedule.fail_at)
+        (out / "fired").mkdir()
+        env["BAMBOO_FAIL_ONCE_DIR"] = str(out / "fired")  # a node the demo starts again is not killed again
+    with (out / "demo.log").open("w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    result = json.loads(report.read_text()) if report.exists() else {"steps_completed": 0, "recovery_seconds": []}
+    result["exit_code"] = proc.returncode
+    result["log_tail"] = (out / "demo.log").read_text(errors="replace")[-3000:]
+    return result
+
+
+def final_checkpoint(work: Path) -> Path:
+    """The final checkpoint of the demo's last job (the run directory with the highest generation)."""
+    runs = sorted((p for p in work.glob("run*") if (p / "final.ckpt").exists()), key=lambda p: int(p.name[3:]))
+    if not runs:
+        raise FileNotFoundError(f"no final.ckpt under {work}")
+    return runs[-1] / "final.ckpt"
+
+
+def optimizer_states(path: Path) -> dict[str, torch.Tensor]:
+    layers = ckpt.read_layers(path, range(ckpt.read_meta(path)["bamboo"]["num_layers"]))
+    return {f"{layer}.{name}.{key}": torch.as_tensor(value) for layer, state in layers.items()
+            for name, saved in state["optimizer"].items() for key, value in saved["state"].items()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if sorted(a) != sorted(b):
+        return float("inf")
+    return max((float((a[k].double() - b[k].double()).abs().max()) for k in a), default=0.0)
+
+
+def samples_by_step(work: Path) -> dict[int, list[list[int]]]:
+    """Every record of which samples a step trained on, from every process of every job."""
+    seen: dict[int, list[list[int]]] = collections.defaultdict(list)
+    for path in work.glob("run*/samples-*.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                seen[int(record["step"])].append(record["samples"])
+    return seen
+
+
+def sample_problems(clean: dict[int, list[list[int]]], chaos: dict[int, list[list[int]]], steps: int) -> list[str]:
+    """Steps that no process finished, or that trained on other samples than the clean run's."""
+    problems = [f"step {s} never finished" for s in range(1, steps + 1) if s not in chaos]
+    for step, records in sorted(chaos.items()):
+        expected = clean.get(step, [None])[0]
+        problems += [f"step {step} trained on {r[:4]}..., the clean run on {(expected or [])[:4]}..."
+                     for r in records if r != expected]
+    return problems
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[int, dict]) -> dict:
+    schedule = make_schedule(seed, args.changes)
+    if schedule.steps not in clean_runs:
+        out = root / f"clean-{schedule.steps}"
+        out.mkdir()
+        report = demo(out, schedule.steps, None, args.timeout)
+        if report["steps_completed"] != schedule.steps:
+            raise SystemExit(f"the clean run of {schedule.steps} steps failed:\n{report['log_tail']}")
+        clean_runs[schedule.steps] = {"weights": torch.load(out / "weights.pt"),
+                                      "optimizer": optimizer_states(final_checkpoint(out / "work")),
+                                      "samples": samples_by_step(out / "work")}
+        clean_runs[schedule.steps]["samples_per_second"] = report["samples_per_second"]
+    clean = clean_runs[schedule.steps]
+    out = root / f"seed-{seed}"
+    out.mkdir()
+    report = demo(out, schedule.steps, schedule, args.timeout, args.step_delay)
+    row: dict = {"seed": seed, "steps": schedule.steps, "target_steps": schedule.steps,
+                 "steps_completed": report.get("steps_completed", 0), "changes": schedule.changes,
+                 "kinds": dict(schedule.kinds), "exit_code": report["exit_code"],
+                 "recoveries": report.get("recoveries", {}), "recovery_seconds": report.get("recovery_seconds", []),
+                 "preempt": schedule.preempt, "join": schedule.join, "fail_at": schedule.fail_at}
+    problems = []
+    if report["exit_code"] != 0 or row["steps_completed"] != schedule.steps:
+        problems.append(f"exit {report['exit_code']}, {row['steps_completed']} of {schedule.steps} steps; "
+                        f"log tail:\n{report['log_tail']}")
+    else:
+        row["weights_difference"] = max_difference(torch.load(out / "weights.pt"), clean["weights"])
+        row["optimizer_difference"] = max_difference(optimizer_states(final_checkpoint(out / "work")), clean["optimizer"])
+        if row["weights_difference"] or row["optimizer_difference"]:
+            problems.append(f"weights differ by {row['weights_difference']:.3g}, optimizer state by "
+                            f"{row['optimizer_difference']:.3g}")
+        sample_issues = sample_problems(clean["samples"], samples_by_step(out / "work"), schedule.steps)
+        row["sample_problems"] = len(sample_issues)
+        problems += sample_issues[:5]
+    slow = [s for s in row["recovery_seconds"] if s > args.max_recovery]
+    if slow:
+        problems.append(f"recoveries over {args.max_recovery} s: {slow}")
+    row["problems"] = problems
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'seed':>4} {'steps':>5} {'changes':>7} {'kept':>5} {'w diff':>7} {'opt diff':>8} {'samples':>7} "
+             f"{'redundant':>9} {'ckpt':>4} {'p50 s':>6} {'max s':>6}  result"]
+    for r in rows:
+        rec = r["recoveries"]
+        lines.append(
+            f"{r['seed']:>4} {r['steps_completed']:>2}/{r['target_steps']:<2} {r['changes']:>7} "
+            f"{r['changes'] if not r['problems'] else '-':>5} {r.get('weights_difference', float('nan')):>7.1g} "
+            f"{r.get('optimizer_difference', float('nan')):>8.1g} {r.get('sample_problems', '-'):>7} "
+            f"{rec.get('redundant', 0):>9} {rec.get('checkpoint', 0):>4} {percentile(r['recovery_seconds'], 0.5):>6.2f} "
+            f"{max(r['recovery_seconds'], default=0.0):>6.2f}  {'ok' if not r['problems'] else 'FAILED'}")
+    seconds = [s for r in rows for s in r["recovery_seconds"]]
+    kinds = collections.Counter()
+    for r in rows:
+        kinds.update(r["kinds"])
+    failed = [r["seed"] for r in rows if r["problems"]]
+    lines += [
+        "",
+        f"seeds {len(rows)}, changes survived {sum(r['changes'] for r in rows if not r['problems'])} of "
+        f"{sum(r['changes'] for r in rows)}, runs with a mismatch or short {len(failed)} {failed if failed else ''}",
+        "changes drawn by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
+        "recoveries by kind: " + ", ".join(
+            f"{k} {sum(r['recoveries'].get(k, 0) for r in rows)}" for k in ("redundant", "checkpoint", "restart")),
+        f"recovery seconds over {len(seconds)} recoveries: p50 {percentile(seconds, 0.5):.2f}, "
+        f"p99 {percentile(seconds, 0.99):.2f}, max {max(seconds, default=0.0):.2f}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--changes", type=int, default=30, help="membership changes per seed (at least)")
+    p.add_argument("--max-recovery", type=float, default=6.0,
+                   help="seconds a recovery may take: the detection timeout (5 s) plus about one step")
+    p.add_argument("--step-delay", type=float, default=0.4,
+                   help="seconds each node pauses per step, so that joining processes start while the job trains")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one demo run may take")
+    p.add_argument("--keep", default=None, help="keep every run's files in this directory")
+    p.add_argument("--json", action="store_true", help="also print every run as a JSON line")
+    args = p.parse_args()
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bamboo-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows, clean_runs = [], {}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        row = run_seed(seed, args, root, clean_runs)
+        rows.append(row)
+        print(f"seed {seed}: {row['changes']} changes, {row['steps_completed']}/{row['target_steps']} steps, "
+              + ("ok" if not row["problems"] else "FAILED:\n  " + "\n  ".join(row["problems"])), flush=True)
+        if args.json:
+            print(json.dumps({"chaos_run": row}), flush=True)
+    print(table(rows))
+    return 1 if any(r["problems"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
