@@ -257,6 +257,7 @@ def test_recovery_clock_counts_a_kill_until_a_step_no_restart_undoes():
     assert clock.seconds == [0.5]
     clock.stepped(13, 26.0)  # the restarted job's first step
     assert clock.seconds == [0.5, 6.0, 6.0]
+    assert clock.kinds == ["failover", "restart", "restart"]
 
 
 def test_a_restart_takes_the_layout_that_fits_the_nodes_up():

@@ -62,9 +62,10 @@ class RecoveryClock:
     """
 
     def __init__(self) -> None:
-        self._done: list[float] = []  # recoveries no restart can undo any more
+        self._done: list[tuple[float, float]] = []  # (kill time, seconds): recoveries no restart can undo any more
         self._open: list[float] = []  # kill times not recovered from yet
         self._job: list[tuple[float, int, float]] = []  # (kill time, recovering step, seconds) in the running job
+        self._restarted: set[float] = set()  # kill times whose recovery went through a restart from a checkpoint
 
     def killed(self, at: float) -> None:
         self._open.append(at)
@@ -79,12 +80,21 @@ class RecoveryClock:
             if step > from_step:
                 self._open.append(kill)
             else:
-                self._done.append(seconds)
+                self._done.append((kill, seconds))
         self._job.clear()
+        self._restarted.update(self._open)
+
+    def _all(self) -> list[tuple[float, float]]:
+        return self._done + [(kill, seconds) for kill, _, seconds in self._job]
 
     @property
     def seconds(self) -> list[float]:
-        return self._done + [seconds for _, _, seconds in self._job]
+        return [seconds for _, seconds in self._all()]
+
+    @property
+    def kinds(self) -> list[str]:
+        """Per recovery in ``seconds``: "restart" if it went through a restart from a checkpoint, else "failover"."""
+        return ["restart" if kill in self._restarted else "failover" for kill, _ in self._all()]
 
 
 @dataclass
@@ -398,6 +408,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "processes_kept": state.processes_kept,
         "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if f["redone"]),
         "recovery_seconds": [round(s, 3) for s in state.recovery.seconds],
+        "recovery_kinds": state.recovery.kinds,
         "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * state.global_batch / wall if wall > 0 else 0.0,
         "final_loss": final.get("final_loss"),
         "failovers": state.failovers,

@@ -1,0 +1,66 @@
+"""The chaos harness (benchmarks/chaos.py): its schedules, and one seeded run of the demo against a clean run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, run
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import chaos  # noqa: E402
+
+
+def _replay(schedule: chaos.Schedule) -> tuple[int, int]:
+    """Follow a schedule's events in step order: (fewest nodes ever alive, nodes named before they exist)."""
+    events = [(int(j.split("@")[1]), 0, "join", j.split("@")[0]) for j in schedule.join]
+    events += [(int(p.split("@")[1].split(":")[0]), 1, "kill", p.split("@")[0]) for p in schedule.preempt]
+    events += [(at, 1, "kill", f.split("@")[0]) for f, at in zip(schedule.fail_at, schedule.fail_steps, strict=True)]
+    alive, fewest, unknown = {f"node{i}" for i in range(chaos.NODES)}, chaos.NODES, 0
+    for _, _, kind, node in sorted(events):
+        if kind == "join":
+            alive.add(node)
+        else:
+            unknown += node not in alive
+            alive.discard(node)
+        fewest = min(fewest, len(alive))
+    return fewest, unknown
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_schedules_are_seeded_reach_their_changes_and_never_empty_the_cluster(seed):
+    schedule = chaos.make_schedule(seed, 30)
+    assert schedule == chaos.make_schedule(seed, 30)  # the seed alone decides it
+    assert schedule.changes >= 30
+    assert len(schedule.preempt) + len(schedule.fail_at) + len(schedule.join) + schedule.kinds["kill_after_join"] >= 30
+    fewest, unknown = _replay(schedule)
+    assert fewest >= 1 and unknown == 0
+    assert schedule.steps > max(int(j.split("@")[1]) for j in schedule.join)
+
+
+def test_every_kind_of_change_is_drawn_over_ten_seeds():
+    kinds = set()
+    for seed in range(10):
+        kinds |= set(chaos.make_schedule(seed, 30).kinds)
+    assert kinds >= {"kill", "notice", "join", "kill_after_join", "two_non_neighbours", "node_and_holder",
+                     "kill_after_restart", *chaos.INSIDE}
+
+
+@pytest.mark.timeout(420)
+def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and_samples(tmp_path):
+    """Seed 36, 10 changes: kills, a notice, joins, a node and its replica holder at once (a restart from the
+    checkpoint, then a kill right after it) and a kill inside a checkpoint save, with the replica audit on: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean
+    run's samples, and every failover recovered within the bound."""
+    proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--seeds", "1", "--first-seed", "36", "--changes", "10",
+                "--json", "--keep", str(tmp_path)], timeout=400)
+    rows = [json.loads(line)["chaos_run"] for line in proc.stdout.splitlines() if line.startswith('{"chaos_run"')]
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    (row,) = rows
+    assert row["changes"] >= 10 and row["kinds"]["node_and_holder"] == 1 and row["kinds"]["in_checkpoint_save"] == 1
+    assert row["steps_completed"] == row["target_steps"]
+    assert row["weights_difference"] == 0.0 and row["optimizer_difference"] == 0.0 and row["sample_problems"] == 0
+    assert row["recoveries"]["redundant"] >= 2 and row["recoveries"]["checkpoint"] >= 1
+    assert (tmp_path / "seed-36" / "fired").is_dir() and len(list((tmp_path / "seed-36" / "fired").iterdir())) == 1
+    assert "runs with a mismatch or short 0" in proc.stdout
