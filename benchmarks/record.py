@@ -2,7 +2,8 @@
 
     python benchmarks/record.py NAME -- python benchmarks/rc_overhead.py --repeats 5
 
-The file starts with ``#`` header lines (command, commit, date, machine) and then holds the
+The file starts with ``#`` header lines (command, commit, date, machine, load average: other work on the
+machine slows timings) and then holds the
 command's standard output and error exactly as printed (they are also echoed while it runs). The
 README quotes numbers only from these files (``tests/test_readme_numbers.py`` checks). The file is
 written to a temporary name and renamed when the command has finished, so a result is never half
@@ -38,7 +39,8 @@ def machine() -> str:
 def header(command: list[str]) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return "".join(f"# {key}: {value}\n" for key, value in (
-        ("command", shlex.join(command)), ("commit", commit()), ("date", now), ("machine", machine())))
+        ("command", shlex.join(command)), ("commit", commit()), ("date", now), ("machine", machine()),
+        ("load average at start", " ".join(f"{x:.1f}" for x in os.getloadavg()))))
 
 
 def main(argv: list[str] | None = None) -> int:
