@@ -47,6 +47,12 @@ def test_report_json_has_the_fixed_keys_and_a_plot(tmp_path, capsys):
         assert p["hours"] == pytest.approx(0.1)
         assert p["timeline"][0]["hours"] == 0.0
     assert report["params"]["stages"] == 2
+    # every input with its value and source (a fixed contract); the toy's values are overrides
+    assert set(report["inputs"]) == set(SimParams().as_dict())
+    for name, entry in report["inputs"].items():
+        assert entry["value"] == report["params"][name] and entry["source"].strip(), name
+    assert report["inputs"]["stages"]["kind"] == "override"
+    assert report["inputs"]["spot_price"]["kind"] == "released-code"
     assert report["paper"] == {"bamboo_vs_checkpoint_throughput": 3.7, "bamboo_vs_on_demand_value": 2.4}
     png = (tmp_path / "p.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--report", metavar="JSON", help="write the full report (per policy and over time)")
     parser.add_argument("--plot", metavar="PNG", help="write throughput, cost and nodes over time")
+    parser.add_argument(
+        "--show-inputs", action="store_true", help="also print every input with its value, kind and source"
+    )
 
 
 def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
@@ -104,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report.table())
+    if args.show_inputs:
+        print(report.inputs_table())
     if args.report:
         report.write_json(args.report)
         print(f"report: {Path(args.report)}")

@@ -101,6 +101,7 @@ class SimReport:
     policies: Mapping[str, PolicyResult]
     params: SimParams
     trace: Mapping[str, object]
+    inputs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> value, kind, source
 
     def comparison(self) -> dict[str, float | None]:
         p = self.policies
@@ -125,7 +126,16 @@ class SimReport:
             "paper": dict(PAPER),
             "trace": dict(self.trace),
             "params": self.params.as_dict(),
+            "inputs": {k: dict(v) for k, v in self.inputs.items()},
         }
+
+    def inputs_table(self) -> str:
+        """Every input as a Markdown table: name, value, kind and source."""
+        rows = ["| input | value | kind | source |", "|---|---:|---|---|"]
+        for name, entry in self.inputs.items():
+            source = str(entry["source"]).replace("|", "/")
+            rows.append(f"| `{name}` | {entry['value']} | {entry['kind']} | {source} |")
+        return "\n".join(rows)
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n", encoding="utf-8")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import young_interval
-from lightning_bamboo.sim.params import ParamError, SimParams
+from lightning_bamboo.sim.params import ParamError, SimParams, describe_inputs
 from lightning_bamboo.sim.policies import POLICIES, Policy
 from lightning_bamboo.sim.report import PolicyResult, SimReport
 from lightning_bamboo.sim.trace import Trace, TraceEvent, scale_trace
@@ -94,12 +94,17 @@ def simulate(
     trace: Trace,
     params: SimParams | None = None,
     policies: Iterable[str] = ("on_demand", "checkpoint", "bamboo"),
+    sources: Mapping[str, str] | None = None,
 ) -> SimReport:
-    """Replay ``trace`` under every policy and compare them."""
+    """Replay ``trace`` under every policy and compare them.
+
+    ``sources``: where the caller's values come from (``"kind: text"``, e.g. a scenario's
+    citations); the report's ``inputs`` gives every input's value, kind and source.
+    """
     params = params or SimParams()
     replayed, end = prepare(trace, params)
     results = {name: run_policy(name, replayed, params, end)[0] for name in policies}
-    return SimReport(results, params, trace_summary(replayed, end))
+    return SimReport(results, params, trace_summary(replayed, end), describe_inputs(params, sources))
 
 
 def trace_summary(trace: Trace, end: float) -> dict[str, object]:
