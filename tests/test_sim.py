@@ -213,10 +213,11 @@ def test_join_on_demand_runs_the_peak_cluster_throughout():
     assert od.recovery_hours == 0 and od.preemptions == 0
 
 
-def test_join_checkpoint_restarts_from_the_last_save():
+def test_join_checkpoint_saves_then_restarts_wider_and_loses_nothing():
     result, _ = run("checkpoint", JOIN)
-    # saves 40-45 (80), 85-90 (160); join at 100 s (180): back to 160, restart 100-110 with
-    # 2 pipelines; saves 150-155, 195-200
+    # saves 40-45 (80), 85-90 (160); join at 100 s (180 samples): a voluntary restart, so save first
+    # (100-105, commits 180), restart 105-115 with 2 pipelines; next save after 40 s of training:
+    # 155-160; 160-200 trains
     assert steps(result) == [
         (0, R1),
         (40, 0),
@@ -224,12 +225,39 @@ def test_join_checkpoint_restarts_from_the_last_save():
         (85, 0),
         (90, R1),
         (100, 0),
-        (110, R2),
-        (150, 0),
-        (155, R2),
-        (195, 0),
+        (115, R2),
+        (155, 0),
+        (160, R2),
     ]
-    assert result.samples == pytest.approx(160 + 80 * R2)
+    assert result.samples == pytest.approx(180 + 40 * R2 + 40 * R2)
+    assert result.breakdown_hours["lost_work"] == 0.0
+    assert result.recoveries["checkpoint"] == 0 and result.reconfigurations == 1
+
+
+def test_checkpoint_interval_chosen_at_run_time_from_the_preemptions_seen():
+    # two pipelines; n2 lost at 100 s. save 5 s; no fixed interval:
+    # interval = sqrt(2 * 5 * max(now, 5) / (failures + 1)), asked again when each save ends
+    lines = FOUR + ["100000,remove,n2"]
+    result, _ = run("checkpoint", lines, checkpoint_interval_seconds=0.0, max_overloaded_fraction=1.0)
+    saves, t = [], 0.0
+    while True:  # the saves before the loss at 100 s (no failure seen yet), by hand with the rule
+        start = t + (2 * 5 * max(t, 5) / 1) ** 0.5
+        if start >= 100:
+            break
+        saves.append(round(start, 6))
+        t = start + 5
+    got = [s for s, r in steps(result) if r == 0]
+    assert got[: len(saves)] == [pytest.approx(s) for s in saves]
+    # the loss at 100 s restarts (10 s); the first interval after it counts one failure
+    assert got[len(saves)] == 100
+    after = [s for s in got if s > 100]
+    assert after[0] == pytest.approx(110 + (2 * 5 * 110 / 2) ** 0.5)
+
+
+def test_checkpoint_oracle_uses_the_whole_traces_mtbf():
+    # one removal in 200 s: Young's interval sqrt(2 * 5 * 200) = 44.72 s, known from the start
+    result, _ = run("checkpoint_oracle", FOUR + ["100000,remove,n2"], checkpoint_interval_seconds=0.0)
+    assert steps(result)[:2] == [(0, R2), (pytest.approx((2 * 5 * 200) ** 0.5), 0)]
 
 
 def test_notice_lets_both_spot_policies_lose_nothing():

@@ -15,7 +15,8 @@ from lightning_bamboo.sim.params import convert, load_params, parse_overrides
 from lightning_bamboo.sim.simulate import simulate
 from lightning_bamboo.sim.trace import Trace, bundled_trace, read_trace, write_trace
 
-POLICY_NAMES = ("on_demand", "checkpoint", "bamboo")
+POLICY_NAMES = ("on_demand", "checkpoint", "checkpoint_oracle", "bamboo")
+DEFAULT_POLICIES = ("on_demand", "checkpoint", "bamboo")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nodes", type=int, help="scale the trace so its peak is about N nodes (= --param nodes=N)"
     )
     parser.add_argument(
-        "--policies", default=",".join(POLICY_NAMES), help="comma-separated subset of policies"
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"comma-separated policies out of {', '.join(POLICY_NAMES)} (default: %(default)s)",
     )
     parser.add_argument("--report", metavar="JSON", help="write the full report (per policy and over time)")
     parser.add_argument("--plot", metavar="PNG", help="write throughput, cost and nodes over time")

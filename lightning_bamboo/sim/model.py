@@ -74,3 +74,13 @@ def young_interval(save_seconds: float, mean_seconds_between_failures: float) ->
     if not math.isfinite(mean_seconds_between_failures) or save_seconds <= 0:
         return 0.0
     return math.sqrt(2.0 * save_seconds * mean_seconds_between_failures)
+
+
+def runtime_interval(save_seconds: float, elapsed_seconds: float, failures: int) -> float:
+    """The checkpoint interval a running job can choose: Young-Daly ``sqrt(2 * save * MTBF)`` with the
+    MTBF estimated from what it has seen, ``max(elapsed, save) / (failures + 1)`` (one failure is
+    counted ahead, so that a job that has seen none still saves, less often the longer it runs)."""
+    if save_seconds <= 0:
+        return 0.0
+    mtbf = max(elapsed_seconds, save_seconds) / (failures + 1)
+    return math.sqrt(2.0 * save_seconds * mtbf)

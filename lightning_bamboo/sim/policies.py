@@ -1,4 +1,4 @@
-"""The three ways to run a job: on-demand, checkpoint-restart on spot, and Bamboo on spot.
+"""Ways to run a job: on-demand, checkpoint-restart on spot (run-time or oracle interval), Bamboo on spot.
 
 A policy reacts to membership events (``on_add``, ``on_ready``, ``on_remove``) as they happen and
 decides at ``settle``, once every event of that instant is known (a step boundary).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lightning_bamboo.membership.policy import Layout, fresh_layout, reconfigure
 from lightning_bamboo.sim.ledger import Ledger
-from lightning_bamboo.sim.model import policy_config, samples_per_second, step_rate
+from lightning_bamboo.sim.model import policy_config, runtime_interval, samples_per_second, step_rate
 from lightning_bamboo.sim.params import SimParams
 from lightning_bamboo.sim.trace import TraceEvent
 
@@ -58,18 +58,28 @@ class OnDemand(Policy):
 
 
 class CheckpointRestart(Policy):
-    """Fixed depth; every membership change that touches the layout restarts from the last checkpoint.
+    """Fixed depth; a loss rolls back to the last checkpoint, a chance to grow saves first.
 
-    A removal of a node in the layout, or a join that allows one more pipeline, rolls every worker
-    back to the last checkpoint and restarts them (as torchelastic and Varuna do). Nodes beyond
-    whole pipelines wait. A removal with notice long enough to save a checkpoint loses no work.
+    A removal of a node in the layout rolls every worker back to the last checkpoint and restarts
+    them (as torchelastic and Varuna do); a removal with a notice long enough for a save loses
+    nothing. A join that allows one more pipeline is voluntary: the job saves, then restarts wider,
+    and loses no work. Nodes beyond whole pipelines wait. The checkpoint interval is chosen as the
+    job runs (:func:`~lightning_bamboo.sim.model.runtime_interval`, from the preemptions it has
+    seen) unless ``checkpoint_interval_seconds`` fixes it.
     """
 
     name = "checkpoint"
+    adaptive = True  # choose the interval at run time (see checkpoint_oracle)
 
     def __init__(self, params: SimParams, ledger: Ledger) -> None:
         super().__init__(params, ledger)
         self.disrupted = False
+        if self.adaptive and not params.checkpoint_interval_seconds:
+            if params.checkpoint_save_seconds > 0:
+                save = params.checkpoint_save_seconds
+                ledger.interval_rule = lambda now: runtime_interval(save, now, ledger.preemptions)
+            else:
+                ledger.checkpoint_interval = params.step_seconds  # free saves: after every step
 
     def on_remove(self, event: TraceEvent) -> None:
         super().on_remove(event)
@@ -89,18 +99,33 @@ class CheckpointRestart(Policy):
         current = self.layout.pipelines if self.layout is not None else 0
         if not self.disrupted and pipelines <= current:
             return
-        if self.disrupted or current:
-            # a running job is rolled back; a job that was idle was rolled back when it stopped
+        voluntary = not self.disrupted and current > 0
+        if self.disrupted:
             self.ledger.rollback()
             self.ledger.recoveries["checkpoint"] += 1
+        elif voluntary:
+            self.ledger.save(self.params.checkpoint_save_seconds)  # grow without losing work
+            self.ledger.reconfigurations += 1
         self.disrupted = False
         layout = fresh_layout(self.ready, pipelines, self.params.stages, self.config) if pipelines else None
         if layout is not None and self.started:
-            self.ledger.pause("restart", self.params.restart_seconds, restart=True)
+            # a voluntary restart keeps the save queued before it; a recovery drops what was queued
+            self.ledger.pause("restart", self.params.restart_seconds, restart=not voluntary)
         elif layout is None:
             self.ledger.pause("restart", 0.0, restart=True)  # nothing runs: drop queued pauses
         self.started = self.started or layout is not None
         self._set_layout(layout)
+
+
+class CheckpointOracle(CheckpointRestart):
+    """Checkpoint-restart with Young's interval for the whole trace's mean time between removals.
+
+    No running job knows that number (it needs the trace's future): an upper bound for the
+    checkpoint-restart baseline, kept as a labelled option.
+    """
+
+    name = "checkpoint_oracle"
+    adaptive = False
 
 
 class Bamboo(Policy):
@@ -175,4 +200,4 @@ class Bamboo(Policy):
         self._set_layout(decision.layout, redundancy=True)
 
 
-POLICIES = {p.name: p for p in (OnDemand, CheckpointRestart, Bamboo)}
+POLICIES = {p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo)}

@@ -143,14 +143,14 @@ class SimReport:
     def table(self) -> str:
         """The terminal table: one row per policy, then our ratios beside the paper's."""
         head = (
-            f"{'policy':<11}{'samples/s':>10}{'cost $':>10}{'samples/$':>11}{'hours':>7}{'recovery h':>11}"
+            f"{'policy':<18}{'samples/s':>10}{'cost $':>10}{'samples/$':>11}{'hours':>7}{'recovery h':>11}"
             f"{'node-h':>8}{'preempt':>8}{'recoveries (rc/ckpt)':>21}"
         )
         rows = [head, "-" * len(head)]
         for name, r in self.policies.items():
             rec = f"{r.recoveries.get('redundant', 0)}/{r.recoveries.get('checkpoint', 0)}"
             rows.append(
-                f"{name:<11}{r.samples_per_second:>10.1f}{r.cost_dollars:>10.1f}{r.samples_per_dollar:>11.0f}"
+                f"{name:<18}{r.samples_per_second:>10.1f}{r.cost_dollars:>10.1f}{r.samples_per_dollar:>11.0f}"
                 f"{r.hours:>7.2f}{r.recovery_hours:>11.2f}{r.node_hours:>8.0f}{r.preemptions:>8}{rec:>21}"
             )
         labels = {

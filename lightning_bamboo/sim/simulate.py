@@ -35,7 +35,8 @@ def on_demand_nodes(trace: Trace, params: SimParams) -> int:
 
 
 def checkpoint_interval(trace: Trace, end: float, params: SimParams) -> float:
-    """The checkpoint-restart policy's interval: the parameter, or Young's optimum for this trace."""
+    """The oracle's interval: the parameter, or Young's optimum for the whole trace's removals (which
+    no running job knows: ``checkpoint_oracle`` only)."""
     if params.checkpoint_interval_seconds:
         return params.checkpoint_interval_seconds
     if params.checkpoint_save_seconds <= 0:
@@ -52,11 +53,14 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
         count = on_demand_nodes(trace, params)
         events: Iterable[TraceEvent] = [TraceEvent(0, "add", f"od{i + 1}") for i in range(count)]
         ledger = Ledger(params.on_demand_price)
-    elif name == "checkpoint":
+    elif name == "checkpoint_oracle":
         events = trace.events
         ledger = Ledger(
             params.spot_price, checkpoint_interval(trace, end, params), params.checkpoint_save_seconds
         )
+    elif name == "checkpoint":
+        events = trace.events
+        ledger = Ledger(params.spot_price, params.checkpoint_interval_seconds, params.checkpoint_save_seconds)
     else:
         events = trace.events
         ledger = Ledger(params.spot_price, params.bamboo_checkpoint_interval_seconds, 0.0)
