@@ -129,11 +129,15 @@ class CheckpointOracle(CheckpointRestart):
 
 
 class Bamboo(Policy):
-    """Redundant computation: a lost node's predecessor takes over at once; reconfigure by the policy.
+    """Redundant computation, with the runtime's rules for a loss (``engine/failover.py``'s ``plan_loss``).
 
-    Losing a node whose replica holder is lost or overloaded (two adjacent losses) is fatal: roll
-    back to the last asynchronous checkpoint and restart. Every layout change is decided by
-    :func:`lightning_bamboo.membership.policy.reconfigure`.
+    With several pipelines, a pipeline that lost a node is dropped and the whole ones train on
+    (more micro-batches each; the survivors wait as standby nodes). Only when every pipeline lost a
+    node does one of them fail over: each lost node's predecessor, which holds its replica, runs
+    both stages (slower steps), and the others are released. A loss that no pipeline can fail over
+    (a node lost together with its replica holder, or a node already running two stages) is
+    fatal: back to the last asynchronous checkpoint and restart. Every later layout change is
+    decided by :func:`lightning_bamboo.membership.policy.reconfigure`.
     """
 
     name = "bamboo"
@@ -148,6 +152,18 @@ class Bamboo(Policy):
         self.fatal = False
         self.decisions: list[tuple[float, str, str]] = []  # (seconds, action, reason)
 
+    def _fail_over(self, row: tuple[str, ...], lost: set[str]) -> list[str] | None:
+        """The replica holders that take over ``row``'s lost stages, or None when one cannot."""
+        holders = []
+        for s, node in enumerate(row):
+            if node not in lost:
+                continue
+            holder = row[(s - 1) % len(row)]
+            if holder == node or holder in lost or node in self.overloaded or holder in self.overloaded:
+                return None
+            holders.append(holder)
+        return holders
+
     def on_remove(self, event: TraceEvent) -> None:
         alive_before = set(self.ready)
         super().on_remove(event)
@@ -155,20 +171,35 @@ class Bamboo(Policy):
         if self.layout is None or node not in self.layout.nodes or node not in alive_before:
             return
         self.ledger.preemptions += 1
-        holder = self.layout.replica_holder(node)
-        if self.fatal or node in self.overloaded or holder == node or holder not in self.ready:
-            if not self.fatal:
-                self.fatal = True
-                self.ledger.recoveries["checkpoint"] += 1
-                self.ledger.rollback()
-                self.ledger.pause("restart", self.params.restart_seconds, restart=True)
-            self.overloaded.discard(node)
+        if self.fatal:
             return
-        self.overloaded.add(holder)
-        self.ledger.recoveries["redundant"] += 1
-        failover = 0.0 if event.notice_seconds > 0 else self.params.failover_seconds
-        self.ledger.pause("failover", failover)
-        self._set_layout(self.layout, redundancy=True, overloaded=True)
+        pause = 0.0 if event.notice_seconds > 0 else self.params.failover_seconds
+        lost = {n for n in self.layout.nodes if n not in self.ready}
+        whole = [row for row in self.layout.grid if not lost & set(row)]
+        if whole:  # drop the broken pipelines; no data moves
+            layout = Layout(tuple(whole), self.layout.parts, self.config.micro_batches(len(whole)))
+            self.ledger.recoveries["redundant"] += 1
+            self.ledger.pause("failover", pause)
+            self._set_layout(layout, redundancy=True, overloaded=bool(self.overloaded))
+            return
+        rows = sorted(self.layout.grid, key=lambda r: -sum(n not in lost for n in r))
+        for row in rows:
+            holders = self._fail_over(row, lost)
+            if holders is not None:
+                self.overloaded.update(holders)
+                self.ledger.recoveries["redundant"] += 1
+                self.ledger.pause("failover", pause)
+                parts, batches = self.layout.parts, self.config.micro_batches(1)
+                # the layout keeps the lost nodes' places: their holders run them (see step_rate)
+                layout = Layout((row,), parts, batches) if len(rows) > 1 else self.layout
+                self.overloaded -= lost
+                self._set_layout(layout, redundancy=True, overloaded=True)
+                return
+        self.fatal = True
+        self.overloaded.clear()
+        self.ledger.recoveries["checkpoint"] += 1
+        self.ledger.rollback()
+        self.ledger.pause("restart", self.params.restart_seconds, restart=True)
 
     def settle(self) -> None:
         layout_nodes = set(self.layout.nodes) if self.layout is not None else set()
