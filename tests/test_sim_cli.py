@@ -130,3 +130,38 @@ def test_compare_with_demo_hook():
     assert not compare_with_demo(bad, predicted).ok
     with pytest.raises(BambooConfigError, match="lacks"):
         compare_with_demo({"steps": 3}, predicted)
+
+
+def test_bamboo_paper_scenario_prints_both_ratios_beside_the_papers_and_cites_every_input(tmp_path, capsys):
+    from lightning_bamboo.sim.params import KINDS
+    from lightning_bamboo.sim.scenarios import BAMBOO_PAPER
+
+    path = tmp_path / "r.json"
+    argv = ["--scenario", "bamboo-paper", "--param", "hours=2", "--report", str(path)]
+    assert call(argv) == 0
+    out = capsys.readouterr().out
+    assert "bamboo_vs_checkpoint_throughput: ours" in out and "published 3.7x" in out
+    assert "bamboo_vs_on_demand_value: ours" in out and "published 2.4x" in out
+    inputs = json.loads(path.read_text())["inputs"]
+    for name, value in BAMBOO_PAPER.values.items():  # the scenario's values, each with its citation
+        assert inputs[name]["value"] == value, name
+        assert inputs[name]["kind"] in KINDS and inputs[name]["kind"] != "override", name
+        if inputs[name]["kind"] == "released-code":
+            assert "uclasystem/bamboo" in inputs[name]["source"] and "1057ba80" in inputs[name]["source"]
+    assert inputs["step_seconds"]["value"] == 3.08 and inputs["stages"]["value"] == 8
+    assert inputs["hours"]["kind"] == "override"  # --param on top of the scenario says so
+
+
+def test_a_param_replaces_the_scenarios_value_and_its_source(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert call(["--scenario", "bamboo-paper", "--param", "hours=1", "--param", "stages=12",
+                 "--param", "min_stages=6", "--report", str(path)]) == 0
+    inputs = json.loads(path.read_text())["inputs"]
+    assert inputs["stages"]["value"] == 12 and inputs["stages"]["kind"] == "choice"  # the bundled default's source
+    assert inputs["min_stages"]["value"] == 6 and inputs["min_stages"]["kind"] == "assumption"
+
+
+def test_unknown_scenario_exits_2_naming_the_known_ones(capsys):
+    assert call(["--scenario", "bamboo-paperr"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown scenario 'bamboo-paperr'" in err and "bamboo-paper" in err

@@ -12,6 +12,7 @@ from typing import Any
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.sim.generate import SpotModel, generate_trace
 from lightning_bamboo.sim.params import convert, load_params, parse_overrides
+from lightning_bamboo.sim.scenarios import scenario
 from lightning_bamboo.sim.simulate import simulate
 from lightning_bamboo.sim.trace import Trace, bundled_trace, read_trace, write_trace
 
@@ -37,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="synthetic trace model field, e.g. preemption_rate=0.3 (per node-hour), "
         f"fields: {', '.join(f.name for f in dataclasses.fields(SpotModel))}",
+    )
+    parser.add_argument(
+        "--scenario",
+        metavar="NAME",
+        help="a named setting with cited inputs (bamboo-paper); --trace and --param still apply on top",
     )
     parser.add_argument("--save-trace", metavar="CSV", help="write the replayed (generated) trace here")
     parser.add_argument(
@@ -83,9 +89,9 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
         return generate_trace(model), model.hours
     if args.spot:
         raise BambooConfigError("--spot only applies with --generate")
-    if not args.trace:
-        raise BambooConfigError("simulate needs --trace CSV (or 'p3' / 'g4dn') or --generate")
-    path = args.trace
+    path = args.trace or (scenario(args.scenario).trace if args.scenario else None)
+    if not path:
+        raise BambooConfigError("simulate needs --trace CSV (or 'p3' / 'g4dn'), --generate or --scenario NAME")
     if not os.path.exists(path) and path in ("p3", "g4dn"):
         path = bundled_trace(path)
     return read_trace(path), 0.0
@@ -94,7 +100,13 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
 def run(args: argparse.Namespace) -> int:
     try:
         trace, hours = _trace(args)
-        overrides = parse_overrides(args.param)
+        chosen = scenario(args.scenario) if args.scenario else None
+        overrides: dict[str, Any] = dict(chosen.values) if chosen else {}
+        sources = dict(chosen.sources) if chosen else {}
+        command_line = parse_overrides(args.param)
+        for name in command_line:
+            sources.pop(name, None)  # a --param replaces the scenario's value and its source
+        overrides.update(command_line)
         if args.nodes is not None:
             overrides["nodes"] = convert("nodes", str(args.nodes))
         if hours and "hours" not in overrides:
@@ -105,11 +117,17 @@ def run(args: argparse.Namespace) -> int:
             raise BambooConfigError(f"unknown policies {unknown}; use a subset of {list(POLICY_NAMES)}")
         if args.save_trace:
             write_trace(trace, args.save_trace)
-        report = simulate(trace, params, policies)
+        report = simulate(trace, params, policies, sources)
     except BambooConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report.table())
+    if chosen:
+        print(f"scenario {chosen.name}: {chosen.about}")
+        comparison = report.comparison()
+        for key, (value, citation) in chosen.claims.items():
+            ours = comparison.get(key)
+            print(f"  {key}: ours {ours:.2f}x, published {value}x ({citation})" if ours else f"  {key}: n/a")
     if args.show_inputs:
         print(report.inputs_table())
     if args.report:
