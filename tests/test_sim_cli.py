@@ -165,3 +165,47 @@ def test_unknown_scenario_exits_2_naming_the_known_ones(capsys):
     assert call(["--scenario", "bamboo-paperr"]) == 2
     err = capsys.readouterr().err
     assert "unknown scenario 'bamboo-paperr'" in err and "bamboo-paper" in err
+
+
+def test_sweep_writes_a_real_png_with_named_axes(tmp_path, capsys):
+    import matplotlib.image
+
+    from lightning_bamboo.sim.simulate import simulate
+    from lightning_bamboo.sim.sweep import parse_sweep, plot_sweep, sweep
+
+    trace = tmp_path / "t.csv"
+    trace.write_text(TOY_TRACE)
+    png = tmp_path / "sweep.png"
+    argv = ["--trace", str(trace), "--sweep", "restart_seconds=0:100:3", "--plot", str(png)]
+    for p in TOY_PARAMS:
+        argv += ["--param", p]
+    assert call(argv) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[0] == "restart_seconds" and [r.split()[0] for r in rows[1:4]] == ["0", "50", "100"]
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 300 and image.shape[1] > 300
+    assert image[..., :3].std() > 0.05  # not a blank canvas
+    # the same sweep in Python: the figure's axes carry the names, each line one point per value
+    name, values = parse_sweep("restart_seconds=0:100:3")
+    params = SimParams(**{**SimParams().as_dict(), **{k: float(v) for k, v in (p.split("=") for p in TOY_PARAMS)}})
+    results = sweep(name, values, lambda n, v: simulate(parse_trace(TOY_TRACE.split(), "t"), params.replace(**{n: v})))
+    fig = plot_sweep(name, results, tmp_path / "again.png")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["throughput (samples/s)", "value (samples/$)", "ratio"]
+    assert fig.axes[-1].get_xlabel() == "restart_seconds"
+    assert all(len(line.get_xdata()) == 3 for line in fig.axes[0].get_lines())
+    # a slower restart hurts checkpoint-restart (one loss at 100 s), not on-demand
+    ck = [r.policies["checkpoint"].samples for _, r in results]
+    od = [r.policies["on_demand"].samples for _, r in results]
+    assert ck[0] > ck[1] > ck[2] and od[0] == od[2]
+
+
+def test_sweep_of_a_synthetic_trace_field_and_bad_sweeps(tmp_path, capsys):
+    argv = ["--generate", "--spot", "nodes=8", "--spot", "hours=1", "--sweep", "preemption_rate=0.1:1:2",
+            "--param", "stages=4", "--param", "min_stages=2", "--param", "step_pipelines=2", "--param", "hours=1"]
+    assert call(argv) == 0
+    assert [r.split()[0] for r in capsys.readouterr().out.splitlines()[1:3]] == ["0.1", "1"]
+    assert call(["--trace", "p3", "--sweep", "restart_seconds=1:2"]) == 2
+    assert "PARAM=START:STOP:COUNT" in capsys.readouterr().err
+    assert call(["--trace", "p3", "--sweep", "preemption_rate=0.1:1:2"]) == 2  # a --spot field needs --generate
+    assert call(["--trace", "p3", "--sweep", "restart_seconds=1:2:1"]) == 2
+    assert "COUNT must be at least 2" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from lightning_bamboo.sim.generate import SpotModel, generate_trace
 from lightning_bamboo.sim.params import convert, load_params, parse_overrides
 from lightning_bamboo.sim.scenarios import scenario
 from lightning_bamboo.sim.simulate import simulate
+from lightning_bamboo.sim.sweep import parse_sweep, plot_sweep, sweep, sweep_table
 from lightning_bamboo.sim.trace import Trace, bundled_trace, read_trace, write_trace
 
 POLICY_NAMES = ("on_demand", "checkpoint", "checkpoint_oracle", "bamboo")
@@ -66,11 +67,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="JSON", help="write the full report (per policy and over time)")
     parser.add_argument("--plot", metavar="PNG", help="write throughput, cost and nodes over time")
     parser.add_argument(
+        "--sweep",
+        metavar="PARAM=A:B:N",
+        help="replay once per value of one input (N values from A to B; a --spot field with --generate) and "
+        "print a table; with --plot, the PNG shows throughput, value and the ratios against it",
+    )
+    parser.add_argument(
         "--show-inputs", action="store_true", help="also print every input with its value, kind and source"
     )
 
 
-def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
+def _trace(args: argparse.Namespace, spot: dict[str, float] | None = None) -> tuple[Trace, float]:
     if args.generate:
         if args.trace:
             raise BambooConfigError("pass either --trace or --generate, not both")
@@ -85,6 +92,7 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
             except ValueError:
                 raise BambooConfigError(f"--spot {key} needs a number (got {text!r})") from None
             values[key] = int(number) if fields[key].type == "int" else number
+        values.update(spot or {})
         model = SpotModel(**values)
         return generate_trace(model), model.hours
     if args.spot:
@@ -115,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if unknown := [p for p in policies if p not in POLICY_NAMES]:
             raise BambooConfigError(f"unknown policies {unknown}; use a subset of {list(POLICY_NAMES)}")
+        if args.sweep:
+            return _run_sweep(args, params, policies, sources)
         if args.save_trace:
             write_trace(trace, args.save_trace)
         report = simulate(trace, params, policies, sources)
@@ -137,6 +147,26 @@ def run(args: argparse.Namespace) -> int:
         from lightning_bamboo.sim.plot import plot_report
 
         plot_report(report, args.plot)
+        print(f"plot: {Path(args.plot)}")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, params: Any, policies: list[str], sources: dict[str, str]) -> int:
+    """``--sweep``: one replay per value; a table, and the PNG with ``--plot``."""
+    spot_fields = [f.name for f in dataclasses.fields(SpotModel)] if args.generate else []
+    name, values = parse_sweep(args.sweep, spot_fields)
+
+    def one(name: str, value: float) -> Any:
+        if name in spot_fields:
+            trace, hours = _trace(args, {name: value})
+            return simulate(trace, params, policies, sources)
+        trace, _ = _trace(args)
+        return simulate(trace, params.replace(**{name: convert(name, str(value))}), policies, sources)
+
+    results = sweep(name, values, one)
+    print(sweep_table(name, results))
+    if args.plot:
+        plot_sweep(name, results, args.plot)
         print(f"plot: {Path(args.plot)}")
     return 0
 
