@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_bamboo.sim.params import SimParams
+from lightning_bamboo.sim.policies import POLICIES
 from lightning_bamboo.sim.simulate import run_policy, simulate
 from lightning_bamboo.sim.trace import parse_trace
 
@@ -340,7 +341,8 @@ def test_time_adds_up_on_random_traces(seed):
     params = SimParams(
         stages=stages, min_stages=1, layers=4, global_micro_batches=8, step_pipelines=1, hours=2.0
     )
-    report = simulate(generate_trace(model), params)
+    report = simulate(generate_trace(model), params, sorted(POLICIES))
+    assert set(report.policies) == set(POLICIES)
     for result in report.policies.values():
         b = result.breakdown_hours
         spent = b["training"] + b["idle"] + b["failover"] + b["reconfigure"] + b["restart"] + b["checkpoint"]

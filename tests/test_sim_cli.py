@@ -40,7 +40,8 @@ def test_report_json_has_the_fixed_keys_and_a_plot(tmp_path, capsys):
         argv += ["--param", p]
     assert call(argv) == 0
     report = json.loads((tmp_path / "r.json").read_text())
-    assert set(report["policies"]) == {"on_demand", "checkpoint", "bamboo"}
+    # the fixed three, and the policies after Bamboo in the same table
+    assert set(report["policies"]) == {"on_demand", "checkpoint", "bamboo", "recycle", "parcae"}
     for name, p in report["policies"].items():
         for key in ("samples_per_second", "cost_dollars", "samples_per_dollar", "hours", "recovery_hours"):
             assert isinstance(p[key], (int, float)), (name, key)

@@ -231,4 +231,13 @@ class Bamboo(Policy):
         self._set_layout(decision.layout, redundancy=True)
 
 
-POLICIES = {p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo)}
+
+
+def _register_successors() -> None:
+    from lightning_bamboo.sim.successors import Parcae, Recycle
+
+    POLICIES.update({p.name: p for p in (Recycle, Parcae)})
+
+
+_register_successors()

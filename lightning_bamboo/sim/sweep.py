@@ -55,22 +55,27 @@ def sweep(
     return [(v, run(name, v)) for v in values]
 
 
+SHORT = {
+    "bamboo_vs_checkpoint_throughput": "bamboo/ckpt",
+    "bamboo_vs_on_demand_value": "bamboo/od $",
+    "recycle_vs_bamboo_throughput": "recycle/bamboo",
+    "parcae_vs_bamboo_throughput": "parcae/bamboo",
+}
+
+
 def sweep_table(name: str, results: Sequence[tuple[float, SimReport]]) -> str:
-    """One row per value: each policy's samples/s and samples/$, and the two ratios."""
+    """One row per value: each policy's samples/s and samples/$, then the ratios (throughput unless marked $)."""
     policies = list(results[0][1].policies)
-    head = f"{name:>28}" + "".join(f"{p + ' /s':>22}{p + ' /$':>22}" for p in policies)
-    head += f"{'bamboo/ckpt thr':>17}{'bamboo/od value':>17}"
-    rows = [head]
+    ratios = [k for k in SHORT if k in results[0][1].comparison()]
+    cols = [f"{p} /s" for p in policies] + [f"{p} /$" for p in policies] + [SHORT[k] for k in ratios]
+    widths = [max(len(c) + 2, 10) for c in cols]
+    rows = [f"{name:>24}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))]
     for value, report in results:
-        row = f"{value:>28g}"
-        for p in policies:
-            r = report.policies[p]
-            row += f"{r.samples_per_second:>22.2f}{r.samples_per_dollar:>22.0f}"
+        cells = [f"{report.policies[p].samples_per_second:.2f}" for p in policies]
+        cells += [f"{report.policies[p].samples_per_dollar:.0f}" for p in policies]
         c = report.comparison()
-        for key in ("bamboo_vs_checkpoint_throughput", "bamboo_vs_on_demand_value"):
-            v = c.get(key)
-            row += f"{v:>16.2f}x" if v is not None else f"{'n/a':>17}"
-        rows.append(row)
+        cells += [f"{c[k]:.2f}x" if c.get(k) is not None else "n/a" for k in ratios]
+        rows.append(f"{value:>24g}" + "".join(f"{x:>{w}}" for x, w in zip(cells, widths, strict=True)))
     return "\n".join(rows)
 
 
