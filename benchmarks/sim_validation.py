@@ -11,6 +11,16 @@ The simulator sees exactly the events the demo sees (lightning_bamboo.demo.event
 on the same slice and time scale). Run on the machine that was calibrated.
 
     python benchmarks/sim_validation.py [--start-hours 1.5] [--hours 1] [--time-scale 30] [--steps 800] [--predict-only]
+
+``--cluster`` validates the cluster simulator instead (lightning_bamboo.sim.simulate.run_policy, the
+policies of ``lightning-bamboo simulate``): the demo runs 2 pipelines of 3 stages (``--stages 3``) on
+the slice, with replicas and without, and the simulator replays the same events with that run's
+measured inputs: the step time of a clean 2 x 3 run of the same mode (no preemption; its saves and
+redundancy included), the run's own mean recovery time (failover or restart), and the demo-scale
+join and reconfiguration times of benchmarks/sim_calibrate.py. The 1F1B formula, the layout
+decisions, rollbacks and pauses are the simulator's. Target: samples/s within 15% for both policies.
+
+    python benchmarks/sim_validation.py --cluster [--repeats 2] [--steps 600] [--clean-steps 200]
 """
 
 from __future__ import annotations
@@ -102,8 +112,138 @@ def rows(name: str, measured: dict, predicted: DemoPrediction) -> list[str]:
     return out
 
 
+CLUSTER_NODES = [f"node{i}" for i in range(6)]
+CLUSTER_MODES = {"bamboo": ("bamboo", ()), "checkpoint": ("checkpoint", ("--no-redundancy",))}
+
+
+def run_cluster_demo(trace_csv: Path | None, steps: int, extra: tuple[str, ...], out: Path, args: argparse.Namespace) -> dict:
+    """One demo run of 6 nodes as 2 pipelines x 3 stages (``trace_csv`` None: no preemption)."""
+    out.mkdir(parents=True, exist_ok=True)
+    report = out / "report.json"
+    source = ["--trace", str(trace_csv), "--time-scale", str(args.time_scale)] if trace_csv else ["--preempt", ""]
+    cmd = [
+        sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", "6", "--stages", "3",
+        "--steps", str(steps), "--checkpoint-every", str(args.checkpoint_every), "--quiet",
+        "--report", str(report), *source, *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200, env=env, cwd=ROOT)
+    if not report.exists():
+        raise RuntimeError(f"the demo wrote no report; run by hand: {' '.join(cmd)}")
+    return json.loads(report.read_text())
+
+
+def cluster_trace(trace_csv: Path, time_scale: float, ready: float):
+    """The demo's view of the slice as a simulator trace, shifted so that its first step is at ``ready``.
+
+    The demo's six nodes are added at 0 (usable at ``ready``, when the demo's first step is taken);
+    every later event keeps its time after that first step. As the demo does, a joining node is
+    started only while fewer than six nodes plus one spare run (``STANDBY_PROCESSES``); the others
+    wait in order and start when a running node is lost (a waiting node that is removed never starts).
+    """
+    from lightning_bamboo.demo.cli import STANDBY_PROCESSES
+    from lightning_bamboo.sim.trace import Trace, TraceEvent
+
+    cap = len(CLUSTER_NODES) + STANDBY_PROCESSES
+    events = [TraceEvent(0, "add", n) for n in CLUSTER_NODES]
+    running, waiting = set(CLUSTER_NODES), []
+    for e in events_from_trace(read_trace(trace_csv), CLUSTER_NODES, time_scale):
+        ms = int(round(((e.at_seconds or 0.0) + ready) * 1000))
+        if e.kind == "join":
+            waiting.append(e.node)
+        elif e.node in running:
+            running.discard(e.node)
+            events.append(TraceEvent(ms, "remove", e.node, e.notice or 0.0))
+        elif e.node in waiting:
+            waiting.remove(e.node)
+        while waiting and len(running) < cap:
+            node = waiting.pop(0)
+            running.add(node)
+            events.append(TraceEvent(ms, "add", node))
+    events.sort(key=lambda e: e.ms)
+    return Trace(tuple(events), f"{trace_csv.name} (demo view)")
+
+
+def predict_cluster(trace_csv: Path, policy: str, clean: dict, measured: dict, args: argparse.Namespace) -> dict:
+    """Replay the demo's events with the cluster simulator and this run's measured inputs."""
+    from lightning_bamboo.sim.params import SimParams
+    from lightning_bamboo.sim.simulate import run_policy
+
+    demo = load_demo_params()
+    step = 8 / clean["samples_per_second"]  # the demo's global batch is 8 samples
+    recoveries = measured.get("recovery_seconds") or [0.0]
+    recovery = sum(recoveries) / len(recoveries)
+    ready = demo.join_seconds
+    params = SimParams(
+        stages=3, min_stages=2, layers=8, micro_batch_size=2, global_micro_batches=4, step_seconds=step,
+        step_pipelines=2, redundancy_overhead=0.0, failover_seconds=recovery, restart_seconds=recovery,
+        reconfigure_seconds=demo.reconfigure_seconds, checkpoint_save_seconds=0.0,
+        checkpoint_interval_seconds=args.checkpoint_every * step,
+        bamboo_checkpoint_interval_seconds=args.checkpoint_every * step, node_ready_seconds=ready,
+    )
+    trace = cluster_trace(trace_csv, args.time_scale, ready)
+    target = (measured["steps_completed"] - 1) * 8
+    end = ready + 50 * target / clean["samples_per_second"]
+    result, _ = run_policy(policy, trace, params.replace(hours=end / 3600), end)
+    done = None
+    points = list(result.timeline)
+    for i, a in enumerate(points):
+        if a.samples >= target:
+            done = a.seconds
+            break
+        stop = points[i + 1].seconds if i + 1 < len(points) else end
+        if a.rate > 0 and a.samples + a.rate * (stop - a.seconds) >= target - 1e-9:
+            done = a.seconds + (target - a.samples) / a.rate
+            break
+    if done is None:
+        raise RuntimeError(f"the simulated {policy} run does not reach {target} samples in {end:.0f} s")
+    return {
+        "samples_per_second": target / (done - ready), "wall": done - ready, "step_seconds": step,
+        "recovery_seconds": recovery, "recoveries": dict(result.recoveries), "preemptions": result.preemptions,
+    }
+
+
+def validate_cluster(args: argparse.Namespace) -> None:
+    start = args.start_hours * 3600
+    piece = slice_trace(read_trace(bundled_trace("p3")), start, start + args.hours * 3600)
+    print(
+        f"cluster simulator vs demo, 2 pipelines x 3 stages; slice: {piece.source}, {len(piece.nodes)} nodes, "
+        f"{piece.removals} removals; 1 demo s = {args.time_scale:g} trace s; {args.steps} steps of 8 samples, "
+        f"checkpoint every {args.checkpoint_every}; clean runs of {args.clean_steps} steps"
+    )
+    print("\n| repeat | policy | clean step s | recovery s (mean) | measured samples/s | predicted samples/s | error | "
+          "recoveries measured / predicted | preemptions measured / predicted |\n|---|---|---:|---:|---:|---:|---:|---|---|")
+    worst: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        csv = Path(tmp) / "slice.csv"
+        write_trace(piece, csv)
+        for repeat in range(1, args.repeats + 1):
+            for name, (policy, extra) in CLUSTER_MODES.items():
+                base = Path(tmp) / f"{name}{repeat}"
+                clean = run_cluster_demo(None, args.clean_steps, extra, base / "clean", args)
+                measured = run_cluster_demo(csv, args.steps, extra, base / "trace", args)
+                predicted = predict_cluster(csv, policy, clean, measured, args)
+                error = relative_error(predicted["samples_per_second"], measured["samples_per_second"])
+                worst[name] = max(worst.get(name, 0.0), error)
+                m_rec, p_rec = measured["recoveries"], predicted["recoveries"]
+                print(
+                    f"| {repeat} | {name} | {predicted['step_seconds']:.3f} | {predicted['recovery_seconds']:.2f} | "
+                    f"{measured['samples_per_second']:.2f} | {predicted['samples_per_second']:.2f} | {error:.1%} | "
+                    f"{m_rec['redundant']}/{m_rec['checkpoint']}/{m_rec['restart']} / "
+                    f"{p_rec['redundant']}/{p_rec['checkpoint']}/{p_rec['restart']} | "
+                    f"{measured['preemptions']} / {predicted['preemptions']} |",
+                    flush=True,
+                )
+    ok = all(e <= 0.15 for e in worst.values())
+    print("\nlargest error per policy: " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
+    print(f"samples/s within 15% for both policies in every repeat: {'yes' if ok else 'NO'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", action="store_true", help="validate the cluster simulator (see above)")
+    parser.add_argument("--repeats", type=int, default=2, help="--cluster: validations in a row")
+    parser.add_argument("--clean-steps", type=int, default=200, help="--cluster: steps of each clean run")
     parser.add_argument("--start-hours", type=float, default=1.5, help="slice start in the p3 trace (hours)")
     parser.add_argument("--hours", type=float, default=1.0, help="slice length (trace hours)")
     parser.add_argument("--time-scale", type=float, default=30.0, help="trace seconds per demo second")
@@ -114,6 +254,9 @@ def main() -> None:
     parser.add_argument("--predict-only", action="store_true", help="print the predictions, run no demo")
     parser.add_argument("--save", default=None, help="write measured and predicted results to this JSON")
     args = parser.parse_args()
+    if args.cluster:
+        validate_cluster(args)
+        return
     start = args.start_hours * 3600
     piece = slice_trace(read_trace(bundled_trace("p3")), start, start + args.hours * 3600)
     with tempfile.TemporaryDirectory() as tmp:

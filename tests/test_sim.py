@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_bamboo.sim.params import SimParams
+from lightning_bamboo.sim.policies import POLICIES
 from lightning_bamboo.sim.simulate import run_policy, simulate
 from lightning_bamboo.sim.trace import parse_trace
 
@@ -67,26 +68,30 @@ def steps(result) -> list[tuple[float, float]]:
 # so n2's replica holder is n4.
 
 
-def test_one_preemption_bamboo_fails_over_then_rebuilds_one_pipeline():
+def test_one_preemption_bamboo_drops_the_broken_pipeline_as_the_runtime_does():
     result, policy = run("bamboo", FOUR + ["100000,remove,n2"])
-    # 0-100 s two pipelines; n4 takes over (2 s failover); 2*1/3 overloaded > 5% -> rebuild 1 x 2
-    # (3 s reconfiguration); 105-200 s one pipeline
-    assert steps(result) == [(0, R2), (100, 0), (105, R1)]
-    assert result.samples == pytest.approx(100 * R2 + 95 * R1)
+    # engine/failover.py's plan_loss: a whole pipeline is left, so the broken one is dropped (no
+    # data moves, 2 s pause) and [n1, n3] trains on with both micro-batches; n4 waits as standby
+    assert steps(result) == [(0, R2), (100, 0), (102, R1)]
+    assert result.samples == pytest.approx(100 * R2 + 98 * R1)
     assert result.steps_completed == pytest.approx(result.samples / 2)  # 2 samples per step
     assert result.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}
-    assert result.reconfigurations == 1
-    assert result.recovery_hours == pytest.approx(5 / 3600)
-    assert [a for _, a, _ in policy.decisions] == ["start", "restore_redundancy"]
-    assert policy.layout.grid == (("n1", "n3"),)  # the intact pipeline is kept, n4 waits
-
-
-def test_one_preemption_bamboo_runs_degraded_when_the_risk_is_tolerated():
-    result, _ = run("bamboo", FOUR + ["100000,remove,n2"], max_overloaded_fraction=1.0)
-    # n4 runs two stages from 102 s on: every step takes failover_slowdown (2x) longer
-    assert steps(result) == [(0, R2), (100, 0), (102, R2 / 2)]
-    assert result.samples == pytest.approx(100 * R2 + 98 * R2 / 2)
     assert result.reconfigurations == 0
+    assert result.recovery_hours == pytest.approx(2 / 3600)
+    assert policy.layout.grid == (("n1", "n3"),)
+
+
+THREE = ["0,add,n1", "0,add,n2", "0,add,n3"]
+ONE_PIPELINE = {"stages": 3, "layers": 3, "min_stages": 1}  # 1 x 3: (2 + 2) slots of 1 layer = 1 s, 2 samples
+
+
+def test_one_preemption_in_the_only_pipeline_fails_over_to_the_replica_holder():
+    result, policy = run("bamboo", THREE + ["100000,remove,n2"], max_overloaded_fraction=1.0, **ONE_PIPELINE)
+    # n1 holds n2's replica and runs both stages from 102 s on: every step takes failover_slowdown
+    # (2x) longer; 2 * 1 / 2 overloaded is not above 1.0, so no rebuild
+    assert steps(result) == [(0, 2.0), (100, 0), (102, 1.0)]
+    assert result.samples == pytest.approx(100 * 2.0 + 98 * 1.0)
+    assert result.reconfigurations == 0 and policy.overloaded == {"n1"}
 
 
 def test_one_preemption_checkpoint_rolls_back_to_the_last_save():
@@ -130,26 +135,35 @@ def test_one_preemption_on_demand_and_costs():
 
 def test_two_adjacent_preemptions_bamboo_falls_back_to_the_checkpoint():
     result, policy = run(
-        "bamboo", FOUR + ["110000,remove,n2", "120000,remove,n4"], max_overloaded_fraction=1.0
+        "bamboo", THREE + ["110000,remove,n2", "120000,remove,n1"], max_overloaded_fraction=1.0, **ONE_PIPELINE
     )
-    # async checkpoints after 50 and 100 s of training (300 samples). 110 s: n4 takes over
-    # (330 samples, 2 s failover, half speed); 120 s: n4 lost too (342 samples) -> fatal: back
-    # to 300, restart 120-130 on [n1, n3]; 130-200 s one pipeline
-    assert steps(result) == [(0, R2), (110, 0), (112, R2 / 2), (120, 0), (130, R1)]
-    assert result.samples == pytest.approx(300 + 70 * R1)
+    # async checkpoints after 50 and 100 s of training (200 samples). 110 s: n1 takes over n2
+    # (220 samples, 2 s failover, half speed); 120 s: n1 lost too (228 samples) -> fatal: back to
+    # 200, restart 120-130 on n3 alone: 1 stage of 3 layers, (2 + 0) x 3 layer-slots = 1.5 s per
+    # 2-sample step; 130-200 s at 4/3 samples/s
+    assert steps(result) == [(0, 2.0), (110, 0), (112, 1.0), (120, 0), (130, pytest.approx(4 / 3))]
+    assert result.samples == pytest.approx(200 + 70 * 4 / 3)
     assert result.recoveries == {"redundant": 1, "checkpoint": 1, "restart": 0}
     assert result.breakdown_hours["lost_work"] == pytest.approx(18 / 3600)  # 10 s + 8 s trained
     assert result.recovery_hours == pytest.approx((2 + 10 + 18) / 3600)
     assert [a for _, a, _ in policy.decisions] == ["start", "recover"]
 
 
-def test_two_adjacent_preemptions_at_the_same_instant_are_fatal_for_bamboo():
-    result, _ = run("bamboo", FOUR + ["100000,remove,n2", "100000,remove,n4"])
-    # the checkpoint after 100 s of training is taken first (300 samples): nothing lost;
-    # the restart replaces the failover pause
-    assert steps(result) == [(0, R2), (100, 0), (110, R1)]
-    assert result.samples == pytest.approx(300 + 90 * R1)
+def test_two_adjacent_preemptions_at_the_same_instant_are_fatal_in_the_only_pipeline():
+    result, _ = run("bamboo", THREE + ["100000,remove,n2", "100000,remove,n1"], **ONE_PIPELINE)
+    # the checkpoint after 100 s of training is taken first (200 samples): nothing lost; the
+    # restart replaces the failover pause; n3 alone from 110 s
+    assert steps(result) == [(0, 2.0), (100, 0), (110, pytest.approx(4 / 3))]
+    assert result.samples == pytest.approx(200 + 90 * 4 / 3)
     assert result.recoveries == {"redundant": 1, "checkpoint": 1, "restart": 0}
+
+
+def test_two_adjacent_preemptions_with_a_whole_pipeline_left_are_not_fatal():
+    # n2 and its replica holder n4 form one pipeline: the runtime drops it and [n1, n3] trains on
+    result, policy = run("bamboo", FOUR + ["100000,remove,n2", "100000,remove,n4"])
+    assert steps(result) == [(0, R2), (100, 0), (102, R1)]
+    assert result.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    assert policy.layout.grid == (("n1", "n3"),)
 
 
 def test_two_preemptions_in_different_pipelines_are_not_fatal():
@@ -213,10 +227,11 @@ def test_join_on_demand_runs_the_peak_cluster_throughout():
     assert od.recovery_hours == 0 and od.preemptions == 0
 
 
-def test_join_checkpoint_restarts_from_the_last_save():
+def test_join_checkpoint_saves_then_restarts_wider_and_loses_nothing():
     result, _ = run("checkpoint", JOIN)
-    # saves 40-45 (80), 85-90 (160); join at 100 s (180): back to 160, restart 100-110 with
-    # 2 pipelines; saves 150-155, 195-200
+    # saves 40-45 (80), 85-90 (160); join at 100 s (180 samples): a voluntary restart, so save first
+    # (100-105, commits 180), restart 105-115 with 2 pipelines; next save after 40 s of training:
+    # 155-160; 160-200 trains
     assert steps(result) == [
         (0, R1),
         (40, 0),
@@ -224,12 +239,39 @@ def test_join_checkpoint_restarts_from_the_last_save():
         (85, 0),
         (90, R1),
         (100, 0),
-        (110, R2),
-        (150, 0),
-        (155, R2),
-        (195, 0),
+        (115, R2),
+        (155, 0),
+        (160, R2),
     ]
-    assert result.samples == pytest.approx(160 + 80 * R2)
+    assert result.samples == pytest.approx(180 + 40 * R2 + 40 * R2)
+    assert result.breakdown_hours["lost_work"] == 0.0
+    assert result.recoveries["checkpoint"] == 0 and result.reconfigurations == 1
+
+
+def test_checkpoint_interval_chosen_at_run_time_from_the_preemptions_seen():
+    # two pipelines; n2 lost at 100 s. save 5 s; no fixed interval:
+    # interval = sqrt(2 * 5 * max(now, 5) / (failures + 1)), asked again when each save ends
+    lines = FOUR + ["100000,remove,n2"]
+    result, _ = run("checkpoint", lines, checkpoint_interval_seconds=0.0, max_overloaded_fraction=1.0)
+    saves, t = [], 0.0
+    while True:  # the saves before the loss at 100 s (no failure seen yet), by hand with the rule
+        start = t + (2 * 5 * max(t, 5) / 1) ** 0.5
+        if start >= 100:
+            break
+        saves.append(round(start, 6))
+        t = start + 5
+    got = [s for s, r in steps(result) if r == 0]
+    assert got[: len(saves)] == [pytest.approx(s) for s in saves]
+    # the loss at 100 s restarts (10 s); the first interval after it counts one failure
+    assert got[len(saves)] == 100
+    after = [s for s in got if s > 100]
+    assert after[0] == pytest.approx(110 + (2 * 5 * 110 / 2) ** 0.5)
+
+
+def test_checkpoint_oracle_uses_the_whole_traces_mtbf():
+    # one removal in 200 s: Young's interval sqrt(2 * 5 * 200) = 44.72 s, known from the start
+    result, _ = run("checkpoint_oracle", FOUR + ["100000,remove,n2"], checkpoint_interval_seconds=0.0)
+    assert steps(result)[:2] == [(0, R2), (pytest.approx((2 * 5 * 200) ** 0.5), 0)]
 
 
 def test_notice_lets_both_spot_policies_lose_nothing():
@@ -241,7 +283,7 @@ def test_notice_lets_both_spot_policies_lose_nothing():
     trace = Trace(tuple(events), "notice")
     params = TOY.replace(max_overloaded_fraction=1.0)
     bamboo, _ = run_policy("bamboo", trace, params, END)
-    assert steps(bamboo) == [(0, R2), (100, R2 / 2)]  # neighbours switch with no pause
+    assert steps(bamboo) == [(0, R2), (100, R1)]  # the broken pipeline is dropped with no pause
     ckpt, _ = run_policy("checkpoint", trace, params, END)
     assert ckpt.breakdown_hours["lost_work"] == 0.0  # saved in the grace period
 
@@ -299,7 +341,8 @@ def test_time_adds_up_on_random_traces(seed):
     params = SimParams(
         stages=stages, min_stages=1, layers=4, global_micro_batches=8, step_pipelines=1, hours=2.0
     )
-    report = simulate(generate_trace(model), params)
+    report = simulate(generate_trace(model), params, sorted(POLICIES))
+    assert set(report.policies) == set(POLICIES)
     for result in report.policies.values():
         b = result.breakdown_hours
         spent = b["training"] + b["idle"] + b["failover"] + b["reconfigure"] + b["restart"] + b["checkpoint"]

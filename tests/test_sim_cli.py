@@ -40,13 +40,20 @@ def test_report_json_has_the_fixed_keys_and_a_plot(tmp_path, capsys):
         argv += ["--param", p]
     assert call(argv) == 0
     report = json.loads((tmp_path / "r.json").read_text())
-    assert set(report["policies"]) == {"on_demand", "checkpoint", "bamboo"}
+    # the fixed three, and the policies after Bamboo in the same table
+    assert set(report["policies"]) == {"on_demand", "checkpoint", "bamboo", "recycle", "parcae"}
     for name, p in report["policies"].items():
         for key in ("samples_per_second", "cost_dollars", "samples_per_dollar", "hours", "recovery_hours"):
             assert isinstance(p[key], (int, float)), (name, key)
         assert p["hours"] == pytest.approx(0.1)
         assert p["timeline"][0]["hours"] == 0.0
     assert report["params"]["stages"] == 2
+    # every input with its value and source (a fixed contract); the toy's values are overrides
+    assert set(report["inputs"]) == set(SimParams().as_dict())
+    for name, entry in report["inputs"].items():
+        assert entry["value"] == report["params"][name] and entry["source"].strip(), name
+    assert report["inputs"]["stages"]["kind"] == "override"
+    assert report["inputs"]["spot_price"]["kind"] == "released-code"
     assert report["paper"] == {"bamboo_vs_checkpoint_throughput": 3.7, "bamboo_vs_on_demand_value": 2.4}
     png = (tmp_path / "p.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -124,3 +131,82 @@ def test_compare_with_demo_hook():
     assert not compare_with_demo(bad, predicted).ok
     with pytest.raises(BambooConfigError, match="lacks"):
         compare_with_demo({"steps": 3}, predicted)
+
+
+def test_bamboo_paper_scenario_prints_both_ratios_beside_the_papers_and_cites_every_input(tmp_path, capsys):
+    from lightning_bamboo.sim.params import KINDS
+    from lightning_bamboo.sim.scenarios import BAMBOO_PAPER
+
+    path = tmp_path / "r.json"
+    argv = ["--scenario", "bamboo-paper", "--param", "hours=2", "--report", str(path)]
+    assert call(argv) == 0
+    out = capsys.readouterr().out
+    assert "bamboo_vs_checkpoint_throughput: ours" in out and "published 3.7x" in out
+    assert "bamboo_vs_on_demand_value: ours" in out and "published 2.4x" in out
+    inputs = json.loads(path.read_text())["inputs"]
+    for name, value in BAMBOO_PAPER.values.items():  # the scenario's values, each with its citation
+        assert inputs[name]["value"] == value, name
+        assert inputs[name]["kind"] in KINDS and inputs[name]["kind"] != "override", name
+        if inputs[name]["kind"] == "released-code":
+            assert "uclasystem/bamboo" in inputs[name]["source"] and "1057ba80" in inputs[name]["source"]
+    assert inputs["step_seconds"]["value"] == 3.08 and inputs["stages"]["value"] == 8
+    assert inputs["hours"]["kind"] == "override"  # --param on top of the scenario says so
+
+
+def test_a_param_replaces_the_scenarios_value_and_its_source(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert call(["--scenario", "bamboo-paper", "--param", "hours=1", "--param", "stages=12",
+                 "--param", "min_stages=6", "--report", str(path)]) == 0
+    inputs = json.loads(path.read_text())["inputs"]
+    assert inputs["stages"]["value"] == 12 and inputs["stages"]["kind"] == "choice"  # the bundled default's source
+    assert inputs["min_stages"]["value"] == 6 and inputs["min_stages"]["kind"] == "assumption"
+
+
+def test_unknown_scenario_exits_2_naming_the_known_ones(capsys):
+    assert call(["--scenario", "bamboo-paperr"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown scenario 'bamboo-paperr'" in err and "bamboo-paper" in err
+
+
+def test_sweep_writes_a_real_png_with_named_axes(tmp_path, capsys):
+    import matplotlib.image
+
+    from lightning_bamboo.sim.simulate import simulate
+    from lightning_bamboo.sim.sweep import parse_sweep, plot_sweep, sweep
+
+    trace = tmp_path / "t.csv"
+    trace.write_text(TOY_TRACE)
+    png = tmp_path / "sweep.png"
+    argv = ["--trace", str(trace), "--sweep", "restart_seconds=0:100:3", "--plot", str(png)]
+    for p in TOY_PARAMS:
+        argv += ["--param", p]
+    assert call(argv) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[0] == "restart_seconds" and [r.split()[0] for r in rows[1:4]] == ["0", "50", "100"]
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 300 and image.shape[1] > 300
+    assert image[..., :3].std() > 0.05  # not a blank canvas
+    # the same sweep in Python: the figure's axes carry the names, each line one point per value
+    name, values = parse_sweep("restart_seconds=0:100:3")
+    params = SimParams(**{**SimParams().as_dict(), **{k: float(v) for k, v in (p.split("=") for p in TOY_PARAMS)}})
+    results = sweep(name, values, lambda n, v: simulate(parse_trace(TOY_TRACE.split(), "t"), params.replace(**{n: v})))
+    fig = plot_sweep(name, results, tmp_path / "again.png")
+    assert [ax.get_ylabel() for ax in fig.axes] == ["throughput (samples/s)", "value (samples/$)", "ratio"]
+    assert fig.axes[-1].get_xlabel() == "restart_seconds"
+    assert all(len(line.get_xdata()) == 3 for line in fig.axes[0].get_lines())
+    # a slower restart hurts checkpoint-restart (one loss at 100 s), not on-demand
+    ck = [r.policies["checkpoint"].samples for _, r in results]
+    od = [r.policies["on_demand"].samples for _, r in results]
+    assert ck[0] > ck[1] > ck[2] and od[0] == od[2]
+
+
+def test_sweep_of_a_synthetic_trace_field_and_bad_sweeps(tmp_path, capsys):
+    argv = ["--generate", "--spot", "nodes=8", "--spot", "hours=1", "--sweep", "preemption_rate=0.1:1:2",
+            "--param", "stages=4", "--param", "min_stages=2", "--param", "step_pipelines=2", "--param", "hours=1"]
+    assert call(argv) == 0
+    assert [r.split()[0] for r in capsys.readouterr().out.splitlines()[1:3]] == ["0.1", "1"]
+    assert call(["--trace", "p3", "--sweep", "restart_seconds=1:2"]) == 2
+    assert "PARAM=START:STOP:COUNT" in capsys.readouterr().err
+    assert call(["--trace", "p3", "--sweep", "preemption_rate=0.1:1:2"]) == 2  # a --spot field needs --generate
+    assert call(["--trace", "p3", "--sweep", "restart_seconds=1:2:1"]) == 2
+    assert "COUNT must be at least 2" in capsys.readouterr().err

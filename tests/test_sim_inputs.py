@@ -10,8 +10,10 @@ from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.sim.generate import SpotModel, generate_trace
 from lightning_bamboo.sim.params import (
     DEFAULT_PATH,
+    KINDS,
     ParamError,
     SimParams,
+    describe_inputs,
     load_params,
     parse_overrides,
     provenance,
@@ -116,11 +118,18 @@ def test_live_at():
 # ---- parameters
 
 
-def test_bundled_parameters_have_a_provenance_for_every_field():
+def test_bundled_parameters_have_a_kind_and_a_source_for_every_field():
     data = json.loads(DEFAULT_PATH.read_text())["params"]
     assert set(data) == set(SimParams().as_dict())
     for key, entry in data.items():
-        assert entry["provenance"].strip(), key
+        assert entry["kind"] in KINDS and entry["kind"] != "override", key
+        assert entry["source"].strip(), key
+        if entry["kind"] == "measured":  # a script of this repository and the commit it ran at
+            assert "benchmarks/" in entry["source"] and "commit" in entry["source"], key
+        if entry["kind"] == "assumption":
+            assert "not measured" in entry["source"], key
+        if entry["kind"] == "released-code":
+            assert "uclasystem/bamboo" in entry["source"] and "commit" in entry["source"], key
     # benchmarks overwrite values in this file, so only its shape is fixed: every value loads
     loaded = load_params()
     assert {k: getattr(loaded, k) for k in data} == {k: v["value"] for k, v in data.items()}
@@ -160,6 +169,8 @@ def test_record_measurement_replaces_one_value_with_its_provenance(tmp_path):
     record_measurement("failover_seconds", 1.25, "benchmarks/preemption.py, 4 CPU nodes, 2026-11-21", path)
     assert load_params(path).failover_seconds == 1.25
     assert provenance(path)["failover_seconds"].startswith("benchmarks/preemption.py")
+    entry = json.loads(path.read_text())["params"]["failover_seconds"]
+    assert entry["kind"] == "measured" and "(commit " in entry["source"]  # the commit it ran at
     with pytest.raises(ParamError, match="needs a provenance"):
         record_measurement("failover_seconds", 1.0, " ", path)
     with pytest.raises(ParamError, match="must be > 0"):
@@ -256,3 +267,17 @@ def test_simulator_and_policy_import_no_heavy_framework():
             else:
                 continue
             assert not roots & {"torch", "deepspeed", "lightning", "pytorch_lightning"}, (path.name, roots)
+
+
+def test_inputs_name_their_source_and_mark_what_the_caller_changed():
+    params = load_params(overrides={"restart_seconds": 123.0, "step_seconds": 2.5})
+    inputs = describe_inputs(params, {"step_seconds": "published: paper X, Table 1, 2.5 s"})
+    assert set(inputs) == set(SimParams().as_dict())
+    assert inputs["restart_seconds"]["kind"] == "override" and "default is 60" in inputs["restart_seconds"]["source"]
+    assert inputs["step_seconds"] == {"value": 2.5, "kind": "published", "source": "paper X, Table 1, 2.5 s"}
+    assert inputs["spot_price"]["kind"] == "released-code" and inputs["spot_price"]["value"] == 0.91
+
+
+def test_predicted_fraction_is_a_share():
+    with pytest.raises(ParamError, match="predicted_fraction is a share of removals, at most 1"):
+        load_params(overrides={"predicted_fraction": 1.5})

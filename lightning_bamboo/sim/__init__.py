@@ -1,7 +1,8 @@
-"""Cluster-scale simulator: replay spot traces under on-demand, checkpoint-restart and Bamboo."""
+"""Cluster-scale simulator: replay spot traces under on-demand, checkpoint-restart, Bamboo and its successors."""
 
-from lightning_bamboo.sim.params import SimParams, load_params, record_measurement
+from lightning_bamboo.sim.params import SimParams, describe_inputs, load_params, record_measurement
 from lightning_bamboo.sim.report import PolicyResult, SimReport, compare_with_demo
+from lightning_bamboo.sim.scenarios import SCENARIOS, Scenario, scenario
 from lightning_bamboo.sim.simulate import run_policy, simulate
 from lightning_bamboo.sim.trace import (
     Trace,
@@ -14,7 +15,9 @@ from lightning_bamboo.sim.trace import (
 )
 
 __all__ = [
+    "SCENARIOS",
     "PolicyResult",
+    "Scenario",
     "SimParams",
     "SimReport",
     "Trace",
@@ -22,11 +25,13 @@ __all__ = [
     "TraceEvent",
     "bundled_trace",
     "compare_with_demo",
+    "describe_inputs",
     "load_params",
     "read_trace",
     "record_measurement",
     "run_policy",
     "scale_trace",
+    "scenario",
     "simulate",
     "slice_trace",
 ]

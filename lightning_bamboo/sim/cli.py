@@ -12,10 +12,13 @@ from typing import Any
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.sim.generate import SpotModel, generate_trace
 from lightning_bamboo.sim.params import convert, load_params, parse_overrides
+from lightning_bamboo.sim.scenarios import scenario
 from lightning_bamboo.sim.simulate import simulate
+from lightning_bamboo.sim.sweep import parse_sweep, plot_sweep, sweep, sweep_table
 from lightning_bamboo.sim.trace import Trace, bundled_trace, read_trace, write_trace
 
-POLICY_NAMES = ("on_demand", "checkpoint", "bamboo")
+POLICY_NAMES = ("on_demand", "checkpoint", "checkpoint_oracle", "bamboo", "recycle", "parcae")
+DEFAULT_POLICIES = ("on_demand", "checkpoint", "bamboo", "recycle", "parcae")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="synthetic trace model field, e.g. preemption_rate=0.3 (per node-hour), "
         f"fields: {', '.join(f.name for f in dataclasses.fields(SpotModel))}",
     )
+    parser.add_argument(
+        "--scenario",
+        metavar="NAME",
+        help="a named setting with cited inputs (bamboo-paper); --trace and --param still apply on top",
+    )
     parser.add_argument("--save-trace", metavar="CSV", help="write the replayed (generated) trace here")
     parser.add_argument(
         "--params", metavar="JSON", help="parameter file (default: the bundled sim_params.json)"
@@ -52,13 +60,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nodes", type=int, help="scale the trace so its peak is about N nodes (= --param nodes=N)"
     )
     parser.add_argument(
-        "--policies", default=",".join(POLICY_NAMES), help="comma-separated subset of policies"
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"comma-separated policies out of {', '.join(POLICY_NAMES)} (default: %(default)s)",
     )
     parser.add_argument("--report", metavar="JSON", help="write the full report (per policy and over time)")
     parser.add_argument("--plot", metavar="PNG", help="write throughput, cost and nodes over time")
+    parser.add_argument(
+        "--sweep",
+        metavar="PARAM=A:B:N",
+        help="replay once per value of one input (N values from A to B; a --spot field with --generate) and "
+        "print a table; with --plot, the PNG shows throughput, value and the ratios against it",
+    )
+    parser.add_argument(
+        "--show-inputs", action="store_true", help="also print every input with its value, kind and source"
+    )
 
 
-def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
+def _trace(args: argparse.Namespace, spot: dict[str, float] | None = None) -> tuple[Trace, float]:
     if args.generate:
         if args.trace:
             raise BambooConfigError("pass either --trace or --generate, not both")
@@ -73,13 +92,14 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
             except ValueError:
                 raise BambooConfigError(f"--spot {key} needs a number (got {text!r})") from None
             values[key] = int(number) if fields[key].type == "int" else number
+        values.update(spot or {})
         model = SpotModel(**values)
         return generate_trace(model), model.hours
     if args.spot:
         raise BambooConfigError("--spot only applies with --generate")
-    if not args.trace:
-        raise BambooConfigError("simulate needs --trace CSV (or 'p3' / 'g4dn') or --generate")
-    path = args.trace
+    path = args.trace or (scenario(args.scenario).trace if args.scenario else None)
+    if not path:
+        raise BambooConfigError("simulate needs --trace CSV (or 'p3' / 'g4dn'), --generate or --scenario NAME")
     if not os.path.exists(path) and path in ("p3", "g4dn"):
         path = bundled_trace(path)
     return read_trace(path), 0.0
@@ -88,7 +108,13 @@ def _trace(args: argparse.Namespace) -> tuple[Trace, float]:
 def run(args: argparse.Namespace) -> int:
     try:
         trace, hours = _trace(args)
-        overrides = parse_overrides(args.param)
+        chosen = scenario(args.scenario) if args.scenario else None
+        overrides: dict[str, Any] = dict(chosen.values) if chosen else {}
+        sources = dict(chosen.sources) if chosen else {}
+        command_line = parse_overrides(args.param)
+        for name in command_line:
+            sources.pop(name, None)  # a --param replaces the scenario's value and its source
+        overrides.update(command_line)
         if args.nodes is not None:
             overrides["nodes"] = convert("nodes", str(args.nodes))
         if hours and "hours" not in overrides:
@@ -97,13 +123,23 @@ def run(args: argparse.Namespace) -> int:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         if unknown := [p for p in policies if p not in POLICY_NAMES]:
             raise BambooConfigError(f"unknown policies {unknown}; use a subset of {list(POLICY_NAMES)}")
+        if args.sweep:
+            return _run_sweep(args, params, policies, sources)
         if args.save_trace:
             write_trace(trace, args.save_trace)
-        report = simulate(trace, params, policies)
+        report = simulate(trace, params, policies, sources)
     except BambooConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report.table())
+    if chosen:
+        print(f"scenario {chosen.name}: {chosen.about}")
+        comparison = report.comparison()
+        for key, (value, citation) in chosen.claims.items():
+            ours = comparison.get(key)
+            print(f"  {key}: ours {ours:.2f}x, published {value}x ({citation})" if ours else f"  {key}: n/a")
+    if args.show_inputs:
+        print(report.inputs_table())
     if args.report:
         report.write_json(args.report)
         print(f"report: {Path(args.report)}")
@@ -111,6 +147,26 @@ def run(args: argparse.Namespace) -> int:
         from lightning_bamboo.sim.plot import plot_report
 
         plot_report(report, args.plot)
+        print(f"plot: {Path(args.plot)}")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, params: Any, policies: list[str], sources: dict[str, str]) -> int:
+    """``--sweep``: one replay per value; a table, and the PNG with ``--plot``."""
+    spot_fields = [f.name for f in dataclasses.fields(SpotModel)] if args.generate else []
+    name, values = parse_sweep(args.sweep, spot_fields)
+
+    def one(name: str, value: float) -> Any:
+        if name in spot_fields:
+            trace, hours = _trace(args, {name: value})
+            return simulate(trace, params, policies, sources)
+        trace, _ = _trace(args)
+        return simulate(trace, params.replace(**{name: convert(name, str(value))}), policies, sources)
+
+    results = sweep(name, values, one)
+    print(sweep_table(name, results))
+    if args.plot:
+        plot_sweep(name, results, args.plot)
         print(f"plot: {Path(args.plot)}")
     return 0
 

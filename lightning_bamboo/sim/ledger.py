@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PAUSE_KINDS = ("failover", "reconfigure", "restart", "checkpoint")
@@ -26,6 +27,8 @@ class Ledger:
 
     ``checkpoint_interval``: seconds of training between checkpoints (0: none).
     ``checkpoint_pause``: training pause of a save; 0 makes checkpoints asynchronous (taken at once).
+    ``interval_rule``: when given, the interval is ``interval_rule(now)``, asked again before every
+    save (a policy that tunes its interval from what it has seen so far).
     """
 
     price: float  # $/node-hour
@@ -50,6 +53,7 @@ class Ledger:
     checkpoint_samples: float = 0.0
     checkpoint_steps: float = 0.0
     timeline: list[Point] = field(default_factory=list)
+    interval_rule: Callable[[float], float] | None = None
     _pauses: list[list] = field(default_factory=list)  # [start, end, kind]
     _since_save: float = 0.0  # training seconds since the last save started
     _since_commit: float = 0.0  # training seconds not covered by the last committed checkpoint
@@ -88,6 +92,16 @@ class Ledger:
         self.steps = self.checkpoint_steps
         self.mark()
 
+    def save(self, seconds: float) -> None:
+        """Save the current progress now: training pauses ``seconds`` after the pauses queued, and the
+        checkpoint counts once the save is done (a restart before then loses it)."""
+        self._since_save = 0.0
+        if seconds <= 0:
+            self.commit_now()
+            return
+        self._pending = (self.samples, self.steps)
+        self.pause("checkpoint", seconds)
+
     def commit_now(self) -> None:
         """Checkpoint the current progress at once (e.g. in a preemption's grace period)."""
         self.checkpoint_samples = self.samples
@@ -117,7 +131,8 @@ class Ledger:
                 self.t = until
                 continue
             span = until - self.t
-            due = self.checkpoint_interval - self._since_save if self.checkpoint_interval > 0 else None
+            interval = self.interval_rule(self.t) if self.interval_rule else self.checkpoint_interval
+            due = interval - self._since_save if interval > 0 else None
             if due is not None and due <= span + 1e-9:
                 self._train(max(due, 0.0))
                 self._since_save = 0.0

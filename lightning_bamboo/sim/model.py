@@ -74,3 +74,35 @@ def young_interval(save_seconds: float, mean_seconds_between_failures: float) ->
     if not math.isfinite(mean_seconds_between_failures) or save_seconds <= 0:
         return 0.0
     return math.sqrt(2.0 * save_seconds * mean_seconds_between_failures)
+
+
+def runtime_interval(save_seconds: float, elapsed_seconds: float, failures: int) -> float:
+    """The checkpoint interval a running job can choose: Young-Daly ``sqrt(2 * save * MTBF)`` with the
+    MTBF estimated from what it has seen, ``max(elapsed, save) / (failures + 1)`` (one failure is
+    counted ahead, so that a job that has seen none still saves, less often the longer it runs)."""
+    if save_seconds <= 0:
+        return 0.0
+    mtbf = max(elapsed_seconds, save_seconds) / (failures + 1)
+    return math.sqrt(2.0 * save_seconds * mtbf)
+
+
+def rerouted_slowdown(layout: Layout, lost: set[str] | frozenset[str]) -> float:
+    """Step-time factor of ``layout`` while ``lost`` nodes' micro-batches go to the same stage of
+    the other pipelines (ReCycle-style rerouting; ``inf`` when a stage has no node left).
+
+    A stage with ``k`` of ``P`` nodes left does ``m * (P - k) / k`` extra micro-batch slots per
+    survivor; they fill that survivor's ``stages - 1`` idle slots (the 1F1B bubble) first and
+    lengthen the step by the rest. The slowest stage sets the step (the pipelines meet at the
+    gradient all-reduce).
+    """
+    pipelines, stages = layout.pipelines, layout.stages
+    m = max(layout.micro_batches)
+    base = m + stages - 1
+    worst = float(base)
+    for s in range(stages):
+        left = sum(row[s] not in lost for row in layout.grid)
+        if left == 0:
+            return math.inf
+        extra = m * (pipelines - left) / left
+        worst = max(worst, base + max(0.0, extra - (stages - 1)))
+    return worst / base

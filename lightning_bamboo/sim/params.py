@@ -1,4 +1,4 @@
-"""Simulator parameters: defaults with provenance from ``data/sim_params.json``, overridable anywhere."""
+"""Simulator parameters: defaults with their sources from ``data/sim_params.json``, overridable anywhere."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,9 @@ from typing import Any
 from lightning_bamboo.errors import BambooConfigError
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "sim_params.json"
+
+#: where an input's value comes from (the ``kind`` of every entry of the parameter file)
+KINDS = ("measured", "published", "released-code", "assumption", "choice", "override")
 
 
 class ParamError(BambooConfigError):
@@ -47,6 +51,8 @@ class SimParams:
     on_demand_nodes: int = 0
     nodes: int = 0
     hours: float = 0.0
+    migration_seconds: float = 20.0
+    predicted_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -94,12 +100,19 @@ class SimParams:
             "nodes",
             "hours",
             "max_overloaded_fraction",
+            "migration_seconds",
+            "predicted_fraction",
         )
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ParamError(
                     f"parameter {name} must be >= 0 (got {getattr(self, name)}); pass {name}=0 or more"
                 )
+        if self.predicted_fraction > 1:
+            raise ParamError(
+                f"predicted_fraction is a share of removals, at most 1 (got {self.predicted_fraction}); "
+                "pass predicted_fraction=1 to foresee every removal"
+            )
         if self.failover_slowdown < 1:
             raise ParamError(
                 f"failover_slowdown must be >= 1: running two stages cannot be faster (got {self.failover_slowdown})"
@@ -149,14 +162,58 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
         not isinstance(v, dict) or "value" not in v for v in params.values()
     ):
         raise ParamError(
-            f"parameter file {str(path)!r} must be {{'params': {{name: {{'value': ..., 'provenance': ...}}}}}}"
+            f"parameter file {str(path)!r} must be {{'params': {{name: {{'value': ..., 'kind': ..., 'source': ...}}}}}}"
         )
     return data
 
 
 def provenance(path: str | os.PathLike[str] = DEFAULT_PATH) -> dict[str, str]:
     """``name -> where its value comes from`` as recorded in the parameter file."""
-    return {k: str(v.get("provenance", "")) for k, v in _read(path)["params"].items()}
+    return {k: str(v.get("source", v.get("provenance", ""))) for k, v in _read(path)["params"].items()}
+
+
+def describe_inputs(
+    params: SimParams,
+    sources: Mapping[str, str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """``{name: {"value", "kind", "source"}}`` for every input of ``params`` (the report's ``inputs``).
+
+    ``sources`` names the source of values set by the caller (a scenario); a value that is neither
+    there nor equal to the parameter file's default is marked ``override``.
+    """
+    entries = _read(path or DEFAULT_PATH)["params"]
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in params.as_dict().items():
+        entry = entries.get(name, {})
+        if sources and name in sources:
+            kind, _, text = sources[name].partition(": ")
+            if kind not in KINDS:
+                kind, text = "assumption", sources[name]
+        elif entry and entry.get("value") == value:
+            kind = str(entry.get("kind", "assumption"))
+            text = str(entry.get("source", entry.get("provenance", "")))
+        else:
+            default = entry.get("value", "none")
+            kind, text = "override", f"set for this run (--param or Python); the bundled default is {default}"
+        out[name] = {"value": value, "kind": kind, "source": text}
+    return out
+
+
+def _commit() -> str | None:
+    """The short commit of the working tree this package runs from (None outside a git checkout)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
 
 
 def convert(name: str, text: str) -> int | float:
@@ -232,7 +289,15 @@ def record_measurement(
             raise ParamError(f"demo parameter {key} takes a number or a depth -> seconds mapping (got {value!r})")
     entry = entries.setdefault(key, {})
     entry["value"] = value
-    entry["provenance"] = provenance_text
+    if section == "params":
+        commit = _commit()
+        if commit and "commit" not in provenance_text:
+            provenance_text = f"{provenance_text} (commit {commit})"
+        entry.pop("provenance", None)
+        entry["kind"] = "measured"
+        entry["source"] = provenance_text
+    else:
+        entry["provenance"] = provenance_text
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 

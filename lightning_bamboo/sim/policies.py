@@ -1,4 +1,4 @@
-"""The three ways to run a job: on-demand, checkpoint-restart on spot, and Bamboo on spot.
+"""Ways to run a job: on-demand, checkpoint-restart on spot (run-time or oracle interval), Bamboo on spot.
 
 A policy reacts to membership events (``on_add``, ``on_ready``, ``on_remove``) as they happen and
 decides at ``settle``, once every event of that instant is known (a step boundary).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lightning_bamboo.membership.policy import Layout, fresh_layout, reconfigure
 from lightning_bamboo.sim.ledger import Ledger
-from lightning_bamboo.sim.model import policy_config, samples_per_second, step_rate
+from lightning_bamboo.sim.model import policy_config, runtime_interval, samples_per_second, step_rate
 from lightning_bamboo.sim.params import SimParams
 from lightning_bamboo.sim.trace import TraceEvent
 
@@ -58,18 +58,28 @@ class OnDemand(Policy):
 
 
 class CheckpointRestart(Policy):
-    """Fixed depth; every membership change that touches the layout restarts from the last checkpoint.
+    """Fixed depth; a loss rolls back to the last checkpoint, a chance to grow saves first.
 
-    A removal of a node in the layout, or a join that allows one more pipeline, rolls every worker
-    back to the last checkpoint and restarts them (as torchelastic and Varuna do). Nodes beyond
-    whole pipelines wait. A removal with notice long enough to save a checkpoint loses no work.
+    A removal of a node in the layout rolls every worker back to the last checkpoint and restarts
+    them (as torchelastic and Varuna do); a removal with a notice long enough for a save loses
+    nothing. A join that allows one more pipeline is voluntary: the job saves, then restarts wider,
+    and loses no work. Nodes beyond whole pipelines wait. The checkpoint interval is chosen as the
+    job runs (:func:`~lightning_bamboo.sim.model.runtime_interval`, from the preemptions it has
+    seen) unless ``checkpoint_interval_seconds`` fixes it.
     """
 
     name = "checkpoint"
+    adaptive = True  # choose the interval at run time (see checkpoint_oracle)
 
     def __init__(self, params: SimParams, ledger: Ledger) -> None:
         super().__init__(params, ledger)
         self.disrupted = False
+        if self.adaptive and not params.checkpoint_interval_seconds:
+            if params.checkpoint_save_seconds > 0:
+                save = params.checkpoint_save_seconds
+                ledger.interval_rule = lambda now: runtime_interval(save, now, ledger.preemptions)
+            else:
+                ledger.checkpoint_interval = params.step_seconds  # free saves: after every step
 
     def on_remove(self, event: TraceEvent) -> None:
         super().on_remove(event)
@@ -89,26 +99,45 @@ class CheckpointRestart(Policy):
         current = self.layout.pipelines if self.layout is not None else 0
         if not self.disrupted and pipelines <= current:
             return
-        if self.disrupted or current:
-            # a running job is rolled back; a job that was idle was rolled back when it stopped
+        voluntary = not self.disrupted and current > 0
+        if self.disrupted:
             self.ledger.rollback()
             self.ledger.recoveries["checkpoint"] += 1
+        elif voluntary:
+            self.ledger.save(self.params.checkpoint_save_seconds)  # grow without losing work
+            self.ledger.reconfigurations += 1
         self.disrupted = False
         layout = fresh_layout(self.ready, pipelines, self.params.stages, self.config) if pipelines else None
         if layout is not None and self.started:
-            self.ledger.pause("restart", self.params.restart_seconds, restart=True)
+            # a voluntary restart keeps the save queued before it; a recovery drops what was queued
+            self.ledger.pause("restart", self.params.restart_seconds, restart=not voluntary)
         elif layout is None:
             self.ledger.pause("restart", 0.0, restart=True)  # nothing runs: drop queued pauses
         self.started = self.started or layout is not None
         self._set_layout(layout)
 
 
-class Bamboo(Policy):
-    """Redundant computation: a lost node's predecessor takes over at once; reconfigure by the policy.
+class CheckpointOracle(CheckpointRestart):
+    """Checkpoint-restart with Young's interval for the whole trace's mean time between removals.
 
-    Losing a node whose replica holder is lost or overloaded (two adjacent losses) is fatal: roll
-    back to the last asynchronous checkpoint and restart. Every layout change is decided by
-    :func:`lightning_bamboo.membership.policy.reconfigure`.
+    No running job knows that number (it needs the trace's future): an upper bound for the
+    checkpoint-restart baseline, kept as a labelled option.
+    """
+
+    name = "checkpoint_oracle"
+    adaptive = False
+
+
+class Bamboo(Policy):
+    """Redundant computation, with the runtime's rules for a loss (``engine/failover.py``'s ``plan_loss``).
+
+    With several pipelines, a pipeline that lost a node is dropped and the whole ones train on
+    (more micro-batches each; the survivors wait as standby nodes). Only when every pipeline lost a
+    node does one of them fail over: each lost node's predecessor, which holds its replica, runs
+    both stages (slower steps), and the others are released. A loss that no pipeline can fail over
+    (a node lost together with its replica holder, or a node already running two stages) is
+    fatal: back to the last asynchronous checkpoint and restart. Every later layout change is
+    decided by :func:`lightning_bamboo.membership.policy.reconfigure`.
     """
 
     name = "bamboo"
@@ -123,6 +152,18 @@ class Bamboo(Policy):
         self.fatal = False
         self.decisions: list[tuple[float, str, str]] = []  # (seconds, action, reason)
 
+    def _fail_over(self, row: tuple[str, ...], lost: set[str]) -> list[str] | None:
+        """The replica holders that take over ``row``'s lost stages, or None when one cannot."""
+        holders = []
+        for s, node in enumerate(row):
+            if node not in lost:
+                continue
+            holder = row[(s - 1) % len(row)]
+            if holder == node or holder in lost or node in self.overloaded or holder in self.overloaded:
+                return None
+            holders.append(holder)
+        return holders
+
     def on_remove(self, event: TraceEvent) -> None:
         alive_before = set(self.ready)
         super().on_remove(event)
@@ -130,20 +171,35 @@ class Bamboo(Policy):
         if self.layout is None or node not in self.layout.nodes or node not in alive_before:
             return
         self.ledger.preemptions += 1
-        holder = self.layout.replica_holder(node)
-        if self.fatal or node in self.overloaded or holder == node or holder not in self.ready:
-            if not self.fatal:
-                self.fatal = True
-                self.ledger.recoveries["checkpoint"] += 1
-                self.ledger.rollback()
-                self.ledger.pause("restart", self.params.restart_seconds, restart=True)
-            self.overloaded.discard(node)
+        if self.fatal:
             return
-        self.overloaded.add(holder)
-        self.ledger.recoveries["redundant"] += 1
-        failover = 0.0 if event.notice_seconds > 0 else self.params.failover_seconds
-        self.ledger.pause("failover", failover)
-        self._set_layout(self.layout, redundancy=True, overloaded=True)
+        pause = 0.0 if event.notice_seconds > 0 else self.params.failover_seconds
+        lost = {n for n in self.layout.nodes if n not in self.ready}
+        whole = [row for row in self.layout.grid if not lost & set(row)]
+        if whole:  # drop the broken pipelines; no data moves
+            layout = Layout(tuple(whole), self.layout.parts, self.config.micro_batches(len(whole)))
+            self.ledger.recoveries["redundant"] += 1
+            self.ledger.pause("failover", pause)
+            self._set_layout(layout, redundancy=True, overloaded=bool(self.overloaded))
+            return
+        rows = sorted(self.layout.grid, key=lambda r: -sum(n not in lost for n in r))
+        for row in rows:
+            holders = self._fail_over(row, lost)
+            if holders is not None:
+                self.overloaded.update(holders)
+                self.ledger.recoveries["redundant"] += 1
+                self.ledger.pause("failover", pause)
+                parts, batches = self.layout.parts, self.config.micro_batches(1)
+                # the layout keeps the lost nodes' places: their holders run them (see step_rate)
+                layout = Layout((row,), parts, batches) if len(rows) > 1 else self.layout
+                self.overloaded -= lost
+                self._set_layout(layout, redundancy=True, overloaded=True)
+                return
+        self.fatal = True
+        self.overloaded.clear()
+        self.ledger.recoveries["checkpoint"] += 1
+        self.ledger.rollback()
+        self.ledger.pause("restart", self.params.restart_seconds, restart=True)
 
     def settle(self) -> None:
         layout_nodes = set(self.layout.nodes) if self.layout is not None else set()
@@ -175,4 +231,13 @@ class Bamboo(Policy):
         self._set_layout(decision.layout, redundancy=True)
 
 
-POLICIES = {p.name: p for p in (OnDemand, CheckpointRestart, Bamboo)}
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo)}
+
+
+def _register_successors() -> None:
+    from lightning_bamboo.sim.successors import Parcae, Recycle
+
+    POLICIES.update({p.name: p for p in (Recycle, Parcae)})
+
+
+_register_successors()

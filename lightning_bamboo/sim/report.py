@@ -15,6 +15,13 @@ from lightning_bamboo.sim.params import SimParams
 
 # Bamboo (NSDI'23) headline numbers, printed beside ours
 PAPER = {"bamboo_vs_checkpoint_throughput": 3.7, "bamboo_vs_on_demand_value": 2.4}
+# published claims of the systems after Bamboo, printed beside what the simulator gives their policies
+CLAIMS = {
+    "recycle_vs_bamboo_throughput": "up to 1.64x (ReCycle, Gandhi et al., SOSP'24)",
+    "parcae_vs_bamboo_throughput": (
+        "up to 10x over earlier spot systems at high preemption rates (Parcae, Duan et al., NSDI'24)"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class SimReport:
     policies: Mapping[str, PolicyResult]
     params: SimParams
     trace: Mapping[str, object]
+    inputs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> value, kind, source
 
     def comparison(self) -> dict[str, float | None]:
         p = self.policies
@@ -116,6 +124,11 @@ class SimReport:
             out["bamboo_vs_on_demand_throughput"] = _ratio(
                 p["bamboo"].samples_per_second, p["on_demand"].samples_per_second
             )
+        for other in ("recycle", "parcae"):
+            if other in p and "bamboo" in p:
+                out[f"{other}_vs_bamboo_throughput"] = _ratio(
+                    p[other].samples_per_second, p["bamboo"].samples_per_second
+                )
         return out
 
     def as_dict(self, timeline: bool = True) -> dict[str, Any]:
@@ -125,7 +138,16 @@ class SimReport:
             "paper": dict(PAPER),
             "trace": dict(self.trace),
             "params": self.params.as_dict(),
+            "inputs": {k: dict(v) for k, v in self.inputs.items()},
         }
+
+    def inputs_table(self) -> str:
+        """Every input as a Markdown table: name, value, kind and source."""
+        rows = ["| input | value | kind | source |", "|---|---:|---|---|"]
+        for name, entry in self.inputs.items():
+            source = str(entry["source"]).replace("|", "/")
+            rows.append(f"| `{name}` | {entry['value']} | {entry['kind']} | {source} |")
+        return "\n".join(rows)
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n", encoding="utf-8")
@@ -133,24 +155,27 @@ class SimReport:
     def table(self) -> str:
         """The terminal table: one row per policy, then our ratios beside the paper's."""
         head = (
-            f"{'policy':<11}{'samples/s':>10}{'cost $':>10}{'samples/$':>11}{'hours':>7}{'recovery h':>11}"
+            f"{'policy':<18}{'samples/s':>10}{'cost $':>10}{'samples/$':>11}{'hours':>7}{'recovery h':>11}"
             f"{'node-h':>8}{'preempt':>8}{'recoveries (rc/ckpt)':>21}"
         )
         rows = [head, "-" * len(head)]
         for name, r in self.policies.items():
             rec = f"{r.recoveries.get('redundant', 0)}/{r.recoveries.get('checkpoint', 0)}"
             rows.append(
-                f"{name:<11}{r.samples_per_second:>10.1f}{r.cost_dollars:>10.1f}{r.samples_per_dollar:>11.0f}"
+                f"{name:<18}{r.samples_per_second:>10.1f}{r.cost_dollars:>10.1f}{r.samples_per_dollar:>11.0f}"
                 f"{r.hours:>7.2f}{r.recovery_hours:>11.2f}{r.node_hours:>8.0f}{r.preemptions:>8}{rec:>21}"
             )
         labels = {
             "bamboo_vs_checkpoint_throughput": "Bamboo vs checkpoint-restart, throughput",
             "bamboo_vs_on_demand_value": "Bamboo vs on-demand, value (samples/$)",
         }
+        labels["recycle_vs_bamboo_throughput"] = "ReCycle-style vs Bamboo, throughput"
+        labels["parcae_vs_bamboo_throughput"] = "Parcae-style vs Bamboo, throughput"
         for key, value in self.comparison().items():
             if key in labels:
                 ours = f"{value:.2f}x" if value is not None else "n/a"
-                rows.append(f"{labels[key]}: {ours} (paper: {PAPER[key]}x)")
+                published = f"paper: {PAPER[key]}x" if key in PAPER else f"published: {CLAIMS[key]}"
+                rows.append(f"{labels[key]}: {ours} ({published})")
         src = self.trace
         rows.append(
             f"trace: {src['source']}, {src['hours']:.2f} h, peak {src['peak_nodes']} nodes, "

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import young_interval
-from lightning_bamboo.sim.params import ParamError, SimParams
+from lightning_bamboo.sim.params import ParamError, SimParams, describe_inputs
 from lightning_bamboo.sim.policies import POLICIES, Policy
 from lightning_bamboo.sim.report import PolicyResult, SimReport
 from lightning_bamboo.sim.trace import Trace, TraceEvent, scale_trace
@@ -35,7 +35,8 @@ def on_demand_nodes(trace: Trace, params: SimParams) -> int:
 
 
 def checkpoint_interval(trace: Trace, end: float, params: SimParams) -> float:
-    """The checkpoint-restart policy's interval: the parameter, or Young's optimum for this trace."""
+    """The oracle's interval: the parameter, or Young's optimum for the whole trace's removals (which
+    no running job knows: ``checkpoint_oracle`` only)."""
     if params.checkpoint_interval_seconds:
         return params.checkpoint_interval_seconds
     if params.checkpoint_save_seconds <= 0:
@@ -52,11 +53,14 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
         count = on_demand_nodes(trace, params)
         events: Iterable[TraceEvent] = [TraceEvent(0, "add", f"od{i + 1}") for i in range(count)]
         ledger = Ledger(params.on_demand_price)
-    elif name == "checkpoint":
+    elif name == "checkpoint_oracle":
         events = trace.events
         ledger = Ledger(
             params.spot_price, checkpoint_interval(trace, end, params), params.checkpoint_save_seconds
         )
+    elif name == "checkpoint":
+        events = trace.events
+        ledger = Ledger(params.spot_price, params.checkpoint_interval_seconds, params.checkpoint_save_seconds)
     else:
         events = trace.events
         ledger = Ledger(params.spot_price, params.bamboo_checkpoint_interval_seconds, 0.0)
@@ -94,12 +98,17 @@ def simulate(
     trace: Trace,
     params: SimParams | None = None,
     policies: Iterable[str] = ("on_demand", "checkpoint", "bamboo"),
+    sources: Mapping[str, str] | None = None,
 ) -> SimReport:
-    """Replay ``trace`` under every policy and compare them."""
+    """Replay ``trace`` under every policy and compare them.
+
+    ``sources``: where the caller's values come from (``"kind: text"``, e.g. a scenario's
+    citations); the report's ``inputs`` gives every input's value, kind and source.
+    """
     params = params or SimParams()
     replayed, end = prepare(trace, params)
     results = {name: run_policy(name, replayed, params, end)[0] for name in policies}
-    return SimReport(results, params, trace_summary(replayed, end))
+    return SimReport(results, params, trace_summary(replayed, end), describe_inputs(params, sources))
 
 
 def trace_summary(trace: Trace, end: float) -> dict[str, object]:
