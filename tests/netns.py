@@ -5,7 +5,8 @@ Everything lives in namespaces made here: a "switch" namespace holds the bridge,
 processes started in it, a host name of its own (``unshare -u``) that nothing resolves (no
 ``/etc/hosts`` entry, no route to a DNS server). Nothing is added to the host's own network. The
 context manager kills every process in its namespaces and deletes them, which removes every link
-and the bridge, also when the test fails.
+and the bridge, also when the test fails; namespaces left by a process killed before it could
+clean up are deleted by the next cluster made.
 
     with NetnsCluster(["node0", "node1"]) as net:
         etcd_url = net.start_etcd()
@@ -17,6 +18,7 @@ and the bridge, also when the test fails.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,13 +53,39 @@ def check_netns() -> None:
                                "run them as root (CI's machines are)")
 
 
+_OURS = re.compile(r"^bb(\d+)x[0-9a-f]{4}-")
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces (and kill their processes) that a cluster of a process no longer alive left behind
+    (one killed before it could clean up); the names deleted."""
+    swept = []
+    for line in _ip("netns", "list").splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = _OURS.match(name)
+        if match is None or os.path.exists(f"/proc/{match.group(1)}"):
+            continue
+        for pid in _ip("netns", "pids", name).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            _ip("netns", "del", name)
+            swept.append(name)
+        except RuntimeError:
+            pass
+    return swept
+
+
 class NetnsCluster:
     """Namespaces ``machines`` (plus one for etcd) on a bridge; see the module docstring."""
 
     def __init__(self, machines: Sequence[str]) -> None:
         check_netns()
         self.machines = list(machines)
-        self.prefix = f"bb{os.getpid() % 100000}{os.urandom(2).hex()}-"
+        sweep_stale()
+        self.prefix = f"bb{os.getpid()}x{os.urandom(2).hex()}-"
         self.switch = self.prefix + "sw"
         self.addrs = {name: f"{SUBNET}.{10 + i}" for i, name in enumerate(self.machines)}
         self.addrs[ETCD] = f"{SUBNET}.2"
