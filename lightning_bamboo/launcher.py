@@ -361,7 +361,7 @@ def plan_node(
 ) -> NodePlan:
     """Check a supervisor's arguments and work out what it runs (``supervise`` runs it)."""
     from lightning_bamboo.membership import parse_store_url
-    from lightning_bamboo.membership.address import bind_env
+    from lightning_bamboo.membership.address import bind_env, source_address
     from lightning_bamboo.membership.registry import job_prefix
 
     if store == "embedded":
@@ -385,6 +385,9 @@ def plan_node(
     if "." in node and workers is not None:
         raise BambooConfigError(f"with --workers, --node names a machine and must not contain '.' (got {node!r}): its "
                                 f"workers are {node}.0 .. {node}.{workers - 1}")
+    if addr == "auto":
+        _, host, port = parse_store_url(store)
+        addr = source_address(host, port)
     mine = job_nodes([node], workers)
     nodes = job_nodes(peers, workers)
     env = {ADDR_ENV: addr, **bind_env(addr), MACHINE_ENV: node}
@@ -427,7 +430,7 @@ def supervise(
         else:
             key = f"{job_prefix(job)}master"
             if plan.publisher in plan.workers:
-                master = {"host": addr, "port": free_port(addr)}
+                master = {"host": plan.addr, "port": free_port(plan.addr)}
                 cluster.store.put(key, json.dumps(master))
             else:
                 master = _wait_for_key(cluster.store, key, timeout, f"the first node {plan.publisher!r} to publish its address")
@@ -462,7 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peers", default="", help="with --node: the initial pipeline's machines, in order, comma-separated")
     parser.add_argument("--join", action="store_true", help="with --node: a standby machine joining a running job")
     parser.add_argument("--addr", default="127.0.0.1",
-                        help="with --node: this machine's IP address that its peers reach (process groups bind to its interface)")
+                        help="with --node: this machine's IP address that its peers reach (process groups bind to its interface); "
+                        "'auto': the one it reaches the store from")
     parser.add_argument("--timeout", type=float, default=300.0, help="with --node: seconds to wait for the first node")
     parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
     parser.add_argument("--job", default="bamboo")

@@ -56,6 +56,26 @@ def interface_for(addr: str) -> str:
     )
 
 
+def source_address(host: str, port: int) -> str:
+    """The address this machine sends from to reach ``host:port``: the kernel's route, no packet sent.
+
+    What ``--addr auto`` means: the interface that reaches the store reaches the peers too on a
+    flat network (one VPC, one cluster network); on another one pass the address itself.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror as err:
+        raise AddressError(f"--addr auto: cannot resolve the store's host {host!r} ({err}); pass --addr with this "
+                           f"machine's address, one of: {_describe(local_addresses())}") from None
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(sockaddr)
+        except OSError as err:
+            raise AddressError(f"--addr auto: no route from this machine to the store at {host}:{port} ({err}); pass "
+                               f"--addr with this machine's address, one of: {_describe(local_addresses())}") from None
+        return str(probe.getsockname()[0])
+
+
 def bind_env(addr: str) -> dict[str, str]:
     """The environment that binds a worker's process groups (gloo, NCCL) to the interface that owns ``addr``."""
     interface = interface_for(addr)
