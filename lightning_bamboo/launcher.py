@@ -16,7 +16,8 @@ initial pipeline and the address its peers reach it at::
         --peers node0,node1,node2,node3 --addr 10.0.0.12 -- python train.py --stages 4
 
 A supervisor started later with ``--join`` (and no ``--peers``) adds a standby node that a
-``RebalanceCallback`` admits into the running job.
+``RebalanceCallback`` admits into the running job. With ``--min-nodes N`` instead of ``--peers`` the
+job forms of the machines that registered first once they run N nodes (``membership.fleet``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from lightning_bamboo.engine.failover import free_port
@@ -41,6 +44,10 @@ STORE_ENV, JOB_ENV, NODE_ENV, NODES_ENV = "BAMBOO_STORE", "BAMBOO_JOB", "BAMBOO_
 JOIN_ENV = "BAMBOO_JOIN"
 #: the address this node's peers reach it at (process-group stores are hosted there); default loopback
 ADDR_ENV = "BAMBOO_ADDR"
+#: the machine (failure domain) a node runs on: its supervisor's --node
+MACHINE_ENV = "BAMBOO_MACHINE"
+#: the variables that bind process groups to an interface (set from --addr unless the user set them)
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def node_address() -> str:
@@ -129,12 +136,16 @@ class Cluster:
     def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None,
                  local_workers: int | None = None) -> None:
         from lightning_bamboo.membership import connect, resolve_store
+        from lightning_bamboo.membership.address import bind_env
         from lightning_bamboo.membership.registry import Registry
 
         self.url, self._server = resolve_store(store)
         self.job = job
         self.env = {**os.environ, **(env or {}), STORE_ENV: self.url, JOB_ENV: job, "NODE_RANK": "0",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        if not any(k in self.env for k in INTERFACE_VARS):
+            # gloo would bind to whatever the host name resolves to (loopback where it resolves to nothing)
+            self.env.update(bind_env(self.env.get(ADDR_ENV, "127.0.0.1")))
         if local_workers and "OMP_NUM_THREADS" not in self.env:
             # ``local_workers`` processes share this machine's cores: split them (as torchrun and Lightning's
             # launchers do for the processes they start) instead of each using them all
@@ -291,6 +302,118 @@ def launch(
         cluster.close()
 
 
+@dataclass(frozen=True)
+class NodePlan:
+    """What one supervisor runs: its workers (node names), the job's initial nodes and the environment they share.
+
+    Pure: built from the command line without contacting anything but this machine's interfaces
+    (``--dry-run`` prints it).
+    """
+
+    machine: str
+    workers: tuple[str, ...]
+    #: the initial pipeline's nodes in rank order; empty for a standby machine (``--join``)
+    nodes: tuple[str, ...]
+    addr: str
+    env: Mapping[str, str]
+    command: tuple[str, ...]
+    #: the node that publishes the initial process group's address in the store (None: a standby machine)
+    publisher: str | None
+    #: --min-nodes / --max-nodes: the job's nodes are known only once enough machines registered
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+
+    def rank(self, worker: str) -> int | None:
+        return self.nodes.index(worker) if worker in self.nodes else None
+
+    def describe(self) -> str:
+        lines = [f"machine {self.machine}: {len(self.workers)} worker(s) bound to {self.env['GLOO_SOCKET_IFNAME']} "
+                 f"({self.addr}); one failure domain"]
+        if self.min_nodes is not None:
+            most = "" if self.max_nodes is None else f", at most {self.max_nodes}"
+            lines.append(f"the job forms once machines with {self.min_nodes} node(s){most} registered, in the order "
+                         "they registered; a machine that comes later starts as standby")
+        if self.nodes:
+            lines.append(f"job nodes in rank order: {','.join(self.nodes)}; {self.publisher} publishes the process "
+                         f"group's address{' (this machine)' if self.publisher in self.workers else ''}")
+        for local, worker in enumerate(self.workers):
+            rank = self.rank(worker)
+            role = ("rank decided at the rendezvous" if self.min_nodes is not None else "standby (joins a running job)"
+                    if rank is None else f"rank {rank} of {len(self.nodes)}")
+            lines.append(f"  {worker}: {role}, local worker {local}")
+        lines.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
+        lines.append("command: " + shlex.join(self.command))
+        return "\n".join(lines)
+
+
+def job_nodes(machines: Sequence[str], workers: int | None) -> list[str]:
+    """The job's nodes in rank order: each machine's first worker, then each one's second, ...
+
+    Machine-interleaved, so that neighbouring ranks (a stage and its replica holder, in a
+    pipeline of consecutive ranks) sit on different machines whenever there are two or more.
+    """
+    if workers is None:
+        return list(machines)
+    return [f"{machine}.{i}" for i in range(workers) for machine in machines]
+
+
+def plan_node(
+    command: Sequence[str],
+    node: str,
+    *,
+    store: str,
+    peers: Sequence[str] = (),
+    addr: str = "127.0.0.1",
+    join: bool = False,
+    workers: int | None = None,
+    job: str = "bamboo",
+    min_nodes: int | None = None,
+    max_nodes: int | None = None,
+) -> NodePlan:
+    """Check a supervisor's arguments and work out what it runs (``supervise`` runs it)."""
+    from lightning_bamboo.membership import parse_store_url
+    from lightning_bamboo.membership.address import bind_env, source_address
+    from lightning_bamboo.membership.registry import job_prefix
+
+    if store == "embedded":
+        raise BambooConfigError(
+            "a node on its own needs a shared store: pass --store etcd://HOST:PORT (or embedded://HOST:PORT of a "
+            "running server); 'embedded' starts a private one"
+        )
+    parse_store_url(store)
+    job_prefix(job)  # checks the name
+    if [bool(peers), min_nodes is not None, join].count(True) != 1:
+        raise BambooConfigError(
+            f"give --peers (the initial pipeline's machines, in order), --min-nodes N (the job forms once N nodes "
+            f"registered) or --join (a standby machine), exactly one (peers: {list(peers)}, min-nodes: {min_nodes}, "
+            f"join: {join})"
+        )
+    if max_nodes is not None and min_nodes is None:
+        raise BambooConfigError(f"--max-nodes {max_nodes} goes with --min-nodes N (a job formed by count)")
+    if min_nodes is not None:
+        from lightning_bamboo.membership.fleet import choose_roster
+
+        choose_roster([], min_nodes, max_nodes)  # checks the bounds
+    if workers is not None and workers < 1:
+        raise BambooConfigError(f"--workers must be at least 1 (got {workers}); it is the number of workers on this machine")
+    if len(set(peers)) != len(peers):
+        raise BambooConfigError(f"--peers names a machine twice ({list(peers)}); list each machine once")
+    if peers and node not in peers:
+        raise BambooConfigError(f"--node {node!r} is not one of --peers {list(peers)}; list every initial node, this one too")
+    if "." in node and workers is not None:
+        raise BambooConfigError(f"with --workers, --node names a machine and must not contain '.' (got {node!r}): its "
+                                f"workers are {node}.0 .. {node}.{workers - 1}")
+    if addr == "auto":
+        _, host, port = parse_store_url(store)
+        addr = source_address(host, port)
+    mine = job_nodes([node], workers)
+    nodes = job_nodes(peers, workers)
+    env = {ADDR_ENV: addr, **bind_env(addr), MACHINE_ENV: node}
+    return NodePlan(machine=node, workers=tuple(mine), nodes=tuple(nodes), addr=addr, env=env,
+                    command=tuple(command), publisher=nodes[0] if nodes else None,
+                    min_nodes=min_nodes, max_nodes=max_nodes)
+
+
 def supervise(
     command: Sequence[str],
     node: str,
@@ -299,49 +422,59 @@ def supervise(
     peers: Sequence[str] = (),
     addr: str = "127.0.0.1",
     join: bool = False,
+    workers: int | None = None,
     job: str = "bamboo",
     env: Mapping[str, str] | None = None,
     timeout: float = 300.0,
+    min_nodes: int | None = None,
+    max_nodes: int | None = None,
 ) -> int:
-    """Run one node of a job whose other nodes run elsewhere (one supervisor per machine); its exit code.
+    """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
-    The first of ``peers`` publishes the address of the initial process group in the store
-    (``addr`` and a free port there); the others wait for it (at most ``timeout`` s). A worker
-    that dies is announced in the store at once, so its peers fail over in milliseconds.
+    Returns 0 if every worker here exited with 0, else the first other exit code. The machine of
+    the first node publishes the address of the initial process group in the store (``addr``
+    and a free port there); the others wait for it (at most ``timeout`` s). A worker that dies is
+    announced in the store at once, so its peers fail over in milliseconds. Every process group
+    binds to the interface that owns ``addr``.
     """
     from lightning_bamboo.engine.failover import free_port
     from lightning_bamboo.membership.registry import job_prefix
 
-    if store == "embedded":
-        raise BambooConfigError(
-            "a node on its own needs a shared store: pass --store etcd://HOST:PORT (or embedded://HOST:PORT of a "
-            "running server); 'embedded' starts a private one"
-        )
-    if join == bool(peers):
-        raise BambooConfigError(
-            f"give --peers (the initial pipeline's nodes, in order) or --join (a standby node), exactly one "
-            f"(peers: {list(peers)}, join: {join})"
-        )
-    if peers and node not in peers:
-        raise BambooConfigError(f"--node {node!r} is not one of --peers {list(peers)}; list every initial node, this one too")
-    cluster = Cluster(store, job, {**(env or {}), ADDR_ENV: addr})
+    plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job,
+                     min_nodes=min_nodes, max_nodes=max_nodes)
+    chosen = {k: os.environ[k] for k in INTERFACE_VARS if k in os.environ}  # the user's choice wins over ours
+    cluster = Cluster(store, job, {**plan.env, **chosen, **(env or {})},
+                      local_workers=len(plan.workers) if len(plan.workers) > 1 else None)
     try:
+        if min_nodes is not None:
+            from lightning_bamboo.membership.fleet import fleet_rendezvous
+
+            roster = fleet_rendezvous(cluster.store, job_prefix(job), node, len(plan.workers), min_nodes, max_nodes,
+                                      timeout)
+            join = roster is None
+            plan = plan_node(command, node, store=store, peers=roster or (), addr=addr, join=join, workers=workers,
+                             job=job)
+            print(f"[launcher] {node}: " + ("the job formed without this machine: standby" if join else
+                                            f"the job formed of {','.join(plan.nodes)}"), file=sys.stderr)
         if join:
-            cluster.spawn_joiner(node, command)
+            for worker in plan.workers:
+                cluster.spawn_joiner(worker, command)
         else:
             key = f"{job_prefix(job)}master"
-            if node == peers[0]:
-                master = {"host": addr, "port": free_port(addr)}
+            if plan.publisher in plan.workers:
+                master = {"host": plan.addr, "port": free_port(plan.addr)}
                 cluster.store.put(key, json.dumps(master))
             else:
-                master = _wait_for_key(cluster.store, key, timeout, f"the first node {peers[0]!r} to publish its address")
+                master = _wait_for_key(cluster.store, key, timeout, f"the first node {plan.publisher!r} to publish its address")
             cluster.env.update({"MASTER_ADDR": str(master["host"]), "MASTER_PORT": str(master["port"])})
-            cluster.spawn(node, command, list(peers).index(node), list(peers))
+            for worker in plan.workers:
+                cluster.spawn(worker, command, plan.nodes.index(worker), plan.nodes)
         while cluster.running:
             cluster.poll(announce_always=True)
             time.sleep(0.05)
         cluster.poll(announce_always=True)
-        return cluster.codes[node]
+        failed = [cluster.codes[w] for w in plan.workers if cluster.codes[w] != 0]
+        return failed[0] if failed else 0
     finally:
         cluster.close()
 
@@ -358,30 +491,55 @@ def _wait_for_key(store: Any, key: str, timeout: float, what: str) -> dict[str, 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_bamboo.launcher", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=None, help="run this many nodes here (one machine)")
-    parser.add_argument("--node", default=None, help="run just this node here (one supervisor per machine)")
-    parser.add_argument("--peers", default="", help="with --node: the initial pipeline's nodes, in order, comma-separated")
-    parser.add_argument("--join", action="store_true", help="with --node: a standby node joining a running job")
-    parser.add_argument("--addr", default="127.0.0.1", help="with --node: the address peers reach this machine at")
+    parser.add_argument("--node", default=None, help="run this machine's node(s) here (one supervisor per machine)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="with --node: run K workers here, nodes NAME.0 .. NAME.K-1 (the machine is one failure domain)")
+    parser.add_argument("--peers", default="", help="with --node: the initial pipeline's machines, in order, comma-separated")
+    parser.add_argument("--min-nodes", type=int, default=None,
+                        help="with --node, instead of --peers: the job forms of the machines registered first, once they "
+                             "run this many nodes; later machines start as standby")
+    parser.add_argument("--max-nodes", type=int, default=None, help="with --min-nodes: at most this many nodes in the job")
+    parser.add_argument("--join", action="store_true", help="with --node: a standby machine joining a running job")
+    parser.add_argument("--addr", default="127.0.0.1",
+                        help="with --node: this machine's IP address that its peers reach (process groups bind to its interface); "
+                        "'auto': the one it reaches the store from")
     parser.add_argument("--timeout", type=float, default=300.0, help="with --node: seconds to wait for the first node")
     parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
     parser.add_argument("--job", default="bamboo")
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, print what would run, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the worker command after --")
     if (args.nodes is None) == (args.node is None):
-        parser.error("give --nodes N (all nodes on this machine) or --node NAME (one node of a larger job)")
+        parser.error("give --nodes N (all nodes on this machine) or --node NAME (one machine of a larger job)")
     if args.node is not None:
         peers = [p for p in args.peers.split(",") if p]
+        if args.dry_run:
+            plan = plan_node(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
+                             workers=args.workers, job=args.job, min_nodes=args.min_nodes, max_nodes=args.max_nodes)
+            print(plan.describe())
+            return 0
         code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
-                         job=args.job, timeout=args.timeout)
+                         workers=args.workers, job=args.job, timeout=args.timeout, min_nodes=args.min_nodes,
+                         max_nodes=args.max_nodes)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
         return 0 if code == 0 else 1
+    if args.workers is not None:
+        parser.error("--workers goes with --node (a machine of a larger job); on one machine use --nodes N")
+    if args.dry_run:
+        print(f"{args.nodes} node(s) here: {','.join(node_names(args.nodes))}; store {args.store}")
+        print("command: " + shlex.join(command))
+        return 0
     codes = launch(command, args.nodes, store=args.store, job=args.job)
     print("[launcher] exit codes: " + ", ".join(f"{n}={c}" for n, c in codes.items()), file=sys.stderr)
     return 0 if any(c == 0 for c in codes.values()) and all(c in (0, -9) for c in codes.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BambooConfigError as err:  # a wrong argument: the rule and the fix, without a traceback
+        print(f"python -m lightning_bamboo.launcher: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -90,6 +90,8 @@ def test_nodes_on_their_own_addresses_fail_over_across_them(etcd, tmp_path):
         (["--node", "node0", "--peers", "node0,node1", "--store", "embedded"], "needs a shared store"),
         (["--node", "node5", "--peers", "node0,node1", "--store", "etcd://127.0.0.1:1"], "not one of --peers"),
         (["--node", "node0", "--store", "etcd://127.0.0.1:1"], "exactly one"),
+        (["--node", "m0", "--peers", "m0,m1,m0", "--store", "etcd://127.0.0.1:1"], "names a machine twice"),
+        (["--node", "m0", "--peers", "m0", "--workers", "0", "--store", "etcd://127.0.0.1:1"], "at least 1"),
     ],
 )
 def test_bad_node_arguments_are_refused(args, message):
@@ -97,3 +99,42 @@ def test_bad_node_arguments_are_refused(args, message):
 
     with pytest.raises(BambooConfigError, match=message):
         launcher_main([*args, "--", "true"])
+
+
+def test_an_address_this_machine_does_not_own_is_refused_naming_its_addresses(capsys):
+    from lightning_bamboo.membership.address import AddressError, local_addresses
+
+    with pytest.raises(AddressError, match=r"--addr 192\.0\.2\.253 is not an address of this machine") as err:
+        launcher_main(["--node", "m0", "--peers", "m0,m1", "--store", "etcd://127.0.0.1:1", "--addr", "192.0.2.253",
+                       "--dry-run", "--", "true"])
+    for interface, addrs in local_addresses().items():
+        assert f"{interface} {addrs[0]}" in str(err.value)
+    with pytest.raises(AddressError, match="must be an IP address, not a host name"):
+        launcher_main(["--node", "m0", "--peers", "m0", "--store", "etcd://127.0.0.1:1", "--addr", "localhost", "--", "true"])
+
+
+def test_workers_bind_to_the_interface_of_their_address_and_interleave_machines():
+    from lightning_bamboo.launcher import plan_node
+    from lightning_bamboo.membership.address import interface_for
+
+    loopback = interface_for("127.0.0.1")
+    assert interface_for("127.0.0.7") == loopback  # all of 127.0.0.0/8 is the loopback interface's
+    plan = plan_node(["python", "train.py"], "m1", store="etcd://10.0.0.1:2379", peers=["m0", "m1", "m2"],
+                     addr="127.0.0.3", workers=2)
+    assert plan.env["GLOO_SOCKET_IFNAME"] == loopback and plan.env["NCCL_SOCKET_IFNAME"] == "=" + loopback
+    assert plan.env["BAMBOO_ADDR"] == "127.0.0.3" and plan.env["BAMBOO_MACHINE"] == "m1"
+    # neighbouring ranks (a stage and its replica holder) are on different machines
+    assert plan.nodes == ("m0.0", "m1.0", "m2.0", "m0.1", "m1.1", "m2.1")
+    assert plan.workers == ("m1.0", "m1.1") and [plan.rank(w) for w in plan.workers] == [1, 4]
+    assert plan.publisher == "m0.0"
+    single = plan_node(["true"], "m1", store="etcd://10.0.0.1:2379", peers=["m0", "m1"], addr="127.0.0.3")
+    assert single.workers == ("m1",) and single.nodes == ("m0", "m1")
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(capsys):
+    code = launcher_main(["--store", "etcd://10.0.0.1:2379", "--node", "m2", "--peers", "m0,m1,m2", "--workers", "2",
+                          "--addr", "127.0.0.4", "--dry-run", "--", "python", "train.py", "--stages", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "m2.0: rank 2 of 6" in out and "m2.1: rank 5 of 6" in out
+    assert "command: python train.py --stages 3" in out and "GLOO_SOCKET_IFNAME=" in out

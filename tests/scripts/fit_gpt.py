@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--partition", default="parameters")
     p.add_argument("--redundancy", default="off")
     p.add_argument("--rf-costs", default="measured", help="'measured' or FORWARD,BACKWARD (eager's RF placement)")
+    p.add_argument("--detection-timeout", type=float, default=5.0, help="BambooStrategy(detection_timeout=...)")
     p.add_argument("--check-replicas", action="store_true", help="after every step, compare replicas with their originals")
     p.add_argument("--audit", action="store_true", help="BambooStrategy(audit_replicas=True)")
     p.add_argument("--perturb-replica", default=None, help="STEP:RANK: change one weight of that rank's replica before that step")
@@ -100,7 +101,7 @@ def main() -> None:
     partition = args.partition if not args.partition[0].isdigit() else [int(x) for x in args.partition.split(",")]
     strategy = (lightning_bamboo.BambooStrategy if args.namespace == "lightning.pytorch" else lightning_bamboo.PTLBambooStrategy)(
         stages=args.stages, micro_batch_size=args.micro_batch_size, partition=partition, seed=1234, timeout=60,
-        redundancy=args.redundancy, detection_timeout=5, audit_replicas=args.audit,
+        redundancy=args.redundancy, detection_timeout=args.detection_timeout, audit_replicas=args.audit,
         rf_costs=args.rf_costs if args.rf_costs == "measured"
         else dict(zip(("forward", "backward"), map(float, args.rf_costs.split(",")), strict=True)),
     )
