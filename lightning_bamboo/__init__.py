@@ -13,6 +13,9 @@ from lightning_bamboo.errors import BambooConfigError, BambooError
 
 _registration.install()
 
+#: the one source of the version: pyproject.toml reads it (``dynamic = ["version"]``)
+__version__ = "0.1.0"
+
 _LAZY = {
     "BambooStrategy": "lightning_bamboo.strategy",
     "PTLBambooStrategy": "lightning_bamboo.strategy",
@@ -30,6 +33,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "__version__",
     "BambooConfigError",
     "BambooError",
     "BambooStrategy",
