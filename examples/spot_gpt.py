@@ -126,6 +126,7 @@ def main() -> None:
             NodeStatus(out, args.print_every),
         ],
         logger=CSVLogger(out, name="csv", version=0),
+        enable_checkpointing=False,  # AsyncCheckpoint writes the checkpoints (no second, synchronous one at the end)
         log_every_n_steps=5,
         enable_progress_bar=False,
         enable_model_summary=False,
