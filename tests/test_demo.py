@@ -307,6 +307,10 @@ def test_demo_defaults_show_events_live_and_verify_the_weights(tmp_path, args, k
         shown = re.search(STAMP + r"step \d+: " + node + r" preempted", out)
         assert shown and shown.start() < summary, out[-4000:]
     assert re.search(STAMP + r"step \d+: (failover|reconfigured) in", out[:summary]), out[-4000:]
+    # the progress lines still read as the simulator's calibration reads them (sim_calibrate.py)
+    from lightning_bamboo.sim.calibration import parse_progress
+
+    assert [s for _, s in parse_progress((0.0, line) for line in out[:summary].splitlines())][-1] == 12
     result = json.loads(report.read_text())
     assert result["steps_completed"] == 12 and result["preemptions"] == len(kills)
     assert result["recoveries"] == {"redundant": len(kills), "checkpoint": 0, "restart": 0}

@@ -544,8 +544,9 @@ def _show(args: argparse.Namespace, state: DemoState, running: list[str]) -> Non
         return
     width = 30
     filled = int(width * state.progress / max(1, state.target_steps))
-    print(f"  {_stamp(state.started)}  step {state.progress:>4}/{state.target_steps}  "
-          f"[{'#' * filled}{'.' * (width - filled)}]  live: {' '.join(sorted(running))}", flush=True)
+    # the line starts with "step N/M" (lightning_bamboo.sim.calibration reads it); the time goes last
+    print(f"  step {state.progress:>4}/{state.target_steps}  [{'#' * filled}{'.' * (width - filled)}]  "
+          f"live: {' '.join(sorted(running))}  ({_stamp(state.started)})", flush=True)
 
 
 def _show_records(store: Any, base: str, state: DemoState, shown: set[str]) -> None:
