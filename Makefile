@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # A 4-node local spot cluster on the embedded store: node2 is killed at step 6, node3 gets a
-# 2-second notice at step 14; the run finishes with the weights of a run without preemptions.
+# 2-second notice at step 14; --verify then trains the same steps without preemptions and checks
+# that the weights are equal.
 demo: install
-	$(VENV)/bin/lightning-bamboo demo --nodes 4 --steps 24 --step-delay 0.2
+	$(VENV)/bin/lightning-bamboo demo --nodes 4 --steps 24 --step-delay 0.2 --verify
 
 test: install
 	$(PY) -m pytest -q

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_bamboo import _registration
+from lightning_bamboo import _registration, logs
 from lightning_bamboo.errors import BambooConfigError, BambooError
 
 _registration.install()
+logs.install()
+
+#: the one source of the version: pyproject.toml reads it (``dynamic = ["version"]``)
+__version__ = "0.1.0"
 
 _LAZY = {
     "BambooStrategy": "lightning_bamboo.strategy",
@@ -30,6 +34,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "__version__",
     "BambooConfigError",
     "BambooError",
     "BambooStrategy",

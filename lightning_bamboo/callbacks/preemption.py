@@ -349,7 +349,10 @@ class PreemptionCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batches += 1
-        if self._batches % self.check_every_n_steps:
+        if self._batches % self.check_every_n_steps or getattr(trainer.strategy, "resilience", None) is not None:
+            # Under the Bamboo launcher the strategy serves notices (``preemption_pending``): the node announces
+            # at its next commit that it leaves and exits once that step committed, and its neighbours take its
+            # stage over with no step lost. An agreement here would clear the flag it reads, or stop every node.
             return
         notice = self.flag.notice
         leaving, seconds_left, ckpt_estimate = self._agree(trainer, notice)

@@ -22,7 +22,8 @@ EXIT_FATAL = 75  # lightning_bamboo.engine.failover.FATAL_EXIT_CODE (not importe
 EXIT_AUDIT = 76  # lightning_bamboo.demo.worker.EXIT_AUDIT: the replica audit found a difference
 #: standby processes beyond a full pipeline (joined nodes past that wait without a process until a place frees)
 STANDBY_PROCESSES = 1
-DEFAULT_PREEMPT = "node2@6,node3@14:2"
+#: seconds of notice the default preemption with notice gets (see default_preempt)
+DEFAULT_NOTICE = 2
 #: samples per step over all pipelines (each of P pipelines loads GLOBAL_BATCH / P; the worker's micro-batch is 2)
 GLOBAL_BATCH = 8
 #: the demo GPT's pipeline layers (lightning_bamboo.demo.worker.CONFIG: 6 blocks + embedding + head)
@@ -36,12 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
     parser.add_argument("--trace", default=None, help="Bamboo trace CSV (ms,add|remove,node) to replay")
     parser.add_argument("--time-scale", type=float, default=600.0, help="trace seconds per real second (default 600)")
-    parser.add_argument("--preempt", default=None, help="NODE@STEP[:notice],... e.g. node2@7,node1@12:3")
+    parser.add_argument("--preempt", default=None, help="NODE@STEP[:notice],... e.g. node2@7,node1@12:3; '' for none "
+                        "(default: a middle node killed at a quarter of the steps, and with one pipeline of 4 or more "
+                        "nodes its last node preempted with 2 s notice at 7/12 of them)")
     parser.add_argument("--join", default=None, help="NAME@STEP,... new nodes that join, e.g. spare1@9")
     parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
     parser.add_argument("--report", default=None, help="write the run's report JSON here")
     parser.add_argument("--save-weights", default=None, help="write the final consolidated fp32 state_dict here")
-    parser.add_argument("--no-redundancy", action="store_true", help="no replicas: every loss restarts from a checkpoint")
+    parser.add_argument("--redundancy", choices=("off", "lazy", "eager"), default="lazy",
+                        help="lazy (default): replicas, failover from them; eager: also the successor's forward in the "
+                        "pipeline bubbles; off: no replicas, every loss restarts from a checkpoint")
+    parser.add_argument("--no-redundancy", dest="redundancy", action="store_const", const="off",
+                        help="the same as --redundancy off")
+    parser.add_argument("--verify", action="store_true", help="then train the same steps without preemptions and "
+                        "print the largest difference of the final weights (exit status 1 unless it is 0)")
     parser.add_argument("--checkpoint-every", type=int, default=4, help="steps between checkpoints (default 4)")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds each node pauses per step, to watch")
     parser.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temporary dir)")
@@ -51,6 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the demo model's optimizer (default sgd with momentum)")
     parser.add_argument("--audit", action="store_true", help="compare every replica with its stage, bit for bit, "
                         "after every step and membership change; a difference stops the run naming layer, step, node")
+
+
+def default_preempt(nodes: int, stages: int, steps: int) -> str:
+    """What ``make demo`` shows when no ``--preempt`` or ``--trace`` is given, for any cluster.
+
+    A middle node (``node{nodes // 2}``) is SIGKILLed when a quarter of the steps are done; one pipeline
+    of 4 or more nodes also loses its last node with a 2-second notice at 7/12 of the steps (4 nodes,
+    24 steps: ``node2@6,node3@14:2``). One node, or fewer than 2 steps: nothing to show, no preemption.
+    """
+    if nodes < 2 or steps < 2:
+        return ""
+    events = [f"node{nodes // 2}@{max(1, steps // 4)}"]
+    if nodes == stages and nodes >= 4:
+        events.append(f"node{nodes - 1}@{max(1, steps * 7 // 12)}:{DEFAULT_NOTICE}")
+    return ",".join(events)
 
 
 class RecoveryClock:
@@ -112,6 +136,14 @@ class DemoState:
     reconfigurations: list[dict[str, Any]] = field(default_factory=list)
     progress: int = 0
     log: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    quiet: bool = False
+
+    def event(self, text: str) -> None:
+        """Record ``text`` for the report and show it now, with the time and the seconds since the start."""
+        self.log.append(text)
+        if not self.quiet:
+            print(f"  {_stamp(self.started)}  {text}", flush=True)
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
@@ -175,21 +207,74 @@ def run(args: argparse.Namespace) -> int:
 
         events = events_from_trace(read_trace(args.trace), nodes, args.time_scale)
     else:  # a node that joins may be preempted later too
-        events = parse_preempt(DEFAULT_PREEMPT if args.preempt is None else args.preempt, nodes + [e.node for e in joins])
+        spec = default_preempt(args.nodes, stages, args.steps) if args.preempt is None else args.preempt
+        events = parse_preempt(spec, nodes + [e.node for e in joins])
     events += joins
     if args.store != "embedded":
         _check_store_reachable(args.store)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bamboo-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if not args.quiet:
+        shown = ", ".join(f"{e.node}@{e.at_step if e.at_step is not None else f'{e.at_seconds:.1f}s'}"
+                          + (f" ({e.notice:g} s notice)" if e.notice else "") for e in events if e.kind == "preempt")
+        print(f"  {args.nodes} nodes as {args.nodes // stages} pipeline(s) of {stages} stages, redundancy "
+              f"{args.redundancy}, {args.steps} steps; preemptions: {shown or 'none'}", flush=True)
     try:
         report = _drive(args, stages, nodes, events, workdir)
+        _summary(report)
+        ok = report["steps_completed"] == report["target_steps"]
+        if args.verify and ok:
+            report["verify_max_difference"] = difference = _verify(args, stages, nodes, workdir, report)
+            ok = difference == 0.0
+        if args.save_weights:
+            _copy_atomically(report["weights"], args.save_weights)
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    _summary(report)
+    report.pop("weights", None)
     if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=2))
-    return 0 if report["steps_completed"] == report["target_steps"] else 1
+        _write_atomically(args.report, json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+def _verify(args: argparse.Namespace, stages: int, nodes: list[str], workdir: Path, report: dict[str, Any]) -> float:
+    """Train the same steps on the same nodes without preemptions or joins; the largest absolute difference
+    between its final weights and the run's (0: the run's preemptions changed nothing)."""
+    import torch
+
+    if not args.quiet:
+        print(f"\n  verify: the same {args.steps} steps without preemptions", flush=True)
+    clean = _drive(args, stages, nodes, [], workdir / "verify", prefix="verify")
+    if clean["steps_completed"] != args.steps:
+        raise BambooConfigError(f"--verify: the run without preemptions completed {clean['steps_completed']} of "
+                                f"{args.steps} steps; see {workdir / 'verify'} (run with --workdir DIR to keep it)")
+    ours, theirs = torch.load(report["weights"]), torch.load(clean["weights"])
+    if sorted(ours) != sorted(theirs):
+        raise BambooConfigError(f"--verify: the two runs saved different layers ({sorted(set(ours) ^ set(theirs))})")
+    difference = max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours)
+    if difference == 0.0:
+        print("  weights equal a run without preemptions (max difference 0)", flush=True)
+    else:
+        print(f"  weights DIFFER from a run without preemptions (max difference {difference:.3g})", flush=True)
+    return difference
+
+
+def _write_atomically(path: str, text: str) -> None:
+    partial = Path(f"{path}.partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def _copy_atomically(source: str, path: str) -> None:
+    partial = Path(f"{path}.partial")
+    shutil.copyfile(source, partial)
+    partial.replace(path)
+
+
+def _stamp(started: float) -> str:
+    """``18:57:03.2 +12.4s``: the wall-clock time and the seconds since ``started`` (a monotonic time)."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 10) % 10} +{time.monotonic() - started:.1f}s"
 
 
 def _check_store_reachable(url: str) -> None:
@@ -202,14 +287,18 @@ def _check_store_reachable(url: str) -> None:
         store.close()
 
 
-def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list[ClusterEvent], workdir: Path) -> dict[str, Any]:
+def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list[ClusterEvent], workdir: Path,
+           prefix: str = "demo") -> dict[str, Any]:
+    """Run the job (jobs ``{prefix}0``, ``{prefix}1``... one per restart) through ``events``; its report."""
     from lightning_bamboo.launcher import Cluster, idle_priority_supported
     from lightning_bamboo.membership.registry import job_prefix
 
     width = len(nodes)  # the nodes of the layout the job starts with: width // stages pipelines of stages
-    state = DemoState(args.steps, args.global_batch, list(nodes))
-    if not args.no_redundancy and not idle_priority_supported():
-        state.log.append("step 0: standby processes start at normal CPU priority (this user may not raise a thread back "
+    state = DemoState(args.steps, args.global_batch, list(nodes), quiet=args.quiet)
+    no_redundancy = args.redundancy == "off"
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not no_redundancy and not idle_priority_supported():
+        state.event("step 0: standby processes start at normal CPU priority (this user may not raise a thread back "
                          "from idle priority: needs root, CAP_SYS_NICE or RLIMIT_NICE 20); their start-up slows the "
                          "pipeline on these shared cores")
     ckpt_dir = workdir / "checkpoints"
@@ -222,11 +311,12 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     last_step_at: float | None = None
     final: dict[str, Any] | None = None
     notices: dict[str, float] = {}
-    cluster = Cluster(args.store, job=f"demo{generation}", local_workers=width + STANDBY_PROCESSES)
+    cluster = Cluster(args.store, job=f"{prefix}{generation}", local_workers=width + STANDBY_PROCESSES)
+    shown: set[str] = set()  # failover and reconfiguration records already shown
     kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
     try:
         while final is None:
-            job = f"demo{generation}"
+            job = f"{prefix}{generation}"
             previous_job = cluster.job
             cluster.new_job(job)
             out = workdir / f"run{generation}"
@@ -236,16 +326,16 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             pool = [n for n in alive if n in kept] if kept else alive
             count, depth = _layout_for(len(pool), stages, width, args.global_batch, args.micro_batch)
             running = pool[:count]
-            waiting = [n for n in alive if n not in running] if not args.no_redundancy and len(running) > 1 else []
+            waiting = [n for n in alive if n not in running] if not no_redundancy and len(running) > 1 else []
             worker_args = [
                 "--stages", str(depth), "--steps", str(args.steps), "--batch-size", str(args.global_batch // (count // depth)),
                 "--global-batch", str(args.global_batch),
-                "--redundancy", "off" if args.no_redundancy or depth == 1 else "lazy", "--checkpoint-dir", str(ckpt_dir),
+                "--redundancy", "off" if no_redundancy or depth == 1 else args.redundancy, "--checkpoint-dir", str(ckpt_dir),
                 "--checkpoint-every", str(args.checkpoint_every), "--out", str(out), "--step-delay", str(args.step_delay),
                 "--preferred-stages", str(stages),
             ] + (["--resume", resume] if resume else []) + (args.worker_extra if depth == stages else [])
             worker_args += ["--optimizer", args.optimizer] + (["--audit"] if args.audit else [])
-            if not args.no_redundancy:
+            if not no_redundancy:
                 # Bamboo keeps its processes through a fatal loss too; checkpoint-restart (torchelastic,
                 # Varuna) starts new ones
                 worker_args.append("--restart-in-place")
@@ -276,6 +366,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     state.recovery.stepped(now, time.monotonic())
                     state.progress = now
                     _show(args, state, cluster.running)
+                    _show_records(cluster.store, base, state, shown)
                 progress = {kv.key.rsplit("/", 1)[1]: int(kv.value) for kv in snap.kvs}
                 elapsed = time.monotonic() - (first_step_at or started)
                 for event in list(pending):
@@ -290,34 +381,34 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                         alive.remove(event.node)
                         if event.node in waiting:
                             waiting.remove(event.node)
-                        state.log.append(f"step {state.progress}: standby {event.node} preempted")
+                        state.event(f"step {state.progress}: standby {event.node} preempted")
                     elif event.kind == "preempt" and event.node in cluster.running and event.node in _standing_by(cluster, base, joiners):
                         cluster.kill(event.node, signal.SIGKILL)  # a standby process: nothing to recover
                         alive.remove(event.node)
-                        state.log.append(f"step {state.progress}: standby {event.node} preempted")
+                        state.event(f"step {state.progress}: standby {event.node} preempted")
                     elif event.kind == "preempt" and event.node in cluster.running:
                         if event.notice:
                             cluster.kill(event.node, signal.SIGTERM)
                             notices[event.node] = time.monotonic() + event.notice
-                            state.log.append(f"step {state.progress}: {event.node} preempted with {event.notice:g} s notice")
+                            state.event(f"step {state.progress}: {event.node} preempted with {event.notice:g} s notice")
                         else:
                             cluster.kill(event.node, signal.SIGKILL)
-                            state.log.append(f"step {state.progress}: {event.node} preempted (SIGKILL)")
+                            state.event(f"step {state.progress}: {event.node} preempted (SIGKILL)")
                         state.recovery.killed(time.monotonic())
                         state.preempted.append(event.node)
                         alive.remove(event.node)
                     elif event.kind == "join":
                         state.joined.append(event.node)
                         alive.append(event.node)
-                        if (args.no_redundancy or depth == 1) and len(cluster.running) < width:
+                        if (no_redundancy or depth == 1) and len(cluster.running) < width:
                             # checkpoint-restart scales up as torchelastic and Varuna do: restart everyone
-                            state.log.append(f"step {state.progress}: {event.node} joined: restart to take it in")
+                            state.event(f"step {state.progress}: {event.node} joined: restart to take it in")
                             rescale = True
-                        elif args.no_redundancy or depth == 1:
-                            state.log.append(f"step {state.progress}: {event.node} joined (standby until the next restart)")
+                        elif no_redundancy or depth == 1:
+                            state.event(f"step {state.progress}: {event.node} joined (standby until the next restart)")
                         else:  # started as a standby node; the policy admits it at a step start
                             waiting.append(event.node)
-                            state.log.append(f"step {state.progress}: {event.node} joined")
+                            state.event(f"step {state.progress}: {event.node} joined")
                 # Standby nodes are real processes here, on the same cores as the pipeline: start as many
                 # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
                 while waiting and len(cluster.running) < width + STANDBY_PROCESSES:
@@ -328,7 +419,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                         cluster.kill(name, signal.SIGKILL)  # the grace period is over
                         del notices[name]
                 if any(code == EXIT_FATAL for code in exited.values()) or rescale or (
-                        not args.no_redundancy and cluster.offered(job)):
+                        not no_redundancy and cluster.offered(job)):
                     fatal_at = state.progress
                 if not cluster.running:
                     break
@@ -338,11 +429,12 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 if fatal_at is not None:
                     for name in _standing_by(cluster, base, joiners) & set(cluster.running):
                         cluster.kill(name, signal.SIGKILL)  # holds nothing to save: do not wait for it
-                    offered = set if args.no_redundancy else functools.partial(cluster.offered, job)
+                    offered = set if no_redundancy else functools.partial(cluster.offered, job)
                     kept = _stop_within(cluster, 0.0 if rescale else 15.0, keep=offered)
                     break
                 time.sleep(0.05)
             cluster.poll()
+            _show_records(cluster.store, base, state, shown)
             # keyed by generation, which the store lists as text ("10" before "4"): in step order
             failovers = sorted((json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}failovers/").kvs),
                                key=lambda r: r["step"])
@@ -370,7 +462,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 if event.node in alive:
                     alive.remove(event.node)
                     state.preempted.append(event.node)
-                    state.log.append(f"step {state.progress}: {event.node} preempted while the job restarted")
+                    state.event(f"step {state.progress}: {event.node} preempted while the job restarted")
                     cluster.kill(event.node, signal.SIGKILL)  # a kept process goes with its node
             runnable = [n for n in alive if n not in state.preempted]
             kept &= set(runnable)
@@ -385,7 +477,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
             state.recomputed_steps += max(0, state.progress - restart_from)
             state.recovery.restarted(restart_from)
             state.recoveries["checkpoint" if resume else "restart"] += 1
-            state.log.append(
+            state.event(
                 f"step {state.progress}: "
                 + ("restart to add the nodes that joined: " if rescale else "no replica left for a lost stage: ")
                 + f"restart {len(runnable)} nodes from " + (f"checkpoint step {restart_from}" if resume else "the beginning")
@@ -418,8 +510,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
         "parts_at_end": final.get("parts"),
         "micro_batches": final.get("micro_batches"),
     }
-    if args.save_weights:
-        shutil.copyfile(final["weights"], args.save_weights)
+    report["weights"] = final["weights"]  # in the workdir: copied by run() for --save-weights, read by --verify
     return report
 
 
@@ -481,8 +572,31 @@ def _show(args: argparse.Namespace, state: DemoState, running: list[str]) -> Non
         return
     width = 30
     filled = int(width * state.progress / max(1, state.target_steps))
+    # the line starts with "step N/M" (lightning_bamboo.sim.calibration reads it); the time goes last
     print(f"  step {state.progress:>4}/{state.target_steps}  [{'#' * filled}{'.' * (width - filled)}]  "
-          f"live: {' '.join(sorted(running))}", flush=True)
+          f"live: {' '.join(sorted(running))}  ({_stamp(state.started)})", flush=True)
+
+
+def _show_records(store: Any, base: str, state: DemoState, shown: set[str]) -> None:
+    """Show the failovers and reconfigurations the workers recorded in the store since the last call."""
+    if state.quiet:
+        return
+    for kind in ("failovers", "reconfigurations"):
+        for kv in store.get_prefix(f"{base}{kind}/").kvs:
+            if kv.key in shown:
+                continue
+            shown.add(kv.key)
+            r = json.loads(kv.value)
+            if kind == "failovers":
+                now = (" -> ".join(r["order"]) if r.get("pipelines", 1) == 1
+                       else f"{r['pipelines']} pipelines of {', '.join(r['order'])}")
+                state.event(f"step {r['step']}: failover in {r['seconds']:.2f} s: lost {', '.join(r['lost']) or '-'}; "
+                            f"now {now}"
+                            + ("; the step in flight is redone" if r.get("redone") else "")
+                            + (f"; released {', '.join(r['released'])}" if r.get("released") else ""))
+            else:
+                state.event(f"step {r['step']}: reconfigured in {r['seconds']:.2f} s ({str(r['reason']).split(':')[0]}): "
+                            f"{' -> '.join(r['order'])} layers {r['parts']}")
 
 
 def _summary(report: dict[str, Any]) -> None:
@@ -498,8 +612,6 @@ def _summary(report: dict[str, Any]) -> None:
         ("samples / second", f"{report['samples_per_second']:.1f}"),
         ("final loss", f"{report['final_loss']:.4f}" if report["final_loss"] is not None else "-"),
     ]
-    for line in report["events"]:
-        print(f"  {line}")
     width = max(len(k) for k, _ in rows)
     print("\n  " + "-" * (width + 30))
     for key, value in rows:

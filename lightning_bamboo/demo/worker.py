@@ -191,7 +191,7 @@ def train(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     trainer.fit(model, ckpt_path=args.resume)
     seconds = time.perf_counter() - start
-    trainer.save_checkpoint(out / "final.ckpt")
+    trainer.save_checkpoint(out / "final.ckpt", weights_only=False)  # weights and optimizer state; no Lightning warning
     if trainer.is_global_zero:
         res = strategy.resilience
         report = {

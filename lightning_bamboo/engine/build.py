@@ -12,10 +12,12 @@ import torch.distributed as torch_dist
 
 from lightning_bamboo.engine.module import BambooPipelineModule
 from lightning_bamboo.engine.pipe import BambooPipelineEngine
+from lightning_bamboo.logs import deepspeed_prints_hidden
 from lightning_bamboo.strategy.layout import Layout
 
-# DeepSpeed prints a line every `steps_per_print` steps on rank 0; Lightning's progress bar does that job.
-_NEVER = 2**62
+# DeepSpeed prints a line every `steps_per_print` steps on rank 0 (and at every new engine's first step, as
+# the deferred optimizer step leaves global_steps at 0 then); Lightning's progress bar does that job. None: never.
+_NEVER = None
 
 
 @contextmanager
@@ -101,7 +103,7 @@ def build_pipeline_module(
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     topology = PipeDataParallelTopology(num_pp=layout.stages, num_dp=layout.pipelines)
-    with bounded_group_timeouts(timeout):
+    with bounded_group_timeouts(timeout), deepspeed_prints_hidden():
         return BambooPipelineModule(layers, layout.parts, topology=topology, loss_fn=loss_fn)
 
 

@@ -354,11 +354,13 @@ class _BambooStrategyMixin:
 
     # ------------------------------------------------------------------ model and engine
     def setup(self, trainer: Any) -> None:
+        from lightning_bamboo.callbacks.failover_metrics import add_failover_metrics
         from lightning_bamboo.engine.build import ensure_deepspeed_comm
 
         self._check_trainer(trainer)
         self._take_over_sampler_injection(trainer)
         self._no_sigterm_broadcast_under_membership(trainer)
+        add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
         self.accelerator.setup(trainer)  # type: ignore[attr-defined]
         model = self.lightning_module  # type: ignore[attr-defined]
         if self._admission is not None:

@@ -22,10 +22,16 @@ def run(argv: list[str]) -> int:
 
     import lightning_bamboo  # noqa: F401  registers "bamboo"
 
-    LightningCLI(
-        args=["fit", *argv],
-        subclass_mode_model=True,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-    )
+    # LightningCLI reads sys.argv when given no args (and warns when given both, as `lightning-bamboo fit ...`
+    # would be): it sees the command line a plain LightningCLI script would, `PROG fit ARGS...`.
+    saved = sys.argv
+    sys.argv = [f"{os.path.basename(saved[0] or 'lightning-bamboo')} fit", "fit", *argv]
+    try:
+        LightningCLI(
+            subclass_mode_model=True,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+        )
+    finally:
+        sys.argv = saved
     return 0

@@ -1,0 +1,60 @@
+"""examples/spot_gpt.py as its docstring runs it: under the Bamboo launcher, with a node killed mid-run."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+
+from tests.helpers import PYTHON, REPO, run
+
+pytestmark = pytest.mark.timeout(480)
+
+
+def test_spot_gpt_trains_on_after_a_kill_and_a_notice_and_logs_the_failovers(tmp_path):
+    """node1 is SIGKILLed in step 4 (it kills itself: BAMBOO_FAIL_AT); once the first node reports step 6, node2
+    gets a real SIGTERM at the pid its file names (a spot notice, handled by PreemptionCallback's handler):
+    it leaves at its next commit and node0 trains on alone. The CSV log shows both failovers."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "BAMBOO_FAIL_AT": "node1@4"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "3", "--", PYTHON, "examples/spot_gpt.py", "--steps", "12",
+         "--out", str(out), "--checkpoint-every", "5", "--print-every", "2"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # bounded by the test's timeout; the finally block kills what is left
+            lines.append(line)
+            if line.startswith("step 6:"):
+                os.kill(int((out / "node2.pid").read_text()), signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines)
+    assert code == 0, text[-4000:]
+    assert re.search(r"exit codes: .*node1=-9", text) and re.search(r"exit codes: .*node2=0", text), text[-2000:]
+    assert {p.name for p in out.glob("*.pid")} == {"node0.pid", "node1.pid", "node2.pid"}
+    assert "node2: leaving after a preemption notice" in text, text[-3000:]
+    assert re.search(r"^step 12: loss [\d.]+, nodes node0, failovers 2$", text, re.M), text[-3000:]
+    with open(out / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["bamboo/failovers"]]
+    assert [(r["bamboo/failovers"], r["bamboo/live_nodes"]) for r in rows] == [("0.0", "3.0"), ("1.0", "2.0"), ("2.0", "1.0")]
+    assert all(0 < float(r["bamboo/recovery_seconds"]) < 60 for r in rows[1:])
+    assert any(p.name.startswith("step") for p in (out / "checkpoints").iterdir()), "no asynchronous checkpoint"
+
+
+def test_spot_gpt_yaml_names_classes_that_exist():
+    proc = run([PYTHON, "-m", "lightning_bamboo.cli", "fit", "--config", "examples/spot_gpt.yaml", "--print_config"],
+               timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for name in ("AsyncCheckpoint", "PreemptionCallback", "RebalanceCallback",
+                 "examples.spot_gpt.SpotGPT", "redundancy: lazy"):
+        assert name in proc.stdout, (name, proc.stdout[-3000:])
