@@ -122,13 +122,13 @@ def test_a_node_lost_in_a_checkpoint_save_is_failed_over_and_the_save_redone(tmp
 
 
 def test_a_resumed_job_keeps_its_replicas_exact_and_a_kill_after_it_is_bit_exact(tmp_path):
-    """4 stages, lazy, Adam: a clean run of 8 steps saves at step 3; a second run resumes from it and node2 is
-    SIGKILLed at step 5. Every replica equals its original after every step of the resumed run (a replica
-    rebuilt from the seed instead of the checkpoint is what a failover would train on), and the run ends
-    with the clean run's weights and optimizer state, bit for bit."""
+    """4 stages, lazy, Adam with a learning rate that decays at every step: a clean run of 8 steps saves at step
+    3; a second run resumes from it and node2 is SIGKILLed at step 5. Every replica equals its original after
+    every step of the resumed run (a replica rebuilt from the seed instead of the checkpoint is what a failover
+    would train on), and the run ends with the clean run's weights and optimizer state, bit for bit."""
     clean, resumed = tmp_path / "clean", tmp_path / "resumed"
     job = [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4", "--stages",
-           "4", "--steps", "8", "--partition", "uniform", "--redundancy", "lazy", "--optimizer", "adam"]
+           "4", "--steps", "8", "--partition", "uniform", "--redundancy", "lazy", "--optimizer", "adam", "--lr-decay", "0.8"]
     proc = run([*job, "--save-every", "3", "--out", str(clean)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     proc = run([*job, "--resume", str(clean / "step3.ckpt"), "--check-replicas", "--audit", "--out", str(resumed)], timeout=240,

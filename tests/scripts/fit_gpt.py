@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--detection-timeout", type=float, default=5.0, help="BambooStrategy(detection_timeout=...)")
     p.add_argument("--check-replicas", action="store_true", help="after every step, compare replicas with their originals")
     p.add_argument("--audit", action="store_true", help="BambooStrategy(audit_replicas=True)")
+    p.add_argument("--lr-decay", type=float, default=None, help="multiply the learning rate by this after every step")
     p.add_argument("--perturb-replica", default=None, help="STEP:RANK: change one weight of that rank's replica before that step")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -91,8 +92,14 @@ def main() -> None:
 
         def configure_optimizers(self):
             if args.optimizer == "adam":
-                return torch.optim.Adam(self.parameters(), lr=1e-2)
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+                optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+            else:
+                optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            if not args.lr_decay:
+                return optimizer
+            # the learning rate changes at every step: a replica or a resumed stage must follow its position
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: args.lr_decay ** step)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
         def train_dataloader(self):
             data = TokenData(cfg, args.steps * args.batch_size * (args.devices // args.stages))
