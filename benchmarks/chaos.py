@@ -5,8 +5,9 @@ For every seed, a schedule of at least ``--changes`` membership changes is drawn
 4 steps): SIGKILLs, preemption notices, joins, a kill soon after a join, two non-neighbours at once,
 a node and its replica holder at once (the checkpoint fallback), a kill a few steps after that
 restart, and kills at points inside the runtime (``BAMBOO_FAIL_AT``): during a failover, during a live
-reconfiguration, inside a checkpoint save, and between a step's commit and its update. The replica
-audit runs after every step and membership change. Each run is compared with a run of the same
+reconfiguration, inside a checkpoint save, and between a step's commit and its update. The membership
+lives in a real etcd server, which the schedule kills and starts again (same data) at up to two steps
+(``--store embedded`` skips that). The replica audit runs after every step and membership change. Each run is compared with a run of the same
 steps without preemptions:
 
 - weights and every optimizer state tensor (AdamW's moments and step counts), max absolute difference;
@@ -16,7 +17,7 @@ steps without preemptions:
 Prints a table (seeds, changes, mismatches, recoveries by kind, p50/p99/max recovery) and exits 1 if
 any run differs, stops short, or recovers slower than ``--max-recovery`` seconds.
 
-    python benchmarks/chaos.py [--seeds 10] [--changes 30] [--first-seed 0] [--json]
+    python benchmarks/chaos.py [--seeds 10] [--changes 30] [--first-seed 0] [--store etcd|embedded] [--json]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,11 +60,12 @@ class Schedule:
     join: list[str] = field(default_factory=list)
     fail_at: list[str] = field(default_factory=list)
     fail_steps: list[int] = field(default_factory=list)  # the step each ``fail_at`` item was drawn at
+    etcd_restarts: list[int] = field(default_factory=list)  # steps at which the etcd server is killed and started again
     kinds: collections.Counter = field(default_factory=collections.Counter)
     changes: int = 0  # nodes lost or joined
 
 
-def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = JOIN_LAG) -> Schedule:
+def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = JOIN_LAG, etcd: bool = False) -> Schedule:
     """Draw membership changes until there are ``changes`` of them (a node lost or joined is one change).
 
     The schedule follows who runs by itself (the demo's order: the first nodes, then each joined node
@@ -70,7 +73,8 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
     ``join_lag`` steps after it joined (its process starts, registers and is admitted meanwhile).
     Neighbours are neighbours in that order, which is the pipeline's until a rebalance reorders it
     (then a "node and holder" pair may be survivable and a "non-neighbours" pair fatal: the report
-    says what happened).
+    says what happened). With ``etcd``, up to two restarts of the etcd server are drawn too (they
+    change no membership and do not count as changes).
     """
     rng = random.Random(seed)
     alive = [f"node{i}" for i in range(nodes)]
@@ -106,12 +110,15 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
             "inside": 3 if len(alive) > 2 and unused else 0,
             "two_non_neighbours": 2 if len(alive) >= 4 else 0,
             "node_and_holder": 2 if len(alive) >= 4 and fatal < 2 else 0,
+            "etcd_restart": 1 if etcd and len(schedule.etcd_restarts) < 2 else 0,
         }
         if sum(weights.values()) == 0:
             continue  # wait for the joining nodes
         kind = rng.choices(list(weights), weights=list(weights.values()))[0]
         if kind == "join":
             join(step)
+        elif kind == "etcd_restart":
+            schedule.etcd_restarts.append(step)
         elif kind == "kill_after_join":  # killed as soon as it has run a step
             name = join(step)
             del joining[name]
@@ -153,11 +160,55 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
     return schedule
 
 
-def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float = 0.0) -> dict:
-    """Run the demo (``schedule`` None: no preemptions) in ``out``; its report, with where its files are."""
+def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float = 0.0,
+         etcd: bool = False) -> dict:
+    """Run the demo (``schedule`` None: no preemptions) in ``out``; its report, with where its files are.
+
+    With ``etcd`` the membership lives in a real etcd server started here, which the schedule's
+    ``etcd_restarts`` kill and start again (same data dir) when the job reaches those steps.
+    """
+    if not etcd:
+        return _demo(out, steps, schedule, timeout, step_delay, "embedded")
+    from tests.etcd_server import EtcdServer
+
+    with EtcdServer() as server:
+        done = threading.Event()
+        restarts = threading.Thread(target=_restart_etcd, args=(server, schedule.etcd_restarts if schedule else [], done),
+                                    daemon=True)
+        restarts.start()
+        try:
+            return _demo(out, steps, schedule, timeout, step_delay, server.url)
+        finally:
+            done.set()
+            restarts.join(30)
+
+
+def _restart_etcd(server, steps: list[int], done: threading.Event) -> None:
+    """Kill and start the etcd server again as the job (any of its restarts) first reaches each of ``steps``."""
+    from lightning_bamboo.membership import connect
+
+    pending = sorted(steps)
+    while pending and not done.is_set():
+        try:
+            client = connect(server.url, timeout=2.0)
+            try:
+                progress = [int(kv.value) for kv in client.get_prefix("/bamboo/").kvs if "/progress/" in kv.key]
+            finally:
+                client.close()
+        except Exception:  # noqa: BLE001 - the server is between a kill and a start, or busy: ask again
+            progress = []
+        if progress and max(progress) >= pending[0]:
+            pending.pop(0)
+            server.restart()
+            print(f"etcd restarted at step {max(progress)}", flush=True)
+        done.wait(0.2)
+
+
+def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float, store: str) -> dict:
     report = out / "report.json"
     cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(NODES), "--steps", str(steps),
            "--checkpoint-every", str(CHECKPOINT_EVERY), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
+           "--store", store,
            "--report", str(report), "--save-weights", str(out / "weights.pt"),
            "--preempt", ",".join(schedule.preempt) if schedule else ""]
     if schedule is not None:
@@ -225,7 +276,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[int, dict]) -> dict:
-    schedule = make_schedule(seed, args.changes)
+    schedule = make_schedule(seed, args.changes, etcd=args.store == "etcd")
     if schedule.steps not in clean_runs:
         out = root / f"clean-{schedule.steps}"
         out.mkdir()
@@ -239,12 +290,13 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
     clean = clean_runs[schedule.steps]
     out = root / f"seed-{seed}"
     out.mkdir()
-    report = demo(out, schedule.steps, schedule, args.timeout, args.step_delay)
+    report = demo(out, schedule.steps, schedule, args.timeout, args.step_delay, etcd=args.store == "etcd")
     row: dict = {"seed": seed, "steps": schedule.steps, "target_steps": schedule.steps,
                  "steps_completed": report.get("steps_completed", 0), "changes": schedule.changes,
                  "kinds": dict(schedule.kinds), "exit_code": report["exit_code"],
                  "recoveries": report.get("recoveries", {}), "recovery_seconds": report.get("recovery_seconds", []),
-                 "preempt": schedule.preempt, "join": schedule.join, "fail_at": schedule.fail_at}
+                 "preempt": schedule.preempt, "join": schedule.join, "fail_at": schedule.fail_at,
+                 "etcd_restarts": schedule.etcd_restarts}
     problems = []
     if report["exit_code"] != 0 or row["steps_completed"] != schedule.steps:
         problems.append(f"exit {report['exit_code']}, {row['steps_completed']} of {schedule.steps} steps; "
@@ -312,6 +364,8 @@ def main() -> int:
                         "no wait anywhere may reach the 60 s communication timeout")
     p.add_argument("--step-delay", type=float, default=0.4,
                    help="seconds each node pauses per step, so that joining processes start while the job trains")
+    p.add_argument("--store", choices=("etcd", "embedded"), default="etcd",
+                   help="membership in a real etcd server that the schedule restarts (default), or the embedded store")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one demo run may take")
     p.add_argument("--keep", default=None, help="keep every run's files in this directory")
     p.add_argument("--json", action="store_true", help="also print every run as a JSON line")

@@ -46,21 +46,28 @@ def test_every_kind_of_change_is_drawn_over_ten_seeds():
         kinds |= set(chaos.make_schedule(seed, 30).kinds)
     assert kinds >= {"kill", "notice", "join", "kill_after_join", "two_non_neighbours", "node_and_holder",
                      "kill_after_restart", *chaos.INSIDE}
+    assert "etcd_restart" not in kinds  # the embedded store cannot be restarted
+    assert "etcd_restart" in set().union(*(chaos.make_schedule(seed, 30, etcd=True).kinds for seed in range(10)))
 
 
 @pytest.mark.timeout(420)
 def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and_samples(tmp_path):
-    """Seed 36, 10 changes: kills, a notice, joins, a node and its replica holder at once (a restart from the
-    checkpoint, then a kill right after it) and a kill inside a checkpoint save, with the replica audit on: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean
-    run's samples, and every failover recovered within the bound."""
+    """Seed 36, 10 changes on a real etcd server: kills, a notice, joins, a node and its replica holder at once (a
+    restart from the checkpoint, then a kill right after it), a kill between a step's commit and its update, and
+    the etcd server killed and started again twice, with the replica audit on: the weights and every AdamW state
+    tensor equal the clean run's, every step trained on the clean run's samples, and every failover recovered
+    within the bound."""
     proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--seeds", "1", "--first-seed", "36", "--changes", "10",
                 "--json", "--keep", str(tmp_path)], timeout=400)
     rows = [json.loads(line)["chaos_run"] for line in proc.stdout.splitlines() if line.startswith('{"chaos_run"')]
     assert proc.returncode == 0, proc.stdout[-4000:]
     (row,) = rows
-    assert row["changes"] >= 10 and row["kinds"]["node_and_holder"] == 1 and row["kinds"]["in_checkpoint_save"] == 1
+    assert row["changes"] >= 10 and row["kinds"]["node_and_holder"] == 1
+    assert row["kinds"]["between_commit_and_apply"] == 1 and len(row["etcd_restarts"]) == 2
+    assert proc.stdout.count("etcd restarted at step") == 2
     assert row["steps_completed"] == row["target_steps"]
     assert row["weights_difference"] == 0.0 and row["optimizer_difference"] == 0.0 and row["sample_problems"] == 0
     assert row["recoveries"]["redundant"] >= 2 and row["recoveries"]["checkpoint"] >= 1
-    assert (tmp_path / "seed-36" / "fired").is_dir() and len(list((tmp_path / "seed-36" / "fired").iterdir())) == 1
+    fired = tmp_path / "seed-36" / "fired"  # the kill between commit and apply happened, once
+    assert fired.is_dir() and [p.name for p in fired.iterdir()] == ["node2@apply24"]
     assert "runs with a mismatch or short 0" in proc.stdout
