@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from lightning_bamboo.errors import BambooConfigError
+
 LOGGER = "lightning_bamboo"
 FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -52,7 +54,9 @@ def install() -> None:
     level = os.environ.get("BAMBOO_LOG_LEVEL", "").upper()
     if level:
         if not isinstance(logging.getLevelName(level), int):
-            raise ValueError(f"BAMBOO_LOG_LEVEL={level!r} is not a logging level; use DEBUG, INFO, WARNING or ERROR")
+            raise BambooConfigError(
+                f"BAMBOO_LOG_LEVEL={level!r} is not a logging level; use DEBUG, INFO, WARNING or ERROR, or unset it"
+            )
         logger.setLevel(level)
 
 

@@ -53,3 +53,11 @@ def test_deepspeed_construction_lines_are_dropped_others_pass(monkeypatch):
     with logs.deepspeed_prints_hidden():
         print("Using topology: {}")
     assert out.getvalue().endswith("Using topology: {}\n")
+
+
+def test_log_level_from_the_environment():
+    shown = run([PYTHON, "-c", "import logging, lightning_bamboo; print(logging.getLogger('lightning_bamboo').level)"],
+                timeout=60, env={"BAMBOO_LOG_LEVEL": "info"})
+    assert shown.returncode == 0 and shown.stdout.strip().splitlines()[-1] == "20", shown.stdout
+    refused = run([PYTHON, "-c", "import lightning_bamboo"], timeout=60, env={"BAMBOO_LOG_LEVEL": "loud"})
+    assert refused.returncode != 0 and "BAMBOO_LOG_LEVEL='LOUD' is not a logging level" in refused.stdout, refused.stdout

@@ -349,6 +349,8 @@ class _BambooStrategyMixin:
                         type(model).__name__,
                     )
                 continue
+            if hook == "validation_step" and _fit_without_val_data(model):
+                continue  # no validation runs: a placeholder would only make Lightning warn that it has no data
             # Lightning requires these hooks to exist; the strategy runs the pipeline in their place.
             setattr(model, hook, types.MethodType(_pipeline_step_placeholder, model))
 
@@ -1428,6 +1430,14 @@ def _reduced(parts: list[torch.Tensor], kind: str) -> torch.Tensor:
     if kind == "product":
         return stacked.prod(0, dtype=stacked.dtype)
     return stacked.amax(0) if kind == "max" else stacked.amin(0)
+
+
+def _fit_without_val_data(model: Any) -> bool:
+    """True when ``model`` is being fit with no validation data (no ``val_dataloader`` anywhere)."""
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None or str(getattr(trainer.state.fn, "value", trainer.state.fn)) != "fit":
+        return False
+    return not trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
 
 
 def _skip_sigterm_broadcast(self: Any) -> None:
