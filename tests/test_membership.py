@@ -395,6 +395,14 @@ def test_wait_timeout_is_honoured(store: Store, prefix: str) -> None:
         assert timeout * 0.9 <= elapsed <= timeout + 1.0
 
 
+def test_a_call_whose_time_ran_out_before_it_was_sent_is_still_answered(store: Store, prefix: str) -> None:
+    """A caller's remainder can be tiny (a barrier's last wait, a process that waited for a core on a busy
+    machine): a live store still answers, instead of a StoreUnavailableError with "no attempt"."""
+    store.put(prefix + "k", "v")
+    assert store.get(prefix + "k", timeout=1e-9).value == "v"
+    assert store.get_prefix(prefix, timeout=1e-9).kvs[0].value == "v"
+
+
 @pytest.mark.parametrize("scheme", ["embedded", "etcd"])
 def test_unreachable_store_fails_fast_with_endpoint_and_fix(scheme: str) -> None:
     with socket.socket() as s:  # a port nobody listens on

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lightning_bamboo.membership.protocol import (
+    FIRST_ATTEMPT_SECONDS,
     Change,
     Event,
     KeyValue,
@@ -350,11 +351,13 @@ class EmbeddedStore(PutIfAbsentFromCAS):
         deadline = time.monotonic() + timeout
         payload = json.dumps(req).encode() + b"\n"
         delay = 0.02
-        last = "no attempt"
+        last: str | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._unavailable(last, timeout)
+                if last is not None:
+                    raise self._unavailable(last, timeout)
+                remaining = FIRST_ATTEMPT_SECONDS  # no attempt yet: ask once all the same
             try:
                 conn = self._conn(remaining)
             except OSError as e:  # refused / unreachable: nothing was sent, safe to retry

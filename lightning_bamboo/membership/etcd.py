@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from lightning_bamboo.membership.protocol import (
+    FIRST_ATTEMPT_SECONDS,
     Change,
     Event,
     KeyValue,
@@ -113,11 +114,13 @@ class EtcdStore(PutIfAbsentFromCAS):
         url = self._client.get_url(path)
         deadline = time.monotonic() + timeout
         delay = 0.02
-        last = "no attempt"
+        last: str | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._unavailable(last, timeout)
+                if last is not None:
+                    raise self._unavailable(last, timeout)
+                remaining = FIRST_ATTEMPT_SECONDS  # no attempt yet: ask once all the same
             try:
                 resp = self._client.session.post(url, json=payload, timeout=(min(remaining, 2.0), remaining))
             except rq.exceptions.ReadTimeout as e:

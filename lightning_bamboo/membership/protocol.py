@@ -190,6 +190,11 @@ class Store(Protocol):
         ...
 
 
+#: the least time a request gets when its caller's time ran out before its first attempt (a short wait's
+#: remainder, or a process that waited for a core): a store is "unavailable" only if it did not answer
+FIRST_ATTEMPT_SECONDS = 1.0
+
+
 def deadline_for(timeout: float | None) -> float:
     """Seconds allowed to a call: ``timeout`` or the default; rejects non-positive values."""
     t = DEFAULT_TIMEOUT if timeout is None else float(timeout)
