@@ -2,13 +2,14 @@
 
 For every seed, a schedule of at least ``--changes`` membership changes is drawn and replayed by
 ``lightning-bamboo demo --audit --optimizer adamw`` (4 nodes, one 4-stage pipeline, checkpoints every
-4 steps): SIGKILLs, preemption notices, joins, a kill soon after a join, two non-neighbours at once,
-a node and its replica holder at once (the checkpoint fallback), a kill a few steps after that
-restart, and kills at points inside the runtime (``BAMBOO_FAIL_AT``): during a failover, during a live
-reconfiguration, inside a checkpoint save, and between a step's commit and its update. The membership
-lives in a real etcd server, which the schedule kills and starts again (same data) at up to two steps
-(``--store embedded`` skips that). The replica audit runs after every step and membership change. Each run is compared with a run of the same
-steps without preemptions:
+4 steps): SIGKILLs, preemption notices, frozen nodes (SIGSTOP, never continued), joins, a kill soon
+after a join, two non-neighbours at once, a node and its replica holder at once (the checkpoint
+fallback), a kill a few steps after that restart, and kills at points inside the runtime
+(``BAMBOO_FAIL_AT``): during a failover, during a live reconfiguration, inside a checkpoint save, and
+between a step's commit and its update. The membership lives in a real etcd server, which the
+schedule kills and starts again (same data) at up to two steps (``--store embedded`` skips that).
+The replica audit runs after every step and membership change. Each run is compared with a run of
+the same steps without preemptions:
 
 - weights and every optimizer state tensor (AdamW's moments and step counts), max absolute difference;
 - the samples of every step, in every process and job that ran it (none lost, none repeated);
@@ -58,6 +59,7 @@ class Schedule:
     steps: int
     preempt: list[str] = field(default_factory=list)
     join: list[str] = field(default_factory=list)
+    freeze: list[str] = field(default_factory=list)  # nodes stopped (SIGSTOP, never continued)
     fail_at: list[str] = field(default_factory=list)
     fail_steps: list[int] = field(default_factory=list)  # the step each ``fail_at`` item was drawn at
     etcd_restarts: list[int] = field(default_factory=list)  # steps at which the etcd server is killed and started again
@@ -107,6 +109,7 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
             "kill_after_join": 1 if len(alive) + len(joining) <= nodes and len(alive) >= 3 else 0,
             "kill": 4 if len(alive) > 2 else 0,
             "notice": 2 if len(alive) > 2 else 0,
+            "freeze": 1 if len(alive) > 2 and len(schedule.freeze) < 2 else 0,
             "inside": 3 if len(alive) > 2 and unused else 0,
             "two_non_neighbours": 2 if len(alive) >= 4 else 0,
             "node_and_holder": 2 if len(alive) >= 4 and fatal < 2 else 0,
@@ -126,6 +129,11 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
             schedule.changes += 1
         elif kind == "kill":
             kill(rng.choice(alive), step)
+        elif kind == "freeze":  # a machine that hangs: found by its lease, its peers' sends to it cut off
+            name = rng.choice(alive)
+            schedule.freeze.append(f"{name}@{step}")
+            alive.remove(name)
+            schedule.changes += 1
         elif kind == "notice":
             kill(rng.choice(alive), step, notice=rng.choice((1, 2, 3)))
         elif kind == "two_non_neighbours":
@@ -212,6 +220,7 @@ def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step
            "--report", str(report), "--save-weights", str(out / "weights.pt"),
            "--preempt", ",".join(schedule.preempt) if schedule else ""]
     if schedule is not None:
+        cmd += ["--freeze", ",".join(schedule.freeze)] if schedule.freeze else []
         cmd += ["--audit", "--step-delay", str(step_delay)] + (["--join", ",".join(schedule.join)] if schedule.join else [])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("BAMBOO_FAIL_AT", None)
@@ -295,7 +304,7 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
                  "steps_completed": report.get("steps_completed", 0), "changes": schedule.changes,
                  "kinds": dict(schedule.kinds), "exit_code": report["exit_code"],
                  "recoveries": report.get("recoveries", {}), "recovery_seconds": report.get("recovery_seconds", []),
-                 "preempt": schedule.preempt, "join": schedule.join, "fail_at": schedule.fail_at,
+                 "preempt": schedule.preempt, "join": schedule.join, "fail_at": schedule.fail_at, "freeze": schedule.freeze,
                  "etcd_restarts": schedule.etcd_restarts}
     problems = []
     if report["exit_code"] != 0 or row["steps_completed"] != schedule.steps:

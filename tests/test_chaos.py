@@ -16,7 +16,7 @@ import chaos  # noqa: E402
 def _replay(schedule: chaos.Schedule) -> tuple[int, int]:
     """Follow a schedule's events in step order: (fewest nodes ever alive, nodes named before they exist)."""
     events = [(int(j.split("@")[1]), 0, "join", j.split("@")[0]) for j in schedule.join]
-    events += [(int(p.split("@")[1].split(":")[0]), 1, "kill", p.split("@")[0]) for p in schedule.preempt]
+    events += [(int(p.split("@")[1].split(":")[0]), 1, "kill", p.split("@")[0]) for p in schedule.preempt + schedule.freeze]
     events += [(at, 1, "kill", f.split("@")[0]) for f, at in zip(schedule.fail_at, schedule.fail_steps, strict=True)]
     alive, fewest, unknown = {f"node{i}" for i in range(chaos.NODES)}, chaos.NODES, 0
     for _, _, kind, node in sorted(events):
@@ -34,7 +34,8 @@ def test_schedules_are_seeded_reach_their_changes_and_never_empty_the_cluster(se
     schedule = chaos.make_schedule(seed, 30)
     assert schedule == chaos.make_schedule(seed, 30)  # the seed alone decides it
     assert schedule.changes >= 30
-    assert len(schedule.preempt) + len(schedule.fail_at) + len(schedule.join) + schedule.kinds["kill_after_join"] >= 30
+    assert (len(schedule.preempt) + len(schedule.freeze) + len(schedule.fail_at) + len(schedule.join)
+            + schedule.kinds["kill_after_join"]) >= 30
     fewest, unknown = _replay(schedule)
     assert fewest >= 1 and unknown == 0
     assert schedule.steps > max(int(j.split("@")[1]) for j in schedule.join)
@@ -44,7 +45,7 @@ def test_every_kind_of_change_is_drawn_over_ten_seeds():
     kinds = set()
     for seed in range(10):
         kinds |= set(chaos.make_schedule(seed, 30).kinds)
-    assert kinds >= {"kill", "notice", "join", "kill_after_join", "two_non_neighbours", "node_and_holder",
+    assert kinds >= {"kill", "notice", "freeze", "join", "kill_after_join", "two_non_neighbours", "node_and_holder",
                      "kill_after_restart", *chaos.INSIDE}
     assert "etcd_restart" not in kinds  # the embedded store cannot be restarted
     assert "etcd_restart" in set().union(*(chaos.make_schedule(seed, 30, etcd=True).kinds for seed in range(10)))
@@ -52,22 +53,24 @@ def test_every_kind_of_change_is_drawn_over_ten_seeds():
 
 @pytest.mark.timeout(420)
 def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and_samples(tmp_path):
-    """Seed 36, 10 changes on a real etcd server: kills, a notice, joins, a node and its replica holder at once (a
-    restart from the checkpoint, then a kill right after it), a kill between a step's commit and its update, and
-    the etcd server killed and started again twice, with the replica audit on: the weights and every AdamW state
-    tensor equal the clean run's, every step trained on the clean run's samples, and every failover recovered
-    within the bound."""
-    proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--seeds", "1", "--first-seed", "36", "--changes", "10",
+    """Seed 71, 13 changes on a real etcd server: a notice, joins, a frozen node (SIGSTOP), a node and its replica
+    holder at once (a restart from the checkpoint, then a kill right after it), a node killed inside a live
+    reconfiguration (a restart too), and the etcd server killed and started again twice, with the replica audit
+    on: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean run's
+    samples, and every failover recovered within the bound."""
+    proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--seeds", "1", "--first-seed", "71", "--changes", "10",
                 "--json", "--keep", str(tmp_path)], timeout=400)
     rows = [json.loads(line)["chaos_run"] for line in proc.stdout.splitlines() if line.startswith('{"chaos_run"')]
     assert proc.returncode == 0, proc.stdout[-4000:]
     (row,) = rows
-    assert row["changes"] >= 10 and row["kinds"]["node_and_holder"] == 1
-    assert row["kinds"]["between_commit_and_apply"] == 1 and len(row["etcd_restarts"]) == 2
-    assert proc.stdout.count("etcd restarted at step") == 2
+    kinds = row["kinds"]
+    assert row["changes"] >= 10 and kinds["node_and_holder"] == kinds["freeze"] == kinds["in_reconfiguration"] == 1
+    assert len(row["etcd_restarts"]) == 2 and proc.stdout.count("etcd restarted at step") == 2
     assert row["steps_completed"] == row["target_steps"]
     assert row["weights_difference"] == 0.0 and row["optimizer_difference"] == 0.0 and row["sample_problems"] == 0
-    assert row["recoveries"]["redundant"] >= 2 and row["recoveries"]["checkpoint"] >= 1
-    fired = tmp_path / "seed-36" / "fired"  # the kill between commit and apply happened, once
-    assert fired.is_dir() and [p.name for p in fired.iterdir()] == ["node2@apply24"]
+    assert row["recoveries"]["redundant"] >= 1 and row["recoveries"]["checkpoint"] >= 1
+    fired = tmp_path / "seed-71" / "fired"  # the kill inside the reconfiguration happened, once
+    assert fired.is_dir() and [p.name for p in fired.iterdir()] == ["node2@reconfigure"]
+    events = json.loads((tmp_path / "seed-71" / "report.json").read_text())["events"]
+    assert any("frozen (SIGSTOP, never continued)" in event for event in events), events
     assert "runs with a mismatch or short 0" in proc.stdout

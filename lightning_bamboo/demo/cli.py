@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_bamboo.demo.events import ClusterEvent, events_from_trace, parse_join, parse_preempt
+from lightning_bamboo.demo.events import (
+    ClusterEvent,
+    events_from_trace,
+    parse_freeze,
+    parse_join,
+    parse_preempt,
+)
 from lightning_bamboo.errors import BambooConfigError, BambooError
 
 EXIT_FATAL = 75  # lightning_bamboo.engine.failover.FATAL_EXIT_CODE (not imported: that module imports torch)
@@ -56,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=None, help="keep checkpoints and logs here (default: a temporary dir)")
     parser.add_argument("--plan", default=None, help="train with the layout of a `lightning-bamboo plan --json` file")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--freeze", default=None, help="NODE@STEP,...: stop these nodes (SIGSTOP, never continued), "
+                        "a machine that hangs instead of vanishing, e.g. node2@7")
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
                         help="the demo model's optimizer (default sgd with momentum)")
     parser.add_argument("--audit", action="store_true", help="compare every replica with its stage, bit for bit, "
@@ -209,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     else:  # a node that joins may be preempted later too
         spec = default_preempt(args.nodes, stages, args.steps) if args.preempt is None else args.preempt
         events = parse_preempt(spec, nodes + [e.node for e in joins])
-    events += joins
+    events += joins + (parse_freeze(args.freeze, nodes + [e.node for e in joins]) if args.freeze else [])
     if args.store != "embedded":
         _check_store_reachable(args.store)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bamboo-demo-"))
@@ -311,6 +319,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     last_step_at: float | None = None
     final: dict[str, Any] | None = None
     notices: dict[str, float] = {}
+    frozen: set[str] = set()  # nodes stopped by --freeze: their processes never exit by themselves
     cluster = Cluster(args.store, job=f"{prefix}{generation}", local_workers=width + STANDBY_PROCESSES)
     shown: set[str] = set()  # failover and reconfiguration records already shown
     kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
@@ -365,7 +374,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                         first_step_at = time.monotonic()
                     state.recovery.stepped(now, time.monotonic())
                     state.progress = now
-                    _show(args, state, cluster.running)
+                    _show(args, state, [n for n in cluster.running if n not in frozen])
                     _show_records(cluster.store, base, state, shown)
                 progress = {kv.key.rsplit("/", 1)[1]: int(kv.value) for kv in snap.kvs}
                 elapsed = time.monotonic() - (first_step_at or started)
@@ -387,7 +396,11 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                         alive.remove(event.node)
                         state.event(f"step {state.progress}: standby {event.node} preempted")
                     elif event.kind == "preempt" and event.node in cluster.running:
-                        if event.notice:
+                        if event.frozen:
+                            cluster.kill(event.node, signal.SIGSTOP)
+                            frozen.add(event.node)
+                            state.event(f"step {state.progress}: {event.node} frozen (SIGSTOP, never continued)")
+                        elif event.notice:
                             cluster.kill(event.node, signal.SIGTERM)
                             notices[event.node] = time.monotonic() + event.notice
                             state.event(f"step {state.progress}: {event.node} preempted with {event.notice:g} s notice")
@@ -421,14 +434,16 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                 if any(code == EXIT_FATAL for code in exited.values()) or rescale or (
                         not no_redundancy and cluster.offered(job)):
                     fatal_at = state.progress
-                if not cluster.running:
+                if set(cluster.running) <= frozen:  # a frozen process never ends by itself
+                    for name in frozen & set(cluster.running):
+                        cluster.kill(name, signal.SIGKILL)
                     break
                 if joiners and set(cluster.running) <= _standing_by(cluster, base, joiners):
                     _stop_within(cluster, 0.0)  # the pipeline is gone; standby nodes wait for nothing
                     break
                 if fatal_at is not None:
-                    for name in _standing_by(cluster, base, joiners) & set(cluster.running):
-                        cluster.kill(name, signal.SIGKILL)  # holds nothing to save: do not wait for it
+                    for name in (_standing_by(cluster, base, joiners) | frozen) & set(cluster.running):
+                        cluster.kill(name, signal.SIGKILL)  # holds nothing to save (or cannot): do not wait for it
                     offered = set if no_redundancy else functools.partial(cluster.offered, job)
                     kept = _stop_within(cluster, 0.0 if rescale else 15.0, keep=offered)
                     break

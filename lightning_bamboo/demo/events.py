@@ -17,7 +17,8 @@ class ClusterEvent:
 
     A preemption happens when the node has finished ``step`` steps (``at_step``) or at
     ``at_seconds`` after the start (a trace); with ``notice`` seconds it gets SIGTERM first and
-    SIGKILL after the notice, else SIGKILL at once.
+    SIGKILL after the notice, else SIGKILL at once. A ``frozen`` node is stopped instead (SIGSTOP,
+    never continued): a machine that hangs without closing its connections.
     """
 
     kind: str
@@ -25,6 +26,7 @@ class ClusterEvent:
     at_step: int | None = None
     at_seconds: float | None = None
     notice: float | None = None
+    frozen: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("preempt", "join"):
@@ -103,3 +105,14 @@ def events_from_trace(trace, nodes: Sequence[str], time_scale: float) -> list[Cl
             notice = event.notice_seconds or None
             out.append(ClusterEvent("preempt", mapping.pop(event.node), at_seconds=seconds, notice=notice))
     return out
+
+
+def parse_freeze(spec: str, nodes: Sequence[str]) -> list[ClusterEvent]:
+    """``node2@7,node1@12`` -> nodes stopped (SIGSTOP, never continued) when they have finished that many steps."""
+    events = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        match = _PREEMPT.match(item)
+        if not match or match["notice"]:
+            raise BambooConfigError(f"--freeze entries look like NODE@STEP, e.g. node2@7 (got {item!r})")
+        events += [ClusterEvent("preempt", e.node, at_step=e.at_step, frozen=True) for e in parse_preempt(item, nodes)]
+    return events
