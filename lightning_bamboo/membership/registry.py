@@ -270,6 +270,9 @@ class Registry:
         )
         self.lease_id = 0
         self.lease_lost = threading.Event()
+        #: ``time.monotonic()`` when the last keep-alive that succeeded was sent: the store keeps the lease
+        #: until at least ``renewed_at + ttl`` (it restarts the countdown when the keep-alive arrives)
+        self.renewed_at: float | None = None
         self.last_error: Exception | None = None
         #: ``time.monotonic()`` of the first failed heartbeat of the current run of failures; None when fine.
         self.unreachable_since: float | None = None
@@ -294,8 +297,10 @@ class Registry:
         """
         if self._thread is not None:
             raise StoreError(f"node {self.node_id!r} already joined job {self.job!r}")
+        sent = time.monotonic()
         lease = self.store.grant_lease(self.ttl, timeout=timeout)
         self.lease_id = lease.id
+        self.renewed_at = sent
         won, kv = self.store.put_if_absent(
             self.node_key(self.node_id), self._info_json(self.info), lease=lease.id, timeout=timeout
         )
@@ -316,6 +321,7 @@ class Registry:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat):
+            sent = time.monotonic()
             try:
                 alive = self.store.keep_alive(self.lease_id, timeout=self.heartbeat)
             except StoreError as e:  # unreachable for one beat: try again at the next
@@ -324,11 +330,24 @@ class Registry:
                     self.unreachable_since = time.monotonic()
                 continue
             self.unreachable_since = None
-            if not alive:
+            if alive:
+                self.renewed_at = sent
+            else:
                 self.lease_lost.set()
                 if self._on_lease_lost is not None:
                     self._on_lease_lost(self.node_id)
                 return
+
+    def lease_may_have_expired(self) -> bool:
+        """True once the store may have let this node's lease expire (and its peers declared it lost): the
+        store said so, or no keep-alive has succeeded for a TTL. From then on this node must not act as a
+        member (``membership.fence``); it never becomes False again."""
+        if self.lease_lost.is_set():
+            return True
+        if self.renewed_at is not None and time.monotonic() - self.renewed_at >= self.ttl:
+            self.lease_lost.set()
+            return True
+        return False
 
     def leave(self, *, timeout: float | None = None) -> None:
         """Stop heartbeats and revoke the lease: ``nodes/<id>`` and ``leaving/<id>`` vanish now. Idempotent."""

@@ -14,6 +14,7 @@ from lightning_bamboo.engine.failover import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.launcher import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
+from lightning_bamboo.membership.fence import FencedStore
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Resilience:
         self.store = connect(self.url)
         self.registry = Registry(self.store, self.job, self.node, ttl=max(1.0, detection_timeout * 0.8))
         self.registry.join()
+        self.store = FencedStore(self.store, self.registry)  # nothing written once this node may be declared lost
         self._detector_cls = LossDetector
         if joining():
             self.nodes = []  # not in any pipeline until admitted (see wait_admission)
@@ -319,6 +321,8 @@ class Resilience:
             kv = self.store.get(key)
             current = set(json.loads(kv.value)) if kv else set()
             merged = current | mine
+            if self.node in current:  # declared lost itself: it follows the decision, never adds to it
+                return current
             if kv is not None and merged == current:
                 return current
             swapped, _ = self.store.compare_and_put(key, json.dumps(sorted(merged)), expected_revision=kv.mod_revision if kv else 0)
