@@ -194,3 +194,17 @@ def test_errors_state_rule_values_and_fix(call, words):
         call()
     for w in words:
         assert w in str(info.value)
+
+
+def test_a_machines_workers_are_one_failure_domain_when_the_callback_rebuilds():
+    """Machines m0 and m1 run two workers each (launcher --workers), interleaved; m1.0 is lost and m0.2 and
+    m1.2 stand by. The stage between m0.0 and m0.1 goes to m1.2: with m0.2 there, losing machine m0 would
+    take three neighbouring stages (a node and its replica holder) at once."""
+    from lightning_bamboo.callbacks.rebalance import RebalanceCallback
+    from lightning_bamboo.membership.policy import machine_of
+
+    assert [machine_of(n) for n in ("node1.3", "node1", "a.b", ".3", "gpu-7.0")] == ["node1", "node1", "a.b", ".3", "gpu-7"]
+    callback = RebalanceCallback(stages=4)
+    callback.layout = Layout((("m0.0", "m1.0", "m0.1", "m1.1"),), (0, 2, 4, 6, 8), (4,))
+    decision = callback.decide(["m0.0", "m0.1", "m1.1"], ["m0.2", "m1.2"], 8)
+    assert decision.layout.grid == (("m0.0", "m1.2", "m0.1", "m1.1"),)

@@ -33,6 +33,7 @@ from lightning_bamboo.membership.policy import (
     Decision,
     Layout,
     PolicyConfig,
+    machine_of,
     moved_nodes,
     reconfigure,
     split_micro_batches,
@@ -187,7 +188,9 @@ class RebalanceCallback(Callback):
             min_stages=min(self.min_stages, self.stages), max_overloaded_fraction=self.max_overloaded_fraction,
             layer_costs=self.layer_costs if self.layer_costs is not None and len(self.layer_costs) == layers else None,
         )
-        decision = reconfigure(nodes + standby, standby, layout, overloaded, config)
+        # a machine's workers (launcher --workers) are one failure domain: placed nodes avoid a neighbour of their own
+        domains = {n: machine_of(n) for n in [*nodes, *standby]}
+        decision = reconfigure(nodes + standby, standby, layout, overloaded, config, domains)
         new = decision.layout
         if self.split_for is None or new is None or decision.action == "keep":
             return decision
