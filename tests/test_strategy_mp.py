@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,8 +89,8 @@ def test_trainer_under_torchrun_equals_single_process(tmp_path):
 
 def test_cli_config_equals_single_process(tmp_path):
     config = REPO / "tests" / "scripts" / "gpt_test.yaml"
-    proc = run([str(REPO / ".venv" / "bin" / "lightning-bamboo") if (REPO / ".venv" / "bin" / "lightning-bamboo").exists()
-                else "lightning-bamboo", "fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path),
+    script = Path(PYTHON).parent / "lightning-bamboo"  # the console script of the environment running the tests
+    proc = run([str(script) if script.exists() else "lightning-bamboo", "fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path),
                 "--trainer.callbacks.dirpath", str(tmp_path / "ckpt")], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     from lightning_bamboo import consolidate_checkpoint

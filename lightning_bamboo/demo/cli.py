@@ -438,7 +438,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
                     for name in frozen & set(cluster.running):
                         cluster.kill(name, signal.SIGKILL)
                     break
-                if joiners and set(cluster.running) <= _standing_by(cluster, base, joiners):
+                if joiners and set(cluster.running) - frozen <= _standing_by(cluster, base, joiners):
                     _stop_within(cluster, 0.0)  # the pipeline is gone; standby nodes wait for nothing
                     break
                 if fatal_at is not None:
