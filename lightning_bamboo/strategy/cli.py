@@ -25,7 +25,8 @@ def run(argv: list[str]) -> int:
     # LightningCLI reads sys.argv when given no args (and warns when given both, as `lightning-bamboo fit ...`
     # would be): it sees the command line a plain LightningCLI script would, `PROG fit ARGS...`.
     saved = sys.argv
-    sys.argv = [f"{os.path.basename(saved[0] or 'lightning-bamboo')} fit", "fit", *argv]
+    # argv[0] stays the program: Lightning's launcher starts the other ranks by running sys.argv again
+    sys.argv = [saved[0] or "lightning-bamboo", "fit", *argv]
     try:
         LightningCLI(
             subclass_mode_model=True,
