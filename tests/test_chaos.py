@@ -74,3 +74,31 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     events = json.loads((tmp_path / "seed-71" / "report.json").read_text())["events"]
     assert any("frozen (SIGSTOP, never continued)" in event for event in events), events
     assert "runs with a mismatch or short 0" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_demo_controller_waits_for_a_restarting_etcd():
+    """The controller's store client tries again while etcd is down (killed, started again 2 s later on its data),
+    where a plain client's call fails after its timeout."""
+    import threading
+
+    from lightning_bamboo.demo.cli import PatientStore
+    from lightning_bamboo.membership import connect
+    from lightning_bamboo.membership.protocol import StoreUnavailableError
+    from tests.etcd_server import EtcdServer
+
+    with EtcdServer() as etcd:
+        client = connect(etcd.url)
+        try:
+            client.put("/chaos/k", "v")
+            etcd.kill()
+            with pytest.raises(StoreUnavailableError):
+                client.get("/chaos/k", timeout=0.5)
+            restart = threading.Timer(2.0, etcd.start)
+            restart.start()
+            try:
+                assert PatientStore(client, 60.0).get("/chaos/k", timeout=0.5).value == "v"
+            finally:
+                restart.join()
+        finally:
+            client.close()

@@ -25,6 +25,8 @@ from lightning_bamboo.demo.events import (
 from lightning_bamboo.errors import BambooConfigError, BambooError
 
 EXIT_FATAL = 75  # lightning_bamboo.engine.failover.FATAL_EXIT_CODE (not imported: that module imports torch)
+#: seconds the controller waits for a store that stopped answering (an etcd restart) before it gives up
+STORE_PATIENCE = 60.0
 EXIT_AUDIT = 76  # lightning_bamboo.demo.worker.EXIT_AUDIT: the replica audit found a difference
 #: standby processes beyond a full pipeline (joined nodes past that wait without a process until a place frees)
 STANDBY_PROCESSES = 1
@@ -321,6 +323,7 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     notices: dict[str, float] = {}
     frozen: set[str] = set()  # nodes stopped by --freeze: their processes never exit by themselves
     cluster = Cluster(args.store, job=f"{prefix}{generation}", local_workers=width + STANDBY_PROCESSES)
+    cluster.store = PatientStore(cluster.store, STORE_PATIENCE)  # an etcd restarted under the demo is waited for
     shown: set[str] = set()  # failover and reconfiguration records already shown
     kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
     try:
@@ -527,6 +530,33 @@ def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list
     }
     report["weights"] = final["weights"]  # in the workdir: copied by run() for --save-weights, read by --verify
     return report
+
+
+class PatientStore:
+    """The controller's store client: a call the store does not answer (a restarting etcd) is tried again,
+    every 0.2 s for up to ``patience`` seconds, before its error stops the demo."""
+
+    def __init__(self, store: Any, patience: float) -> None:
+        self._store, self._patience = store, patience
+
+    def __getattr__(self, name: str) -> Any:
+        from lightning_bamboo.membership.protocol import StoreUnavailableError
+
+        attr = getattr(self._store, name)
+        if not callable(attr) or name == "close":
+            return attr
+
+        def patient(*args: Any, **kwargs: Any) -> Any:
+            deadline = time.monotonic() + self._patience
+            while True:
+                try:
+                    return attr(*args, **kwargs)
+                except StoreUnavailableError:  # timeouts too
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+        return patient
 
 
 def _audit_error(log: Path) -> str:
