@@ -1,13 +1,16 @@
 """Run a benchmark and keep its raw output in ``benchmarks/results/NAME.txt`` with the commit and date.
 
     python benchmarks/record.py NAME -- python benchmarks/rc_overhead.py --repeats 5
+    python benchmarks/record.py NAME --keep-failed -- python benchmarks/chaos.py   # keep a run that missed a target
 
 The file starts with ``#`` header lines (command, commit, date, machine, load average: other work on the
 machine slows timings) and then holds the
 command's standard output and error exactly as printed (they are also echoed while it runs). The
 README quotes numbers only from these files (``tests/test_readme_numbers.py`` checks). The file is
 written to a temporary name and renamed when the command has finished, so a result is never half
-written; a command that fails leaves the previous result in place and exits with its status.
+written; a command that fails leaves the previous result in place and exits with its status, unless
+``--keep-failed`` asks to keep its output (a benchmark that measured and missed its target), with its
+exit status as the last line.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ def header(command: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in args or args.index("--") != 1:
-        raise SystemExit("usage: python benchmarks/record.py NAME -- COMMAND [ARGS...] (NAME is the result file's "
-                         "name without .txt; the command follows the --)")
-    name, command = args[0], args[2:]
+    if "--" not in args or args[1 : args.index("--")] not in ([], ["--keep-failed"]):
+        raise SystemExit("usage: python benchmarks/record.py NAME [--keep-failed] -- COMMAND [ARGS...] (NAME is the "
+                         "result file's name without .txt; the command follows the --)")
+    keep_failed = args.index("--") == 2
+    name, command = args[0], args[args.index("--") + 1 :]
     if not command or not name.replace("_", "").replace("-", "").isalnum():
         raise SystemExit(f"record.py needs a NAME of letters, digits, '-' and '_' and a command after '--' (got "
                          f"name {name!r}, command {command!r})")
@@ -65,13 +69,16 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(line)
             out.write(line)
         status = proc.wait()
-    if status != 0:
+    if status != 0 and keep_failed:
+        with partial.open("a") as out:
+            out.write(f"# exit status: {status} (kept with --keep-failed: the benchmark reported a failed target)\n")
+    elif status != 0:
         partial.unlink()
         print(f"record.py: {shlex.join(command)} exited with {status}; {target} is unchanged", file=sys.stderr)
         return status
     os.replace(partial, target)
     print(f"record.py: wrote {target.relative_to(REPO)}", file=sys.stderr)
-    return 0
+    return status
 
 
 if __name__ == "__main__":
