@@ -142,6 +142,7 @@ class _BambooStrategyMixin:
         self.layout: Layout | None = None
         self._loaded_path: Path | None = None
         self._loaded_meta: dict[str, Any] | None = None
+        self._saved_reads: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}  # layer files read for the resume
         self._admitted_checkpoint: dict[str, Any] | None = None  # a joining node's state, from a running node
         self._cursor = (0, 0)  # (epoch, global samples consumed in it)
         self._global_batch: int | None = None  # samples per step over all pipelines (fixed by the first start)
@@ -1214,6 +1215,7 @@ class _BambooStrategyMixin:
         checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))  # type: ignore[attr-defined]
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path, self._loaded_meta = Path(checkpoint_path), meta
+        self._saved_reads = {}
         self._restore_cursor(meta["bamboo"])
         self._resume_rng = None
         saved_world = meta["bamboo"].get("world_size")
@@ -1239,6 +1241,7 @@ class _BambooStrategyMixin:
         # seed from torch's generator exactly as the uninterrupted run did before its first step.
         super().on_train_start()  # type: ignore[misc]
         admitted, self._admitted_checkpoint = self._admitted_checkpoint, None  # a later fit() reads its own ckpt_path
+        self._saved_reads = {}  # restored: the layer files read for it are not needed any more
         if self._resume_rng is not None:
             ckpt.restore_rng(self._resume_rng)
             self._resume_rng = None
@@ -1257,7 +1260,11 @@ class _BambooStrategyMixin:
                 f"checkpoint {self._loaded_path} holds {saved_layers} layers but configure_pipeline() builds "
                 f"{self.layout.num_layers}"  # type: ignore[union-attr]
             )
-        return ckpt.read_layers(self._loaded_path, layers)
+        # weights and optimizer state are loaded by two hooks: each layer file is read once per resume
+        key = (layers.start, layers.stop)
+        if key not in self._saved_reads:
+            self._saved_reads[key] = ckpt.read_layers(self._loaded_path, layers)
+        return self._saved_reads[key]
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """The stage's weights from the checkpoint, and the replica's too: a replica is the successor's state
