@@ -185,13 +185,19 @@ def test_callback_finds_the_tuner_among_the_trainers_callbacks():
     from types import SimpleNamespace
 
     from lightning_bamboo.callbacks.tuner import HydrozoaTuner
+    from lightning_bamboo.runtime import BambooConfig, PipelineRunner
 
     tuner = HydrozoaTuner()
-    strategy = SimpleNamespace(reconfigure=lambda *a, **k: 0.0, resilience=None, micro_batch_size=4, rebalancer=None)
+    runner = PipelineRunner(BambooConfig(), host=SimpleNamespace())
+    strategy = SimpleNamespace(runner=runner, micro_batch_size=4)
     cb = RebalanceCallback()
     cb.setup(SimpleNamespace(strategy=strategy, callbacks=[tuner, cb]), object(), "fit")
     assert cb.split_for == tuner.split_for and cb.micro_batch_size == 4
-    assert strategy.rebalancer == cb.at_step_start
+    assert runner.before_step_hooks == (cb.at_step_start,)
+    cb.setup(SimpleNamespace(strategy=strategy, callbacks=[tuner, cb]), object(), "fit")  # a second fit: hooked once
+    assert runner.before_step_hooks == (cb.at_step_start,)
+    cb.teardown(SimpleNamespace(strategy=strategy), object(), "fit")
+    assert runner.before_step_hooks == ()
     alone = RebalanceCallback()
     alone.setup(SimpleNamespace(strategy=strategy, callbacks=[alone]), object(), "fit")
     assert alone.split_for is None

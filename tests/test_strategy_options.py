@@ -147,7 +147,8 @@ def test_reductions_between_steps_match_lightnings() -> None:
     """Under the Bamboo launcher, reduce() between steps goes through the store: the same ops as Lightning's."""
     from torch.distributed import ReduceOp
 
-    from lightning_bamboo.strategy.bamboo import _reduce_kind, _reduced
+    from lightning_bamboo.runtime.collectives import reduce_kind as _reduce_kind
+    from lightning_bamboo.runtime.collectives import reduced as _reduced
 
     parts = [torch.tensor([1.0, 4.0]), torch.tensor([3.0, 2.0]), torch.tensor([2.0, 6.0])]
     assert _reduce_kind(None) == _reduce_kind(ReduceOp.SUM) == _reduce_kind("sum") == "sum"

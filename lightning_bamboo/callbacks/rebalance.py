@@ -22,8 +22,8 @@ keeps the layout. With ``admit=True`` (the default) standby nodes are reported a
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback
@@ -77,6 +77,7 @@ class RebalanceCallback(Callback):
         self.decisions: list[dict[str, Any]] = []  # every decision that changed something, with its cost
         self._deferred: str | None = None
         self._failovers_seen = 0  # failover records of the strategy already taken into the policy's view
+        self._unhook: Callable[[], None] = _no_hook  # removes at_step_start from the runner
         self._pl_module: Any = None
         #: (stages, micro-batch size, micro-batches) -> the planner's split, or None; set from a HydrozoaTuner in setup
         self.split_for: Any = None
@@ -86,16 +87,17 @@ class RebalanceCallback(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if not callable(getattr(trainer.strategy, "reconfigure", None)):
+        if getattr(trainer.strategy, "runner", None) is None:
             raise BambooConfigError(
                 f"RebalanceCallback reconfigures a BambooStrategy; this trainer runs {type(trainer.strategy).__name__}. "
                 "Use Trainer(strategy='bamboo')"
             )
-        res = trainer.strategy.resilience
-        if res is not None and self.admit:
-            res.admitting = True
+        runner = trainer.strategy.runner
+        if self.admit:
+            runner.admit_standby()
         self._pl_module = pl_module
-        trainer.strategy.rebalancer = self.at_step_start  # called by the strategy: see the module docstring
+        self._unhook()
+        self._unhook = runner.before_step(self.at_step_start)  # called by the runner: see the module docstring
         from lightning_bamboo.callbacks.tuner import HydrozoaTuner
 
         tuner = next((c for c in trainer.callbacks if isinstance(c, HydrozoaTuner)), None)
@@ -117,25 +119,23 @@ class RebalanceCallback(Callback):
         self.layer_costs = costs() if callable(costs) else None
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if getattr(trainer.strategy, "rebalancer", None) == self.at_step_start:
-            trainer.strategy.rebalancer = None
+        self._unhook()
+        self._unhook = _no_hook
 
-    def at_step_start(self, strategy: Any, step: int) -> None:
+    def at_step_start(self, runner: Any, step: int) -> None:
         """Decide (agreed through the store) and reconfigure if the decision changes the pipeline."""
-        res = strategy.resilience
-        if res is None or self.layout is None:
+        if runner.session is None or self.layout is None or runner.layout is None:
             return
-        self._follow_failovers(res.failovers)
-        mine = self.decide(list(res.nodes), [n for n in res.joiners if n not in res.nodes], strategy.layout.num_layers)
+        self._follow_failovers(runner.failovers)
+        mine = self.decide(runner.nodes, runner.standby, runner.layout.num_layers)
         proposal = {"action": mine.action, "reason": mine.reason, "moved": list(mine.moved), "layout": _layout_json(mine.layout),
-                    "by": res.node}
-        _, kv = res.store.put_if_absent(f"{res.base}rebalance/{res.generation}/{step}", json.dumps(proposal))
-        agreed = json.loads(kv.value)
+                    "by": runner.node}
+        agreed = runner.agree("rebalance", step, proposal)
         if agreed["action"] == "keep":
             return
         new = _layout_from_json(agreed["layout"])
-        elastic = getattr(strategy, "elastic_pipelines", False)
-        if new is None or (new.pipelines != strategy.layout.pipelines and not elastic):
+        elastic = runner.global_micro_batches is not None
+        if new is None or (new.pipelines != runner.layout.pipelines and not elastic):
             reason = f"{agreed['action']} deferred: " + (
                 "no layout (too few nodes)" if new is None else
                 f"{new.pipelines} pipelines, but this job's sampler fixes the number of pipelines"
@@ -148,8 +148,8 @@ class RebalanceCallback(Callback):
         order = [row[s] for s in range(new.stages) for row in new.grid]
         parts = tuple(new.parts)
         self.layout, self._deferred = new, None  # before the move: a joining node gets this state
-        seconds = strategy.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}",
-                                       pipelines=new.pipelines)
+        seconds = runner.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}",
+                                     pipelines=new.pipelines)
         event = {"step": step, "action": agreed["action"], "reason": agreed["reason"], "order": order,
                  "parts": list(parts), "pipelines": new.pipelines, "moved": agreed["moved"], "seconds": seconds}
         self.decisions.append(event)
@@ -204,16 +204,13 @@ class RebalanceCallback(Callback):
     @staticmethod
     def _runtime(trainer: Any) -> Layout:
         """The pipeline the strategy runs now, as the policy's ``Layout``."""
-        strategy = trainer.strategy
-        runtime = strategy.layout
-        res = strategy.resilience
-        names = list(res.nodes) if res is not None else [f"rank{r}" for r in range(trainer.world_size)]
+        runner = trainer.strategy.runner
+        runtime, names = runner.layout, runner.nodes
         grid = tuple(tuple(names[s * runtime.pipelines + p] for s in range(runtime.stages)) for p in range(runtime.pipelines))
-        total = getattr(strategy, "global_micro_batches", None)
+        total = trainer.strategy.global_micro_batches
         if total:  # global batches: the pipelines share each step's micro-batches
             return Layout(grid, tuple(runtime.parts), split_micro_batches(int(total), runtime.pipelines))
-        micro = strategy.engine.micro_batches if strategy.engine is not None else 1
-        return Layout(grid, tuple(runtime.parts), (int(micro),) * runtime.pipelines)
+        return Layout(grid, tuple(runtime.parts), (runner.micro_batches,) * runtime.pipelines)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -224,6 +221,10 @@ class RebalanceCallback(Callback):
             self.layout = saved
         self.stages = state_dict.get("stages", self.stages)
         self.decisions = list(state_dict.get("decisions", []))
+
+
+def _no_hook() -> None:
+    pass
 
 
 def _layout_json(layout: Layout | None) -> dict[str, Any] | None:

@@ -149,7 +149,7 @@ def main() -> int:
 def _restart_in_place() -> dict | None:
     """Free the failed job and wait to be given the next one (``lightning_bamboo.launcher.offer_process``)."""
     from lightning_bamboo.launcher import offer_process
-    from lightning_bamboo.strategy.bamboo import release_for_restart
+    from lightning_bamboo.strategy.patches import release_for_restart
 
     release_for_restart()
     assignment = offer_process()
@@ -179,8 +179,8 @@ def train(args: argparse.Namespace) -> int:
         # after a failover: even out the layers; when spare nodes join: the preferred depth again
         callbacks.append(RebalanceCallback(stages=args.preferred_stages))
     # SIGTERM is a preemption notice: a flag-only handler; the node announces that it leaves
-    # before its next commit and exits once that step committed (see Resilience.commit).
-    from lightning_bamboo.strategy.resilience import request_leave
+    # before its next commit and exits once that step committed (see Session.commit).
+    from lightning_bamboo.runtime.session import request_leave
 
     signal.signal(signal.SIGTERM, lambda *_: request_leave())
     trainer = pl.Trainer(

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,6 +92,19 @@ class _RedundantStep:
         self.kept: dict[int, tuple[Any, Any]] = {}
 
 
+@dataclass
+class Wiring:
+    """What an engine is connected to (:meth:`BambooPipelineEngine.wire`); the defaults run it as plain DeepSpeed."""
+
+    node: str = ""
+    #: ``commit(step)`` returns once every node's part of the step is in; raises PeerLost otherwise
+    commit: Callable[[int], None] | None = None
+    #: runs each step on a worker thread and ends it with PeerLost when a peer is lost
+    guard: StepGuard | None = None
+    replica: Replica | None = None
+    replica_peers: tuple[int | None, int | None] = (None, None)
+
+
 class BambooPipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` that lightning_bamboo builds directly (``deepspeed.initialize`` cannot).
 
@@ -108,9 +122,17 @@ class BambooPipelineEngine(PipelineEngine):
     #: called after the schedule ran, before the update; raises PeerLost if the step does not commit
     commit: Callable[[int], None] | None = None
     #: the watchdog running train_batch; None runs it on the calling thread
-    guard: Any = None
+    guard: StepGuard | None = None
     node_id: str = ""
+    #: the index of the step running now plus one (the steps begun), from train_batch's ``step``
     batches_run = 0
+    #: this pipeline's share of the step's global batch, ``(micro-batches, total)``; None: its own batch
+    share: tuple[int, int] | None = None
+
+    def wire(self, wiring: Wiring) -> None:
+        """Connect the engine to its replica, its exchange peers and (under membership) its commit and watchdog."""
+        self.node_id, self.commit, self.guard = wiring.node, wiring.commit, wiring.guard
+        self.replica, self.replica_peers = wiring.replica, wiring.replica_peers
     redundant_forwards_run = 0
 
     @property
@@ -237,9 +259,11 @@ class BambooPipelineEngine(PipelineEngine):
     def defers_step(self) -> bool:
         return self.replica is not None or self.commit is not None or self.replica_peers[0] is not None
 
-    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
-        step = self.batches_run
-        self.batches_run += 1
+    def train_batch(self, data_iter: Any = None, step: int | None = None,
+                    share: tuple[int, int] | None = None) -> torch.Tensor:
+        """One training step (``step``: its index, default the next; ``share``: see :attr:`share`)."""
+        step = self.batches_run if step is None else step
+        self.batches_run, self.share = step + 1, share
         _maybe_fail(self.node_id, step, None)
         if self.guard is None:
             return self._train_and_commit(data_iter, step)
@@ -343,9 +367,6 @@ class BambooPipelineEngine(PipelineEngine):
         # next step's first activation is on its way by the time the update would run.)
         self._settle_replica()
         PipelineEngine._exec_recv_activations(self, buffer_id)
-
-    #: (micro-batches of this pipeline, micro-batches of all pipelines) of the step; None: an even split
-    share: tuple[int, int] | None = None
 
     def _exec_reduce_grads_weighted(self) -> None:
         """Average over samples, not over pipelines, when the pipelines ran different numbers of micro-batches.

@@ -18,7 +18,7 @@ with a fluid rate. The demo differs in ways that matter at 20-60 steps, so it ge
 * without replicas (``--no-redundancy``) every loss of a running node restarts the job from the
   last checkpoint with the first ``stages`` live nodes, and so does a node joining while the
   pipeline is shorter than ``stages`` (scale-up by restart, as torchelastic and Varuna do);
-* a node lost while a restart starts: the others start without it (``Resilience.start_without``,
+* a node lost while a restart starts: the others start without it (``Session.start_without``,
   one stage fewer, no extra time) if enough are left (two with replicas, one without), else that
   generation waits ``startup_timeout_seconds``, fails and starts again;
 * a checkpoint is saved after every ``checkpoint_every`` steps (a synchronous pause);

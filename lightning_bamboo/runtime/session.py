@@ -1,4 +1,4 @@
-"""Membership, step commits and failover for ``BambooStrategy`` when it runs under a Bamboo launcher."""
+"""``Session``: one node's membership in a job run by the Bamboo launcher: commits, failover agreement, admission."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lightning_bamboo.engine.failover import reform_process_group
@@ -27,16 +28,6 @@ def request_leave() -> None:
     LEAVE.set()
 
 
-def _leave_requested() -> bool:
-    if LEAVE.is_set():
-        return True
-    try:
-        from lightning_bamboo.callbacks.preemption import preemption_pending
-    except ImportError:  # pragma: no cover - callbacks need lightning, which the strategy has
-        return False
-    return preemption_pending()
-
-
 def launched_by_bamboo() -> bool:
     return STORE_ENV in os.environ
 
@@ -46,7 +37,7 @@ def joining() -> bool:
     return launched_by_bamboo() and os.environ.get(JOIN_ENV) == "1"
 
 
-class Resilience:
+class Session:
     """One node's view of the job: registered under a lease, watching its peers, deciding steps once.
 
     A step commits when every node of the pipeline has put ``commit/<generation>/<step>/<node>``
@@ -56,7 +47,9 @@ class Resilience:
     is redone in the new layout: a step is never half applied.
     """
 
-    def __init__(self, detection_timeout: float, rendezvous_timeout: float) -> None:
+    def __init__(
+        self, detection_timeout: float, rendezvous_timeout: float, leave_requested: Callable[[], bool] = LEAVE.is_set
+    ) -> None:
         from lightning_bamboo.membership import connect
         from lightning_bamboo.membership.registry import LossDetector, Registry, job_prefix
 
@@ -66,6 +59,8 @@ class Resilience:
         self.nodes = [n for n in os.environ.get(NODES_ENV, self.node).split(",") if n]
         self.detection_timeout = detection_timeout
         self.rendezvous_timeout = rendezvous_timeout
+        #: whether this node was told to leave (a notice): read at every commit
+        self.leave_requested = leave_requested
         self.generation = 0
         self.base = job_prefix(self.job)
         self.store = connect(self.url)
@@ -191,7 +186,7 @@ class Resilience:
             # Put before our commit key: whoever sees the step commit sees the same standby list.
             if standby := self.standby():
                 self.store.put(joiners_key, json.dumps(standby))
-        if not self.leaving and _leave_requested():
+        if not self.leaving and self.leave_requested():
             # Announce before our commit key: whoever sees the step commit also sees that we leave,
             # so the neighbours switch at the next step boundary and no work is lost.
             self.registry.announce_leaving(grace=self.detection_timeout)

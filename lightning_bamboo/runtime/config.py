@@ -1,0 +1,84 @@
+"""``BambooConfig``: every option of the strategy and the runner, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.strategy.layout import REDUNDANCY_MODES, check_partition_option
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+@dataclass
+class BambooConfig:
+    """What ``BambooStrategy(...)`` takes (see its docstring for each option), checked on construction.
+
+    ``stages`` may be set later by a tuner (``HydrozoaTuner``) or an admission; everything else
+    stays as given.
+    """
+
+    stages: int | None = None
+    micro_batch_size: int = 1
+    partition: str | list[int] = "parameters"
+    seed: int | None = None
+    redundancy: str = "off"
+    timeout: float = DEFAULT_TIMEOUT_SECONDS
+    detection_timeout: float = 10.0
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    rf_costs: Any = "measured"
+    audit_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        stages, micro = self.stages, self.micro_batch_size
+        if stages is not None and (not isinstance(stages, int) or stages < 1):
+            raise BambooConfigError(f"stages must be a positive integer or None (stages: {stages!r})")
+        if not isinstance(micro, int) or micro < 1:
+            raise BambooConfigError(f"micro_batch_size must be a positive integer (micro_batch_size: {micro!r})")
+        check_partition_option(self.partition, stages)
+        if not isinstance(self.partition, str):
+            self.partition = list(self.partition)
+        if self.redundancy not in REDUNDANCY_MODES:
+            raise BambooConfigError(f"redundancy must be one of {REDUNDANCY_MODES} (redundancy: {self.redundancy!r})")
+        if self.redundancy != "off" and stages == 1:
+            raise BambooConfigError(
+                f"redundancy={self.redundancy!r} needs at least 2 stages: a node holds a replica of its successor's "
+                f"stage (stages: 1); use stages >= 2 or redundancy='off'"
+            )
+        if not self.timeout or self.timeout <= 0:
+            raise BambooConfigError(f"timeout must be a positive number of seconds (timeout: {self.timeout!r})")
+        self.timeout = float(self.timeout)
+        self.rf_costs = check_rf_costs(self.rf_costs)
+        if not isinstance(self.audit_replicas, bool):
+            raise BambooConfigError(f"audit_replicas must be True or False (audit_replicas: {self.audit_replicas!r})")
+        if not self.detection_timeout or self.detection_timeout <= 0:
+            raise BambooConfigError(
+                f"detection_timeout must be a positive number of seconds (got {self.detection_timeout!r})"
+            )
+        self.detection_timeout = float(self.detection_timeout)
+        self.deepspeed = dict(self.deepspeed or {})
+
+    @property
+    def redundant(self) -> bool:
+        """Whether every node keeps a replica of its successor's stage."""
+        return self.redundancy != "off"
+
+
+def check_rf_costs(rf_costs: Any) -> Any:
+    """``"measured"``, or the ``lightning_bamboo.schedule.Costs`` a dict of its fields gives (checked now,
+    not at the first step)."""
+    from lightning_bamboo.schedule import Costs, ScheduleError
+
+    if rf_costs == "measured" or isinstance(rf_costs, Costs):
+        return rf_costs
+    if not isinstance(rf_costs, dict):
+        raise BambooConfigError(f"rf_costs must be 'measured' or a dict such as {{'forward': 1, 'backward': 2}} "
+                                f"(rf_costs: {rf_costs!r})")
+    try:
+        return Costs(**rf_costs)
+    except TypeError as err:
+        raise BambooConfigError(f"rf_costs {rf_costs!r}: {err}; the fields are forward, backward, load, send, sync, "
+                                "reduce, optimizer") from None
+    except ScheduleError as err:
+        raise BambooConfigError(f"rf_costs {rf_costs!r}: {err}") from None

@@ -1,0 +1,110 @@
+"""Layouts that change with no loss: a reconfiguration between steps, and a standby node's admission."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from lightning_bamboo.engine.build import ensure_deepspeed_comm
+from lightning_bamboo.engine.failover import FatalLoss
+from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
+from lightning_bamboo.engine.reconfigure import move_layers, transfer_plan
+from lightning_bamboo.engine.replica import exchange_objects
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.registry import BarrierTimeoutError
+from lightning_bamboo.strategy.layout import Layout
+
+if TYPE_CHECKING:
+    from lightning_bamboo.runtime.host import PipelineModel
+    from lightning_bamboo.runtime.runner import PipelineRunner
+
+log = logging.getLogger(__name__)
+
+
+def reconfigure(runner: PipelineRunner, order: list[str], parts: tuple[int, ...], reason: str = "",
+                pipelines: int = 1, elastic: bool = True) -> float:
+    """Change the layout between two steps, with no loss: standby nodes join, layers move point to point.
+
+    ``order`` (the nodes in rank order: rank ``r`` runs stage ``r // pipelines`` of pipeline
+    ``r % pipelines``) may add standby nodes to the current ones, never drop one; ``parts`` is
+    the new layer split, ``pipelines`` the new number of data-parallel pipelines (the global
+    batch stays: each pipeline's share of micro-batches follows; ``elastic`` says whether the data
+    is loaded by global steps, which a change of pipelines needs). Every layer a node must run and
+    does not run now comes from the node that runs it (weights and optimizer state; no disk);
+    joining nodes also get the host's training state; replicas are rebuilt by the ring exchange.
+    Call at a step boundary on every node of the pipeline (``RebalanceCallback`` does). Returns the
+    seconds it took. A node lost meanwhile ends in ``FatalLoss`` (restart from the last checkpoint).
+    """
+    session, layout, engine = runner.session, runner.layout, runner.engine
+    if session is None or layout is None or engine is None:
+        raise BambooConfigError("reconfigure() needs a job started by the Bamboo launcher and setup() done")
+    started = time.monotonic()
+    old_order, old_parts, order, parts = list(session.nodes), tuple(layout.parts), list(order), tuple(parts)
+    if (order, parts, pipelines) == (old_order, old_parts, layout.pipelines):
+        return 0.0
+    if pipelines != layout.pipelines and not elastic:
+        raise BambooConfigError(
+            f"changing the number of pipelines ({layout.pipelines} -> {pipelines}) needs the training data loaded "
+            "by global steps (a DataLoader with a sequential or random sampler, which the strategy shards); this "
+            "job's sampler is sharded per pipeline"
+        )
+    moves = transfer_plan(old_order, old_parts, order, parts, layout.pipelines, pipelines)  # validates the layout
+    step = runner.host.global_step()
+    joiners = [n for n in order if n not in old_order]
+    sender = next(n for n in order if n in old_order)
+    record = {"generation": session.generation + 1, "order": order, "parts": list(parts), "old_order": old_order,
+              "old_parts": list(old_parts), "sender": sender, "tag": "reconf", "step": step, "reason": reason,
+              "pipelines": pipelines, "old_pipelines": layout.pipelines}
+    if joiners and session.node == old_order[0]:
+        session.admit(record)
+    meta = runner.host.training_state() if joiners and session.node == sender else None
+    if engine.replica is not None:
+        engine.replica.settle()
+    held, hyper = engine.own_states(), engine.optimizer
+    log.warning("%s: reconfiguring at step %d: %s parts %s -> %s parts %s (%s)", session.node, step, old_order,
+                list(old_parts), order, list(parts), reason)
+    try:
+        rank, world = session.reform(order, tag="reconf")
+        runner.enter_group(rank, world)
+
+        def move() -> dict[int, dict[str, Any]]:
+            received = move_layers(moves, session.node, order, held)
+            for joiner in joiners if meta is not None else ():
+                exchange_objects(meta, send_to=order.index(joiner), recv_from=None)
+            return received
+
+        held = {**held, **session.guard().run(move)}
+        _maybe_fail(session.node, "reconfigure", None)  # fault injection (BAMBOO_FAIL_AT=node@reconfigure)
+        runner.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper)
+    except (PeerLost, BarrierTimeoutError) as err:
+        raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
+                        "the run must restore its last checkpoint") from err
+    seconds = time.monotonic() - started
+    session.record_reconfiguration({**record, "seconds": seconds})
+    log.warning("%s: reconfigured in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
+    return seconds
+
+
+def start_admitted(runner: PipelineRunner, model: PipelineModel, record: dict[str, Any], rank: int,
+                   gradient_clipping: float = 0.0) -> dict[str, Any]:
+    """A joining node's start: its layers come from the running nodes (the admission ``record`` says
+    which), and so does the training state it returns (the host's ``training_state`` of the sender)."""
+    session = runner._session()
+    runner.probe(model)
+    runner.gradient_clipping = gradient_clipping
+    ensure_deepspeed_comm(runner.backend)
+    order = list(record["order"])
+
+    def receive() -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        moves = transfer_plan(record["old_order"], record["old_parts"], order, record["parts"],
+                              record.get("old_pipelines", 1), record.get("pipelines", 1))
+        held = move_layers(moves, session.node, order, {})
+        return held, exchange_objects(None, send_to=None, recv_from=order.index(record["sender"]))
+
+    held, meta = session.guard().run(receive)
+    pipelines = int(record.get("pipelines", 1))
+    layout = Layout(len(order) // pipelines, pipelines, tuple(record["parts"]))
+    runner.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
+    runner.catching_up = True  # until its first step
+    return meta

@@ -1,0 +1,184 @@
+"""Lightning's pieces that ``BambooStrategy`` replaces by subclassing: SIGTERM broadcasts, the launcher, step hooks."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as torch_dist
+
+from lightning_bamboo.runtime.session import request_leave
+
+# ------------------------------------------------------------------ SIGTERM under membership
+_PATCHED: dict[tuple[type, str], type] = {}
+
+
+def _under_membership(obj: Any) -> bool:
+    runner = getattr(obj.trainer.strategy, "runner", None)
+    return runner is not None and runner.session is not None
+
+
+def _skip_sigterm_broadcast(self: Any) -> None:
+    """The epoch loop's per-batch "did rank 0 get SIGTERM" broadcast; skipped under membership."""
+    if not _under_membership(self):
+        base: Any = type(self).__mro__[1]  # Lightning's class (ours is the subclass made below)
+        base._broadcast_sigterm_tensor(self)
+
+
+def _sigterm_is_a_notice(self: Any, signum: Any, frame: Any) -> None:
+    """Lightning's SIGTERM handler; under membership a flag only (never a collective in a handler)."""
+    if not _under_membership(self):
+        base: Any = type(self).__mro__[1]
+        base._sigterm_notifier_fn(self, signum, frame)
+        return
+    # Not ``received_sigterm``: Lightning would raise SIGTERMException after the batch, and a notice
+    # that arrives between a commit and the end of the batch would stop the node before it
+    # announced that it leaves (its neighbours would lose the step in flight to a failover).
+    request_leave()
+
+
+_REPLACEMENTS = {"_broadcast_sigterm_tensor": _skip_sigterm_broadcast, "_sigterm_notifier_fn": _sigterm_is_a_notice}
+
+
+def _without_raw_broadcast(base: type, method: str) -> type:
+    """A subclass of Lightning's ``base`` whose ``method`` makes no raw collective under membership."""
+    if (base, method) not in _PATCHED:
+        _PATCHED[base, method] = type(f"Bamboo{base.__name__}", (base,), {"_bamboo": True, method: _REPLACEMENTS[method]})
+    return _PATCHED[base, method]
+
+
+def no_sigterm_broadcast_under_membership(trainer: Any) -> None:
+    """Under the Bamboo launcher, Lightning's per-step SIGTERM broadcast is replaced by the membership protocol.
+
+    Lightning broadcasts a "rank 0 got SIGTERM" flag with a raw ``torch.distributed.broadcast``
+    before every batch. With a node just lost that call blocks until the process-group
+    timeout (it bypasses the strategy, so no failover can rescue it), and its meaning, stop
+    every rank, is the opposite of Bamboo's: a node with a notice leaves alone and its
+    neighbours take over (``Session.commit``). The epoch loop gets a subclass that skips
+    the broadcast when membership is on and keeps Lightning's behaviour otherwise.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is not None and hasattr(loop, "_broadcast_sigterm_tensor") and not getattr(loop, "_bamboo", False):
+        loop.__class__ = _without_raw_broadcast(type(loop), "_broadcast_sigterm_tensor")
+    # Lightning's SIGTERM handler broadcasts too (inside the handler); under membership SIGTERM is
+    # a preemption notice: flag only, and the node leaves after its next commit.
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None and hasattr(connector, "_sigterm_notifier_fn") and not getattr(connector, "_bamboo", False):
+        connector.__class__ = _without_raw_broadcast(type(connector), "_sigterm_notifier_fn")
+
+
+# ------------------------------------------------------------------ step hooks the pipeline runs instead
+def pipeline_step_placeholder(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Stands in for a step hook the model does not define: strategy='bamboo' runs the pipeline instead."""
+    raise RuntimeError("this step is run by BambooStrategy; it is not meant to be called directly")
+
+
+def fit_without_val_data(model: Any) -> bool:
+    """True when ``model`` is being fit with no validation data (no ``val_dataloader`` anywhere)."""
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None or str(getattr(trainer.state.fn, "value", trainer.state.fn)) != "fit":
+        return False
+    return not trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
+
+
+# ------------------------------------------------------------------ the launcher
+class _PreflightLauncherMixin:
+    """Runs the strategy's model checks in the launching process before any child process starts."""
+
+    _bamboo_strategy: Any
+    cluster_environment: Any
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        model = args[0] if args and hasattr(args[0], "configure_optimizers") else None
+        if not self.cluster_environment.creates_processes_externally and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            self._bamboo_strategy.check_before_launch(model, trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+_LAUNCHERS: dict[type, type] = {}
+
+
+def make_launcher_class(base: type) -> type:
+    if base not in _LAUNCHERS:
+        _LAUNCHERS[base] = type(f"Bamboo{base.__name__.lstrip('_')}", (_PreflightLauncherMixin, base), {})
+    return _LAUNCHERS[base]
+
+
+# ------------------------------------------------------------------ release at exit
+_TO_RELEASE: list[Any] = []
+_FAILED = False
+
+
+def release_at_exit(strategy: Any) -> None:
+    """Release ``strategy``'s runner and the process group before the interpreter tears modules down."""
+    if not _TO_RELEASE:
+        atexit.register(_release)
+        _record_failures()
+    if strategy not in _TO_RELEASE:
+        _TO_RELEASE.append(strategy)
+
+
+def _drop_all() -> None:
+    """Drop the runners (engines, membership sessions) of every strategy that ran, and destroy the process group."""
+    keep: list[Any] = []
+    for strategy in _TO_RELEASE:
+        keep.extend(strategy.runner.close())
+        model = strategy.lightning_module
+        if model is not None and hasattr(model, "_bamboo_stage"):
+            del model._bamboo_stage
+    _TO_RELEASE.clear()
+    gc.collect()
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    del keep  # a TCPStore we host goes after the group that used it
+    gc.collect()
+
+
+def _release() -> None:
+    """Drop engines and destroy the process group before the interpreter tears modules down.
+
+    Without this a gloo run aborts at interpreter exit about one time in four.
+    """
+    _drop_all()
+    from lightning_bamboo.engine.pipe import ABANDONED
+
+    if any(thread.is_alive() for thread in ABANDONED):
+        # A step thread abandoned at a failover may still be blocked inside gloo on the old
+        # process group; C++ teardown with it there aborts the process ("terminate called").
+        # Everything of ours is flushed and closed: leave without that teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _FAILED else 0)
+
+
+def release_for_restart() -> None:
+    """Free what a failed ``fit()`` left (engines, membership watcher, process group), so that this
+    process can run ``fit()`` again in a new job: a restart from a checkpoint without a new process.
+
+    A step thread abandoned at a failover may still be blocked in the old process group, waiting on
+    a peer that gave up its own step. It is left as a failover leaves it: it holds the old group
+    (whose teardown under it could abort the process) until the peer's connection closes or the
+    group's timeout ends its wait, and raises ``AbandonedStep`` at its next Python call.
+    """
+    from lightning_bamboo.engine.pipe import ABANDONED
+
+    ABANDONED[:] = [thread for thread in ABANDONED if thread.is_alive()]  # the exit still skips teardown for them
+    _drop_all()
+
+
+def _record_failures() -> None:
+    """Remember an uncaught exception, so the exit above keeps a failing run's exit status."""
+    previous = sys.excepthook
+
+    def hook(*args: Any) -> None:
+        global _FAILED
+        _FAILED = True
+        previous(*args)
+
+    sys.excepthook = hook
