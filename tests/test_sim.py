@@ -70,7 +70,7 @@ def steps(result) -> list[tuple[float, float]]:
 
 def test_one_preemption_bamboo_drops_the_broken_pipeline_as_the_runtime_does():
     result, policy = run("bamboo", FOUR + ["100000,remove,n2"])
-    # engine/failover.py's plan_loss: a whole pipeline is left, so the broken one is dropped (no
+    # topology/failover.py's plan_loss: a whole pipeline is left, so the broken one is dropped (no
     # data moves, 2 s pause) and [n1, n3] trains on with both micro-batches; n4 waits as standby
     assert steps(result) == [(0, R2), (100, 0), (102, R1)]
     assert result.samples == pytest.approx(100 * R2 + 98 * R1)

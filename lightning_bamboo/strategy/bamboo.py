@@ -30,7 +30,7 @@ import torch.distributed as torch_dist
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.data import StepSampler
 from lightning_bamboo.errors import BambooConfigError, BambooError
-from lightning_bamboo.strategy.layout import (
+from lightning_bamboo.topology.layout import (
     REDUNDANCY_MODES,
     Layout,
     check_partition_option,
@@ -209,7 +209,7 @@ class _BambooStrategyMixin:
 
     # ------------------------------------------------------------------ environment
     def setup_environment(self) -> None:
-        from lightning_bamboo.launcher import leave_idle_priority
+        from lightning_bamboo.membership.node import leave_idle_priority
         from lightning_bamboo.strategy.resilience import Resilience, joining, launched_by_bamboo
 
         if joining() and self.resilience is None:
@@ -245,7 +245,7 @@ class _BambooStrategyMixin:
         if any, loads into any layout). A data-parallel job, or too few nodes left, stops with
         ``FatalLoss`` as before: the launcher starts it again with the nodes that are up.
         """
-        from lightning_bamboo.engine.failover import FatalLoss
+        from lightning_bamboo.errors import FatalLoss
 
         res = self.resilience
         if self.stages is not None and self.stages != len(res.nodes):
@@ -276,7 +276,7 @@ class _BambooStrategyMixin:
         if self.resilience is None or self._assigned is not None or torch_dist.is_initialized():
             super().setup_distributed()  # type: ignore[misc]
             return
-        from lightning_bamboo.engine.failover import FATAL_EXIT_CODE, FatalLoss
+        from lightning_bamboo.errors import FATAL_EXIT_CODE, FatalLoss
 
         full: timedelta = self._timeout  # type: ignore[has-type]
         connect = min(full, timedelta(seconds=max(3 * self.detection_timeout, 15.0)))
@@ -397,8 +397,9 @@ class _BambooStrategyMixin:
     def _setup_admitted(self, trainer: Any) -> None:
         """A joining node's setup: its layers and Lightning's training state come from the running nodes."""
         from lightning_bamboo.engine.build import ensure_deepspeed_comm
-        from lightning_bamboo.engine.reconfigure import move_layers, transfer_plan
+        from lightning_bamboo.engine.reconfigure import move_layers
         from lightning_bamboo.engine.replica import exchange_objects
+        from lightning_bamboo.topology.transfer import transfer_plan
 
         record, res = self._admission, self.resilience
         assert record is not None and res is not None and self._assigned is not None
@@ -441,11 +442,12 @@ class _BambooStrategyMixin:
         Returns the seconds it took. A node lost meanwhile ends in ``FatalLoss`` (restart from the
         last checkpoint): the reconfiguration is not retried.
         """
-        from lightning_bamboo.engine.failover import FatalLoss
         from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
-        from lightning_bamboo.engine.reconfigure import move_layers, transfer_plan
+        from lightning_bamboo.engine.reconfigure import move_layers
         from lightning_bamboo.engine.replica import exchange_objects
+        from lightning_bamboo.errors import FatalLoss
         from lightning_bamboo.membership.registry import BarrierTimeoutError
+        from lightning_bamboo.topology.transfer import transfer_plan
 
         res, layout, engine = self.resilience, self.layout, self.engine
         if res is None or layout is None or engine is None:
@@ -621,7 +623,7 @@ class _BambooStrategyMixin:
         res = self.resilience
         started = time.monotonic()
         if self.redundancy == "off":
-            from lightning_bamboo.engine.failover import FatalLoss
+            from lightning_bamboo.errors import FatalLoss
 
             raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
         old_engine, layout = self.engine, self.layout
@@ -675,8 +677,8 @@ class _BambooStrategyMixin:
         return committed
 
     def _fail_over_once(self, base: dict[str, Any], suspected: set[str], step: int) -> tuple[Any, int, int]:
-        from lightning_bamboo.engine.failover import layout_tag, plan_loss
         from lightning_bamboo.engine.pipe import _maybe_fail
+        from lightning_bamboo.topology.failover import layout_tag, plan_loss
 
         res = self.resilience
         lost = res.decide_lost(tuple(suspected), base["nodes"])
@@ -698,7 +700,7 @@ class _BambooStrategyMixin:
 
     def _release(self, step: int) -> NoReturn:
         """Leave the layout (this node's pipeline was dropped) and come back as a standby node, in a fresh process."""
-        from lightning_bamboo.launcher import rejoin_as_standby
+        from lightning_bamboo.membership.node import rejoin_as_standby
 
         res = self.resilience
         log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); joining again "
