@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_bamboo.sim.params import SimParams
-from lightning_bamboo.sim.policies import POLICIES
-from lightning_bamboo.sim.simulate import run_policy, simulate
+from lightning_bamboo.sim.simulate import POLICIES, run_policy, simulate
 from lightning_bamboo.sim.trace import parse_trace
 
 R1, R2 = 2.0, 3.0  # samples/s with one and with two pipelines (see module docstring)

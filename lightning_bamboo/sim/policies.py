@@ -230,14 +230,3 @@ class Bamboo(Policy):
         self.overloaded.clear()
         self._set_layout(decision.layout, redundancy=True)
 
-
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo)}
-
-
-def _register_successors() -> None:
-    from lightning_bamboo.sim.successors import Parcae, Recycle
-
-    POLICIES.update({p.name: p for p in (Recycle, Parcae)})
-
-
-_register_successors()
