@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.topology import (
     Layout,
-    balanced_parts,
     check_partition_option,
     check_parts,
-    compute_parts,
     even_parts,
     micro_batches,
     partition_weights,
@@ -100,7 +99,6 @@ def test_partition_weights_are_what_the_first_split_and_later_splits_balance():
 def test_even_parts_give_the_later_stages_the_extra_layers():
     assert even_parts(10, 3) == (0, 3, 6, 10)
     assert even_parts(8, 4) == (0, 2, 4, 6, 8)
-    assert compute_parts("uniform", 3, [1] * 10, ["L"] * 10) == even_parts(10, 3)  # "uniform" is the same split
     with pytest.raises(BambooConfigError, match=r"cannot split 2 layers over 3 stages"):
         even_parts(2, 3)
 
@@ -112,7 +110,3 @@ def test_error_hints_suggest_the_even_split():
         check_parts([0, 1, 2], 3, 2)
 
 
-def test_named_partitions_balance_as_the_policy_does():
-    counts, names = [100, 10, 10, 10, 10, 100], ["L"] * 6
-    for stages in (2, 3, 4):
-        assert compute_parts("parameters", stages, counts, names) == balanced_parts(counts, stages)

@@ -29,13 +29,13 @@ import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.data import StepSampler
+from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.topology.layout import (
     REDUNDANCY_MODES,
     Layout,
     check_partition_option,
     check_replica_memory,
-    compute_parts,
     micro_batches,
     partition_weights,
     pipeline_share,

@@ -197,45 +197,6 @@ def partition_weights(
     return [1 if pattern.search(name) else 0 for name in layer_names]
 
 
-def compute_parts(
-    partition: str | Sequence[int],
-    stages: int,
-    param_counts: Sequence[int],
-    layer_names: Sequence[str],
-) -> tuple[int, ...]:
-    """Layer boundaries for ``stages`` stages: ``"uniform"`` is ``even_parts``, ``"parameters"`` and
-    ``"type:REGEX"`` are ``balanced_parts`` of ``partition_weights`` (the split the reconfiguration policy
-    makes of the same weights), a list is taken as it is."""
-    num_layers = len(param_counts)
-    if stages > num_layers:
-        raise BambooConfigError(
-            f"a pipeline cannot have more stages than layers (stages: {stages}, layers: {num_layers}); "
-            f"use stages <= {num_layers} or split the model into more layers in configure_pipeline()"
-        )
-    if not isinstance(partition, str):
-        parts = [int(p) for p in partition]
-    elif partition == "uniform":
-        parts = list(even_parts(num_layers, stages))
-    else:  # "parameters", or "type:REGEX": balance the layers whose class name matches
-        weights = partition_weights(partition, param_counts, layer_names)
-        assert weights is not None
-        if not any(weights):
-            raise BambooConfigError(
-                f"partition {partition!r} matches no layer class (classes: {sorted(set(layer_names))})"
-            )
-        parts = list(balanced_parts(weights, stages))
-    try:
-        check_parts(parts, stages, num_layers)
-    except BambooConfigError as err:
-        if isinstance(partition, str):
-            raise BambooConfigError(
-                f"partition {partition!r} cannot cut {num_layers} layers into {stages} stages: {err}; "
-                f"use partition='uniform' or an explicit list ({_example(num_layers, stages)})"
-            ) from None
-        raise
-    return tuple(parts)
-
-
 def micro_batches(batch_size: int, micro_batch_size: int, pipelines: int) -> int:
     """Number of micro-batches a pipeline splits its ``batch_size`` samples into."""
     if batch_size % micro_batch_size:
