@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.strategy.layout import REDUNDANCY_MODES
+from lightning_bamboo.topology.layout import REDUNDANCY_MODES
 
 BAMBOO_KEY = "bamboo"
 BAMBOO_DEFAULTS: dict[str, Any] = {"redundancy": "off", "timeout": 300.0}

@@ -23,107 +23,37 @@ job forms of the machines that registered first once they run N nodes (``members
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-from lightning_bamboo.engine.failover import free_port
+from lightning_bamboo.engine.groups import free_port
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.node import (
+    ADDR_ENV,
+    JOB_ENV,
+    JOIN_ENV,
+    MACHINE_ENV,
+    NODE_ENV,
+    NODES_ENV,
+    STORE_ENV,
+    idle_priority_supported,
+    joiner_env,
+)
 
-STORE_ENV, JOB_ENV, NODE_ENV, NODES_ENV = "BAMBOO_STORE", "BAMBOO_JOB", "BAMBOO_NODE", "BAMBOO_NODES"
-#: set to "1" for a node that joins a running job: it waits as standby until a reconfiguration admits it
-JOIN_ENV = "BAMBOO_JOIN"
-#: the address this node's peers reach it at (process-group stores are hosted there); default loopback
-ADDR_ENV = "BAMBOO_ADDR"
-#: the machine (failure domain) a node runs on: its supervisor's --node
-MACHINE_ENV = "BAMBOO_MACHINE"
 #: the variables that bind process groups to an interface (set from --addr unless the user set them)
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def node_address() -> str:
-    return os.environ.get(ADDR_ENV, "127.0.0.1")
-
-
 def node_names(nodes: int) -> list[str]:
     return [f"node{i}" for i in range(nodes)]
-
-
-def leave_idle_priority() -> bool:
-    """Give every thread of this process normal CPU priority again if it runs at idle priority
-    (a standby node started with ``Cluster.spawn_joiner(idle=True)``, now admitted). True if it did."""
-    if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
-        return False
-    # threads started later by the calling thread inherit its (now normal) policy
-    for tid in map(int, os.listdir("/proc/self/task")):
-        try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
-    return True
-
-
-def joiner_env(name: str) -> dict[str, str]:
-    """The environment that makes worker ``name`` join a running job as a standby node (with the store and
-    job variables of the job it joins)."""
-    return {NODES_ENV: name, NODE_ENV: name, JOIN_ENV: "1", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
-
-
-#: the command line a released node starts again with (``rejoin_as_standby``); None: this process's own. A
-#: worker that took over another job's arguments in its process (a restart in place) sets it.
-standby_command: list[str] | None = None
-
-
-def rejoin_as_standby() -> NoReturn:
-    """Replace this worker by a fresh process of the same command that joins the job as a standby node.
-
-    For a node released from a running layout (its pipeline was dropped after a loss): same
-    process id, so its supervisor (``Cluster``, ``supervise``) still sees it running; nothing of
-    the old process (threads blocked on the old process group included) survives the ``exec``.
-    It waits at idle CPU priority where it may come back from it (``idle_priority_supported``),
-    as ``Cluster.spawn_joiner(idle=True)`` starts standby nodes.
-    """
-    import logging
-
-    env = {**os.environ, **joiner_env(os.environ.get(NODE_ENV, ""))}
-    if idle_priority_supported():
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread: the new main thread
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    argv = standby_command or [sys.executable, *sys.orig_argv[1:]]
-    os.execve(argv[0], argv, env)
-
-
-@functools.cache
-def idle_priority_supported() -> bool:
-    """Whether a thread of this process may go to idle CPU priority and back (Linux: root, CAP_SYS_NICE
-    or RLIMIT_NICE >= 20); tried on a short-lived thread."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    result: list[bool] = []
-
-    def probe() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            result.append(True)
-        except OSError:
-            result.append(False)
-
-    thread = threading.Thread(target=probe, name="bamboo-priority-probe")
-    thread.start()
-    thread.join()
-    return result[0]
 
 
 class Cluster:
@@ -437,7 +367,6 @@ def supervise(
     announced in the store at once, so its peers fail over in milliseconds. Every process group
     binds to the interface that owns ``addr``.
     """
-    from lightning_bamboo.engine.failover import free_port
     from lightning_bamboo.membership.registry import job_prefix
 
     plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job,

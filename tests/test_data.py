@@ -6,7 +6,7 @@ import pytest
 
 from lightning_bamboo.data import StepSampler
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.strategy.layout import pipeline_share
+from lightning_bamboo.topology import pipeline_share
 
 
 def test_every_node_gets_the_same_global_steps_in_one_order():

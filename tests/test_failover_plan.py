@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_bamboo.engine.failover import FatalLoss, layout_tag, plan_failover, plan_loss
 from lightning_bamboo.engine.replica import equal_states
-from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.strategy.layout import check_replica_memory
+from lightning_bamboo.errors import BambooConfigError, FatalLoss
+from lightning_bamboo.topology import check_replica_memory, layout_tag, plan_failover, plan_loss
 
 NODES = ["n0", "n1", "n2", "n3"]
 PARTS = [0, 2, 4, 6, 8]

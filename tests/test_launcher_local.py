@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
-from lightning_bamboo.launcher import Cluster, idle_priority_supported
+from lightning_bamboo.launcher import Cluster
+from lightning_bamboo.membership.node import idle_priority_supported
 from tests.helpers import REPO
 
 # a standby node's process in miniature: reports its policy, starts a thread, is "admitted", reports every thread's
 CHILD = """
 import json, os, sys, threading
-from lightning_bamboo.launcher import leave_idle_priority
+from lightning_bamboo.membership.node import leave_idle_priority
 before = os.sched_getscheduler(0)
 stop = threading.Event()
 helper = threading.Thread(target=stop.wait)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.strategy.layout import (
+from lightning_bamboo.topology import (
     Layout,
     check_partition_option,
     check_parts,
-    compute_parts,
+    even_parts,
     micro_batches,
     partition_weights,
     resolve_stages,
@@ -93,3 +94,19 @@ def test_partition_weights_are_what_the_first_split_and_later_splits_balance():
     assert partition_weights("uniform", counts, names) is None and partition_weights([0, 2, 4], counts, names) is None
     # compute_parts balances the same weights: one block per stage, the light layers beside them
     assert compute_parts("parameters", 2, counts, names) == compute_parts("type:block", 2, counts, names) == (0, 2, 4)
+
+
+def test_even_parts_give_the_later_stages_the_extra_layers():
+    assert even_parts(10, 3) == (0, 3, 6, 10)
+    assert even_parts(8, 4) == (0, 2, 4, 6, 8)
+    with pytest.raises(BambooConfigError, match=r"cannot split 2 layers over 3 stages"):
+        even_parts(2, 3)
+
+
+def test_error_hints_suggest_the_even_split():
+    with pytest.raises(BambooConfigError, match=r"boundaries given: 3: \[0, 5, 10\]\); e\.g\. \[0, 3, 6, 10\]"):
+        check_parts([0, 5, 10], 3, 10)
+    with pytest.raises(BambooConfigError, match=r"e\.g\. \[0, 1, 2\] \(at most 2 stages\)"):
+        check_parts([0, 1, 2], 3, 2)
+
+

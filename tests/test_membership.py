@@ -865,8 +865,8 @@ def test_start_rendezvous_ends_at_once_when_a_node_died_starting(embedded_server
     """A node announced dead before the job's first rendezvous: the others learn it at once instead of
     waiting the rendezvous timeout for it (``start_lost``); with too few nodes left to start without
     it, ``start_without`` stops with FatalLoss (a restart with the nodes that are up)."""
-    from lightning_bamboo.engine.failover import FatalLoss
-    from lightning_bamboo.launcher import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
+    from lightning_bamboo.errors import FatalLoss
+    from lightning_bamboo.membership.node import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
     from lightning_bamboo.runtime.session import Session
 
     job = f"r{uuid.uuid4().hex[:6]}"

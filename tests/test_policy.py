@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.membership.policy import (
+from lightning_bamboo.topology import (
     Decision,
     Layout,
+    Placement,
     PolicyConfig,
     balanced_parts,
     even_parts,
-    fresh_layout,
+    fresh_placement,
     reconfigure,
     split_micro_batches,
 )
@@ -23,8 +24,8 @@ def names(n: int, prefix: str = "n") -> list[str]:
     return [f"{prefix}{i}" for i in range(1, n + 1)]
 
 
-def layout_of(rows: list[list[str]], cfg: PolicyConfig = CFG) -> Layout:
-    return Layout(
+def layout_of(rows: list[list[str]], cfg: PolicyConfig = CFG) -> Placement:
+    return Placement(
         tuple(tuple(r) for r in rows),
         cfg.parts(len(rows[0])),
         split_micro_batches(cfg.global_micro_batches, len(rows)),
@@ -39,6 +40,17 @@ def test_start_places_nodes_column_by_column_and_keeps_the_rest_standby():
     assert d.layout.parts == (0, 2, 4, 6)
     assert d.layout.micro_batches == (6, 6)  # global batch fixed: 12 micro-batches over 2 pipelines
     assert set(d.moved) == set(names(6))
+
+
+def test_a_placement_numbers_its_nodes_as_its_layout_numbers_ranks():
+    placement = Placement((("a0", "a1", "a2"), ("b0", "b1", "b2")), (0, 2, 3, 6), (3, 3))
+    layout = placement.layout
+    assert layout == Layout(stages=3, pipelines=2, parts=(0, 2, 3, 6))
+    assert placement.order == ("a0", "b0", "a1", "b1", "a2", "b2")  # the grid read column by column
+    for rank, node in enumerate(placement.order):
+        assert placement.position(node) == (layout.pipeline_of_rank(rank), layout.stage_of_rank(rank))
+        assert placement.stage_layers(node) == (layout.parts[layout.stage_of_rank(rank)],
+                                                layout.parts[layout.stage_of_rank(rank) + 1])
 
 
 def test_keep_when_nothing_changed():
@@ -181,10 +193,10 @@ def test_balanced_parts_minimise_the_widest_stage():
             lambda: PolicyConfig(stages=2, layers=2, global_micro_batches=1, layer_costs=(1.0,)),
             ["layer_costs"],
         ),
-        (lambda: Layout((("a", "b"), ("c",)), (0, 1, 2), (1, 1)), ["same number of stages"]),
-        (lambda: Layout((("a", "b"),), (0, 2, 1), (1,)), ["strictly increasing"]),
-        (lambda: Layout((("a", "b"),), (0, 1, 2), (0,)), ["micro_batches"]),
-        (lambda: fresh_layout(["a"], 1, 2, CFG), ["need 2 nodes", "got 1"]),
+        (lambda: Placement((("a", "b"), ("c",)), (0, 1, 2), (1, 1)), ["same number of stages"]),
+        (lambda: Placement((("a", "b"),), (0, 2, 1), (1,)), ["strictly increasing"]),
+        (lambda: Placement((("a", "b"),), (0, 1, 2), (0,)), ["micro_batches"]),
+        (lambda: fresh_placement(["a"], 1, 2, CFG), ["need 2 nodes", "got 1"]),
         (lambda: split_micro_batches(1, 2), ["at least one micro-batch"]),
         (lambda: Decision("explode", None, ""), ["unknown action"]),
     ],
@@ -201,10 +213,10 @@ def test_a_machines_workers_are_one_failure_domain_when_the_callback_rebuilds():
     m1.2 stand by. The stage between m0.0 and m0.1 goes to m1.2: with m0.2 there, losing machine m0 would
     take three neighbouring stages (a node and its replica holder) at once."""
     from lightning_bamboo.callbacks.rebalance import RebalanceCallback
-    from lightning_bamboo.membership.policy import machine_of
+    from lightning_bamboo.topology import machine_of
 
     assert [machine_of(n) for n in ("node1.3", "node1", "a.b", ".3", "gpu-7.0")] == ["node1", "node1", "a.b", ".3", "gpu-7"]
     callback = RebalanceCallback(stages=4)
-    callback.layout = Layout((("m0.0", "m1.0", "m0.1", "m1.1"),), (0, 2, 4, 6, 8), (4,))
+    callback.layout = Placement((("m0.0", "m1.0", "m0.1", "m1.1"),), (0, 2, 4, 6, 8), (4,))
     decision = callback.decide(["m0.0", "m0.1", "m1.1"], ["m0.2", "m1.2"], 8)
     assert decision.layout.grid == (("m0.0", "m1.2", "m0.1", "m1.1"),)

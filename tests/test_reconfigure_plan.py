@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_bamboo.callbacks.rebalance import RebalanceCallback
-from lightning_bamboo.engine.reconfigure import Move, transfer_plan
 from lightning_bamboo.errors import BambooError
-from lightning_bamboo.membership.policy import Layout
+from lightning_bamboo.topology import Move, Placement, transfer_plan
 from tests.helpers import callback_from_yaml
 
 
@@ -69,7 +68,7 @@ def test_bad_layouts_are_refused(old, old_parts, new, new_parts, message):
 
 def _callback(nodes, parts, stages=None):
     cb = RebalanceCallback(stages=stages)
-    cb.layout = Layout((tuple(nodes),), tuple(parts), (4,))
+    cb.layout = Placement((tuple(nodes),), tuple(parts), (4,))
     cb.stages = stages or len(nodes)
     return cb
 
@@ -88,9 +87,9 @@ def test_callback_spreads_the_layers_of_a_lost_node_over_the_survivors():
 
 def test_callback_follows_a_failover_that_dropped_a_pipeline_and_adds_one_back():
     cb = RebalanceCallback(stages=2)
-    cb.layout, cb.stages = Layout((("a0", "a1"), ("b0", "b1")), (0, 4, 8), (2, 2)), 2
+    cb.layout, cb.stages = Placement((("a0", "a1"), ("b0", "b1")), (0, 4, 8), (2, 2)), 2
     cb._follow_failovers([{"old_pipelines": 2, "rows": [["b0", "b1"]], "old_parts": [0, 4, 8]}])
-    assert cb.layout == Layout((("b0", "b1"),), (0, 4, 8), (4,))  # the global batch stays: 4 micro-batches
+    assert cb.layout == Placement((("b0", "b1"),), (0, 4, 8), (4,))  # the global batch stays: 4 micro-batches
     assert cb.decide(["b0", "b1"], ["a0"], 8).action == "keep"  # 3 nodes make one pipeline of 2
     decision = cb.decide(["b0", "b1"], ["a0", "s"], 8)
     assert decision.action == "add_pipeline" and decision.layout.grid == (("b0", "b1"), ("a0", "s"))

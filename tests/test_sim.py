@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_bamboo.sim.params import SimParams
-from lightning_bamboo.sim.policies import POLICIES
-from lightning_bamboo.sim.simulate import run_policy, simulate
+from lightning_bamboo.sim.simulate import POLICIES, run_policy, simulate
 from lightning_bamboo.sim.trace import parse_trace
 
 R1, R2 = 2.0, 3.0  # samples/s with one and with two pipelines (see module docstring)
@@ -70,7 +69,7 @@ def steps(result) -> list[tuple[float, float]]:
 
 def test_one_preemption_bamboo_drops_the_broken_pipeline_as_the_runtime_does():
     result, policy = run("bamboo", FOUR + ["100000,remove,n2"])
-    # engine/failover.py's plan_loss: a whole pipeline is left, so the broken one is dropped (no
+    # topology/failover.py's plan_loss: a whole pipeline is left, so the broken one is dropped (no
     # data moves, 2 s pause) and [n1, n3] trains on with both micro-batches; n4 waits as standby
     assert steps(result) == [(0, R2), (100, 0), (102, R1)]
     assert result.samples == pytest.approx(100 * R2 + 98 * R1)

@@ -253,8 +253,8 @@ def test_simulator_and_policy_import_no_heavy_framework():
     import ast
     from pathlib import Path
 
-    import lightning_bamboo.membership.policy as policy_module
     import lightning_bamboo.sim as sim_package
+    import lightning_bamboo.topology.policy as policy_module
 
     files = [Path(policy_module.__file__), *Path(sim_package.__file__).parent.glob("*.py")]
     assert len(files) >= 10

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bamboo.membership.policy import Layout
 from lightning_bamboo.sim.model import rerouted_slowdown
 from lightning_bamboo.sim.successors import foreseen
+from lightning_bamboo.topology import Placement
 from tests.test_sim import FOUR, JOIN, R1, R2, run, steps
 
 
 def test_rerouted_slowdown_fills_the_bubbles_first():
     # 2 pipelines x 2 stages, m micro-batches each: a step is m + 1 slots
-    one = Layout((("a", "b"), ("c", "d")), (0, 1, 2), (1, 1))
+    one = Placement((("a", "b"), ("c", "d")), (0, 1, 2), (1, 1))
     assert rerouted_slowdown(one, {"a"}) == 1.0  # c does 1 extra slot, its bubble is 1 slot
-    two = Layout((("a", "b"), ("c", "d")), (0, 1, 2), (2, 2))
+    two = Placement((("a", "b"), ("c", "d")), (0, 1, 2), (2, 2))
     assert rerouted_slowdown(two, {"a"}) == pytest.approx(4 / 3)  # 2 extra slots, 1 hidden: 3 -> 4
     assert rerouted_slowdown(two, {"a", "c"}) == float("inf")  # stage 0 has no node left
 

@@ -3,7 +3,7 @@
 Bamboo's runtime keeps training through a loss by letting the lost node's predecessor run both
 stages (failover). That node is then *overloaded* and the job runs at the pace of its double
 stage; standby nodes may be waiting to help. At each step boundary this callback describes the
-cluster to :func:`lightning_bamboo.membership.policy.reconfigure` (the live pipeline nodes, the
+cluster to :func:`lightning_bamboo.topology.policy.reconfigure` (the live pipeline nodes, the
 standby nodes that registered, which nodes are overloaded) and executes its decision with
 ``BambooStrategy.reconfigure``: layers and optimizer state move point to point, joining nodes
 get Lightning's training state, replicas are rebuilt. Every decision that changes something is
@@ -29,9 +29,9 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.membership.policy import (
+from lightning_bamboo.topology.policy import (
     Decision,
-    Layout,
+    Placement,
     PolicyConfig,
     machine_of,
     moved_nodes,
@@ -73,7 +73,7 @@ class RebalanceCallback(Callback):
             )
         self.stages, self.min_stages, self.admit = stages, min_stages, admit
         self.max_overloaded_fraction = max_overloaded_fraction
-        self.layout: Layout | None = None  # the policy's view: lost nodes stay in it until a decision drops them
+        self.layout: Placement | None = None  # the policy's view: lost nodes stay in it until a decision drops them
         self.decisions: list[dict[str, Any]] = []  # every decision that changed something, with its cost
         self._deferred: str | None = None
         self._failovers_seen = 0  # failover records of the strategy already taken into the policy's view
@@ -144,8 +144,7 @@ class RebalanceCallback(Callback):
                 log.warning("RebalanceCallback: %s", reason)
                 self._deferred = reason
             return
-        # rank order: rank r runs stage r // pipelines of pipeline r % pipelines
-        order = [row[s] for s in range(new.stages) for row in new.grid]
+        order = list(new.order)  # rank r runs stage r // pipelines of pipeline r % pipelines
         parts = tuple(new.parts)
         self.layout, self._deferred = new, None  # before the move: a joining node gets this state
         seconds = runner.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}",
@@ -172,7 +171,7 @@ class RebalanceCallback(Callback):
             if record.get("old_pipelines", 1) > 1 and record.get("rows"):
                 rows = tuple(tuple(r) for r in record["rows"])
                 total = sum(self.layout.micro_batches)
-                self.layout = Layout(rows, tuple(record["old_parts"]), split_micro_batches(total, len(rows)))
+                self.layout = Placement(rows, tuple(record["old_parts"]), split_micro_batches(total, len(rows)))
         self._failovers_seen = len(failovers)
 
     # ------------------------------------------------------------------ the decision (pure)
@@ -202,15 +201,15 @@ class RebalanceCallback(Callback):
                         moved_nodes(layout, planned_layout))
 
     @staticmethod
-    def _runtime(trainer: Any) -> Layout:
-        """The pipeline the strategy runs now, as the policy's ``Layout``."""
+    def _runtime(trainer: Any) -> Placement:
+        """The pipeline the strategy runs now, as the policy's ``Placement`` (its ``layout`` is the runner's)."""
         runner = trainer.strategy.runner
         runtime, names = runner.layout, runner.nodes
         grid = tuple(tuple(names[s * runtime.pipelines + p] for s in range(runtime.stages)) for p in range(runtime.pipelines))
         total = trainer.strategy.global_micro_batches
         if total:  # global batches: the pipelines share each step's micro-batches
-            return Layout(grid, tuple(runtime.parts), split_micro_batches(int(total), runtime.pipelines))
-        return Layout(grid, tuple(runtime.parts), (runner.micro_batches,) * runtime.pipelines)
+            return Placement(grid, tuple(runtime.parts), split_micro_batches(int(total), runtime.pipelines))
+        return Placement(grid, tuple(runtime.parts), (runner.micro_batches,) * runtime.pipelines)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -227,13 +226,13 @@ def _no_hook() -> None:
     pass
 
 
-def _layout_json(layout: Layout | None) -> dict[str, Any] | None:
+def _layout_json(layout: Placement | None) -> dict[str, Any] | None:
     if layout is None:
         return None
     return {"grid": [list(r) for r in layout.grid], "parts": list(layout.parts), "micro_batches": list(layout.micro_batches)}
 
 
-def _layout_from_json(saved: dict[str, Any] | None) -> Layout | None:
+def _layout_from_json(saved: dict[str, Any] | None) -> Placement | None:
     if saved is None:
         return None
-    return Layout(tuple(tuple(r) for r in saved["grid"]), tuple(saved["parts"]), tuple(saved["micro_batches"]))
+    return Placement(tuple(tuple(r) for r in saved["grid"]), tuple(saved["parts"]), tuple(saved["micro_batches"]))

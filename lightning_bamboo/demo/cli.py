@@ -24,7 +24,7 @@ from lightning_bamboo.demo.events import (
 )
 from lightning_bamboo.errors import BambooConfigError, BambooError
 
-EXIT_FATAL = 75  # lightning_bamboo.engine.failover.FATAL_EXIT_CODE (not imported: that module imports torch)
+EXIT_FATAL = 75  # lightning_bamboo.errors.FATAL_EXIT_CODE
 #: seconds the controller waits for a store that stopped answering (an etcd restart) before it gives up
 STORE_PATIENCE = 60.0
 EXIT_AUDIT = 76  # lightning_bamboo.demo.worker.EXIT_AUDIT: the replica audit found a difference
@@ -300,7 +300,8 @@ def _check_store_reachable(url: str) -> None:
 def _drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list[ClusterEvent], workdir: Path,
            prefix: str = "demo") -> dict[str, Any]:
     """Run the job (jobs ``{prefix}0``, ``{prefix}1``... one per restart) through ``events``; its report."""
-    from lightning_bamboo.launcher import Cluster, idle_priority_supported
+    from lightning_bamboo.launcher import Cluster
+    from lightning_bamboo.membership.node import idle_priority_supported
     from lightning_bamboo.membership.registry import job_prefix
 
     width = len(nodes)  # the nodes of the layout the job starts with: width // stages pipelines of stages

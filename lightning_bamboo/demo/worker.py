@@ -21,7 +21,7 @@ import torch
 import lightning_bamboo
 from lightning_bamboo.callbacks import RebalanceCallback
 from lightning_bamboo.engine.audit import ReplicaAuditError
-from lightning_bamboo.engine.failover import FATAL_EXIT_CODE, FatalLoss
+from lightning_bamboo.errors import FATAL_EXIT_CODE, FatalLoss
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
 #: exit status of a survivor that cannot fail over (a node and its replica holder were lost)
@@ -141,9 +141,9 @@ def main() -> int:
             os.environ.update(assignment["env"])
             os.environ.pop("BAMBOO_JOIN", None)
             args = parse(assignment["args"])
-            from lightning_bamboo import launcher
+            from lightning_bamboo.membership import node
 
-            launcher.standby_command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *assignment["args"]]
+            node.standby_command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *assignment["args"]]
 
 
 def _restart_in_place() -> dict | None:

@@ -13,7 +13,7 @@ import torch.distributed as torch_dist
 from lightning_bamboo.engine.module import BambooPipelineModule
 from lightning_bamboo.engine.pipe import BambooPipelineEngine
 from lightning_bamboo.logs import deepspeed_prints_hidden
-from lightning_bamboo.strategy.layout import Layout
+from lightning_bamboo.topology.layout import Layout
 
 # DeepSpeed prints a line every `steps_per_print` steps on rank 0 (and at every new engine's first step, as
 # the deferred optimizer step leaves global_steps at 0 then); Lightning's progress bar does that job. None: never.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.strategy.layout import REDUNDANCY_MODES, check_partition_option
+from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_option
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 

@@ -7,22 +7,22 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.engine.build import ensure_deepspeed_comm
-from lightning_bamboo.engine.failover import FatalLoss
 from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
-from lightning_bamboo.engine.reconfigure import move_layers, transfer_plan
+from lightning_bamboo.engine.reconfigure import move_layers
 from lightning_bamboo.engine.replica import exchange_objects
-from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.membership.registry import BarrierTimeoutError
-from lightning_bamboo.strategy.layout import Layout
+from lightning_bamboo.topology.layout import Layout
+from lightning_bamboo.topology.transfer import transfer_plan
 
 if TYPE_CHECKING:
     from lightning_bamboo.runtime.host import PipelineModel
-    from lightning_bamboo.runtime.runner import PipelineRunner
+    from lightning_bamboo.runtime.stage import NodeStage
 
 log = logging.getLogger(__name__)
 
 
-def reconfigure(runner: PipelineRunner, order: list[str], parts: tuple[int, ...], reason: str = "",
+def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], reason: str = "",
                 pipelines: int = 1, elastic: bool = True) -> float:
     """Change the layout between two steps, with no loss: standby nodes join, layers move point to point.
 
@@ -86,7 +86,7 @@ def reconfigure(runner: PipelineRunner, order: list[str], parts: tuple[int, ...]
     return seconds
 
 
-def start_admitted(runner: PipelineRunner, model: PipelineModel, record: dict[str, Any], rank: int,
+def start_admitted(runner: NodeStage, model: PipelineModel, record: dict[str, Any], rank: int,
                    gradient_clipping: float = 0.0) -> dict[str, Any]:
     """A joining node's start: its layers come from the running nodes (the admission ``record`` says
     which), and so does the training state it returns (the host's ``training_state`` of the sender)."""
@@ -106,5 +106,4 @@ def start_admitted(runner: PipelineRunner, model: PipelineModel, record: dict[st
     pipelines = int(record.get("pipelines", 1))
     layout = Layout(len(order) // pipelines, pipelines, tuple(record["parts"]))
     runner.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
-    runner.catching_up = True  # until its first step
     return meta

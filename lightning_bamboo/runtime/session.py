@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_bamboo.engine.failover import reform_process_group
+from lightning_bamboo.engine.groups import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
-from lightning_bamboo.launcher import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.fence import FencedStore
+from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,8 @@ class Session:
         (rank, world size). Nothing has trained yet, so nothing is lost but the dead nodes' places.
         Fewer than ``min_nodes`` left: ``FatalLoss`` (the job starts again when more are up).
         """
-        from lightning_bamboo.engine.failover import FatalLoss
         from lightning_bamboo.engine.pipe import PeerLost
+        from lightning_bamboo.errors import FatalLoss
         from lightning_bamboo.membership.registry import BarrierTimeoutError
 
         launched, suspected = list(self.nodes), set(self.start_lost)

@@ -40,9 +40,10 @@ from typing import Any
 
 from lightning_bamboo.demo.cli import STANDBY_PROCESSES
 from lightning_bamboo.demo.events import ClusterEvent
-from lightning_bamboo.engine.failover import FatalLoss, plan_failover
-from lightning_bamboo.membership.policy import even_parts
+from lightning_bamboo.errors import FatalLoss
 from lightning_bamboo.sim.params import DEFAULT_PATH, ParamError
+from lightning_bamboo.topology.failover import plan_failover
+from lightning_bamboo.topology.layout import even_parts
 
 DEMO_LAYERS = 8  # the demo's built-in GPT: embedding, 6 blocks, head
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 
-from lightning_bamboo.membership.policy import Layout, PolicyConfig, even_parts
 from lightning_bamboo.sim.params import SimParams
+from lightning_bamboo.topology.layout import even_parts
+from lightning_bamboo.topology.policy import Placement, PolicyConfig
 
 
 def policy_config(params: SimParams) -> PolicyConfig:
@@ -32,7 +33,7 @@ def _slots(micro_batches: int, parts: tuple[int, ...]) -> float:
     return (micro_batches + stages - 1) * widest
 
 
-def step_seconds(layout: Layout, params: SimParams) -> float:
+def step_seconds(layout: Placement, params: SimParams) -> float:
     """Seconds per optimizer step of ``layout`` without redundancy or failures."""
     ref_m = max(policy_config(params).micro_batches(params.step_pipelines))
     reference = _slots(ref_m, even_parts(params.layers, params.stages))
@@ -40,7 +41,7 @@ def step_seconds(layout: Layout, params: SimParams) -> float:
 
 
 def step_rate(
-    layout: Layout | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
+    layout: Placement | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
 ) -> float:
     """Optimizer steps per second of ``layout``; Bamboo adds its redundancy overhead and the
     failover slowdown while a node runs two stages."""
@@ -54,12 +55,12 @@ def step_rate(
     return 1.0 / seconds
 
 
-def samples_per_step(layout: Layout, params: SimParams) -> int:
+def samples_per_step(layout: Placement, params: SimParams) -> int:
     return params.micro_batch_size * sum(layout.micro_batches)
 
 
 def samples_per_second(
-    layout: Layout | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
+    layout: Placement | None, params: SimParams, *, redundancy: bool = False, overloaded: bool = False
 ) -> float:
     """Training rate of ``layout`` in samples per second (see :func:`step_rate`)."""
     if layout is None:
@@ -86,7 +87,7 @@ def runtime_interval(save_seconds: float, elapsed_seconds: float, failures: int)
     return math.sqrt(2.0 * save_seconds * mtbf)
 
 
-def rerouted_slowdown(layout: Layout, lost: set[str] | frozenset[str]) -> float:
+def rerouted_slowdown(layout: Placement, lost: set[str] | frozenset[str]) -> float:
     """Step-time factor of ``layout`` while ``lost`` nodes' micro-batches go to the same stage of
     the other pipelines (ReCycle-style rerouting; ``inf`` when a stage has no node left).
 

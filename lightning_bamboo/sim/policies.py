@@ -6,11 +6,11 @@ decides at ``settle``, once every event of that instant is known (a step boundar
 
 from __future__ import annotations
 
-from lightning_bamboo.membership.policy import Layout, fresh_layout, reconfigure
 from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import policy_config, runtime_interval, samples_per_second, step_rate
 from lightning_bamboo.sim.params import SimParams
 from lightning_bamboo.sim.trace import TraceEvent
+from lightning_bamboo.topology.policy import Placement, fresh_placement, reconfigure
 
 
 class Policy:
@@ -23,7 +23,7 @@ class Policy:
         self.ledger = ledger
         self.config = policy_config(params)
         self.ready: list[str] = []  # usable nodes, in the order they became ready
-        self.layout: Layout | None = None
+        self.layout: Placement | None = None
         self.started = False
 
     def on_add(self, event: TraceEvent) -> None:
@@ -39,7 +39,7 @@ class Policy:
     def settle(self) -> None:
         """Decide after every event of the current instant."""
 
-    def _set_layout(self, layout: Layout | None, **rate: bool) -> None:
+    def _set_layout(self, layout: Placement | None, **rate: bool) -> None:
         self.layout = layout
         self.ledger.active = len(layout.nodes) if layout else 0
         self.ledger.rate = samples_per_second(layout, self.params, **rate)
@@ -107,7 +107,7 @@ class CheckpointRestart(Policy):
             self.ledger.save(self.params.checkpoint_save_seconds)  # grow without losing work
             self.ledger.reconfigurations += 1
         self.disrupted = False
-        layout = fresh_layout(self.ready, pipelines, self.params.stages, self.config) if pipelines else None
+        layout = fresh_placement(self.ready, pipelines, self.params.stages, self.config) if pipelines else None
         if layout is not None and self.started:
             # a voluntary restart keeps the save queued before it; a recovery drops what was queued
             self.ledger.pause("restart", self.params.restart_seconds, restart=not voluntary)
@@ -129,7 +129,7 @@ class CheckpointOracle(CheckpointRestart):
 
 
 class Bamboo(Policy):
-    """Redundant computation, with the runtime's rules for a loss (``engine/failover.py``'s ``plan_loss``).
+    """Redundant computation, with the runtime's rules for a loss (``topology/failover.py``'s ``plan_loss``).
 
     With several pipelines, a pipeline that lost a node is dropped and the whole ones train on
     (more micro-batches each; the survivors wait as standby nodes). Only when every pipeline lost a
@@ -137,7 +137,7 @@ class Bamboo(Policy):
     both stages (slower steps), and the others are released. A loss that no pipeline can fail over
     (a node lost together with its replica holder, or a node already running two stages) is
     fatal: back to the last asynchronous checkpoint and restart. Every later layout change is
-    decided by :func:`lightning_bamboo.membership.policy.reconfigure`.
+    decided by :func:`lightning_bamboo.topology.policy.reconfigure`.
     """
 
     name = "bamboo"
@@ -177,7 +177,7 @@ class Bamboo(Policy):
         lost = {n for n in self.layout.nodes if n not in self.ready}
         whole = [row for row in self.layout.grid if not lost & set(row)]
         if whole:  # drop the broken pipelines; no data moves
-            layout = Layout(tuple(whole), self.layout.parts, self.config.micro_batches(len(whole)))
+            layout = Placement(tuple(whole), self.layout.parts, self.config.micro_batches(len(whole)))
             self.ledger.recoveries["redundant"] += 1
             self.ledger.pause("failover", pause)
             self._set_layout(layout, redundancy=True, overloaded=bool(self.overloaded))
@@ -191,7 +191,7 @@ class Bamboo(Policy):
                 self.ledger.pause("failover", pause)
                 parts, batches = self.layout.parts, self.config.micro_batches(1)
                 # the layout keeps the lost nodes' places: their holders run them (see step_rate)
-                layout = Layout((row,), parts, batches) if len(rows) > 1 else self.layout
+                layout = Placement((row,), parts, batches) if len(rows) > 1 else self.layout
                 self.overloaded -= lost
                 self._set_layout(layout, redundancy=True, overloaded=True)
                 return
@@ -230,14 +230,3 @@ class Bamboo(Policy):
         self.overloaded.clear()
         self._set_layout(decision.layout, redundancy=True)
 
-
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo)}
-
-
-def _register_successors() -> None:
-    from lightning_bamboo.sim.successors import Parcae, Recycle
-
-    POLICIES.update({p.name: p for p in (Recycle, Parcae)})
-
-
-_register_successors()

@@ -8,9 +8,15 @@ from collections.abc import Iterable, Mapping
 from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import young_interval
 from lightning_bamboo.sim.params import ParamError, SimParams, describe_inputs
-from lightning_bamboo.sim.policies import POLICIES, Policy
+from lightning_bamboo.sim.policies import Bamboo, CheckpointOracle, CheckpointRestart, OnDemand, Policy
 from lightning_bamboo.sim.report import PolicyResult, SimReport
+from lightning_bamboo.sim.successors import Parcae, Recycle
 from lightning_bamboo.sim.trace import Trace, TraceEvent, scale_trace
+
+#: every policy the simulator replays, by name
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo, Recycle, Parcae)
+}
 
 
 def prepare(trace: Trace, params: SimParams) -> tuple[Trace, float]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import zlib
 
-from lightning_bamboo.membership.policy import Layout, fresh_layout
 from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import rerouted_slowdown, samples_per_second, step_rate
 from lightning_bamboo.sim.params import SimParams
 from lightning_bamboo.sim.policies import Policy
 from lightning_bamboo.sim.trace import TraceEvent
+from lightning_bamboo.topology.policy import Placement, fresh_placement
 
 
 class _DataParallelRecovery(Policy):
@@ -50,22 +50,22 @@ class _DataParallelRecovery(Policy):
         self.ledger.rollback()
         self.ledger.pause("restart", self.params.restart_seconds, restart=True)
 
-    def _fresh(self) -> Layout | None:
+    def _fresh(self) -> Placement | None:
         pipelines = len(self.ready) // self.params.stages
         cap = self.config.max_pipelines
         pipelines = pipelines if cap is None else min(pipelines, cap)
         if not pipelines:
             return None
-        return fresh_layout(self.ready, pipelines, self.params.stages, self.config, self.domains)
+        return fresh_placement(self.ready, pipelines, self.params.stages, self.config, self.domains)
 
-    def _run(self, layout: Layout | None, slowdown: float = 1.0) -> None:
+    def _run(self, layout: Placement | None, slowdown: float = 1.0) -> None:
         self.layout = layout
         self.ledger.active = len(layout.nodes) if layout else 0
         self.ledger.rate = samples_per_second(layout, self.params) / slowdown
         self.ledger.step_rate = step_rate(layout, self.params) / slowdown
         self.ledger.mark()
 
-    def _restart_or_suspend(self, layout: Layout | None) -> None:
+    def _restart_or_suspend(self, layout: Placement | None) -> None:
         """Start ``layout`` after a fatal loss or an idle spell (None: nothing can run)."""
         if layout is None:
             if self.layout is not None and not self.fatal:

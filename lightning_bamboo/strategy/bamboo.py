@@ -21,24 +21,24 @@ import torch
 import torch.distributed as torch_dist
 from typing_extensions import override
 
-from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine.failover import FATAL_EXIT_CODE, FatalLoss
-from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.engine.partition import compute_parts
+from lightning_bamboo.errors import FATAL_EXIT_CODE, BambooConfigError, FatalLoss
 from lightning_bamboo.runtime import collectives
 from lightning_bamboo.runtime.config import DEFAULT_TIMEOUT_SECONDS, BambooConfig
 from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import LEAVE, joining
 from lightning_bamboo.strategy import patches
-from lightning_bamboo.strategy.layout import compute_parts, resolve_stages
+from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_bamboo.strategy.lightning_host import LightningHost
 from lightning_bamboo.strategy.loading import PipelineData
+from lightning_bamboo.topology.layout import resolve_stages
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import DDPStrategy as _Lightning
 
     from lightning_bamboo.engine.pipe import BambooPipelineEngine
     from lightning_bamboo.runtime.session import Session
-    from lightning_bamboo.strategy.layout import Layout
+    from lightning_bamboo.topology.layout import Layout
 
 else:
     _Lightning = object  # each namespace's DDPStrategy (see make_strategy_class); typed as lightning.pytorch's
@@ -46,7 +46,21 @@ else:
 log = logging.getLogger(__name__)
 
 
-class _BambooStrategyMixin(_Lightning):
+class _Option:
+    """A strategy attribute that is a field of its ``BambooConfig`` (read and written there)."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __get__(self, strategy: Any, owner: Any = None) -> Any:
+        return self if strategy is None else getattr(strategy.options, self.field)
+
+    def __set__(self, strategy: Any, value: Any) -> None:
+        setattr(strategy.options, self.field, list(value) if self.field == "partition" and not isinstance(value, str)
+                else value)
+
+
+class _BambooStrategyMixin(CheckpointHooks):
     """Train a LightningModule as a DeepSpeed pipeline: ``stages`` deep, ``devices // stages`` pipelines wide.
 
     The module defines ``configure_pipeline()`` (the layers, in order), ``pipeline_loss(outputs,
@@ -121,53 +135,15 @@ class _BambooStrategyMixin(_Lightning):
         self._assigned: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ options and runner state
-    @property
-    def stages(self) -> int | None:
-        return self.options.stages
-
-    @stages.setter
-    def stages(self, value: int | None) -> None:
-        self.options.stages = value
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self.options.micro_batch_size
-
-    @micro_batch_size.setter
-    def micro_batch_size(self, value: int) -> None:
-        self.options.micro_batch_size = value
-
-    @property
-    def partition(self) -> str | list[int]:
-        return self.options.partition
-
-    @partition.setter
-    def partition(self, value: str | list[int]) -> None:
-        self.options.partition = value if isinstance(value, str) else list(value)
-
-    @property
-    def seed(self) -> int | None:
-        return self.options.seed
-
-    @property
-    def redundancy(self) -> str:
-        return self.options.redundancy
-
-    @property
-    def audit_replicas(self) -> bool:
-        return self.options.audit_replicas
-
-    @property
-    def rf_costs(self) -> Any:
-        return self.options.rf_costs
-
-    @property
-    def timeout_seconds(self) -> float:
-        return self.options.timeout
-
-    @property
-    def detection_timeout(self) -> float:
-        return self.options.detection_timeout
+    stages = _Option("stages")
+    micro_batch_size = _Option("micro_batch_size")
+    partition = _Option("partition")
+    seed = _Option("seed")
+    redundancy = _Option("redundancy")
+    audit_replicas = _Option("audit_replicas")
+    rf_costs = _Option("rf_costs")
+    timeout_seconds = _Option("timeout")
+    detection_timeout = _Option("detection_timeout")
 
     @property
     def engine(self) -> BambooPipelineEngine | None:
@@ -189,6 +165,7 @@ class _BambooStrategyMixin(_Lightning):
 
     @property
     def keep_global_batch(self) -> bool:
+        """False (``HydrozoaTuner(scale_batch=True)``): a resume in another layout scales the global batch."""
         return self.data.keep_global_batch
 
     @keep_global_batch.setter
@@ -254,7 +231,7 @@ class _BambooStrategyMixin(_Lightning):
     # ------------------------------------------------------------------ environment
     @override
     def setup_environment(self) -> None:
-        from lightning_bamboo.launcher import leave_idle_priority
+        from lightning_bamboo.membership.node import leave_idle_priority
 
         runner = self.runner
         if joining() and runner.session is None:
@@ -391,10 +368,7 @@ class _BambooStrategyMixin(_Lightning):
         if self._admission is not None:
             if not fitting:
                 raise BambooConfigError("a node joins a running job only to train (trainer.fit)")
-            from lightning_bamboo.runtime.moves import start_admitted
-
-            assert self._assigned is not None
-            meta = start_admitted(runner, model, self._admission, self._assigned[0], clipping)
+            meta = runner.start_admitted(model, self._admission, clipping)
             # Lightning restores loops, schedulers and callbacks from this as from a checkpoint file
             # (weights and optimizer state are in the stage already).
             self._admitted_checkpoint = {**meta, "state_dict": {}}
@@ -536,112 +510,6 @@ class _BambooStrategyMixin(_Lightning):
                 )
             return runner.resilient(lambda: torch.stack(runner.gather(tensor.detach().cpu())).to(tensor.device))
         return runner.resilient(lambda: super(_BambooStrategyMixin, self).all_gather(tensor, group, sync_grads))
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # weights are loaded into the engine's stage, which exists only after setup()
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return True
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # weights are saved per layer by save_checkpoint
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # saved per layer by save_checkpoint
-
-    def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """``meta.pt``: Lightning's checkpoint dict without weights, plus what a reader of any layout needs."""
-        engine, layout = self.runner.engine, self.runner.layout
-        assert layout is not None and engine is not None, "saving a checkpoint needs setup() first"
-        optimizer = engine.optimizer if self.optimizers else None
-        out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        out["optimizer_states"] = []
-        out["bamboo"] = ckpt.bamboo_meta(
-            layout.num_layers, layout.parts, layout.pipelines, optimizer, cursor=self.data.state(),
-            seed=self.runner.seed, redundancy=self.redundancy, world_size=self.world_size,
-            step=checkpoint.get("global_step"),
-        )
-        return out
-
-    def checkpoint_shard(self, checkpoint: dict[str, Any], reuse: ckpt.Shard | None = None) -> ckpt.Shard:
-        """This process's part of a checkpoint, copied to host memory (no collective; see ``AsyncCheckpoint``).
-
-        Its layers (one pipeline per stage writes them), its RNG states and, on rank 0, the manifest;
-        ``reuse`` is an earlier shard, already written, whose buffers the copy overwrites.
-        """
-        meta = (lambda: self.checkpoint_meta(checkpoint)) if self.is_global_zero else None
-        return self.runner.checkpoint_shard(meta, with_optimizer=bool(self.optimizers), reuse=reuse)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Every process writes its layers (one pipeline per stage) and RNG states, rank 0 the manifest; then swap in.
-
-        A loss during the save fails over and saves again from the start in the new layout.
-        """
-        if storage_options is not None:
-            raise BambooConfigError("strategy='bamboo' does not take storage_options in save_checkpoint")
-        self.runner.resilient(lambda: self.runner.save(
-            filepath, lambda: self.checkpoint_meta(checkpoint), with_optimizer=bool(self.optimizers),
-            is_global_zero=self.is_global_zero, barrier=self.barrier, step=checkpoint.get("global_step"),
-        ))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if self._admitted_checkpoint is not None:
-            # A node admitted into a running job has its layers, optimizer state, loops and cursor from a
-            # running node (``start_admitted``), not from the file the job last started from: a restarted
-            # job starts the nodes that join it later with the same ``ckpt_path``.
-            return self._admitted_checkpoint
-        # a directory of step checkpoints (AsyncCheckpoint's dirpath) resumes from the latest complete one,
-        # as rank 0 sees it (all processes call load_checkpoint; a writer may still be committing)
-        checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))
-        meta = ckpt.read_meta(checkpoint_path)
-        self._loaded_path = checkpoint_path
-        self.runner.resume_from(checkpoint_path, meta)
-        self.data.restore(meta["bamboo"])
-        self._resume_rng = None
-        saved_world = meta["bamboo"].get("world_size")
-        if saved_world == self.world_size:
-            self._resume_rng = ckpt.read_rng(checkpoint_path, self.global_rank)
-        elif saved_world is not None:
-            log.warning(
-                "checkpoint %s was saved by %s processes, this run has %s: random number generators are not "
-                "restored (their streams belong to processes); weights, optimizer state and data order are",
-                checkpoint_path, saved_world, self.world_size,
-            )
-        return {**meta, "state_dict": {}}
-
-    @override
-    def on_train_start(self) -> None:
-        # Restored as late as possible: after Lightning created the data iterator, which draws a
-        # seed from torch's generator exactly as the uninterrupted run did before its first step.
-        super().on_train_start()
-        admitted, self._admitted_checkpoint = self._admitted_checkpoint, None  # a later fit() reads its own ckpt_path
-        self.runner.resumed()
-        if self._resume_rng is not None:
-            ckpt.restore_rng(self._resume_rng)
-            self._resume_rng = None
-        if admitted is None and self._loaded_path is not None:
-            # a resume (also a restart from a checkpoint): replicas must be the loaded stages before a failover
-            # can take one over (an admitted node was audited with the nodes that admitted it)
-            self.runner.resilient(lambda: self.runner.audit("resumed before"))
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        if self._loaded_path is not None:
-            self.runner.load_weights(strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._loaded_path is not None and self.optimizers:
-            self.runner.load_optimizer()
 
     # ------------------------------------------------------------------ teardown
     @override

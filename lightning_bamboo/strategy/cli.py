@@ -18,9 +18,8 @@ def run(argv: list[str]) -> int:
     # from the working directory, as `python -m` would.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    # strategy="bamboo" is registered: importing this module ran lightning_bamboo/__init__.py first
     from lightning.pytorch.cli import LightningCLI
-
-    import lightning_bamboo  # noqa: F401  registers "bamboo"
 
     # LightningCLI reads sys.argv when given no args (and warns when given both, as `lightning-bamboo fit ...`
     # would be): it sees the command line a plain LightningCLI script would, `PROG fit ARGS...`.

@@ -1,29 +1,13 @@
-"""Failover: which survivor serves which layers (pure), and re-forming the process group through the store."""
+"""Failover plans: which survivor serves which layers after a loss, with no data moved (pure, no torch)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
-import socket
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any
 
-from lightning_bamboo.errors import BambooError
-from lightning_bamboo.schedule import replica_holder
-
-log = logging.getLogger(__name__)
-
-
-class FatalLoss(BambooError):
-    """A lost stage has no live replica (a node and its replica holder were lost together)."""
-
-
-#: exit status of a process that stops on a FatalLoss: "start the job again from its last checkpoint
-#: with the nodes that are up" (EX_TEMPFAIL; the demo's driver does that on seeing it)
-FATAL_EXIT_CODE = 75
+from lightning_bamboo.errors import BambooError, FatalLoss
+from lightning_bamboo.topology.layout import replica_holder
 
 
 @dataclass(frozen=True)
@@ -154,50 +138,3 @@ def plan_loss(
 def layout_tag(order: Sequence[str]) -> str:
     """A short name for the process group of ``order`` (the same for every node that computed the same layout)."""
     return "g" + hashlib.sha1(",".join(order).encode()).hexdigest()[:12]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def reform_process_group(
-    store: Any, job: str, generation: int, order: Sequence[str], me: str, timeout: float, tag: str = "",
-    gone: Callable[[], Collection[str]] = lambda: (),
-) -> tuple[int, int, Any]:
-    """Destroy the current process group and join a new one of ``order`` (rank = position).
-
-    The new rank 0 hosts a fresh ``TCPStore`` (the old one may have died with its host) and
-    publishes its address in the membership store; everyone else waits for it (bounded).
-    Returns ``(rank, world_size, tcp_store)``; keep the store object alive on rank 0.
-    """
-    import torch.distributed as dist
-
-    from lightning_bamboo.launcher import node_address
-    from lightning_bamboo.membership.registry import job_prefix, wait_for_key
-
-    rank, world = order.index(me), len(order)
-    key = f"{job_prefix(job)}pg/{generation}/{tag}"
-    host = node_address()  # the new rank 0 hosts the group's store where its peers reach it
-    if rank == 0:
-        port = free_port(host)
-        tcp = dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-        store.put(key, json.dumps({"host": host, "port": port}))
-    else:
-        kv = wait_for_key(store, key, timeout, abort=lambda: bool(gone()))
-        if kv is None and gone():
-            from lightning_bamboo.engine.pipe import PeerLost
-
-            raise PeerLost(f"{sorted(gone())} lost before the new process group formed", gone())
-        if kv is None:
-            raise BambooError(f"no process group address for generation {generation} within {timeout} s ({key})")
-        address = json.loads(kv.value)
-        tcp = dist.TCPStore(address["host"], address["port"], world, is_master=False, timeout=timedelta(seconds=timeout))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"bamboo{generation}{tag}", tcp), rank=rank, world_size=world,
-        timeout=timedelta(seconds=timeout),
-    )
-    return rank, world, tcp

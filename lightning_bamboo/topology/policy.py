@@ -1,15 +1,15 @@
-"""Reconfiguration policy as a pure function: cluster state and current layout in, new layout out.
+"""Reconfiguration policy as a pure function: cluster state and current placement in, new placement out.
 
-A *layout* is ``pipelines x stages`` nodes plus the layer split and the micro-batches of each
-pipeline. Every node runs its own stage and keeps a replica of its successor's stage (the last
+A *placement* is ``pipelines x stages`` nodes placed on a ``Layout`` (the layer split) plus the
+micro-batches of each pipeline. Every node runs its own stage and keeps a replica of its successor's stage (the last
 stage's replica lives on the first node of the pipeline). When a node is lost, its predecessor
 (the *replica holder*) runs both stages and is *overloaded*; a lost stage whose replica holder
 is lost or already overloaded cannot be served any more (a fatal, adjacent loss).
 
 :func:`reconfigure` applies, in order (Bamboo's rules plus a depth change Bamboo lacks):
 
-1. ``start``/``recover``: no layout yet, or a stage lost both copies -> build a fresh layout.
-2. ``suspend``: fewer usable nodes than the shallowest pipeline the model fits in -> no layout.
+1. ``start``/``recover``: no placement yet, or a stage lost both copies -> build a fresh placement.
+2. ``suspend``: fewer usable nodes than the shallowest pipeline the model fits in -> no placement.
 3. ``change_depth``: the current depth is below the preferred one and enough nodes are back.
 4. ``rebalance``: standby nodes can relieve every overloaded node -> they take the lost places.
 5. ``add_pipeline``: usable nodes are enough for more pipelines of the current depth.
@@ -20,8 +20,8 @@ is lost or already overloaded cannot be served any more (a fatal, adjacent loss)
 
 By default the global batch stays fixed: ``global_micro_batches`` are split over the pipelines as
 evenly as possible (pipelines may differ by one micro-batch). With ``pipeline_micro_batches`` set,
-every pipeline runs that many instead and the global batch follows the number of pipelines. New layouts keep as many nodes as possible on
-the stage they already hold, so that the least state moves. No torch here.
+every pipeline runs that many instead and the global batch follows the number of pipelines. New placements keep as many
+nodes as possible on the stage they already hold, so that the least state moves. No torch here.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.topology.layout import Layout, balanced_parts, even_parts, split_micro_batches
 
 ACTIONS = (
     "keep",
@@ -55,64 +56,6 @@ def _check_names(what: str, names: Sequence[str]) -> None:
         if name in seen:
             raise PolicyError(f"{what} must not repeat a node (node {name!r} appears twice); list it once")
         seen.add(name)
-
-
-def even_parts(layers: int, stages: int) -> tuple[int, ...]:
-    """Layer boundaries (DeepSpeed's ``parts`` form) giving each stage the same number of layers +-1."""
-    if stages < 1 or layers < stages:
-        raise PolicyError(
-            f"cannot split {layers} layers over {stages} stages: need 1 <= stages <= layers; "
-            "use fewer stages or a model with more layers"
-        )
-    return tuple(s * layers // stages for s in range(stages + 1))
-
-
-def balanced_parts(costs: Sequence[float], stages: int) -> tuple[int, ...]:
-    """Layer boundaries minimising the most expensive stage (contiguous split of ``costs``)."""
-    layers = len(costs)
-    bounds = even_parts(layers, stages)  # validates the sizes
-    if len(set(costs)) <= 1:
-        return bounds
-
-    def cuts(limit: float) -> list[int] | None:
-        """Greedy: fill each stage up to ``limit``; None when more than ``stages`` stages are needed."""
-        parts, load = [0], 0.0
-        for i, cost in enumerate(costs):
-            if cost > limit:
-                return None
-            # keep enough layers for the stages still to come
-            if load + cost > limit or layers - i < stages - (len(parts) - 1):
-                parts.append(i)
-                load = 0.0
-            load += cost
-        parts.append(layers)
-        return parts if len(parts) - 1 <= stages else None
-
-    lo, hi = max(costs), float(sum(costs))
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if cuts(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    parts = cuts(hi)
-    assert parts is not None
-    # the greedy may use fewer stages: split the largest stages until there are exactly ``stages``
-    while len(parts) - 1 < stages:
-        widest = max(range(len(parts) - 1), key=lambda s: parts[s + 1] - parts[s])
-        parts.insert(widest + 1, (parts[widest] + parts[widest + 1]) // 2)
-    return tuple(parts)
-
-
-def split_micro_batches(total: int, pipelines: int) -> tuple[int, ...]:
-    """``total`` micro-batches over ``pipelines`` pipelines, the first ones taking the remainder."""
-    if pipelines < 1 or total < pipelines:
-        raise PolicyError(
-            f"cannot give {pipelines} pipelines at least one micro-batch each out of {total}: "
-            "need 1 <= pipelines <= global micro-batches; raise the global batch or use fewer pipelines"
-        )
-    base, extra = divmod(total, pipelines)
-    return tuple(base + (1 if p < extra else 0) for p in range(pipelines))
 
 
 @dataclass(frozen=True)
@@ -181,8 +124,9 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """``grid[p][s]`` is the node running stage ``s`` of pipeline ``p``; layers ``parts[s]:parts[s+1]``."""
+class Placement:
+    """Nodes placed on a layout: ``grid[p][s]`` is the node running stage ``s`` (layers ``parts[s]:parts[s+1]``)
+    of pipeline ``p``, which trains ``micro_batches[p]`` micro-batches per step."""
 
     grid: tuple[tuple[str, ...], ...]
     parts: tuple[int, ...]
@@ -190,7 +134,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         if not self.grid or not self.grid[0]:
-            raise PolicyError("a layout needs at least one pipeline of one stage (got an empty grid)")
+            raise PolicyError("a placement needs at least one pipeline of one stage (got an empty grid)")
         stages = len(self.grid[0])
         for p, row in enumerate(self.grid):
             if len(row) != stages:
@@ -198,7 +142,7 @@ class Layout:
                     f"every pipeline must have the same number of stages (pipeline 0: {stages}, "
                     f"pipeline {p}: {len(row)}); give each pipeline {stages} nodes"
                 )
-        _check_names("layout nodes", self.nodes)
+        _check_names("placement nodes", self.nodes)
         if (
             len(self.parts) != stages + 1
             or self.parts[0] != 0
@@ -228,7 +172,19 @@ class Layout:
 
     @property
     def nodes(self) -> tuple[str, ...]:
+        """The nodes pipeline by pipeline (``grid`` read row by row)."""
         return tuple(n for row in self.grid for n in row)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The nodes by global rank: rank ``r`` is the node of stage ``r // pipelines`` of pipeline
+        ``r % pipelines`` (``grid`` read column by column), as ``layout`` numbers them."""
+        return tuple(row[s] for s in range(self.stages) for row in self.grid)
+
+    @property
+    def layout(self) -> Layout:
+        """The rank-based layout this placement runs (node ``order[r]`` is rank ``r``)."""
+        return Layout(self.stages, self.pipelines, self.parts)
 
     def position(self, node: str) -> tuple[int, int]:
         """(pipeline, stage) of ``node``."""
@@ -260,7 +216,7 @@ class Decision:
     """What the policy decided: an action, the layout to run (None: suspend) and why."""
 
     action: str
-    layout: Layout | None
+    layout: Placement | None
     reason: str
     moved: tuple[str, ...] = field(default=())  # nodes that must receive layers they do not hold
 
@@ -276,7 +232,7 @@ class Decision:
     def changed(self) -> bool:
         return self.action != "keep"
 
-    def require_layout(self) -> Layout:
+    def require_layout(self) -> Placement:
         """The layout, or a clear error when the decision is to suspend (too few nodes)."""
         if self.layout is None:
             raise PolicyError(
@@ -316,13 +272,13 @@ def _spread(rows: list[list[str]], movable: set[str], pool: list[str], domains: 
                 rows[r][s], rows[r2][s2] = rows[r2][s2], rows[r][s]
 
 
-def fresh_layout(
+def fresh_placement(
     nodes: Sequence[str],
     pipelines: int,
     stages: int,
     config: PolicyConfig,
     domains: Mapping[str, str] | None = None,
-) -> Layout:
+) -> Placement:
     """The first ``pipelines * stages`` of ``nodes``, column by column: node ``i`` runs stage
     ``i // pipelines`` of pipeline ``i % pipelines``.
 
@@ -340,22 +296,22 @@ def fresh_layout(
     if domains:
         _spread(rows, set(nodes[:need]), list(nodes[need:]), domains)
     grid = tuple(tuple(row) for row in rows)
-    return Layout(grid, config.parts(stages), config.micro_batches(pipelines))
+    return Placement(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
 def _rebuild(
-    old: Layout | None,
+    old: Placement | None,
     usable: Sequence[str],
     standby: Sequence[str],
     pipelines: int,
     stages: int,
     config: PolicyConfig,
     domains: Mapping[str, str] | None = None,
-) -> Layout:
+) -> Placement:
     """A ``pipelines x stages`` layout of ``usable`` nodes that keeps old placements where it can."""
     if old is None or old.stages != stages:
         # a new depth re-splits the layers: every node receives new layers; keep the old order
-        return fresh_layout(list(usable), pipelines, stages, config, domains)
+        return fresh_placement(list(usable), pipelines, stages, config, domains)
     alive = set(usable)
     # keep the pipelines with the most live nodes; their live nodes stay where they are
     ranked = sorted(range(old.pipelines), key=lambda p: (-sum(n in alive for n in old.grid[p]), p))
@@ -379,7 +335,7 @@ def _rebuild(
                 row[s] = donors_by_stage[s].pop(0)
     leftovers = spare + [n for s in sorted(donors_by_stage) for n in donors_by_stage[s]]
     newcomers: set[str] = set()
-    for s in range(stages):  # column by column, as in fresh_layout
+    for s in range(stages):  # column by column, as in fresh_placement
         for row in rows:
             if row[s] is None:
                 newcomer = leftovers.pop(0)
@@ -389,10 +345,10 @@ def _rebuild(
     if domains:
         _spread(full, newcomers, leftovers, domains)
     grid = tuple(tuple(row) for row in full)
-    return Layout(grid, config.parts(stages), config.micro_batches(pipelines))
+    return Placement(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
-def moved_nodes(old: Layout | None, new: Layout | None) -> tuple[str, ...]:
+def moved_nodes(old: Placement | None, new: Placement | None) -> tuple[str, ...]:
     """Nodes of ``new`` that run layers they did not run in ``old`` (they must receive them)."""
     if new is None:
         return ()
@@ -413,7 +369,7 @@ def machine_of(node: str) -> str:
 def reconfigure(
     live: Iterable[str],
     standby: Iterable[str],
-    layout: Layout | None,
+    layout: Placement | None,
     overloaded: Iterable[str],
     config: PolicyConfig,
     domains: Mapping[str, str] | None = None,

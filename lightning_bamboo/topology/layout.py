@@ -1,4 +1,4 @@
-"""Pipeline layout rules: stages x pipelines, layer boundaries and micro-batching (pure, no torch)."""
+"""The rank-based pipeline layout: stages x pipelines, layer boundaries and micro-batching (pure, no torch)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ class Layout:
         raise BambooConfigError(f"layer {layer} is outside the model (layers: {self.num_layers})")
 
 
+def replica_holder(stage: int, stages: int) -> int:
+    """The stage whose node holds ``stage``'s replica (its predecessor in the ring): ``(stage - 1) % stages``."""
+    return (stage - 1) % stages
+
+
 def resolve_stages(world_size: int, stages: int | None) -> tuple[int, int]:
     """``(stages, pipelines)`` for ``world_size`` processes; ``stages=None`` means one pipeline."""
     stages = world_size if stages is None else stages
@@ -69,18 +74,74 @@ def resolve_stages(world_size: int, stages: int | None) -> tuple[int, int]:
     return stages, world_size // stages
 
 
+def even_parts(layers: int, stages: int) -> tuple[int, ...]:
+    """Layer boundaries (DeepSpeed's ``parts`` form) giving each stage ``layers // stages`` layers or one more,
+    the later stages taking the extra ones: stage ``s`` starts at layer ``s * layers // stages``."""
+    if stages < 1 or layers < stages:
+        raise BambooConfigError(
+            f"cannot split {layers} layers over {stages} stages: need 1 <= stages <= layers; "
+            "use fewer stages or a model with more layers"
+        )
+    return tuple(s * layers // stages for s in range(stages + 1))
+
+
+def _example(num_layers: int, stages: int) -> str:
+    """The fix an error message suggests: the even split, or fewer stages when there is none."""
+    if 1 <= stages <= num_layers:
+        return f"e.g. {list(even_parts(num_layers, stages))}"
+    return f"e.g. {list(even_parts(num_layers, num_layers))} (at most {num_layers} stages)" if num_layers else \
+        "a model needs at least one layer"
+
+
+def balanced_parts(costs: Sequence[float], stages: int) -> tuple[int, ...]:
+    """Layer boundaries minimising the most expensive stage (contiguous split of ``costs``, one per layer)."""
+    layers = len(costs)
+    bounds = even_parts(layers, stages)  # validates the sizes
+    if len(set(costs)) <= 1:
+        return bounds
+
+    def cuts(limit: float) -> list[int] | None:
+        """Greedy: fill each stage up to ``limit``; None when more than ``stages`` stages are needed."""
+        parts, load = [0], 0.0
+        for i, cost in enumerate(costs):
+            if cost > limit:
+                return None
+            # keep enough layers for the stages still to come
+            if load + cost > limit or layers - i < stages - (len(parts) - 1):
+                parts.append(i)
+                load = 0.0
+            load += cost
+        parts.append(layers)
+        return parts if len(parts) - 1 <= stages else None
+
+    lo, hi = max(costs), float(sum(costs))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if cuts(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    parts = cuts(hi)
+    assert parts is not None
+    # the greedy may use fewer stages: split the largest stages until there are exactly ``stages``
+    while len(parts) - 1 < stages:
+        widest = max(range(len(parts) - 1), key=lambda s: parts[s + 1] - parts[s])
+        parts.insert(widest + 1, (parts[widest] + parts[widest + 1]) // 2)
+    return tuple(parts)
+
+
 def check_parts(parts: Sequence[int], stages: int, num_layers: int) -> None:
     """Raise unless ``parts`` cuts ``num_layers`` layers into ``stages`` non-empty stages."""
     parts = list(parts)
     if len(parts) != stages + 1:
         raise BambooConfigError(
             f"a partition lists stages + 1 layer boundaries (stages: {stages}, boundaries given: {len(parts)}: "
-            f"{parts}); e.g. {_even_parts(num_layers, stages)}"
+            f"{parts}); {_example(num_layers, stages)}"
         )
     if parts[0] != 0 or parts[-1] != num_layers:
         raise BambooConfigError(
             f"a partition starts at layer 0 and ends at the number of layers "
-            f"(layers: {num_layers}, partition: {parts}); e.g. {_even_parts(num_layers, stages)}"
+            f"(layers: {num_layers}, partition: {parts}); {_example(num_layers, stages)}"
         )
     for stage in range(stages):
         if parts[stage + 1] <= parts[stage]:
@@ -88,7 +149,7 @@ def check_parts(parts: Sequence[int], stages: int, num_layers: int) -> None:
                 f"every stage needs at least one layer, but partition {parts} leaves stage {stage} "
                 f"{'empty' if parts[stage + 1] == parts[stage] else 'with a negative range'} "
                 f"(layers {parts[stage]}..{parts[stage + 1] - 1}); make the boundaries strictly increasing, "
-                f"e.g. {_even_parts(num_layers, stages)}"
+                f"{_example(num_layers, stages)}"
             )
 
 
@@ -136,46 +197,6 @@ def partition_weights(
     return [1 if pattern.search(name) else 0 for name in layer_names]
 
 
-def compute_parts(
-    partition: str | Sequence[int],
-    stages: int,
-    param_counts: Sequence[int],
-    layer_names: Sequence[str],
-) -> tuple[int, ...]:
-    """Layer boundaries for ``stages`` stages by DeepSpeed's methods or an explicit list."""
-    num_layers = len(param_counts)
-    if stages > num_layers:
-        raise BambooConfigError(
-            f"a pipeline cannot have more stages than layers (stages: {stages}, layers: {num_layers}); "
-            f"use stages <= {num_layers} or split the model into more layers in configure_pipeline()"
-        )
-    from deepspeed.runtime.utils import partition_balanced, partition_uniform
-
-    if not isinstance(partition, str):
-        parts = [int(p) for p in partition]
-    elif partition == "uniform":
-        parts = list(partition_uniform(num_items=num_layers, num_parts=stages))
-    else:  # "parameters", or "type:REGEX": balance the layers whose class name matches
-        weights = partition_weights(partition, param_counts, layer_names)
-        assert weights is not None
-        if not any(weights):
-            raise BambooConfigError(
-                f"partition {partition!r} matches no layer class (classes: {sorted(set(layer_names))})"
-            )
-        parts = list(partition_balanced(weights=weights, num_parts=stages))
-    parts = [int(p) for p in parts]  # DeepSpeed returns numpy integers
-    try:
-        check_parts(parts, stages, num_layers)
-    except BambooConfigError as err:
-        if isinstance(partition, str):
-            raise BambooConfigError(
-                f"partition {partition!r} cannot cut {num_layers} layers into {stages} stages: {err}; "
-                f"use partition='uniform' or an explicit list such as {_even_parts(num_layers, stages)}"
-            ) from None
-        raise
-    return tuple(parts)
-
-
 def micro_batches(batch_size: int, micro_batch_size: int, pipelines: int) -> int:
     """Number of micro-batches a pipeline splits its ``batch_size`` samples into."""
     if batch_size % micro_batch_size:
@@ -190,6 +211,17 @@ def micro_batches(batch_size: int, micro_batch_size: int, pipelines: int) -> int
     return batch_size // micro_batch_size
 
 
+def split_micro_batches(total: int, pipelines: int) -> tuple[int, ...]:
+    """``total`` micro-batches over ``pipelines`` pipelines, the first ones taking the remainder."""
+    if pipelines < 1 or total < pipelines:
+        raise BambooConfigError(
+            f"cannot give {pipelines} pipelines at least one micro-batch each out of {total}: "
+            "need 1 <= pipelines <= global micro-batches; raise the global batch or use fewer pipelines"
+        )
+    base, extra = divmod(total, pipelines)
+    return tuple(base + (1 if p < extra else 0) for p in range(pipelines))
+
+
 def pipeline_share(global_batch: int, micro_batch_size: int, pipelines: int, pipeline: int) -> tuple[int, int, int]:
     """``(first, count, total)``: pipeline ``pipeline`` trains micro-batches ``first .. first+count-1`` of a
     global batch of ``total`` micro-batches, split as the reconfiguration policy splits them
@@ -201,17 +233,9 @@ def pipeline_share(global_batch: int, micro_batch_size: int, pipelines: int, pip
             f"{micro_batch_size}; use a DataLoader batch_size that is a multiple of {micro_batch_size} (and "
             f"drop_last=True if the last batch is short)"
         )
-    from lightning_bamboo.membership.policy import split_micro_batches  # the policy's split, so both agree
-
     total = global_batch // micro_batch_size
     shares = split_micro_batches(total, pipelines)
     return sum(shares[:pipeline]), shares[pipeline], total
-
-
-def _even_parts(num_layers: int, stages: int) -> list[int]:
-    if stages < 1 or num_layers < stages:
-        return list(range(num_layers + 1))
-    return [round(s * num_layers / stages) for s in range(stages + 1)]
 
 
 def check_replica_memory(layers: range, params: int, available_bytes: int) -> None:

@@ -1,0 +1,57 @@
+"""Process groups of a changing pipeline: a free port, and re-forming the group through the membership store."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Collection, Sequence
+from datetime import timedelta
+from typing import Any
+
+from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.node import node_address
+from lightning_bamboo.membership.registry import job_prefix, wait_for_key
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def reform_process_group(
+    store: Any, job: str, generation: int, order: Sequence[str], me: str, timeout: float, tag: str = "",
+    gone: Callable[[], Collection[str]] = lambda: (),
+) -> tuple[int, int, Any]:
+    """Destroy the current process group and join a new one of ``order`` (rank = position).
+
+    The new rank 0 hosts a fresh ``TCPStore`` (the old one may have died with its host) and
+    publishes its address in the membership store; everyone else waits for it (bounded).
+    Returns ``(rank, world_size, tcp_store)``; keep the store object alive on rank 0.
+    """
+    import torch.distributed as dist
+
+    rank, world = order.index(me), len(order)
+    key = f"{job_prefix(job)}pg/{generation}/{tag}"
+    host = node_address()  # the new rank 0 hosts the group's store where its peers reach it
+    if rank == 0:
+        port = free_port(host)
+        tcp = dist.TCPStore(host, port, world, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        store.put(key, json.dumps({"host": host, "port": port}))
+    else:
+        kv = wait_for_key(store, key, timeout, abort=lambda: bool(gone()))
+        if kv is None and gone():
+            from lightning_bamboo.engine.pipe import PeerLost
+
+            raise PeerLost(f"{sorted(gone())} lost before the new process group formed", gone())
+        if kv is None:
+            raise BambooError(f"no process group address for generation {generation} within {timeout} s ({key})")
+        address = json.loads(kv.value)
+        tcp = dist.TCPStore(address["host"], address["port"], world, is_master=False, timeout=timedelta(seconds=timeout))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"bamboo{generation}{tag}", tcp), rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )
+    return rank, world, tcp

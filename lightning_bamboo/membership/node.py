@@ -1,0 +1,90 @@
+"""What a worker process knows of its node: the launcher's environment variables, its address, and
+leaving or rejoining the job (idle CPU priority, a fresh standby process)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import threading
+from typing import NoReturn
+
+STORE_ENV, JOB_ENV, NODE_ENV, NODES_ENV = "BAMBOO_STORE", "BAMBOO_JOB", "BAMBOO_NODE", "BAMBOO_NODES"
+#: set to "1" for a node that joins a running job: it waits as standby until a reconfiguration admits it
+JOIN_ENV = "BAMBOO_JOIN"
+#: the address this node's peers reach it at (process-group stores are hosted there); default loopback
+ADDR_ENV = "BAMBOO_ADDR"
+#: the machine (failure domain) a node runs on: its supervisor's --node
+MACHINE_ENV = "BAMBOO_MACHINE"
+
+
+def node_address() -> str:
+    """The address this node's peers reach it at (``BAMBOO_ADDR``; loopback by default)."""
+    return os.environ.get(ADDR_ENV, "127.0.0.1")
+
+
+def leave_idle_priority() -> bool:
+    """Give every thread of this process normal CPU priority again if it runs at idle priority
+    (a standby node started with ``Cluster.spawn_joiner(idle=True)``, now admitted). True if it did."""
+    if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
+        return False
+    # threads started later by the calling thread inherit its (now normal) policy
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return True
+
+
+def joiner_env(name: str) -> dict[str, str]:
+    """The environment that makes worker ``name`` join a running job as a standby node (with the store and
+    job variables of the job it joins)."""
+    return {NODES_ENV: name, NODE_ENV: name, JOIN_ENV: "1", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+#: the command line a released node starts again with (``rejoin_as_standby``); None: this process's own. A
+#: worker that took over another job's arguments in its process (a restart in place) sets it.
+standby_command: list[str] | None = None
+
+
+def rejoin_as_standby() -> NoReturn:
+    """Replace this worker by a fresh process of the same command that joins the job as a standby node.
+
+    For a node released from a running layout (its pipeline was dropped after a loss): same
+    process id, so its supervisor (``Cluster``, ``supervise``) still sees it running; nothing of
+    the old process (threads blocked on the old process group included) survives the ``exec``.
+    It waits at idle CPU priority where it may come back from it (``idle_priority_supported``),
+    as ``Cluster.spawn_joiner(idle=True)`` starts standby nodes.
+    """
+    env = {**os.environ, **joiner_env(os.environ.get(NODE_ENV, ""))}
+    if idle_priority_supported():
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread: the new main thread
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = standby_command or [sys.executable, *sys.orig_argv[1:]]
+    os.execve(argv[0], argv, env)
+
+
+@functools.cache
+def idle_priority_supported() -> bool:
+    """Whether a thread of this process may go to idle CPU priority and back (Linux: root, CAP_SYS_NICE
+    or RLIMIT_NICE >= 20); tried on a short-lived thread."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="bamboo-priority-probe")
+    thread.start()
+    thread.join()
+    return result[0]

@@ -1,0 +1,118 @@
+"""Failover: the survivors of a loss agree on the lost nodes and rebuild from their own stages and replicas."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import time
+from typing import Any
+
+from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
+from lightning_bamboo.errors import BambooError, FatalLoss
+from lightning_bamboo.membership.registry import BarrierTimeoutError
+from lightning_bamboo.runtime.stage import NodeStage
+from lightning_bamboo.topology.failover import layout_tag, plan_loss
+from lightning_bamboo.topology.layout import Layout
+
+log = logging.getLogger(__name__)
+
+#: what a failover captures before it rebuilds: the layout it left, the layer states, the optimizer
+_Captured = dict[str, Any]
+
+
+def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True) -> bool:
+    """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed.
+
+    Every attempt starts from the same captured state (the layers this node held before the
+    loss) with the union of the losses seen so far, so a node lost *during* a failover only
+    makes the survivors agree on a larger set and try again; no wait is unbounded.
+    """
+    session = node._session()
+    started = time.monotonic()
+    if not node.config.redundant:
+        raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
+    old, layout = node._ready()
+    log.info("%s: failover starts", session.node)
+    committed = session.committed(step)
+    if committed and old.phase != "idle":
+        old.apply_step()  # every node had its gradients in: the step counts
+    elif not committed:
+        old.discard_step()
+    base: _Captured = {
+        "nodes": list(session.nodes),
+        "pipelines": layout.pipelines,
+        "parts": tuple(layout.parts),
+        "states": {**old.own_states(), **(old.replica.states() if old.replica else {})},
+        "optimizer": old.optimizer,
+        "last_loss": old.last_loss,
+        # eager: the successor's forwards of the failed step, reused when this node takes its stage over
+        "reuse": None if committed or old.redundant is None or not old.redundant.kept or old.replica is None
+        else (old.replica.module, dict(old.redundant.kept)),
+    }
+    log.info("%s: state captured (%.2f s)", session.node, time.monotonic() - started)
+    suspected = set(getattr(err, "lost", ()))
+    # A failover should take well under a detection timeout; if one does not, every thread's stack
+    # goes to stderr (the node's log) so the wait can be named.
+    faulthandler.dump_traceback_later(max(4 * node.config.detection_timeout, 10.0), repeat=True)
+    try:
+        for _attempt in range(len(base["nodes"])):
+            try:
+                plan, rank, world = _fail_over_once(node, base, suspected, step)
+                break
+            except (PeerLost, BarrierTimeoutError) as again:
+                suspected |= set(getattr(again, "lost", ())) | session.detector.lost
+                log.warning("%s: another loss during the failover (%s); trying again with %s", session.node,
+                            again, sorted(suspected))
+        else:
+            raise BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    session.leavers &= set(session.nodes)  # a leaver this failover already served needs no second one
+    seconds = time.monotonic() - started
+    # a released node may have left before another survivor decided: the lost set then names it too
+    released = set(plan.released) | session.released() if base["pipelines"] > 1 else set()
+    session.record_failover({
+        "step": step, "lost": sorted(set(base["nodes"]) - set(plan.order) - released), "committed": committed,
+        "seconds": seconds, "redone": in_flight and not committed, "order": list(plan.order),
+        "parts": list(plan.parts), "pipelines": plan.pipelines, "released": sorted(released),
+        "rows": [list(r) for r in plan.rows], "old_parts": list(base["parts"]), "old_pipelines": base["pipelines"],
+    })
+    log.warning("%s: failover done in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
+    if committed:
+        node._ready()[0].last_loss = base["last_loss"]
+    return committed
+
+def _fail_over_once(node: NodeStage, base: _Captured, suspected: set[str], step: int) -> tuple[Any, int, int]:
+    session = node._session()
+    lost = session.decide_lost(tuple(suspected), base["nodes"])
+    plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=node.config.redundant)
+    log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", session.node, sorted(lost),
+                step, plan.order, plan.pipelines, plan.parts,
+                f"; released {list(plan.released)}" if plan.released else "")
+    if session.node in plan.released:
+        _release(node, step)
+    # The group's tag names its members: survivors that saw a released node's lease end (it left)
+    # and those that did not agree on the same layout, so they must meet in the same group.
+    rank, world = session.reform(list(plan.order), tag=layout_tag(plan.order))
+    log.info("%s: process group re-formed", session.node)
+    _maybe_fail(session.node, "failover", None)  # fault injection (BAMBOO_FAIL_AT=node@failover)
+    node.enter_group(rank, world)
+    # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
+    layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
+    node.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"])
+    return plan, rank, world
+
+def _release(node: NodeStage, step: int) -> None:
+    """Leave the layout (this node's pipeline was dropped) and come back as a standby node, in a fresh process."""
+    from lightning_bamboo.membership.node import rejoin_as_standby
+
+    session = node._session()
+    log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); joining again "
+                "as a standby node", session.node, step)
+    try:
+        session.release()
+        session.registry.leave(timeout=2.0)  # its id is free at once for the standby incarnation
+    finally:
+        session.stop()
+    rejoin_as_standby()
+

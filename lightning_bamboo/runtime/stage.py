@@ -1,0 +1,307 @@
+"""``NodeStage``: a node's stage of the model, its DeepSpeed engine and its replica, built and rebuilt."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine import audit
+from lightning_bamboo.engine.build import (
+    build_engine,
+    build_pipeline_module,
+    deepspeed_config,
+    ensure_deepspeed_comm,
+)
+from lightning_bamboo.engine.module import BuiltLayers, Splice, build_layers
+from lightning_bamboo.engine.partition import compute_parts
+from lightning_bamboo.engine.pipe import BambooPipelineEngine, Wiring
+from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters, exchange_objects
+from lightning_bamboo.errors import BambooConfigError, BambooError
+from lightning_bamboo.runtime.collectives import decode, encode
+from lightning_bamboo.runtime.config import BambooConfig
+from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
+from lightning_bamboo.runtime.session import Session
+from lightning_bamboo.topology.layout import Layout, check_replica_memory, partition_weights, resolve_stages
+
+log = logging.getLogger(__name__)
+
+States = dict[int, dict[str, Any]]
+
+
+class NodeStage:
+    """What one process runs: its stage of ``layout`` (rank ``rank``), the engine around it, the replica of its
+    successor's stage, and under the Bamboo launcher the node's membership :class:`Session`.
+
+    ``start`` builds the first layout; ``rebuild`` any later one from layer states the node holds. The
+    framework is reached through the :class:`~lightning_bamboo.runtime.host.RunnerHost`.
+    """
+
+    def __init__(self, config: BambooConfig, host: RunnerHost, device: torch.device | str = "cpu",
+                 backend: str = "gloo") -> None:
+        self.config = config
+        self.host = host
+        self.device = torch.device(device)
+        self.backend = backend
+        self.model: PipelineModel | None = None
+        self.session: Session | None = None
+        self.engine: BambooPipelineEngine | None = None
+        self.layout: Layout | None = None
+        self.rank = 0
+        self.gradient_clipping = 0.0
+        self.param_counts: list[int] = []  # trainable parameters per layer, measured by probe()
+        self.layer_names: list[str] = []  # each layer's class name, measured by probe()
+        self.audits = 0  # replica audits passed by this process
+
+    @property
+    def node(self) -> str:
+        return self.session.node if self.session is not None else f"rank {self.rank}"
+
+    def _session(self) -> Session:
+        if self.session is None:
+            raise BambooConfigError("this operation needs a job started by the Bamboo launcher (lightning-bamboo run)")
+        return self.session
+
+    def _ready(self) -> tuple[BambooPipelineEngine, Layout]:
+        if self.engine is None or self.layout is None:
+            raise BambooConfigError("the runner has no stage yet: start() it first")
+        return self.engine, self.layout
+
+    @property
+    def between_steps(self) -> bool:
+        """Whether collectives go through the membership store (under the launcher, once the engine exists).
+
+        A gloo collective cut by a loss can leave some survivors past it and others still in it;
+        after the failover they would retry different collectives and wait on each other until
+        the process group's timeout. ``Session.gather`` fails the same collective on every survivor.
+        """
+        return self.session is not None and self.session.active and self.engine is not None
+
+    def probe(self, model: PipelineModel) -> BuiltLayers:
+        """The model's layers as the seed builds them, none kept: their parameter counts and names."""
+        self.model = model
+        probe = self._build(keep=lambda i: False)
+        self.param_counts, self.layer_names = probe.param_counts, probe.names
+        return probe
+
+    def start(self, model: PipelineModel, world: int, rank: int, fitting: bool, gradient_clipping: float = 0.0) -> None:
+        """Build this process's stage of a fresh layout (``world`` processes), its engine and its replica."""
+        stages, pipelines = resolve_stages(world, self.config.stages)
+        probe = self.probe(model)
+        parts = compute_parts(self.config.partition, stages, probe.param_counts, probe.names)
+        self.layout, self.rank, self.gradient_clipping = Layout(stages, pipelines, parts), rank, gradient_clipping
+        ensure_deepspeed_comm(self.backend)
+        module = self._stage_module(self.layout, self.layout.stage_of_rank(rank))
+        optimizer = self.host.setup_optimizers(module) if fitting else None
+        self.engine = self._new_engine(module, optimizer, self.layout)
+        if fitting:
+            self._arm(self.engine)
+
+    def _build(self, keep: Callable[[int], bool]) -> BuiltLayers:
+        assert self.model is not None, "probe() or start() names the model first"
+        return build_layers(self.model.configure_pipeline, self.seed, keep)
+
+    @property
+    def seed(self) -> int:
+        """The seed the layers are built under: the configured one, else the framework's global seed."""
+        return int(self.config.seed) if self.config.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def _stage_module(self, layout: Layout, stage: int, states: States | None = None,
+                      prebuilt: dict[int, torch.nn.Module] | None = None) -> Any:
+        """This process's ``PipelineModule`` for ``stage`` of ``layout`` (weights from ``states`` if given).
+
+        ``prebuilt`` layers are used as they are (the replica's own layer objects, whose kept
+        graphs a failover reuses): their weights are not loaded again. The host adopts it.
+        """
+        assert self.model is not None
+        prebuilt = prebuilt or {}
+        mine = layout.layers_of_stage(stage)
+        built = self._build(keep=lambda i: i in mine and i not in prebuilt)
+        layers = [prebuilt.get(i, layer) for i, layer in enumerate(built.layers)]
+        timeout = timedelta(seconds=self.config.timeout)
+        module = build_pipeline_module(layers, layout, self.model.pipeline_loss, timeout)
+        module.to(self.device)
+        if states is not None:
+            ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
+        self.host.adopt_stage(module)
+        return module
+
+    def _new_engine(self, module: Any, optimizer: Any, layout: Layout) -> BambooPipelineEngine:
+        config = deepspeed_config(self.config.micro_batch_size, 1, layout.pipelines, self.gradient_clipping,
+                                  self.config.deepspeed)
+        return build_engine(
+            module, optimizer, config, timedelta(seconds=self.config.timeout),
+            bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs},
+        )
+
+    def _rank_of(self, layout: Layout, stage: int, pipeline: int) -> int:
+        return stage * layout.pipelines + pipeline
+
+    def _replica_peers(self, layout: Layout, rank: int) -> tuple[int, int]:
+        stage, pipeline = layout.stage_of_rank(rank), layout.pipeline_of_rank(rank)
+        return (self._rank_of(layout, (stage - 1) % layout.stages, pipeline),
+                self._rank_of(layout, (stage + 1) % layout.stages, pipeline))
+
+    def _arm(self, engine: BambooPipelineEngine, replica_states: States | None = None) -> None:
+        """Wire the engine: its replica (of the successor's stage, from ``replica_states`` or the seed),
+        its exchange peers, and under membership its node name, commit hook and watchdog."""
+        layout = self.layout
+        assert layout is not None
+        wiring = Wiring()
+        if self.config.redundant and layout.stages > 1:
+            successor = (layout.stage_of_rank(self.rank) + 1) % layout.stages
+            if replica_states is None:
+                self._check_host_memory(layout.layers_of_stage(successor))
+            wiring.replica = self._new_replica(engine, layout.layers_of_stage(successor), successor, replica_states)
+            wiring.replica_peers = self._replica_peers(layout, self.rank)
+        if self.session is not None:
+            session = self.session
+            wiring.node = session.node
+            wiring.commit = lambda _step: session.commit(self.host.global_step())
+            wiring.guard = session.guard()
+        engine.wire(wiring)
+
+    def _check_host_memory(self, layers: range) -> None:
+        import psutil
+
+        check_replica_memory(layers, sum(self.param_counts[i] for i in layers), psutil.virtual_memory().available)
+
+    def _new_replica(self, engine: BambooPipelineEngine, layers: range, stage: int, states: States | None) -> Replica:
+        """A replica of ``stage`` (built under the seed, or from ``states``) with its own optimizer."""
+        built = self._build(keep=lambda i: i in layers)
+        container = StageContainer({i: layer for i, layer in enumerate(built.layers) if layer is not None}).to(self.device)
+        if states is not None:
+            ckpt.load_weights(container, states)
+        optimizer = self.host.optimizer_for(container)
+        if states is not None:
+            ckpt.load_optimizer(container, optimizer, states, ckpt.param_group_hyperparameters(engine.optimizer))
+        return Replica(stage, container, optimizer)
+
+    def layer_costs(self) -> tuple[float, ...] | None:
+        """Relative cost per layer as ``partition`` weighs them, for splits made later (``RebalanceCallback``).
+
+        ``"parameters"``: the layers' parameter counts; ``"type:REGEX"``: 1 per matching layer; ``"uniform"``
+        or explicit boundaries: None (every layer the same).
+        """
+        if not self.param_counts:
+            return None
+        weights = partition_weights(self.config.partition, self.param_counts, self.layer_names)
+        # the policy needs a positive cost per layer: a layer the partition does not weigh costs little
+        if weights is None or max(weights) <= 0:
+            return None
+        return tuple(float(w) if w > 0 else 1e-3 * max(weights) for w in weights)
+
+    @property
+    def pipelines(self) -> int:
+        return self.layout.pipelines if self.layout is not None else 1
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.layout.pipeline_of_rank(self.rank) if self.layout is not None else 0
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches this pipeline ran in its last step."""
+        return int(self.engine.micro_batches) if self.engine is not None else 1
+
+    def enter_group(self, rank: int, world: int) -> None:
+        """This process is ``rank`` of ``world`` in the process group just formed (the host and DeepSpeed too)."""
+        import deepspeed.comm.comm as ds_comm_module
+
+        self.rank = rank
+        self.host.enter_group(rank, world)
+        ds_comm_module.cdb = None
+        ensure_deepspeed_comm(self.backend)
+
+    def rebuild(self, layout: Layout, rank: int, held: States, hyper: torch.optim.Optimizer | list[dict[str, Any]],
+                fresh_optimizer: bool = False, reuse: tuple[StageContainer, dict[int, Any]] | None = None) -> None:
+        """Build this node's stage of ``layout`` from ``held`` layer states, its engine, and the replica ring.
+
+        ``hyper`` gives the optimizer's current hyperparameters (the old optimizer, or saved param
+        groups). With ``fresh_optimizer`` (a node joining), the optimizer and schedulers come from the
+        host's ``setup_optimizers``; otherwise the old optimizer is swapped for the new one.
+        ``reuse`` (eager failover): the old replica's container and its kept redundant forwards; when
+        the new stage ends with the replica's layers, it takes those layer objects over and the next
+        step reuses the kept forwards (``engine.module.Splice``).
+        """
+        session = self._session()
+        stage = layout.stage_of_rank(rank)
+        mine = layout.layers_of_stage(stage)
+        missing = [i for i in mine if i not in held]
+        if missing:
+            raise BambooError(f"the new layout gives {session.node} layers {missing} it does not hold")
+        stage_states = {i: held[i] for i in mine}
+        self.config.stages, self.layout, self.rank = layout.stages, layout, rank
+        prebuilt: dict[int, torch.nn.Module] = {}
+        splice = None
+        if reuse is not None:
+            container, kept = reuse
+            first, stop = container.indices[0], container.indices[-1] + 1
+            if mine.stop == stop and mine.start <= first:  # the new stage ends with the replica's layers
+                prebuilt = {int(n): layer for n, layer in container.named_children()}
+                splice = Splice(first, kept)
+        # DeepSpeed's PipelineModule forms its process groups (gloo connects to every peer): a peer lost
+        # meanwhile would hold that connect for the whole group timeout, so it is bounded like a step.
+        module = session.guard().run(lambda: self._stage_module(layout, stage, stage_states, prebuilt))
+        module.splice = splice
+        optimizer = self.host.setup_optimizers(module) if fresh_optimizer else self.host.optimizer_for(module)
+        groups = hyper if isinstance(hyper, list) else ckpt.param_group_hyperparameters(hyper)
+        ckpt.load_optimizer(module, optimizer, stage_states, groups)
+        if isinstance(hyper, torch.optim.Optimizer):
+            copy_hyperparameters(hyper, optimizer)
+
+        def build_and_arm() -> BambooPipelineEngine:
+            # Collectives with the new peers: bounded by the new membership watch like a step.
+            engine = self._new_engine(module, optimizer, layout)
+            received = None
+            if self.config.redundant and layout.stages > 1:
+                # every node sends its stage to its predecessor in its pipeline, which keeps it as the replica
+                before, after = self._replica_peers(layout, rank)
+                received = exchange_objects(engine.own_states(), send_to=before, recv_from=after)
+            self._arm(engine, received)
+            return engine
+
+        self.engine = session.guard().run(build_and_arm)
+        if isinstance(hyper, torch.optim.Optimizer):
+            self.host.rebind_optimizer(hyper, optimizer)
+        self.audit("membership change before")
+
+    def audit(self, when: str) -> None:
+        """With ``audit_replicas``: every replica against its owner's live stage, on every node (``engine.audit``).
+
+        Every node gathers every node's digests and finds the same differences, so all stop together.
+        Under the Bamboo launcher the digests go through the membership store, so a node lost meanwhile
+        fails the audit like any collective: callers between steps run it through :meth:`resilient`
+        (fail over, audit again); inside a failover, the failover is retried with the larger lost set.
+        """
+        if not self.config.audit_replicas or self.engine is None or self.layout is None:
+            return
+        engine, layout, rank = self.engine, self.layout, self.rank
+        replica = engine.replica
+        report = asdict(audit.NodeDigest(
+            node=self.node, stage=layout.stage_of_rank(rank), pipeline=layout.pipeline_of_rank(rank),
+            own=audit.digest(engine.own_states()),
+            replica_stage=replica.stage if replica is not None else None,
+            replica=audit.digest(replica.states()) if replica is not None else {},
+        ))
+        if self.between_steps:
+            reports = self.gather(report)
+        elif torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            reports = [None] * torch_dist.get_world_size()
+            torch_dist.all_gather_object(reports, report)
+        else:
+            reports = [report]
+        audit.check([audit.NodeDigest(**r) for r in reports], self.host.global_step(), when)
+        self.audits += 1
+
+    def gather(self, obj: Any, send: bool = True) -> list[Any]:
+        """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""
+        return [None if not part else decode(part) for part in self._session().gather(encode(obj) if send else "")]
+
