@@ -22,11 +22,11 @@ class FailoverMetrics(pl.Callback):
         self._last: tuple[int, int] | None = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        res = getattr(trainer.strategy, "resilience", None)
-        if res is None or not trainer.loggers:
+        runner = getattr(trainer.strategy, "runner", None)
+        if runner is None or runner.session is None or not trainer.loggers:
             return  # not under the Bamboo launcher: no node can be lost and replaced
-        failovers = list(res.failovers)
-        live = len(res.nodes) or trainer.world_size
+        failovers = list(runner.failovers)
+        live = len(runner.nodes) or trainer.world_size
         if (len(failovers), live) == self._last:
             return
         self._last = (len(failovers), live)

@@ -69,8 +69,9 @@ def _build_layers(pl_module: Any, seed: int) -> list[nn.Module]:
 
 def _strategy_seed(strategy: Any) -> int:
     """The seed BambooStrategy builds the layers under (its ``seed``, else the ``seed_everything`` seed, else 0)."""
-    if callable(getattr(strategy, "_seed", None)):
-        return int(strategy._seed())
+    runner = getattr(strategy, "runner", None)
+    if runner is not None:
+        return int(runner.seed)
     seed = getattr(strategy, "seed", None)
     return int(seed) if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 

@@ -187,7 +187,9 @@ class PipelineRunner(NodeStage):
                 if session is None:
                     raise
                 if self.fail_over(err, step):
-                    return self._ready()[0].last_loss  # type: ignore[return-value]  # set by the failover
+                    kept = self._ready()[0].last_loss  # the committed step's, kept by the failover
+                    assert kept is not None
+                    return kept
             finally:
                 if session is not None:
                     faulthandler.cancel_dump_traceback_later()

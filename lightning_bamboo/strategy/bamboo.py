@@ -172,9 +172,6 @@ class _BambooStrategyMixin(CheckpointHooks):
     def keep_global_batch(self, value: bool) -> None:
         self.data.keep_global_batch = value
 
-    def _seed(self) -> int:
-        return self.runner.seed
-
     def layer_costs(self) -> tuple[float, ...] | None:
         """Relative cost per layer as ``partition`` weighs them (see ``PipelineRunner.layer_costs``)."""
         return self.runner.layer_costs()

@@ -1,0 +1,94 @@
+"""A node driven by ``PipelineRunner`` alone: plain torch and a host of a few lines, no Lightning.
+
+Run by ``tests/test_runner.py`` under ``lightning_bamboo.launcher.launch`` (membership in a store):
+``runner_node.py OUT STEPS RECONFIGURE_AT``. Trains STEPS steps of a 6-layer MLP; at step RECONFIGURE_AT
+(if not -1) the nodes that are left re-split the layers evenly; writes OUT/<node>.pt (its layers'
+weights and optimizer state) and OUT/<node>.json (its failovers and its final layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_bamboo.runtime import BambooConfig, PipelineRunner
+from lightning_bamboo.topology import even_parts
+
+LAYERS, WIDTH, BATCH = 6, 8, 8
+
+
+class Model:
+    def configure_pipeline(self) -> list[nn.Module]:
+        return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs, targets)
+
+
+class Host:
+    """What a plain training loop tells the runner: its step counter and its optimizer."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def global_step(self) -> int:
+        return self.step
+
+    def adopt_stage(self, module: nn.Module) -> None:
+        self.stage = module
+
+    def optimizer_for(self, module: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+    def setup_optimizers(self, module: nn.Module) -> torch.optim.Optimizer:
+        self.optimizer = self.optimizer_for(module)
+        return self.optimizer
+
+    def rebind_optimizer(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        self.optimizer = new
+
+    def enter_group(self, rank: int, world: int) -> None:
+        pass
+
+    def training_state(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH, generator=generator)
+
+
+def main(out: Path, steps: int, reconfigure_at: int) -> None:
+    host = Host()
+    config = BambooConfig(redundancy="lazy", micro_batch_size=2, seed=7, timeout=60.0, detection_timeout=3.0)
+    runner = PipelineRunner(config, host)
+    session = runner.open_session()
+    assert session is not None, "run under lightning_bamboo.launcher.launch"
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    runner.start(Model(), dist.get_world_size(), dist.get_rank(), fitting=True)
+    for step in range(steps):
+        host.step = step
+        if step == reconfigure_at:
+            nodes = runner.nodes
+            runner.reconfigure(nodes, even_parts(LAYERS, len(nodes)))
+        runner.train_step(batch(step))
+    assert runner.engine is not None and runner.layout is not None
+    torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
+    report = {"failovers": runner.failovers, "parts": list(runner.layout.parts), "nodes": runner.nodes}
+    (out / f"{session.node}.json").write_text(json.dumps(report))
+    runner.finish(completed=True)
+    runner.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

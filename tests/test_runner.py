@@ -1,0 +1,58 @@
+"""``PipelineRunner`` driven without a Trainer: a step, a failover and a reconfiguration, exact.
+
+No Lightning here nor in the node script (``tests/scripts/runner_node.py``): the runner is the
+door any training loop can drive.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_bamboo.launcher import launch
+from tests.helpers import REPO
+
+SCRIPT = REPO / "tests" / "scripts" / "runner_node.py"
+STEPS = 6
+
+
+def _run(out: Path, env: dict[str, str] | None = None, reconfigure_at: int = -1) -> dict[str, int]:
+    out.mkdir()
+    command = [sys.executable, str(SCRIPT), str(out), str(STEPS), str(reconfigure_at)]
+    return launch(command, 3, env={"PYTHONPATH": str(REPO), **(env or {})}, timeout=240)
+
+
+def _layers(out: Path) -> dict[int, dict]:
+    layers: dict[int, dict] = {}
+    for path in sorted(out.glob("*.pt")):
+        layers.update(torch.load(path, weights_only=False))
+    return layers
+
+
+@pytest.mark.timeout(600)
+def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_clean_runs_weights(tmp_path):
+    clean = _run(tmp_path / "clean")
+    assert clean == {"node0": 0, "node1": 0, "node2": 0}
+    # node2 SIGKILLs itself at the start of step 2; node1 serves its stage from the replica, then at
+    # step 4 the two survivors re-split the six layers evenly (a layer moves, replicas are rebuilt)
+    codes = _run(tmp_path / "chaos", env={"BAMBOO_FAIL_AT": "node2@2"}, reconfigure_at=4)
+    assert codes == {"node0": 0, "node1": 0, "node2": -9}
+    reports = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "chaos").glob("*.json")}
+    assert set(reports) == {"node0", "node1"}
+    for report in reports.values():
+        assert [(f["step"], f["lost"]) for f in report["failovers"]] == [(2, ["node2"])]
+        assert report["parts"] == [0, 3, 6] and report["nodes"] == ["node0", "node1"]
+    want, got = _layers(tmp_path / "clean"), _layers(tmp_path / "chaos")
+    assert sorted(want) == sorted(got) == list(range(6))
+    for layer in range(6):
+        for name, tensor in want[layer]["weights"].items():
+            assert torch.equal(got[layer]["weights"][name], tensor), f"layer {layer} {name}"
+        for name, param in want[layer]["optimizer"].items():
+            assert param["state"].keys() == got[layer]["optimizer"][name]["state"].keys()
+            for key, value in param["state"].items():  # AdamW's step, exp_avg, exp_avg_sq
+                assert torch.equal(torch.as_tensor(got[layer]["optimizer"][name]["state"][key]), torch.as_tensor(value)), (
+                    f"layer {layer} {name} {key}")
