@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_bamboo.demo.cli import RecoveryClock, _layout_for, default_preempt
+from lightning_bamboo.testing import faults
 from tests.helpers import PYTHON, max_abs_diff, run
 
 pytestmark = pytest.mark.timeout(420)
@@ -236,7 +237,7 @@ def test_a_node_lost_while_the_pipeline_is_reconfigured_restarts_in_place(clean,
     still blocked in the old process group, so the survivors' processes cannot be freed for reuse.)"""
     clean_dir, clean_weights = clean
     report, weights = demo(tmp_path, "--preempt", "node2@9", "--join", "spare1@9", "--step-delay", "1.0",
-                           env={"BAMBOO_FAIL_AT": "node1@reconfigure"})
+                           env=faults.environment(["node1@reconfigure"]))
     assert report["steps_completed"] == STEPS and report["preemptions"] == 1
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 1, "restart": 0}
     # the survivors learnt of node1's death from the membership watch, not from gloo's connect timeout
