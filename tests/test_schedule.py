@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -395,16 +396,20 @@ def test_bad_strings_are_rejected(text):
 
 
 def test_module_imports_only_the_standard_library():
-    import lightning_bamboo.schedule as module
+    import lightning_bamboo.schedule as package
 
-    tree = ast.parse(open(module.__file__).read())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
-    assert imported - set(sys.stdlib_module_names) <= {"__future__", "lightning_bamboo"}
-    assert not any(node.module and node.module != "lightning_bamboo.errors" and node.module.startswith("lightning_bamboo")
-                   for node in ast.walk(tree) if isinstance(node, ast.ImportFrom))
+    files = sorted(Path(package.__file__).parent.glob("*.py"))
+    assert len(files) > 1
+    for file in files:
+        tree = ast.parse(file.read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+        assert imported - set(sys.stdlib_module_names) <= {"__future__", "lightning_bamboo"}, file.name
+        assert not any(node.module and node.module != "lightning_bamboo.errors" and node.module.startswith("lightning_bamboo")
+                       and not node.module.startswith("lightning_bamboo.schedule.")
+                       for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)), file.name
 
 
 def test_ring_placement():
