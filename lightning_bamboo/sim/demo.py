@@ -38,13 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_bamboo.demo.cli import STANDBY_PROCESSES
 from lightning_bamboo.demo.events import ClusterEvent
+from lightning_bamboo.demo.plan import DEMO_LAYERS, STANDBY_PROCESSES
 from lightning_bamboo.engine.failover import FatalLoss, plan_failover
 from lightning_bamboo.membership.policy import even_parts
 from lightning_bamboo.sim.params import DEFAULT_PATH, ParamError
-
-DEMO_LAYERS = 8  # the demo's built-in GPT: embedding, 6 blocks, head
 
 
 @dataclass(frozen=True)
