@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lightning_bamboo import checkpoint as ckpt  # noqa: E402
+from lightning_bamboo.testing import faults  # noqa: E402
 
 NODES = 4
 CHECKPOINT_EVERY = 4
@@ -223,11 +224,11 @@ def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step
         cmd += ["--freeze", ",".join(schedule.freeze)] if schedule.freeze else []
         cmd += ["--audit", "--step-delay", str(step_delay)] + (["--join", ",".join(schedule.join)] if schedule.join else [])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("BAMBOO_FAIL_AT", None)
+    for name in faults.ENV_NAMES:
+        env.pop(name, None)
     if schedule is not None and schedule.fail_at:
-        env["BAMBOO_FAIL_AT"] = ",".join(schedule.fail_at)
         (out / "fired").mkdir()
-        env["BAMBOO_FAIL_ONCE_DIR"] = str(out / "fired")  # a node the demo starts again is not killed again
+        env.update(faults.environment(schedule.fail_at, once_dir=out / "fired"))  # a node started again is spared
     with (out / "demo.log").open("w") as log:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
     result = json.loads(report.read_text()) if report.exists() else {"steps_completed": 0, "recovery_seconds": []}

@@ -32,6 +32,7 @@ import torch
 from common import BenchGPT
 
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers
+from lightning_bamboo.testing import faults
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=192)  # 8 pipeline layers
 MICRO = 2
@@ -124,7 +125,7 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
     if rotate:
         cmd.append("--rotate")
     if kill:
-        env["BAMBOO_FAIL_AT"] = kill
+        env.update(faults.environment([kill]))
         cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--", *cmd]
     started = time.time()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)

@@ -141,7 +141,7 @@ def cluster_trace(trace_csv: Path, time_scale: float, ready: float):
     started only while fewer than six nodes plus one spare run (``STANDBY_PROCESSES``); the others
     wait in order and start when a running node is lost (a waiting node that is removed never starts).
     """
-    from lightning_bamboo.demo.cli import STANDBY_PROCESSES
+    from lightning_bamboo.demo.plan import STANDBY_PROCESSES
     from lightning_bamboo.sim.trace import Trace, TraceEvent
 
     cap = len(CLUSTER_NODES) + STANDBY_PROCESSES

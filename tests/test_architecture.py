@@ -14,8 +14,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import REPO
 
 PACKAGE = REPO / "lightning_bamboo"
@@ -28,13 +26,6 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("demo", "sim", "cli", "_registration", "__init__"), 5),
 }
 MAX_LINES = 600
-#: imports that close a circle today through a module another change is splitting: (importer, imported) -> why.
-#: Each entry must go when that split lands (``test_pending_imports_still_exist`` says when).
-PENDING: dict[tuple[str, str], str] = {
-    ("lightning_bamboo.sim.params", "lightning_bamboo.sim.demo"):
-        "record_measurement(section='demo') checks keys against DemoParams, which lives in sim/demo.py (being split; "
-        "DemoParams belongs beside SimParams in sim/params.py)",
-}
 
 
 def module_name(path: Path) -> str:
@@ -167,14 +158,9 @@ def test_strongly_connected_finds_a_circle():
 
 
 def test_no_import_circle():
-    graph = {m: {t: line for t, line in targets.items() if (m, t) not in PENDING} for m, targets in GRAPH.items()}
+    graph = GRAPH
     circles = [" -> ".join(cycle_in(component, graph)) for component in strongly_connected(graph)]
     assert not circles, "import circles (function-level imports included); break each:\n" + "\n".join(circles)
-
-
-def test_pending_imports_still_exist():
-    gone = [f"{a} -> {b}" for a, b in PENDING if b not in GRAPH.get(a, {})]
-    assert not gone, "these imports are gone; delete their PENDING entries in tests/test_architecture.py:\n" + "\n".join(gone)
 
 
 def test_topology_imports_only_errors_and_itself():
@@ -207,10 +193,5 @@ OVER_600 = sorted(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="over 600 lines today, being split by others: strategy/bamboo.py (1,535, into runtime/), schedule.py (868), "
-    "demo/cli.py (665), membership/registry.py (638); make this a plain test when they land",
-)
 def test_no_module_is_longer_than_600_lines():
     assert not OVER_600, f"modules over {MAX_LINES} lines; split them by concept:\n" + "\n".join(OVER_600)

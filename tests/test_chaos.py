@@ -82,7 +82,7 @@ def test_the_demo_controller_waits_for_a_restarting_etcd():
     where a plain client's call fails after its timeout."""
     import threading
 
-    from lightning_bamboo.demo.cli import PatientStore
+    from lightning_bamboo.demo.controller import PatientStore
     from lightning_bamboo.membership import connect
     from lightning_bamboo.membership.protocol import StoreUnavailableError
     from tests.etcd_server import EtcdServer

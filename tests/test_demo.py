@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from lightning_bamboo.demo.cli import RecoveryClock, _layout_for, default_preempt
+from lightning_bamboo.demo.controller import RecoveryClock
+from lightning_bamboo.demo.plan import default_preempt, layout_for
+from lightning_bamboo.testing import faults
 from tests.helpers import PYTHON, max_abs_diff, run
 
 pytestmark = pytest.mark.timeout(420)
@@ -236,7 +238,7 @@ def test_a_node_lost_while_the_pipeline_is_reconfigured_restarts_in_place(clean,
     still blocked in the old process group, so the survivors' processes cannot be freed for reuse.)"""
     clean_dir, clean_weights = clean
     report, weights = demo(tmp_path, "--preempt", "node2@9", "--join", "spare1@9", "--step-delay", "1.0",
-                           env={"BAMBOO_FAIL_AT": "node1@reconfigure"})
+                           env=faults.environment(["node1@reconfigure"]))
     assert report["steps_completed"] == STEPS and report["preemptions"] == 1
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 1, "restart": 0}
     # the survivors learnt of node1's death from the membership watch, not from gloo's connect timeout
@@ -264,11 +266,11 @@ def test_recovery_clock_counts_a_kill_until_a_step_no_restart_undoes():
 def test_a_restart_takes_the_layout_that_fits_the_nodes_up():
     """(nodes used, depth) of a restarted job: the start's pipelines when all are up, else as many whole
     pipelines as split the global batch of 8 into whole micro-batches of 2 each, else one shallower pipeline."""
-    assert _layout_for(4, 2, 4, 8, 2) == (4, 2)  # 2 x 2 as at the start
-    assert _layout_for(5, 2, 4, 8, 2) == (4, 2)  # a spare node stands by
-    assert _layout_for(3, 2, 4, 8, 2) == (2, 2)  # one pipeline; the third node stands by
-    assert _layout_for(6, 2, 6, 8, 2) == (4, 2)  # 3 pipelines would load 8 / 3 samples each: 2
-    assert _layout_for(1, 2, 4, 8, 2) == (1, 1)
+    assert layout_for(4, 2, 4, 8, 2) == (4, 2)  # 2 x 2 as at the start
+    assert layout_for(5, 2, 4, 8, 2) == (4, 2)  # a spare node stands by
+    assert layout_for(3, 2, 4, 8, 2) == (2, 2)  # one pipeline; the third node stands by
+    assert layout_for(6, 2, 6, 8, 2) == (4, 2)  # 3 pipelines would load 8 / 3 samples each: 2
+    assert layout_for(1, 2, 4, 8, 2) == (1, 1)
 
 
 def test_default_preemptions_fit_the_cluster():

@@ -20,6 +20,7 @@ import torch
 from lightning_bamboo.launcher import main as launcher_main
 from lightning_bamboo.membership import connect
 from lightning_bamboo.membership.registry import job_prefix
+from lightning_bamboo.testing import faults
 from tests.etcd_server import EtcdServer, etcd_binary
 from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights
 
@@ -44,7 +45,7 @@ def etcd():
 
 
 def test_nodes_on_their_own_addresses_fail_over_across_them(etcd, tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "BAMBOO_FAIL_AT": "node0@4"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **faults.environment(["node0@4"])}
     env.pop("LOCAL_RANK", None)
     procs = {}
     try:

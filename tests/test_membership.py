@@ -24,14 +24,11 @@ from lightning_bamboo.membership import (
     connect,
     parse_store_url,
 )
+from lightning_bamboo.membership.collectives import BarrierTimeoutError, GatherFailed, barrier, gather
 from lightning_bamboo.membership.registry import (
-    BarrierTimeoutError,
-    GatherFailed,
     LossDetector,
     NodeIdInUseError,
     Registry,
-    barrier,
-    gather,
     job_prefix,
     wait_for_key,
 )

@@ -10,6 +10,7 @@ import torch
 
 from lightning_bamboo import consolidate_checkpoint
 from lightning_bamboo.schedule import Costs, build_schedule
+from lightning_bamboo.testing import faults
 from tests.helpers import PYTHON, REPO, max_abs_diff, optimizer_states, reference_weights, run
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +71,7 @@ def test_sigkill_is_taken_over_and_weights_equal_the_run_without_it(tmp_path, ki
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
                 "--stages", "4", "--steps", "20", "--partition", "uniform", "--redundancy", mode, "--out", str(tmp_path),
                 "--rf-costs", "1,2"],  # the kill points below name schedule steps of the model's placement
-               timeout=240, env={"BAMBOO_FAIL_AT": kill})
+               timeout=240, env=faults.environment([kill]))
     assert proc.returncode == 0, proc.stdout[-4000:]
     victim = kill.split("@")[0]
     assert f"{victim}=-9" in proc.stdout and "=-6" not in proc.stdout, proc.stdout[-2000:]
@@ -93,7 +94,7 @@ def test_a_node_lost_while_the_job_starts_is_started_without(tmp_path):
     the weights equal the clean run's."""
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
                 "--stages", "4", "--steps", "6", "--partition", "uniform", "--redundancy", "lazy", "--out", str(tmp_path)],
-               timeout=240, env={"BAMBOO_FAIL_AT": "node2@start"})
+               timeout=240, env=faults.environment(["node2@start"]))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "node2=-9" in proc.stdout and "injected SIGKILL at step start" in proc.stdout
     for node in ("node0", "node1", "node3"):
@@ -110,7 +111,7 @@ def test_a_node_lost_in_a_checkpoint_save_is_failed_over_and_the_save_redone(tmp
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
                 "--stages", "4", "--steps", "12", "--partition", "uniform", "--redundancy", "lazy", "--save-every", "4",
                 "--out", str(tmp_path)],
-               timeout=240, env={"BAMBOO_FAIL_AT": "node2@save8"})
+               timeout=240, env=faults.environment(["node2@save8"]))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "node2=-9" in proc.stdout and "injected SIGKILL at step save8" in proc.stdout
     summary = _lines(proc.stdout, "global_step")[-1]
@@ -133,7 +134,7 @@ def test_a_resumed_job_keeps_its_replicas_exact_and_a_kill_after_it_is_bit_exact
     proc = run([*job, "--save-every", "3", "--out", str(clean)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     proc = run([*job, "--resume", str(clean / "step3.ckpt"), "--check-replicas", "--audit", "--out", str(resumed)], timeout=240,
-               env={"BAMBOO_FAIL_AT": "node2@5"})
+               env=faults.environment(["node2@5"]))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "node2=-9" in proc.stdout, proc.stdout[-2000:]
     checks = _lines(proc.stdout, "replica_check")

@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -394,17 +395,21 @@ def test_bad_strings_are_rejected(text):
         Action.parse(text)
 
 
-def test_module_imports_only_the_standard_library():
-    import lightning_bamboo.schedule as module
+def test_module_imports_only_the_standard_library_and_the_pure_rooms():
+    import lightning_bamboo.schedule as package
 
-    tree = ast.parse(open(module.__file__).read())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
-    assert imported - set(sys.stdlib_module_names) <= {"__future__", "lightning_bamboo"}
-    assert not any(node.module and node.module != "lightning_bamboo.errors" and node.module.startswith("lightning_bamboo")
-                   for node in ast.walk(tree) if isinstance(node, ast.ImportFrom))
+    files = sorted(Path(package.__file__).parent.glob("*.py"))
+    assert len(files) > 1
+    for file in files:
+        tree = ast.parse(file.read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+        assert imported - set(sys.stdlib_module_names) <= {"__future__", "lightning_bamboo"}, file.name
+        assert not any(node.module and node.module not in ("lightning_bamboo.errors", "lightning_bamboo.topology.layout")
+                       and node.module.startswith("lightning_bamboo") and not node.module.startswith("lightning_bamboo.schedule.")
+                       for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)), file.name
 
 
 def test_ring_placement():

@@ -261,3 +261,17 @@ def test_checkpoint_restart_takes_a_joining_node_in_by_restarting():
     assert [what for _, what in prediction.timeline][-1].startswith("lost []: restart 4 stages")
     with_replicas = replay_demo(events, NODES, P, 40)
     assert with_replicas.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}  # e is admitted live instead
+
+
+def test_the_simulator_imports_only_the_demos_pure_modules():
+    """sim models the demo from its events and its shape, never from its command or controller."""
+    import ast
+    from pathlib import Path
+
+    import lightning_bamboo.sim as sim
+
+    for file in Path(sim.__file__).parent.glob("*.py"):
+        tree = ast.parse(file.read_text())
+        demo = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module and node.module.startswith("lightning_bamboo.demo")}
+        assert demo <= {"lightning_bamboo.demo.events", "lightning_bamboo.demo.plan"}, (file.name, demo)

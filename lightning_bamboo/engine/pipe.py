@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -20,16 +18,9 @@ from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.replica import GradientExchange, Replica
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.schedule import Costs
+from lightning_bamboo.testing import faults
 
 log = logging.getLogger(__name__)
-
-#: Fault injection for tests and the demo: ``NODE@STEP`` or ``NODE@STEP:INSTRUCTION``. The named
-#: node SIGKILLs itself at the start of step STEP (0-based count of train_batch calls), or after
-#: INSTRUCTION schedule steps of it (a kill in the middle of a step).
-FAIL_AT_ENV = "BAMBOO_FAIL_AT"
-#: a directory: with it, each BAMBOO_FAIL_AT item kills only once (a node started again after it is spared)
-FAIL_ONCE_ENV = "BAMBOO_FAIL_ONCE_DIR"
-
 
 class PeerLost(BambooError):
     """A peer of this pipeline is gone; the step in flight did not commit here."""
@@ -264,7 +255,7 @@ class BambooPipelineEngine(PipelineEngine):
         """One training step (``step``: its index, default the next; ``share``: see :attr:`share`)."""
         step = self.batches_run if step is None else step
         self.batches_run, self.share = step + 1, share
-        _maybe_fail(self.node_id, step, None)
+        faults.reached(self.node_id, step)
         if self.guard is None:
             return self._train_and_commit(data_iter, step)
         return self.guard.run(lambda: self._train_and_commit(data_iter, step), busy=lambda: self.phase == "apply")
@@ -294,7 +285,7 @@ class BambooPipelineEngine(PipelineEngine):
                 started = time.perf_counter()
                 self.commit(step)
                 self.replica_seconds["commit"] += time.perf_counter() - started
-            _maybe_fail(self.node_id, f"apply{step}", None)  # tests: committed everywhere, applied nowhere yet
+            faults.reached(self.node_id, f"apply{step}")  # tests: committed everywhere, applied nowhere yet
             self.phase = "apply"
             self.apply_step()
         self.phase = "idle"
@@ -450,33 +441,8 @@ def _saved_on_host(device: torch.device) -> Any:
     return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
-def _maybe_fail(node: str, step: int | str, instruction: int | None) -> None:
-    """SIGKILL this process where BAMBOO_FAIL_AT names it: ``node@step``, ``node@step:instruction``,
-    ``node@start`` (registered, before the job's first rendezvous), ``node@save<step>`` (in the
-    checkpoint save after that step, once its layers are written), ``node@apply<step>`` (the step
-    committed on every node, its update not applied yet), ``node@reconfigure`` (in a live
-    reconfiguration, after the layers moved, before the new stage forms its process groups) or
-    ``node@failover`` (in its first failover, once the new process group formed, before the stage
-    is rebuilt)."""
-    spec = os.environ.get(FAIL_AT_ENV, "")
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        who, _, when = item.partition("@")
-        at_step, _, at_instruction = when.partition(":")
-        if who != node or at_step != str(step):
-            continue
-        if (instruction is None and not at_instruction) or (at_instruction and instruction == int(at_instruction)):
-            once = os.environ.get(FAIL_ONCE_ENV)
-            if once:  # each item kills once, whichever incarnation of the node reaches it first
-                try:
-                    os.close(os.open(os.path.join(once, item.replace("/", "_")), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                except FileExistsError:
-                    continue
-            log.warning("%s: injected SIGKILL at step %s%s", node, step, "" if instruction is None else f" instruction {instruction}")
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class _FailureInjector:
-    """Iterates a DeepSpeed schedule, SIGKILLing this process at the step named by BAMBOO_FAIL_AT."""
+    """Iterates a DeepSpeed schedule, reporting each of its steps to ``faults.reached`` (a kill mid-step)."""
 
     def __init__(self, schedule: Any, node: str, step: int) -> None:
         self.schedule, self.node, self.step = schedule, node, step
@@ -486,10 +452,11 @@ class _FailureInjector:
         return getattr(self.schedule, name)  # num_pipe_buffers() and the rest of the schedule's API
 
     def __iter__(self) -> Iterator[Any]:
+        check = faults.armed(self.node)
         for index, commands in enumerate(self.schedule):
             self.index = index
-            if index:
-                _maybe_fail(self.node, self.step, index)
+            if index and check:
+                faults.reached(self.node, self.step, index)
             yield commands
 
 

@@ -1,4 +1,4 @@
-"""Node registry on any Store: join with a lease and heartbeats, announce losses and notices, watch, barriers."""
+"""Node registry on any Store: join with a lease and heartbeats, announce losses and notices, watch for them."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.keys import check_name, job_prefix
 from lightning_bamboo.membership.protocol import (
     KeyValue,
     LeaseExpiredError,
@@ -25,38 +26,10 @@ from lightning_bamboo.membership.protocol import (
 #: Lease TTL of a node (seconds). A node that freezes is seen as gone after at most TTL + the store's
 #: expiry slack (etcd checks leases every 0.5 s), so 8 s keeps detection under the 10 s target.
 DEFAULT_TTL = 8.0
-#: Root of every key this module writes: ``/bamboo/<job>/...``.
-ROOT = "/bamboo"
 
 
 class NodeIdInUseError(StoreError):
     """Another live incarnation already holds this node id."""
-
-
-class BarrierTimeoutError(StoreError, TimeoutError):
-    """Not every expected participant reached a barrier in time."""
-
-
-class GatherFailed(StoreError):
-    """A collective through the store (``gather``) failed for every participant: ``lost`` never put its part."""
-
-    def __init__(self, message: str, lost: Collection[str]) -> None:
-        super().__init__(message)
-        self.lost = tuple(sorted(lost))
-
-
-def _check_name(kind: str, name: str) -> str:
-    if not name or "/" in name or not name.isprintable() or name.strip() != name:
-        raise BambooConfigError(
-            f"a {kind} must be a non-empty printable name without '/' or surrounding spaces (got {name!r}); "
-            "e.g. 'node3' or 'gpt-demo'"
-        )
-    return name
-
-
-def job_prefix(job: str) -> str:
-    """The key prefix that holds everything about ``job``."""
-    return f"{ROOT}/{_check_name('job name', job)}/"
 
 
 @dataclass(frozen=True)
@@ -258,7 +231,7 @@ class Registry:
                 f"heartbeat must be in (0, ttl) seconds (got heartbeat={heartbeat}, ttl={ttl}); use about ttl/3"
             )
         self.store, self.job, self.ttl = store, job, float(ttl)
-        self.node_id = _check_name("node id", node_id)
+        self.node_id = check_name("node id", node_id)
         self.base = job_prefix(job)
         self.info = NodeInfo(
             node_id=node_id,
@@ -379,7 +352,7 @@ class Registry:
         ``wait_for_membership_change``/``LossDetector`` wakes on it, long before the lease expires.
         ``incarnation`` defaults to the one registered now (so a re-joined node is not hit).
         """
-        _check_name("node id", node_id)
+        check_name("node id", node_id)
         if incarnation is None:
             kv = self.store.get(self.node_key(node_id), timeout=timeout)
             incarnation = json.loads(kv.value)["incarnation"] if kv else ""
@@ -525,103 +498,8 @@ class LossDetector:
         self.stop()
 
 
-def barrier(
-    store: Store,
-    prefix: str,
-    me: str,
-    expected: Collection[str],
-    timeout: float,
-    *,
-    value: str = "",
-    lease: int = 0,
-) -> dict[str, str]:
-    """Put ``prefix/me`` and wait until every name in ``expected`` has put its key; returns name -> value.
-
-    Use a fresh prefix per rendezvous round (e.g. ``job_prefix(job) + f"rdzv/{round}"``). With
-    ``lease`` the arrival vanishes if we die, so a barrier never counts a dead node. Raises
-    ``BarrierTimeoutError`` naming the missing participants after ``timeout`` s.
-    """
-    base = prefix.rstrip("/") + "/"
-    want = set(expected)
-    store.put(base + _check_name("participant", me), value, lease=lease)
-    deadline = time.monotonic() + timeout
-    snap = store.get_prefix(base)
-    while True:
-        got = {kv.key[len(base) :]: kv.value for kv in snap.kvs}
-        missing = want - set(got)
-        if not missing:
-            return {k: v for k, v in got.items() if k in want}
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise BarrierTimeoutError(
-                f"barrier {base} at {store.url}: {len(want) - len(missing)} of {len(want)} arrived within "
-                f"{timeout:.1f} s; missing {sorted(missing)}. A missing node is dead or slow: check its "
-                "logs, or re-plan without it"
-            )
-        store.wait_for_change(base, snap.revision, remaining)
-        snap = store.get_prefix(base, timeout=max(1.0, remaining))
-
-
-def gather(
-    store: Store,
-    prefix: str,
-    me: str,
-    expected: Sequence[str],
-    value: str,
-    timeout: float,
-    lost: Callable[[], Collection[str]],
-    *,
-    poll: float = 0.2,
-) -> list[str]:
-    """Put ``value`` as ``me``'s part of one collective; return every part, in ``expected`` order, or fail for all.
-
-    The outcome is decided once, in the store: the first participant to see every part puts
-    ``outcome`` = done; the first to see a part missing from a node that ``lost()`` names puts
-    ``outcome`` = failed. Everyone follows that key, so either every survivor returns the same
-    parts or every survivor raises ``GatherFailed`` at the same collective; a part put by a node
-    that died afterwards still counts. (A gloo collective gives no such guarantee: some ranks can
-    finish it while others are still waiting when a peer dies, and after the failover they would
-    retry different collectives.) Use a fresh ``prefix`` per collective.
-    """
-    base = prefix.rstrip("/") + "/"
-    parts, outcome_key = base + "n/", base + "outcome"
-    store.put(parts + _check_name("participant", me), value)
-    want = list(expected)
-    deadline = time.monotonic() + timeout
-    revision = 0
-    while True:
-        snap = store.get_prefix(base)
-        got = {kv.key[len(parts) :]: kv.value for kv in snap.kvs if kv.key.startswith(parts)}
-        outcome = next((kv.value for kv in snap.kvs if kv.key == outcome_key), None)
-        if outcome is None:
-            missing = set(want) - set(got)
-            gone = missing & set(lost())
-            if not missing:
-                outcome = store.put_if_absent(outcome_key, f"done:{me}")[1].value
-            elif gone:
-                outcome = store.put_if_absent(outcome_key, f"failed:{me}:{','.join(sorted(gone))}")[1].value
-        if outcome is not None:
-            if outcome.startswith("failed:"):
-                names = outcome.split(":", 2)[2].split(",")
-                raise GatherFailed(f"collective {base} failed: {', '.join(names)} lost before putting a part", names)
-            if set(want) - set(got):  # decided done by someone who saw parts our snapshot predates
-                got = {kv.key[len(parts) :]: kv.value for kv in store.get_prefix(parts).kvs}
-            return [got[name] for name in want]
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise BarrierTimeoutError(
-                f"collective {base} at {store.url}: {len(want) - len(missing)} of {len(want)} parts within "
-                f"{timeout:.1f} s; missing {sorted(missing)} (none of them reported lost). A missing node is "
-                "stuck or slow: check its logs"
-            )
-        change = store.wait_for_change(base, max(revision, snap.revision), min(remaining, poll))
-        revision = change.revision
-
-
 __all__ = [
     "DEFAULT_TTL",
-    "BarrierTimeoutError",
-    "GatherFailed",
     "LeaseExpiredError",
     "LeaveNotice",
     "LossDetector",
@@ -630,8 +508,6 @@ __all__ = [
     "NodeIdInUseError",
     "NodeInfo",
     "Registry",
-    "barrier",
-    "gather",
     "job_prefix",
     "read_membership",
     "wait_for_membership_change",

@@ -7,10 +7,11 @@ import logging
 import time
 from typing import Any
 
-from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
+from lightning_bamboo.engine.pipe import PeerLost
 from lightning_bamboo.errors import BambooError, FatalLoss
-from lightning_bamboo.membership.registry import BarrierTimeoutError
+from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.runtime.stage import NodeStage
+from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.failover import layout_tag, plan_loss
 from lightning_bamboo.topology.layout import Layout
 
@@ -95,7 +96,7 @@ def _fail_over_once(node: NodeStage, base: _Captured, suspected: set[str], step:
     # and those that did not agree on the same layout, so they must meet in the same group.
     rank, world = session.reform(list(plan.order), tag=layout_tag(plan.order))
     log.info("%s: process group re-formed", session.node)
-    _maybe_fail(session.node, "failover", None)  # fault injection (BAMBOO_FAIL_AT=node@failover)
+    faults.reached(session.node, "failover")  # fault injection (BAMBOO_FAIL_AT=node@failover)
     node.enter_group(rank, world)
     # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
     layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)

@@ -7,11 +7,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.engine.build import ensure_deepspeed_comm
-from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
+from lightning_bamboo.engine.pipe import PeerLost
 from lightning_bamboo.engine.reconfigure import move_layers
 from lightning_bamboo.engine.replica import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
-from lightning_bamboo.membership.registry import BarrierTimeoutError
+from lightning_bamboo.membership.collectives import BarrierTimeoutError
+from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import Layout
 from lightning_bamboo.topology.transfer import transfer_plan
 
@@ -75,7 +76,7 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
             return received
 
         held = {**held, **session.guard().run(move)}
-        _maybe_fail(session.node, "reconfigure", None)  # fault injection (BAMBOO_FAIL_AT=node@reconfigure)
+        faults.reached(session.node, "reconfigure")  # fault injection (BAMBOO_FAIL_AT=node@reconfigure)
         runner.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper)
     except (PeerLost, BarrierTimeoutError) as err:
         raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "

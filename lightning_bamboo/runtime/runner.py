@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine.pipe import PeerLost, _maybe_fail
+from lightning_bamboo.engine.pipe import PeerLost
 from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
@@ -20,6 +20,7 @@ from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
 from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo
 from lightning_bamboo.runtime.stage import NodeStage, States
+from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
 
 log = logging.getLogger(__name__)
@@ -255,7 +256,7 @@ class PipelineRunner(NodeStage):
         def barrier_between(name: str) -> None:
             if self.session is not None and name == "bamboo_checkpoint_layers":
                 # tests: a node that dies in the middle of a save (BAMBOO_FAIL_AT=node@save<step>)
-                _maybe_fail(self.session.node, f"save{step}", None)
+                faults.reached(self.session.node, f"save{step}")
             barrier(name)
 
         ckpt.save_sharded(path, engine.module, engine.optimizer if with_optimizer else None, engine.layer_range, meta,

@@ -16,6 +16,7 @@ from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.membership.fence import FencedStore
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
+from lightning_bamboo.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,7 @@ class Session:
             self.nodes = []  # not in any pipeline until admitted (see wait_admission)
             self.store.put(f"{self.base}standby/{self.node}", "1")
         else:
-            from lightning_bamboo.engine.pipe import _maybe_fail
-
-            _maybe_fail(self.node, "start", None)  # tests: a node that dies while the job starts
+            faults.reached(self.node, "start")  # tests: a node that dies while the job starts
             try:
                 self._start_rendezvous(rendezvous_timeout)
             except BaseException:
@@ -104,7 +103,7 @@ class Session:
         A node lost before the process group formed leaves ``start_lost`` set, once every other node
         is up: the strategy then starts without it (``start_without``) instead of restarting the job.
         """
-        from lightning_bamboo.membership.registry import BarrierTimeoutError, barrier
+        from lightning_bamboo.membership.collectives import BarrierTimeoutError, barrier
 
         deadline = time.monotonic() + timeout
         while True:
@@ -138,7 +137,7 @@ class Session:
         """
         from lightning_bamboo.engine.pipe import PeerLost
         from lightning_bamboo.errors import FatalLoss
-        from lightning_bamboo.membership.registry import BarrierTimeoutError
+        from lightning_bamboo.membership.collectives import BarrierTimeoutError
 
         launched, suspected = list(self.nodes), set(self.start_lost)
         for _attempt in range(len(launched)):
@@ -281,7 +280,7 @@ class Session:
         ``registry.gather``), so after the failover they all retry the same operation. Collectives
         are numbered per generation; the numbering restarts with each new process group.
         """
-        from lightning_bamboo.membership.registry import GatherFailed, gather
+        from lightning_bamboo.membership.collectives import GatherFailed, gather
 
         generation, nodes = self.generation, list(self.nodes)
         seq = self._collectives.get(generation, 0)
@@ -330,7 +329,7 @@ class Session:
         The rendezvous waits in short slices and gives up at once (``PeerLost``) when a node it
         waits for is lost, so a failover never waits on a dead node.
         """
-        from lightning_bamboo.membership.registry import BarrierTimeoutError, barrier
+        from lightning_bamboo.membership.collectives import BarrierTimeoutError, barrier
 
         generation = self.generation + 1
         prefix = f"{self.base}rdzv/{generation}/{tag}"

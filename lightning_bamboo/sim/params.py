@@ -278,8 +278,6 @@ def record_measurement(
         SimParams(**{**{k: v["value"] for k, v in data["params"].items()}, key: value})  # validates
         entries = data["params"]
     else:
-        from lightning_bamboo.sim.demo import DemoParams
-
         block = data.setdefault("demo", {"about": SECTIONS["demo"], "params": {}})
         entries = block.setdefault("params", {})
         known = {f.name for f in dataclasses.fields(DemoParams)}
@@ -309,3 +307,62 @@ SECTIONS = {
         "lightning_bamboo.sim.demo and benchmarks/sim_validation.py only"
     ),
 }
+
+
+@dataclass(frozen=True)
+class DemoParams:
+    """Demo-scale times (seconds on the machine that ran ``benchmarks/sim_calibrate.py``)."""
+
+    step_seconds: Mapping[int, float]  # pipeline depth -> seconds per step, with replicas
+    step_seconds_no_redundancy: Mapping[int, float]  # pipeline depth -> seconds per step, no replicas
+    failover_seconds: float  # from a loss to the redone step starting on the shorter pipeline
+    restart_seconds: float  # from a loss to the first step after reloading the checkpoint starting
+    checkpoint_save_seconds: float  # pause after every checkpoint_every-th step
+    end_seconds: float = 0.0  # time the demo counts after its last step (final save, exit)
+    startup_timeout_seconds: float = (
+        0.0  # a worker lost while a restart starts: the others wait this long, then fail
+    )
+    samples_per_step: int = 8
+    reconfigure_seconds: float = 0.0  # a live reconfiguration (rebalance after a failover, admitting a node)
+    join_seconds: float = 0.0  # from starting a joining node to it standing by (process and model start-up)
+    standby_start_seconds: float = 0.0  # training time lost to one standby process starting (it shares the cores)
+    #: with replicas, a fatal loss restarts the survivors in their running processes: from the loss to the
+    #: first step after reloading the checkpoint (None: as long as ``restart_seconds``)
+    restart_in_place_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("step_seconds", "step_seconds_no_redundancy"):
+            table = getattr(self, name)
+            if not table or any(int(d) < 1 or not float(s) > 0 for d, s in table.items()):
+                raise ParamError(
+                    f"demo parameter {name} needs depth -> seconds > 0 for depths >= 1 (got {table!r})"
+                )
+            object.__setattr__(self, name, {int(d): float(s) for d, s in table.items()})
+        for name in (
+            "failover_seconds",
+            "restart_seconds",
+            "checkpoint_save_seconds",
+            "end_seconds",
+            "startup_timeout_seconds",
+            "reconfigure_seconds",
+            "join_seconds",
+            "standby_start_seconds",
+            "restart_in_place_seconds",
+        ):
+            if getattr(self, name) is not None and not float(getattr(self, name)) >= 0:
+                raise ParamError(f"demo parameter {name} must be >= 0 (got {getattr(self, name)!r})")
+        if self.samples_per_step < 1:
+            raise ParamError(f"demo parameter samples_per_step must be >= 1 (got {self.samples_per_step})")
+
+    def step_time(self, depth: int, redundancy: bool) -> float:
+        """Seconds per step at ``depth`` (a one-node pipeline has no replica): the measured value,
+        linear between the measured depths around it, the nearest measured depth outside them."""
+        table = self.step_seconds if redundancy and depth > 1 else self.step_seconds_no_redundancy
+        if depth in table:
+            return table[depth]
+        below = [d for d in table if d < depth]
+        above = [d for d in table if d > depth]
+        if not below or not above:
+            return table[max(below) if below else min(above)]
+        d0, d1 = max(below), min(above)
+        return table[d0] + (table[d1] - table[d0]) * (depth - d0) / (d1 - d0)

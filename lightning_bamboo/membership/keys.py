@@ -1,0 +1,22 @@
+"""The store's key layout: everything about a job lives under ``/bamboo/<job>/``; the names allowed in it."""
+
+from __future__ import annotations
+
+from lightning_bamboo.errors import BambooConfigError
+
+#: Root of every key this module writes: ``/bamboo/<job>/...``.
+ROOT = "/bamboo"
+
+
+def check_name(kind: str, name: str) -> str:
+    if not name or "/" in name or not name.isprintable() or name.strip() != name:
+        raise BambooConfigError(
+            f"a {kind} must be a non-empty printable name without '/' or surrounding spaces (got {name!r}); "
+            "e.g. 'node3' or 'gpt-demo'"
+        )
+    return name
+
+
+def job_prefix(job: str) -> str:
+    """The key prefix that holds everything about ``job``."""
+    return f"{ROOT}/{check_name('job name', job)}/"

@@ -1,0 +1,191 @@
+"""Builders of the healthy step (off, lazy, eager with RF in the waits) and of the failover step."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+
+from lightning_bamboo.schedule.action import Action, Kind, ScheduleError
+from lightning_bamboo.schedule.costs import Costs
+from lightning_bamboo.schedule.dryrun import execute
+from lightning_bamboo.schedule.placement import replica_stage
+from lightning_bamboo.schedule.program import Schedule, Tick, check_shape
+from lightning_bamboo.topology.layout import replica_holder
+
+
+@functools.lru_cache(maxsize=65536)
+def _stage_tick(stage: int, step: int, p: int, m: int, layout: tuple[int, ...]) -> tuple[Action, ...]:
+    """The actions of ``stage`` at ``step`` of DeepSpeed's synchronous 1F1B (TrainSchedule), without the
+    final reduce/optimizer actions. Forward of micro-batch k runs at step ``2k + stage``, its backward at
+    step ``2k + 2p - 1 - stage``; so forward and backward steps of a stage alternate, and at every step each
+    stage talks to at most one neighbour."""
+    out: list[Action] = []
+    valid = range(m).__contains__
+    if (step - stage) % 2 == 0:                         # forward step
+        cur, prev = (step - stage) // 2, (step - 2 * p + stage) // 2
+        if stage > 0 and valid(prev):
+            out.append(Action(Kind.SEND_GRAD, stage, prev, peer=layout[stage - 1]))
+        if stage > 0 and valid(cur):
+            out.append(Action(Kind.RECV_ACT, stage, cur, peer=layout[stage - 1]))
+        if stage in (0, p - 1) and valid(cur):
+            out.append(Action(Kind.LOAD, stage, cur))
+        if valid(cur):
+            out.append(Action(Kind.FORWARD, stage, cur))
+    else:                                               # backward step
+        cur, prev = (step - 2 * p + 1 + stage) // 2, (step - 1 - stage) // 2
+        if stage < p - 1 and valid(cur):
+            out.append(Action(Kind.RECV_GRAD, stage, cur, peer=layout[stage + 1]))
+        if stage < p - 1 and valid(prev):
+            out.append(Action(Kind.SEND_ACT, stage, prev, peer=layout[stage + 1]))
+        if valid(cur):
+            out.append(Action(Kind.BACKWARD, stage, cur))
+    return tuple(out)
+
+
+def _sync_actions(p: int, layout: Sequence[int], replicas: Sequence[int | None]) -> list[list[Action]]:
+    """Replica sync per rank: for each stage with a live replica, its owner sends ``S>`` and the holder
+    receives ``S<``. Transfers run along the ring (rank r sends to r - 1, receives from r + 1); even ranks
+    send first and odd ranks receive first, so the blocking ring finishes in at most three transfer times
+    whatever ``p`` (a single global order would take ``p``)."""
+    per_rank: list[list[Action]] = [[] for _ in range(p)]
+    for holder, stage in enumerate(replicas):
+        if stage is None:
+            continue
+        owner = layout[stage]
+        per_rank[owner].append(Action(Kind.SEND_SYNC, stage, peer=holder))
+        per_rank[holder].append(Action(Kind.RECV_SYNC, stage, peer=owner))
+    for rank, actions in enumerate(per_rank):
+        actions.sort(key=lambda a: a.is_send == (rank % 2 == 1))
+    return per_rank
+
+
+def _assemble(p: int, m: int, layout: tuple[int, ...], replicas: Sequence[int | None],
+              dead: int | None, reuse: frozenset[int] = frozenset()) -> list[list[list[Action]]]:
+    """Per rank, per step: the stage ticks of the stages the rank runs (in the rank's own stage first, then
+    the adopted one), local hand-offs dropped, with TIE, RED, replica sync and OPT closing the last step."""
+    steps = 2 * (m + p - 1)
+    sync = _sync_actions(p, layout, replicas)
+    programs: list[list[list[Action]]] = []
+    for rank in range(p):
+        if rank == dead:
+            programs.append([])
+            continue
+        own = [s for s, r in enumerate(layout) if r == rank]
+        own.sort(key=lambda s: (s != rank, s))
+        program = []
+        for step in range(steps):
+            tick: list[Action] = []
+            for stage in own:
+                for a in _stage_tick(stage, step, p, m, layout):
+                    if a.is_comm and a.peer == rank:
+                        continue                                     # both stages here: a local hand-off
+                    if a.stage == dead and a.micro_batch in reuse:   # taken over: forward kept by RF
+                        if a.kind is Kind.FORWARD:
+                            continue
+                        if a.kind is Kind.BACKWARD:
+                            a = Action(Kind.REDUNDANT_BACKWARD, a.stage, a.micro_batch)
+                    tick.append(a)
+            program.append(tick)
+        program[-1] += [Action(Kind.REDUCE_TIED), Action(Kind.REDUCE)] + sync[rank] + [Action(Kind.OPTIMIZER)]
+        programs.append(program)
+    return programs
+
+
+def _freeze(programs: list[list[list[Action]]]) -> tuple[tuple[Tick, ...], ...]:
+    return tuple(tuple(tuple(tick) for tick in program) for program in programs)
+
+
+def build_schedule(stages: int, micro_batches: int, redundancy: str = "off", *, costs: Costs | None = None,
+                   rf_budget: int | None = None) -> Schedule:
+    """One healthy training step.
+
+    ``"off"``: DeepSpeed's TrainSchedule, action for action. ``"lazy"``: the same plus replica sync (node r
+    holds stage ``(r + 1) % stages``; each owner ships its reduced gradients ``S>`` to the holder before OPT,
+    and the holder's OPT steps the replica too). ``"eager"``: lazy plus redundant forwards of the replica
+    stage placed where the rank would wait (see ``_place_rf``): with ``rf_budget=None`` only into those
+    waits, given ``costs``; the micro-batches left out are recomputed on failure (F and B on the replica). An
+    int ``rf_budget`` caps RFs per rank at that number and puts those that fit no wait just before TIE
+    (outside the bubbles, costing time): ``rf_budget=micro_batches`` computes every RF.
+    """
+    check_shape(stages, micro_batches, redundancy)
+    if rf_budget is not None and (not isinstance(rf_budget, int) or isinstance(rf_budget, bool) or rf_budget < 0):
+        raise ScheduleError(f"rf_budget must be None (waits only) or an int >= 0, got {rf_budget!r}")
+    if rf_budget is not None and redundancy != "eager":
+        raise ScheduleError(f"rf_budget only applies to redundancy='eager', got redundancy={redundancy!r}")
+    p, m = stages, micro_batches
+    layout = tuple(range(p))
+    replicas: tuple[int | None, ...] = (tuple(None for _ in range(p)) if redundancy == "off"
+                                        else tuple(replica_stage(r, p) for r in range(p)))
+    programs = _assemble(p, m, layout, replicas, None)
+    if redundancy == "eager":
+        programs = _place_rf(programs, p, m, layout, replicas, costs or Costs(), rf_budget)
+    return Schedule(p, m, redundancy, _freeze(programs), layout, replicas)
+
+
+def build_failover(stages: int, micro_batches: int, dead: int, *, redundancy: str = "lazy",
+                   reuse_rf: Iterable[int] = ()) -> Schedule:
+    """The step run right after node ``dead`` is lost (the step in flight, redone once): its predecessor in
+    the ring, ``replica_holder(dead)``, runs its own stage and ``dead``'s stage from the replica (for
+    ``dead == 0`` that is rank ``stages - 1`` running stages ``stages - 1`` and 0). The merged rank's step
+    ``t`` holds both stages' step ``t`` (the hand-off between adjacent stages is local). Micro-batches in
+    ``reuse_rf`` (eager only; see ``Schedule.redundant_forwards``) skip the dead stage's forward: the kept RF
+    output is sent on and their backward is ``RB``. Replicas still backed by a live holder keep being synced;
+    the dead stage's and its successor's are gone until the pipeline is rebuilt. No RF is placed."""
+    check_shape(stages, micro_batches, redundancy)
+    if redundancy == "off":
+        raise ScheduleError("a failover step needs the replica: redundancy must be 'lazy' or 'eager', got 'off'")
+    if not isinstance(dead, int) or isinstance(dead, bool) or not 0 <= dead < stages:
+        raise ScheduleError(f"dead must be a rank in [0, {stages}), got {dead!r}")
+    reuse = frozenset(reuse_rf)
+    if reuse and redundancy != "eager":
+        raise ScheduleError(f"reuse_rf={sorted(reuse)} needs redundancy='eager' (lazy keeps no RF outputs)")
+    p, m = stages, micro_batches
+    holder = replica_holder(dead, p)
+    layout = tuple(holder if s == dead else s for s in range(p))
+    replicas = tuple(None if r in (dead, holder) else replica_stage(r, p) for r in range(p))
+    programs = _assemble(p, m, layout, replicas, dead, reuse)
+    return Schedule(p, m, redundancy, _freeze(programs), layout, replicas, dead, reuse)
+
+
+def _place_rf(programs: list[list[list[Action]]], p: int, m: int, layout: Sequence[int],
+              replicas: Sequence[int | None], costs: Costs, budget: int | None) -> list[list[list[Action]]]:
+    """Eager placement. Simulate the lazy step with ``costs``; wherever a rank waits ``w`` slots for a peer
+    before an action, insert ``floor(w / forward)`` RFs just before it, lowest ready micro-batch first (RF of
+    stage s+1 on micro-batch k is ready once the rank ran F(s, k); RF of stage 0 on the last rank once it
+    loaded k). An RF never outlasts the wait it fills, so no action moves and the step does not lengthen.
+    Then, if ``budget`` is an int, RFs beyond it are dropped and missing ones up to it go before TIE."""
+    schedule = Schedule(p, m, "lazy", _freeze(programs), tuple(layout), tuple(replicas))
+    timing = execute(schedule, costs)
+    out: list[list[list[Action]]] = []
+    for rank, program in enumerate(programs):
+        target = replicas[rank]
+        assert target is not None
+        cap = m if budget is None else budget
+        ready: list[int] = []
+        placed: list[int] = []
+        new_program: list[list[Action]] = []
+        index = 0
+        for tick in program:
+            new_tick: list[Action] = []
+            for action in tick:
+                arrive, start, _ = timing[rank][index]
+                index += 1
+                slots = math.floor((start - arrive) / costs.forward + 1e-9)
+                while slots > 0 and ready and len(placed) < cap:
+                    k = ready.pop(0)
+                    placed.append(k)
+                    new_tick.append(Action(Kind.REDUNDANT_FORWARD, target, k))
+                    slots -= 1
+                new_tick.append(action)
+                if (target > 0 and action.kind is Kind.FORWARD and action.stage == target - 1) or \
+                        (target == 0 and action.kind is Kind.LOAD and action.micro_batch not in ready + placed):
+                    ready.append(action.micro_batch)  # type: ignore[arg-type]
+            new_program.append(new_tick)
+        if budget is not None:
+            rest = [k for k in range(m) if k not in placed][: max(0, budget - len(placed))]
+            last = new_program[-1]
+            at = next(i for i, a in enumerate(last) if a.kind is Kind.REDUCE_TIED)
+            last[at:at] = [Action(Kind.REDUNDANT_FORWARD, target, k) for k in rest]
+        out.append(new_program)
+    return out
