@@ -5,7 +5,7 @@ stages (failover). That node is then *overloaded* and the job runs at the pace o
 stage; standby nodes may be waiting to help. At each step boundary this callback describes the
 cluster to :func:`lightning_bamboo.topology.policy.reconfigure` (the live pipeline nodes, the
 standby nodes that registered, which nodes are overloaded) and executes its decision with
-``BambooStrategy.reconfigure``: layers and optimizer state move point to point, joining nodes
+``PipelineRunner.reconfigure``: layers and optimizer state move point to point, joining nodes
 get Lightning's training state, replicas are rebuilt. Every decision that changes something is
 logged with its measured cost.
 
@@ -115,8 +115,7 @@ class RebalanceCallback(Callback):
             self.layout = current
         if self.stages is None:
             self.stages = max(self.layout.stages, current.stages)
-        costs = getattr(trainer.strategy, "layer_costs", None)
-        self.layer_costs = costs() if callable(costs) else None
+        self.layer_costs = trainer.strategy.runner.layer_costs()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._unhook()

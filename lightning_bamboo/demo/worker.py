@@ -92,9 +92,7 @@ class Progress(pl.Callback):
         self.delay = delay
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        res = trainer.strategy.resilience
-        if res is not None:
-            res.store.put(f"{res.base}progress/{res.node}", str(trainer.global_step))
+        trainer.strategy.runner.publish("progress", str(trainer.global_step))
         if self.delay:
             time.sleep(self.delay)  # demo pacing, so a person can watch; 0 in tests
 
@@ -193,16 +191,16 @@ def train(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     trainer.save_checkpoint(out / "final.ckpt", weights_only=False)  # weights and optimizer state; no Lightning warning
     if trainer.is_global_zero:
-        res = strategy.resilience
+        runner = strategy.runner
         report = {
             "steps_completed": trainer.global_step,
             "final_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
-            "failovers": res.failovers if res is not None else [],
+            "failovers": runner.failovers,
             "train_seconds": seconds,
             "resumed_from": args.resume,
             "world_size": trainer.world_size,
-            "parts": list(strategy.layout.parts),
-            "micro_batches": strategy.engine.micro_batches,
+            "parts": list(runner.layout.parts),
+            "micro_batches": runner.micro_batches,
         }
         torch.save(lightning_bamboo.consolidate_checkpoint(out / "final.ckpt"), out / "weights.pt")
         (out / "report.json").write_text(json.dumps(report))

@@ -130,6 +130,12 @@ class PipelineRunner(NodeStage):
         """This node's failover records, oldest first."""
         return self.session.failovers if self.session is not None else []
 
+    def publish(self, topic: str, value: str) -> None:
+        """Put ``value`` as this node's entry of ``topic`` in the job's store (``<job>/<topic>/<node>``), for
+        whoever watches the job (the demo's controller reads ``progress``); nothing without membership."""
+        if self.session is not None:
+            self.session.store.put(f"{self.session.base}{topic}/{self.session.node}", value)
+
     def agree(self, topic: str, step: int, proposal: dict[str, Any]) -> dict[str, Any]:
         """One value for ``topic`` at ``step`` on every node: the first proposal put in the store wins."""
         session = self._session()

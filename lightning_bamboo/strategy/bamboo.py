@@ -172,14 +172,6 @@ class _BambooStrategyMixin(CheckpointHooks):
     def keep_global_batch(self, value: bool) -> None:
         self.data.keep_global_batch = value
 
-    def layer_costs(self) -> tuple[float, ...] | None:
-        """Relative cost per layer as ``partition`` weighs them (see ``PipelineRunner.layer_costs``)."""
-        return self.runner.layer_costs()
-
-    def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "", pipelines: int = 1) -> float:
-        """Change the layout between two steps, with no loss (``PipelineRunner.reconfigure``)."""
-        return self.runner.reconfigure(order, parts, reason, pipelines)
-
     @property
     def _module(self) -> Any:
         """The LightningModule (after ``connect``)."""
