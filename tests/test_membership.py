@@ -458,6 +458,32 @@ def test_timeout_must_be_positive(store: Store, prefix: str) -> None:
 # ---------------------------------------------------------------- backend-specific
 
 
+def test_a_poll_loop_rides_out_an_etcd_restart_until_its_own_deadline(prefix: str) -> None:
+    """A step commit polls the store in 0.2 s waits; etcd down for longer than one wait is no change
+    until the commit's own deadline (it failed a node's commit during an etcd restart), then an error."""
+    from lightning_bamboo.membership.protocol import wait_riding_out
+
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary")
+    with EtcdServer() as server:
+        store = connect(server.url)
+        try:
+            rev = store.put(prefix + "before", "1")
+            server.kill()
+            with pytest.raises(StoreUnavailableError):  # what the commit loop met before
+                store.wait_for_change(prefix, rev, timeout=0.2)
+            quiet = wait_riding_out(store, prefix, rev, 0.2, until=time.monotonic() + 30)
+            assert quiet.events == () and quiet.revision == rev
+            with pytest.raises(StoreUnavailableError):  # past its own deadline the loop hears of it
+                wait_riding_out(store, prefix, rev, 0.2, until=time.monotonic())
+            server.start()
+            store.put(prefix + "after", "2", timeout=15)
+            change = wait_riding_out(store, prefix, rev, 5.0, until=time.monotonic() + 30)
+            assert [(e.kind, e.key) for e in change.events] == [("put", prefix + "after")]
+        finally:
+            store.close()
+
+
 def test_etcd_store_survives_server_restart(prefix: str) -> None:
     if etcd_binary() is None:
         pytest.skip("no etcd binary")

@@ -224,3 +224,17 @@ class PutIfAbsentFromCAS:
         if kv is None:  # created then deleted (e.g. lease revoked) before we looked
             kv = KeyValue(key, value, 0, 0, 0, lease)
         return won, kv
+
+
+def wait_riding_out(store: Store, prefix: str, after_revision: int, timeout: float, until: float) -> Change:
+    """``store.wait_for_change`` for a poll loop that has a deadline of its own (``until``, a
+    ``time.monotonic()`` value): a store that does not answer within the short ``timeout`` (an etcd
+    restart) counts as no change, until ``until``; then ``StoreUnavailableError`` as before."""
+    import time
+
+    try:
+        return store.wait_for_change(prefix, after_revision, timeout)
+    except StoreUnavailableError:
+        if time.monotonic() >= until:
+            raise
+        return Change((), after_revision)

@@ -16,6 +16,7 @@ from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.membership.fence import FencedStore
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
+from lightning_bamboo.membership.protocol import wait_riding_out
 from lightning_bamboo.testing import faults
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,8 @@ class Session:
                     f"{missing} ({', '.join(f'{n} live' if n in live else f'{n} not registered' for n in missing)}); "
                     "a live node that does not commit is stuck: its log says where"
                 )
-            change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=0.2)
+            # an etcd restart is ridden out here: the commit's own deadline bounds the wait
+            change = wait_riding_out(self.store, prefix, max(revision, snap.revision), 0.2, deadline)
             revision = change.revision
 
     # ------------------------------------------------------------------ standby nodes and admission
