@@ -180,6 +180,7 @@ def predict_cluster(trace_csv: Path, policy: str, clean: dict, measured: dict, a
         reconfigure_seconds=demo.reconfigure_seconds, checkpoint_save_seconds=0.0,
         checkpoint_interval_seconds=args.checkpoint_every * step,
         bamboo_checkpoint_interval_seconds=args.checkpoint_every * step, node_ready_seconds=ready,
+        rejoin_seconds=ready,  # a released survivor restarts as a standby process: a join's start-up
     )
     trace = cluster_trace(trace_csv, args.time_scale, ready)
     target = (measured["steps_completed"] - 1) * 8
@@ -197,6 +198,8 @@ def predict_cluster(trace_csv: Path, policy: str, clean: dict, measured: dict, a
             break
     if done is None:
         raise RuntimeError(f"the simulated {policy} run does not reach {target} samples in {end:.0f} s")
+    # recoveries and preemptions as far as the simulated run goes (the demo's counts end with its run)
+    result, _ = run_policy(policy, trace, params.replace(hours=done / 3600), done)
     return {
         "samples_per_second": target / (done - ready), "wall": done - ready, "step_seconds": step,
         "recovery_seconds": recovery, "recoveries": dict(result.recoveries), "preemptions": result.preemptions,

@@ -34,6 +34,7 @@ TOY = SimParams(
     checkpoint_interval_seconds=40.0,
     bamboo_checkpoint_interval_seconds=50.0,
     node_ready_seconds=0.0,
+    rejoin_seconds=0.0,
     max_overloaded_fraction=0.05,
     spot_price=0.9,
     on_demand_price=3.6,
@@ -175,6 +176,32 @@ def test_two_preemptions_in_different_pipelines_are_not_fatal():
     assert result.recoveries == {"redundant": 2, "checkpoint": 0, "restart": 0}
     assert steps(result) == [(0, R2), (100, 0), (107, R1)]
     assert policy.layout.grid == (("n1", "n4"),)
+
+
+def test_a_released_survivor_is_usable_only_after_its_standby_restart():
+    # As above, but n4 (released when its pipeline is dropped) restarts as a standby process, which
+    # takes rejoin_seconds=20 s. Until then n1 alone holds both stages: the policy makes it a
+    # pipeline of one node (3 s reconfiguration at 104 s: 1 pipeline of depth 1, 2 micro-batches of
+    # 2 layers = 4 slots of the reference's 3 per 1 s, so 1.5 samples/s). At 120 s n4 is ready and
+    # takes stage 1 back (3 s): [n1, n4] from 123 s.
+    result, policy = run(
+        "bamboo",
+        FOUR + ["100000,remove,n2", "100000,remove,n3"],
+        max_overloaded_fraction=1.0,
+        rejoin_seconds=20.0,
+    )
+    assert steps(result) == [(0, R2), (100, 0), (107, 1.5), (120, 0), (123, R1)]
+    assert result.samples == pytest.approx(100 * R2 + 13 * 1.5 + 77 * R1)
+    assert result.recoveries == {"redundant": 2, "checkpoint": 0, "restart": 0}
+    assert policy.layout.grid == (("n1", "n4"),)
+
+
+def test_a_released_survivor_removed_while_it_restarts_never_returns():
+    result, policy = run(
+        "bamboo", FOUR + ["100000,remove,n2", "110000,remove,n4"], rejoin_seconds=20.0
+    )
+    assert steps(result) == [(0, R2), (100, 0), (102, R1)]
+    assert "n4" not in policy.ready and policy.layout.grid == (("n1", "n3"),)
 
 
 def test_two_adjacent_preemptions_checkpoint():

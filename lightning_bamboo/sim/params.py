@@ -45,6 +45,7 @@ class SimParams:
     checkpoint_interval_seconds: float = 0.0
     bamboo_checkpoint_interval_seconds: float = 600.0
     node_ready_seconds: float = 45.0
+    rejoin_seconds: float = 20.0
     max_overloaded_fraction: float = 0.05
     spot_price: float = 0.91
     on_demand_price: float = 3.06
@@ -96,6 +97,7 @@ class SimParams:
             "checkpoint_interval_seconds",
             "bamboo_checkpoint_interval_seconds",
             "node_ready_seconds",
+            "rejoin_seconds",
             "on_demand_nodes",
             "nodes",
             "hours",

@@ -25,6 +25,9 @@ class Policy:
         self.ready: list[str] = []  # usable nodes, in the order they became ready
         self.layout: Placement | None = None
         self.started = False
+        #: nodes that left the layout alive and restart as standby processes: the replay makes each
+        #: ready again ``rejoin_seconds`` later (:func:`lightning_bamboo.sim.simulate.run_policy`)
+        self.restarting: list[str] = []
 
     def on_add(self, event: TraceEvent) -> None:
         """A node was added (billed from now; usable after ``node_ready_seconds``)."""
@@ -38,6 +41,13 @@ class Policy:
 
     def settle(self) -> None:
         """Decide after every event of the current instant."""
+
+    def _restart(self, nodes: set[str]) -> None:
+        """``nodes`` leave the layout and come back as standby processes (not ready until then)."""
+        for node in sorted(nodes):
+            if node in self.ready:
+                self.ready.remove(node)
+                self.restarting.append(node)
 
     def _set_layout(self, layout: Placement | None, **rate: bool) -> None:
         self.layout = layout
@@ -136,7 +146,9 @@ class Bamboo(Policy):
     node does one of them fail over: each lost node's predecessor, which holds its replica, runs
     both stages (slower steps), and the others are released. A loss that no pipeline can fail over
     (a node lost together with its replica holder, or a node already running two stages) is
-    fatal: back to the last asynchronous checkpoint and restart. Every later layout change is
+    fatal: back to the last asynchronous checkpoint and restart. As in the runtime, the released
+    survivors of a dropped pipeline restart as standby processes (``runtime/failover.py``'s
+    ``_release``): they are usable again ``rejoin_seconds`` later. Every later layout change is
     decided by :func:`lightning_bamboo.topology.policy.reconfigure`.
     """
 
@@ -177,6 +189,7 @@ class Bamboo(Policy):
         lost = {n for n in self.layout.nodes if n not in self.ready}
         whole = [row for row in self.layout.grid if not lost & set(row)]
         if whole:  # drop the broken pipelines; no data moves
+            self._restart({n for row in self.layout.grid if row not in whole for n in row})
             layout = Placement(tuple(whole), self.layout.parts, self.config.micro_batches(len(whole)))
             self.ledger.recoveries["redundant"] += 1
             self.ledger.pause("failover", pause)
@@ -192,6 +205,7 @@ class Bamboo(Policy):
                 parts, batches = self.layout.parts, self.config.micro_batches(1)
                 # the layout keeps the lost nodes' places: their holders run them (see step_rate)
                 layout = Placement((row,), parts, batches) if len(rows) > 1 else self.layout
+                self._restart({n for other in self.layout.grid if other != row for n in other})
                 self.overloaded -= lost
                 self._set_layout(layout, redundancy=True, overloaded=True)
                 return

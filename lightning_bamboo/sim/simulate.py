@@ -92,6 +92,10 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
                 alive.discard(e.node)
                 ledger.nodes = len(alive)
                 policy.on_remove(e)
+                for node in policy.restarting:  # released alive: a standby process again after a restart
+                    heapq.heappush(queue, (now + params.rejoin_seconds, seq, "ready", TraceEvent(e.ms, "add", node)))
+                    seq += 1
+                policy.restarting.clear()
             elif e.node in alive:  # ready, unless removed while starting
                 policy.on_ready(e.node)
         policy.settle()
