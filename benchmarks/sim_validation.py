@@ -15,9 +15,11 @@ on the same slice and time scale). Run on the machine that was calibrated.
 ``--cluster`` validates the cluster simulator instead (lightning_bamboo.sim.simulate.run_policy, the
 policies of ``lightning-bamboo simulate``): the demo runs 2 pipelines of 3 stages (``--stages 3``) on
 the slice, with replicas and without, and the simulator replays the same events with that run's
-measured inputs: the step time of a clean 2 x 3 run of the same mode (no preemption; its saves and
-redundancy included), the run's own mean recovery time (failover or restart), and the demo-scale
-join and reconfiguration times of benchmarks/sim_calibrate.py. The 1F1B formula, the layout
+measured inputs: the step times of a clean 2 x 3 run and a clean 1 x 3 run of the same mode (no
+preemption; their saves and redundancy included: on 2 shared cores one pipeline of 3 processes is
+faster than two, where the 1F1B formula for nodes with their own accelerators says slower), the
+run's own mean recovery time (failover or restart), and the demo-scale join and reconfiguration
+times of benchmarks/sim_calibrate.py (a released survivor's standby restart is a join). The layout
 decisions, rollbacks and pauses are the simulator's. Target: samples/s within 15% for both policies.
 
     python benchmarks/sim_validation.py --cluster [--repeats 2] [--steps 600] [--clean-steps 200]
@@ -116,13 +118,15 @@ CLUSTER_NODES = [f"node{i}" for i in range(6)]
 CLUSTER_MODES = {"bamboo": ("bamboo", ()), "checkpoint": ("checkpoint", ("--no-redundancy",))}
 
 
-def run_cluster_demo(trace_csv: Path | None, steps: int, extra: tuple[str, ...], out: Path, args: argparse.Namespace) -> dict:
-    """One demo run of 6 nodes as 2 pipelines x 3 stages (``trace_csv`` None: no preemption)."""
+def run_cluster_demo(
+    trace_csv: Path | None, steps: int, extra: tuple[str, ...], out: Path, args: argparse.Namespace, nodes: int = 6
+) -> dict:
+    """One demo run of ``nodes`` nodes as pipelines of 3 stages (``trace_csv`` None: no preemption)."""
     out.mkdir(parents=True, exist_ok=True)
     report = out / "report.json"
     source = ["--trace", str(trace_csv), "--time-scale", str(args.time_scale)] if trace_csv else ["--preempt", ""]
     cmd = [
-        sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", "6", "--stages", "3",
+        sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(nodes), "--stages", "3",
         "--steps", str(steps), "--checkpoint-every", str(args.checkpoint_every), "--quiet",
         "--report", str(report), *source, *extra,
     ]
@@ -164,8 +168,11 @@ def cluster_trace(trace_csv: Path, time_scale: float, ready: float):
     return Trace(tuple(events), f"{trace_csv.name} (demo view)")
 
 
-def predict_cluster(trace_csv: Path, policy: str, clean: dict, measured: dict, args: argparse.Namespace) -> dict:
-    """Replay the demo's events with the cluster simulator and this run's measured inputs."""
+def predict_cluster(
+    trace_csv: Path, policy: str, clean: dict, single: dict, measured: dict, args: argparse.Namespace
+) -> dict:
+    """Replay the demo's events with the cluster simulator and this run's measured inputs (``clean``: the
+    2 x 3 step time; ``single``: one pipeline of 3, which on 2 shared cores is faster, not slower)."""
     from lightning_bamboo.sim.params import SimParams
     from lightning_bamboo.sim.simulate import run_policy
 
@@ -176,7 +183,7 @@ def predict_cluster(trace_csv: Path, policy: str, clean: dict, measured: dict, a
     ready = demo.join_seconds
     params = SimParams(
         stages=3, min_stages=2, layers=8, micro_batch_size=2, global_micro_batches=4, step_seconds=step,
-        step_pipelines=2, redundancy_overhead=0.0, failover_seconds=recovery, restart_seconds=recovery,
+        step_pipelines=2, single_pipeline_step_seconds=8 / single["samples_per_second"], redundancy_overhead=0.0, failover_seconds=recovery, restart_seconds=recovery,
         reconfigure_seconds=demo.reconfigure_seconds, checkpoint_save_seconds=0.0,
         checkpoint_interval_seconds=args.checkpoint_every * step,
         bamboo_checkpoint_interval_seconds=args.checkpoint_every * step, node_ready_seconds=ready,
@@ -202,6 +209,7 @@ def predict_cluster(trace_csv: Path, policy: str, clean: dict, measured: dict, a
     result, _ = run_policy(policy, trace, params.replace(hours=done / 3600), done)
     return {
         "samples_per_second": target / (done - ready), "wall": done - ready, "step_seconds": step,
+        "single_step_seconds": params.single_pipeline_step_seconds,
         "recovery_seconds": recovery, "recoveries": dict(result.recoveries), "preemptions": result.preemptions,
     }
 
@@ -214,7 +222,7 @@ def validate_cluster(args: argparse.Namespace) -> None:
         f"{piece.removals} removals; 1 demo s = {args.time_scale:g} trace s; {args.steps} steps of 8 samples, "
         f"checkpoint every {args.checkpoint_every}; clean runs of {args.clean_steps} steps"
     )
-    print("\n| repeat | policy | clean step s | recovery s (mean) | measured samples/s | predicted samples/s | error | "
+    print("\n| repeat | policy | clean step s (2 x 3, 1 x 3) | recovery s (mean) | measured samples/s | predicted samples/s | error | "
           "recoveries measured / predicted | preemptions measured / predicted |\n|---|---|---:|---:|---:|---:|---:|---|---|")
     worst: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,13 +232,14 @@ def validate_cluster(args: argparse.Namespace) -> None:
             for name, (policy, extra) in CLUSTER_MODES.items():
                 base = Path(tmp) / f"{name}{repeat}"
                 clean = run_cluster_demo(None, args.clean_steps, extra, base / "clean", args)
+                single = run_cluster_demo(None, args.clean_steps, extra, base / "single", args, nodes=3)
                 measured = run_cluster_demo(csv, args.steps, extra, base / "trace", args)
-                predicted = predict_cluster(csv, policy, clean, measured, args)
+                predicted = predict_cluster(csv, policy, clean, single, measured, args)
                 error = relative_error(predicted["samples_per_second"], measured["samples_per_second"])
                 worst[name] = max(worst.get(name, 0.0), error)
                 m_rec, p_rec = measured["recoveries"], predicted["recoveries"]
                 print(
-                    f"| {repeat} | {name} | {predicted['step_seconds']:.3f} | {predicted['recovery_seconds']:.2f} | "
+                    f"| {repeat} | {name} | {predicted['step_seconds']:.3f}, {predicted['single_step_seconds']:.3f} | {predicted['recovery_seconds']:.2f} | "
                     f"{measured['samples_per_second']:.2f} | {predicted['samples_per_second']:.2f} | {error:.1%} | "
                     f"{m_rec['redundant']}/{m_rec['checkpoint']}/{m_rec['restart']} / "
                     f"{p_rec['redundant']}/{p_rec['checkpoint']}/{p_rec['restart']} | "

@@ -375,3 +375,11 @@ def test_time_adds_up_on_random_traces(seed):
         assert spent == pytest.approx(2.0)
         assert 0 <= b["lost_work"] <= b["training"] + 1e-12
         assert result.samples >= 0
+
+
+def test_a_measured_single_pipeline_step_time_replaces_the_formula_for_one_pipeline():
+    # One preemption as in the first test: [n1, n3] trains on alone from 102 s. Measured at 0.5 s
+    # per step (2 samples: 4 samples/s) instead of the formula's 1 s; two pipelines keep 3 samples/s.
+    result, _ = run("bamboo", FOUR + ["100000,remove,n2"], single_pipeline_step_seconds=0.5)
+    assert steps(result) == [(0, R2), (100, 0), (102, 4.0)]
+    assert result.samples == pytest.approx(100 * R2 + 98 * 4.0)

@@ -34,10 +34,18 @@ def _slots(micro_batches: int, parts: tuple[int, ...]) -> float:
 
 
 def step_seconds(layout: Placement, params: SimParams) -> float:
-    """Seconds per optimizer step of ``layout`` without redundancy or failures."""
-    ref_m = max(policy_config(params).micro_batches(params.step_pipelines))
+    """Seconds per optimizer step of ``layout`` without redundancy or failures.
+
+    A layout of one pipeline scales from ``single_pipeline_step_seconds`` when that is set (measured
+    where nodes share compute, so that fewer pipelines are not slower as the formula says), every
+    other from ``step_seconds`` at ``step_pipelines``.
+    """
+    pipelines, seconds = params.step_pipelines, params.step_seconds
+    if layout.pipelines == 1 and params.single_pipeline_step_seconds:
+        pipelines, seconds = 1, params.single_pipeline_step_seconds
+    ref_m = max(policy_config(params).micro_batches(pipelines))
     reference = _slots(ref_m, even_parts(params.layers, params.stages))
-    return params.step_seconds * _slots(max(layout.micro_batches), layout.parts) / reference
+    return seconds * _slots(max(layout.micro_batches), layout.parts) / reference
 
 
 def step_rate(

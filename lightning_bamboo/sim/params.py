@@ -36,6 +36,7 @@ class SimParams:
     pipeline_micro_batches: int = 0
     step_seconds: float = 4.0
     step_pipelines: int = 4
+    single_pipeline_step_seconds: float = 0.0
     redundancy_overhead: float = 0.1
     failover_slowdown: float = 1.5
     failover_seconds: float = 5.0
@@ -98,6 +99,7 @@ class SimParams:
             "bamboo_checkpoint_interval_seconds",
             "node_ready_seconds",
             "rejoin_seconds",
+            "single_pipeline_step_seconds",
             "on_demand_nodes",
             "nodes",
             "hours",
