@@ -15,10 +15,11 @@ on the same slice and time scale). Run on the machine that was calibrated.
 ``--cluster`` validates the cluster simulator instead (lightning_bamboo.sim.simulate.run_policy, the
 policies of ``lightning-bamboo simulate``): the demo runs 2 pipelines of 3 stages (``--stages 3``) on
 the slice, with replicas and without, and the simulator replays the same events with that run's
-measured inputs: the step times of a clean 2 x 3 run and a clean 1 x 3 run of the same mode (no
-preemption; their saves and redundancy included: on 2 shared cores one pipeline of 3 processes is
-faster than two, where the 1F1B formula for nodes with their own accelerators says slower), the
-run's own mean recovery time (failover or restart), and the demo-scale join and reconfiguration
+measured inputs: the run's own 2 x 3 step time (its steps before the first preemption; saves and
+redundancy included: separate clean runs drift by up to a third on this machine from one to the
+next), the step time of a clean 1 x 3 run of the same mode (on 2 shared cores one pipeline of 3
+processes is faster than two, where the 1F1B formula for nodes with their own accelerators says
+slower), the run's own mean recovery time (failover or restart), and the demo-scale join and reconfiguration
 times of benchmarks/sim_calibrate.py (a released survivor's standby restart is a join). The layout
 decisions, rollbacks and pauses are the simulator's. Target: samples/s within 15% for both policies.
 
@@ -168,16 +169,24 @@ def cluster_trace(trace_csv: Path, time_scale: float, ready: float):
     return Trace(tuple(events), f"{trace_csv.name} (demo view)")
 
 
-def predict_cluster(
-    trace_csv: Path, policy: str, clean: dict, single: dict, measured: dict, args: argparse.Namespace
-) -> dict:
-    """Replay the demo's events with the cluster simulator and this run's measured inputs (``clean``: the
-    2 x 3 step time; ``single``: one pipeline of 3, which on 2 shared cores is faster, not slower)."""
+def own_step_seconds(report: dict) -> float:
+    """Seconds per step of a demo run before its first preemption (all of it without one), from its report."""
+    times = report["step_times"]
+    until = report["preemption_steps"][0] if report["preemption_steps"] else times[-1][0]
+    before = [(step, t) for step, t in times if step <= until]
+    if len(before) < 2 or before[-1][0] <= before[0][0]:
+        raise RuntimeError(f"the demo run finished too few steps before its first preemption (step {until})")
+    return (before[-1][1] - before[0][1]) / (before[-1][0] - before[0][0])
+
+
+def predict_cluster(trace_csv: Path, policy: str, single: dict, measured: dict, args: argparse.Namespace) -> dict:
+    """Replay the demo's events with the cluster simulator and this run's measured inputs (``measured``'s own
+    2 x 3 step time; ``single``: a clean pipeline of 3, which on 2 shared cores is faster, not slower)."""
     from lightning_bamboo.sim.params import SimParams
     from lightning_bamboo.sim.simulate import run_policy
 
     demo = load_demo_params()
-    step = 8 / clean["samples_per_second"]  # the demo's global batch is 8 samples
+    step = own_step_seconds(measured)
     recoveries = measured.get("recovery_seconds") or [0.0]
     recovery = sum(recoveries) / len(recoveries)
     ready = demo.join_seconds
@@ -191,7 +200,7 @@ def predict_cluster(
     )
     trace = cluster_trace(trace_csv, args.time_scale, ready)
     target = (measured["steps_completed"] - 1) * 8
-    end = ready + 50 * target / clean["samples_per_second"]
+    end = ready + 50 * target * step / 8  # the demo's global batch is 8 samples
     result, _ = run_policy(policy, trace, params.replace(hours=end / 3600), end)
     done = None
     points = list(result.timeline)
@@ -222,7 +231,7 @@ def validate_cluster(args: argparse.Namespace) -> None:
         f"{piece.removals} removals; 1 demo s = {args.time_scale:g} trace s; {args.steps} steps of 8 samples, "
         f"checkpoint every {args.checkpoint_every}; clean runs of {args.clean_steps} steps"
     )
-    print("\n| repeat | policy | clean step s (2 x 3, 1 x 3) | recovery s (mean) | measured samples/s | predicted samples/s | error | "
+    print("\n| repeat | policy | step s (2 x 3 own, 1 x 3 clean) | recovery s (mean) | measured samples/s | predicted samples/s | error | "
           "recoveries measured / predicted | preemptions measured / predicted |\n|---|---|---:|---:|---:|---:|---:|---|---|")
     worst: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -231,10 +240,9 @@ def validate_cluster(args: argparse.Namespace) -> None:
         for repeat in range(1, args.repeats + 1):
             for name, (policy, extra) in CLUSTER_MODES.items():
                 base = Path(tmp) / f"{name}{repeat}"
-                clean = run_cluster_demo(None, args.clean_steps, extra, base / "clean", args)
                 single = run_cluster_demo(None, args.clean_steps, extra, base / "single", args, nodes=3)
                 measured = run_cluster_demo(csv, args.steps, extra, base / "trace", args)
-                predicted = predict_cluster(csv, policy, clean, single, measured, args)
+                predicted = predict_cluster(csv, policy, single, measured, args)
                 error = relative_error(predicted["samples_per_second"], measured["samples_per_second"])
                 worst[name] = max(worst.get(name, 0.0), error)
                 m_rec, p_rec = measured["recoveries"], predicted["recoveries"]

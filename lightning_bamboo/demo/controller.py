@@ -73,6 +73,10 @@ class DemoState:
     global_batch: int
     nodes: list[str]
     preempted: list[str] = field(default_factory=list)
+    #: the job's step count when each of ``preempted`` was taken
+    preempted_at: list[int] = field(default_factory=list)
+    #: ``[step, seconds since the first finished step]`` each time the job's step count grew (as polled)
+    step_times: list[list[float]] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
     recoveries: dict[str, int] = field(default_factory=lambda: {"redundant": 0, "checkpoint": 0, "restart": 0})
     recovery: RecoveryClock = field(default_factory=RecoveryClock)
@@ -238,6 +242,7 @@ class _Run:
             self.last_step_at = time.monotonic()
             if self.first_step_at is None:
                 self.first_step_at = time.monotonic()
+            state.step_times.append([now, round(self.last_step_at - self.first_step_at, 4)])
             state.recovery.stepped(now, time.monotonic())
             state.progress = now
             _show(self.args, state, [n for n in self.cluster.running if n not in self.frozen])
@@ -284,6 +289,7 @@ class _Run:
                 state.event(f"step {state.progress}: {node} preempted (SIGKILL)")
             state.recovery.killed(time.monotonic())
             state.preempted.append(node)
+            state.preempted_at.append(state.progress)
             self.alive.remove(node)
 
     def _join(self, event: ClusterEvent) -> None:
@@ -372,6 +378,7 @@ class _Run:
             if event.node in self.alive:
                 self.alive.remove(event.node)
                 state.preempted.append(event.node)
+                state.preempted_at.append(state.progress)
                 state.event(f"step {state.progress}: {event.node} preempted while the job restarted")
                 cluster.kill(event.node, signal.SIGKILL)  # a kept process goes with its node
         runnable = [n for n in self.alive if n not in state.preempted]
@@ -408,6 +415,8 @@ class _Run:
             "steps_completed": int(final.get("steps_completed", 0)),
             "target_steps": self.args.steps,
             "preemptions": len(state.preempted),
+            "preemption_steps": state.preempted_at,
+            "step_times": state.step_times,
             "joins": len(state.joined),
             "recoveries": state.recoveries,
             "processes_kept": state.processes_kept,
