@@ -15,8 +15,8 @@ on the same slice and time scale). Run on the machine that was calibrated.
 ``--cluster`` validates the cluster simulator instead (lightning_bamboo.sim.simulate.run_policy, the
 policies of ``lightning-bamboo simulate``): the demo runs 2 pipelines of 3 stages (``--stages 3``) on
 the slice, with replicas and without, and the simulator replays the same events with that run's
-measured inputs: the run's own 2 x 3 step time (its steps before the first preemption; saves and
-redundancy included: separate clean runs drift by up to a third on this machine from one to the
+measured inputs: the run's own 2 x 3 step time (the median over windows of `--checkpoint-every` steps
+before its first preemption, so each holds a save; redundancy included: separate clean runs drift by up to a third on this machine from one to the
 next), the step time of a clean 1 x 3 run of the same mode (on 2 shared cores one pipeline of 3
 processes is faster than two, where the 1F1B formula for nodes with their own accelerators says
 slower), the run's own mean recovery time (failover or restart), and the demo-scale join and reconfiguration
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -169,14 +170,23 @@ def cluster_trace(trace_csv: Path, time_scale: float, ready: float):
     return Trace(tuple(events), f"{trace_csv.name} (demo view)")
 
 
-def own_step_seconds(report: dict) -> float:
-    """Seconds per step of a demo run before its first preemption (all of it without one), from its report."""
+def own_step_seconds(report: dict, window: int) -> float:
+    """Seconds per step of a demo run before its first preemption (all of it without one), from its report: the
+    median over every ``window`` consecutive steps (a window holds one checkpoint save), so that a transient
+    (a standby process starting) does not set it."""
     times = report["step_times"]
     until = report["preemption_steps"][0] if report["preemption_steps"] else times[-1][0]
-    before = [(step, t) for step, t in times if step <= until]
-    if len(before) < 2 or before[-1][0] <= before[0][0]:
+    seen: dict[int, float] = {}
+    previous = 0
+    for step, t in times:  # steps finished since the last poll were all seen at this poll
+        for s in range(previous + 1, step + 1):
+            seen[s] = t
+        previous = step
+    first = min(seen)
+    spans = [(seen[s + window] - seen[s]) / window for s in range(first, until - window + 1) if s + window in seen]
+    if len(spans) < 5:
         raise RuntimeError(f"the demo run finished too few steps before its first preemption (step {until})")
-    return (before[-1][1] - before[0][1]) / (before[-1][0] - before[0][0])
+    return statistics.median(spans)
 
 
 def predict_cluster(trace_csv: Path, policy: str, single: dict, measured: dict, args: argparse.Namespace) -> dict:
@@ -186,13 +196,13 @@ def predict_cluster(trace_csv: Path, policy: str, single: dict, measured: dict, 
     from lightning_bamboo.sim.simulate import run_policy
 
     demo = load_demo_params()
-    step = own_step_seconds(measured)
+    step = own_step_seconds(measured, args.checkpoint_every)
     recoveries = measured.get("recovery_seconds") or [0.0]
     recovery = sum(recoveries) / len(recoveries)
     ready = demo.join_seconds
     params = SimParams(
         stages=3, min_stages=2, layers=8, micro_batch_size=2, global_micro_batches=4, step_seconds=step,
-        step_pipelines=2, single_pipeline_step_seconds=8 / single["samples_per_second"], redundancy_overhead=0.0, failover_seconds=recovery, restart_seconds=recovery,
+        step_pipelines=2, single_pipeline_step_seconds=own_step_seconds(single, args.checkpoint_every), redundancy_overhead=0.0, failover_seconds=recovery, restart_seconds=recovery,
         reconfigure_seconds=demo.reconfigure_seconds, checkpoint_save_seconds=0.0,
         checkpoint_interval_seconds=args.checkpoint_every * step,
         bamboo_checkpoint_interval_seconds=args.checkpoint_every * step, node_ready_seconds=ready,
