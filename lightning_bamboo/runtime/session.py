@@ -358,6 +358,12 @@ class Session:
         self.detector = self._watch(self.nodes)
         return rank, world
 
+    def confirm_member(self, what: str) -> None:
+        """Raise ``Fenced`` unless the store still counts this node as a member (a guarded write to
+        ``confirmed/<node>``): asked before an act the store does not see, a checkpoint commit."""
+        assert isinstance(self.store, FencedStore)
+        self.store.confirm(f"{self.base}confirmed/{self.node}", what)
+
     def release(self) -> None:
         """Say that this node leaves the layout of the next generation released, not lost (see ``released``)."""
         self.store.put(f"{self.base}released/{self.generation + 1}/{self.node}", "1")
