@@ -197,6 +197,9 @@ class Shard:
     layers: dict[int, dict[str, Any]] = field(default_factory=dict)
     rng: dict[str, Any] | None = None
     meta: bytes | None = None  # rank 0: the serialised manifest, written after every shard is on disk
+    #: rank 0: called with a description just before the commit; raises to refuse it (a node that may
+    #: have been declared lost must not swap a checkpoint in: ``membership.fence``)
+    fence: Callable[[str], None] | None = None
 
 
 def take_shard(
@@ -340,6 +343,8 @@ def persist(
     for rank in range(world_size):
         marker_file(staging, rank).unlink()
     write_meta(staging, shard.meta)
+    if shard.fence is not None:
+        shard.fence(f"commit checkpoint {path}")
     commit(path, staging)
     if keep_last is not None:
         prune(path.parent, keep_last, token)
@@ -394,12 +399,14 @@ def save_sharded(
     writes_layers: bool,
     barrier: Callable[[str], None],
     rank: int | None = None,
+    fence: Callable[[str], None] | None = None,
 ) -> None:
     """Collective save: every process calls it; one process per stage writes its layers.
 
     Rank 0 prepares the directory, writes ``meta()`` after all layers are on disk, and swaps
     the finished directory into place; a crash at any point leaves the previous checkpoint.
-    With ``rank`` given, every process also writes its RNG states.
+    With ``rank`` given, every process also writes its RNG states. ``fence`` is asked (on rank 0)
+    just before the commit and raises to refuse it.
     """
     if is_global_zero:
         begin(path)
@@ -411,6 +418,8 @@ def save_sharded(
     barrier("bamboo_checkpoint_layers")
     if is_global_zero:
         write_meta(partial_dir(path), meta())
+        if fence is not None:
+            fence(f"commit checkpoint {path}")
         commit(path)
     barrier("bamboo_checkpoint_commit")
 

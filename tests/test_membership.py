@@ -379,6 +379,41 @@ def test_compare_and_put_semantics(store: Store, prefix: str) -> None:
     assert store.put_if_absent(prefix + "owned", "next")[0] is True
 
 
+def test_guarded_writes_land_only_while_the_guard_key_holds_its_lease(store: Store, prefix: str) -> None:
+    from lightning_bamboo.membership.protocol import Fenced
+
+    lease = store.grant_lease(30)
+    store.put(prefix + "nodes/n1", "{}", lease=lease.id)
+    guard = (prefix + "nodes/n1", lease.id)
+    store.put(prefix + "commit/1", "n1", guard=guard)
+    assert store.put_if_absent(prefix + "once", "n1", guard=guard)[0]
+    ok, kv = store.compare_and_put(prefix + "decision", "a", expected_revision=0, guard=guard)
+    assert ok and kv is not None and kv.value == "a"
+    ok, kv2 = store.compare_and_put(prefix + "decision", "b", expected_revision=0, guard=guard)
+    assert not ok and kv2 == kv  # a plain CAS miss while the guard holds is no fence
+    store.put(prefix + "x/1", "1", guard=guard)
+    assert store.delete(prefix + "x/1", guard=guard)
+    store.put(prefix + "y/1", "1")
+    other = store.grant_lease(30)  # a key held by another lease, and a lease that holds no key, guard nothing
+    with pytest.raises(Fenced):
+        store.put(prefix + "commit/2", "n1", guard=(prefix + "nodes/n1", other.id))
+    with pytest.raises(Fenced):
+        store.put(prefix + "commit/2", "n1", guard=(prefix + "nodes/absent", lease.id))
+    store.revoke_lease(lease.id)  # n1's membership ends (as when its lease expires): every write of it is refused
+    for write in (
+        lambda: store.put(prefix + "commit/2", "n1", guard=guard),
+        lambda: store.put_if_absent(prefix + "commit/3", "n1", guard=guard),
+        lambda: store.compare_and_put(prefix + "decision", "c", expected_revision=kv.mod_revision, guard=guard),
+        lambda: store.delete(prefix + "once", guard=guard),
+        lambda: store.delete_prefix(prefix + "y/", guard=guard),
+    ):
+        with pytest.raises(Fenced):
+            write()
+    left = store.get_prefix(prefix).as_dict()
+    assert left == {prefix + "commit/1": "n1", prefix + "once": "n1", prefix + "decision": "a", prefix + "y/1": "1"}
+    store.revoke_lease(other.id)
+
+
 # ---------------------------------------------------------------- bounded calls and errors
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +92,32 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
     return ["--micro-batch-size", str(micro), "--partition", ",".join(map(str, parts))]
 
 
+@contextlib.contextmanager
+def _exit_on_stop_signals() -> Iterator[None]:
+    """SIGTERM or SIGHUP end the demo as Ctrl-C does: through its ``finally`` blocks, which kill every
+    worker and standby process it started and remove its temporary folder (the default action would
+    leave them running)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def run(args: argparse.Namespace) -> int:
+    with _exit_on_stop_signals():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     args.worker_extra = _apply_plan(args)
     stages = args.stages or args.nodes
     if args.nodes < 1 or args.steps < 1:

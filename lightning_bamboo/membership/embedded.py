@@ -20,6 +20,8 @@ from lightning_bamboo.membership.protocol import (
     FIRST_ATTEMPT_SECONDS,
     Change,
     Event,
+    Fenced,
+    Guard,
     KeyValue,
     Lease,
     LeaseExpiredError,
@@ -119,6 +121,11 @@ class _State:
             i += 1
         return out
 
+    def holds(self, key: str, lease: int) -> bool:
+        """``key`` exists with ``lease`` attached and the lease has not run out (a write's guard)."""
+        kv, entry = self.kvs.get(key), self.leases.get(lease)
+        return kv is not None and kv.lease == lease and entry is not None and entry[1] > time.monotonic()
+
     # -- operations (called with the lock held) --
     def op_put(self, key: str, value: str, lease: int = 0) -> dict[str, Any]:
         return {"kv": asdict(self._put(key, value, lease))}
@@ -213,10 +220,15 @@ class _Handler(socketserver.StreamRequestHandler):
                 try:
                     req = json.loads(line)
                     op = getattr(state, "op_" + req.pop("op"))
+                    guard = req.pop("guard", None)
                     with state.cond:
                         if state.stopping:
                             return
-                        resp = {"ok": True, **op(**req)}
+                        if guard is not None and not state.holds(str(guard[0]), int(guard[1])):
+                            resp = {"ok": False, "error": "fenced", "message": f"{guard[0]!r} is not held by lease "
+                                    f"{guard[1]} any more: its owner may have been declared lost"}
+                        else:
+                            resp = {"ok": True, **op(**req)}
                 except LeaseExpiredError as e:
                     resp = {"ok": False, "error": "lease", "message": str(e)}
                 except Exception as e:  # a malformed request must not kill the server
@@ -309,6 +321,10 @@ class _Ambiguous(Exception):
     """The request was sent but no answer came back: it may or may not have been applied."""
 
 
+def _with_guard(req: dict[str, Any], guard: Guard | None) -> dict[str, Any]:
+    return req if guard is None else {**req, "guard": [guard[0], int(guard[1])]}
+
+
 class EmbeddedStore(PutIfAbsentFromCAS):
     """Client of an ``EmbeddedServer`` (``embedded://HOST:PORT``); see ``Store`` for the contract."""
 
@@ -391,6 +407,8 @@ class EmbeddedStore(PutIfAbsentFromCAS):
             resp = json.loads(line)
             if resp["ok"]:
                 return resp
+            if resp["error"] == "fenced":
+                raise Fenced(f"membership store {self.url} refused a guarded {req['op']!r}: {resp['message']}")
             if resp["error"] == "lease":
                 raise LeaseExpiredError(
                     f"{resp['message']} at {self.url}; grant a new lease and put the keys again"
@@ -398,9 +416,11 @@ class EmbeddedStore(PutIfAbsentFromCAS):
             raise StoreError(f"membership store {self.url} rejected {req['op']!r}: {resp['message']}")
 
     # -- Store --
-    def put(self, key: str, value: str, *, lease: int = 0, timeout: float | None = None) -> int:
-        resp = self._call({"op": "put", "key": key, "value": value, "lease": lease}, deadline_for(timeout))
-        return int(resp["kv"]["mod_revision"])
+    def put(
+        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None, guard: Guard | None = None
+    ) -> int:
+        req = _with_guard({"op": "put", "key": key, "value": value, "lease": lease}, guard)
+        return int(self._call(req, deadline_for(timeout))["kv"]["mod_revision"])
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
         resp = self._call({"op": "get", "key": key}, deadline_for(timeout))
@@ -410,11 +430,12 @@ class EmbeddedStore(PutIfAbsentFromCAS):
         resp = self._call({"op": "get_prefix", "prefix": prefix}, deadline_for(timeout))
         return Snapshot(tuple(KeyValue(**kv) for kv in resp["kvs"]), int(resp["revision"]))
 
-    def delete(self, key: str, *, timeout: float | None = None) -> bool:
-        return bool(self._call({"op": "delete", "key": key}, deadline_for(timeout))["deleted"])
+    def delete(self, key: str, *, timeout: float | None = None, guard: Guard | None = None) -> bool:
+        return bool(self._call(_with_guard({"op": "delete", "key": key}, guard), deadline_for(timeout))["deleted"])
 
-    def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
-        return int(self._call({"op": "delete_prefix", "prefix": prefix}, deadline_for(timeout))["deleted"])
+    def delete_prefix(self, prefix: str, *, timeout: float | None = None, guard: Guard | None = None) -> int:
+        req = _with_guard({"op": "delete_prefix", "prefix": prefix}, guard)
+        return int(self._call(req, deadline_for(timeout))["deleted"])
 
     def compare_and_put(
         self,
@@ -424,6 +445,7 @@ class EmbeddedStore(PutIfAbsentFromCAS):
         expected_revision: int,
         lease: int = 0,
         timeout: float | None = None,
+        guard: Guard | None = None,
     ) -> tuple[bool, KeyValue | None]:
         t = deadline_for(timeout)
         req = {
@@ -434,10 +456,16 @@ class EmbeddedStore(PutIfAbsentFromCAS):
             "lease": lease,
         }
         try:
-            resp = self._call(req, t)
+            resp = self._call(_with_guard(req, guard), t)
         except _Ambiguous:
             kv = self.get(key, timeout=t)
-            return (kv is not None and kv.value == value and kv.lease == lease), kv
+            swapped = kv is not None and kv.value == value and kv.lease == lease
+            if not swapped and guard is not None:
+                held = self.get(guard[0], timeout=t)
+                if held is None or held.lease != guard[1]:
+                    raise Fenced(f"membership store {self.url} refused a guarded 'cas': {guard[0]!r} is not held "
+                                 f"by lease {guard[1]} any more") from None
+            return swapped, kv
         return bool(resp["swapped"]), (KeyValue(**resp["kv"]) if resp["kv"] else None)
 
     def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:

@@ -12,6 +12,8 @@ from lightning_bamboo.membership.protocol import (
     FIRST_ATTEMPT_SECONDS,
     Change,
     Event,
+    Fenced,
+    Guard,
     KeyValue,
     Lease,
     LeaseExpiredError,
@@ -51,6 +53,11 @@ def _kv(d: dict[str, Any]) -> KeyValue:
         version=int(d.get("version", 0)),
         lease=int(d.get("lease", 0)),
     )
+
+
+def _guard_compare(guard: Guard) -> dict[str, Any]:
+    """The txn comparison "``guard``'s key holds ``guard``'s lease" (a missing key holds lease 0: false)."""
+    return {"key": _b64(guard[0]), "target": "LEASE", "result": "EQUAL", "lease": int(guard[1])}
 
 
 class _Ambiguous(Exception):
@@ -154,10 +161,31 @@ class EtcdStore(PutIfAbsentFromCAS):
             raise StoreError(f"etcd at {self.url} rejected {path} (HTTP {resp.status_code}): {body}")
 
     # -- Store --
-    def put(self, key: str, value: str, *, lease: int = 0, timeout: float | None = None) -> int:
+    def _fenced(self, guard: Guard) -> Fenced:
+        return Fenced(f"etcd at {self.url} refused a write guarded by {guard[0]!r}: that key is gone or no longer "
+                      f"held by lease {guard[1]}, so its owner may have been declared lost")
+
+    def _holds(self, guard: Guard, timeout: float) -> bool:
+        kv = self.get(guard[0], timeout=timeout)
+        return kv is not None and kv.lease == guard[1]
+
+    def _guarded(self, guard: Guard, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """``request`` (one txn operation) applied only while ``guard`` holds, in one transaction; its
+        response (``{"response_put": ...}`` or ``{"response_delete_range": ...}``)."""
+        txn = {"compare": [_guard_compare(guard)], "success": [request], "failure": []}
+        resp = self._post("kv/txn", txn, timeout)  # idempotent: the same guarded write twice is one
+        if not resp.get("succeeded", False):
+            raise self._fenced(guard)
+        return {**resp["responses"][0], "header": resp["header"]}
+
+    def put(
+        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None, guard: Guard | None = None
+    ) -> int:
         payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             payload["lease"] = lease
+        if guard is not None:
+            return int(self._guarded(guard, {"request_put": payload}, deadline_for(timeout))["header"]["revision"])
         return int(self._post("kv/put", payload, deadline_for(timeout))["header"]["revision"])
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
@@ -171,15 +199,18 @@ class EtcdStore(PutIfAbsentFromCAS):
         )
         return Snapshot(tuple(_kv(d) for d in resp.get("kvs", [])), int(resp["header"]["revision"]))
 
-    def delete(self, key: str, *, timeout: float | None = None) -> bool:
-        return (
-            int(self._post("kv/deleterange", {"key": _b64(key)}, deadline_for(timeout)).get("deleted", 0)) > 0
-        )
-
-    def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
-        key = _b64(prefix) if prefix else _b64(b"\0")
-        payload = {"key": key, "range_end": _b64(_range_end(prefix))}
+    def _delete_range(self, payload: dict[str, Any], timeout: float | None, guard: Guard | None) -> int:
+        if guard is not None:
+            done = self._guarded(guard, {"request_delete_range": payload}, deadline_for(timeout))
+            return int(done.get("response_delete_range", {}).get("deleted", 0))
         return int(self._post("kv/deleterange", payload, deadline_for(timeout)).get("deleted", 0))
+
+    def delete(self, key: str, *, timeout: float | None = None, guard: Guard | None = None) -> bool:
+        return self._delete_range({"key": _b64(key)}, timeout, guard) > 0
+
+    def delete_prefix(self, prefix: str, *, timeout: float | None = None, guard: Guard | None = None) -> int:
+        key = _b64(prefix) if prefix else _b64(b"\0")
+        return self._delete_range({"key": key, "range_end": _b64(_range_end(prefix))}, timeout, guard)
 
     def compare_and_put(
         self,
@@ -189,27 +220,34 @@ class EtcdStore(PutIfAbsentFromCAS):
         expected_revision: int,
         lease: int = 0,
         timeout: float | None = None,
+        guard: Guard | None = None,
     ) -> tuple[bool, KeyValue | None]:
         t = deadline_for(timeout)
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             put["lease"] = lease
         read = {"request_range": {"key": _b64(key)}}
-        txn = {
-            # A missing key compares as mod_revision 0, so expected 0 means "only if absent".
-            "compare": [
-                {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": int(expected_revision)}
-            ],
-            "success": [{"request_put": put}, read],
-            "failure": [read],
-        }
+        # A missing key compares as mod_revision 0, so expected 0 means "only if absent".
+        compare = [{"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": int(expected_revision)}]
+        failure = [read]
+        if guard is not None:
+            compare.append(_guard_compare(guard))
+            failure.append({"request_range": {"key": _b64(guard[0])}})
+        txn = {"compare": compare, "success": [{"request_put": put}, read], "failure": failure}
         try:
             resp = self._post("kv/txn", txn, t, idempotent=False)
         except _Ambiguous:
             kv = self.get(key, timeout=t)
-            return (kv is not None and kv.value == value and kv.lease == lease), kv
+            swapped = kv is not None and kv.value == value and kv.lease == lease
+            if not swapped and guard is not None and not self._holds(guard, t):
+                raise self._fenced(guard) from None
+            return swapped, kv
         swapped = bool(resp.get("succeeded", False))
-        kvs = resp["responses"][-1]["response_range"].get("kvs", [])
+        if not swapped and guard is not None:
+            held = resp["responses"][1]["response_range"].get("kvs", [])
+            if not held or _kv(held[0]).lease != guard[1]:
+                raise self._fenced(guard)
+        kvs = resp["responses"][0 if not swapped else -1]["response_range"].get("kvs", [])
         return swapped, (_kv(kvs[0]) if kvs else None)
 
     def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:

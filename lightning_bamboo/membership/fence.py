@@ -8,19 +8,22 @@ wraps the store a node's runtime writes through. Every write first asks ``Regist
 a local check with no round trip: the last keep-alive that succeeded was sent a TTL ago or more, or
 the store has said the lease is gone. Once that holds, every write raises ``Fenced`` and reads go
 on. The store keeps a lease for at least a TTL after the keep-alive that renewed it was sent, so
-this node stops writing no later than the moment its peers can see it lost. A write already
-in flight at that moment is the one exception: it reaches the store within one round trip.
+this node stops writing no later than the moment its peers can see it lost.
+
+The store checks too: every write carries the node's membership as its guard (``nodes/<id>`` held
+by its lease, see ``Store``), and the store applies the write only while that holds, in the same
+atomic step. So a write that was already in flight when the lease ended, or that a node sends
+after its network heals, is refused by the store itself (``Fenced``): nothing of it lands.
+Checkpoint commits ask the store the same way first (:meth:`FencedStore.confirm`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.protocol import Fenced, Guard
 
-
-class Fenced(BambooError):
-    """This node may have been declared lost: it must stop, and must not write to the job's store again."""
+__all__ = ["Fenced", "FencedStore"]
 
 
 class FencedStore:
@@ -47,6 +50,18 @@ class FencedStore:
                          f"{ttl:g} s, or the store dropped it), so its peers may have declared it lost and "
                          "failed over; it stops, and can join the job again as a new standby node")
 
+    def guard(self) -> Guard | None:
+        """This node's membership as a write guard (None before it joined)."""
+        lease = self._registry.lease_id
+        return (self._registry.node_key(self._registry.node_id), lease) if lease else None
+
+    def confirm(self, key: str, what: str) -> None:
+        """Raise ``Fenced`` unless the store itself still counts this node as a member, by a guarded
+        write of ``what`` to ``key``: the last check before an act outside the store (a checkpoint
+        commit)."""
+        self.check(what)
+        self._store.put(key, what, guard=self.guard())
+
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
         if name not in self._WRITES:
@@ -54,6 +69,6 @@ class FencedStore:
 
         def fenced_write(key: str, *args: Any, **kwargs: Any) -> Any:
             self.check(f"{name} {key}")
-            return attr(key, *args, **kwargs)
+            return attr(key, *args, guard=self.guard(), **kwargs)
 
         return fenced_write

@@ -23,6 +23,16 @@ class StoreTimeoutError(StoreUnavailableError, TimeoutError):
     """The store accepted the connection but did not answer within the call's timeout."""
 
 
+class Fenced(BambooError):
+    """A write refused because its writer's membership may have ended: its lease lapsed or the store
+    dropped it, so its peers may have declared it lost (see ``membership.fence``)."""
+
+
+#: a write's guard ``(key, lease)``: the store applies the write only while ``key`` exists with ``lease``
+#: attached (the writer's membership key), and refuses it with :class:`Fenced` otherwise
+Guard = tuple[str, int]
+
+
 class LeaseExpiredError(StoreError):
     """A key was attached to, or a keep-alive sent for, a lease the store no longer holds."""
 
@@ -103,11 +113,18 @@ class Store(Protocol):
     Keys and values are text (use JSON for structure). Revisions are the store's global,
     strictly increasing change counter, as in etcd: every put or delete (including the deletes
     caused by an expired lease) gets a new revision.
+
+    Every write takes an optional ``guard=(key, lease)``: the store checks, in the same atomic step
+    as the write, that ``key`` exists with ``lease`` attached, and otherwise writes nothing and the
+    call raises :class:`Fenced`. A node guards its writes with its own membership key, so once its
+    lease has ended (it was declared lost) no write of it lands, however late it arrives.
     """
 
     url: str
 
-    def put(self, key: str, value: str, *, lease: int = 0, timeout: float | None = None) -> int:
+    def put(
+        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None, guard: Guard | None = None
+    ) -> int:
         """Set ``key`` to ``value``; with ``lease`` the key is deleted when that lease expires or is revoked.
 
         After it returns, every later ``get`` from any client sees this value (or a later one),
@@ -124,16 +141,16 @@ class Store(Protocol):
         """All keys starting with ``prefix`` and the store revision they were read at (one consistent read)."""
         ...
 
-    def delete(self, key: str, *, timeout: float | None = None) -> bool:
+    def delete(self, key: str, *, timeout: float | None = None, guard: Guard | None = None) -> bool:
         """Delete ``key``; True if it existed. After it returns, no client sees the key."""
         ...
 
-    def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
+    def delete_prefix(self, prefix: str, *, timeout: float | None = None, guard: Guard | None = None) -> int:
         """Delete every key starting with ``prefix`` (one revision); returns how many existed."""
         ...
 
     def put_if_absent(
-        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None
+        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None, guard: Guard | None = None
     ) -> tuple[bool, KeyValue]:
         """Create ``key`` only if it does not exist: the decision taken once among concurrent callers.
 
@@ -152,6 +169,7 @@ class Store(Protocol):
         expected_revision: int,
         lease: int = 0,
         timeout: float | None = None,
+        guard: Guard | None = None,
     ) -> tuple[bool, KeyValue | None]:
         """Set ``key`` only if its ``mod_revision`` is ``expected_revision`` (0 = only if absent).
 
@@ -216,10 +234,10 @@ class PutIfAbsentFromCAS:
     """``put_if_absent`` for a backend that has ``compare_and_put`` (expected revision 0 = absent)."""
 
     def put_if_absent(
-        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None
+        self, key: str, value: str, *, lease: int = 0, timeout: float | None = None, guard: Guard | None = None
     ) -> tuple[bool, KeyValue]:
         won, kv = self.compare_and_put(  # type: ignore[attr-defined]
-            key, value, expected_revision=0, lease=lease, timeout=timeout
+            key, value, expected_revision=0, lease=lease, timeout=timeout, guard=guard
         )
         if kv is None:  # created then deleted (e.g. lease revoked) before we looked
             kv = KeyValue(key, value, 0, 0, 0, lease)

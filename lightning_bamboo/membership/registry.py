@@ -15,6 +15,7 @@ from typing import Any
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.keys import check_name, job_prefix
 from lightning_bamboo.membership.protocol import (
+    Guard,
     KeyValue,
     LeaseExpiredError,
     Snapshot,
@@ -257,6 +258,11 @@ class Registry:
     def node_key(self, node_id: str) -> str:
         return f"{self.base}nodes/{node_id}"
 
+    def guard(self) -> Guard | None:
+        """This node's membership as a write guard (``Store``): its announcements land only while it is a
+        member. None while it has not joined (a launcher reporting its workers' deaths)."""
+        return (self.node_key(self.node_id), self.lease_id) if self.lease_id else None
+
     def _info_json(self, info: Any) -> str:
         d = asdict(info)
         d.pop("revision", None)
@@ -358,17 +364,17 @@ class Registry:
             incarnation = json.loads(kv.value)["incarnation"] if kv else ""
         notice = LossNotice(node_id=node_id, incarnation=incarnation, reporter=self.node_id, reason=reason)
         key = f"{self.base}lost/{node_id}"
-        won, kv = self.store.put_if_absent(key, self._info_json(notice), timeout=timeout)
+        won, kv = self.store.put_if_absent(key, self._info_json(notice), timeout=timeout, guard=self.guard())
         if not won and json.loads(kv.value).get("incarnation") != incarnation:
             # A notice about an older incarnation: replace it with ours (once, by CAS).
             won, _ = self.store.compare_and_put(
-                key, self._info_json(notice), expected_revision=kv.mod_revision, timeout=timeout
+                key, self._info_json(notice), expected_revision=kv.mod_revision, timeout=timeout, guard=self.guard()
             )
         return won
 
     def clear_loss(self, node_id: str, *, timeout: float | None = None) -> bool:
         """Remove ``lost/<node_id>`` once the reconfiguration that handles it is done."""
-        return self.store.delete(f"{self.base}lost/{node_id}", timeout=timeout)
+        return self.store.delete(f"{self.base}lost/{node_id}", timeout=timeout, guard=self.guard())
 
     def announce_leaving(
         self, grace: float, reason: str = "preemption notice", *, timeout: float | None = None
@@ -380,6 +386,7 @@ class Registry:
             self._info_json(notice),
             lease=self.lease_id,
             timeout=timeout,
+            guard=self.guard(),
         )
 
     def members(self, *, timeout: float | None = None) -> Membership:

@@ -251,8 +251,11 @@ class PipelineRunner(NodeStage):
                          reuse: ckpt.Shard | None = None) -> ckpt.Shard:
         """This process's part of a checkpoint, copied to host memory (no collective; see ``AsyncCheckpoint``)."""
         engine, _ = self._ready()
-        return ckpt.take_shard(self.rank, engine.module, engine.optimizer if with_optimizer else None,
-                               engine.layer_range, writes_layers=self.pipeline_rank == 0, meta=meta, reuse=reuse)
+        shard = ckpt.take_shard(self.rank, engine.module, engine.optimizer if with_optimizer else None,
+                                engine.layer_range, writes_layers=self.pipeline_rank == 0, meta=meta, reuse=reuse)
+        if shard.meta is not None and self.session is not None:
+            shard.fence = self.session.confirm_member  # a node declared lost meanwhile must not commit it
+        return shard
 
     def save(self, path: Any, meta: Callable[[], dict[str, Any]], with_optimizer: bool, is_global_zero: bool,
              barrier: Callable[[str], None], step: int | None = None) -> None:
@@ -267,7 +270,8 @@ class PipelineRunner(NodeStage):
 
         ckpt.save_sharded(path, engine.module, engine.optimizer if with_optimizer else None, engine.layer_range, meta,
                           is_global_zero=is_global_zero, writes_layers=self.pipeline_rank == 0,
-                          barrier=barrier_between, rank=self.rank)
+                          barrier=barrier_between, rank=self.rank,
+                          fence=self.session.confirm_member if self.session is not None else None)
 
     def resume_from(self, path: Any, meta: dict[str, Any]) -> None:
         """The checkpoint the next :meth:`load_weights` and :meth:`load_optimizer` read (any saved layout)."""

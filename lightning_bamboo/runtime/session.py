@@ -14,7 +14,7 @@ from typing import Any
 from lightning_bamboo.engine.groups import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
-from lightning_bamboo.membership.fence import FencedStore
+from lightning_bamboo.membership.fence import Fenced, FencedStore
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.protocol import wait_riding_out
 from lightning_bamboo.testing import faults
@@ -358,6 +358,20 @@ class Session:
         self.detector = self._watch(self.nodes)
         return rank, world
 
+    def confirm_member(self, what: str) -> None:
+        """Raise ``Fenced`` unless the store still counts this node as a member (a guarded write to
+        ``confirmed/<node>``): asked before an act the store does not see, a checkpoint commit.
+
+        Once the session has stopped (the job is over, nobody fails this node over any more) it
+        answers from how it stopped: refused if its lease may have ended by then."""
+        if not self.active:
+            if self.ended_fenced:
+                raise Fenced(f"{self.node} refuses to {what}: its membership ended while its lease may have "
+                             "lapsed, so its peers may have declared it lost")
+            return
+        assert isinstance(self.store, FencedStore)
+        self.store.confirm(f"{self.base}confirmed/{self.node}", what)
+
     def release(self) -> None:
         """Say that this node leaves the layout of the next generation released, not lost (see ``released``)."""
         self.store.put(f"{self.base}released/{self.generation + 1}/{self.node}", "1")
@@ -382,8 +396,12 @@ class Session:
 
     #: False once ``stop`` closed the store (after fit: collectives go through the process group again)
     active = True
+    #: whether this node's lease may have lapsed when ``stop`` ran (``confirm_member`` refuses from then on)
+    ended_fenced = False
 
     def stop(self) -> None:
+        if self.active:  # the first stop says how it ended
+            self.ended_fenced = bool(getattr(self.store, "fenced", False))
         self.active = False
         try:
             self.detector.stop()

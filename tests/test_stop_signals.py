@@ -1,0 +1,153 @@
+"""A launcher or demo that is told to stop (SIGTERM, as Kubernetes and systemd do) leaves no process behind.
+
+Real processes and real signals: the launcher forwards SIGTERM to its workers as a preemption
+notice, SIGKILLs those that do not leave within its grace, and the demo ends through its cleanup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.timeout(180)]
+
+# a worker: says it runs, then on SIGTERM writes the file <out>/<node> and exits 0 (a handover);
+# with IGNORE set it ignores SIGTERM (a worker stuck in a collective)
+WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+node = os.environ["BAMBOO_NODE"]
+def leave(signum, frame):
+    (out / node).write_text("notice")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("IGNORE") else leave)
+(out / f"{node}.pid").write_text(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its parent counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _launch(tmp_path: Path, nodes: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(nodes), *extra, "--",
+           sys.executable, "-c", WORKER, str(tmp_path)]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_pids(tmp_path: Path, nodes: int, proc: subprocess.Popen) -> list[int]:
+    deadline = time.monotonic() + 60
+    while len(pids := sorted(tmp_path.glob("*.pid"))) < nodes:
+        assert proc.poll() is None, f"the launcher exited early: {proc.stderr.read() if proc.stderr else ''}"
+        assert time.monotonic() < deadline, "the workers did not start within 60 s"
+        time.sleep(0.05)
+    time.sleep(0.2)  # let each worker finish installing its handler
+    return [int(p.read_text()) for p in pids]
+
+
+def test_a_stopped_launcher_gives_its_workers_notice_and_leaves_none_behind(tmp_path):
+    proc = _launch(tmp_path, 2)
+    try:
+        pids = _wait_for_pids(tmp_path, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "SIGTERM: workers notified" in err
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".pid")) == ["node0", "node1"]
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_workers_that_ignore_the_notice_are_killed_after_the_grace(tmp_path):
+    proc = _launch(tmp_path, 2, "--stop-grace", "2", env={"IGNORE": "1"})
+    try:
+        pids = _wait_for_pids(tmp_path, 2, proc)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert not any(_alive(pid) for pid in pids)
+    assert 2.0 <= waited < 30.0, f"the launcher took {waited:.1f} s, its grace was 2 s"
+    assert "node0=-9" in err and "node1=-9" in err  # the true status: killed
+
+
+def test_a_launcher_stopped_before_its_workers_start_exits_at_once(tmp_path):
+    # --node with --peers: the second machine waits for the first to publish its address; nothing runs yet
+    from lightning_bamboo.membership import EmbeddedServer
+
+    server = EmbeddedServer().start()
+    try:
+        cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--store", server.url,
+               "--node", "m1", "--peers", "m0,m1", "--", sys.executable, "-c", WORKER, str(tmp_path)]
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(3.0)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+        finally:
+            proc.kill()
+    finally:
+        server.stop()
+    assert code == 128 + signal.SIGTERM
+    assert not list(tmp_path.glob("*.pid"))
+
+
+def test_a_demo_stopped_with_sigterm_leaves_no_worker_running(tmp_path):
+    workdir = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", "2", "--steps", "400", "--preempt", "",
+           "--workdir", str(workdir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def workers() -> list[int]:
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != proc.pid:
+                try:
+                    cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                if str(workdir) in cmdline and _alive(int(entry.name)):
+                    out.append(int(entry.name))
+        return out
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (workdir / "checkpoints").exists() or len(workers()) < 2:  # training has started
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the demo's workers did not start within 120 s"
+            time.sleep(0.2)
+        running = workers()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert code == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in running), "a worker outlived the demo"
+    assert not workers()
