@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-#: the benchmark's model: 6 pipeline layers (embedding, 4 blocks, head), about 3.2M parameters
+#: the benchmark's model: 6 pipeline layers (embedding, 4 blocks, head), about 3.3M parameters
 MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 256}
 MICRO, BATCH, STAGES = 4, 16, 4
 PLACEMENTS = {"across": ["A", "B", "A", "B"], "together": ["A", "A", "B", "B"]}
