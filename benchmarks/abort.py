@@ -136,7 +136,7 @@ def _abort(candidate: str, store_port: int, limit: float) -> tuple[str, float | 
     import torch
 
     pg = _group(candidate, store_port, 0, "freeze")
-    before = threading.active_count()
+    before = {t.ident for t in threading.enumerate()}
     outcome: dict[str, object] = {}
 
     def wait() -> None:
@@ -160,8 +160,8 @@ def _abort(candidate: str, store_port: int, limit: float) -> tuple[str, float | 
     how = str(outcome.get("how", f"still blocked after {limit:g} s"))
     # multiprocessing's resource sharer (it serves the file descriptors of shared tensors) lives as long as the
     # process, whatever group is open: not a thread of the aborted group
-    helpers = sum(t.name.endswith("(_serve)") for t in threading.enumerate())
-    return how, seconds, threading.active_count() - before - helpers
+    left = [t for t in threading.enumerate() if t.ident not in before and not t.name.endswith("(_serve)")]
+    return how, seconds, len(left)
 
 
 def _round_trips(candidate: str, store_port: int, rounds: int) -> float:
