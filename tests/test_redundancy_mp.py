@@ -123,6 +123,29 @@ def test_a_node_lost_in_a_checkpoint_save_is_failed_over_and_the_save_redone(tmp
     assert max_abs_diff(saved, reference_weights(8, 8, 1, 2)) <= 1e-5
 
 
+def test_a_node_killed_while_its_async_checkpoint_is_written_is_failed_over_and_the_checkpoint_abandoned(tmp_path):
+    """AsyncCheckpoint every 4 steps; node2 is SIGKILLed in its writer thread, after the first layer file of the
+    step-4 checkpoint (the training thread has moved on). The survivors fail over, give up that checkpoint (its
+    writers changed; it never becomes a checkpoint), save steps 8 and 12 in the 3-stage layout, and end with
+    the clean run's weights; each committed checkpoint holds the clean run's weights at its step."""
+    from lightning_bamboo import checkpoint as ckpt
+
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
+                "--stages", "4", "--steps", "12", "--partition", "uniform", "--redundancy", "lazy", "--async-every", "4",
+                "--out", str(tmp_path)],
+               timeout=240, env=faults.environment(["node2@asyncwrite4"]))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "node2=-9" in proc.stdout and "injected SIGKILL at step asyncwrite4" in proc.stdout
+    summary = _lines(proc.stdout, "global_step")[-1]
+    assert summary["global_step"] == 12 and summary["world_size"] == 3
+    assert [f["lost"] for f in summary["failovers"]] == [["node2"]]
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(12, 8, 1, 2)) <= 1e-5
+    committed = ckpt.complete_checkpoints(tmp_path / "async")
+    assert [p.name for p in committed] == [ckpt.step_name(8), ckpt.step_name(12)]
+    for path, step in zip(committed, (8, 12), strict=True):
+        assert max_abs_diff(consolidate_checkpoint(path), reference_weights(step, 8, 1, 2)) <= 1e-5
+
+
 def test_a_resumed_job_keeps_its_replicas_exact_and_a_kill_after_it_is_bit_exact(tmp_path):
     """4 stages, lazy, Adam with a learning rate that decays at every step: a clean run of 8 steps saves at step
     3; a second run resumes from it and node2 is SIGKILLed at step 5. Every replica equals its original after

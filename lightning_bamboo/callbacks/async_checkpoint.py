@@ -19,6 +19,8 @@ import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.errors import BambooConfigError, BambooError
+from lightning_bamboo.membership.node import NODE_ENV
+from lightning_bamboo.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +249,7 @@ class AsyncCheckpoint(pl.Callback):
         self._written = None
         self._pending_path = path
         self._cancel = threading.Event()
-        self._pending = self._executor.submit(self._persist, path, shard, trainer.world_size, self._cancel)
+        self._pending = self._executor.submit(self._persist, path, shard, trainer.world_size, self._cancel, step)
         self._pending_world = self._world(trainer)
         self._pending_shard = shard
         self._last_saved_step = step
@@ -273,11 +275,14 @@ class AsyncCheckpoint(pl.Callback):
             log.warning("abandoning asynchronous checkpoint %s: the processes that write it changed", self._pending_path)
             self._cancel.set()
 
-    def _persist(self, path: Path, shard: ckpt.Shard, world_size: int, cancelled: threading.Event) -> float:
+    def _persist(self, path: Path, shard: ckpt.Shard, world_size: int, cancelled: threading.Event, step: int) -> float:
         start = time.perf_counter()
+        node = os.environ.get(NODE_ENV)
+        # tests: a node that dies while its writer thread writes (BAMBOO_FAIL_AT=node@asyncwrite<step>)
+        progress = (lambda _file: faults.reached(node, f"asyncwrite{step}")) if node else None
         ckpt.persist(
             path, shard, world_size=world_size, token=self._token, timeout=self.commit_timeout,
-            keep_last=self.keep_last, cancelled=cancelled,
+            keep_last=self.keep_last, cancelled=cancelled, progress=progress,
         )
         self.write_seconds = time.perf_counter() - start
         return self.write_seconds

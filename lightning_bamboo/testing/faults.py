@@ -7,6 +7,8 @@ The spec is a comma-separated list of items; each kills the named node once it r
   in the middle of a step;
 - ``NODE@start``: registered, before the job's first rendezvous;
 - ``NODE@save<STEP>``: in the checkpoint save after step STEP, once its layers are written;
+- ``NODE@asyncwrite<STEP>``: in ``AsyncCheckpoint``'s writer thread, once the first layer file of the
+  checkpoint of step STEP is written (the training thread has moved on);
 - ``NODE@apply<STEP>``: step STEP committed on every node, its update not applied yet;
 - ``NODE@reconfigure``: in a live reconfiguration, after the layers moved, before the new stage forms
   its process groups;

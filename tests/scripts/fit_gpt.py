@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--async-every", type=int, default=0, help="AsyncCheckpoint every N steps into OUT/async")
     p.add_argument("--resume", default=None)
     p.add_argument("--partition", default="parameters")
     p.add_argument("--redundancy", default="off")
@@ -124,6 +125,11 @@ def main() -> None:
                 auto_insert_metric_name=False,
             )
         )
+    if args.async_every:
+        from lightning_bamboo.callbacks import AsyncCheckpoint
+
+        callbacks.append(AsyncCheckpoint(dirpath=os.path.join(args.out, "async"), every_n_train_steps=args.async_every,
+                                         keep_last=10))
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, callbacks=callbacks,
         logger=pl.loggers.CSVLogger(args.out), enable_progress_bar=False, enable_model_summary=False,
