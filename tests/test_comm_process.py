@@ -1,0 +1,123 @@
+"""CommProcess: a gloo group in a process of its own, whose waits end at once when it is aborted.
+
+Real processes: this test process is rank 0, a Python child is rank 1; each runs its group in a
+communication process of its own. Frozen with SIGSTOP, rank 1 never answers, and rank 0's blocked
+receive must end within a second of the abort, leaving no thread behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_bamboo.engine.comm_process import CommAborted, CommProcess
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.timeout(180)]
+
+# rank 1: sums a tensor with rank 0, echoes one message back doubled, then waits (to be frozen or killed)
+PEER = """
+import sys, time, torch
+from lightning_bamboo.engine.comm_process import CommProcess
+port, prefix = int(sys.argv[1]), sys.argv[2]
+comm = CommProcess("127.0.0.1", port, prefix, 1, 2)
+total = torch.full((4,), 2.0)
+comm.allreduce(total).wait(60)
+message = torch.zeros(1 << 18)
+comm.recv(message, 0, tag=7).wait(60)
+message *= 2
+comm.send(message, 0, tag=8).wait(60)
+print("peer done", float(total[0]), flush=True)
+if sys.argv[3] == "close":
+    comm.close()
+    sys.exit(0)
+time.sleep(3600)
+"""
+
+
+def _start_peer(port: int, prefix: str, then: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER, str(port), prefix, then], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _exchange(comm: CommProcess) -> None:
+    total = torch.full((4,), 1.0)
+    comm.allreduce(total).wait(60)
+    assert torch.equal(total, torch.full((4,), 3.0))
+    message = torch.arange(1 << 18, dtype=torch.float32)
+    comm.send(message, 1, tag=7).wait(60)
+    back = torch.zeros(1 << 18)
+    comm.recv(back, 1, tag=8).wait(60)
+    assert torch.equal(back, torch.arange(1 << 18, dtype=torch.float32) * 2)
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    yield server
+
+
+def test_operations_reach_the_peer_and_a_closed_group_leaves_nothing_behind(store):
+    before = set(threading.enumerate())
+    peer = _start_peer(store.port, "gen1", "close")
+    try:
+        comm = CommProcess("127.0.0.1", store.port, "gen1", 0, 2)
+        _exchange(comm)
+        out, _ = peer.communicate(timeout=60)
+        assert peer.returncode == 0, out
+        assert "peer done 3.0" in out
+        comm.close()
+    finally:
+        if peer.poll() is None:
+            os.killpg(peer.pid, signal.SIGKILL)
+    assert not comm.alive
+    assert {t for t in threading.enumerate() if not t.name.endswith("(_serve)")} <= before
+    with pytest.raises(CommAborted):
+        comm.send(torch.zeros(1), 1)
+
+
+def test_a_receive_blocked_on_a_frozen_peer_ends_within_a_second_of_the_abort(store):
+    before = set(threading.enumerate())
+    peer = _start_peer(store.port, "gen2", "wait")
+    try:
+        comm = CommProcess("127.0.0.1", store.port, "gen2", 0, 2)
+        _exchange(comm)
+        os.killpg(peer.pid, signal.SIGSTOP)  # the whole machine hangs: rank 1 and its communication process
+        blocked = comm.recv(torch.zeros(16), 1, tag=9)
+        outcome: dict[str, object] = {}
+
+        def wait() -> None:
+            try:
+                blocked.wait(120)
+                outcome["how"] = "returned"
+            except CommAborted as err:
+                outcome["how"] = str(err)
+            outcome["at"] = time.monotonic()
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive()  # really blocked on the frozen peer
+        aborted = time.monotonic()
+        comm.abort()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert "aborted" in str(outcome["how"])
+        assert float(outcome["at"]) - aborted < 1.0  # type: ignore[arg-type]
+        assert not comm.alive
+        assert {t for t in threading.enumerate() if not t.name.endswith("(_serve)")} <= before  # none left behind
+        with pytest.raises(CommAborted):
+            comm.recv(torch.zeros(16), 1)
+    finally:
+        os.killpg(peer.pid, signal.SIGKILL)
+        peer.wait(30)
