@@ -13,8 +13,9 @@ Candidates:
 * ``gloo-shutdown``: the same, ``ProcessGroup.shutdown()``;
 * ``baby-gloo``: torchft's ``ProcessGroupBabyGloo`` (the backend runs in a child process that
   ``shutdown()`` kills; tensors travel through shared memory). Needs ``pip install torchft``.
-* ``own-child``: a sketch of our own on the same idea (``_ChildGroup``): the caller waits on the
-  pipe to its communication process itself, and the buffers are in shared memory from the start.
+* ``own-child``: ours on the same idea (``lightning_bamboo.engine.comm_process.CommProcess``): the
+  caller's waits end when the pipe to its communication process ends, and a buffer is shared with
+  it once.
 
     python benchmarks/abort.py [--limit 10] [--rounds 50]
     PYTHONPATH=DIR python benchmarks/abort.py   # DIR: where `pip install --target DIR torchft` put it
@@ -49,70 +50,29 @@ def _baby_group(store_port: int, rank: int, prefix: str):
     return pg
 
 
-def _child_main(store_port: int, rank: int, prefix: str, conn) -> None:
-    """The communication process of ``own-child``: a gloo group, and one operation per message."""
-    pg = _plain_group(store_port, rank, prefix)
-    conn.send("ready")
-    buffers = {}
-    while True:
-        op, key, tensor, peer, tag = conn.recv()
-        if tensor is not None:  # a buffer seen for the first time: kept, named by its key from then on
-            buffers[key] = tensor
-        (pg.send if op == "send" else pg.recv)([buffers[key]], peer, tag).wait()
-        conn.send("done")
-
-
-class _Done:
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def wait(self) -> None:
-        if self.conn.recv() != "done":  # EOFError (an OSError's cousin) the moment the child dies
-            raise RuntimeError("communication process answered out of turn")
-
-
-class _ChildGroup:
-    """``own-child``: the backend in a child process of our own; the caller waits on the pipe itself, so the
-    child's death (``abort``: SIGKILL) ends the wait at once; tensors are in shared memory from the start."""
+class _OwnChild:
+    """``own-child``: :class:`lightning_bamboo.engine.comm_process.CommProcess` with the candidates' interface."""
 
     def __init__(self, store_port: int, rank: int, prefix: str) -> None:
-        import torch.multiprocessing as tmp
+        from lightning_bamboo.engine.comm_process import CommProcess
 
-        ctx = tmp.get_context("spawn")
-        self.conn, remote = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(store_port, rank, prefix, remote), daemon=False)
-        self.proc.start()
-        if self.conn.recv() != "ready":
-            raise RuntimeError("the communication process did not start")
-        self.shared: dict[tuple[int, int, int], object] = {}
+        self.comm = CommProcess("127.0.0.1", store_port, prefix, rank, 2)
 
-    def _op(self, op: str, tensors, peer: int, tag: int) -> _Done:
-        (tensor,) = tensors
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
-        first = key not in self.shared
-        if first:  # once per buffer: the step's buffers are allocated once and reused
-            tensor.share_memory_()
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
-            self.shared[key] = tensor
-        self.conn.send((op, key, tensor if first else None, peer, tag))
-        return _Done(self.conn)
+    def send(self, tensors, peer: int, tag: int):
+        return self.comm.send(tensors[0], peer, tag)
 
-    def send(self, tensors, peer: int, tag: int) -> _Done:
-        return self._op("send", tensors, peer, tag)
-
-    def recv(self, tensors, peer: int, tag: int) -> _Done:
-        return self._op("recv", tensors, peer, tag)
+    def recv(self, tensors, peer: int, tag: int):
+        return self.comm.recv(tensors[0], peer, tag)
 
     def abort(self) -> None:
-        self.proc.kill()
-        self.proc.join()
+        self.comm.abort()
 
     shutdown = abort
 
 
 def _group(candidate: str, store_port: int, rank: int, prefix: str):
     if candidate == "own-child":
-        return _ChildGroup(store_port, rank, prefix)
+        return _OwnChild(store_port, rank, prefix)
     return _baby_group(store_port, rank, prefix) if candidate == "baby-gloo" else _plain_group(store_port, rank, prefix)
 
 
