@@ -16,6 +16,7 @@ Not yet used by the engine: DeepSpeed's pipeline engine and the replica exchange
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 from typing import Any
 
@@ -31,7 +32,7 @@ class CommAborted(BambooError):
 
 
 def _serve(host: str, port: int, prefix: str, rank: int, world_size: int, timeout: float, conn: Any) -> None:
-    """The child: one process group; each request runs on a thread of its own, its completion goes back."""
+    """The child: one process group; each request runs on its channel's thread, its completion goes back."""
     import torch.distributed as dist
 
     store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False,
@@ -53,6 +54,14 @@ def _serve(host: str, port: int, prefix: str, rank: int, world_size: int, timeou
         with send_lock:
             conn.send(("done", op_id, outcome))
 
+    # one thread per channel (operation kind and peer), fed in order: a channel's operations keep their
+    # order, different channels run at the same time, and no thread is started per operation
+    channels: dict[tuple[str, int], queue.SimpleQueue] = {}
+
+    def channel(jobs: queue.SimpleQueue) -> None:
+        while True:
+            run(*jobs.get())
+
     while True:
         try:
             request = conn.recv()
@@ -63,7 +72,11 @@ def _serve(host: str, port: int, prefix: str, rank: int, world_size: int, timeou
         op_id, op, key, tensor, peer, tag = request
         if tensor is not None:
             buffers[key] = tensor
-        threading.Thread(target=run, args=(op_id, op, buffers[key], peer, tag), daemon=True).start()
+        jobs = channels.get((op, peer))
+        if jobs is None:
+            jobs = channels[(op, peer)] = queue.SimpleQueue()
+            threading.Thread(target=channel, args=(jobs,), daemon=True).start()
+        jobs.put((op_id, op, buffers[key], peer, tag))
 
 
 class CommWork:
