@@ -52,19 +52,9 @@ def worker(args: argparse.Namespace) -> None:
 
     import lightning_bamboo
     from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
+    from tests.helpers import TokenData
 
     cfg = GPTConfig(**MODEL)
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self, n: int) -> None:
-            g = torch.Generator().manual_seed(0)
-            self.tokens = torch.randint(0, cfg.vocab_size, (n, cfg.block_size + 1), generator=g)
-
-        def __len__(self) -> int:
-            return len(self.tokens)
-
-        def __getitem__(self, i: int):
-            return self.tokens[i, :-1], self.tokens[i, 1:]
 
     class GPT(pl.LightningModule):
         def configure_pipeline(self):
@@ -77,7 +67,8 @@ def worker(args: argparse.Namespace) -> None:
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(Tokens(args.steps * BATCH), batch_size=BATCH, shuffle=False)
+            return torch.utils.data.DataLoader(TokenData(cfg, args.steps * BATCH), batch_size=BATCH,
+                                               shuffle=False)
 
     class StepTimes(pl.Callback):
         def __init__(self) -> None:

@@ -30,7 +30,8 @@ def leave(signum, frame):
     (out / node).write_text("notice")
     sys.exit(0)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("IGNORE") else leave)
-(out / f"{node}.pid").write_text(str(os.getpid()))
+(out / f"{node}.tmp").write_text(str(os.getpid()))
+(out / f"{node}.tmp").rename(out / f"{node}.pid")
 while True:
     time.sleep(0.1)
 """
@@ -60,7 +61,7 @@ def _wait_for_pids(tmp_path: Path, nodes: int, proc: subprocess.Popen) -> list[i
         assert proc.poll() is None, f"the launcher exited early: {proc.stderr.read() if proc.stderr else ''}"
         assert time.monotonic() < deadline, "the workers did not start within 60 s"
         time.sleep(0.05)
-    time.sleep(0.2)  # let each worker finish installing its handler
+    # each worker installs its SIGTERM handler before it puts its pid file in place (whole, by a rename)
     return [int(p.read_text()) for p in pids]
 
 
