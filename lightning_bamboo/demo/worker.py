@@ -134,8 +134,7 @@ def main() -> int:
             print(json.dumps({"node": os.environ.get("BAMBOO_NODE", "node0"), "fatal": str(err)}), flush=True)
             assignment = _restart_in_place() if args.restart_in_place else None
             if assignment is None:
-                sys.stdout.flush()
-                os._exit(EXIT_FATAL)
+                return EXIT_FATAL
             os.environ.update(assignment["env"])
             os.environ.pop("BAMBOO_JOIN", None)
             args = parse(assignment["args"])

@@ -1,67 +1,172 @@
-"""A process group whose operations can be aborted at once: the backend runs in a process of its own.
+"""Communication that can be aborted at once: the backend runs in a process of its own.
 
 A gloo (or NCCL) operation cannot be cancelled from its own process: torch 2.13's ``abort()`` and
 ``shutdown()`` leave a receive from a frozen peer blocked (``benchmarks/abort.py``,
-``docs/comm.md``). Here the group lives in a child process, one per generation: the caller's
-operations go to it over a pipe, and their tensors are shared with it once (a buffer is named by a
-key afterwards, so a message costs what gloo's does). :meth:`CommProcess.abort` kills the child;
-the pipe's end of file then wakes every wait at once with :class:`CommAborted`, the reader thread
-ends, and the group's sockets and memory go with the child. A failover would abort the old
-generation's ``CommProcess`` and start the next one.
+``docs/comm.md``). Here every process group of a *generation* (the job's group and the groups made
+from it with ``new_group``) lives in one child process, a :class:`CommProcess`: the caller's
+operations go to it over a pipe, their tensors through shared-memory buffers lent from a pool (each
+shared with the child once, so after the first steps a message costs two copies and a pipe message).
+:meth:`CommProcess.abort` kills the child; the pipe's end of file then wakes every wait at once with
+:class:`CommAborted`, the reader thread ends, and the group's sockets and memory go with the child.
 
-Not yet used by the engine: DeepSpeed's pipeline engine and the replica exchange still call
-``torch.distributed`` (see ``docs/comm.md``).
+``torch.distributed`` sees it as a backend of its own, :data:`BACKEND` (``"bamboo"``): after
+:func:`open_generation` (or with ``MASTER_ADDR``/``MASTER_PORT`` set, as under Lightning), a
+``init_process_group(BACKEND, ...)`` makes DeepSpeed's pipeline engine, the replica exchange,
+Lightning's collectives and ``new_group`` all use it unchanged. A failover calls
+:func:`abort_generation`: every operation of the old generation ends within milliseconds, however
+it was blocked, and no thread of it is left.
+
+A child is forked from the worker's *zygote*: a plain ``python`` process that imported torch once
+and does nothing else (never a fork of the worker, which runs gloo and store threads, and never a
+re-import of the user's main module, which ``multiprocessing`` would do). Importing torch costs about
+2 s on 2 cores; a fork of the zygote costs milliseconds, so a failover's new generation does not wait
+for imports, and nothing imports in the background while the job trains.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import mmap
+import os
 import queue
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recvfds, sendfds
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.futures import Future
 
 from lightning_bamboo.errors import BambooError
 
-_OPS = ("send", "recv", "allreduce")
+log = logging.getLogger(__name__)
+
+#: the ``torch.distributed`` backend name of the abortable groups
+BACKEND = "bamboo"
+
+_COLLECTIVES = ("allreduce", "broadcast", "allgather", "allgather_base", "barrier")
+_OPS = ("send", "recv", *_COLLECTIVES)
+_MIN_SLAB = 4096
 
 
-class CommAborted(BambooError):
+class CommAborted(BambooError, RuntimeError):
     """The communication process of this generation was aborted (or died): its operations are over."""
 
 
-def _serve(host: str, port: int, prefix: str, rank: int, world_size: int, timeout: float, conn: Any) -> None:
-    """The child: one process group; each request runs on its channel's thread, its completion goes back."""
+# ---------------------------------------------------------------------------------------------
+# the child
+# ---------------------------------------------------------------------------------------------
+
+def _zygote_main(fd: int) -> None:
+    """The worker's zygote: torch imported once; forks a communication process per generation on request.
+
+    A fork of this single-threaded process is safe (a fork of the worker, which runs gloo and store
+    threads, would not be). A forked child serves its generation and leaves through ``SystemExit``,
+    which unwinds it out of this loop; the zygote itself ends when the worker's end of the socket closes.
+    """
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies to wait for
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    try:
+        conn.send("up")
+    except OSError:  # the worker ended while torch was imported
+        return
+    while True:
+        try:
+            conn.recv()
+            (child_fd,) = recvfds(sock, 1)
+        except (EOFError, OSError):
+            return
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            sock.close()
+            conn.close()
+            _child_main(child_fd)
+            sys.exit(0)
+        os.close(child_fd)
+        try:
+            conn.send(pid)
+        except OSError:
+            return
+
+
+def _child_main(fd: int) -> None:
+    """A forked communication process: told which generation to serve, serves it."""
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    try:
+        conn.send("up")
+        start = conn.recv()
+    except (EOFError, OSError):  # never used: the worker ended
+        return
+    if start is None:
+        return
+    host, port, prefix, timeout = start
+    _serve(host, port, prefix, timeout, conn, sock)
+
+
+def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: socket.socket) -> None:
+    """The child: the generation's groups; each operation runs on its channel's thread, its outcome goes back."""
     import torch.distributed as dist
 
-    store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False,
-                                                   timeout=datetime.timedelta(seconds=timeout)))
-    group: Any = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout))
-    buffers: dict[tuple[int, int, int], torch.Tensor] = {}
+    tcp = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+    groups: dict[int, dict[str, Any]] = {}
+    slabs: dict[int, torch.Tensor] = {}
     send_lock = threading.Lock()
-    conn.send(("ready", None, None))
 
-    def run(op_id: int, op: str, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    def reply(op_id: int, outcome: str | None) -> None:
+        with send_lock:
+            conn.send((op_id, outcome))
+
+    def form(op_id: int, gid: int, name: str, rank: int, size: int) -> None:
+        entry = groups[gid]
         try:
-            if op == "allreduce":
-                group.allreduce([tensor]).wait()
-            else:
-                (group.send if op == "send" else group.recv)([tensor], peer, tag).wait()
+            store = dist.PrefixStore(f"{prefix}/{name}", tcp)
+            entry["pg"] = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout))
+            outcome = None
+        except Exception as err:  # noqa: BLE001 - the caller's wait raises it
+            outcome = entry["error"] = f"{type(err).__name__}: {err}"
+        entry["ready"].set()
+        reply(op_id, outcome)
+
+    def start(gid: int, op: str, tensors: list[torch.Tensor], args: tuple) -> Any:
+        entry = groups[gid]
+        entry["ready"].wait()
+        if entry["error"] is not None:
+            raise RuntimeError(f"the group did not form: {entry['error']}")
+        return _start(entry["pg"], op, tensors, args)
+
+    def finish(op_id: int, work: Any, later: tuple | None) -> None:
+        try:
+            if later is not None:  # its group was still forming when it came: start it now
+                work = start(*later)
+            work.wait()
             outcome = None
         except Exception as err:  # noqa: BLE001 - the caller's wait raises it
             outcome = f"{type(err).__name__}: {err}"
-        with send_lock:
-            conn.send(("done", op_id, outcome))
+        reply(op_id, outcome)
 
-    # one thread per channel (operation kind and peer), fed in order: a channel's operations keep their
-    # order, different channels run at the same time, and no thread is started per operation
-    channels: dict[tuple[str, int], queue.SimpleQueue] = {}
+    # Operations start in the order they come, as in the caller's own process (gloo matches sends and
+    # receives by peer and tag in that order; collectives queue in it). Their completions are waited
+    # for by one thread per channel, in order: a channel is a group's collectives, or its sends to (or
+    # receives from) one peer with one tag.
+    channels: dict[tuple, queue.SimpleQueue] = {}
 
     def channel(jobs: queue.SimpleQueue) -> None:
         while True:
-            run(*jobs.get())
+            finish(*jobs.get())
 
+    reply(-1, None)  # connected to the store: ready
     while True:
         try:
             request = conn.recv()
@@ -69,154 +174,554 @@ def _serve(host: str, port: int, prefix: str, rank: int, world_size: int, timeou
             return
         if request is None:
             return
-        op_id, op, key, tensor, peer, tag = request
-        if tensor is not None:
-            buffers[key] = tensor
-        jobs = channels.get((op, peer))
+        if request[0] == "group":
+            _, op_id, gid, name, rank, size = request
+            groups[gid] = {"ready": threading.Event(), "pg": None, "error": None}
+            threading.Thread(target=form, args=(op_id, gid, name, rank, size), daemon=True).start()
+            continue
+        _, op_id, gid, op, specs, args, new_slabs = request
+        if new_slabs:  # their memory comes as file descriptors right after the request
+            for (sid, size), fd in zip(new_slabs, recvfds(sock, len(new_slabs)), strict=True):
+                slabs[sid] = _map(fd, size)
+        tensors = [_view(slabs[sid], dtype, shape) for sid, dtype, shape in specs]
+        key = (gid, op, *args) if op in ("send", "recv") else (gid, "collective")
+        jobs = channels.get(key)
         if jobs is None:
-            jobs = channels[(op, peer)] = queue.SimpleQueue()
+            jobs = channels[key] = queue.SimpleQueue()
             threading.Thread(target=channel, args=(jobs,), daemon=True).start()
-        jobs.put((op_id, op, buffers[key], peer, tag))
+        work, later = None, None
+        if groups[gid]["ready"].is_set():
+            try:
+                work = start(gid, op, tensors, args)
+            except Exception as err:  # noqa: BLE001 - reported when its turn comes
+                work = _Failed(err)
+        else:
+            later = (gid, op, tensors, args)
+        jobs.put((op_id, work, later))
 
+
+class _Failed:
+    """An operation that could not start: its wait raises why."""
+
+    def __init__(self, err: Exception) -> None:
+        self.err = err
+
+    def wait(self) -> None:
+        raise self.err
+
+
+def _start(pg: Any, op: str, tensors: list[torch.Tensor], args: tuple) -> Any:
+    """Start ``op`` on the gloo group ``pg``; returns its work."""
+    import torch.distributed as dist
+
+    if op == "send":
+        return pg.send(tensors, args[0], args[1])
+    if op == "recv":
+        return pg.recv(tensors, args[0], args[1])
+    if op == "allreduce":
+        reduce = dist.AllreduceOptions()
+        reduce.reduceOp = getattr(dist.ReduceOp, args[0])
+        return pg.allreduce(tensors, reduce)
+    if op == "broadcast":
+        broadcast = dist.BroadcastOptions()
+        broadcast.rootRank, broadcast.rootTensor = args[0], 0
+        return pg.broadcast(tensors, broadcast)
+    if op == "allgather":  # tensors: the input, then one output per rank
+        return pg.allgather([tensors[1:]], [tensors[0]])
+    if op == "allgather_base":  # tensors: the input, then the output
+        return pg._allgather_base(tensors[1], tensors[0])
+    if op == "barrier":
+        return pg.barrier()
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    """A memory file's ``size`` bytes as a uint8 tensor (the mapping outlives the descriptor)."""
+    try:
+        memory = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "non-writable buffer": an mmap is writable
+        return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+def _view(slab: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    return slab[:nbytes].view(dtype).view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# the caller's side
+# ---------------------------------------------------------------------------------------------
 
 class CommWork:
     """One operation in flight; :meth:`wait` returns when it is done, raises if it failed or was aborted."""
 
-    def __init__(self, owner: CommProcess, op_id: int) -> None:
+    def __init__(self, owner: CommProcess, op_id: int, outputs: list[tuple[torch.Tensor, torch.Tensor]],
+                 lent: list[int]) -> None:
         self._owner, self._id = owner, op_id
+        self._outputs, self._lent = outputs, lent
         self.done = threading.Event()
         self.error: str | None = None
+        self._future: Future | None = None
+
+    def _finish(self, error: str | None) -> None:
+        if error is None:
+            for staged, target in self._outputs:
+                target.copy_(staged)
+        self.error = error
+        self._owner._slabs.give(self._lent)
+        with self._owner._lock:
+            self.done.set()
+            future = self._future
+        if future is not None:
+            self._settle(future)
+
+    def _settle(self, future: Future) -> None:
+        if self.error is None:
+            future.set_result([target for _, target in self._outputs])
+        else:
+            future.set_exception(CommAborted(self._message()))
+
+    def _message(self) -> str:
+        return f"{self._owner.name}: operation {self._id} ended: {self.error}"
 
     def wait(self, timeout: float | None = None) -> None:
         if not self.done.wait(timeout):
             raise TimeoutError(f"{self._owner.name}: operation {self._id} not done within {timeout} s")
         if self.error is not None:
-            raise CommAborted(f"{self._owner.name}: operation {self._id} ended: {self.error}")
+            raise CommAborted(self._message())
+
+    def future(self) -> Future:
+        future: Future = Future()
+        with self._owner._lock:
+            if not self.done.is_set():
+                self._future = future
+                return future
+        self._settle(future)
+        return future
+
+
+class _Slabs:
+    """Shared-memory buffers lent to operations, by size class (powers of two); each is shared with the child once."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[int]] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor, int | None]:
+        """A free slab of at least ``nbytes``: ``(id, tensor, fd)``, ``fd`` (to pass on, then close) if it is new."""
+        size = max(_MIN_SLAB, 1 << max(0, nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.setdefault(size, [])
+            if free:
+                sid = free.pop()
+                return sid, self.tensors[sid], None
+            sid = len(self.tensors)
+            fd = os.memfd_create(f"bamboo-comm-{sid}")
+            os.ftruncate(fd, size)
+            slab = self.tensors[sid] = _map(os.dup(fd), size)
+        return sid, slab, fd
+
+    def give(self, sids: list[int]) -> None:
+        with self._lock:
+            for sid in sids:
+                self._free[int(self.tensors[sid].numel())].append(sid)
 
 
 class CommProcess:
-    """A gloo group of ``world_size`` ranks in a child process (see the module docstring).
+    """The groups of one generation in a child process (see the module docstring).
 
     ``host``/``port``: a ``torch.distributed.TCPStore`` the ranks share; ``prefix`` names this
-    generation's group in it (each generation needs its own).
+    generation's groups in it (each generation needs its own). With ``rank`` and ``world_size`` the
+    job's group ("world") is formed at once; :meth:`group` forms more.
     """
 
-    def __init__(self, host: str, port: int, prefix: str, rank: int, world_size: int,
+    def __init__(self, host: str, port: int, prefix: str, rank: int | None = None, world_size: int | None = None,
                  timeout: float = 300.0) -> None:
-        import torch.multiprocessing as tmp
-
-        self.name = f"comm[{prefix} rank {rank}]"
-        ctx = tmp.get_context("spawn")
-        self._conn, remote = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(host, port, prefix, rank, world_size, timeout, remote),
-                                 name=self.name, daemon=False)
-        self._proc.start()
-        remote.close()
+        self.name = f"comm[{prefix}]" if rank is None else f"comm[{prefix} rank {rank}]"
+        self.timeout = timeout
+        self._proc, self._sock, self._conn = _fork_child()
+        self._conn.send((host, port, prefix, timeout))
         self._pending: dict[int, CommWork] = {}
-        self._shared: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._slabs = _Slabs()
         self._lock = threading.Lock()
         self._next = 0
+        self._groups = 0
         self._ended: str | None = None
         try:
-            kind, _, _ = self._conn.recv()
+            self._conn.recv()
         except EOFError:
-            self._proc.join()
-            raise CommAborted(f"{self.name}: the communication process died while the group formed "
-                              f"(exit code {self._proc.exitcode})") from None
-        if kind != "ready":
-            raise CommAborted(f"{self.name}: unexpected first message {kind!r}")
+            raise CommAborted(f"{self.name}: the communication process died before it reached the store at "
+                              f"{host}:{port}") from None
         self._reader = threading.Thread(target=self._read, name=f"{self.name} reader", daemon=True)
         self._reader.start()
+        self.world = -1
+        if rank is not None:
+            assert world_size is not None
+            self.world = self.group("world", rank, world_size)
+
+    # -- groups --
+    def group(self, name: str, rank: int, size: int, abort_if: Callable[[], bool] = lambda: False,
+              within: float | None = None) -> int:
+        """Form group ``name`` (the same name on each of its ``size`` ranks); returns its handle.
+
+        Waits up to ``within`` seconds (default: the timeout), in slices: when ``abort_if()`` turns true
+        (a member was lost), the generation is aborted and ``CommAborted`` raised, so that nobody waits on a
+        dead member.
+        """
+        with self._lock:
+            self._check()
+            gid, self._groups = self._groups, self._groups + 1
+            work = self._register([], [])
+            self._send(("group", work._id, gid, name, rank, size), work._id)
+        within = self.timeout if within is None else within
+        deadline = time.monotonic() + within
+        while not work.done.wait(0.1):
+            if abort_if():
+                self.abort()
+                raise CommAborted(f"{self.name}: a member was lost while group {name!r} formed")
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CommAborted(f"{self.name}: group {name!r} of {size} did not form within {within:g} s")
+        work.wait()
+        return gid
 
     # -- operations --
-    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> CommWork:
-        return self._post("send", tensor, peer, tag)
+    def send(self, tensor: torch.Tensor, peer: int, tag: int = 0, group: int | None = None) -> CommWork:
+        return self.post(self._gid(group), "send", [tensor], [], (peer, tag))
 
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> CommWork:
-        return self._post("recv", tensor, peer, tag)
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int = 0, group: int | None = None) -> CommWork:
+        return self.post(self._gid(group), "recv", [tensor], [0], (peer, tag))
 
-    def allreduce(self, tensor: torch.Tensor) -> CommWork:
-        """Sum ``tensor`` over the ranks, in place."""
-        return self._post("allreduce", tensor, -1, 0)
+    def allreduce(self, tensor: torch.Tensor, op: str = "SUM", group: int | None = None) -> CommWork:
+        """Reduce ``tensor`` over the ranks (``op``: a ``torch.distributed.ReduceOp`` name), in place."""
+        return self.post(self._gid(group), "allreduce", [tensor], [0], (op,))
 
-    def _post(self, op: str, tensor: torch.Tensor, peer: int, tag: int) -> CommWork:
+    def _gid(self, group: int | None) -> int:
+        gid = self.world if group is None else group
+        if gid < 0:
+            raise ValueError(f"{self.name}: no group given and no world group formed")
+        return gid
+
+    def post(self, gid: int, op: str, tensors: Sequence[torch.Tensor], outputs: Sequence[int],
+             args: tuple = ()) -> CommWork:
+        """Start ``op`` on group ``gid`` with ``tensors``; those at the indices ``outputs`` are written back."""
         if op not in _OPS:
             raise ValueError(f"unknown operation {op!r}; one of {_OPS}")
-        if tensor.device.type != "cpu":
-            raise ValueError(f"{self.name}: only CPU tensors so far (got {tensor.device})")
-        with self._lock:
-            if self._ended is not None:
-                raise CommAborted(f"{self.name}: {self._ended}")
-            key = _key(tensor)
-            first = key not in self._shared
-            if first:  # once per buffer: a step's buffers are allocated once and reused
-                tensor.share_memory_()
-                key = _key(tensor)
-                self._shared[key] = tensor
-            op_id, self._next = self._next, self._next + 1
-            work = self._pending[op_id] = CommWork(self, op_id)
-            try:
-                self._conn.send((op_id, op, key, tensor if first else None, peer, tag))
-            except OSError as err:
-                del self._pending[op_id]
-                raise CommAborted(f"{self.name}: the communication process is gone ({err})") from None
+        specs, new, fds, staged, lent = [], [], [], [], []
+        for tensor in tensors:
+            if tensor.device.type != "cpu":
+                raise ValueError(f"{self.name}: only CPU tensors so far (got {tensor.device})")
+            sid, slab, fd = self._slabs.take(tensor.numel() * tensor.element_size())
+            lent.append(sid)
+            if fd is not None:
+                new.append((sid, int(slab.numel())))
+                fds.append(fd)
+            view = _view(slab, tensor.dtype, tensor.shape)
+            view.copy_(tensor)
+            staged.append(view)
+            specs.append((sid, tensor.dtype, tuple(tensor.shape)))
+        try:
+            with self._lock:
+                if self._ended is not None:
+                    self._slabs.give(lent)
+                    raise CommAborted(f"{self.name}: {self._ended}")
+                work = self._register([(staged[i], tensors[i]) for i in outputs], lent)
+                self._send(("op", work._id, gid, op, specs, args, new), work._id, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         return work
+
+    def _register(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], lent: list[int]) -> CommWork:
+        op_id, self._next = self._next, self._next + 1
+        work = self._pending[op_id] = CommWork(self, op_id, outputs, lent)
+        return work
+
+    def _send(self, message: tuple, op_id: int, fds: Sequence[int] = ()) -> None:
+        try:
+            self._conn.send(message)
+            if fds:
+                sendfds(self._sock, list(fds))
+        except OSError as err:
+            del self._pending[op_id]
+            raise CommAborted(f"{self.name}: the communication process is gone ({err})") from None
+
+    def _check(self) -> None:
+        if self._ended is not None:
+            raise CommAborted(f"{self.name}: {self._ended}")
 
     def _read(self) -> None:
         while True:
             try:
-                kind, op_id, outcome = self._conn.recv()
+                op_id, outcome = self._conn.recv()
             except (EOFError, OSError):
                 self._end("the communication process ended (aborted, or it died)")
                 return
-            if kind == "done":
-                with self._lock:
-                    work = self._pending.pop(op_id, None)
-                if work is not None:
-                    work.error = outcome
-                    work.done.set()
+            with self._lock:
+                work = self._pending.pop(op_id, None)
+            if work is not None:
+                work._finish(outcome)
 
     def _end(self, why: str) -> None:
         with self._lock:
             self._ended = self._ended or why
             pending, self._pending = self._pending, {}
         for work in pending.values():
-            work.error = why
-            work.done.set()
+            work._finish(why)
 
     # -- ending --
     def abort(self) -> None:
-        """End this generation's group now: every wait raises ``CommAborted``; no thread is left behind."""
+        """End this generation's groups now: every wait raises ``CommAborted``; no thread is left behind."""
         self._end("aborted")
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._proc.join()
-        self._reader.join()  # the pipe's end of file ends it
+        self._proc.kill()
+        if self._reader is not threading.current_thread():
+            self._reader.join()  # the pipe's end of file (the child is gone) ends it
         self._conn.close()
+        self._sock.close()
 
     def close(self) -> None:
-        """End the group when nothing is in flight (the child exits by itself)."""
+        """End the groups when nothing is in flight (the child exits by itself); abort otherwise."""
         with self._lock:
             busy = bool(self._pending)
-        if busy:
+        if busy or self._ended is not None:
             self.abort()
             return
         try:
             self._conn.send(None)
         except OSError:
             pass
-        self._proc.join(10.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-        self._reader.join()
-        self._end("closed")
-        self._conn.close()
+        self._reader.join(10.0)  # it ends when the child has exited
+        self.abort()  # kills the child if it did not exit
+        self._ended = "closed"
 
     @property
     def alive(self) -> bool:
-        return self._proc.is_alive()
+        return self._proc.alive()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
 
-def _key(tensor: torch.Tensor) -> tuple[int, int, int]:
-    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), int(tensor.numel())
+class _Child:
+    """A communication process forked by the zygote (not this process's child: the zygote reaps it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X")
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+_ZYGOTE: dict[str, Any] = {"proc": None}
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def prepare() -> None:
+    """Start this worker's zygote now (its torch import takes seconds), so the first generation need not wait."""
+    with _ZYGOTE_LOCK:
+        _start_zygote()
+
+
+def _start_zygote() -> tuple[subprocess.Popen, socket.socket, Connection, list[bool]]:
+    zygote = _ZYGOTE["proc"]
+    if zygote is None or zygote[0].poll() is not None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        code = f"from {__name__} import _zygote_main; _zygote_main({theirs.fileno()})"
+        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), close_fds=True)
+        theirs.close()
+        zygote = _ZYGOTE["proc"] = (proc, mine, Connection(os.dup(mine.fileno())), [False])
+    return zygote
+
+
+def _fork_child() -> tuple[_Child, socket.socket, Connection]:
+    """A new communication process from the zygote (started, or started again, if needed)."""
+    for _ in range(2):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with _ZYGOTE_LOCK:
+                proc, sock, conn, up = _start_zygote()
+                try:
+                    if not up[0]:
+                        conn.recv()  # "up": torch is imported
+                        up[0] = True
+                    conn.send("fork")
+                    sendfds(sock, [theirs.fileno()])
+                    pid = conn.recv()
+                except (EOFError, OSError):
+                    proc.kill()
+                    proc.wait()
+                    _ZYGOTE["proc"] = None
+                    continue
+        finally:
+            theirs.close()
+        child = Connection(os.dup(mine.fileno()))
+        try:
+            child.recv()  # "up"
+        except EOFError:
+            continue
+        return _Child(int(pid)), mine, child
+    raise CommAborted("a communication process could not be started (its zygote died twice)")
+
+
+# ---------------------------------------------------------------------------------------------
+# the torch.distributed backend
+# ---------------------------------------------------------------------------------------------
+
+class _Work(dist.Work):
+    def __init__(self, work: CommWork) -> None:
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = None if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
+        self._work.wait(seconds)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.done.is_set()
+
+    def is_success(self) -> bool:
+        return self._work.done.is_set() and self._work.error is None
+
+    def get_future(self) -> Future:
+        return self._work.future()
+
+
+class AbortableGroup(dist.ProcessGroup):
+    """A ``torch.distributed`` process group whose operations run in the generation's :class:`CommProcess`."""
+
+    def __init__(self, comm: CommProcess, gid: int, rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (the stubs know only the store-first form)
+        self.comm, self.gid = comm, gid
+        self._rank, self._size = rank, size
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def _post(self, op: str, tensors: Sequence[torch.Tensor], outputs: Sequence[int], args: tuple = ()) -> _Work:
+        return _Work(self.comm.post(self.gid, op, tensors, outputs, args))
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> _Work:
+        _one(tensors, "send")
+        return self._post("send", tensors, [], (dst, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> _Work:
+        _one(tensors, "recv")
+        return self._post("recv", tensors, [0], (src, tag))
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:  # type: ignore[override]
+        _one(tensors, "allreduce")
+        op = "SUM" if opts is None else opts.reduceOp.op.name
+        return self._post("allreduce", tensors, [0], (op,))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:  # type: ignore[override]
+        _one(tensors, "broadcast")
+        return self._post("broadcast", tensors, [0], (0 if opts is None else opts.rootRank,))
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],  # type: ignore[override]
+                  input_tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        _one(input_tensors, "allgather")
+        outputs = output_tensors[0]
+        return self._post("allgather", [input_tensors[0], *outputs], range(1, len(outputs) + 1))
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+        return self._post("allgather_base", [input, output], [1])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:
+        return self._allgather_base(output, input, opts)
+
+    def barrier(self, opts: Any = None) -> _Work:
+        return self._post("barrier", [], [])
+
+
+def _one(tensors: Sequence[torch.Tensor], op: str) -> None:
+    if len(tensors) != 1:
+        raise ValueError(f"{BACKEND} backend: {op} takes one tensor per call, got {len(tensors)}")
+
+
+_GENERATION: dict[str, Any] = {"comm": None, "abort_if": lambda: False, "within": None}
+
+
+def open_generation(host: str, port: int, prefix: str, timeout: float,
+                    abort_if: Callable[[], bool] | None = None) -> CommProcess:
+    """Start the communication process of the next generation (the current one is aborted first).
+
+    ``init_process_group(BACKEND, ...)`` and every ``new_group`` after it then form their groups in
+    it; ``abort_if``: a check, polled while a group forms, that a member was lost (default: the one
+    given to :func:`watch_while_forming`).
+    """
+    check = abort_if or _GENERATION["abort_if"]
+    abort_generation()
+    comm = CommProcess(host, port, prefix, timeout=timeout)
+    _GENERATION.update(comm=comm, abort_if=check)
+    return comm
+
+
+def watch_while_forming(abort_if: Callable[[], bool], within: float | None = None) -> None:
+    """Poll ``abort_if`` while the groups of the current (or next) generation form: true gives up at once;
+    ``within``: the most seconds a group may take to form (default: the group's timeout)."""
+    _GENERATION.update(abort_if=abort_if, within=within)
+
+
+def current_generation() -> CommProcess | None:
+    return _GENERATION["comm"]
+
+
+def abort_generation() -> bool:
+    """Abort every operation of the current generation at once (a failover's first act); True if there was one."""
+    comm = _GENERATION["comm"]
+    _GENERATION["comm"] = None
+    if comm is None:
+        return False
+    comm.abort()
+    return True
+
+
+def _create(options: Any, backend_options: Any = None) -> AbortableGroup:
+    comm = _GENERATION["comm"]
+    timeout = options.timeout.total_seconds() if options.timeout is not None else 300.0
+    if comm is None and dist.is_initialized():
+        raise CommAborted(f"group {options.group_id!r}: this generation's communication was aborted (a failover "
+                          "forms the next one)")
+    if comm is None:  # the job's first group, formed by torch's env:// rendezvous (Lightning, DeepSpeed)
+        try:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except (KeyError, ValueError):
+            raise BambooError(
+                f"the {BACKEND!r} backend needs lightning_bamboo.engine.comm_process.open_generation(...) first, "
+                "or MASTER_ADDR and MASTER_PORT of the job's TCPStore in the environment") from None
+        comm = open_generation(host, port, f"bamboo-comm/{port}", timeout)
+    gid = comm.group(options.group_id, options.group_rank, options.group_size, _GENERATION["abort_if"],
+                     _GENERATION["within"])
+    return AbortableGroup(comm, gid, options.group_rank, options.group_size)
+
+
+def register_backend() -> None:
+    """Make :data:`BACKEND` a ``torch.distributed`` backend (once per process; done on import)."""
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+register_backend()

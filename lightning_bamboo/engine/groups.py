@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
+from lightning_bamboo.engine.comm_process import BACKEND, CommAborted, abort_generation, open_generation
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.membership.node import node_address
 from lightning_bamboo.membership.registry import job_prefix, wait_for_key
@@ -21,15 +22,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def reform_process_group(
     store: Any, job: str, generation: int, order: Sequence[str], me: str, timeout: float, tag: str = "",
-    gone: Callable[[], Collection[str]] = lambda: (),
+    gone: Callable[[], Collection[str]] = lambda: (), backend: str = BACKEND,
 ) -> tuple[int, int, Any]:
     """Destroy the current process group and join a new one of ``order`` (rank = position).
 
     The new rank 0 hosts a fresh ``TCPStore`` (the old one may have died with its host) and
     publishes its address in the membership store; everyone else waits for it (bounded).
+    With the abortable ``backend`` (the default) the old generation's communication process is
+    aborted first, so nothing of it can block, and the new one's groups form in a new one.
     Returns ``(rank, world_size, tcp_store)``; keep the store object alive on rank 0.
     """
     import torch.distributed as dist
+
+    from lightning_bamboo.engine.pipe import PeerLost
 
     rank, world = order.index(me), len(order)
     key = f"{job_prefix(job)}pg/{generation}/{tag}"
@@ -41,17 +46,22 @@ def reform_process_group(
     else:
         kv = wait_for_key(store, key, timeout, abort=lambda: bool(gone()))
         if kv is None and gone():
-            from lightning_bamboo.engine.pipe import PeerLost
-
             raise PeerLost(f"{sorted(gone())} lost before the new process group formed", gone())
         if kv is None:
             raise BambooError(f"no process group address for generation {generation} within {timeout} s ({key})")
         address = json.loads(kv.value)
         tcp = dist.TCPStore(address["host"], address["port"], world, is_master=False, timeout=timedelta(seconds=timeout))
+    abort_generation()
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore(f"bamboo{generation}{tag}", tcp), rank=rank, world_size=world,
-        timeout=timedelta(seconds=timeout),
-    )
+    prefix = f"bamboo{generation}{tag}"
+    if backend == BACKEND:
+        open_generation(address["host"] if rank else host, tcp.port, prefix, timeout, abort_if=lambda: bool(gone()))
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, tcp), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout))
+    except CommAborted as err:
+        if gone():
+            raise PeerLost(f"{sorted(gone())} lost while the new process group formed", gone()) from err
+        raise
     return rank, world, tcp

@@ -15,8 +15,9 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine.comm_process import abort_generation
 from lightning_bamboo.engine.replica import GradientExchange, Replica
-from lightning_bamboo.errors import BambooError
+from lightning_bamboo.errors import BambooError, FatalLoss
 from lightning_bamboo.schedule import Costs
 from lightning_bamboo.testing import faults
 
@@ -460,43 +461,25 @@ class _FailureInjector:
             yield commands
 
 
-#: step threads left blocked in a communication call of a destroyed process group (see StepGuard)
-ABANDONED: list[threading.Thread] = []
-
-
-class AbandonedStep(BaseException):
-    """Raised inside a step thread the failover left behind, at its next Python call.
-
-    DeepSpeed's point-to-point calls resolve the *default* process group when they are made: a
-    left-behind step thread whose blocked call returns would otherwise go on with the old
-    schedule on the failover's new group, and its sends and receives would match (and corrupt)
-    the new pipeline's messages (seen: a receive posted by the old step took the size message of
-    the replica exchange, and gloo aborted the process). A ``BaseException``, so that no
-    ``except Exception`` on the way swallows it.
-    """
-
-
-def _abandon(thread: threading.Thread) -> None:
-    """Leave ``thread`` behind: it raises ``AbandonedStep`` as soon as it runs Python code again."""
-    import ctypes
-
-    ABANDONED.append(thread)
-    if thread.ident is not None and thread.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(AbandonedStep))
+#: the most seconds a step may take to end after its generation's communication was aborted
+STEP_FINISH_SECONDS = 60.0
 
 
 class StepGuard:
     """Runs a step on a worker thread so that a lost peer can never block the caller.
 
-    A gloo send or receive with a frozen or vanished peer blocks until the process-group
-    timeout, and no other thread can interrupt it. So the step runs on a worker thread while
-    the caller waits for it *or* for ``lost`` (set by the membership watcher). On a loss the
-    worker is abandoned: its process group is destroyed by the failover, and the thread is made
-    to raise ``AbandonedStep`` at its next Python call, so it never reaches the new group.
+    A send or receive with a frozen or vanished peer would block until the process-group timeout.
+    So the step runs on a worker thread while the caller waits for it *or* for ``lost`` (set by the
+    membership watcher). On a loss the guard aborts the generation's communication
+    (``comm_process.abort_generation``): every wait of the old process group ends at once, the step
+    thread raises out of it and ends, and only then does the failover go on. No thread of the old
+    generation is left behind; one still computing after ``finish_within`` seconds is a fatal error.
     """
 
-    def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float) -> None:
+    def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float,
+                 finish_within: float = STEP_FINISH_SECONDS) -> None:
         self.lost, self.describe, self.detection_timeout = lost, describe, detection_timeout
+        self.finish_within = finish_within
 
     def run(self, fn: Callable[[], Any], busy: Callable[[], bool] = lambda: False) -> Any:
         result: dict[str, Any] = {}
@@ -514,8 +497,14 @@ class StepGuard:
         thread.start()
         while not done.wait(0.02):
             if self.lost.is_set() and not busy():
-                _abandon(thread)
-                raise PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
+                lost = PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
+                abort_generation()
+                if not done.wait(self.finish_within):
+                    raise FatalLoss(f"{lost}; the step did not end within {self.finish_within:g} s of aborting its "
+                                    "communication, so it cannot be failed over: start again from the checkpoint")
+                thread.join()
+                raise lost
+        thread.join()
         if "error" in result:
             err = result["error"]
             if isinstance(err, PeerLost):
@@ -524,7 +513,6 @@ class StepGuard:
                 # A receive from a dead peer fails fast, with messages that vary by transport and
                 # timing; wait (bounded) for the store to say whether someone died.
                 if self.lost.wait(self.detection_timeout if _is_comm_error(err) else min(2.0, self.detection_timeout)):
-                    ABANDONED.append(thread)  # it has ended already (it raised)
                     raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
             raise err
         return result["value"]
@@ -534,5 +522,5 @@ def _is_comm_error(err: BaseException) -> bool:
     text = str(err).lower()
     return any(
         k in text
-        for k in ("connection", "gloo", "closed", "closure", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
+        for k in ("aborted", "communication process", "connection", "gloo", "closed", "closure", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
     )

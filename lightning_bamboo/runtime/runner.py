@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.pipe import PeerLost
 from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss
 from lightning_bamboo.runtime.config import BambooConfig
@@ -40,7 +41,7 @@ class PipelineRunner(NodeStage):
     """
 
     def __init__(self, config: BambooConfig, host: RunnerHost, device: torch.device | str = "cpu",
-                 backend: str = "gloo") -> None:
+                 backend: str = BACKEND) -> None:
         super().__init__(config, host, device, backend)
         #: called at the start of every step under membership, after leavers were served (``before_step``)
         self._before_step: list[Callable[[PipelineRunner, int], None]] = []
@@ -59,6 +60,7 @@ class PipelineRunner(NodeStage):
         """Under the Bamboo launcher: register this node and pass the job's start rendezvous (else None)."""
         if self.session is None and launched_by_bamboo():
             self.session = Session(self.config.detection_timeout, self.config.timeout, leave_requested)
+            self.session.backend = self.backend
         return self.session
 
     def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> dict[str, Any] | None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from lightning_bamboo.engine.comm_process import BACKEND, abort_generation
 from lightning_bamboo.engine.groups import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
@@ -350,7 +350,7 @@ class Session:
                     raise
         rank, world, self._tcp_store = reform_process_group(
             self.store, self.job, generation, order, self.node, self.rendezvous_timeout, tag=tag,
-            gone=lambda: self.detector.lost & set(order),
+            gone=lambda: self.detector.lost & set(order), backend=self.backend,
         )
         self.generation = generation
         self.nodes = list(order)
@@ -387,13 +387,18 @@ class Session:
             self.store.put(f"{self.base}failovers/{self.generation}", json.dumps(record))
 
     def depart(self) -> None:
-        """Leave the job now (after our last step committed): the others serve our stage from its replica."""
-        log.warning("%s: leaving after a preemption notice", self.node)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        """Leave the job now (after our last step committed): the others serve our stage from its replica.
 
+        The generation's communication is aborted (nothing of this node may still be in flight with
+        them) and the process exits with status 0 through ``SystemExit``: the framework's teardown
+        finds every collective ended at once instead of waiting on the others."""
+        log.warning("%s: leaving after a preemption notice", self.node)
+        self.stop()
+        abort_generation()
+        raise SystemExit(0)
+
+    #: the ``torch.distributed`` backend of the groups this session forms (the abortable one unless the user chose)
+    backend = BACKEND
     #: False once ``stop`` closed the store (after fit: collectives go through the process group again)
     active = True
     #: whether this node's lease may have lapsed when ``stop`` ran (``confirm_member`` refuses from then on)

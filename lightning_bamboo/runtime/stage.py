@@ -20,6 +20,7 @@ from lightning_bamboo.engine.build import (
     deepspeed_config,
     ensure_deepspeed_comm,
 )
+from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.module import BuiltLayers, Splice, build_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, Wiring
@@ -45,7 +46,7 @@ class NodeStage:
     """
 
     def __init__(self, config: BambooConfig, host: RunnerHost, device: torch.device | str = "cpu",
-                 backend: str = "gloo") -> None:
+                 backend: str = BACKEND) -> None:
         self.config = config
         self.host = host
         self.device = torch.device(device)
@@ -97,6 +98,11 @@ class NodeStage:
         probe = self.probe(model)
         parts = compute_parts(self.config.partition, stages, probe.param_counts, probe.names)
         self.layout, self.rank, self.gradient_clipping = Layout(stages, pipelines, parts), rank, gradient_clipping
+        if self.session is not None and torch_dist.get_backend() != BACKEND:
+            log.warning("%s: the job's process group uses %r, which cannot be aborted: a failover waits until a step "
+                        "blocked on a lost peer returns by that backend's own timeout. Form it with "
+                        "torch.distributed.init_process_group(%r, ...) (lightning_bamboo.engine.comm_process.BACKEND) "
+                        "to end such waits at once.", self.session.node, torch_dist.get_backend(), BACKEND)
         ensure_deepspeed_comm(self.backend)
         module = self._stage_module(self.layout, self.layout.stage_of_rank(rank))
         optimizer = self.host.setup_optimizers(module) if fitting else None

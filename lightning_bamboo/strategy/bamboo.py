@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import threading
 import types
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,12 +19,15 @@ import torch
 import torch.distributed as torch_dist
 from typing_extensions import override
 
+from lightning_bamboo.engine import comm_process
+from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.partition import compute_parts
-from lightning_bamboo.errors import FATAL_EXIT_CODE, BambooConfigError, FatalLoss
+from lightning_bamboo.engine.pipe import STEP_FINISH_SECONDS
+from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.runtime import collectives
 from lightning_bamboo.runtime.config import DEFAULT_TIMEOUT_SECONDS, BambooConfig
 from lightning_bamboo.runtime.runner import PipelineRunner
-from lightning_bamboo.runtime.session import LEAVE, joining
+from lightning_bamboo.runtime.session import LEAVE, joining, launched_by_bamboo
 from lightning_bamboo.strategy import patches
 from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_bamboo.strategy.lightning_host import LightningHost
@@ -223,6 +224,14 @@ class _BambooStrategyMixin(CheckpointHooks):
         from lightning_bamboo.membership.node import leave_idle_priority
 
         runner = self.runner
+        runner.backend = self._get_process_group_backend()  # before any group forms (an admission forms one here)
+        if runner.backend == BACKEND:
+            comm_process.prepare()  # its torch import overlaps the rendezvous
+        if runner.backend != BACKEND and launched_by_bamboo():
+            log.warning("process_group_backend=%r cannot be aborted: a failover waits until a step blocked on a lost "
+                        "peer returns by that backend's own timeout (and gives up after %g s: a restart from the "
+                        "checkpoint). The default on CPU, %r, ends such waits at once.", runner.backend,
+                        STEP_FINISH_SECONDS, BACKEND)
         if joining() and runner.session is None:
             # A node joining a running job: standby until a reconfiguration admits it, then its
             # process group is the job's (Lightning finds it initialised and keeps it).
@@ -242,13 +251,21 @@ class _BambooStrategyMixin(CheckpointHooks):
         super().setup_environment()
 
     @override
+    def _get_process_group_backend(self) -> str:
+        """The abortable backend on CPU (``lightning_bamboo.engine.comm_process``) unless one was chosen."""
+        if self._process_group_backend:
+            return self._process_group_backend
+        return BACKEND if self.root_device.type == "cpu" else super()._get_process_group_backend()
+
+    @override
     def setup_distributed(self) -> None:
         """Lightning's process group; under the Bamboo launcher its forming is bounded by a short timeout.
 
-        Every node passed the start rendezvous, so all are up; one that dies now leaves the others in
-        gloo's connect, which no loss detector can interrupt, for the whole strategy timeout. The
-        connect gets a few detection timeouts instead (``FatalLoss``: start again with the nodes that
-        are up), and the group gets the strategy's timeout back once formed.
+        Every node passed the start rendezvous, so all are up; one that dies now would leave the others
+        waiting for it to connect. The connect gets a few detection timeouts instead (``FatalLoss``:
+        start again with the nodes that are up), polled against the loss detector, and the group gets
+        the strategy's timeout back once formed. (With plain gloo the connect cannot be interrupted:
+        the abortable backend forms its groups in a process that can be stopped.)
         """
         session = self.runner.session
         if session is None or self._assigned is not None or torch_dist.is_initialized():
@@ -256,26 +273,17 @@ class _BambooStrategyMixin(CheckpointHooks):
             return
         full = self._timeout or timedelta(seconds=self.options.timeout)
         connect = min(full, timedelta(seconds=max(3 * self.options.detection_timeout, 15.0)))
-        formed = threading.Event()
-
-        def watchdog() -> None:
-            # gloo's connect does not always honour its timeout (seen: minutes, waiting for a dead
-            # peer's key): a process that is still not connected well after it exits for a restart.
-            if not formed.wait(connect.total_seconds() + 5.0):
-                log.error("%s: the job's process group did not form within %g s (lost: %s); exiting with %d: start "
-                          "again with the nodes that are up", session.node, connect.total_seconds() + 5.0,
-                          sorted(session.detector.lost), FATAL_EXIT_CODE)
-                os._exit(FATAL_EXIT_CODE)
-
-        threading.Thread(target=watchdog, name="bamboo-connect-watchdog", daemon=True).start()
-        self._timeout = connect
+        if self._get_process_group_backend() == BACKEND:
+            comm_process.watch_while_forming(lambda: bool(session.detector.lost), within=connect.total_seconds())
+        else:
+            self._timeout = connect  # gloo's own connect: bounded by its timeout only
         try:
             super().setup_distributed()
         except (RuntimeError, torch_dist.DistError) as err:
             raise FatalLoss(f"the job's process group did not form within {connect.total_seconds():g} s ({err}); a "
                             "node died after the start rendezvous: start again with the nodes that are up") from err
         finally:
-            formed.set()
+            comm_process.watch_while_forming(lambda: False)
             self._timeout = full
         torch_dist.distributed_c10d._set_pg_timeout(full)
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import atexit
 import gc
-import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as torch_dist
 
+from lightning_bamboo.engine.comm_process import abort_generation
 from lightning_bamboo.runtime.session import request_leave
 
 # ------------------------------------------------------------------ SIGTERM under membership
@@ -111,14 +110,12 @@ def make_launcher_class(base: type) -> type:
 
 # ------------------------------------------------------------------ release at exit
 _TO_RELEASE: list[Any] = []
-_FAILED = False
 
 
 def release_at_exit(strategy: Any) -> None:
     """Release ``strategy``'s runner and the process group before the interpreter tears modules down."""
     if not _TO_RELEASE:
         atexit.register(_release)
-        _record_failures()
     if strategy not in _TO_RELEASE:
         _TO_RELEASE.append(strategy)
 
@@ -133,6 +130,7 @@ def _drop_all() -> None:
             del model._bamboo_stage
     _TO_RELEASE.clear()
     gc.collect()
+    abort_generation()  # nothing in flight survives a failed fit; at a clean exit nothing is in flight
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
     del keep  # a TCPStore we host goes after the group that used it
@@ -145,40 +143,11 @@ def _release() -> None:
     Without this a gloo run aborts at interpreter exit about one time in four.
     """
     _drop_all()
-    from lightning_bamboo.engine.pipe import ABANDONED
-
-    if any(thread.is_alive() for thread in ABANDONED):
-        # A step thread abandoned at a failover may still be blocked inside gloo on the old
-        # process group; C++ teardown with it there aborts the process ("terminate called").
-        # Everything of ours is flushed and closed: leave without that teardown.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1 if _FAILED else 0)
 
 
 def release_for_restart() -> None:
     """Free what a failed ``fit()`` left (engines, membership watcher, process group), so that this
     process can run ``fit()`` again in a new job: a restart from a checkpoint without a new process.
-
-    A step thread abandoned at a failover may still be blocked in the old process group, waiting on
-    a peer that gave up its own step. It is left as a failover leaves it: it holds the old group
-    (whose teardown under it could abort the process) until the peer's connection closes or the
-    group's timeout ends its wait, and raises ``AbandonedStep`` at its next Python call.
-    """
-    from lightning_bamboo.engine.pipe import ABANDONED
-
-    ABANDONED[:] = [thread for thread in ABANDONED if thread.is_alive()]  # the exit still skips teardown for them
+    The old generation's communication is aborted first, so nothing can still wait on it."""
     _drop_all()
 
-
-def _record_failures() -> None:
-    """Remember an uncaught exception, so the exit above keeps a failing run's exit status."""
-    previous = sys.excepthook
-
-    def hook(*args: Any) -> None:
-        global _FAILED
-        _FAILED = True
-        previous(*args)
-
-    sys.excepthook = hook

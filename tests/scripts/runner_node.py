@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.runtime import BambooConfig, PipelineRunner
 from lightning_bamboo.topology import even_parts
 
@@ -73,7 +74,7 @@ def main(out: Path, steps: int, reconfigure_at: int) -> None:
     runner = PipelineRunner(config, host)
     session = runner.open_session()
     assert session is not None, "run under lightning_bamboo.launcher.launch"
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(BACKEND, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))  # abortable
     runner.start(Model(), dist.get_world_size(), dist.get_rank(), fitting=True)
     for step in range(steps):
         host.step = step
