@@ -46,6 +46,7 @@ from lightning_bamboo.membership.node import (
     NODE_ENV,
     NODES_ENV,
     STORE_ENV,
+    descendants,
     idle_priority_supported,
     joiner_env,
 )
@@ -62,6 +63,7 @@ STOP_GRACE_SECONDS = 30.0
 
 def node_names(nodes: int) -> list[str]:
     return [f"node{i}" for i in range(nodes)]
+
 
 
 class Cluster:
@@ -148,9 +150,15 @@ class Cluster:
         self.env["MASTER_PORT"] = str(free_port())  # a process kept from the last job may still hold the old one
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``name``; SIGKILL and SIGSTOP reach its own child processes too (its
+        communication processes): a machine that vanishes or hangs takes all of them with it."""
         proc = self.procs.get(name)
         if proc is not None and proc.poll() is None:
+            family = descendants(proc.pid) if sig in (signal.SIGKILL, signal.SIGSTOP) else []
             proc.send_signal(sig)
+            for pid in family:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
 
     @property
     def running(self) -> list[str]:

@@ -37,6 +37,24 @@ def leave_idle_priority() -> bool:
             pass
     return True
 
+def descendants(pid: int) -> list[int]:
+    """The processes started by ``pid`` and by them, from ``/proc`` (empty where it cannot be read)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
 
 def joiner_env(name: str) -> dict[str, str]:
     """The environment that makes worker ``name`` join a running job as a standby node (with the store and

@@ -1,6 +1,8 @@
 """Fault injection: the runtime SIGKILLs its own process at the points that ``BAMBOO_FAIL_AT`` names.
 
-The spec is a comma-separated list of items; each kills the named node once it reaches the point:
+The spec is a comma-separated list of items; each kills the named node once it reaches the point
+(with the suffix ``!stop``, e.g. ``node2@7:13!stop``, it freezes it instead: SIGSTOP to its child
+processes and itself, never continued: a machine that hangs rather than vanishes):
 
 - ``NODE@STEP``: at the start of step STEP (the 0-based count of the engine's ``train_batch`` calls);
 - ``NODE@STEP:INSTRUCTION``: after INSTRUCTION (1 or more) DeepSpeed schedule steps of step STEP, a kill
@@ -48,27 +50,34 @@ class Fault:
     node: str
     point: str
     instruction: int | None = None
+    #: "kill" (SIGKILL) or "stop" (SIGSTOP to the node's processes, never continued)
+    action: str = "kill"
 
     def __post_init__(self) -> None:
         if not self.node or not self.point or any(c in self.node + self.point for c in "@,: "):
             raise ValueError(f"a fault needs a node and a point without '@', ',', ':' or spaces "
                              f"(node: {self.node!r}, point: {self.point!r}); write it as NODE@POINT")
+        if self.action not in ("kill", "stop"):
+            raise ValueError(f"a fault's action is kill (the default) or stop (suffix !stop), not {self.action!r}")
         if self.instruction is not None and self.instruction < 1:
             raise ValueError(f"a fault's instruction counts schedule steps from 1 (instruction: {self.instruction}); "
                              f"use NODE@STEP to kill at the start of the step")
 
     @classmethod
     def parse(cls, item: str) -> Fault:
-        """``node@point`` or ``node@step:instruction``; a ``ValueError`` that shows the item otherwise."""
-        node, at, when = item.strip().partition("@")
+        """``node@point`` or ``node@step:instruction``, either with ``!stop``; a ``ValueError`` that shows the
+        item otherwise."""
+        spec, bang, action = item.strip().partition("!")
+        node, at, when = spec.partition("@")
         point, colon, instruction = when.partition(":")
         if not at or (colon and not instruction.isdigit()):
-            raise ValueError(f"{FAIL_AT_ENV} item {item!r} is not NODE@POINT or NODE@STEP:INSTRUCTION "
-                             f"(e.g. node1@4, node1@4:3, node1@failover)")
-        return cls(node, point, int(instruction) if colon else None)
+            raise ValueError(f"{FAIL_AT_ENV} item {item!r} is not NODE@POINT or NODE@STEP:INSTRUCTION, optionally "
+                             f"followed by !stop (e.g. node1@4, node1@4:3, node1@failover, node1@4:3!stop)")
+        return cls(node, point, int(instruction) if colon else None, action if bang else "kill")
 
     def __str__(self) -> str:
-        return f"{self.node}@{self.point}" + ("" if self.instruction is None else f":{self.instruction}")
+        return (f"{self.node}@{self.point}" + ("" if self.instruction is None else f":{self.instruction}")
+                + ("" if self.action == "kill" else f"!{self.action}"))
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -110,7 +119,8 @@ def armed(node: str) -> bool:
 
 
 def reached(node: str, point: str | int, instruction: int | None = None) -> None:
-    """SIGKILL this process if an armed fault names ``node`` at ``point`` (and ``instruction``); else return.
+    """SIGKILL (or freeze) this process if an armed fault names ``node`` at ``point`` (and ``instruction``);
+    else return.
 
     The environment is read once, on the first call.
     """
@@ -119,8 +129,17 @@ def reached(node: str, point: str | int, instruction: int | None = None) -> None
         if fault.node == node and fault.point == str(point) and fault.instruction == instruction:
             if armed.once_dir is not None and not _first_to_fire(armed.once_dir, fault):
                 continue
-            log.warning("%s: injected SIGKILL at step %s%s", node, point, "" if instruction is None else f" instruction {instruction}")
-            os.kill(os.getpid(), signal.SIGKILL)
+            where = f"at step {point}" + ("" if instruction is None else f" instruction {instruction}")
+            if fault.action == "stop":
+                from lightning_bamboo.membership.node import descendants
+
+                log.warning("%s: injected SIGSTOP %s (pid %d, never continued)", node, where, os.getpid())
+                for pid in descendants(os.getpid()):  # its communication processes hang with it
+                    os.kill(pid, signal.SIGSTOP)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                log.warning("%s: injected SIGKILL %s", node, where)
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _first_to_fire(once_dir: str, fault: Fault) -> bool:
