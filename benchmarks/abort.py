@@ -14,8 +14,11 @@ Candidates:
 * ``baby-gloo``: torchft's ``ProcessGroupBabyGloo`` (the backend runs in a child process that
   ``shutdown()`` kills; tensors travel through shared memory). Needs ``pip install torchft``.
 * ``own-child``: ours on the same idea (``lightning_bamboo.engine.comm_process.CommProcess``): the
-  caller's waits end when the pipe to its communication process ends, and a buffer is shared with
-  it once.
+  caller's waits end when the pipe to its communication process ends; tensors go through
+  shared-memory buffers lent from a pool (each shared with the child once);
+* ``bamboo-backend``: the same through ``torch.distributed``'s process-group interface
+  (``AbortableGroup``, what ``init_process_group("bamboo")`` gives the runtime, DeepSpeed and
+  Lightning).
 
     python benchmarks/abort.py [--limit 10] [--rounds 50]
     PYTHONPATH=DIR python benchmarks/abort.py   # DIR: where `pip install --target DIR torchft` put it
@@ -31,7 +34,7 @@ import sys
 import threading
 import time
 
-CANDIDATES = ("gloo-abort", "gloo-shutdown", "baby-gloo", "own-child")
+CANDIDATES = ("gloo-abort", "gloo-shutdown", "baby-gloo", "own-child", "bamboo-backend")
 MIB4 = 1 << 20  # float32 elements in 4 MiB
 
 
@@ -70,9 +73,32 @@ class _OwnChild:
     shutdown = abort
 
 
+class _Backend:
+    """``bamboo-backend``: the ``torch.distributed`` process group of the ``"bamboo"`` backend."""
+
+    def __init__(self, store_port: int, rank: int, prefix: str) -> None:
+        from lightning_bamboo.engine.comm_process import AbortableGroup, CommProcess
+
+        self.comm = CommProcess("127.0.0.1", store_port, prefix)
+        self.pg = AbortableGroup(self.comm, self.comm.group("0", rank, 2), rank, 2)
+
+    def send(self, tensors, peer: int, tag: int):
+        return self.pg.send(tensors, peer, tag)
+
+    def recv(self, tensors, peer: int, tag: int):
+        return self.pg.recv(tensors, peer, tag)
+
+    def abort(self) -> None:
+        self.comm.abort()
+
+    shutdown = abort
+
+
 def _group(candidate: str, store_port: int, rank: int, prefix: str):
     if candidate == "own-child":
         return _OwnChild(store_port, rank, prefix)
+    if candidate == "bamboo-backend":
+        return _Backend(store_port, rank, prefix)
     return _baby_group(store_port, rank, prefix) if candidate == "baby-gloo" else _plain_group(store_port, rank, prefix)
 
 

@@ -19,7 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_bamboo.engine.comm_process import CommAborted, CommProcess
+from lightning_bamboo.engine.comm_process import (
+    BACKEND,
+    CommAborted,
+    CommProcess,
+    abort_generation,
+    open_generation,
+)
+from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from tests.helpers import REPO
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -28,8 +35,9 @@ pytestmark = [pytest.mark.timeout(180)]
 PEER = """
 import sys, time, torch
 from lightning_bamboo.engine.comm_process import CommProcess
-port, prefix = int(sys.argv[1]), sys.argv[2]
-comm = CommProcess("127.0.0.1", port, prefix, 1, 2)
+port, prefix, name = int(sys.argv[1]), sys.argv[2], sys.argv[4]
+comm = CommProcess("127.0.0.1", port, prefix)
+comm.world = comm.group(name, 1, 2)
 total = torch.full((4,), 2.0)
 comm.allreduce(total).wait(60)
 message = torch.zeros(1 << 18)
@@ -44,8 +52,8 @@ time.sleep(3600)
 """
 
 
-def _start_peer(port: int, prefix: str, then: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PEER, str(port), prefix, then], cwd=REPO,
+def _start_peer(port: int, prefix: str, then: str, group: str = "world") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER, str(port), prefix, then, group], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -119,5 +127,51 @@ def test_a_receive_blocked_on_a_frozen_peer_ends_within_a_second_of_the_abort(st
         with pytest.raises(CommAborted):
             comm.recv(torch.zeros(16), 1)
     finally:
+        os.killpg(peer.pid, signal.SIGKILL)
+        peer.wait(30)
+
+
+BLOCKED = {  # operations that never complete with a frozen peer (a send: 4 MiB, more than any socket buffers)
+    "recv": lambda: dist.recv(torch.zeros(16), 1, tag=9),
+    "send": lambda: dist.send(torch.zeros(1 << 20), 1, tag=9),
+    "all_reduce": lambda: dist.all_reduce(torch.zeros(16)),
+}
+
+
+@pytest.mark.parametrize("op", list(BLOCKED))
+def test_a_step_blocked_on_a_frozen_peer_ends_at_the_loss_and_leaves_no_thread(store, op):
+    """The failover's first act: ``StepGuard`` aborts the generation, and the step thread (blocked in
+    ``torch.distributed`` through the abortable backend, in a receive, a send or a collective) ends
+    instead of being left behind."""
+    before = set(threading.enumerate())
+    prefix = f"gen-{op}"
+    peer = _start_peer(store.port, prefix, "wait", group="0")  # torch names the job's group "0"
+    try:
+        open_generation("127.0.0.1", store.port, prefix, 60)
+        dist.init_process_group(BACKEND, store=dist.PrefixStore(f"{prefix}-torch", store), rank=0, world_size=2)
+        total = torch.full((4,), 1.0)
+        dist.all_reduce(total)  # the peer's first operation, through torch.distributed
+        assert torch.equal(total, torch.full((4,), 3.0))
+        message = torch.arange(1 << 18, dtype=torch.float32)
+        dist.send(message, 1, tag=7)
+        back = torch.zeros(1 << 18)
+        dist.recv(back, 1, tag=8)
+        assert torch.equal(back, message * 2)
+        os.killpg(peer.pid, signal.SIGSTOP)
+        lost = threading.Event()
+        guard = StepGuard(lost, lambda: ("node1",), detection_timeout=1.0)
+        threading.Timer(0.5, lost.set).start()
+        started = time.monotonic()
+        with pytest.raises(PeerLost, match="node1"):
+            guard.run(BLOCKED[op])
+        assert time.monotonic() - started < 1.5
+        assert not [t for t in threading.enumerate() if t.name == "bamboo-step"]
+        dist.destroy_process_group()
+        left = {t for t in threading.enumerate() if not t.name.startswith("Thread-")} - before  # (the timer's)
+        assert not left, left
+    finally:
+        abort_generation()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         os.killpg(peer.pid, signal.SIGKILL)
         peer.wait(30)

@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 
 import torch
 
@@ -136,6 +137,9 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(GPT(), ckpt_path=args.resume)
+    # every process: its live threads (a test counts those of old communication generations: none may be left)
+    print(json.dumps({"node": os.environ.get("BAMBOO_NODE", f"rank{trainer.global_rank}"),
+                      "threads": sorted(t.name for t in threading.enumerate())}), flush=True)
     trainer.save_checkpoint(os.path.join(args.out, "final.ckpt"))
     if trainer.is_global_zero:
         weights = lightning_bamboo.consolidate_checkpoint(os.path.join(args.out, "final.ckpt"))
