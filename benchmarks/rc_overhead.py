@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
     rotate = Rotate(args.warmup)
     strategy = lightning_bamboo.BambooStrategy(
         stages=args.stages, micro_batch_size=MICRO, partition="uniform", seed=0, redundancy=args.redundancy,
-        detection_timeout=5,
+        detection_timeout=5, process_group_backend=args.backend or None,
     )
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
                          callbacks=[timer, rotate] if args.rotate else [timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
@@ -116,7 +116,8 @@ class Rotate(pl.Callback):
 
 
 def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
-               block_size: int = CONFIG.block_size, rotate: bool = False, warmup: int = 5, script: str = __file__) -> dict:
+               block_size: int = CONFIG.block_size, rotate: bool = False, warmup: int = 5, script: str = __file__,
+               backend: str = "") -> dict:
     """Run ``script``'s worker (this one's, or one that wraps it) on a fresh set of processes; its result."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
@@ -124,6 +125,8 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
            "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size), "--warmup", str(warmup)]
     if rotate:
         cmd.append("--rotate")
+    if backend:
+        cmd += ["--backend", backend]
     if kill:
         env.update(faults.environment([kill]))
         cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--", *cmd]
@@ -173,6 +176,7 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=CONFIG.block_size,
                         help="tokens per sequence: compute per step grows with it, the redundancy's per-step cost does not")
     parser.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="", help="process_group_backend (default: the strategy's, 'bamboo' on CPU)")
     parser.add_argument("--out", help=argparse.SUPPRESS)
 
 
@@ -184,6 +188,8 @@ def main() -> None:
     parser.add_argument("--no-kills", dest="kills", action="store_false", help="skip the two recovery runs")
     parser.add_argument("--record", action="store_true",
                         help="write eager's measured overhead at 2 x 8 to the simulator's defaults (sim_params.json)")
+    parser.add_argument("--layer-cost", action="store_true",
+                        help="also time redundancy 'off' on plain gloo against the default abortable backend")
     parser.add_argument("--paired-steps", type=int, default=30,
                         help="steps per mode in the paired runs (off, lazy and eager alternating in one run; 0: none)")
     args = parser.parse_args()
@@ -219,12 +225,21 @@ def main() -> None:
                 by_mode = {mode: sorted(t for t, md in list(zip(r["times"], r["modes"], strict=True))[args.warmup:] if md == mode)
                            for mode in MODES}
                 paired.setdefault((stages, m), []).append({mode: ts[len(ts) // 2] for mode, ts in by_mode.items()})
+        layer: dict[tuple[int, int], dict[str, list[float]]] = {}
+        for stages, m in shapes if args.layer_cost else []:
+            for repeat in range(args.repeats):
+                for backend in ("gloo", "bamboo"):
+                    r = run_config(stages, m, "off", args.steps, Path(tmp, f"layer-{stages}-{m}-{backend}-{repeat}.json"),
+                                   block_size=args.block_size, warmup=args.warmup, backend=backend)
+                    times = sorted(r["times"][args.warmup:])
+                    layer.setdefault((stages, m), {}).setdefault(backend, []).append(times[len(times) // 2])
         kill_step = args.steps // 2
         kills = {mode: run_config(4, 8, mode, args.steps, Path(tmp, f"kill-{mode}.json"), kill=f"node2@{kill_step}",
                                   block_size=args.block_size, warmup=args.warmup) for mode in ("lazy", "eager")} if args.kills else {}
     print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, "
           f"{args.block_size}-token sequences, "
-          f"micro-batch {MICRO}, AdamW, CPU (gloo), {args.steps - args.warmup} timed steps per run, "
+          f"micro-batch {MICRO}, AdamW, CPU ({args.backend or 'bamboo'} backend over gloo), "
+          f"{args.steps - args.warmup} timed steps per run, "
           f"median of {args.repeats} interleaved runs per config")
     print(f"{'stages':>6} {'micro-b':>7} {'mode':>5} {'step ms':>9} {'x off':>6} {'peak MiB/proc':>14} {'x off':>6}")
     for (stages, m, mode), (step, peak) in rows.items():
@@ -252,6 +267,11 @@ def main() -> None:
             lazy, eager = (statistics.median(run[mode] / run["off"] for run in runs) for mode in ("lazy", "eager"))
             print(f"targets at 2 stages x 8 micro-batches, paired: lazy {lazy:.3f}x (<= 1.03x), eager {eager:.3f}x "
                   f"(<= 1.10x)")
+    for (stages, m), by in layer.items():
+        gloo, bamboo = statistics.median(by["gloo"]), statistics.median(by["bamboo"])
+        print(f"communication layer at {stages} stages x {m} micro-batches, redundancy off: plain gloo {gloo * 1e3:.1f} ms, "
+              f"abortable 'bamboo' backend {bamboo * 1e3:.1f} ms per step: {bamboo / gloo:.3f}x, "
+              f"{(bamboo - gloo) * 1e3:+.1f} ms per step (median of {args.repeats})")
     if args.record and (2, 8, "off") in rows:
         record_overhead(rows[(2, 8, "eager")][0] / rows[(2, 8, "off")][0] - 1, args)
     if args.record and kills:
