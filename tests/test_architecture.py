@@ -195,3 +195,10 @@ OVER_600 = sorted(
 
 def test_no_module_is_longer_than_600_lines():
     assert not OVER_600, f"modules over {MAX_LINES} lines; split them by concept:\n" + "\n".join(OVER_600)
+
+
+def test_no_module_leaves_with_os_exit():
+    """A process's exit status is its real one: nothing in the package skips the interpreter's exit
+    (a step blocked on a lost peer is aborted, not left behind, so a normal exit is safe)."""
+    offenders = sorted(str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py") if "os._exit(" in path.read_text())
+    assert not offenders, offenders

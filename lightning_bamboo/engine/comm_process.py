@@ -27,25 +27,23 @@ from __future__ import annotations
 
 import datetime
 import logging
-import mmap
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recvfds, sendfds
+from multiprocessing.reduction import sendfds
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from lightning_bamboo.engine.comm_child import map_memory, view_of
 from lightning_bamboo.errors import BambooError
 
 log = logging.getLogger(__name__)
@@ -60,195 +58,6 @@ _MIN_SLAB = 4096
 
 class CommAborted(BambooError, RuntimeError):
     """The communication process of this generation was aborted (or died): its operations are over."""
-
-
-# ---------------------------------------------------------------------------------------------
-# the child
-# ---------------------------------------------------------------------------------------------
-
-def _zygote_main(fd: int) -> None:
-    """The worker's zygote: torch imported once; forks a communication process per generation on request.
-
-    A fork of this single-threaded process is safe (a fork of the worker, which runs gloo and store
-    threads, would not be). A forked child serves its generation and leaves through ``SystemExit``,
-    which unwinds it out of this loop; the zygote itself ends when the worker's end of the socket closes.
-    """
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies to wait for
-    sock = socket.socket(fileno=fd)
-    conn = Connection(os.dup(fd))
-    try:
-        conn.send("up")
-    except OSError:  # the worker ended while torch was imported
-        return
-    while True:
-        try:
-            conn.recv()
-            (child_fd,) = recvfds(sock, 1)
-        except (EOFError, OSError):
-            return
-        pid = os.fork()
-        if pid == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            sock.close()
-            conn.close()
-            _child_main(child_fd)
-            sys.exit(0)
-        os.close(child_fd)
-        try:
-            conn.send(pid)
-        except OSError:
-            return
-
-
-def _child_main(fd: int) -> None:
-    """A forked communication process: told which generation to serve, serves it."""
-    sock = socket.socket(fileno=fd)
-    conn = Connection(os.dup(fd))
-    try:
-        conn.send("up")
-        start = conn.recv()
-    except (EOFError, OSError):  # never used: the worker ended
-        return
-    if start is None:
-        return
-    host, port, prefix, timeout = start
-    _serve(host, port, prefix, timeout, conn, sock)
-
-
-def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: socket.socket) -> None:
-    """The child: the generation's groups; each operation runs on its channel's thread, its outcome goes back."""
-    import torch.distributed as dist
-
-    tcp = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
-    groups: dict[int, dict[str, Any]] = {}
-    slabs: dict[int, torch.Tensor] = {}
-    send_lock = threading.Lock()
-
-    def reply(op_id: int, outcome: str | None) -> None:
-        with send_lock:
-            conn.send((op_id, outcome))
-
-    def form(op_id: int, gid: int, name: str, rank: int, size: int) -> None:
-        entry = groups[gid]
-        try:
-            store = dist.PrefixStore(f"{prefix}/{name}", tcp)
-            entry["pg"] = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout))
-            outcome = None
-        except Exception as err:  # noqa: BLE001 - the caller's wait raises it
-            outcome = entry["error"] = f"{type(err).__name__}: {err}"
-        entry["ready"].set()
-        reply(op_id, outcome)
-
-    def start(gid: int, op: str, tensors: list[torch.Tensor], args: tuple) -> Any:
-        entry = groups[gid]
-        entry["ready"].wait()
-        if entry["error"] is not None:
-            raise RuntimeError(f"the group did not form: {entry['error']}")
-        return _start(entry["pg"], op, tensors, args)
-
-    def finish(op_id: int, work: Any, later: tuple | None) -> None:
-        try:
-            if later is not None:  # its group was still forming when it came: start it now
-                work = start(*later)
-            work.wait()
-            outcome = None
-        except Exception as err:  # noqa: BLE001 - the caller's wait raises it
-            outcome = f"{type(err).__name__}: {err}"
-        reply(op_id, outcome)
-
-    # Operations start in the order they come, as in the caller's own process (gloo matches sends and
-    # receives by peer and tag in that order; collectives queue in it). Their completions are waited
-    # for by one thread per channel, in order: a channel is a group's collectives, or its sends to (or
-    # receives from) one peer with one tag.
-    channels: dict[tuple, queue.SimpleQueue] = {}
-
-    def channel(jobs: queue.SimpleQueue) -> None:
-        while True:
-            finish(*jobs.get())
-
-    reply(-1, None)  # connected to the store: ready
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:  # the caller closed the pipe or died: nothing more to do
-            return
-        if request is None:
-            return
-        if request[0] == "group":
-            _, op_id, gid, name, rank, size = request
-            groups[gid] = {"ready": threading.Event(), "pg": None, "error": None}
-            threading.Thread(target=form, args=(op_id, gid, name, rank, size), daemon=True).start()
-            continue
-        _, op_id, gid, op, specs, args, new_slabs = request
-        if new_slabs:  # their memory comes as file descriptors right after the request
-            for (sid, size), fd in zip(new_slabs, recvfds(sock, len(new_slabs)), strict=True):
-                slabs[sid] = _map(fd, size)
-        tensors = [_view(slabs[sid], dtype, shape) for sid, dtype, shape in specs]
-        key = (gid, op, *args) if op in ("send", "recv") else (gid, "collective")
-        jobs = channels.get(key)
-        if jobs is None:
-            jobs = channels[key] = queue.SimpleQueue()
-            threading.Thread(target=channel, args=(jobs,), daemon=True).start()
-        work, later = None, None
-        if groups[gid]["ready"].is_set():
-            try:
-                work = start(gid, op, tensors, args)
-            except Exception as err:  # noqa: BLE001 - reported when its turn comes
-                work = _Failed(err)
-        else:
-            later = (gid, op, tensors, args)
-        jobs.put((op_id, work, later))
-
-
-class _Failed:
-    """An operation that could not start: its wait raises why."""
-
-    def __init__(self, err: Exception) -> None:
-        self.err = err
-
-    def wait(self) -> None:
-        raise self.err
-
-
-def _start(pg: Any, op: str, tensors: list[torch.Tensor], args: tuple) -> Any:
-    """Start ``op`` on the gloo group ``pg``; returns its work."""
-    import torch.distributed as dist
-
-    if op == "send":
-        return pg.send(tensors, args[0], args[1])
-    if op == "recv":
-        return pg.recv(tensors, args[0], args[1])
-    if op == "allreduce":
-        reduce = dist.AllreduceOptions()
-        reduce.reduceOp = getattr(dist.ReduceOp, args[0])
-        return pg.allreduce(tensors, reduce)
-    if op == "broadcast":
-        broadcast = dist.BroadcastOptions()
-        broadcast.rootRank, broadcast.rootTensor = args[0], 0
-        return pg.broadcast(tensors, broadcast)
-    if op == "allgather":  # tensors: the input, then one output per rank
-        return pg.allgather([tensors[1:]], [tensors[0]])
-    if op == "allgather_base":  # tensors: the input, then the output
-        return pg._allgather_base(tensors[1], tensors[0])
-    if op == "barrier":
-        return pg.barrier()
-    raise ValueError(f"unknown operation {op!r}")
-
-
-def _map(fd: int, size: int) -> torch.Tensor:
-    """A memory file's ``size`` bytes as a uint8 tensor (the mapping outlives the descriptor)."""
-    try:
-        memory = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "non-writable buffer": an mmap is writable
-        return torch.frombuffer(memory, dtype=torch.uint8)
-
-
-def _view(slab: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-    return slab[:nbytes].view(dtype).view(shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +131,7 @@ class _Slabs:
             sid = len(self.tensors)
             fd = os.memfd_create(f"bamboo-comm-{sid}")
             os.ftruncate(fd, size)
-            slab = self.tensors[sid] = _map(os.dup(fd), size)
+            slab = self.tensors[sid] = map_memory(os.dup(fd), size)
         return sid, slab, fd
 
     def give(self, sids: list[int]) -> None:
@@ -420,7 +229,7 @@ class CommProcess:
             if fd is not None:
                 new.append((sid, int(slab.numel())))
                 fds.append(fd)
-            view = _view(slab, tensor.dtype, tensor.shape)
+            view = view_of(slab, tensor.dtype, tensor.shape)
             view.copy_(tensor)
             staged.append(view)
             specs.append((sid, tensor.dtype, tuple(tensor.shape)))
@@ -542,7 +351,7 @@ def _start_zygote() -> tuple[subprocess.Popen, socket.socket, Connection, list[b
     zygote = _ZYGOTE["proc"]
     if zygote is None or zygote[0].poll() is not None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        code = f"from {__name__} import _zygote_main; _zygote_main({theirs.fileno()})"
+        code = f"from lightning_bamboo.engine.comm_child import zygote_main; zygote_main({theirs.fileno()})"
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), close_fds=True)
         theirs.close()
         zygote = _ZYGOTE["proc"] = (proc, mine, Connection(os.dup(mine.fileno())), [False])
