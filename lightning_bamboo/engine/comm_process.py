@@ -221,7 +221,9 @@ class CommProcess:
         if op not in _OPS:
             raise ValueError(f"unknown operation {op!r}; one of {_OPS}")
         specs, new, fds, staged, lent = [], [], [], [], []
-        for tensor in tensors:
+        # the tensors the operation only writes (a receive's, a gather's outputs) need not be copied in
+        write_only = set(outputs) if op in ("recv", "allgather", "allgather_base") else set()
+        for index, tensor in enumerate(tensors):
             if tensor.device.type != "cpu":
                 raise ValueError(f"{self.name}: only CPU tensors so far (got {tensor.device})")
             sid, slab, fd = self._slabs.take(tensor.numel() * tensor.element_size())
@@ -230,7 +232,8 @@ class CommProcess:
                 new.append((sid, int(slab.numel())))
                 fds.append(fd)
             view = view_of(slab, tensor.dtype, tensor.shape)
-            view.copy_(tensor)
+            if index not in write_only:
+                view.copy_(tensor)
             staged.append(view)
             specs.append((sid, tensor.dtype, tuple(tensor.shape)))
         try:
@@ -310,10 +313,6 @@ class CommProcess:
     @property
     def alive(self) -> bool:
         return self._proc.alive()
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
 
 
 class _Child:
@@ -492,10 +491,6 @@ def watch_while_forming(abort_if: Callable[[], bool], within: float | None = Non
     """Poll ``abort_if`` while the groups of the current (or next) generation form: true gives up at once;
     ``within``: the most seconds a group may take to form (default: the group's timeout)."""
     _GENERATION.update(abort_if=abort_if, within=within)
-
-
-def current_generation() -> CommProcess | None:
-    return _GENERATION["comm"]
 
 
 def abort_generation() -> bool:
