@@ -2,7 +2,9 @@
 
 Real processes: this test process is rank 0, a Python child is rank 1; each runs its group in a
 communication process of its own. Frozen with SIGSTOP, rank 1 never answers, and rank 0's blocked
-receive must end within a second of the abort, leaving no thread behind.
+receive must end within a second of the abort, leaving no thread behind. Each test runs with host
+tensors and, where torch sees a GPU, with GPU tensors (both processes on one GPU: staged through the
+host, as NCCL refuses two ranks on one GPU); the NCCL transport's own tests are at the end.
 """
 
 from __future__ import annotations
@@ -25,22 +27,26 @@ from lightning_bamboo.engine.comm_process import (
     CommProcess,
     abort_generation,
     open_generation,
+    use_transport,
 )
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from tests.helpers import REPO
 
 pytestmark = [pytest.mark.timeout(180)]
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
 # rank 1: sums a tensor with rank 0, echoes one message back doubled, then waits (to be frozen or killed)
 PEER = """
 import sys, time, torch
 from lightning_bamboo.engine.comm_process import CommProcess
-port, prefix, name = int(sys.argv[1]), sys.argv[2], sys.argv[4]
+port, prefix, name, device = int(sys.argv[1]), sys.argv[2], sys.argv[4], sys.argv[5]
 comm = CommProcess("127.0.0.1", port, prefix)
 comm.world = comm.group(name, 1, 2)
-total = torch.full((4,), 2.0)
+total = torch.full((4,), 2.0, device=device)
 comm.allreduce(total).wait(60)
-message = torch.zeros(1 << 18)
+message = torch.zeros(1 << 18, device=device)
 comm.recv(message, 0, tag=7).wait(60)
 message *= 2
 comm.send(message, 0, tag=8).wait(60)
@@ -52,21 +58,21 @@ time.sleep(3600)
 """
 
 
-def _start_peer(port: int, prefix: str, then: str, group: str = "world") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PEER, str(port), prefix, then, group], cwd=REPO,
+def _start_peer(port: int, prefix: str, then: str, group: str = "world", device: str = "cpu") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER, str(port), prefix, then, group, device], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _exchange(comm: CommProcess) -> None:
-    total = torch.full((4,), 1.0)
+def _exchange(comm: CommProcess, device: str = "cpu") -> None:
+    total = torch.full((4,), 1.0, device=device)
     comm.allreduce(total).wait(60)
-    assert torch.equal(total, torch.full((4,), 3.0))
-    message = torch.arange(1 << 18, dtype=torch.float32)
+    assert torch.equal(total, torch.full((4,), 3.0, device=device))
+    message = torch.arange(1 << 18, dtype=torch.float32, device=device)
     comm.send(message, 1, tag=7).wait(60)
-    back = torch.zeros(1 << 18)
+    back = torch.zeros(1 << 18, device=device)
     comm.recv(back, 1, tag=8).wait(60)
-    assert torch.equal(back, torch.arange(1 << 18, dtype=torch.float32) * 2)
+    assert torch.equal(back, message * 2)
 
 
 @pytest.fixture
@@ -75,12 +81,13 @@ def store():
     yield server
 
 
-def test_operations_reach_the_peer_and_a_closed_group_leaves_nothing_behind(store):
+@pytest.mark.parametrize("device", DEVICES)
+def test_operations_reach_the_peer_and_a_closed_group_leaves_nothing_behind(store, device):
     before = set(threading.enumerate())
-    peer = _start_peer(store.port, "gen1", "close")
+    peer = _start_peer(store.port, "gen1", "close", device=device)
     try:
         comm = CommProcess("127.0.0.1", store.port, "gen1", 0, 2)
-        _exchange(comm)
+        _exchange(comm, device)
         out, _ = peer.communicate(timeout=60)
         assert peer.returncode == 0, out
         assert "peer done 3.0" in out
@@ -94,14 +101,15 @@ def test_operations_reach_the_peer_and_a_closed_group_leaves_nothing_behind(stor
         comm.send(torch.zeros(1), 1)
 
 
-def test_a_receive_blocked_on_a_frozen_peer_ends_within_a_second_of_the_abort(store):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_receive_blocked_on_a_frozen_peer_ends_within_a_second_of_the_abort(store, device):
     before = set(threading.enumerate())
-    peer = _start_peer(store.port, "gen2", "wait")
+    peer = _start_peer(store.port, "gen2", "wait", device=device)
     try:
         comm = CommProcess("127.0.0.1", store.port, "gen2", 0, 2)
-        _exchange(comm)
+        _exchange(comm, device)
         os.killpg(peer.pid, signal.SIGSTOP)  # the whole machine hangs: rank 1 and its communication process
-        blocked = comm.recv(torch.zeros(16), 1, tag=9)
+        blocked = comm.recv(torch.zeros(16, device=device), 1, tag=9)
         outcome: dict[str, object] = {}
 
         def wait() -> None:
@@ -175,3 +183,52 @@ def test_a_step_blocked_on_a_frozen_peer_ends_at_the_loss_and_leaves_no_thread(s
             dist.destroy_process_group()
         os.killpg(peer.pid, signal.SIGKILL)
         peer.wait(30)
+
+
+# --- the NCCL transport (one GPU: one rank per group; NCCL refuses two ranks on one GPU) ---
+
+@CUDA
+def test_the_nccl_transport_runs_collectives_on_gpu_and_host_tensors_through_torch_distributed(store):
+    use_transport("nccl", 0)
+    try:
+        open_generation("127.0.0.1", store.port, "nccl-ops", 60)
+        dist.init_process_group(BACKEND, store=dist.PrefixStore("nccl-ops-torch", store), rank=0, world_size=1)
+        on_gpu = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        dist.all_reduce(on_gpu)
+        assert torch.equal(on_gpu, torch.arange(1 << 20, dtype=torch.float32, device="cuda"))
+        on_host = torch.arange(8, dtype=torch.int64)  # staged through GPU memory
+        dist.broadcast(on_host, 0)
+        assert torch.equal(on_host, torch.arange(8))
+        gathered = [torch.zeros(4, device="cuda")]
+        dist.all_gather(gathered, torch.full((4,), 7.0, device="cuda"))
+        assert torch.equal(gathered[0], torch.full((4,), 7.0, device="cuda"))
+        dist.barrier()
+        comm = dist.distributed_c10d._get_default_group().comm  # type: ignore[attr-defined]
+        assert comm.transport == "nccl"
+    finally:
+        abort_generation()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        use_transport("gloo")
+
+
+@CUDA
+def test_an_nccl_collective_whose_peer_never_comes_ends_at_the_abort_and_the_gpu_serves_the_next_generation(store):
+    """Rank 0 of 2 with no rank 1: its all-reduce blocks inside NCCL (the communicator waits for the
+    peer). The abort ends it at once, the communication process is gone, and a new generation on the
+    same GPU works."""
+    comm = CommProcess("127.0.0.1", store.port, "nccl-lost", 0, 2, timeout=600, transport="nccl", device=0)
+    blocked = comm.allreduce(torch.ones(1 << 20, device="cuda"))
+    time.sleep(3.0)
+    assert not blocked.done.is_set()  # really blocked: the peer never came
+    aborted = time.monotonic()
+    comm.abort()
+    with pytest.raises(CommAborted):
+        blocked.wait(10)
+    assert time.monotonic() - aborted < 1.0
+    assert not comm.alive
+    again = CommProcess("127.0.0.1", store.port, "nccl-after", 0, 1, transport="nccl", device=0)
+    total = torch.full((4,), 3.0, device="cuda")
+    again.allreduce(total).wait(60)
+    assert torch.equal(total, torch.full((4,), 3.0, device="cuda"))
+    again.close()

@@ -7,6 +7,7 @@ door any training loop can drive.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,10 +21,11 @@ SCRIPT = REPO / "tests" / "scripts" / "runner_node.py"
 STEPS = 6
 
 
-def _run(out: Path, env: dict[str, str] | None = None, reconfigure_at: int = -1) -> dict[str, int]:
+def _run(out: Path, env: dict[str, str] | None = None, reconfigure_at: int = -1, device: str = "cpu") -> dict[str, int]:
     out.mkdir()
-    command = [sys.executable, str(SCRIPT), str(out), str(STEPS), str(reconfigure_at)]
-    return launch(command, 3, env={"PYTHONPATH": str(REPO), **(env or {})}, timeout=240)
+    command = [sys.executable, str(SCRIPT), str(out), str(STEPS), str(reconfigure_at), device]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return launch(command, 3, env={"PYTHONPATH": path, **(env or {})}, timeout=240)
 
 
 def _layers(out: Path) -> dict[int, dict]:
@@ -34,18 +36,23 @@ def _layers(out: Path) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(600)
-def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_clean_runs_weights(tmp_path):
-    clean = _run(tmp_path / "clean")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_clean_runs_weights(tmp_path, device):
+    """On ``cuda`` the three nodes share one GPU: stages, replicas and the redundant forward run there,
+    the groups move GPU tensors through the abortable backend's host transport."""
+    clean = _run(tmp_path / "clean", device=device)
     assert clean == {"node0": 0, "node1": 0, "node2": 0}
     # node2 SIGKILLs itself at the start of step 2; node1 serves its stage from the replica, then at
     # step 4 the two survivors re-split the six layers evenly (a layer moves, replicas are rebuilt)
-    codes = _run(tmp_path / "chaos", env={"BAMBOO_FAIL_AT": "node2@2"}, reconfigure_at=4)
+    codes = _run(tmp_path / "chaos", env={"BAMBOO_FAIL_AT": "node2@2"}, reconfigure_at=4, device=device)
     assert codes == {"node0": 0, "node1": 0, "node2": -9}
     reports = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "chaos").glob("*.json")}
     assert set(reports) == {"node0", "node1"}
     for report in reports.values():
         assert [(f["step"], f["lost"]) for f in report["failovers"]] == [(2, ["node2"])]
         assert report["parts"] == [0, 3, 6] and report["nodes"] == ["node0", "node1"]
+        assert report["device"] == ("cuda:0" if device == "cuda" else "cpu")
     want, got = _layers(tmp_path / "clean"), _layers(tmp_path / "chaos")
     assert sorted(want) == sorted(got) == list(range(6))
     for layer in range(6):

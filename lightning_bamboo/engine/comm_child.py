@@ -1,7 +1,8 @@
 """The communication process of ``comm_process``: the worker's zygote, and the child it forks per generation.
 
 The zygote imports torch once and forks a child per generation on request; the child forms the
-generation's gloo groups and runs the operations the worker sends it (see ``comm_process``).
+generation's groups (gloo, or NCCL on the worker's GPU: ``comm_cuda``) and runs the operations the
+worker sends it (see ``comm_process``). The zygote never initialises CUDA, so a forked child may.
 """
 
 from __future__ import annotations
@@ -68,13 +69,16 @@ def _child_main(fd: int) -> None:
         return
     if start is None:
         return
-    host, port, prefix, timeout = start
-    _serve(host, port, prefix, timeout, conn, sock)
+    host, port, prefix, timeout, transport, device = start
+    _serve(host, port, prefix, timeout, conn, sock, transport, device)
 
 
-def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: socket.socket) -> None:
+def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: socket.socket, transport: str,
+           device: int | None) -> None:
     """The child: the generation's groups; each operation runs on its channel's thread, its outcome goes back."""
     import torch.distributed as dist
+
+    from lightning_bamboo.engine.comm_cuda import ChannelStream, NcclGroup, open_shared
 
     tcp = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
     groups: dict[int, dict[str, Any]] = {}
@@ -89,7 +93,11 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
         entry = groups[gid]
         try:
             store = dist.PrefixStore(f"{prefix}/{name}", tcp)
-            entry["pg"] = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout))
+            if transport == "nccl":
+                assert device is not None
+                entry["pg"] = NcclGroup(store, rank, size, timeout, device)
+            else:
+                entry["pg"] = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout))
             outcome = None
         except Exception as err:  # noqa: BLE001 - the caller's wait raises it
             outcome = entry["error"] = f"{type(err).__name__}: {err}"
@@ -103,11 +111,11 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
             raise RuntimeError(f"the group did not form: {entry['error']}")
         return _start(entry["pg"], op, tensors, args)
 
-    def finish(op_id: int, work: Any, later: tuple | None) -> None:
+    def finish(stream: ChannelStream, op_id: int, work: Any, later: tuple | None) -> None:
         try:
             if later is not None:  # its group was still forming when it came: start it now
                 work = start(*later)
-            work.wait()
+            stream.wait(work)
             outcome = None
         except Exception as err:  # noqa: BLE001 - the caller's wait raises it
             outcome = f"{type(err).__name__}: {err}"
@@ -120,8 +128,9 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
     channels: dict[tuple, queue.SimpleQueue] = {}
 
     def channel(jobs: queue.SimpleQueue) -> None:
+        stream = ChannelStream(device if transport == "nccl" else None)
         while True:
-            finish(*jobs.get())
+            finish(stream, *jobs.get())
 
     reply(-1, None)  # connected to the store: ready
     while True:
@@ -137,9 +146,11 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
             threading.Thread(target=form, args=(op_id, gid, name, rank, size), daemon=True).start()
             continue
         _, op_id, gid, op, specs, args, new_slabs = request
-        if new_slabs:  # their memory comes as file descriptors right after the request
-            for (sid, size), fd in zip(new_slabs, recvfds(sock, len(new_slabs)), strict=True):
-                slabs[sid] = map_memory(fd, size)
+        if new_slabs:  # GPU memory: its CUDA IPC handle; host memory: file descriptors right after the request
+            count = sum(payload is None for _, _, payload in new_slabs)
+            fds = iter(recvfds(sock, count) if count else [])
+            for sid, size, payload in new_slabs:
+                slabs[sid] = map_memory(next(fds), size) if payload is None else open_shared(payload)
         tensors = [view_of(slabs[sid], dtype, shape) for sid, dtype, shape in specs]
         key = (gid, op, *args) if op in ("send", "recv") else (gid, "collective")
         jobs = channels.get(key)
@@ -167,14 +178,17 @@ class _Failed:
         raise self.err
 
 
-def _start(pg: Any, op: str, tensors: list[torch.Tensor], args: tuple) -> Any:
-    """Start ``op`` on the gloo group ``pg``; returns its work."""
+def _start(group: Any, op: str, tensors: list[torch.Tensor], args: tuple) -> Any:
+    """Start ``op`` on ``group`` (a gloo group, or a ``comm_cuda.NcclGroup``); returns its work."""
     import torch.distributed as dist
 
-    if op == "send":
-        return pg.send(tensors, args[0], args[1])
-    if op == "recv":
-        return pg.recv(tensors, args[0], args[1])
+    nccl = hasattr(group, "for_tag")
+    if op in ("send", "recv"):  # NCCL: the tag's own communicator, in which order alone matches
+        pg, tag = (group.for_tag(args[1]), 0) if nccl else (group, args[1])
+        return pg.send(tensors, args[0], tag) if op == "send" else pg.recv(tensors, args[0], tag)
+    if op == "barrier" and nccl:
+        return group.barrier()
+    pg = group.pg if nccl else group
     if op == "allreduce":
         reduce = dist.AllreduceOptions()
         reduce.reduceOp = getattr(dist.ReduceOp, args[0])

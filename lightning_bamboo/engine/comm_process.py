@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_bamboo.engine.comm_child import map_memory, view_of
+from lightning_bamboo.engine.comm_cuda import TRANSPORTS, CudaSlabs, settle, size_class
 from lightning_bamboo.errors import BambooError
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ BACKEND = "bamboo"
 
 _COLLECTIVES = ("allreduce", "broadcast", "allgather", "allgather_base", "barrier")
 _OPS = ("send", "recv", *_COLLECTIVES)
-_MIN_SLAB = 4096
+#: the environment variable that picks the transport of the groups formed through torch's env:// route
+TRANSPORT_ENV = "BAMBOO_COMM_TRANSPORT"
 
 
 class CommAborted(BambooError, RuntimeError):
@@ -79,6 +81,7 @@ class CommWork:
         if error is None:
             for staged, target in self._outputs:
                 target.copy_(staged)
+            settle([t for pair in self._outputs for t in pair])  # copied before the buffers are lent again
         self.error = error
         self._owner._slabs.give(self._lent)
         with self._owner._lock:
@@ -122,7 +125,7 @@ class _Slabs:
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor, int | None]:
         """A free slab of at least ``nbytes``: ``(id, tensor, fd)``, ``fd`` (to pass on, then close) if it is new."""
-        size = max(_MIN_SLAB, 1 << max(0, nbytes - 1).bit_length())
+        size = size_class(nbytes)
         with self._lock:
             free = self._free.setdefault(size, [])
             if free:
@@ -145,17 +148,28 @@ class CommProcess:
 
     ``host``/``port``: a ``torch.distributed.TCPStore`` the ranks share; ``prefix`` names this
     generation's groups in it (each generation needs its own). With ``rank`` and ``world_size`` the
-    job's group ("world") is formed at once; :meth:`group` forms more.
+    job's group ("world") is formed at once; :meth:`group` forms more. ``transport``: ``"gloo"`` (host
+    memory; GPU tensors are staged through it) or ``"nccl"`` (on GPU ``device``, default the current
+    one); see ``comm_cuda``.
     """
 
     def __init__(self, host: str, port: int, prefix: str, rank: int | None = None, world_size: int | None = None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, transport: str = "gloo", device: int | None = None) -> None:
         self.name = f"comm[{prefix}]" if rank is None else f"comm[{prefix} rank {rank}]"
-        self.timeout = timeout
+        self.timeout, self.transport = timeout, transport
+        self._slabs: _Slabs | CudaSlabs
+        if transport == "nccl":
+            if not torch.cuda.is_available():
+                raise BambooError("the NCCL transport needs a CUDA GPU, and torch sees none; use transport='gloo'")
+            device = torch.cuda.current_device() if device is None else device
+            self._slabs = CudaSlabs(torch.device("cuda", device))
+        elif transport == "gloo":
+            device, self._slabs = None, _Slabs()
+        else:
+            raise ValueError(f"unknown transport {transport!r}; one of {TRANSPORTS}")
         self._proc, self._sock, self._conn = _fork_child()
-        self._conn.send((host, port, prefix, timeout))
+        self._conn.send((host, port, prefix, timeout, transport, device))
         self._pending: dict[int, CommWork] = {}
-        self._slabs = _Slabs()
         self._lock = threading.Lock()
         self._next = 0
         self._groups = 0
@@ -220,22 +234,25 @@ class CommProcess:
         """Start ``op`` on group ``gid`` with ``tensors``; those at the indices ``outputs`` are written back."""
         if op not in _OPS:
             raise ValueError(f"unknown operation {op!r}; one of {_OPS}")
-        specs, new, fds, staged, lent = [], [], [], [], []
+        specs, fds, staged, lent = [], [], [], []
+        new: list[tuple[int, int, bytes | None]] = []
         # the tensors the operation only writes (a receive's, a gather's outputs) need not be copied in
         write_only = set(outputs) if op in ("recv", "allgather", "allgather_base") else set()
         for index, tensor in enumerate(tensors):
-            if tensor.device.type != "cpu":
-                raise ValueError(f"{self.name}: only CPU tensors so far (got {tensor.device})")
-            sid, slab, fd = self._slabs.take(tensor.numel() * tensor.element_size())
+            sid, slab, share = self._slabs.take(tensor.numel() * tensor.element_size())
             lent.append(sid)
-            if fd is not None:
-                new.append((sid, int(slab.numel())))
-                fds.append(fd)
+            if isinstance(share, int):  # host memory: its file descriptor goes after the request
+                new.append((sid, int(slab.numel()), None))
+                fds.append(share)
+            elif share is not None:  # GPU memory: its CUDA IPC handle
+                new.append((sid, int(slab.numel()), share))
             view = view_of(slab, tensor.dtype, tensor.shape)
             if index not in write_only:
-                view.copy_(tensor)
+                view.copy_(tensor)  # to host memory from a GPU: returns when copied
             staged.append(view)
             specs.append((sid, tensor.dtype, tuple(tensor.shape)))
+        if self.transport == "nccl":
+            settle(staged)  # the communication process reads them once told to
         try:
             with self._lock:
                 if self._ended is not None:
@@ -469,7 +486,16 @@ def _one(tensors: Sequence[torch.Tensor], op: str) -> None:
         raise ValueError(f"{BACKEND} backend: {op} takes one tensor per call, got {len(tensors)}")
 
 
-_GENERATION: dict[str, Any] = {"comm": None, "abort_if": lambda: False, "within": None}
+_GENERATION: dict[str, Any] = {"comm": None, "abort_if": lambda: False, "within": None, "transport": None,
+                               "device": None}
+
+
+def use_transport(transport: str, device: torch.device | int | None = None) -> None:
+    """The transport (``"gloo"`` or ``"nccl"``, see ``comm_cuda``) and GPU of the generations opened from now on."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; one of {TRANSPORTS}")
+    index = device.index if isinstance(device, torch.device) else device
+    _GENERATION.update(transport=transport, device=index)
 
 
 def open_generation(host: str, port: int, prefix: str, timeout: float,
@@ -478,11 +504,13 @@ def open_generation(host: str, port: int, prefix: str, timeout: float,
 
     ``init_process_group(BACKEND, ...)`` and every ``new_group`` after it then form their groups in
     it; ``abort_if``: a check, polled while a group forms, that a member was lost (default: the one
-    given to :func:`watch_while_forming`).
+    given to :func:`watch_while_forming`). Its transport: :func:`use_transport`'s, else
+    ``$BAMBOO_COMM_TRANSPORT``, else gloo.
     """
     check = abort_if or _GENERATION["abort_if"]
     abort_generation()
-    comm = CommProcess(host, port, prefix, timeout=timeout)
+    transport = _GENERATION["transport"] or os.environ.get(TRANSPORT_ENV) or "gloo"
+    comm = CommProcess(host, port, prefix, timeout=timeout, transport=transport, device=_GENERATION["device"])
     _GENERATION.update(comm=comm, abort_if=check)
     return comm
 
@@ -525,7 +553,7 @@ def _create(options: Any, backend_options: Any = None) -> AbortableGroup:
 def register_backend() -> None:
     """Make :data:`BACKEND` a ``torch.distributed`` backend (once per process; done on import)."""
     if not hasattr(dist.Backend, BACKEND.upper()):
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 register_backend()

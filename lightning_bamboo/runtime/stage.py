@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -142,8 +143,10 @@ class NodeStage:
     def _new_engine(self, module: Any, optimizer: Any, layout: Layout) -> BambooPipelineEngine:
         config = deepspeed_config(self.config.micro_batch_size, 1, layout.pipelines, self.gradient_clipping,
                                   self.config.deepspeed)
+        # DeepSpeed puts the engine on GPU LOCAL_RANK unless told: the stage's device is the runner's
+        device_rank = None if self.device.type != "cuda" else SimpleNamespace(device_rank=self.device.index or 0)
         return build_engine(
-            module, optimizer, config, timedelta(seconds=self.config.timeout),
+            module, optimizer, config, timedelta(seconds=self.config.timeout), args=device_rank,
             bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs},
         )
 

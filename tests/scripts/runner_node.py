@@ -1,9 +1,10 @@
 """A node driven by ``PipelineRunner`` alone: plain torch and a host of a few lines, no Lightning.
 
 Run by ``tests/test_runner.py`` under ``lightning_bamboo.launcher.launch`` (membership in a store):
-``runner_node.py OUT STEPS RECONFIGURE_AT``. Trains STEPS steps of a 6-layer MLP; at step RECONFIGURE_AT
-(if not -1) the nodes that are left re-split the layers evenly; writes OUT/<node>.pt (its layers'
-weights and optimizer state) and OUT/<node>.json (its failovers and its final layout).
+``runner_node.py OUT STEPS RECONFIGURE_AT [DEVICE]``. Trains STEPS steps of a 6-layer MLP; at step
+RECONFIGURE_AT (if not -1) the nodes that are left re-split the layers evenly; writes OUT/<node>.pt
+(its layers' weights and optimizer state) and OUT/<node>.json (its failovers and its final layout).
+DEVICE (default cpu): ``cuda`` puts every node's stage and replica on GPU 0 (the nodes share it).
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH, generator=generator)
 
 
-def main(out: Path, steps: int, reconfigure_at: int) -> None:
+def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu") -> None:
     host = Host()
     config = BambooConfig(redundancy="lazy", micro_batch_size=2, seed=7, timeout=60.0, detection_timeout=3.0)
-    runner = PipelineRunner(config, host)
+    runner = PipelineRunner(config, host, device=device)
     session = runner.open_session()
     assert session is not None, "run under lightning_bamboo.launcher.launch"
     dist.init_process_group(BACKEND, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))  # abortable
@@ -84,7 +85,8 @@ def main(out: Path, steps: int, reconfigure_at: int) -> None:
         runner.train_step(batch(step))
     assert runner.engine is not None and runner.layout is not None
     torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
-    report = {"failovers": runner.failovers, "parts": list(runner.layout.parts), "nodes": runner.nodes}
+    report = {"failovers": runner.failovers, "parts": list(runner.layout.parts), "nodes": runner.nodes,
+              "device": str(next(runner.engine.module.parameters()).device)}
     (out / f"{session.node}.json").write_text(json.dumps(report))
     runner.finish(completed=True)
     runner.close()
@@ -92,4 +94,4 @@ def main(out: Path, steps: int, reconfigure_at: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])

@@ -1,0 +1,280 @@
+"""What one GPU shows of the abortable communication layer and of the pipeline on it (issue 21).
+
+    python benchmarks/gpu.py [--steps 30] [--kill-at 12]
+
+Needs a CUDA GPU; everything runs on GPU 0. NCCL refuses two ranks on one GPU, so the NCCL
+transport is measured with one rank per group, and two processes that share the GPU use the host
+transport (gloo in the communication process, GPU tensors staged through shared host memory).
+
+Part 1, the communication layer (``lightning_bamboo.engine.comm_process``):
+
+- host transport: a 4 MiB GPU tensor's round trip to a second process and back (median ms);
+- NCCL transport: a 64 MiB all-reduce through the layer against torch's own ``ProcessGroupNCCL``
+  in this process (median ms; the layer adds two copies in GPU memory and a pipe message);
+- abort: a receive blocked on a frozen (SIGSTOPped) peer over the host transport, and an NCCL
+  all-reduce whose peer never comes: seconds from the abort to the wait raising; then the seconds
+  until the next NCCL generation's first all-reduce is done.
+
+Part 2, the pipeline (``PipelineRunner`` under the Bamboo launcher, no Lightning): a 2-stage GPT
+whose two nodes share the GPU; median step time with redundancy ``off`` and ``lazy`` (the replica
+and the redundant forward on the GPU too); then ``lazy`` with node1 SIGKILLed at step ``--kill-at``:
+the step that absorbs the failover, and the final weights and AdamW state against the clean
+``lazy`` run (bit for bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MICRO, MICRO_BATCHES = 4, 8
+DEVICE = os.environ.get("BAMBOO_BENCH_DEVICE", "cuda:0")  # (cpu: to try the script where there is no GPU)
+
+ECHO = """
+import sys, time, torch
+from lightning_bamboo.engine.comm_process import CommProcess
+comm = CommProcess("127.0.0.1", int(sys.argv[1]), sys.argv[2], 1, 2)
+message = torch.zeros(1 << 20, device="cuda")
+for _ in range(int(sys.argv[3])):
+    comm.recv(message, 0, tag=1).wait(60)
+    comm.send(message, 0, tag=2).wait(60)
+print("echoed", flush=True)
+time.sleep(3600)
+"""
+
+
+def _median_ms(fn, repeats: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def comm_part(results: dict) -> None:
+    import torch.distributed as dist
+
+    from lightning_bamboo.engine.comm_process import CommAborted, CommProcess
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    rounds = 21
+    peer = subprocess.Popen([sys.executable, "-c", ECHO, str(store.port), "echo", str(rounds + 1)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+                            start_new_session=True)
+    try:
+        comm = CommProcess("127.0.0.1", store.port, "echo", 0, 2)
+        message = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        back = torch.zeros_like(message)
+
+        def round_trip() -> None:
+            comm.send(message, 1, tag=1).wait(60)
+            comm.recv(back, 1, tag=2).wait(60)
+
+        results["host_round_trip_4mib_ms"] = _median_ms(round_trip, rounds - 1)
+        assert torch.equal(back, message)
+        os.killpg(peer.pid, signal.SIGSTOP)
+        blocked = comm.recv(back, 1, tag=2)
+        time.sleep(1.0)
+        start = time.monotonic()
+        comm.abort()
+        try:
+            blocked.wait(30)
+        except CommAborted:
+            results["host_abort_s"] = time.monotonic() - start
+    finally:
+        os.killpg(peer.pid, signal.SIGKILL)
+        peer.wait(30)
+
+    big = torch.ones(16 << 20, device="cuda")  # 64 MiB
+    one = CommProcess("127.0.0.1", store.port, "nccl-one", 0, 1, transport="nccl", device=0)
+    results["nccl_layer_allreduce_64mib_ms"] = _median_ms(lambda: one.allreduce(big).wait(60))
+    one.close()
+    native = dist.ProcessGroupNCCL(dist.PrefixStore("native", store), 0, 1)
+    results["nccl_native_allreduce_64mib_ms"] = _median_ms(lambda: native.allreduce([big]).wait())
+    results["nccl_layer_over_native"] = results["nccl_layer_allreduce_64mib_ms"] / results["nccl_native_allreduce_64mib_ms"]
+
+    lost = CommProcess("127.0.0.1", store.port, "nccl-lost", 0, 2, transport="nccl", device=0)
+    blocked = lost.allreduce(big)
+    time.sleep(2.0)
+    results["nccl_blocked_before_abort"] = not blocked.done.is_set()
+    start = time.monotonic()
+    lost.abort()
+    try:
+        blocked.wait(30)
+    except CommAborted:
+        results["nccl_abort_s"] = time.monotonic() - start
+    start = time.monotonic()
+    after = CommProcess("127.0.0.1", store.port, "nccl-after", 0, 1, transport="nccl", device=0)
+    after.allreduce(big).wait(60)
+    results["nccl_next_generation_s"] = time.monotonic() - start
+    after.close()
+
+
+# ------------------------------------------------------------------ part 2: a node of the pipeline
+
+def node(out: Path, steps: int, redundancy: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_bamboo.engine.comm_process import BACKEND
+    from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
+    from lightning_bamboo.runtime import BambooConfig, PipelineRunner
+
+    config = GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=12, n_embd=768)
+
+    class Model:
+        def configure_pipeline(self):
+            return gpt_layers(config)
+
+        def pipeline_loss(self, outputs, targets):
+            return gpt_loss(outputs, targets)
+
+    class Host:
+        step = 0
+
+        def global_step(self):
+            return self.step
+
+        def adopt_stage(self, module):
+            pass
+
+        def optimizer_for(self, module):
+            return torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+        def setup_optimizers(self, module):
+            return self.optimizer_for(module)
+
+        def rebind_optimizer(self, old, new):
+            pass
+
+        def enter_group(self, rank, world):
+            pass
+
+        def training_state(self):
+            return {"step": self.step}
+
+    host = Host()
+    runner = PipelineRunner(BambooConfig(redundancy=redundancy, micro_batch_size=MICRO, seed=0, timeout=60.0,
+                                         detection_timeout=3.0), host, device=DEVICE)
+    session = runner.open_session()
+    assert session is not None, "run under lightning_bamboo.launcher.launch"
+    dist.init_process_group(BACKEND, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    runner.start(Model(), dist.get_world_size(), dist.get_rank(), fitting=True)
+    times = []
+    for step in range(steps):
+        host.step = step
+        generator = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, config.vocab_size, (MICRO * MICRO_BATCHES, config.block_size + 1), generator=generator)
+        start = time.perf_counter()
+        runner.train_step((tokens[:, :-1], tokens[:, 1:]))
+        if DEVICE.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    assert runner.engine is not None
+    torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
+    (out / f"{session.node}.json").write_text(json.dumps({"times": times, "failovers": runner.failovers}))
+    runner.finish(completed=True)
+    runner.close()
+    dist.destroy_process_group()
+
+
+def pipeline_run(out: Path, steps: int, redundancy: str, kill: str | None = None) -> dict:
+    from lightning_bamboo.launcher import launch
+    from lightning_bamboo.testing import faults
+
+    out.mkdir(parents=True)
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    if kill:
+        env.update(faults.environment([kill]))
+    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy], 2, env=env, timeout=600)
+    reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    layers: dict = {}
+    for path in sorted(out.glob("*.pt")):
+        layers.update(torch.load(path, weights_only=False, map_location="cpu"))
+    return {"codes": codes, "reports": reports, "layers": layers}
+
+
+def same_states(a: dict, b: dict) -> bool:
+    if sorted(a) != sorted(b):
+        return False
+    for layer in a:
+        for name, tensor in a[layer]["weights"].items():
+            if not torch.equal(b[layer]["weights"][name], tensor):
+                return False
+        for name, param in a[layer]["optimizer"].items():
+            for key, value in param["state"].items():
+                if not torch.equal(torch.as_tensor(b[layer]["optimizer"][name]["state"][key]), torch.as_tensor(value)):
+                    return False
+    return True
+
+
+def pipeline_part(results: dict, steps: int, kill_at: int, warmup: int = 5) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {mode: pipeline_run(Path(tmp) / mode, steps, mode) for mode in ("off", "lazy")}
+        for mode, run in runs.items():
+            times = run["reports"]["node0"]["times"][warmup:]
+            results[f"step_{mode}_ms"] = statistics.median(times) * 1e3
+        results["lazy_over_off"] = results["step_lazy_ms"] / results["step_off_ms"]
+        killed = pipeline_run(Path(tmp) / "kill", steps, "lazy", kill=f"node1@{kill_at}")
+        results["kill_codes"] = killed["codes"]
+        survivor = killed["reports"].get("node0", {})
+        results["failovers"] = [(f["step"], f["lost"]) for f in survivor.get("failovers", [])]
+        if survivor:
+            results["failover_step_s"] = survivor["times"][kill_at]
+        results["exact_after_failover"] = same_states(runs["lazy"]["layers"], killed["layers"])
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "node":
+        node(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument("--skip-pipeline", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu.py needs a CUDA GPU")
+    results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    comm_part(results)
+    print(json.dumps(results), flush=True)
+    if not args.skip_pipeline:
+        pipeline_part(results, args.steps, args.kill_at)
+    print(json.dumps(results), flush=True)
+    print(f"GPU: {results['gpu']}, torch {results['torch']}, NCCL {results['nccl']}")
+    print(f"host transport, 4 MiB round trip between two processes on the GPU: {results['host_round_trip_4mib_ms']:.2f} ms")
+    print(f"NCCL transport, 64 MiB all-reduce (one rank): {results['nccl_layer_allreduce_64mib_ms']:.3f} ms through the "
+          f"layer, {results['nccl_native_allreduce_64mib_ms']:.3f} ms native ({results['nccl_layer_over_native']:.2f}x)")
+    print(f"abort: host transport receive on a frozen peer {results.get('host_abort_s', float('nan')):.3f} s, NCCL "
+          f"all-reduce without its peer {results.get('nccl_abort_s', float('nan')):.3f} s (blocked before: "
+          f"{results['nccl_blocked_before_abort']}); next NCCL generation's first all-reduce "
+          f"{results['nccl_next_generation_s']:.2f} s")
+    if not args.skip_pipeline:
+        print(f"pipeline, 2 stages sharing the GPU: step off {results['step_off_ms']:.1f} ms, lazy "
+              f"{results['step_lazy_ms']:.1f} ms ({results['lazy_over_off']:.3f}x)")
+        print(f"node1 SIGKILLed at step {args.kill_at}: exit codes {results['kill_codes']}, failovers "
+              f"{results['failovers']}, that step {results.get('failover_step_s', float('nan')):.2f} s, final weights and "
+              f"AdamW state equal to the clean lazy run: {results['exact_after_failover']}")
+    ok = (results.get("host_abort_s", 9) < 1.0 and results.get("nccl_abort_s", 9) < 1.0
+          and (args.skip_pipeline or results["exact_after_failover"]))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
