@@ -226,6 +226,9 @@ def test_an_nccl_collective_whose_peer_never_comes_ends_at_the_abort_and_the_gpu
     with pytest.raises(CommAborted):
         blocked.wait(10)
     assert time.monotonic() - aborted < 1.0
+    deadline = time.monotonic() + 10
+    while comm.alive and time.monotonic() < deadline:
+        time.sleep(0.05)  # a killed process with a CUDA context takes a moment to be gone
     assert not comm.alive
     again = CommProcess("127.0.0.1", store.port, "nccl-after", 0, 1, transport="nccl", device=0)
     total = torch.full((4,), 3.0, device="cuda")

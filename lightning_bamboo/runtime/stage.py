@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -133,7 +133,8 @@ class NodeStage:
         built = self._build(keep=lambda i: i in mine and i not in prebuilt)
         layers = [prebuilt.get(i, layer) for i, layer in enumerate(built.layers)]
         timeout = timedelta(seconds=self.config.timeout)
-        module = build_pipeline_module(layers, layout, self.model.pipeline_loss, timeout)
+        with _deepspeed_device(self.device):
+            module = build_pipeline_module(layers, layout, self.model.pipeline_loss, timeout)
         module.to(self.device)
         if states is not None:
             ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
@@ -143,12 +144,11 @@ class NodeStage:
     def _new_engine(self, module: Any, optimizer: Any, layout: Layout) -> BambooPipelineEngine:
         config = deepspeed_config(self.config.micro_batch_size, 1, layout.pipelines, self.gradient_clipping,
                                   self.config.deepspeed)
-        # DeepSpeed puts the engine on GPU LOCAL_RANK unless told: the stage's device is the runner's
-        device_rank = None if self.device.type != "cuda" else SimpleNamespace(device_rank=self.device.index or 0)
-        return build_engine(
-            module, optimizer, config, timedelta(seconds=self.config.timeout), args=device_rank,
-            bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs},
-        )
+        with _deepspeed_device(self.device):
+            return build_engine(
+                module, optimizer, config, timedelta(seconds=self.config.timeout),
+                bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs},
+            )
 
     def _rank_of(self, layout: Layout, stage: int, pipeline: int) -> int:
         return stage * layout.pipelines + pipeline
@@ -314,3 +314,21 @@ class NodeStage:
         """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""
         return [None if not part else decode(part) for part in self._session().gather(encode(obj) if send else "")]
 
+
+
+@contextmanager
+def _deepspeed_device(device: torch.device) -> Iterator[None]:
+    """DeepSpeed puts a pipeline module and its engine on GPU ``$LOCAL_RANK``; the stage's GPU is the runner's
+    (several nodes of one host may share a GPU, or a node may use another than its local rank)."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(device.index or 0)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved
