@@ -110,3 +110,19 @@ def test_bad_batch_fails_with_message_and_no_hang(case, devices, message):
                timeout=180)
     errors = [json.loads(line)["error"] for line in proc.stdout.splitlines() if line.startswith('{"error"')]
     assert errors and re.search(message, errors[0]), proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_strategy_trains_with_nccl_in_the_communication_process(tmp_path):
+    """Lightning's GPU accelerator, one process: the stage on the GPU, the job's group the abortable
+    backend with NCCL in its communication process, and the weights those of the CPU reference."""
+    proc = run([PYTHON, FIT, "--out", str(tmp_path), "--steps", str(STEPS), "--batch-size", str(BATCH),
+                "--micro-batch-size", str(MBS), "--accelerator", "gpu", "--devices", "1", "--stages", "1"],
+               timeout=300, env={"DS_ACCELERATOR": "cuda"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    process = next(line for line in lines if "threads" in line)
+    assert (process["device"], process["transport"]) == ("cuda:0", "nccl")
+    assert lines[-1]["global_step"] == STEPS
+    got = torch.load(tmp_path / "final.pt", map_location="cpu")
+    assert max_abs_diff(got, reference_weights(STEPS, BATCH, 1, MBS)) <= 1e-3  # GPU arithmetic, not CPU's bits

@@ -163,3 +163,27 @@ def test_reductions_between_steps_match_lightnings() -> None:
     assert _reduced(votes, "avg").item() == 0
     with pytest.raises(BambooConfigError, match="reduce_op='median'"):
         _reduce_kind("median")
+
+
+def test_the_process_group_backend_is_the_abortable_one_with_nccl_on_gpus():
+    from lightning_bamboo.engine import comm_process
+
+    def backend(chosen, device):
+        strategy = lightning_bamboo.BambooStrategy(stages=2, process_group_backend=chosen)
+        strategy.parallel_devices = [torch.device(device)]
+        return strategy
+
+    assert backend(None, "cpu")._get_process_group_backend() == comm_process.BACKEND
+    assert backend("gloo", "cpu")._get_process_group_backend() == "gloo"  # the user's: used as it is
+    with pytest.raises(BambooConfigError, match="process_group_backend='nccl' runs on GPUs.*cpu"):
+        backend("nccl", "cpu")._get_process_group_backend()
+    try:
+        for chosen in (None, "nccl"):  # (no GPU is touched: the choice is made from the device's name)
+            on_gpu = backend(chosen, "cuda:0")
+            assert on_gpu._get_process_group_backend() == comm_process.BACKEND
+            on_gpu._use_transport()
+            assert (comm_process._GENERATION["transport"], comm_process._GENERATION["device"]) == ("nccl", 0)
+        backend(None, "cpu")._use_transport()
+        assert comm_process._GENERATION["transport"] == "gloo"
+    finally:
+        comm_process.use_transport("gloo")

@@ -115,6 +115,10 @@ class _BambooStrategyMixin(CheckpointHooks):
                 state tensor, bit for bit, through digests) and stop the run with ``ReplicaAuditError``
                 naming the layer, step and node at the first difference. Off by default: it costs a
                 hash of every stage and replica and a collective per check.
+            process_group_backend: ``None`` (default) or ``"nccl"``: the abortable backend
+                (``lightning_bamboo.engine.comm_process``), with NCCL in its communication process on
+                a GPU (one GPU per process) and gloo on CPU. Any other backend (``"gloo"``) is used
+                as it is and cannot be aborted: a failover then waits for a blocked step to return.
         """
         self.options = BambooConfig(
             stages=stages, micro_batch_size=micro_batch_size, partition=partition, seed=seed, redundancy=redundancy,
@@ -226,11 +230,12 @@ class _BambooStrategyMixin(CheckpointHooks):
         runner = self.runner
         runner.backend = self._get_process_group_backend()  # before any group forms (an admission forms one here)
         if runner.backend == BACKEND:
+            self._use_transport()
             comm_process.prepare()  # its torch import overlaps the rendezvous
         if runner.backend != BACKEND and launched_by_bamboo():
             log.warning("process_group_backend=%r cannot be aborted: a failover waits until a step blocked on a lost "
                         "peer returns by that backend's own timeout (and gives up after %g s: a restart from the "
-                        "checkpoint). The default on CPU, %r, ends such waits at once.", runner.backend,
+                        "checkpoint). The default, %r, ends such waits at once.", runner.backend,
                         STEP_FINISH_SECONDS, BACKEND)
         if joining() and runner.session is None:
             # A node joining a running job: standby until a reconfiguration admits it, then its
@@ -252,10 +257,20 @@ class _BambooStrategyMixin(CheckpointHooks):
 
     @override
     def _get_process_group_backend(self) -> str:
-        """The abortable backend on CPU (``lightning_bamboo.engine.comm_process``) unless one was chosen."""
-        if self._process_group_backend:
+        """The abortable backend (``lightning_bamboo.engine.comm_process``) unless another was chosen;
+        ``"nccl"`` is the abortable backend with NCCL in its communication process."""
+        if self._process_group_backend and self._process_group_backend not in ("nccl", BACKEND):
             return self._process_group_backend
-        return BACKEND if self.root_device.type == "cpu" else super()._get_process_group_backend()
+        if self._process_group_backend == "nccl" and self.root_device.type != "cuda":
+            raise BambooConfigError(
+                f"process_group_backend='nccl' runs on GPUs, and this process's device is {self.root_device}; "
+                "use Trainer(accelerator='gpu'), or leave process_group_backend unset (gloo on CPU)")
+        return BACKEND
+
+    def _use_transport(self) -> None:
+        """NCCL in the communication process on this process's GPU; gloo on CPU (``comm_cuda``)."""
+        device = self.root_device
+        comm_process.use_transport("nccl" if device.type == "cuda" else "gloo", device if device.type == "cuda" else None)
 
     @override
     def setup_distributed(self) -> None:

@@ -63,6 +63,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--namespace", default="lightning.pytorch")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", help="Trainer(accelerator=...): cpu, or gpu (one GPU per process)")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
@@ -132,14 +133,18 @@ def main() -> None:
         callbacks.append(AsyncCheckpoint(dirpath=os.path.join(args.out, "async"), every_n_train_steps=args.async_every,
                                          keep_last=10))
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, callbacks=callbacks,
+        strategy=strategy, accelerator=args.accelerator, devices=args.devices, max_steps=args.steps, callbacks=callbacks,
         logger=pl.loggers.CSVLogger(args.out), enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(GPT(), ckpt_path=args.resume)
-    # every process: its live threads (a test counts those of old communication generations: none may be left)
+    # every process: its live threads (a test counts those of old communication generations: none may be left),
+    # its stage's device and the transport of its process group
+    group = torch.distributed.distributed_c10d._get_default_group()
     print(json.dumps({"node": os.environ.get("BAMBOO_NODE", f"rank{trainer.global_rank}"),
-                      "threads": sorted(t.name for t in threading.enumerate())}), flush=True)
+                      "threads": sorted(t.name for t in threading.enumerate()),
+                      "device": str(next(trainer.strategy.runner.engine.module.parameters()).device),
+                      "transport": getattr(getattr(group, "comm", None), "transport", None)}), flush=True)
     trainer.save_checkpoint(os.path.join(args.out, "final.ckpt"))
     if trainer.is_global_zero:
         weights = lightning_bamboo.consolidate_checkpoint(os.path.join(args.out, "final.ckpt"))
