@@ -272,6 +272,20 @@ class _BambooStrategyMixin(CheckpointHooks):
         device = self.root_device
         comm_process.use_transport("nccl" if device.type == "cuda" else "gloo", device if device.type == "cuda" else None)
 
+    def _connect(self) -> None:
+        """``DDPStrategy.setup_distributed``; for the abortable backend without ``device_id``: its groups live in
+        the communication process (NCCL there is bound to this process's GPU by the transport), and torch
+        would look for a backend of the GPU in the group to connect it eagerly."""
+        if self._get_process_group_backend() != BACKEND:
+            super().setup_distributed()
+            return
+        ddp = self._pl("strategies.ddp")
+        ddp.reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = BACKEND
+        assert self.cluster_environment is not None
+        ddp._init_dist_connection(self.cluster_environment, BACKEND, timeout=self._timeout)
+
     @override
     def setup_distributed(self) -> None:
         """Lightning's process group; under the Bamboo launcher its forming is bounded by a short timeout.
@@ -284,7 +298,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         """
         session = self.runner.session
         if session is None or self._assigned is not None or torch_dist.is_initialized():
-            super().setup_distributed()
+            self._connect()
             return
         full = self._timeout or timedelta(seconds=self.options.timeout)
         connect = min(full, timedelta(seconds=max(3 * self.options.detection_timeout, 15.0)))
@@ -293,7 +307,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         else:
             self._timeout = connect  # gloo's own connect: bounded by its timeout only
         try:
-            super().setup_distributed()
+            self._connect()
         except (RuntimeError, torch_dist.DistError) as err:
             raise FatalLoss(f"the job's process group did not form within {connect.total_seconds():g} s ({err}); a "
                             "node died after the start rendezvous: start again with the nodes that are up") from err
