@@ -164,6 +164,15 @@ class Cluster:
     def running(self) -> list[str]:
         return [n for n, p in self.procs.items() if n not in self.codes and p.poll() is None]
 
+    def job_finished(self) -> bool:
+        """Whether a worker of the current job marked it finished (``Session.finish``)."""
+        from lightning_bamboo.membership.registry import job_prefix
+
+        try:
+            return self.store.get(f"{job_prefix(self.job)}finished") is not None
+        except Exception:  # noqa: BLE001 - a store that does not answer: not known to be finished
+            return False
+
     def poll(self, announce_always: bool = False) -> dict[str, int]:
         """Reap workers that exited since the last call; announce the ones that died.
 
@@ -241,15 +250,32 @@ def stopping(cluster: Cluster, grace: float = STOP_GRACE_SECONDS) -> Iterator[_S
             signal.signal(sig, old)
 
 
+#: seconds a worker may run on after its job was marked finished (it is then a hung node: killed)
+FINISHED_GRACE_SECONDS = 10.0
+
+
 def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
                       announce_always: bool = False) -> None:
-    """Poll until every worker exited; SIGKILL the rest when a stop's grace is over."""
+    """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or when they run on
+    ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by itself)."""
+    finished_at, checked, hung = None, 0.0, set()
     while cluster.running:
         cluster.poll(announce_always=announce_always)
         if stop.overdue():
             for name in cluster.running:
                 cluster.kill(name, signal.SIGKILL)
-        if deadline is not None and time.monotonic() > deadline:
+        now = time.monotonic()
+        if finished_at is None and now - checked > 1.0:
+            checked = now
+            finished_at = now if cluster.job_finished() else None
+        if finished_at is not None and now - finished_at > FINISHED_GRACE_SECONDS:
+            for name in cluster.running:
+                if name not in hung:
+                    hung.add(name)
+                    print(f"[launcher] {name} still runs {FINISHED_GRACE_SECONDS:g} s after the job finished (hung): "
+                          "killed", file=sys.stderr, flush=True)
+                cluster.kill(name, signal.SIGKILL)
+        if deadline is not None and now > deadline:
             raise TimeoutError(f"workers still running after the launcher's timeout: {cluster.running}")
         time.sleep(0.05)
     cluster.poll(announce_always=announce_always)

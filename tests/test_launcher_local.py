@@ -1,4 +1,5 @@
-"""The local launcher's share of one machine: compute threads per worker, standby processes at idle priority."""
+"""The local launcher's share of one machine: compute threads per worker, standby processes at idle priority,
+and a worker that hangs after its job finished."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from lightning_bamboo.launcher import Cluster
+from lightning_bamboo import launcher
+from lightning_bamboo.launcher import Cluster, launch
 from lightning_bamboo.membership.node import idle_priority_supported
 from tests.helpers import REPO
 
@@ -70,3 +73,27 @@ def test_local_workers_split_the_machines_cores_unless_the_user_chose(monkeypatc
     cluster = Cluster("embedded", job="threads", local_workers=8)
     cluster.close()
     assert cluster.env["OMP_NUM_THREADS"] == "3"
+
+
+# node0 marks the job finished (as Session.finish does) and exits; node1 hangs: it stops itself (SIGSTOP)
+FINISH_OR_HANG = """
+import os, signal
+from lightning_bamboo.membership import connect
+from lightning_bamboo.membership.registry import job_prefix
+if os.environ["BAMBOO_NODE"] == "node0":
+    store = connect(os.environ["BAMBOO_STORE"])
+    store.put(job_prefix(os.environ["BAMBOO_JOB"]) + "finished", "1")
+    store.close()
+else:
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_worker_that_hangs_after_the_job_finished_is_killed_and_the_launcher_returns(monkeypatch):
+    """A frozen node never exits: once the job is finished the launcher gives it a grace, then kills it
+    (it waited for it until its own timeout before)."""
+    monkeypatch.setattr(launcher, "FINISHED_GRACE_SECONDS", 2.0)
+    started = time.monotonic()
+    codes = launch([sys.executable, "-c", FINISH_OR_HANG], 2, env={"PYTHONPATH": str(REPO)}, timeout=60)
+    assert codes == {"node0": 0, "node1": -9}
+    assert time.monotonic() - started < 30
