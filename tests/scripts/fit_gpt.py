@@ -20,6 +20,18 @@ from helpers import TokenData, make_config  # noqa: E402
 import lightning_bamboo  # noqa: E402
 from lightning_bamboo.models.gpt import gpt_layers, gpt_loss  # noqa: E402
 
+STAGE_DEVICE: dict[str, str] = {}
+
+
+def StageDevice(pl):  # noqa: N802 - a Callback class for the namespace in use
+    class _StageDevice(pl.Callback):
+        """Where the stage trains (after fit, Lightning's teardown has moved the module to the CPU)."""
+
+        def on_train_batch_end(self, trainer, *args):
+            STAGE_DEVICE["seen"] = str(next(trainer.strategy.runner.engine.module.parameters()).device)
+
+    return _StageDevice
+
 
 def ReplicaCheck(pl):  # noqa: N802 - a Callback class for the namespace in use
     class _ReplicaCheck(pl.Callback):
@@ -115,7 +127,7 @@ def main() -> None:
         rf_costs=args.rf_costs if args.rf_costs == "measured"
         else dict(zip(("forward", "backward"), map(float, args.rf_costs.split(",")), strict=True)),
     )
-    callbacks = []
+    callbacks = [StageDevice(pl)()]
     if args.check_replicas:
         callbacks.append(ReplicaCheck(pl))
     if args.perturb_replica:
@@ -143,7 +155,7 @@ def main() -> None:
     group = torch.distributed.distributed_c10d._get_default_group()
     print(json.dumps({"node": os.environ.get("BAMBOO_NODE", f"rank{trainer.global_rank}"),
                       "threads": sorted(t.name for t in threading.enumerate()),
-                      "device": str(next(trainer.strategy.runner.engine.module.parameters()).device),
+                      "device": STAGE_DEVICE.get("seen"),
                       "transport": getattr(getattr(group, "comm", None), "transport", None)}), flush=True)
     trainer.save_checkpoint(os.path.join(args.out, "final.ckpt"))
     if trainer.is_global_zero:
