@@ -69,10 +69,22 @@ def _median_ms(fn, repeats: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
+def _time_abort(comm, blocked, results: dict, key: str) -> None:
+    """Abort ``comm`` and put the seconds until ``blocked``'s wait raised ``CommAborted`` in ``results[key]``."""
+    from lightning_bamboo.engine.comm_process import CommAborted
+
+    start = time.monotonic()
+    comm.abort()
+    try:
+        blocked.wait(30)
+    except CommAborted:
+        results[key] = time.monotonic() - start
+
+
 def comm_part(results: dict) -> None:
     import torch.distributed as dist
 
-    from lightning_bamboo.engine.comm_process import CommAborted, CommProcess
+    from lightning_bamboo.engine.comm_process import CommProcess
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
     rounds = 21
@@ -93,12 +105,7 @@ def comm_part(results: dict) -> None:
         os.killpg(peer.pid, signal.SIGSTOP)
         blocked = comm.recv(back, 1, tag=2)
         time.sleep(1.0)
-        start = time.monotonic()
-        comm.abort()
-        try:
-            blocked.wait(30)
-        except CommAborted:
-            results["host_abort_s"] = time.monotonic() - start
+        _time_abort(comm, blocked, results, "host_abort_s")
     finally:
         os.killpg(peer.pid, signal.SIGKILL)
         peer.wait(30)
@@ -115,12 +122,7 @@ def comm_part(results: dict) -> None:
     blocked = lost.allreduce(big)
     time.sleep(2.0)
     results["nccl_blocked_before_abort"] = not blocked.done.is_set()
-    start = time.monotonic()
-    lost.abort()
-    try:
-        blocked.wait(30)
-    except CommAborted:
-        results["nccl_abort_s"] = time.monotonic() - start
+    _time_abort(lost, blocked, results, "nccl_abort_s")
     start = time.monotonic()
     after = CommProcess("127.0.0.1", store.port, "nccl-after", 0, 1, transport="nccl", device=0)
     after.allreduce(big).wait(60)

@@ -35,19 +35,20 @@ def size_class(nbytes: int) -> int:
     return max(_MIN_SLAB, 1 << max(0, nbytes - 1).bit_length())
 
 
-class CudaSlabs:
-    """Buffers in the worker's GPU memory, lent to operations by size class; each is shared with the
-    communication process once (its CUDA IPC handle, pickled: ``take`` returns it for a new one)."""
+class SlabPool:
+    """Buffers lent to operations by size class (powers of two, at least 4 KiB); each is shared with the
+    communication process once: ``take`` returns how (``_allocate``'s second value) for a new one."""
 
-    def __init__(self, device: torch.device) -> None:
-        import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions ForkingPickler uses
-
-        self.device = device
+    def __init__(self) -> None:
         self._free: dict[int, list[int]] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor, bytes | None]:
+    def _allocate(self, sid: int, size: int) -> tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor, Any]:
+        """A free buffer of at least ``nbytes``: ``(id, tensor, share)``, ``share`` None unless it is new."""
         size = size_class(nbytes)
         with self._lock:
             free = self._free.setdefault(size, [])
@@ -55,13 +56,27 @@ class CudaSlabs:
                 sid = free.pop()
                 return sid, self.tensors[sid], None
             sid = len(self.tensors)
-            slab = self.tensors[sid] = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return sid, slab, bytes(ForkingPickler.dumps(slab))
+            self.tensors[sid], share = self._allocate(sid, size)
+        return sid, self.tensors[sid], share
 
     def give(self, sids: list[int]) -> None:
         with self._lock:
             for sid in sids:
                 self._free[int(self.tensors[sid].numel())].append(sid)
+
+
+class CudaSlabs(SlabPool):
+    """Buffers in the worker's GPU memory; each is shared by its CUDA IPC handle (pickled bytes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions ForkingPickler uses
+
+        super().__init__()
+        self.device = device
+
+    def _allocate(self, sid: int, size: int) -> tuple[torch.Tensor, bytes]:
+        slab = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return slab, bytes(ForkingPickler.dumps(slab))
 
 
 def open_shared(payload: bytes) -> torch.Tensor:

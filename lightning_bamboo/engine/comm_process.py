@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_bamboo.engine.comm_child import map_memory, view_of
-from lightning_bamboo.engine.comm_cuda import TRANSPORTS, CudaSlabs, settle, size_class
+from lightning_bamboo.engine.comm_cuda import TRANSPORTS, CudaSlabs, SlabPool, settle
 from lightning_bamboo.errors import BambooError
 
 log = logging.getLogger(__name__)
@@ -115,32 +115,13 @@ class CommWork:
         return future
 
 
-class _Slabs:
-    """Shared-memory buffers lent to operations, by size class (powers of two); each is shared with the child once."""
+class _Slabs(SlabPool):
+    """Shared host memory (memory files); each is shared by its file descriptor (pass it on, then close it)."""
 
-    def __init__(self) -> None:
-        self._free: dict[int, list[int]] = {}
-        self.tensors: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor, int | None]:
-        """A free slab of at least ``nbytes``: ``(id, tensor, fd)``, ``fd`` (to pass on, then close) if it is new."""
-        size = size_class(nbytes)
-        with self._lock:
-            free = self._free.setdefault(size, [])
-            if free:
-                sid = free.pop()
-                return sid, self.tensors[sid], None
-            sid = len(self.tensors)
-            fd = os.memfd_create(f"bamboo-comm-{sid}")
-            os.ftruncate(fd, size)
-            slab = self.tensors[sid] = map_memory(os.dup(fd), size)
-        return sid, slab, fd
-
-    def give(self, sids: list[int]) -> None:
-        with self._lock:
-            for sid in sids:
-                self._free[int(self.tensors[sid].numel())].append(sid)
+    def _allocate(self, sid: int, size: int) -> tuple[torch.Tensor, int]:
+        fd = os.memfd_create(f"bamboo-comm-{sid}")
+        os.ftruncate(fd, size)
+        return map_memory(os.dup(fd), size), fd
 
 
 class CommProcess:
