@@ -166,10 +166,11 @@ class Cluster:
 
     def job_finished(self) -> bool:
         """Whether a worker of the current job marked it finished (``Session.finish``)."""
+        from lightning_bamboo.membership.keys import FINISHED_KEY
         from lightning_bamboo.membership.registry import job_prefix
 
         try:
-            return self.store.get(f"{job_prefix(self.job)}finished") is not None
+            return self.store.get(f"{job_prefix(self.job)}{FINISHED_KEY}") is not None
         except Exception:  # noqa: BLE001 - a store that does not answer: not known to be finished
             return False
 

@@ -79,10 +79,11 @@ def test_local_workers_split_the_machines_cores_unless_the_user_chose(monkeypatc
 FINISH_OR_HANG = """
 import os, signal
 from lightning_bamboo.membership import connect
+from lightning_bamboo.membership.keys import FINISHED_KEY
 from lightning_bamboo.membership.registry import job_prefix
 if os.environ["BAMBOO_NODE"] == "node0":
     store = connect(os.environ["BAMBOO_STORE"])
-    store.put(job_prefix(os.environ["BAMBOO_JOB"]) + "finished", "1")
+    store.put(job_prefix(os.environ["BAMBOO_JOB"]) + FINISHED_KEY, "1")
     store.close()
 else:
     os.kill(os.getpid(), signal.SIGSTOP)

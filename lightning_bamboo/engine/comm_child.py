@@ -182,7 +182,9 @@ def _start(group: Any, op: str, tensors: list[torch.Tensor], args: tuple) -> Any
     """Start ``op`` on ``group`` (a gloo group, or a ``comm_cuda.NcclGroup``); returns its work."""
     import torch.distributed as dist
 
-    nccl = hasattr(group, "for_tag")
+    from lightning_bamboo.engine.comm_cuda import NcclGroup
+
+    nccl = isinstance(group, NcclGroup)
     if op in ("send", "recv"):  # NCCL: the tag's own communicator, in which order alone matches
         pg, tag = (group.for_tag(args[1]), 0) if nccl else (group, args[1])
         return pg.send(tensors, args[0], tag) if op == "send" else pg.recv(tensors, args[0], tag)

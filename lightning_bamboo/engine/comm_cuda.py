@@ -107,7 +107,7 @@ class NcclGroup:
         import torch.distributed as dist
 
         torch.cuda.set_device(device)
-        self._store, self._rank, self._size, self.device = store, rank, size, device
+        self._store, self._rank, self._size = store, rank, size
         self._options = dist.ProcessGroupNCCL.Options()
         self._options._timeout = datetime.timedelta(seconds=seconds)
         self.pg: Any = dist.ProcessGroupNCCL(store, rank, size, self._options)

@@ -17,6 +17,11 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+#: under a job's prefix: set by the node that ends the job (``Session.finish``); standby nodes and the
+#: launcher read it
+FINISHED_KEY = "finished"
+
+
 def job_prefix(job: str) -> str:
     """The key prefix that holds everything about ``job``."""
     return f"{ROOT}/{check_name('job name', job)}/"

@@ -15,6 +15,7 @@ from lightning_bamboo.engine.groups import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError
 from lightning_bamboo.membership.fence import Fenced, FencedStore
+from lightning_bamboo.membership.keys import FINISHED_KEY
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.protocol import wait_riding_out
 from lightning_bamboo.testing import faults
@@ -247,7 +248,7 @@ class Session:
             mine = [r for r in records if self.node in r["order"]]
             if mine:
                 return mine[-1]
-            if self.store.get(f"{self.base}finished") is not None:
+            if self.store.get(f"{self.base}{FINISHED_KEY}") is not None:
                 return None
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
             revision = change.revision
@@ -261,7 +262,7 @@ class Session:
 
     def finish(self) -> None:
         """The job is over: standby nodes that were never admitted stop waiting."""
-        self.store.put(f"{self.base}finished", "1")
+        self.store.put(f"{self.base}{FINISHED_KEY}", "1")
 
     def record_reconfiguration(self, record: dict[str, Any]) -> None:
         """The sender (the first node of the new order that ran before it; a joining node at rank 0 does not

@@ -270,7 +270,7 @@ class _BambooStrategyMixin(CheckpointHooks):
     def _use_transport(self) -> None:
         """NCCL in the communication process on this process's GPU; gloo on CPU (``comm_cuda``)."""
         device = self.root_device
-        comm_process.use_transport("nccl" if device.type == "cuda" else "gloo", device if device.type == "cuda" else None)
+        comm_process.use_transport("nccl" if device.type == "cuda" else "gloo", device)
 
     def _connect(self) -> None:
         """``DDPStrategy.setup_distributed``; for the abortable backend without ``device_id``: its groups live in
