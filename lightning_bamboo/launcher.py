@@ -256,9 +256,11 @@ FINISHED_GRACE_SECONDS = 10.0
 
 
 def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
-                      announce_always: bool = False) -> None:
-    """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or when they run on
-    ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by itself)."""
+                      announce_always: bool = False, kill_hung: bool = False) -> None:
+    """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or with ``kill_hung``
+    when they run on ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by
+    itself). Only ``launch`` asks for that: all its workers are ranks of the job; a machine's supervisor
+    also runs standby nodes, which may still be starting when the job finishes."""
     finished_at, checked, hung = None, 0.0, set()
     while cluster.running:
         cluster.poll(announce_always=announce_always)
@@ -266,7 +268,7 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
             for name in cluster.running:
                 cluster.kill(name, signal.SIGKILL)
         now = time.monotonic()
-        if finished_at is None and now - checked > 1.0:
+        if kill_hung and finished_at is None and now - checked > 1.0:
             checked = now
             finished_at = now if cluster.job_finished() else None
         if finished_at is not None and now - finished_at > FINISHED_GRACE_SECONDS:
@@ -323,7 +325,7 @@ def launch(
         with stopping(cluster, stop_grace) as stop:
             for rank, name in enumerate(names):
                 cluster.spawn(name, command, rank, names)
-            _wait_for_workers(cluster, stop, None if timeout is None else time.monotonic() + timeout)
+            _wait_for_workers(cluster, stop, None if timeout is None else time.monotonic() + timeout, kill_hung=True)
         return dict(cluster.codes)
     finally:
         cluster.close()
