@@ -146,3 +146,48 @@ def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The shared buffer outlives its holder: a node whose replica holder was killed with every process it started
+# (as the launcher and a machine's loss do) frees its mapping later, in a garbage collection, and lives on.
+# With torch's file_system sharing the holder's shared-memory manager died with it, and the free aborted the
+# owner ("terminate called after throwing an instance of 'std::system_error': Broken pipe").
+
+_HOLDER = """
+import os, sys, time
+from lightning_bamboo.engine.replica import offer_shared_buffer
+buffer, token, payload = offer_shared_buffer(1000)
+buffer.copy_(buffer.new_tensor(range(1000)))
+sys.stdout.write(payload.hex() + "\\n"); sys.stdout.flush()
+time.sleep(60)
+"""
+
+_OWNER = """
+import gc, os, signal, subprocess, sys
+import torch
+from lightning_bamboo.engine.replica import map_offered_buffer
+from lightning_bamboo.membership.node import descendants
+holder = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+payload = bytes.fromhex(holder.stdout.readline())
+assert map_offered_buffer(payload, 999) is None  # another size: not mapped
+buffer, token = map_offered_buffer(payload, 1000)
+seen = buffer.clone()
+for pid in [holder.pid, *descendants(holder.pid)]:
+    os.kill(pid, signal.SIGKILL)
+holder.wait()
+buffer.add_(1)  # the memory is still there after its holder died
+total = float(buffer.sum())
+del buffer
+gc.collect()
+print("alive", float(seen.sum()), total, flush=True)
+"""
+
+
+def test_a_shared_gradient_buffer_is_freed_safely_after_its_holder_died():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _OWNER, _HOLDER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["alive", str(float(sum(range(1000)))), str(float(sum(range(1000)) + 1000))]

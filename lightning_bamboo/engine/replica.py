@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import secrets
 import socket
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine.comm_child import map_memory
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +171,44 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def offer_shared_buffer(numel: int) -> tuple[torch.Tensor, int, bytes]:
+    """A buffer of ``numel`` gradient elements in a memory file, its token, and the offer that names it.
+
+    The peer on this host opens the file through ``/proc/<pid>/fd/<fd>`` (``map_offered_buffer``): no
+    manager process is involved (torch's ``file_system`` sharing has one per process, and a peer that
+    frees a buffer after that manager died with its process is aborted by the C++ runtime). The memory
+    lives while either end maps it; the descriptor is closed when the buffer is freed.
+    """
+    token = secrets.randbits(62) + 1
+    nbytes = numel * torch.empty((), dtype=torch.get_default_dtype()).element_size()
+    fd = os.memfd_create(f"bamboo-grads-{token}")
+    try:
+        os.ftruncate(fd, nbytes)
+        buffer = map_memory(os.dup(fd), nbytes).view(torch.get_default_dtype())
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(buffer, os.close, fd)  # open for the peer while the buffer lives (its mapping needs none)
+    return buffer, token, pickle.dumps((host_identity(), token, os.getpid(), fd, numel))
+
+
+def map_offered_buffer(payload: bytes, numel: int) -> tuple[torch.Tensor, int] | None:
+    """The buffer a peer offered (``offer_shared_buffer``) and its token, mapped here; None if this
+    process cannot map it (another machine, another size, no access to the peer's descriptors)."""
+    host, token, pid, fd, offered = pickle.loads(payload)
+    if host != host_identity() or offered != numel:
+        return None
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if os.readlink(path) != f"/memfd:bamboo-grads-{token} (deleted)":  # not the file offered (another pid space)
+            return None
+        nbytes = numel * torch.empty((), dtype=torch.get_default_dtype()).element_size()
+        return map_memory(os.open(path, os.O_RDWR), nbytes).view(torch.get_default_dtype()), token
+    except (OSError, ValueError) as err:
+        log.debug("could not map the replica holder's shared buffer %s: %s", path, err)
+        return None
+
+
 def _header(mask: torch.Tensor, this: int, following: int) -> torch.Tensor:
     return torch.cat([mask, torch.tensor([this, following], dtype=torch.int64).view(torch.uint8)])
 
@@ -275,15 +316,12 @@ class GradientExchange:
         payload = b""
         if numel:
             try:
-                buffer = torch.empty(numel)
-                handle = buffer.untyped_storage()._share_filename_cpu_()
-                token = secrets.randbits(62) + 1
-                payload = pickle.dumps((host_identity(), token, handle, numel))
+                buffer, token, payload = offer_shared_buffer(numel)
                 if len(payload) <= OFFER_BYTES - 4:
                     self._shared = (buffer, token)
                 else:
                     payload = b""
-            except Exception as err:  # no shared memory here: the gradients keep coming over the process group
+            except OSError as err:  # no shared memory here: the gradients keep coming over the process group
                 log.debug("no shared memory for the replica's gradients: %s", err)
                 payload = b""
         message = torch.zeros(OFFER_BYTES, dtype=torch.uint8)
@@ -336,17 +374,9 @@ class GradientExchange:
         size = int(message[:4].view(torch.int32).item())
         if not size:
             return  # the holder has no shared memory to offer
-        host, token, handle, offered = pickle.loads(message[4 : 4 + size].numpy().tobytes())
-        if host != host_identity() or offered != numel:
-            return  # another machine (or other layers): the gradients keep going over the process group
-        try:
-            storage = torch.UntypedStorage._new_shared_filename_cpu(*handle)
-        except Exception as err:
-            log.debug("could not map the replica holder's shared buffer: %s", err)
-            return
-        buffer = torch.empty(0).set_(storage)
-        if buffer.numel() == numel:
-            self._peer_shared = (buffer, token)
+        mapped = map_offered_buffer(message[4 : 4 + size].numpy().tobytes(), numel)
+        if mapped is not None:  # else another machine, other layers or no access: the process group carries them
+            self._peer_shared = mapped
 
     def receive(self) -> None:
         """Wait for the replica's gradients and hand them to it (``replica.pending``)."""
