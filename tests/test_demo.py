@@ -72,19 +72,20 @@ def test_notice_then_two_far_apart_kills(clean, tmp_path):
 
 
 def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
-    """node1 and node2 (its replica holder) die together: the two others restart from the step-8
-    checkpoint in their running processes (no new interpreter); then two new nodes join that
-    restarted job and are admitted live. The restarted job
-    starts the nodes that join it with its resume path too: they take their state from the running
-    nodes, not from that file (they used to load step 8's loops and weights, commit as step 8 while
+    """node1, node2 (node1's replica holder) and node3 die together: node0, the lone survivor, restarts from
+    the step-8 checkpoint in its running process (no new interpreter), one stage with its redundancy on;
+    then two new nodes join that restarted job and are admitted live. (A lone survivor used to be killed and
+    the job started afresh: every process importing torch and DeepSpeed again, 15-35 s in the chaos runs.)
+    The restarted job starts the nodes that join it with its resume path too: they take their state from the
+    running nodes, not from that file (they used to load step 8's loops and weights, commit as step 8 while
     the others committed a later step, and stall the job for the 60 s commit timeout)."""
     clean_dir, clean_weights = clean
-    report, weights = demo(tmp_path, "--preempt", "node1@10,node2@10", "--join", "spare1@12,spare2@12",
+    report, weights = demo(tmp_path, "--preempt", "node1@10,node2@10,node3@10", "--join", "spare1@12,spare2@12",
                            "--step-delay", "1.0")
-    assert report["steps_completed"] == STEPS and report["preemptions"] == 2 and report["joins"] == 2
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 3 and report["joins"] == 2
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0}
-    assert report["processes_kept"] == 2  # node0 and node3 ran the restarted job in their own processes
-    assert len(report["recovery_seconds"]) == 2  # one per kill (when each counts: test_recovery_clock_...)
+    assert report["processes_kept"] == 1  # node0 ran the restarted job in its own process
+    assert len(report["recovery_seconds"]) == 3  # one per kill (when each counts: test_recovery_clock_...)
     assert report["recomputed_steps"] >= 2  # back to the step-8 checkpoint
     (admission,) = report["reconfigurations"]
     assert admission["reason"].startswith("change_depth") and {"spare1", "spare2"} <= set(admission["order"])

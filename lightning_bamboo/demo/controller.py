@@ -126,6 +126,7 @@ class _Run:
     out: Path
     depth: int
     waiting: list[str]
+    grows = False  # this job is a lone survivor that grows back by admissions
     command: list[str]
     logs: IO[str]
     fatal_at: int | None
@@ -177,7 +178,9 @@ class _Run:
         pool = [n for n in self.alive if n in self.kept] if self.kept else self.alive
         count, self.depth = layout_for(len(pool), self.stages, self.width, args.global_batch, args.micro_batch)
         running = pool[:count]
-        self.waiting = [n for n in self.alive if n not in running] if not self.no_redundancy and len(running) > 1 else []
+        # a lone survivor of a fatal loss keeps its redundancy on: it grows back to pipelines by admissions
+        self.grows = not self.no_redundancy and count == 1 and bool(self.kept)
+        self.waiting = [n for n in self.alive if n not in running] if not self.no_redundancy and (count > 1 or self.grows) else []
         worker_args = self._worker_args(count)
         self.command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *worker_args]
         self.logs = open(self.out / "workers.log", "w")
@@ -198,7 +201,7 @@ class _Run:
         worker_args = [
             "--stages", str(depth), "--steps", str(args.steps), "--batch-size", str(args.global_batch // (count // depth)),
             "--global-batch", str(args.global_batch),
-            "--redundancy", "off" if no_redundancy or depth == 1 else args.redundancy, "--checkpoint-dir", str(self.ckpt_dir),
+            "--redundancy", "off" if no_redundancy or (depth == 1 and not self.grows) else args.redundancy, "--checkpoint-dir", str(self.ckpt_dir),
             "--checkpoint-every", str(args.checkpoint_every), "--out", str(self.out), "--step-delay", str(args.step_delay),
             "--preferred-stages", str(self.stages),
         ] + (["--resume", self.resume] if self.resume else []) + (args.worker_extra if depth == self.stages else [])
@@ -294,7 +297,7 @@ class _Run:
 
     def _join(self, event: ClusterEvent) -> None:
         """A new node: admitted by the policy from standby, or, without replicas, taken in by a restart."""
-        state, no_replicas = self.state, self.no_redundancy or self.depth == 1
+        state, no_replicas = self.state, self.no_redundancy or (self.depth == 1 and not self.grows)
         state.joined.append(event.node)
         self.alive.append(event.node)
         if no_replicas and len(self.cluster.running) < self.width:
@@ -382,11 +385,9 @@ class _Run:
                 state.event(f"step {state.progress}: {event.node} preempted while the job restarted")
                 cluster.kill(event.node, signal.SIGKILL)  # a kept process goes with its node
         runnable = [n for n in self.alive if n not in state.preempted]
+        # One survivor kept restarts alone, one stage, and the others join it as standby nodes, as after a
+        # failover to one node (starting every process afresh costs the import time of torch and DeepSpeed).
         self.kept &= set(runnable)
-        if len(self.kept) < 2:  # a pipeline with replicas needs two: start every node afresh
-            for name in self.kept:
-                cluster.kill(name, signal.SIGKILL)
-            self.kept = set()
         if not runnable:
             raise BambooConfigError("every node is gone and no replacement joined; the run stops at its last checkpoint")
         self.resume = resume = _last_checkpoint(self.ckpt_dir)

@@ -162,7 +162,8 @@ def train(args: argparse.Namespace) -> int:
     model = DemoGPT(samples=args.steps * (args.global_batch or args.batch_size), batch_size=args.batch_size,
                     optimizer=args.optimizer)
     strategy = lightning_bamboo.BambooStrategy(
-        stages=args.stages, micro_batch_size=args.micro_batch_size, seed=0,
+        # a lone survivor restarted with its redundancy on runs one stage until nodes join (stages=None: the world's)
+        stages=None if args.stages == 1 and args.redundancy != "off" else args.stages, micro_batch_size=args.micro_batch_size, seed=0,
         partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,
         redundancy=args.redundancy, timeout=60, detection_timeout=5, audit_replicas=args.audit,
     )

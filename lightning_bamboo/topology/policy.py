@@ -442,6 +442,8 @@ def reconfigure(
         )
     if layout.stages < pref <= len(usable):
         return build("change_depth", f"{len(usable)} nodes are back: depth {layout.stages} -> {pref}")
+    if layout.stages == 1 < depth:  # one stage has no replica (a lone survivor restarted): cover it at once
+        return build("change_depth", f"one stage has no replica; {len(usable)} nodes: depth 1 -> {depth}")
     if lost and len(standby_list) >= len(lost):
         if pipelines > layout.pipelines and depth == layout.stages:
             return build(
