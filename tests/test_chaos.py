@@ -57,7 +57,7 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     holder at once (a restart from the checkpoint, then a kill right after it), a node killed inside a live
     reconfiguration (a restart too), and the etcd server killed and started again twice, with the replica audit
     on: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean run's
-    samples, and every failover recovered within the bound."""
+    samples, and every recovery (failovers and the restart) came within the bound."""
     proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--seeds", "1", "--first-seed", "71", "--changes", "10",
                 "--json", "--keep", str(tmp_path)], timeout=400)
     rows = [json.loads(line)["chaos_run"] for line in proc.stdout.splitlines() if line.startswith('{"chaos_run"')]

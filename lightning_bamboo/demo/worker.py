@@ -107,6 +107,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--redundancy", default="lazy")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--detection-timeout", type=float, default=5.0)
     p.add_argument("--partition", default="parameters", help="uniform, parameters or boundaries like 0,2,5,8")
     p.add_argument("--checkpoint-dir", required=True)
     p.add_argument("--checkpoint-every", type=int, default=4)
@@ -165,7 +166,7 @@ def train(args: argparse.Namespace) -> int:
         # a lone survivor restarted with its redundancy on runs one stage until nodes join (stages=None: the world's)
         stages=None if args.stages == 1 and args.redundancy != "off" else args.stages, micro_batch_size=args.micro_batch_size, seed=0,
         partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,
-        redundancy=args.redundancy, timeout=60, detection_timeout=5, audit_replicas=args.audit,
+        redundancy=args.redundancy, timeout=60, detection_timeout=args.detection_timeout, audit_replicas=args.audit,
     )
     checkpoints = pl.callbacks.ModelCheckpoint(
         dirpath=args.checkpoint_dir, filename="step{step}", every_n_train_steps=args.checkpoint_every,
