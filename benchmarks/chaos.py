@@ -370,7 +370,7 @@ def main() -> int:
     p.add_argument("--max-recovery", type=float, default=6.0,
                    help="seconds any recovery (a loss to the next finished step: a failover, or a restart from the "
                         "checkpoint when a node and its replica holder are lost) may take: 5 s plus about one step")
-    p.add_argument("--detection-timeout", type=float, default=3.0,
+    p.add_argument("--detection-timeout", type=float, default=2.5,
                    help="the demo's --detection-timeout: a frozen node is found within it, so that its recovery "
                         "fits the bound (SIGKILLed nodes are found at once)")
     p.add_argument("--step-delay", type=float, default=0.4,
