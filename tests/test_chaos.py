@@ -57,7 +57,8 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     holder at once (a restart from the checkpoint, then a kill right after it), a node killed inside a live
     reconfiguration (a restart too), and the etcd server killed and started again twice, with the replica audit
     on: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean run's
-    samples, and every recovery (failovers and the restart) came within the bound."""
+    samples, and every recovery came within its bound: 6 s for failovers and restarts in running processes,
+    60 s for a restart that had to start every process (none of the job left; see docs/chaos.md)."""
     proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--seeds", "1", "--first-seed", "71", "--changes", "10",
                 "--json", "--keep", str(tmp_path)], timeout=400)
     rows = [json.loads(line)["chaos_run"] for line in proc.stdout.splitlines() if line.startswith('{"chaos_run"')]
@@ -73,7 +74,7 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     assert fired.is_dir() and [p.name for p in fired.iterdir()] == ["node2@reconfigure"]
     events = json.loads((tmp_path / "seed-71" / "report.json").read_text())["events"]
     assert any("frozen (SIGSTOP, never continued)" in event for event in events), events
-    assert "runs with a mismatch or short 0" in proc.stdout
+    assert "runs with a mismatch, short or over a bound 0" in proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -262,6 +262,10 @@ def test_recovery_clock_counts_a_kill_until_a_step_no_restart_undoes():
     clock.stepped(13, 26.0)  # the restarted job's first step
     assert clock.seconds == [0.5, 6.0, 6.0]
     assert clock.kinds == ["failover", "restart", "restart"]
+    clock.killed(30.0)  # the last process of the job lost: the restart starts every process anew
+    clock.restarted(16, cold=True)
+    clock.stepped(17, 45.0)
+    assert clock.seconds[-1] == 15.0 and clock.kinds[-1] == "cold_restart"
 
 
 def test_a_restart_takes_the_layout_that_fits_the_nodes_up():

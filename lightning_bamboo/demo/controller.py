@@ -36,6 +36,7 @@ class RecoveryClock:
         self._open: list[float] = []  # kill times not recovered from yet
         self._job: list[tuple[float, int, float]] = []  # (kill time, recovering step, seconds) in the running job
         self._restarted: set[float] = set()  # kill times whose recovery went through a restart from a checkpoint
+        self._cold: set[float] = set()  # ... through a restart that had to start new processes (none kept)
 
     def killed(self, at: float) -> None:
         self._open.append(at)
@@ -44,8 +45,9 @@ class RecoveryClock:
         self._job += [(kill, step, at - kill) for kill in self._open]
         self._open.clear()
 
-    def restarted(self, from_step: int) -> None:
-        """The job restarts from the checkpoint of ``from_step``: steps after it are undone."""
+    def restarted(self, from_step: int, cold: bool = False) -> None:
+        """The job restarts from the checkpoint of ``from_step``: steps after it are undone. ``cold``: no
+        process of the job is kept, every node starts a new one."""
         for kill, step, seconds in self._job:
             if step > from_step:
                 self._open.append(kill)
@@ -53,6 +55,8 @@ class RecoveryClock:
                 self._done.append((kill, seconds))
         self._job.clear()
         self._restarted.update(self._open)
+        if cold:
+            self._cold.update(self._open)
 
     def _all(self) -> list[tuple[float, float]]:
         return self._done + [(kill, seconds) for kill, _, seconds in self._job]
@@ -63,8 +67,10 @@ class RecoveryClock:
 
     @property
     def kinds(self) -> list[str]:
-        """Per recovery in ``seconds``: "restart" if it went through a restart from a checkpoint, else "failover"."""
-        return ["restart" if kill in self._restarted else "failover" for kill, _ in self._all()]
+        """Per recovery in ``seconds``: "cold_restart" if it waited for a restart from a checkpoint in new
+        processes, "restart" if it went through one in running processes, else "failover"."""
+        return ["cold_restart" if kill in self._cold else "restart" if kill in self._restarted else "failover"
+                for kill, _ in self._all()]
 
 
 @dataclass
@@ -394,7 +400,7 @@ class _Run:
         self.resume = resume = _last_checkpoint(self.ckpt_dir)
         restart_from = _checkpoint_step(resume) if resume else 0
         state.recomputed_steps += max(0, state.progress - restart_from)
-        state.recovery.restarted(restart_from)
+        state.recovery.restarted(restart_from, cold=not self.kept)
         state.recoveries["checkpoint" if resume else "restart"] += 1
         state.event(
             f"step {state.progress}: "
