@@ -208,6 +208,17 @@ def _start(group: Any, op: str, tensors: list[torch.Tensor], args: tuple) -> Any
     raise ValueError(f"unknown operation {op!r}")
 
 
+def new_memory_file(name: str, size: int) -> tuple[torch.Tensor, int]:
+    """A new memory file of ``size`` bytes, mapped as a uint8 tensor, and its descriptor (the caller closes it)."""
+    fd = os.memfd_create(name)
+    try:
+        os.ftruncate(fd, size)
+        return map_memory(os.dup(fd), size), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def map_memory(fd: int, size: int) -> torch.Tensor:
     """A memory file's ``size`` bytes as a uint8 tensor (the mapping outlives the descriptor)."""
     try:

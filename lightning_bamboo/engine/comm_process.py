@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_bamboo.engine.comm_child import map_memory, view_of
+from lightning_bamboo.engine.comm_child import new_memory_file, view_of
 from lightning_bamboo.engine.comm_cuda import TRANSPORTS, CudaSlabs, SlabPool, settle
 from lightning_bamboo.errors import BambooError
 
@@ -119,9 +119,7 @@ class _Slabs(SlabPool):
     """Shared host memory (memory files); each is shared by its file descriptor (pass it on, then close it)."""
 
     def _allocate(self, sid: int, size: int) -> tuple[torch.Tensor, int]:
-        fd = os.memfd_create(f"bamboo-comm-{sid}")
-        os.ftruncate(fd, size)
-        return map_memory(os.dup(fd), size), fd
+        return new_memory_file(f"bamboo-comm-{sid}", size)
 
 
 class CommProcess:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine.comm_child import map_memory
+from lightning_bamboo.engine.comm_child import map_memory, new_memory_file
 
 log = logging.getLogger(__name__)
 
@@ -180,16 +180,14 @@ def offer_shared_buffer(numel: int) -> tuple[torch.Tensor, int, bytes]:
     lives while either end maps it; the descriptor is closed when the buffer is freed.
     """
     token = secrets.randbits(62) + 1
-    nbytes = numel * torch.empty((), dtype=torch.get_default_dtype()).element_size()
-    fd = os.memfd_create(f"bamboo-grads-{token}")
-    try:
-        os.ftruncate(fd, nbytes)
-        buffer = map_memory(os.dup(fd), nbytes).view(torch.get_default_dtype())
-    except BaseException:
-        os.close(fd)
-        raise
+    memory, fd = new_memory_file(f"bamboo-grads-{token}", _gradient_bytes(numel))
+    buffer = memory.view(torch.get_default_dtype())
     weakref.finalize(buffer, os.close, fd)  # open for the peer while the buffer lives (its mapping needs none)
     return buffer, token, pickle.dumps((host_identity(), token, os.getpid(), fd, numel))
+
+
+def _gradient_bytes(numel: int) -> int:
+    return numel * torch.empty((), dtype=torch.get_default_dtype()).element_size()
 
 
 def map_offered_buffer(payload: bytes, numel: int) -> tuple[torch.Tensor, int] | None:
@@ -202,8 +200,7 @@ def map_offered_buffer(payload: bytes, numel: int) -> tuple[torch.Tensor, int] |
     try:
         if os.readlink(path) != f"/memfd:bamboo-grads-{token} (deleted)":  # not the file offered (another pid space)
             return None
-        nbytes = numel * torch.empty((), dtype=torch.get_default_dtype()).element_size()
-        return map_memory(os.open(path, os.O_RDWR), nbytes).view(torch.get_default_dtype()), token
+        return map_memory(os.open(path, os.O_RDWR), _gradient_bytes(numel)).view(torch.get_default_dtype()), token
     except (OSError, ValueError) as err:
         log.debug("could not map the replica holder's shared buffer %s: %s", path, err)
         return None
