@@ -49,6 +49,7 @@ from lightning_bamboo.membership.node import (
     descendants,
     idle_priority_supported,
     joiner_env,
+    leave_idle_priority,
 )
 
 #: the variables that bind process groups to an interface (set from --addr unless the user set them)
@@ -112,12 +113,14 @@ class Cluster:
         offers = {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{job_prefix(job)}{OFFER_KEY}").kvs}
         return offers & set(self.running)
 
-    def reuse(self, name: str, args: Sequence[str], rank: int, world: Sequence[str], offered_in: str) -> None:
+    def reuse(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], offered_in: str) -> None:
         """Run the worker again with ``args`` as rank ``rank`` of ``world`` in the current job, in ``name``'s
-        running process, which offered it in job ``offered_in``: no new interpreter, no imports."""
+        running process, which offered it in job ``offered_in``: no new interpreter, no imports. ``rank``
+        None: as a node that joins the current job (standby until admitted, as ``spawn_joiner`` starts one)."""
         from lightning_bamboo.membership.registry import job_prefix
 
-        assignment = {"env": self._rank_env(name, rank, world), "args": list(args)}
+        env = self._rank_env(name, rank, world) if rank is not None else {JOB_ENV: self.job, **joiner_env(name)}
+        assignment = {"env": env, "args": list(args)}
         self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{name}", json.dumps(assignment))
 
     def spawn_joiner(self, name: str, command: Sequence[str], idle: bool = False, **popen: object) -> None:
@@ -287,8 +290,8 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
 def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
     """Offer this worker's process to the job that follows its failed one; wait for an assignment.
 
-    Called by a worker whose job ended with a fatal loss, after releasing what the job held
-    (``lightning_bamboo.strategy.bamboo.release_for_restart``). Returns ``{"env": ..., "args": ...}``:
+    Called by a worker whose job ended with a fatal loss (a standby node's too, once its job was
+    abandoned), after releasing what the job held (``lightning_bamboo.strategy.bamboo.release_for_restart``). Returns ``{"env": ..., "args": ...}``:
     set the environment and run the worker again with the arguments (a restart from the last
     checkpoint without a new interpreter: no imports, seconds saved per node), or None when no
     assignment came within ``timeout`` seconds (exit then; the launcher starts a fresh process).
@@ -301,7 +304,13 @@ def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
     try:
         store.put(f"{base}{OFFER_KEY}{node}", "1")
         kv = wait_for_key(store, f"{base}{ASSIGN_KEY}{node}", timeout)
-        return None if kv is None else dict(json.loads(kv.value))
+        if kv is None:
+            return None
+        leave_idle_priority()  # a standby process offered itself: it serves a job now
+        assignment = dict(json.loads(kv.value))
+        if JOIN_ENV not in assignment["env"]:
+            os.environ.pop(JOIN_ENV, None)  # it ran as a standby node, and runs in the pipeline now
+        return assignment
     finally:
         store.close()
 

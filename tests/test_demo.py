@@ -95,6 +95,22 @@ def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
     assert order(tmp_path, "node0") == order(clean_dir, "node0")[8:]  # the restarted job's steps 9-24
 
 
+def test_every_running_node_lost_the_standby_node_restarts_the_job_in_its_process(clean, tmp_path):
+    """All four pipeline nodes die at step 14 while spare1 (joined at step 2) stands by: no survivor, yet no new
+    interpreter either. Told that the job was abandoned, the standby process offers itself as a survivor does
+    and runs the restarted job from the step-8 checkpoint (it was killed, and every process started anew,
+    15-25 s on 2 cores, in the chaos runs)."""
+    clean_dir, clean_weights = clean
+    report, weights = demo(tmp_path, "--preempt", "node0@14,node1@14,node2@14,node3@14", "--join", "spare1@2",
+                           "--step-delay", "1.0")
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 4 and report["joins"] == 1
+    assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0}
+    assert report["processes_kept"] == 1  # spare1's standby process
+    assert report["recovery_kinds"] == ["restart"] * 4, report["recovery_kinds"]  # none waited for a new process
+    assert max_abs_diff(weights, clean_weights) <= 1e-5
+    assert order(tmp_path, "spare1") == order(clean_dir, "node0")[8:]  # the restarted job's steps 9-24
+
+
 def test_two_pipelines_drop_the_damaged_one_and_grow_back(clean, tmp_path):
     """2 pipelines x 2 stages (node0 -> node2, node1 -> node3) share the clean run's global batch. node2 is
     killed at step 7: its pipeline is dropped and node1 -> node3 redo the step with all 4 micro-batches (no

@@ -17,18 +17,24 @@ from lightning_bamboo.membership.node import idle_priority_supported
 from tests.helpers import REPO
 
 # a standby node's process in miniature: reports its policy, starts a thread, is "admitted", reports every thread's
+# policy, and its child process's (as the communication zygote is one)
 CHILD = """
-import json, os, sys, threading
+import json, os, subprocess, sys, threading
 from lightning_bamboo.membership.node import leave_idle_priority
 before = os.sched_getscheduler(0)
 stop = threading.Event()
 helper = threading.Thread(target=stop.wait)
 helper.start()
 helper_before = os.sched_getscheduler(helper.native_id)
+sub = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+sub_before = os.sched_getscheduler(sub.pid)
 left = leave_idle_priority()
 after = {int(t): os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+sub_after = os.sched_getscheduler(sub.pid)
 stop.set()
-print(json.dumps({"before": before, "helper_before": helper_before, "left": left, "after": after}))
+sub.communicate(b"")
+print(json.dumps({"before": before, "helper_before": helper_before, "left": left, "after": after,
+                  "sub_before": sub_before, "sub_after": sub_after}))
 """
 
 
@@ -51,11 +57,13 @@ def test_a_standby_process_waits_at_idle_priority_and_leaves_it_when_admitted():
     assert report["before"] == os.SCHED_IDLE and report["helper_before"] == os.SCHED_IDLE  # threads inherit it
     assert report["left"] is True
     assert len(report["after"]) == 2 and set(report["after"].values()) == {os.SCHED_OTHER}
+    # the process it started (its communication zygote) waited idle too, and leaves with it
+    assert report["sub_before"] == os.SCHED_IDLE and report["sub_after"] == os.SCHED_OTHER
 
 
 def test_a_standby_process_not_asked_to_idle_runs_at_normal_priority():
     report = _run_joiner(idle=False)
-    assert report["before"] == os.SCHED_OTHER and report["left"] is False
+    assert report["before"] == os.SCHED_OTHER and report["left"] is False and report["sub_after"] == os.SCHED_OTHER
     assert set(report["after"].values()) == {os.SCHED_OTHER}
 
 

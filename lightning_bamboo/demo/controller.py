@@ -47,7 +47,8 @@ class RecoveryClock:
 
     def restarted(self, from_step: int, cold: bool = False) -> None:
         """The job restarts from the checkpoint of ``from_step``: steps after it are undone. ``cold``: no
-        process of the job is kept, every node starts a new one."""
+        process of the job was ready to run the next one: every node starts a new one, or the restart
+        waited for joining nodes still starting."""
         for kill, step, seconds in self._job:
             if step > from_step:
                 self._open.append(kill)
@@ -67,8 +68,8 @@ class RecoveryClock:
 
     @property
     def kinds(self) -> list[str]:
-        """Per recovery in ``seconds``: "cold_restart" if it waited for a restart from a checkpoint in new
-        processes, "restart" if it went through one in running processes, else "failover"."""
+        """Per recovery in ``seconds``: "cold_restart" if it waited for a restart from a checkpoint in processes
+        that had to start (none ready), "restart" if it went through one in ready processes, else "failover"."""
         return ["cold_restart" if kill in self._cold else "restart" if kill in self._restarted else "failover"
                 for kill, _ in self._all()]
 
@@ -167,6 +168,7 @@ class _Run:
         self.cluster.store = PatientStore(self.cluster.store, STORE_PATIENCE)  # an etcd restarted under the demo is waited for
         self.shown: set[str] = set()  # failover and reconfiguration records already shown
         self.kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
+        self.cold = False  # the last job's loss found no process ready: the restart waited for one to start
 
     # ------------------------------------------------------------------ a job starts
     def start_job(self) -> None:
@@ -195,11 +197,15 @@ class _Run:
                 cluster.reuse(name, worker_args, rank, running, offered_in=previous_job)
             else:
                 cluster.spawn(name, self.command, rank, running, stdout=self.logs, stderr=self.logs)
-        self.kept = set()
+        self.joiners = set()  # started as standby processes in this generation
+        for name in sorted(self.kept - set(running)):  # kept, no place in the start's layout: standby nodes
+            cluster.reuse(name, worker_args, None, running, offered_in=previous_job)
+            self.joiners.add(name)
+            self.waiting.remove(name)
+        self.kept, self.cold = set(), False
         self.base = job_prefix(job)
         self.fatal_at = None
         self.rescale = False
-        self.joiners = set()  # started as standby processes in this generation
 
     def _worker_args(self, count: int) -> list[str]:
         """The worker's command line for a job of ``count`` nodes in pipelines of ``self.depth``."""
@@ -340,13 +346,29 @@ class _Run:
                 cluster.kill(name, signal.SIGKILL)
             return True
         if self.joiners and set(cluster.running) - frozen <= _standing_by(cluster, self.base, self.joiners):
-            _stop_within(cluster, 0.0)  # the pipeline is gone; standby nodes wait for nothing
-            return True
+            if self.no_redundancy or cluster.job_finished():
+                _stop_within(cluster, 0.0)  # the job is over; standby nodes wait for nothing
+                return True
+            self.fatal_at = self.state.progress  # the pipeline is gone: the standby nodes restart it
         if self.fatal_at is not None:
-            for name in (_standing_by(cluster, self.base, self.joiners) | frozen) & set(cluster.running):
-                cluster.kill(name, signal.SIGKILL)  # holds nothing to save (or cannot): do not wait for it
-            offered = set if self.no_redundancy else functools.partial(cluster.offered, self.job)
-            self.kept = _stop_within(cluster, 0.0 if self.rescale else 15.0, keep=offered)
+            for name in frozen & set(cluster.running):
+                cluster.kill(name, signal.SIGKILL)  # a frozen process cannot save or offer anything
+            if self.no_redundancy or self.rescale:
+                self.kept, self.cold = _stop_within(cluster, 0.0 if self.rescale else 15.0), True
+                return True
+            # Standby processes have imported torch, DeepSpeed and Lightning: told that the job was abandoned,
+            # they offer themselves to the next job as the survivors do (killing them made a restart with no
+            # survivor start every process anew, 15-25 s on these cores). A joiner still starting is waited
+            # for only while no process is kept at all: a new one would start no sooner.
+            from lightning_bamboo.runtime.session import Session
+
+            Session.abandon(cluster.store, self.job, f"a fatal loss at step {self.state.progress}")
+            starting = functools.partial(_starting, cluster, self.base, self.joiners)
+            was_starting = starting()
+            self.kept = _stop_within(cluster, 15.0, keep=functools.partial(cluster.offered, self.job),
+                                     unless_kept=starting)
+            # no process was ready when the job was lost: its restart waited for one to start (a cold restart)
+            self.cold = not self.kept - was_starting
             return True
         return False
 
@@ -400,7 +422,7 @@ class _Run:
         self.resume = resume = _last_checkpoint(self.ckpt_dir)
         restart_from = _checkpoint_step(resume) if resume else 0
         state.recomputed_steps += max(0, state.progress - restart_from)
-        state.recovery.restarted(restart_from, cold=not self.kept)
+        state.recovery.restarted(restart_from, cold=self.cold or not self.kept)
         state.recoveries["checkpoint" if resume else "restart"] += 1
         state.event(
             f"step {state.progress}: "
@@ -481,18 +503,34 @@ def _audit_error(log: Path) -> str:
 def _standing_by(cluster: Any, base: str, joiners: set[str]) -> set[str]:
     """Nodes waiting as standby: the ``joiners`` (started as standby processes) that no reconfiguration has
     admitted yet, and nodes registered as standby (a node released from a dropped pipeline is one)."""
-    registered = {kv.key.rsplit("/", 1)[1] for kv in cluster.store.get_prefix(f"{base}standby/").kvs}
-    if not joiners:
-        return registered
-    admitted = {n for kv in cluster.store.get_prefix(f"{base}admit/").kvs for n in json.loads(kv.value)["order"]}
-    return (joiners - admitted) | registered
+    registered = _registered(cluster, base)
+    return (joiners - _admitted(cluster, base)) | registered if joiners else registered
 
 
-def _stop_within(cluster: Any, seconds: float, keep: Callable[[], set[str]] = set) -> set[str]:
+def _starting(cluster: Any, base: str, joiners: set[str]) -> set[str]:
+    """The ``joiners`` still starting: running, neither registered as standby nodes nor admitted yet."""
+    return (joiners & set(cluster.running)) - _registered(cluster, base) - _admitted(cluster, base)
+
+
+def _registered(cluster: Any, base: str) -> set[str]:
+    return {kv.key.rsplit("/", 1)[1] for kv in cluster.store.get_prefix(f"{base}standby/").kvs}
+
+
+def _admitted(cluster: Any, base: str) -> set[str]:
+    return {n for kv in cluster.store.get_prefix(f"{base}admit/").kvs for n in json.loads(kv.value)["order"]}
+
+
+def _stop_within(cluster: Any, seconds: float, keep: Callable[[], set[str]] = set,
+                 unless_kept: Callable[[], set[str]] = set) -> set[str]:
     """Wait (at most ``seconds``) until every worker exited or is in ``keep()``; SIGKILL the others.
-    Returns the kept ones (after a fatal loss: the workers that offered their process to the next job)."""
+    Returns the kept ones (after a fatal loss: the workers that offered their process to the next job).
+    Workers in ``unless_kept()`` are waited for only while none is kept."""
     deadline = time.monotonic() + seconds
-    while set(cluster.running) - keep() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        kept = keep()
+        left = set(cluster.running) - kept
+        if not left or (kept and left <= unless_kept()):
+            break
         cluster.poll()
         time.sleep(0.05)
     kept = keep() & set(cluster.running)

@@ -136,8 +136,7 @@ def main() -> int:
             assignment = _restart_in_place() if args.restart_in_place else None
             if assignment is None:
                 return EXIT_FATAL
-            os.environ.update(assignment["env"])
-            os.environ.pop("BAMBOO_JOIN", None)
+            os.environ.update(assignment["env"])  # a standby node's process may join the next job as one again
             args = parse(assignment["args"])
             from lightning_bamboo.membership import node
 

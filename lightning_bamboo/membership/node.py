@@ -25,17 +25,24 @@ def node_address() -> str:
 
 
 def leave_idle_priority() -> bool:
-    """Give every thread of this process normal CPU priority again if it runs at idle priority
-    (a standby node started with ``Cluster.spawn_joiner(idle=True)``, now admitted). True if it did."""
+    """Give every thread of this process and of the processes it started (the communication zygote and
+    its children) normal CPU priority again if it runs at idle priority (a standby node started with
+    ``Cluster.spawn_joiner(idle=True)``, now admitted). True if it did."""
     if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
         return False
-    # threads started later by the calling thread inherit its (now normal) policy
-    for tid in map(int, os.listdir("/proc/self/task")):
+    # threads and processes started later inherit their starter's (now normal) policy
+    for pid in [os.getpid(), *descendants(os.getpid())]:
         try:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the process ended meanwhile
+            continue
+        for tid in map(int, tasks):
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
     return True
+
 
 def descendants(pid: int) -> list[int]:
     """The processes started by ``pid`` and by them, from ``/proc`` (empty where it cannot be read)."""

@@ -68,7 +68,11 @@ class PipelineRunner(NodeStage):
         finishes (None)."""
         session = self.open_session(leave_requested)
         assert session is not None and joining(), "wait_admission() is for a node the launcher starts to join"
-        record = session.wait_admission()
+        try:
+            record = session.wait_admission()
+        except FatalLoss:  # the job was abandoned: this node leaves it (its process may serve the next one)
+            session.stop()
+            raise
         if record is None:
             log.warning("%s: the job finished before this standby node was needed", session.node)
             session.stop()
