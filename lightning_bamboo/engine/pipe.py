@@ -208,7 +208,7 @@ class BambooPipelineEngine(PipelineEngine):
         # The replica's own RNG stream: an RF never changes what the own stage draws next.
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), _saved_on_host(self.device):
             leaf = _leaf(_to_device(self.redundant.inputs[micro_batch], self.device))
-            self.redundant.kept[micro_batch] = (leaf, self.replica.module(leaf))
+            self.redundant.kept[micro_batch] = (leaf, self.replica.compute_module()(leaf))
         self.redundant_forwards_run += 1
         self.replica_seconds["redundant_forward"] += time.perf_counter() - started
 

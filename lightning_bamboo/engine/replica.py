@@ -24,6 +24,7 @@ no send left to hide (``benchmarks/rc_trace.py`` on the commits before and after
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -42,6 +43,7 @@ from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_child import map_memory, new_memory_file
+from lightning_bamboo.engine.placement import copy_to_device, gather_to_host
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ def flat_grads(module: nn.Module, out: torch.Tensor | None = None) -> tuple[torc
     pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
     if not pieces:
         return torch.zeros(0), mask
+    if pieces[0].is_cuda:  # to pinned host memory on a side stream, not a device-wide synchronization
+        return gather_to_host(pieces, out), mask
     if out is not None and out.numel() == sum(t.numel() for t in pieces) and all(t.device == out.device for t in pieces):
         # a buffer used before: no fresh pages to fault in
         return torch.cat(pieces, out=out), mask
@@ -89,6 +93,27 @@ def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) ->
         offset += n
 
 
+def _on_device(value: Any, device: torch.device) -> Any:
+    """An optimizer state entry on ``device``: tensors of a parameter's shape; a step count (a 0-d tensor)
+    stays where it is, as the owner's does."""
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    return value.to(device, non_blocking=True)
+
+
+def _at_home(value: Any, home: Any) -> Any:
+    """An optimizer state entry back in pinned host memory: into ``home``, its host tensor, if it had one."""
+    if not torch.is_tensor(value) or value.dim() == 0 or value.device.type == "cpu":
+        return value
+    if home is None or not torch.is_tensor(home) or home.shape != value.shape or home.device.type != "cpu":
+        home = torch.empty_like(value, device="cpu", pin_memory=True)
+    return home.copy_(value)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(iter(module.parameters()), torch.empty(0)).device
+
+
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
     """Give ``target`` the current hyperparameters (lr, ...) of ``source``'s groups, as schedulers set them."""
     for src, dst in zip(source.param_groups, target.param_groups, strict=False):
@@ -98,14 +123,52 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
 
 
 class Replica:
-    """Layers of stage ``stage`` (the successor's) with their own optimizer, held on this node."""
+    """Layers of stage ``stage`` (the successor's) with their own optimizer, held on this node.
 
-    def __init__(self, stage: int, module: StageContainer, optimizer: torch.optim.Optimizer) -> None:
+    ``device``: where its redundant forwards run (the own stage's device). The layers live there, or,
+    on a GPU short of memory (``placement.replica_device``), in pinned host memory: the replica is
+    then *hosted*, its update runs on the CPU and its forwards on a copy of its weights on ``device``.
+    """
+
+    def __init__(self, stage: int, module: StageContainer, optimizer: torch.optim.Optimizer,
+                 device: torch.device | None = None) -> None:
         self.stage = stage
         self.module = module
         self.optimizer = optimizer
         self.pending = False  # gradients received for the step in flight, not committed yet
         self.due = False  # a committed update taken on, not applied yet (see ``settle``)
+        self.device = device if device is not None else _device_of(module)
+        self._shadow: StageContainer | None = None  # hosted: the layers' copy on ``device``
+        self._shadow_fresh = False  # whether that copy holds the layers' current weights
+
+    @property
+    def hosted(self) -> bool:
+        """Whether the layers live in host memory while the forwards run on a GPU."""
+        return self.device.type == "cuda" and _device_of(self.module).type == "cpu"
+
+    def compute_module(self) -> nn.Module:
+        """The layers on ``device``, for a redundant forward: the replica's own, or (hosted) their copy there,
+        refreshed on a side stream after each update or load."""
+        self.settle()
+        if not self.hosted:
+            return self.module
+        if self._shadow is None:
+            self._shadow = copy.deepcopy(self.module).to(self.device)
+        elif not self._shadow_fresh:
+            copy_to_device(list(self.module.state_dict().values()), list(self._shadow.state_dict().values()),
+                           self.device)
+        self._shadow_fresh = True
+        return self._shadow
+
+    @property
+    def forward_layers(self) -> StageContainer:
+        """The layers the redundant forwards of the step in flight ran on (a failover takes them over with
+        the forwards' graphs); as they are, nothing settled or refreshed."""
+        return self._shadow if self.hosted and self._shadow is not None else self.module
+
+    def changed(self) -> None:
+        """The layers' weights were loaded from elsewhere (a checkpoint): a hosted copy is refreshed before use."""
+        self._shadow_fresh = False
 
     @property
     def layers(self) -> range:
@@ -135,10 +198,38 @@ class Replica:
         if not self.due:
             return 0.0
         started = time.perf_counter()
-        self.optimizer.step()
+        if self.hosted:
+            self._step_on_device()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.due = False
+        self._shadow_fresh = False
         return time.perf_counter() - started
+
+    def _step_on_device(self) -> None:
+        """A hosted replica's update, run on ``device`` a layer at a time: the owner's update runs there, and the
+        same update on the CPU would differ in the last bits (the replica would drift from its stage). Each
+        layer's weights, gradients and optimizer state go to the GPU, are updated, and come back."""
+        grads = {p: p.grad for p in self.module.parameters() if p.grad is not None}
+        for p in grads:
+            p.grad = None
+        state = self.optimizer.state
+        for layer in self.module.children():
+            params = [p for p in layer.parameters() if p in grads]
+            if not params:
+                continue
+            homes = {p: (p.data, dict(state[p]) if p in state else {}) for p in params}
+            for p in params:  # each is updated only while it has a gradient: this layer's
+                p.data, p.grad = p.data.to(self.device, non_blocking=True), grads[p].to(self.device, non_blocking=True)
+                if p in state:
+                    state[p] = {k: _on_device(v, self.device) for k, v in state[p].items()}
+            self.optimizer.step()
+            for p in params:
+                weights, entries = homes[p]
+                weights.copy_(p.data)
+                p.data, p.grad = weights, None
+                state[p] = {k: _at_home(v, entries.get(k)) for k, v in state[p].items()}
 
     def discard(self) -> None:
         """Forget the gradients of a step that did not commit (a committed update still due is applied first)."""

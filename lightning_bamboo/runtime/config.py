@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_bamboo.engine.placement import check_placement
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_option
 
@@ -29,6 +30,8 @@ class BambooConfig:
     deepspeed: dict[str, Any] = field(default_factory=dict)
     rf_costs: Any = "measured"
     audit_replicas: bool = False
+    replica_placement: str = "auto"
+    replica_memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         stages, micro = self.stages, self.micro_batch_size
@@ -52,6 +55,7 @@ class BambooConfig:
         self.rf_costs = check_rf_costs(self.rf_costs)
         if not isinstance(self.audit_replicas, bool):
             raise BambooConfigError(f"audit_replicas must be True or False (audit_replicas: {self.audit_replicas!r})")
+        check_placement(self.replica_placement, self.replica_memory_budget)
         if not self.detection_timeout or self.detection_timeout <= 0:
             raise BambooConfigError(
                 f"detection_timeout must be a positive number of seconds (got {self.detection_timeout!r})"

@@ -48,7 +48,7 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
         "last_loss": old.last_loss,
         # eager: the successor's forwards of the failed step, reused when this node takes its stage over
         "reuse": None if committed or old.redundant is None or not old.redundant.kept or old.replica is None
-        else (old.replica.module, dict(old.redundant.kept)),
+        else (old.replica.forward_layers, dict(old.redundant.kept)),
     }
     log.info("%s: state captured (%.2f s)", session.node, time.monotonic() - started)
     suspected = set(getattr(err, "lost", ()))

@@ -307,6 +307,7 @@ class PipelineRunner(NodeStage):
         ckpt.load_weights(engine.module, self._saved_states(engine.layer_range), strict=strict)
         if engine.replica is not None:
             ckpt.load_weights(engine.replica.module, self._saved_states(engine.replica.layers), strict=strict)
+            engine.replica.changed()
 
     def load_optimizer(self) -> None:
         """The stage's optimizer state (moments, step counts, hyperparameters) from the checkpoint, and the replica's."""

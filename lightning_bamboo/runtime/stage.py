@@ -25,6 +25,7 @@ from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.module import BuiltLayers, Splice, build_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, Wiring
+from lightning_bamboo.engine.placement import replica_device
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters, exchange_objects
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.runtime.collectives import decode, encode
@@ -166,9 +167,9 @@ class NodeStage:
         wiring = Wiring()
         if self.config.redundant and layout.stages > 1:
             successor = (layout.stage_of_rank(self.rank) + 1) % layout.stages
-            if replica_states is None:
-                self._check_host_memory(layout.layers_of_stage(successor))
-            wiring.replica = self._new_replica(engine, layout.layers_of_stage(successor), successor, replica_states)
+            layers = layout.layers_of_stage(successor)
+            wiring.replica = self._new_replica(engine, layers, successor, replica_states,
+                                               self._replica_device(layers, check=replica_states is None))
             wiring.replica_peers = self._replica_peers(layout, self.rank)
         if self.session is not None:
             session = self.session
@@ -177,21 +178,32 @@ class NodeStage:
             wiring.guard = session.guard()
         engine.wire(wiring)
 
-    def _check_host_memory(self, layers: range) -> None:
-        import psutil
+    def _replica_device(self, layers: range, check: bool) -> torch.device:
+        """Where the replica of ``layers`` lives (``placement.replica_device``); ``check``: that host memory
+        holds it, if it goes there."""
+        params = sum(self.param_counts[i] for i in layers)
+        device = replica_device(self.device, params, self.config.replica_placement, self.config.replica_memory_budget)
+        if check and device.type == "cpu":
+            import psutil
 
-        check_replica_memory(layers, sum(self.param_counts[i] for i in layers), psutil.virtual_memory().available)
+            check_replica_memory(layers, params, psutil.virtual_memory().available)
+        return device
 
-    def _new_replica(self, engine: BambooPipelineEngine, layers: range, stage: int, states: States | None) -> Replica:
-        """A replica of ``stage`` (built under the seed, or from ``states``) with its own optimizer."""
+    def _new_replica(self, engine: BambooPipelineEngine, layers: range, stage: int, states: States | None,
+                     device: torch.device) -> Replica:
+        """A replica of ``stage`` (built under the seed, or from ``states``) with its own optimizer, on ``device``
+        (the stage's, or the host: its forwards then run on a copy on the stage's device)."""
         built = self._build(keep=lambda i: i in layers)
-        container = StageContainer({i: layer for i, layer in enumerate(built.layers) if layer is not None}).to(self.device)
+        container = StageContainer({i: layer for i, layer in enumerate(built.layers) if layer is not None}).to(device)
+        if device.type == "cpu" and self.device.type == "cuda":
+            for tensor in [*container.parameters(), *container.buffers()]:
+                tensor.data = tensor.data.pin_memory()  # its copies to and from the GPU run asynchronously
         if states is not None:
             ckpt.load_weights(container, states)
         optimizer = self.host.optimizer_for(container)
         if states is not None:
             ckpt.load_optimizer(container, optimizer, states, ckpt.param_group_hyperparameters(engine.optimizer))
-        return Replica(stage, container, optimizer)
+        return Replica(stage, container, optimizer, device=self.device)
 
     def layer_costs(self) -> tuple[float, ...] | None:
         """Relative cost per layer as ``partition`` weighs them, for splits made later (``RebalanceCallback``).

@@ -85,6 +85,8 @@ class _BambooStrategyMixin(CheckpointHooks):
         process_group_backend: str | None = None,
         rf_costs: str | dict[str, float] = "measured",
         audit_replicas: bool = False,
+        replica_placement: str = "auto",
+        replica_memory_budget: int | None = None,
         **kwargs: Any,
     ) -> None:
         """
@@ -115,6 +117,14 @@ class _BambooStrategyMixin(CheckpointHooks):
                 state tensor, bit for bit, through digests) and stop the run with ``ReplicaAuditError``
                 naming the layer, step and node at the first difference. Off by default: it costs a
                 hash of every stage and replica and a collective per check.
+            replica_placement: on a GPU, where a replica (weights, gradients and optimizer state: about 16
+                bytes per parameter with AdamW) lives: ``"auto"`` on the GPU when it fits in
+                ``replica_memory_budget``, else in pinned host memory; ``"device"`` or ``"host"`` always
+                there. In host memory its redundant forwards run on a copy of its weights on the GPU, and
+                its update on the GPU a layer at a time (the owner's arithmetic: exact), at the cost of
+                moving its state there and back each step. On CPU the replica is in host memory.
+            replica_memory_budget: bytes of GPU memory a replica may take under ``"auto"`` (default: what
+                is free once the stage is built, less a quarter of the GPU's memory for activations).
             process_group_backend: ``None`` (default) or ``"nccl"``: the abortable backend
                 (``lightning_bamboo.engine.comm_process``), with NCCL in its communication process on
                 a GPU (one GPU per process) and gloo on CPU. Any other backend (``"gloo"``) is used
@@ -123,7 +133,8 @@ class _BambooStrategyMixin(CheckpointHooks):
         self.options = BambooConfig(
             stages=stages, micro_batch_size=micro_batch_size, partition=partition, seed=seed, redundancy=redundancy,
             timeout=timeout, detection_timeout=detection_timeout, deepspeed=dict(config or {}), rf_costs=rf_costs,
-            audit_replicas=audit_replicas,
+            audit_replicas=audit_replicas, replica_placement=replica_placement,
+            replica_memory_budget=replica_memory_budget,
         )
         super().__init__(
             process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout), **kwargs
