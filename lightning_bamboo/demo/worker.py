@@ -8,6 +8,7 @@ records its progress in the store, which is how the launcher preempts "node2 at 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -124,6 +125,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main() -> int:
     args = parse(sys.argv[1:])
+    import deepspeed  # noqa: F401 - imported now (the strategy would, later) so that its objects are frozen too
+
+    # What the interpreter and the libraries made at import lives as long as the process: out of the
+    # collector's way, the full collections of a restart in this process (``release_for_restart``) take
+    # milliseconds instead of a fifth of a second each.
+    gc.freeze()
     while True:
         try:
             return train(args)

@@ -148,6 +148,8 @@ def _release() -> None:
 def release_for_restart() -> None:
     """Free what a failed ``fit()`` left (engines, membership watcher, process group), so that this
     process can run ``fit()`` again in a new job: a restart from a checkpoint without a new process.
-    The old generation's communication is aborted first, so nothing can still wait on it."""
+    The old generation's communication is aborted first, so nothing can still wait on it. Its two full
+    garbage collections take about 0.2 s each in a process of torch, DeepSpeed and Lightning; a worker
+    that calls ``gc.freeze()`` once its imports are done (as the demo's does) makes them milliseconds."""
     _drop_all()
 
