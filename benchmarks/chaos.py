@@ -17,7 +17,7 @@ the same steps without preemptions:
 
 Prints a table (seeds, changes, mismatches, recoveries by kind, p50/p99/max recovery) and exits 1 if
 any run differs, stops short, or recovers slower than ``--max-recovery`` seconds (``--max-cold-restart`` for a
-restart that has to start every process: none of the job left, listed apart).
+restart that found no process of the job ready and waited for one to start, listed apart).
 
     python benchmarks/chaos.py [--seeds 10] [--changes 30] [--first-seed 0] [--store etcd|embedded] [--json]
 """
@@ -327,8 +327,8 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
     slow = [s for s, kind in zip(row["recovery_seconds"], row["recovery_kinds"], strict=True)
             if s > (args.max_cold_restart if kind == "cold_restart" else args.max_recovery)]
     if slow:
-        problems.append(f"recoveries over {args.max_recovery} s, or {args.max_cold_restart} s for a restart in new "
-                        f"processes: {slow}")
+        problems.append(f"recoveries over {args.max_recovery} s, or {args.max_cold_restart} s for a restart that "
+                        f"waited for a process to start: {slow}")
     row["cold_over_bound"] = [s for s, kind in zip(row["recovery_seconds"], row["recovery_kinds"], strict=True)
                               if kind == "cold_restart" and s > args.max_recovery]
     row["problems"] = problems
@@ -363,9 +363,9 @@ def table(rows: list[dict]) -> str:
             f"{k} {sum(r['recoveries'].get(k, 0) for r in rows)}" for k in ("redundant", "checkpoint", "restart")),
         f"recovery seconds, failovers ({len(seconds)}): p50 {percentile(seconds, 0.5):.2f}, "
         f"p99 {percentile(seconds, 0.99):.2f}, max {max(seconds, default=0.0):.2f}",
-        f"recovery seconds, restarts from a checkpoint in running processes ({len(restarts)}): "
+        f"recovery seconds, restarts from a checkpoint in ready processes ({len(restarts)}): "
         f"p50 {percentile(restarts, 0.5):.2f}, max {max(restarts, default=0.0):.2f}",
-        f"recovery seconds, restarts from a checkpoint in new processes, no process of the job left ({len(cold)}): "
+        f"recovery seconds, restarts from a checkpoint that waited for a process to start, none ready ({len(cold)}): "
         f"p50 {percentile(cold, 0.5):.2f}, max {max(cold, default=0.0):.2f}; over the failover bound in runs "
         f"{cold_over if cold_over else '-'}",
     ]
@@ -381,8 +381,8 @@ def main() -> int:
                    help="seconds any recovery (a loss to the next finished step: a failover, or a restart from the "
                         "checkpoint when a node and its replica holder are lost) may take: 5 s plus about one step")
     p.add_argument("--max-cold-restart", type=float, default=60.0,
-                   help="seconds a restart from a checkpoint with no process of the job left may take (every node "
-                        "starts a new process; not bounded by --max-recovery, no wait may reach the 60 s "
+                   help="seconds a restart from a checkpoint that found no process of the job ready may take (it "
+                        "waits for one to start; not bounded by --max-recovery, no wait may reach the 60 s "
                         "communication timeout); such recoveries are listed apart")
     p.add_argument("--detection-timeout", type=float, default=2.5,
                    help="the demo's --detection-timeout: a frozen node is found within it, so that its recovery "

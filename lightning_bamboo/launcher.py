@@ -291,11 +291,11 @@ def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
     """Offer this worker's process to the job that follows its failed one; wait for an assignment.
 
     Called by a worker whose job ended with a fatal loss (a standby node's too, once its job was
-    abandoned), after releasing what the job held (``lightning_bamboo.strategy.bamboo.release_for_restart``). Returns ``{"env": ..., "args": ...}``:
-    set the environment and run the worker again with the arguments (a restart from the last
-    checkpoint without a new interpreter: no imports, seconds saved per node), or None when no
-    assignment came within ``timeout`` seconds (exit then; the launcher starts a fresh process).
-    """
+    abandoned), after releasing what the job held (``lightning_bamboo.strategy.bamboo.release_for_restart``).
+    Returns ``{"env": ..., "args": ...}``: set the environment and run the worker again with the
+    arguments (a restart from the last checkpoint without a new interpreter: no imports, seconds saved
+    per node), or None when no assignment came within ``timeout`` seconds (exit then; the launcher
+    starts a fresh process)."""
     from lightning_bamboo.membership import connect
     from lightning_bamboo.membership.registry import job_prefix, wait_for_key
 

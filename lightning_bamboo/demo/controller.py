@@ -360,9 +360,9 @@ class _Run:
             # they offer themselves to the next job as the survivors do (killing them made a restart with no
             # survivor start every process anew, 15-25 s on these cores). A joiner still starting is waited
             # for only while no process is kept at all: a new one would start no sooner.
-            from lightning_bamboo.runtime.session import Session
+            from lightning_bamboo.membership.registry import abandon_job
 
-            Session.abandon(cluster.store, self.job, f"a fatal loss at step {self.state.progress}")
+            abandon_job(cluster.store, self.job, f"a fatal loss at step {self.state.progress}")
             starting = functools.partial(_starting, cluster, self.base, self.joiners)
             was_starting = starting()
             self.kept = _stop_within(cluster, 15.0, keep=functools.partial(cluster.offered, self.job),

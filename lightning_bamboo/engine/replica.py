@@ -111,7 +111,8 @@ def _at_home(value: Any, home: Any) -> Any:
 
 
 def _device_of(module: nn.Module) -> torch.device:
-    return next(iter(module.parameters()), torch.empty(0)).device
+    param = next(iter(module.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
@@ -127,7 +128,8 @@ class Replica:
 
     ``device``: where its redundant forwards run (the own stage's device). The layers live there, or,
     on a GPU short of memory (``placement.replica_device``), in pinned host memory: the replica is
-    then *hosted*, its update runs on the CPU and its forwards on a copy of its weights on ``device``.
+    then *hosted*: its update runs on ``device`` a layer at a time (``_step_on_device``) and its forwards
+    on a copy of its weights there (``compute_module``).
     """
 
     def __init__(self, stage: int, module: StageContainer, optimizer: torch.optim.Optimizer,
@@ -138,13 +140,10 @@ class Replica:
         self.pending = False  # gradients received for the step in flight, not committed yet
         self.due = False  # a committed update taken on, not applied yet (see ``settle``)
         self.device = device if device is not None else _device_of(module)
+        #: whether the layers live in host memory while the forwards run on a GPU
+        self.hosted = self.device.type == "cuda" and _device_of(module).type == "cpu"
         self._shadow: StageContainer | None = None  # hosted: the layers' copy on ``device``
         self._shadow_fresh = False  # whether that copy holds the layers' current weights
-
-    @property
-    def hosted(self) -> bool:
-        """Whether the layers live in host memory while the forwards run on a GPU."""
-        return self.device.type == "cuda" and _device_of(self.module).type == "cpu"
 
     def compute_module(self) -> nn.Module:
         """The layers on ``device``, for a redundant forward: the replica's own, or (hosted) their copy there,

@@ -20,7 +20,7 @@ def check_name(kind: str, name: str) -> str:
 #: under a job's prefix: set by the node that ends the job (``Session.finish``); standby nodes and the
 #: launcher read it
 FINISHED_KEY = "finished"
-#: under a job's prefix: put by whoever restarts a job that ended with a fatal loss (the demo's controller), as
+#: under a job's prefix: put by whoever restarts a job that ended with a fatal loss (``registry.abandon_job``), as
 #: an admission record that names no node (``{"generation": -1, "order": [], "abandoned": reason}``), so that
 #: standby nodes, which watch ``admit/``, stop waiting at once and may offer their process to the next job
 ABANDONED_KEY = "admit/abandoned"

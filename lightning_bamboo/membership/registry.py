@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.membership.keys import check_name, job_prefix
+from lightning_bamboo.membership.keys import ABANDONED_KEY, check_name, job_prefix
 from lightning_bamboo.membership.protocol import (
     Guard,
     KeyValue,
@@ -138,6 +138,13 @@ class Membership:
 
 
 _MEMBERSHIP_KINDS = ("leaving", "lost", "nodes")
+
+
+def abandon_job(store: Store, job: str, reason: str) -> None:
+    """Mark ``job`` as ended by a fatal loss (``keys.ABANDONED_KEY``): its standby nodes stop waiting for an
+    admission (``Session.wait_admission`` raises ``FatalLoss``) and may offer their process to the next job."""
+    record = {"generation": -1, "order": [], "abandoned": reason}
+    store.put(f"{job_prefix(job)}{ABANDONED_KEY}", json.dumps(record))
 
 
 def wait_for_key(store: Store, key: str, timeout: float, abort: Callable[[], bool] = lambda: False) -> KeyValue | None:
@@ -515,6 +522,7 @@ __all__ = [
     "NodeIdInUseError",
     "NodeInfo",
     "Registry",
+    "abandon_job",
     "job_prefix",
     "read_membership",
     "wait_for_membership_change",

@@ -15,7 +15,7 @@ from lightning_bamboo.engine.groups import reform_process_group
 from lightning_bamboo.engine.pipe import PeerLost, StepGuard
 from lightning_bamboo.errors import BambooError, FatalLoss
 from lightning_bamboo.membership.fence import Fenced, FencedStore
-from lightning_bamboo.membership.keys import ABANDONED_KEY, FINISHED_KEY
+from lightning_bamboo.membership.keys import FINISHED_KEY
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.protocol import wait_riding_out
 from lightning_bamboo.testing import faults
@@ -239,7 +239,7 @@ class Session:
         """Standby until a reconfiguration names this node (its record) or the job finishes (None).
 
         A standby node is live (its lease is kept) and costs nothing; it waits as long as the job runs.
-        A job abandoned after a fatal loss (``ABANDONED_KEY``) ends the wait with ``FatalLoss``, as it
+        A job abandoned after a fatal loss (``registry.abandon_job``) ends the wait with ``FatalLoss``, as it
         ends the survivors' ``fit()``: the process may then serve the restarted job (``offer_process``).
         """
         prefix = f"{self.base}admit/"
@@ -264,13 +264,6 @@ class Session:
         rank, world = self.reform(list(record["order"]), tag=record["tag"])
         self.store.delete(f"{self.base}standby/{self.node}")
         return rank, world
-
-    @staticmethod
-    def abandon(store: Any, job: str, reason: str) -> None:
-        """Mark ``job`` as ended by a fatal loss: its standby nodes stop waiting (see ``wait_admission``)."""
-        from lightning_bamboo.membership.registry import job_prefix
-
-        store.put(f"{job_prefix(job)}{ABANDONED_KEY}", json.dumps({"generation": -1, "order": [], "abandoned": reason}))
 
     def finish(self) -> None:
         """The job is over: standby nodes that were never admitted stop waiting."""
