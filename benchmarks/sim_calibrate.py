@@ -76,6 +76,9 @@ def timed_demo(steps: int, preempt: str, extra: tuple[str, ...], workdir: Path) 
         str(CHECKPOINT_EVERY),
         "--report",
         str(report),
+        # the simulator's demo model starts each joined node's interpreter when it joins (no warm pool)
+        "--warm-pool",
+        "0",
         *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -67,6 +67,9 @@ def run_demo(trace_csv: Path, args: argparse.Namespace, extra: tuple[str, ...], 
         "--quiet",
         "--report",
         str(report),
+        # the simulator's demo model starts each joined node's interpreter when it joins (no warm pool)
+        "--warm-pool",
+        "0",
         *extra,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -130,7 +133,7 @@ def run_cluster_demo(
     cmd = [
         sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(nodes), "--stages", "3",
         "--steps", str(steps), "--checkpoint-every", str(args.checkpoint_every), "--quiet",
-        "--report", str(report), *source, *extra,
+        "--report", str(report), "--warm-pool", "0", *source, *extra,  # the simulator models no warm pool
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200, env=env, cwd=ROOT)

@@ -108,20 +108,32 @@ class Cluster:
 
     def offered(self, job: str) -> set[str]:
         """The running workers of ``job`` that offered their process to the next job (``offer_process``)."""
+        return self.offered_by(job) & set(self.running)
+
+    def offered_by(self, job: str) -> set[str]:
+        """The names under which processes offered themselves in ``job`` (``offer_process``), running or not."""
         from lightning_bamboo.membership.registry import job_prefix
 
-        offers = {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{job_prefix(job)}{OFFER_KEY}").kvs}
-        return offers & set(self.running)
+        return {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{job_prefix(job)}{OFFER_KEY}").kvs}
 
-    def reuse(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], offered_in: str) -> None:
+    def reuse(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], offered_in: str,
+              process: str | None = None) -> None:
         """Run the worker again with ``args`` as rank ``rank`` of ``world`` in the current job, in ``name``'s
-        running process, which offered it in job ``offered_in``: no new interpreter, no imports. ``rank``
-        None: as a node that joins the current job (standby until admitted, as ``spawn_joiner`` starts one)."""
+        running process (or the one that offered itself as ``process``), which offered it in job ``offered_in``:
+        no new interpreter, no imports. ``rank`` None: as a node that joins the current job (standby until
+        admitted, as ``spawn_joiner`` starts one)."""
         from lightning_bamboo.membership.registry import job_prefix
 
-        env = self._rank_env(name, rank, world) if rank is not None else {JOB_ENV: self.job, **joiner_env(name)}
+        env = self._rank_env(name, rank, world) if rank is not None else {
+            JOB_ENV: self.job, "MASTER_ADDR": self.env["MASTER_ADDR"], "MASTER_PORT": self.env["MASTER_PORT"],
+            **joiner_env(name)}
         assignment = {"env": env, "args": list(args)}
-        self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{name}", json.dumps(assignment))
+        self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{process or name}", json.dumps(assignment))
+
+    def adopt(self, name: str, proc: subprocess.Popen) -> None:
+        """Worker ``name`` runs in ``proc``, a process started elsewhere (a warm pool's, given its assignment)."""
+        self.codes.pop(name, None)
+        self.procs[name] = proc
 
     def spawn_joiner(self, name: str, command: Sequence[str], idle: bool = False, **popen: object) -> None:
         """Start a node that joins the running job: standby until a reconfiguration admits it.
@@ -306,9 +318,11 @@ def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
         kv = wait_for_key(store, f"{base}{ASSIGN_KEY}{node}", timeout)
         if kv is None:
             return None
-        leave_idle_priority()  # a standby process offered itself: it serves a job now
         assignment = dict(json.loads(kv.value))
         if JOIN_ENV not in assignment["env"]:
+            # it serves the job now (a standby node or a pooled process waited at idle priority); as a standby
+            # node again it waits at the priority it has until admitted
+            leave_idle_priority()
             os.environ.pop(JOIN_ENV, None)  # it ran as a standby node, and runs in the pipeline now
         return assignment
     finally:

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the demo model's optimizer (default sgd with momentum)")
     parser.add_argument("--audit", action="store_true", help="compare every replica with its stage, bit for bit, "
                         "after every step and membership change; a difference stops the run naming layer, step, node")
+    parser.add_argument("--warm-pool", type=int, default=2,
+                        help="worker processes started ahead of need, their imports done, for nodes that join and "
+                             "restarts that find no process ready (default 2; 0: each starts its own interpreter; "
+                             "with --redundancy off none: checkpoint-restart starts new processes)")
     parser.add_argument("--detection-timeout", type=float, default=5.0,
                         help="seconds within which a node that stopped answering (frozen) is declared lost "
                              "(default 5; a SIGKILLed one is found at once); shorter finds hangs sooner and "
@@ -128,6 +132,8 @@ def _run(args: argparse.Namespace) -> int:
         raise BambooConfigError(f"--nodes and --steps must be at least 1 (nodes: {args.nodes}, steps: {args.steps})")
     if not args.detection_timeout > 0:
         raise BambooConfigError(f"--detection-timeout must be a positive number of seconds (got {args.detection_timeout})")
+    if args.warm_pool < 0:
+        raise BambooConfigError(f"--warm-pool is a number of processes, 0 or more (got {args.warm_pool}); 0 turns it off")
     if args.nodes < stages:
         raise BambooConfigError(
             f"fewer nodes than one pipeline needs (nodes: {args.nodes}, stages: {stages}); use --stages {args.nodes}"

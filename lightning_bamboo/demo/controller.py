@@ -15,63 +15,13 @@ from typing import IO, Any
 
 from lightning_bamboo.demo.events import ClusterEvent
 from lightning_bamboo.demo.plan import STANDBY_PROCESSES, layout_for
+from lightning_bamboo.demo.recovery import RecoveryClock
 from lightning_bamboo.errors import BambooConfigError, BambooError
 
 EXIT_FATAL = 75  # lightning_bamboo.errors.FATAL_EXIT_CODE
 #: seconds the controller waits for a store that stopped answering (an etcd restart) before it gives up
 STORE_PATIENCE = 60.0
 EXIT_AUDIT = 76  # lightning_bamboo.demo.worker.EXIT_AUDIT: the replica audit found a difference
-
-
-class RecoveryClock:
-    """Seconds from each kill to the completed step that recovered from it.
-
-    A step that a restart from a checkpoint then undoes (a survivor may complete one before the loss
-    is found) does not count: those kills are recovered when the restarted job completes a step, as
-    checkpoint-restart's kills are.
-    """
-
-    def __init__(self) -> None:
-        self._done: list[tuple[float, float]] = []  # (kill time, seconds): recoveries no restart can undo any more
-        self._open: list[float] = []  # kill times not recovered from yet
-        self._job: list[tuple[float, int, float]] = []  # (kill time, recovering step, seconds) in the running job
-        self._restarted: set[float] = set()  # kill times whose recovery went through a restart from a checkpoint
-        self._cold: set[float] = set()  # ... through a restart that had to start new processes (none kept)
-
-    def killed(self, at: float) -> None:
-        self._open.append(at)
-
-    def stepped(self, step: int, at: float) -> None:
-        self._job += [(kill, step, at - kill) for kill in self._open]
-        self._open.clear()
-
-    def restarted(self, from_step: int, cold: bool = False) -> None:
-        """The job restarts from the checkpoint of ``from_step``: steps after it are undone. ``cold``: no
-        process of the job was ready to run the next one: every node starts a new one, or the restart
-        waited for joining nodes still starting."""
-        for kill, step, seconds in self._job:
-            if step > from_step:
-                self._open.append(kill)
-            else:
-                self._done.append((kill, seconds))
-        self._job.clear()
-        self._restarted.update(self._open)
-        if cold:
-            self._cold.update(self._open)
-
-    def _all(self) -> list[tuple[float, float]]:
-        return self._done + [(kill, seconds) for kill, _, seconds in self._job]
-
-    @property
-    def seconds(self) -> list[float]:
-        return [seconds for _, seconds in self._all()]
-
-    @property
-    def kinds(self) -> list[str]:
-        """Per recovery in ``seconds``: "cold_restart" if it waited for a restart from a checkpoint in processes
-        that had to start (none ready), "restart" if it went through one in ready processes, else "failover"."""
-        return ["cold_restart" if kill in self._cold else "restart" if kill in self._restarted else "failover"
-                for kill, _ in self._all()]
 
 
 @dataclass
@@ -89,6 +39,7 @@ class DemoState:
     recovery: RecoveryClock = field(default_factory=RecoveryClock)
     recomputed_steps: int = 0
     processes_kept: int = 0  # worker processes that ran on after a fatal loss (restarts in place)
+    processes_pooled: int = 0  # nodes that ran in a warm pool's process (demo.pool)
     failovers: list[dict[str, Any]] = field(default_factory=list)
     reconfigurations: list[dict[str, Any]] = field(default_factory=list)
     progress: int = 0
@@ -120,6 +71,7 @@ def drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list[
             run.watch_job()
             final = run.end_job()
     finally:
+        run.pool.close()
         run.cluster.close()
     return run.report(final)
 
@@ -142,6 +94,7 @@ class _Run:
 
     def __init__(self, args: argparse.Namespace, stages: int, nodes: list[str], events: list[ClusterEvent],
                  workdir: Path, prefix: str) -> None:
+        from lightning_bamboo.demo.pool import WarmPool
         from lightning_bamboo.launcher import Cluster
         from lightning_bamboo.membership.node import idle_priority_supported
 
@@ -166,6 +119,9 @@ class _Run:
         self.frozen: set[str] = set()  # nodes stopped by --freeze: their processes never exit by themselves
         self.cluster = Cluster(args.store, job=f"{prefix}{self.generation}", local_workers=self.width + STANDBY_PROCESSES)
         self.cluster.store = PatientStore(self.cluster.store, STORE_PATIENCE)  # an etcd restarted under the demo is waited for
+        # joined nodes, and restarts that find no process ready, take a started process (no imports to wait for)
+        self.pool = WarmPool(self.cluster, 0 if self.no_redundancy or not events else args.warm_pool,
+                             [sys.executable, "-m", "lightning_bamboo.demo.worker"], f"{prefix}pool", workdir / "pool.log")
         self.shown: set[str] = set()  # failover and reconfiguration records already shown
         self.kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
         self.cold = False  # the last job's loss found no process ready: the restart waited for one to start
@@ -189,14 +145,21 @@ class _Run:
         # a lone survivor of a fatal loss keeps its redundancy on: it grows back to pipelines by admissions
         self.grows = not self.no_redundancy and count == 1 and bool(self.kept)
         self.waiting = [n for n in self.alive if n not in running] if not self.no_redundancy and (count > 1 or self.grows) else []
-        worker_args = self._worker_args(count)
+        self.worker_args = worker_args = self._worker_args(count)
         self.command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *worker_args]
         self.logs = open(self.out / "workers.log", "w")
+        started = False  # a rank's process has its imports to do: the job waits for them
         for rank, name in enumerate(running):
             if name in self.kept:
                 cluster.reuse(name, worker_args, rank, running, offered_in=previous_job)
-            else:
+                continue
+            taken = self.generation and self.pool.take(name, worker_args, rank, running)  # a restart's, not the start's
+            self.state.processes_pooled += bool(taken)
+            if not taken:
                 cluster.spawn(name, self.command, rank, running, stdout=self.logs, stderr=self.logs)
+            started = started or taken != "ready"
+        if started and self.generation:
+            self.state.recovery.started_cold()
         self.joiners = set()  # started as standby processes in this generation
         for name in sorted(self.kept - set(running)):  # kept, no place in the start's layout: standby nodes
             cluster.reuse(name, worker_args, None, running, offered_in=previous_job)
@@ -232,7 +195,7 @@ class _Run:
             exited = self.cluster.poll()
             if EXIT_AUDIT in exited.values():
                 raise BambooError(f"replica audit failed at step {self.state.progress}; the workers' error is in "
-                                  f"{self.out / 'workers.log'}: {_audit_error(self.out / 'workers.log')}")
+                                  f"{self.workdir}: {_audit_error(self.workdir)}")
             progress = self._follow_progress()
             for event in self._due_events(progress):
                 if event.kind == "preempt":
@@ -328,8 +291,12 @@ class _Run:
         # Standby nodes are real processes here, on the same cores as the pipeline: start as many
         # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
         while self.waiting and len(self.cluster.running) < self.width + STANDBY_PROCESSES:
-            self.joiners.add(self.waiting[0])
-            self.cluster.spawn_joiner(self.waiting.pop(0), self.command, idle=True, stdout=self.logs, stderr=self.logs)
+            name = self.waiting.pop(0)
+            self.joiners.add(name)
+            if self.pool.take(name, self.worker_args, None, [name]):
+                self.state.processes_pooled += 1
+            else:
+                self.cluster.spawn_joiner(name, self.command, idle=True, stdout=self.logs, stderr=self.logs)
 
     def _end_notices(self) -> None:
         """SIGKILL the nodes whose notice is over."""
@@ -354,21 +321,21 @@ class _Run:
             for name in frozen & set(cluster.running):
                 cluster.kill(name, signal.SIGKILL)  # a frozen process cannot save or offer anything
             if self.no_redundancy or self.rescale:
-                self.kept, self.cold = _stop_within(cluster, 0.0 if self.rescale else 15.0), True
+                self.kept = _stop_within(cluster, 0.0 if self.rescale else 15.0)  # new processes: start_job says so
                 return True
             # Standby processes have imported torch, DeepSpeed and Lightning: told that the job was abandoned,
             # they offer themselves to the next job as the survivors do (killing them made a restart with no
             # survivor start every process anew, 15-25 s on these cores). A joiner still starting is waited
-            # for only while no process is kept at all: a new one would start no sooner.
+            # for only while no process is kept at all and the warm pool has none ready: a new one would start no sooner.
             from lightning_bamboo.membership.registry import abandon_job
 
             abandon_job(cluster.store, self.job, f"a fatal loss at step {self.state.progress}")
             starting = functools.partial(_starting, cluster, self.base, self.joiners)
             was_starting = starting()
             self.kept = _stop_within(cluster, 15.0, keep=functools.partial(cluster.offered, self.job),
-                                     unless_kept=starting)
+                                     unless_kept=starting, spare=lambda: bool(self.pool.ready()))
             # no process was ready when the job was lost: its restart waited for one to start (a cold restart)
-            self.cold = not self.kept - was_starting
+            self.cold = not self.kept - was_starting and not self.pool.ready()
             return True
         return False
 
@@ -422,7 +389,7 @@ class _Run:
         self.resume = resume = _last_checkpoint(self.ckpt_dir)
         restart_from = _checkpoint_step(resume) if resume else 0
         state.recomputed_steps += max(0, state.progress - restart_from)
-        state.recovery.restarted(restart_from, cold=self.cold or not self.kept)
+        state.recovery.restarted(restart_from, cold=self.cold)
         state.recoveries["checkpoint" if resume else "restart"] += 1
         state.event(
             f"step {state.progress}: "
@@ -450,6 +417,7 @@ class _Run:
             "joins": len(state.joined),
             "recoveries": state.recoveries,
             "processes_kept": state.processes_kept,
+            "processes_pooled": state.processes_pooled,
             "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if f["redone"]),
             "recovery_seconds": [round(s, 3) for s in state.recovery.seconds],
             "recovery_kinds": state.recovery.kinds,
@@ -492,12 +460,14 @@ class PatientStore:
         return patient
 
 
-def _audit_error(log: Path) -> str:
-    """The replica audit's error as a worker printed it (a JSON line with ``"audit"``)."""
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"audit"' in line:
-            return str(json.loads(line)["audit"])
-    return "(no audit line in the log)"
+def _audit_error(workdir: Path) -> str:
+    """The replica audit's error as a worker printed it (a JSON line with ``"audit"``) in a log of ``workdir``
+    (a process writes to the log of the job it started in, or to the warm pool's)."""
+    for log in [*sorted(workdir.glob("run*/workers.log")), workdir / "pool.log"]:
+        for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+            if line.startswith("{") and '"audit"' in line:
+                return str(json.loads(line)["audit"])
+    return "(no audit line in the logs)"
 
 
 def _standing_by(cluster: Any, base: str, joiners: set[str]) -> set[str]:
@@ -521,15 +491,16 @@ def _admitted(cluster: Any, base: str) -> set[str]:
 
 
 def _stop_within(cluster: Any, seconds: float, keep: Callable[[], set[str]] = set,
-                 unless_kept: Callable[[], set[str]] = set) -> set[str]:
+                 unless_kept: Callable[[], set[str]] = set, spare: Callable[[], bool] = lambda: False) -> set[str]:
     """Wait (at most ``seconds``) until every worker exited or is in ``keep()``; SIGKILL the others.
     Returns the kept ones (after a fatal loss: the workers that offered their process to the next job).
-    Workers in ``unless_kept()`` are waited for only while none is kept."""
+    Workers in ``unless_kept()`` are waited for only while none is kept and ``spare()`` (another process
+    ready) is false."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         kept = keep()
         left = set(cluster.running) - kept
-        if not left or (kept and left <= unless_kept()):
+        if not left or ((kept or spare()) and left <= unless_kept()):
             break
         cluster.poll()
         time.sleep(0.05)

@@ -30,6 +30,8 @@ EXIT_FATAL = FATAL_EXIT_CODE
 EXIT_AUDIT = 76  # a replica differed from its stage (``--audit``): the run stops, nothing restarts
 #: exit status of a node that left after a preemption notice
 EXIT_LEFT = 0
+#: seconds a warm pool's process waits to be given a node before it exits (the demo stops its pool when it ends)
+POOL_WAIT_SECONDS = 24 * 3600.0
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=48)  # 8 pipeline layers (DEMO_LAYERS)
 
@@ -124,13 +126,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main() -> int:
-    args = parse(sys.argv[1:])
+    from lightning_bamboo.demo.pool import POOLED
+
+    pooled = sys.argv[1:] == [POOLED]  # a warm pool's process: its node and arguments come with its assignment
+    if not pooled:
+        args = parse(sys.argv[1:])
     import deepspeed  # noqa: F401 - imported now (the strategy would, later) so that its objects are frozen too
 
     # What the interpreter and the libraries made at import lives as long as the process: out of the
     # collector's way, the full collections of a restart in this process (``release_for_restart``) take
     # milliseconds instead of a fifth of a second each.
     gc.freeze()
+    if pooled:
+        from lightning_bamboo.launcher import offer_process
+
+        assignment = offer_process(timeout=POOL_WAIT_SECONDS)
+        if assignment is None:
+            return 0  # never needed
+        args = _assigned(assignment)
     while True:
         try:
             return train(args)
@@ -143,11 +156,16 @@ def main() -> int:
             assignment = _restart_in_place() if args.restart_in_place else None
             if assignment is None:
                 return EXIT_FATAL
-            os.environ.update(assignment["env"])  # a standby node's process may join the next job as one again
-            args = parse(assignment["args"])
-            from lightning_bamboo.membership import node
+            args = _assigned(assignment)
 
-            node.standby_command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *assignment["args"]]
+
+def _assigned(assignment: dict) -> argparse.Namespace:
+    """Take on an assignment (``offer_process``): its node's environment; its arguments, parsed."""
+    from lightning_bamboo.membership import node
+
+    os.environ.update(assignment["env"])  # a standby node's process may join the next job as one again
+    node.standby_command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *assignment["args"]]
+    return parse(assignment["args"])
 
 
 def _restart_in_place() -> dict | None:
