@@ -126,6 +126,22 @@ def test_a_node_that_joins_runs_in_a_warm_process_so_losing_every_ready_one_wait
     assert report["recovery_kinds"] == ["restart"] * 4, report["recovery_kinds"]  # none waited for a start
     assert max_abs_diff(weights, clean_weights) <= 1e-5
     assert order(tmp_path, "spare1") == order(clean_dir, "node0")
+    assert not _pooled_processes(), "the demo left warm pool processes behind"
+
+
+def _pooled_processes() -> list[int]:
+    """Processes of a demo's warm pool still alive on this machine."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"lightning_bamboo.demo.worker" in argv and b"--pooled" in argv:
+            found.append(int(pid))
+    return found
 
 
 def test_two_pipelines_drop_the_damaged_one_and_grow_back(clean, tmp_path):

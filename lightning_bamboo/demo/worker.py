@@ -138,11 +138,14 @@ def main() -> int:
     # milliseconds instead of a fifth of a second each.
     gc.freeze()
     if pooled:
+        from lightning_bamboo.demo.pool import die_with_parent
         from lightning_bamboo.launcher import offer_process
 
+        die_with_parent(True)
         assignment = offer_process(timeout=POOL_WAIT_SECONDS)
         if assignment is None:
             return 0  # never needed
+        die_with_parent(False)
         args = _assigned(assignment)
     while True:
         try:
