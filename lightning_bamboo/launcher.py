@@ -117,17 +117,17 @@ class Cluster:
         return {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{job_prefix(job)}{OFFER_KEY}").kvs}
 
     def reuse(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], offered_in: str,
-              process: str | None = None) -> None:
+              process: str | None = None, log: str | None = None) -> None:
         """Run the worker again with ``args`` as rank ``rank`` of ``world`` in the current job, in ``name``'s
         running process (or the one that offered itself as ``process``), which offered it in job ``offered_in``:
         no new interpreter, no imports. ``rank`` None: as a node that joins the current job (standby until
-        admitted, as ``spawn_joiner`` starts one)."""
+        admitted, as ``spawn_joiner`` starts one). ``log``: the file its output goes to from now on."""
         from lightning_bamboo.membership.registry import job_prefix
 
         env = self._rank_env(name, rank, world) if rank is not None else {
             JOB_ENV: self.job, "MASTER_ADDR": self.env["MASTER_ADDR"], "MASTER_PORT": self.env["MASTER_PORT"],
             **joiner_env(name)}
-        assignment = {"env": env, "args": list(args)}
+        assignment = {"env": env, "args": list(args), "log": log}
         self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{process or name}", json.dumps(assignment))
 
     def adopt(self, name: str, proc: subprocess.Popen) -> None:
@@ -304,8 +304,8 @@ def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
 
     Called by a worker whose job ended with a fatal loss (a standby node's too, once its job was
     abandoned), after releasing what the job held (``lightning_bamboo.strategy.bamboo.release_for_restart``).
-    Returns ``{"env": ..., "args": ...}``: set the environment and run the worker again with the
-    arguments (a restart from the last checkpoint without a new interpreter: no imports, seconds saved
+    Returns ``{"env": ..., "args": ..., "log": ...}``: set the environment, write to the log file if one is
+    named, and run the worker again with the arguments (a restart from the last checkpoint without a new interpreter: no imports, seconds saved
     per node), or None when no assignment came within ``timeout`` seconds (exit then; the launcher
     starts a fresh process)."""
     from lightning_bamboo.membership import connect

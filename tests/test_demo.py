@@ -318,6 +318,14 @@ def test_recovery_clock_counts_a_kill_until_a_step_no_restart_undoes():
     clock.restarted(16, cold=True)
     clock.stepped(17, 45.0)
     assert clock.seconds[-1] == 15.0 and clock.kinds[-1] == "cold_restart"
+    # a recovery complete before a later loss stands when that loss's restart undoes its step
+    clock.killed(50.0)
+    clock.stepped(18, 53.0)  # recovered from the loss at 50.0 (a restart too, say)
+    clock.killed(55.0)  # a new loss, fatal: back to step 16, which undoes step 18
+    clock.stepped(19, 55.2)  # a survivor finished a step before the loss was found: undone
+    clock.restarted(16)
+    clock.stepped(17, 59.0)
+    assert clock.seconds[-2:] == [3.0, 4.0] and clock.kinds[-2:] == ["failover", "restart"]
 
 
 def test_a_restart_takes_the_layout_that_fits_the_nodes_up():

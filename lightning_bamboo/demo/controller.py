@@ -147,13 +147,16 @@ class _Run:
         self.waiting = [n for n in self.alive if n not in running] if not self.no_redundancy and (count > 1 or self.grows) else []
         self.worker_args = worker_args = self._worker_args(count)
         self.command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *worker_args]
-        self.logs = open(self.out / "workers.log", "w")
+        log = self.out / "workers.log"
+        log.write_text("")
+        # appended to by every process of the job: those it starts, and those it is given (kept, pooled)
+        self.logs = open(log, "a")
         started = False  # a rank's process has its imports to do: the job waits for them
         for rank, name in enumerate(running):
             if name in self.kept:
-                cluster.reuse(name, worker_args, rank, running, offered_in=previous_job)
+                cluster.reuse(name, worker_args, rank, running, offered_in=previous_job, log=str(log))
                 continue
-            taken = self.generation and self.pool.take(name, worker_args, rank, running)  # a restart's, not the start's
+            taken = self.generation and self.pool.take(name, worker_args, rank, running, log)  # a restart's, not the start's
             self.state.processes_pooled += bool(taken)
             if not taken:
                 cluster.spawn(name, self.command, rank, running, stdout=self.logs, stderr=self.logs)
@@ -162,7 +165,7 @@ class _Run:
             self.state.recovery.started_cold()
         self.joiners = set()  # started as standby processes in this generation
         for name in sorted(self.kept - set(running)):  # kept, no place in the start's layout: standby nodes
-            cluster.reuse(name, worker_args, None, running, offered_in=previous_job)
+            cluster.reuse(name, worker_args, None, running, offered_in=previous_job, log=str(log))
             self.joiners.add(name)
             self.waiting.remove(name)
         self.kept, self.cold = set(), False
@@ -293,7 +296,7 @@ class _Run:
         while self.waiting and len(self.cluster.running) < self.width + STANDBY_PROCESSES:
             name = self.waiting.pop(0)
             self.joiners.add(name)
-            if self.pool.take(name, self.worker_args, None, [name]):
+            if self.pool.take(name, self.worker_args, None, [name], self.out / "workers.log"):
                 self.state.processes_pooled += 1
             else:
                 self.cluster.spawn_joiner(name, self.command, idle=True, stdout=self.logs, stderr=self.logs)

@@ -32,7 +32,7 @@ class WarmPool:
     """Up to ``size`` pooled processes of ``command`` (plus ``POOLED``) for ``cluster``; ``take`` hands one to a node.
 
     Their offers live under the job ``job`` of the cluster's store, apart from every job they may be given;
-    their output goes to ``log``, also once they run a node.
+    their output goes to ``log`` until they run a node.
     """
 
     def __init__(self, cluster: Any, size: int, command: Sequence[str], job: str, log: Path) -> None:
@@ -60,7 +60,7 @@ class WarmPool:
             name = f"warm{self.started}"
             env = {**self.cluster.env, JOB_ENV: self.job, NODE_ENV: name, NODES_ENV: name}
             env.pop(JOIN_ENV, None)  # what it runs as comes with its assignment
-            with open(self.log, "ab") as log:  # its output once it runs a node too
+            with open(self.log, "ab") as log:
                 proc = self.procs[name] = subprocess.Popen(self.command, env=env, stdout=log, stderr=log)
             if idle and idle_priority_supported():  # as Cluster.spawn_joiner starts standby nodes: before it starts a thread
                 with contextlib.suppress(ProcessLookupError):
@@ -73,9 +73,9 @@ class WarmPool:
         offered = self.cluster.offered_by(self.job)
         return [n for n, p in self.procs.items() if n in offered and p.poll() is None]
 
-    def take(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str]) -> str:
+    def take(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], log: Path) -> str:
         """Run node ``name`` with worker ``args`` in a pooled process (``rank`` None: as a node that joins the
-        running job; see ``Cluster.reuse``) and start its replacement. Returns ``"ready"`` if the process had
+        running job; see ``Cluster.reuse``), its output into ``log``, and start its replacement. Returns ``"ready"`` if the process had
         done its imports, ``"starting"`` if not (the oldest is taken, the closest to ready: it runs the node as
         soon as they are done, sooner than a process started now), ``""`` if the pool is empty."""
         ready = self.ready()
@@ -83,7 +83,7 @@ class WarmPool:
         if not ready and not starting:
             return ""
         pooled = (ready or starting)[0]
-        self.cluster.reuse(name, args, rank, world, offered_in=self.job, process=pooled)
+        self.cluster.reuse(name, args, rank, world, offered_in=self.job, process=pooled, log=str(log))
         self.cluster.adopt(name, self.procs.pop(pooled))
         self.fill()
         return "ready" if ready else "starting"

@@ -6,9 +6,10 @@ from __future__ import annotations
 class RecoveryClock:
     """Seconds from each kill to the completed step that recovered from it.
 
-    A step that a restart from a checkpoint then undoes (a survivor may complete one before the loss
-    is found) does not count: those kills are recovered when the restarted job completes a step, as
-    checkpoint-restart's kills are.
+    A step that a restart from a checkpoint then undoes does not count if it finished after the last loss
+    (a survivor may complete one before that loss is found): those kills are recovered when the restarted
+    job completes a step, as checkpoint-restart's kills are. A recovery that was complete before that loss
+    stands: the job had recovered, and the later loss's own recovery is counted from its own time.
     """
 
     def __init__(self) -> None:
@@ -17,9 +18,11 @@ class RecoveryClock:
         self._job: list[tuple[float, int, float]] = []  # (kill time, recovering step, seconds) in the running job
         self._restarted: set[float] = set()  # kill times whose recovery went through a restart from a checkpoint
         self._cold: set[float] = set()  # ... through a restart that had to start new processes (none kept)
+        self._last = float("-inf")  # the time of the last kill
 
     def killed(self, at: float) -> None:
         self._open.append(at)
+        self._last = max(self._last, at)
 
     def stepped(self, step: int, at: float) -> None:
         self._job += [(kill, step, at - kill) for kill in self._open]
@@ -30,7 +33,7 @@ class RecoveryClock:
         process of the job was ready to run the next one: every node starts a new one, or the restart
         waited for joining nodes still starting."""
         for kill, step, seconds in self._job:
-            if step > from_step:
+            if step > from_step and kill + seconds >= self._last:  # finished after the last loss: undone
                 self._open.append(kill)
             else:
                 self._done.append((kill, seconds))

@@ -163,9 +163,16 @@ def main() -> int:
 
 
 def _assigned(assignment: dict) -> argparse.Namespace:
-    """Take on an assignment (``offer_process``): its node's environment; its arguments, parsed."""
+    """Take on an assignment (``offer_process``): its node's environment, its job's log; its arguments, parsed."""
     from lightning_bamboo.membership import node
 
+    if assignment.get("log"):  # the output of the job it runs now goes with that job's
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(assignment["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.update(assignment["env"])  # a standby node's process may join the next job as one again
     node.standby_command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *assignment["args"]]
     return parse(assignment["args"])
