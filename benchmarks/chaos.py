@@ -29,6 +29,7 @@ import collections
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -232,9 +233,16 @@ def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step
         (out / "fired").mkdir()
         env.update(faults.environment(schedule.fail_at, once_dir=out / "fired"))  # a node started again is spared
     with (out / "demo.log").open("w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        # its own process group: a run over the timeout is stopped with every worker it started
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = f"none: stopped after the {timeout:g} s timeout"
     result = json.loads(report.read_text()) if report.exists() else {"steps_completed": 0, "recovery_seconds": []}
-    result["exit_code"] = proc.returncode
+    result["exit_code"] = code
     result["log_tail"] = (out / "demo.log").read_text(errors="replace")[-3000:]
     return result
 

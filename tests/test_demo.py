@@ -302,6 +302,18 @@ def test_a_node_lost_while_the_pipeline_is_reconfigured_restarts_in_place(clean,
     assert order(tmp_path, "node0") == order(clean_dir, "node0")[8:]  # the restarted job's steps 9-24
 
 
+def test_a_job_that_fails_by_itself_after_every_restart_stops_the_demo_with_an_error(tmp_path):
+    """node1 dies at the start of step 3 in every job (a fault, like a bug that crashes it there): each restart
+    from the step-2 checkpoint fails again with no step finished and no node preempted. The demo stops after
+    a few such restarts and says so, instead of restarting without end."""
+    proc = run([PYTHON, "-m", "lightning_bamboo.cli", "demo", "--nodes", "2", "--steps", "6", "--checkpoint-every", "2",
+                "--redundancy", "off", "--preempt", "", "--quiet", "--workdir", str(tmp_path / "work")],
+               timeout=300, env=faults.environment(["node1@2"]))
+    assert proc.returncode != 0
+    assert "the job failed 4 times in a row without finishing a step or losing a node" in proc.stdout, proc.stdout[-3000:]
+    assert len(list((tmp_path / "work").glob("run*"))) == 5  # the first job and four restarts
+
+
 def test_recovery_clock_counts_a_kill_until_a_step_no_restart_undoes():
     clock = RecoveryClock()
     clock.killed(10.0)

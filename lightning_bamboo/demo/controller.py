@@ -22,6 +22,9 @@ EXIT_FATAL = 75  # lightning_bamboo.errors.FATAL_EXIT_CODE
 #: seconds the controller waits for a store that stopped answering (an etcd restart) before it gives up
 STORE_PATIENCE = 60.0
 EXIT_AUDIT = 76  # lightning_bamboo.demo.worker.EXIT_AUDIT: the replica audit found a difference
+#: restarts in a row with no step finished and no node lost in between, after which the demo stops: the
+#: job fails by itself, and restarting it again would go on without end
+MAX_FRUITLESS_RESTARTS = 3
 
 
 @dataclass
@@ -125,6 +128,9 @@ class _Run:
         self.shown: set[str] = set()  # failover and reconfiguration records already shown
         self.kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
         self.cold = False  # the last job's loss found no process ready: the restart waited for one to start
+        self.fruitless = 0  # jobs in a row that ended with no step finished and no node lost
+        self.losses = 0  # nodes lost (preempted) by the last restart
+        self.stepped = False  # the current job finished a step
 
     # ------------------------------------------------------------------ a job starts
     def start_job(self) -> None:
@@ -168,7 +174,7 @@ class _Run:
             cluster.reuse(name, worker_args, None, running, offered_in=previous_job, log=str(log))
             self.joiners.add(name)
             self.waiting.remove(name)
-        self.kept, self.cold = set(), False
+        self.kept, self.cold, self.stepped = set(), False, False
         self.base = job_prefix(job)
         self.fatal_at = None
         self.rescale = False
@@ -221,6 +227,7 @@ class _Run:
         steps = [int(kv.value) for kv in snap.kvs]
         now = max(steps, default=state.progress)
         if now > state.progress:
+            self.stepped = True
             self.last_step_at = time.monotonic()
             if self.first_step_at is None:
                 self.first_step_at = time.monotonic()
@@ -383,6 +390,11 @@ class _Run:
                 state.preempted_at.append(state.progress)
                 state.event(f"step {state.progress}: {event.node} preempted while the job restarted")
                 cluster.kill(event.node, signal.SIGKILL)  # a kept process goes with its node
+        self.fruitless = 0 if self.stepped or len(state.preempted) > self.losses or self.rescale else self.fruitless + 1
+        self.losses = len(state.preempted)
+        if self.fruitless > MAX_FRUITLESS_RESTARTS:
+            raise BambooError(f"the job failed {self.fruitless} times in a row without finishing a step or losing a "
+                              f"node; it would fail again: see the workers' errors in {self.out / 'workers.log'}")
         runnable = [n for n in self.alive if n not in state.preempted]
         # One survivor kept restarts alone, one stage, and the others join it as standby nodes, as after a
         # failover to one node (starting every process afresh costs the import time of torch and DeepSpeed).

@@ -20,6 +20,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def reset_group_names() -> None:
+    """Let the next process groups of this process be named as a new process's would be.
+
+    torch names a group it makes by a process-wide count, which only destroying the default group
+    resets, and a group that failed to form (a member lost or late while it formed) counted too. Groups
+    form by name: a process that ran a job before, or a failover that tries again, would name the next
+    generation's groups apart from a new process's, and they would never form (the survivors of a
+    restart waited out the connect timeout, failed, and restarted again, without end). Called with no
+    process group left (after ``destroy_process_group``)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        c10d._world.group_count = 0
+
+
 def reform_process_group(
     store: Any, job: str, generation: int, order: Sequence[str], me: str, timeout: float, tag: str = "",
     gone: Callable[[], Collection[str]] = lambda: (), backend: str = BACKEND,
@@ -54,6 +70,7 @@ def reform_process_group(
     abort_generation()
     if dist.is_initialized():
         dist.destroy_process_group()
+    reset_group_names()
     prefix = f"bamboo{generation}{tag}"
     if backend == BACKEND:
         open_generation(address["host"] if rank else host, tcp.port, prefix, timeout, abort_if=lambda: bool(gone()))

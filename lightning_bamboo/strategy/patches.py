@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as torch_dist
 
 from lightning_bamboo.engine.comm_process import abort_generation
+from lightning_bamboo.engine.groups import reset_group_names
 from lightning_bamboo.runtime.session import request_leave
 
 # ------------------------------------------------------------------ SIGTERM under membership
@@ -133,6 +134,7 @@ def _drop_all() -> None:
     abort_generation()  # nothing in flight survives a failed fit; at a clean exit nothing is in flight
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+    reset_group_names()  # a failed connect left torch's group count past 0: the next job would not form
     del keep  # a TCPStore we host goes after the group that used it
     gc.collect()
 
