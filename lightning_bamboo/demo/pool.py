@@ -75,9 +75,11 @@ class WarmPool:
 
     def take(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], log: Path) -> str:
         """Run node ``name`` with worker ``args`` in a pooled process (``rank`` None: as a node that joins the
-        running job; see ``Cluster.reuse``), its output into ``log``, and start its replacement. Returns ``"ready"`` if the process had
-        done its imports, ``"starting"`` if not (the oldest is taken, the closest to ready: it runs the node as
-        soon as they are done, sooner than a process started now), ``""`` if the pool is empty."""
+        running job; see ``Cluster.reuse``), its output into ``log``, and start its replacement.
+
+        Returns ``"ready"`` if the process had done its imports, ``"starting"`` if not (the oldest is taken,
+        the closest to ready: it runs the node as soon as they are done, sooner than a process started
+        now), ``""`` if the pool is empty."""
         ready = self.ready()
         starting = [n for n, p in self.procs.items() if p.poll() is None and n not in ready]
         if not ready and not starting:
