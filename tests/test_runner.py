@@ -21,9 +21,10 @@ SCRIPT = REPO / "tests" / "scripts" / "runner_node.py"
 STEPS = 6
 
 
-def _run(out: Path, env: dict[str, str] | None = None, reconfigure_at: int = -1, device: str = "cpu") -> dict[str, int]:
+def _run(out: Path, env: dict[str, str] | None = None, reconfigure_at: int = -1, device: str = "cpu",
+         redundancy: str = "lazy") -> dict[str, int]:
     out.mkdir()
-    command = [sys.executable, str(SCRIPT), str(out), str(STEPS), str(reconfigure_at), device]
+    command = [sys.executable, str(SCRIPT), str(out), str(STEPS), str(reconfigure_at), device, redundancy]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return launch(command, 3, env={"PYTHONPATH": path, **(env or {})}, timeout=240)
 
@@ -39,8 +40,10 @@ def _layers(out: Path) -> dict[int, dict]:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_clean_runs_weights(tmp_path, device):
-    """On ``cuda`` the three nodes share one GPU: stages, replicas and the redundant forward run there,
-    the groups move GPU tensors through the abortable backend's host transport."""
+    """Every layer has dropout: after the failover node1 runs node2's layers, and after the reconfiguration
+    a layer moves, yet each draws the clean run's masks (``engine.layer_rng``). On ``cuda`` the three nodes
+    share one GPU: stages, replicas and the redundant forward run there, the groups move GPU tensors through
+    the abortable backend's host transport."""
     clean = _run(tmp_path / "clean", device=device)
     assert clean == {"node0": 0, "node1": 0, "node2": 0}
     # node2 SIGKILLs itself at the start of step 2; node1 serves its stage from the replica, then at
@@ -63,3 +66,23 @@ def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_cle
             for key, value in param["state"].items():  # AdamW's step, exp_avg, exp_avg_sq
                 assert torch.equal(torch.as_tensor(got[layer]["optimizer"][name]["state"][key]), torch.as_tensor(value)), (
                     f"layer {layer} {name} {key}")
+
+
+@pytest.mark.timeout(300)
+def test_eager_redundant_forwards_with_dropout_are_reused_after_a_kill_and_the_weights_stay_exact(tmp_path, capfd):
+    """3 stages x 4 micro-batches, eager: node1 runs the redundant forwards of node2's stage for micro-batches 0
+    and 1 at schedule step 4 of step 2; node2 is SIGKILLed at schedule step 8. The redone step recomputes node1's
+    own layers to the same inputs (same dropout masks), so both kept forwards are reused, their dropout masks
+    being node2's; the weights equal the clean run's bit for bit."""
+    clean = _run(tmp_path / "clean", redundancy="eager")
+    assert clean == {"node0": 0, "node1": 0, "node2": 0}
+    capfd.readouterr()
+    codes = _run(tmp_path / "chaos", env={"BAMBOO_FAIL_AT": "node2@2:8"}, redundancy="eager")
+    assert codes == {"node0": 0, "node1": 0, "node2": -9}
+    logs = "".join(capfd.readouterr())
+    assert "node1: the redone step reused 2 of 2 kept redundant forwards (micro-batches [0, 1])" in logs, logs[-3000:]
+    want, got = _layers(tmp_path / "clean"), _layers(tmp_path / "chaos")
+    assert sorted(want) == sorted(got) == list(range(6))
+    for layer in range(6):
+        for name, tensor in want[layer]["weights"].items():
+            assert torch.equal(got[layer]["weights"][name], tensor), f"layer {layer} {name}"

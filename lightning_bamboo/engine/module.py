@@ -10,6 +10,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
+from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
 from lightning_bamboo.errors import BambooConfigError
 
 
@@ -73,7 +74,6 @@ class Splice:
     def __init__(self, boundary: int, kept: dict[int, tuple[Any, Any]]) -> None:
         self.boundary = boundary
         self.kept = kept
-        self.calls = 0  # forwards seen in this step: the micro-batch index
         self.reused: list[int] = []  # micro-batches whose forward was reused
         self.backwards = 0  # lazy backwards run through kept graphs
         self.anchor = torch.zeros((), requires_grad=True)  # makes the output need a gradient on the first stage
@@ -103,10 +103,16 @@ class BambooPipelineModule(PipelineModule):
     """A ``PipelineModule`` cut at explicit layer boundaries (``parts``) instead of by a method.
 
     Layers that other stages own may be ``None``: only this stage's layers are touched. With a
-    ``splice`` (see ``Splice``) the forward of its micro-batches reuses kept results.
+    ``splice`` (see ``Splice``) the forward of its micro-batches reuses kept results. With ``keys``
+    (``layer_rng.StepKeys``, set by the engine for each training step) every layer draws its random
+    numbers from a stream of its own, the same on any stage that runs it.
     """
 
     splice: Splice | None = None
+    keys: StepKeys | None = None
+    #: training forwards run in this step: the local index of the micro-batch the next one runs (1F1B runs a
+    #: stage's forwards in micro-batch order); the engine sets it to 0 when a step begins
+    forwards = 0
 
     def __init__(self, layers: Sequence[Any], parts: Sequence[int], **kwargs: Any) -> None:
         self._bamboo_parts = list(parts)
@@ -125,20 +131,20 @@ class BambooPipelineModule(PipelineModule):
 
     def forward(self, forward_input: Any) -> Any:
         splice = self.splice
-        if splice is None or self.activation_checkpoint_interval or self.seed_layers:
+        keys = self.keys if self.training else None
+        if (splice is None and keys is None) or self.activation_checkpoint_interval or self.seed_layers:
             return super().forward(forward_input)
-        micro_batch = splice.calls
-        splice.calls += 1
+        micro_batch = self.forwards
+        self.forwards += 1
+        calls = list(enumerate(self.forward_funcs, start=self._local_start))
+        if splice is None:
+            return run_layers(calls, forward_input, keys, micro_batch)
         cut = splice.boundary - self._local_start
-        x = forward_input
-        for layer in self.forward_funcs[:cut]:
-            x = layer(x)
+        x = run_layers(calls[:cut], forward_input, keys, micro_batch)
         kept = splice.kept.get(micro_batch)
         # Reused only where the stage recomputed exactly the input the kept forward ran on (the same
         # micro-batch through the same, uncommitted weights): anything else is computed afresh.
         if kept is None or not torch.is_tensor(x) or not torch.is_tensor(kept[1]) or not _same(x, kept[0]):
-            for layer in self.forward_funcs[cut:]:
-                x = layer(x)
-            return x
+            return run_layers(calls[cut:], x, keys, micro_batch)
         splice.reused.append(micro_batch)
         return _Reuse.apply(x, splice.anchor, kept, splice)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -16,6 +17,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import abort_generation
+from lightning_bamboo.engine.layer_rng import StepKeys
 from lightning_bamboo.engine.replica import GradientExchange, Replica
 from lightning_bamboo.errors import BambooError, FatalLoss
 from lightning_bamboo.schedule import Costs
@@ -120,6 +122,8 @@ class BambooPipelineEngine(PipelineEngine):
     batches_run = 0
     #: this pipeline's share of the step's global batch, ``(micro-batches, total)``; None: its own batch
     share: tuple[int, int] | None = None
+    #: the index of this pipeline's first micro-batch in the step's global batch (its layers' random streams)
+    first_micro_batch = 0
 
     def wire(self, wiring: Wiring) -> None:
         """Connect the engine to its replica, its exchange peers and (under membership) its commit and watchdog."""
@@ -204,11 +208,14 @@ class BambooPipelineEngine(PipelineEngine):
         assert self.redundant is not None and self.replica is not None
         started = time.perf_counter()
         self._settle_replica()  # an RF runs on the replica's weights of this step
+        # The successor's layers draw what they draw on the successor (the step's keys), and the process's
+        # streams are left as they were: an RF never changes what the own stage draws next.
+        keys = self.module.keys
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        # The replica's own RNG stream: an RF never changes what the own stage draws next.
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), _saved_on_host(self.device):
+        forked = torch.random.fork_rng(devices=devices) if keys is None else contextlib.nullcontext()
+        with forked, torch.enable_grad(), _saved_on_host(self.device):
             leaf = _leaf(_to_device(self.redundant.inputs[micro_batch], self.device))
-            self.redundant.kept[micro_batch] = (leaf, self.replica.compute_module()(leaf))
+            self.redundant.kept[micro_batch] = (leaf, self.replica.compute_module().run(leaf, keys, micro_batch))
         self.redundant_forwards_run += 1
         self.replica_seconds["redundant_forward"] += time.perf_counter() - started
 
@@ -252,10 +259,11 @@ class BambooPipelineEngine(PipelineEngine):
         return self.replica is not None or self.commit is not None or self.replica_peers[0] is not None
 
     def train_batch(self, data_iter: Any = None, step: int | None = None,
-                    share: tuple[int, int] | None = None) -> torch.Tensor:
-        """One training step (``step``: its index, default the next; ``share``: see :attr:`share`)."""
+                    share: tuple[int, int] | None = None, first_micro_batch: int = 0) -> torch.Tensor:
+        """One training step (``step``: its index, default the next; ``share`` and ``first_micro_batch``: see
+        :attr:`share` and :attr:`first_micro_batch`)."""
         step = self.batches_run if step is None else step
-        self.batches_run, self.share = step + 1, share
+        self.batches_run, self.share, self.first_micro_batch = step + 1, share, first_micro_batch
         faults.reached(self.node_id, step)
         if self.guard is None:
             return self._train_and_commit(data_iter, step)
@@ -264,9 +272,18 @@ class BambooPipelineEngine(PipelineEngine):
     phase = "idle"  # schedule -> commit -> apply -> idle; "apply" is local work and is never abandoned
     last_loss: torch.Tensor | None = None
 
+    def step_keys(self, step: int) -> StepKeys | None:
+        """What the layers' random streams of training step ``step`` are seeded from (``layer_rng``); None when the
+        engine was built without a seed (plain DeepSpeed: the process's streams, as DeepSpeed draws them)."""
+        seed = getattr(self, "bamboo_options", {}).get("seed")
+        if seed is None:
+            return None
+        return StepKeys(seed, step, self.first_micro_batch, (self.device.index or 0) if self.device.type == "cuda" else None)
+
     def _train_and_commit(self, data_iter: Any, step: int) -> torch.Tensor:
         self._pending_step = False
         self.phase = "schedule"
+        self.module.keys, self.module.forwards = self.step_keys(step), 0
         self.redundant = _RedundantStep() if self.eager else None
         try:
             loss = super().train_batch(data_iter)

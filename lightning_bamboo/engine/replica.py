@@ -43,6 +43,7 @@ from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_child import map_memory, new_memory_file
+from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
 from lightning_bamboo.engine.placement import copy_to_device, gather_to_host
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,12 @@ class StageContainer(nn.Module):
             self._calls.append(layer)
 
     def forward(self, inputs: Any) -> Any:
-        for layer in self._calls:
-            inputs = layer(inputs)
-        return inputs
+        return self.run(inputs)
+
+    def run(self, inputs: Any, keys: StepKeys | None = None, micro_batch: int = 0) -> Any:
+        """``forward``; with ``keys``, each layer draws its random numbers as on the stage that owns it
+        (``layer_rng``), for local micro-batch ``micro_batch``."""
+        return run_layers(zip(self.indices, self._calls, strict=True), inputs, keys, micro_batch)
 
 
 def flat_grads(module: nn.Module, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +149,7 @@ class Replica:
         self._shadow: StageContainer | None = None  # hosted: the layers' copy on ``device``
         self._shadow_fresh = False  # whether that copy holds the layers' current weights
 
-    def compute_module(self) -> nn.Module:
+    def compute_module(self) -> StageContainer:
         """The layers on ``device``, for a redundant forward: the replica's own, or (hosted) their copy there,
         refreshed on a side stream after each update or load."""
         self.settle()

@@ -149,9 +149,10 @@ class PipelineRunner(NodeStage):
         return dict(json.loads(kv.value))
 
     # ------------------------------------------------------------------ steps
-    def split(self, batch: Any, global_batch: bool = False) -> tuple[list[tuple[Any, Any]], tuple[int, int] | None]:
-        """This pipeline's micro-batches of ``batch``, and of a global batch its share (``(count, total)``
-        micro-batches, see ``pipeline_share``; None for a batch of this pipeline's own)."""
+    def split(self, batch: Any, global_batch: bool = False) -> tuple[list[tuple[Any, Any]], tuple[int, int] | None, int]:
+        """This pipeline's micro-batches of ``batch``; of a global batch its share (``(count, total)``
+        micro-batches, see ``pipeline_share``; None for a batch of this pipeline's own); and the global index of
+        its first micro-batch (of a batch of its own: as if the pipelines' batches were one, in rank order)."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             kind = f"a {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
             raise BambooConfigError(
@@ -166,7 +167,8 @@ class PipelineRunner(NodeStage):
             share = (m, total)
         else:
             first, m = 0, micro_batches(len(inputs), b, self.pipelines)
-        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)], share
+        chunks = [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)]
+        return chunks, share, first if global_batch else self.pipeline_rank * m
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Train the step ``host.global_step()`` on ``batch``; if a peer is lost, fail over and redo it (unless
@@ -185,14 +187,14 @@ class PipelineRunner(NodeStage):
                 hook(self, step)
         for _ in range(len(session.nodes) if session is not None else 1):
             engine, _layout = self._ready()
-            chunks, share = self.split(batch, global_batch=self.global_micro_batches is not None)
+            chunks, share, first = self.split(batch, global_batch=self.global_micro_batches is not None)
             engine.set_micro_batches(len(chunks))
             if session is not None:
                 # A step that takes a commit timeout is stuck somewhere: every thread's stack goes to the
                 # node's log then, so that the node the others wait for shows where it waits.
                 faulthandler.dump_traceback_later(session.rendezvous_timeout * 0.75, repeat=False)
             try:
-                loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share)
+                loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share, first_micro_batch=first)
                 if session is not None and session.leaving:
                     session.depart()
                 return loss
@@ -211,7 +213,7 @@ class PipelineRunner(NodeStage):
     def eval_step(self, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (this pipeline's share), with no update."""
         engine, _ = self._ready()
-        chunks, _ = self.split(batch)
+        chunks, _, _ = self.split(batch)
         engine.set_micro_batches(len(chunks))
         return engine.eval_batch(data_iter=iter(chunks), num_micro_batches=len(chunks))
 

@@ -148,7 +148,8 @@ class NodeStage:
         with _deepspeed_device(self.device):
             return build_engine(
                 module, optimizer, config, timedelta(seconds=self.config.timeout),
-                bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs},
+                bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs,
+                                "seed": self.seed},
             )
 
     def _rank_of(self, layout: Layout, stage: int, pipeline: int) -> int:

@@ -1,10 +1,12 @@
 """A node driven by ``PipelineRunner`` alone: plain torch and a host of a few lines, no Lightning.
 
 Run by ``tests/test_runner.py`` under ``lightning_bamboo.launcher.launch`` (membership in a store):
-``runner_node.py OUT STEPS RECONFIGURE_AT [DEVICE]``. Trains STEPS steps of a 6-layer MLP; at step
-RECONFIGURE_AT (if not -1) the nodes that are left re-split the layers evenly; writes OUT/<node>.pt
+``runner_node.py OUT STEPS RECONFIGURE_AT [DEVICE [REDUNDANCY]]``. Trains STEPS steps of a 6-layer MLP; at step
+RECONFIGURE_AT (if not -1) the nodes that are left re-split the layers evenly (every layer has dropout); writes OUT/<node>.pt
 (its layers' weights and optimizer state) and OUT/<node>.json (its failovers and its final layout).
 DEVICE (default cpu): ``cuda`` puts every node's stage and replica on GPU 0 (the nodes share it).
+REDUNDANCY (default lazy): ``eager`` places the redundant forwards by the model's costs (F = 1, B = 2), so that
+a kill at a given schedule step finds a known number of them run.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.runtime import BambooConfig, PipelineRunner
 from lightning_bamboo.topology import even_parts
 
-LAYERS, WIDTH, BATCH = 6, 8, 8
+LAYERS, WIDTH, BATCH, DROPOUT = 6, 8, 8, 0.25
 
 
 class Model:
     def configure_pipeline(self) -> list[nn.Module]:
-        return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
+        # dropout: a layer's random numbers must not depend on the stage that runs it (engine.layer_rng)
+        return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(DROPOUT)) for _ in range(LAYERS)]
 
     def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(outputs, targets)
@@ -69,9 +72,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH, generator=generator)
 
 
-def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu") -> None:
+def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu", redundancy: str = "lazy") -> None:
     host = Host()
-    config = BambooConfig(redundancy="lazy", micro_batch_size=2, seed=7, timeout=60.0, detection_timeout=3.0)
+    config = BambooConfig(redundancy=redundancy, micro_batch_size=2, seed=7, timeout=60.0, detection_timeout=3.0,
+                          rf_costs={"forward": 1, "backward": 2} if redundancy == "eager" else "measured")
     runner = PipelineRunner(config, host, device=device)
     session = runner.open_session()
     assert session is not None, "run under lightning_bamboo.launcher.launch"
@@ -94,4 +98,4 @@ def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu") -> Non
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])
