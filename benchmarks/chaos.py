@@ -1,8 +1,8 @@
 """Chaos: seeded random membership changes replayed by the demo, each run checked against a clean run.
 
 For every seed, a schedule of at least ``--changes`` membership changes is drawn and replayed by
-``lightning-bamboo demo --audit --optimizer adamw`` (4 nodes, one 4-stage pipeline, checkpoints every
-4 steps): SIGKILLs, preemption notices, frozen nodes (SIGSTOP, never continued), joins, a kill soon
+``lightning-bamboo demo --audit --optimizer adamw --dropout 0.1`` (4 nodes, one 4-stage pipeline, checkpoints
+every 4 steps; dropout in every layer, so that a layer's random numbers must follow it too): SIGKILLs, preemption notices, frozen nodes (SIGSTOP, never continued), joins, a kill soon
 after a join, two non-neighbours at once, a node and its replica holder at once (the checkpoint
 fallback), a kill a few steps after that restart, and kills at points inside the runtime
 (``BAMBOO_FAIL_AT``): during a failover, during a live reconfiguration, inside a checkpoint save, and
@@ -172,14 +172,14 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
 
 
 def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float = 0.0,
-         etcd: bool = False, detection_timeout: float = 5.0) -> dict:
+         etcd: bool = False, detection_timeout: float = 5.0, dropout: float = 0.0) -> dict:
     """Run the demo (``schedule`` None: no preemptions) in ``out``; its report, with where its files are.
 
     With ``etcd`` the membership lives in a real etcd server started here, which the schedule's
     ``etcd_restarts`` kill and start again (same data dir) when the job reaches those steps.
     """
     if not etcd:
-        return _demo(out, steps, schedule, timeout, step_delay, "embedded", detection_timeout)
+        return _demo(out, steps, schedule, timeout, step_delay, "embedded", detection_timeout, dropout)
     from tests.etcd_server import EtcdServer
 
     with EtcdServer() as server:
@@ -188,7 +188,7 @@ def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_
                                     daemon=True)
         restarts.start()
         try:
-            return _demo(out, steps, schedule, timeout, step_delay, server.url, detection_timeout)
+            return _demo(out, steps, schedule, timeout, step_delay, server.url, detection_timeout, dropout)
         finally:
             done.set()
             restarts.join(30)
@@ -216,11 +216,11 @@ def _restart_etcd(server, steps: list[int], done: threading.Event) -> None:
 
 
 def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float, store: str,
-          detection_timeout: float) -> dict:
+          detection_timeout: float, dropout: float) -> dict:
     report = out / "report.json"
     cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(NODES), "--steps", str(steps),
            "--checkpoint-every", str(CHECKPOINT_EVERY), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
-           "--store", store, "--detection-timeout", str(detection_timeout),
+           "--store", store, "--detection-timeout", str(detection_timeout), "--dropout", str(dropout),
            "--report", str(report), "--save-weights", str(out / "weights.pt"),
            "--preempt", ",".join(schedule.preempt) if schedule else ""]
     if schedule is not None:
@@ -300,7 +300,7 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
     if schedule.steps not in clean_runs:
         out = root / f"clean-{schedule.steps}"
         out.mkdir()
-        report = demo(out, schedule.steps, None, args.timeout)
+        report = demo(out, schedule.steps, None, args.timeout, dropout=args.dropout)
         if report["steps_completed"] != schedule.steps:
             raise SystemExit(f"the clean run of {schedule.steps} steps failed:\n{report['log_tail']}")
         clean_runs[schedule.steps] = {"weights": torch.load(out / "weights.pt"),
@@ -311,7 +311,7 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
     out = root / f"seed-{seed}"
     out.mkdir()
     report = demo(out, schedule.steps, schedule, args.timeout, args.step_delay, etcd=args.store == "etcd",
-                  detection_timeout=args.detection_timeout)
+                  detection_timeout=args.detection_timeout, dropout=args.dropout)
     row: dict = {"seed": seed, "steps": schedule.steps, "target_steps": schedule.steps,
                  "steps_completed": report.get("steps_completed", 0), "changes": schedule.changes,
                  "kinds": dict(schedule.kinds), "exit_code": report["exit_code"],
@@ -398,6 +398,9 @@ def main() -> int:
                         "fits the bound (SIGKILLed nodes are found at once)")
     p.add_argument("--step-delay", type=float, default=0.4,
                    help="seconds each node pauses per step, so that joining processes start while the job trains")
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="dropout in every layer of the demo model (0 turns it off): each layer's masks must follow it "
+                        "through failovers, moves and restarts for the weights to stay exact")
     p.add_argument("--store", choices=("etcd", "embedded"), default="etcd",
                    help="membership in a real etcd server that the schedule restarts (default), or the embedded store")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one demo run may take")
@@ -407,6 +410,8 @@ def main() -> int:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bamboo-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     rows, clean_runs = [], {}
+    print(f"demo: {NODES} nodes, AdamW, dropout {args.dropout}, replica audit on, detection timeout "
+          f"{args.detection_timeout} s, store {args.store}; bounds: recovery {args.max_recovery} s", flush=True)
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         row = run_seed(seed, args, root, clean_runs)
         rows.append(row)

@@ -56,7 +56,7 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     """Seed 71, 13 changes on a real etcd server: a notice, joins, a frozen node (SIGSTOP), a node and its replica
     holder at once (a restart from the checkpoint, then a kill right after it), a node killed inside a live
     reconfiguration (a restart too), and the etcd server killed and started again twice, with the replica audit
-    on: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean run's
+    on and dropout in every layer: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean run's
     samples, and every recovery came within its bound: 6 s for failovers and restarts in ready processes,
     60 s for a restart that found none ready and waited for one to start (the benchmark holds those to 6 s as
     well; this test checks exactness, and a busy machine may start a process late: see docs/chaos.md)."""
@@ -75,7 +75,7 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     assert fired.is_dir() and [p.name for p in fired.iterdir()] == ["node2@reconfigure"]
     events = json.loads((tmp_path / "seed-71" / "report.json").read_text())["events"]
     assert any("frozen (SIGSTOP, never continued)" in event for event in events), events
-    assert "runs with a mismatch, short or over a bound 0" in proc.stdout
+    assert "dropout 0.1" in proc.stdout and "runs with a mismatch, short or over a bound 0" in proc.stdout
 
 
 @pytest.mark.timeout(120)

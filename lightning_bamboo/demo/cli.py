@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a machine that hangs instead of vanishing, e.g. node2@7")
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
                         help="the demo model's optimizer (default sgd with momentum)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="dropout probability of the demo model's layers (default 0); a layer draws the same "
+                        "masks on whichever node runs it, so --verify still compares bit for bit")
     parser.add_argument("--audit", action="store_true", help="compare every replica with its stage, bit for bit, "
                         "after every step and membership change; a difference stops the run naming layer, step, node")
     parser.add_argument("--warm-pool", type=int, default=2,
@@ -134,6 +137,8 @@ def _run(args: argparse.Namespace) -> int:
         raise BambooConfigError(f"--detection-timeout must be a positive number of seconds (got {args.detection_timeout})")
     if args.warm_pool < 0:
         raise BambooConfigError(f"--warm-pool is a number of processes, 0 or more (got {args.warm_pool}); 0 turns it off")
+    if not 0.0 <= args.dropout < 1.0:
+        raise BambooConfigError(f"--dropout is a probability from 0 up to but not including 1 (got {args.dropout})")
     if args.nodes < stages:
         raise BambooConfigError(
             f"fewer nodes than one pipeline needs (nodes: {args.nodes}, stages: {stages}); use --stages {args.nodes}"

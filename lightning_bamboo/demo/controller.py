@@ -189,7 +189,8 @@ class _Run:
             "--checkpoint-every", str(args.checkpoint_every), "--out", str(self.out), "--step-delay", str(args.step_delay),
             "--preferred-stages", str(self.stages),
         ] + (["--resume", self.resume] if self.resume else []) + (args.worker_extra if depth == self.stages else [])
-        worker_args += ["--optimizer", args.optimizer, "--detection-timeout", str(args.detection_timeout)]
+        worker_args += ["--optimizer", args.optimizer, "--dropout", str(args.dropout),
+                        "--detection-timeout", str(args.detection_timeout)]
         worker_args += ["--audit"] if args.audit else []
         if not no_redundancy:
             # Bamboo keeps its processes through a fatal loss too; checkpoint-restart (torchelastic,

@@ -8,6 +8,7 @@ records its progress in the store, which is how the launcher preempts "node2 at 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -51,12 +52,12 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class DemoGPT(pl.LightningModule):
-    def __init__(self, samples: int, batch_size: int, optimizer: str = "sgd") -> None:
+    def __init__(self, samples: int, batch_size: int, optimizer: str = "sgd", dropout: float = 0.0) -> None:
         super().__init__()
-        self.samples, self.batch_size, self.optimizer_name = samples, batch_size, optimizer
+        self.samples, self.batch_size, self.optimizer_name, self.dropout = samples, batch_size, optimizer, dropout
 
     def configure_pipeline(self):
-        return gpt_layers(CONFIG)
+        return gpt_layers(dataclasses.replace(CONFIG, dropout=self.dropout))
 
     def pipeline_loss(self, outputs, targets):
         return gpt_loss(outputs, targets)
@@ -110,6 +111,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--redundancy", default="lazy")
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--detection-timeout", type=float, default=5.0)
     p.add_argument("--partition", default="parameters", help="uniform, parameters or boundaries like 0,2,5,8")
     p.add_argument("--checkpoint-dir", required=True)
@@ -195,7 +197,7 @@ def _restart_in_place() -> dict | None:
 def train(args: argparse.Namespace) -> int:
     node = os.environ.get("BAMBOO_NODE", "node0")
     model = DemoGPT(samples=args.steps * (args.global_batch or args.batch_size), batch_size=args.batch_size,
-                    optimizer=args.optimizer)
+                    optimizer=args.optimizer, dropout=args.dropout)
     strategy = lightning_bamboo.BambooStrategy(
         # a lone survivor restarted with its redundancy on runs one stage until nodes join (stages=None: the world's)
         stages=None if args.stages == 1 and args.redundancy != "off" else args.stages, micro_batch_size=args.micro_batch_size, seed=0,
