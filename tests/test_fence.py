@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from lightning_bamboo.membership import EmbeddedServer, connect
 from lightning_bamboo.membership.fence import Fenced, FencedStore
+from lightning_bamboo.membership.protocol import StoreUnavailableError
 from lightning_bamboo.membership.registry import Registry, job_prefix
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -100,3 +102,69 @@ def test_a_checkpoint_is_not_committed_when_the_fence_refuses(tmp_path):
     with pytest.raises(Fenced, match="commit checkpoint .*step-00000002"):
         ckpt.persist(tmp_path / ckpt.step_name(2), shard(refuse), world_size=1, token="t", timeout=10)
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-00000001"]
+
+
+
+class _Unresponsive:
+    """The store client, with keep-alives that get no answer for ``seconds`` once ``start()`` is called (a store or
+    a machine busy for a moment): a call in that window waits for its end, or fails when its own timeout comes
+    first, as the real clients do; with ``refuse``, it fails at once (a store restarting: connection refused)."""
+
+    def __init__(self, store, seconds: float, refuse: bool = False) -> None:
+        self._store, self._seconds, self._refuse, self.until = store, seconds, refuse, 0.0
+        self.calls: list[tuple[float, float]] = []  # (sent, timeout) of each keep-alive
+
+    def start(self, node: Registry) -> None:
+        renewed = node.renewed_at
+        while node.renewed_at == renewed:  # bounded by the test's timeout: from just after a heartbeat renewed it
+            time.sleep(0.02)
+        self.until = time.monotonic() + self._seconds
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def keep_alive(self, lease_id, *, timeout=None):
+        sent = time.monotonic()
+        self.calls.append((sent, timeout))
+        if sent < self.until:
+            if self._refuse:
+                raise StoreUnavailableError("connection refused")
+            if sent + timeout < self.until:
+                time.sleep(timeout)
+                raise StoreUnavailableError(f"no answer within {timeout:.2f} s")
+            time.sleep(self.until - sent)
+        return self._store.keep_alive(lease_id, timeout=timeout)
+
+
+def _stays_a_member(node: Registry, store, seconds: float) -> None:
+    checked_until = time.monotonic() + seconds
+    while time.monotonic() < checked_until:
+        assert not node.lease_may_have_expired()
+        time.sleep(0.02)
+    assert store.get(node.node_key(node.node_id)) is not None  # the store kept it a member too
+
+
+def test_a_store_unresponsive_for_more_than_a_heartbeat_fences_no_one(store):
+    """A lease of 2 s, heartbeats every 0.67 s, and keep-alives unanswered for 1.2 s (more than a heartbeat, less
+    than the lease): the node stays a member. It used to give up a keep-alive after one heartbeat and try again one
+    heartbeat later, when the lease's time was gone: a single slow moment of the store fenced a live node."""
+    slow = _Unresponsive(store, 1.2)
+    node = Registry(slow, "fence4", "node1", ttl=2.0)
+    node.join()
+    slow.start(node)
+    _stays_a_member(node, store, 3.0)  # the window, and another lease after it
+    assert any(timeout > node.heartbeat for sent, timeout in slow.calls if sent < slow.until)  # waited for its end
+    node.leave()
+
+
+def test_a_keep_alive_refused_is_tried_again_at_once(store):
+    """Keep-alives refused outright for 1.2 s: the beat tries again every 0.1 s, renews as soon as the store
+    answers, and the node is never fenced."""
+    refusing = _Unresponsive(store, 1.2, refuse=True)
+    node = Registry(refusing, "fence5", "node1", ttl=2.0)
+    node.join()
+    refusing.start(node)
+    _stays_a_member(node, store, 3.0)
+    assert len([sent for sent, _ in refusing.calls if sent < refusing.until]) >= 5  # tried again within the window
+    assert node.unreachable_since is None and node.renewed_at >= refusing.until
+    node.leave()

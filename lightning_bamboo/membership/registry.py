@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -23,6 +24,8 @@ from lightning_bamboo.membership.protocol import (
     StoreError,
     StoreUnavailableError,
 )
+
+log = logging.getLogger(__name__)
 
 #: Lease TTL of a node (seconds). A node that freezes is seen as gone after at most TTL + the store's
 #: expiry slack (etcd checks leases every 0.5 s), so 8 s keeps detection under the 10 s target.
@@ -305,17 +308,36 @@ class Registry:
         self._thread.start()
         return read_membership(self.store, self.job, timeout=timeout)
 
+    #: seconds between two tries of a keep-alive that failed
+    RETRY_SECONDS = 0.1
+
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat):
+        """Renew the lease every ``heartbeat`` seconds, counted from each send (not from each answer).
+
+        A keep-alive may take what is left of the lease, and one that fails is tried again at once: a store
+        or a machine slow for a moment renews the lease late, not never. (A beat given up after one heartbeat
+        and tried again a heartbeat later left no time before the TTL ran out: a single keep-alive slower
+        than a heartbeat, ttl/3, fenced a live node, and its peers took it for lost.)"""
+        next_at = time.monotonic() + self.heartbeat
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
             sent = time.monotonic()
+            left = (self.renewed_at if self.renewed_at is not None else sent) + self.ttl - sent
             try:
-                alive = self.store.keep_alive(self.lease_id, timeout=self.heartbeat)
-            except StoreError as e:  # unreachable for one beat: try again at the next
+                alive = self.store.keep_alive(self.lease_id, timeout=max(self.heartbeat, left))
+            except StoreError as e:
                 self.last_error = e
-                if self.unreachable_since is None:
+                if self.unreachable_since is None:  # said once a run of failures
                     self.unreachable_since = time.monotonic()
+                    log.warning("%s: keep-alive failed after %.2f s (%s); trying again, %.2f s of the lease left",
+                                self.node_id, self.unreachable_since - sent, e, left - (self.unreachable_since - sent))
+                next_at = time.monotonic() + min(self.heartbeat, self.RETRY_SECONDS)
                 continue
+            took = time.monotonic() - sent
+            if took > self.heartbeat:
+                log.warning("%s: keep-alive took %.2f s (heartbeat %.2f s, lease %.2f s)", self.node_id, took,
+                            self.heartbeat, self.ttl)
             self.unreachable_since = None
+            next_at = sent + self.heartbeat
             if alive:
                 self.renewed_at = sent
             else:
@@ -339,7 +361,7 @@ class Registry:
         """Stop heartbeats and revoke the lease: ``nodes/<id>`` and ``leaving/<id>`` vanish now. Idempotent."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.heartbeat + 5.0)
+            self._thread.join(self.ttl + 5.0)  # a keep-alive in flight may take what was left of the lease
             self._thread = None
         if self.lease_id:
             try:
@@ -352,7 +374,7 @@ class Registry:
         """Stop renewing the lease without revoking it (as a frozen node would): keys vanish after the TTL."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.heartbeat + 5.0)
+            self._thread.join(self.ttl + 5.0)  # a keep-alive in flight may take what was left of the lease
             self._thread = None
 
     # -- announcements --
