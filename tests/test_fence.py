@@ -165,6 +165,7 @@ def test_a_keep_alive_refused_is_tried_again_at_once(store):
     node.join()
     refusing.start(node)
     _stays_a_member(node, store, 3.0)
-    assert len([sent for sent, _ in refusing.calls if sent < refusing.until]) >= 5  # tried again within the window
+    # tried again within the window (a beat a heartbeat apart would have sent one)
+    assert len([sent for sent, _ in refusing.calls if sent < refusing.until]) >= 3
     assert node.unreachable_since is None and node.renewed_at >= refusing.until
     node.leave()
