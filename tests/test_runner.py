@@ -36,6 +36,20 @@ def _layers(out: Path) -> dict[int, dict]:
     return layers
 
 
+def _assert_same_weights(clean: Path, chaos: Path) -> None:
+    """Every layer's weights and optimizer state of the run with a loss equal the clean run's, bit for bit."""
+    want, got = _layers(clean), _layers(chaos)
+    assert sorted(want) == sorted(got) == list(range(6))
+    for layer in range(6):
+        for name, tensor in want[layer]["weights"].items():
+            assert torch.equal(got[layer]["weights"][name], tensor), f"layer {layer} {name}"
+        for name, param in want[layer]["optimizer"].items():
+            assert param["state"].keys() == got[layer]["optimizer"][name]["state"].keys()
+            for key, value in param["state"].items():  # AdamW's step, exp_avg, exp_avg_sq
+                assert torch.equal(torch.as_tensor(got[layer]["optimizer"][name]["state"][key]), torch.as_tensor(value)), (
+                    f"layer {layer} {name} {key}")
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
@@ -56,16 +70,7 @@ def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_cle
         assert [(f["step"], f["lost"]) for f in report["failovers"]] == [(2, ["node2"])]
         assert report["parts"] == [0, 3, 6] and report["nodes"] == ["node0", "node1"]
         assert report["device"] == ("cuda:0" if device == "cuda" else "cpu")
-    want, got = _layers(tmp_path / "clean"), _layers(tmp_path / "chaos")
-    assert sorted(want) == sorted(got) == list(range(6))
-    for layer in range(6):
-        for name, tensor in want[layer]["weights"].items():
-            assert torch.equal(got[layer]["weights"][name], tensor), f"layer {layer} {name}"
-        for name, param in want[layer]["optimizer"].items():
-            assert param["state"].keys() == got[layer]["optimizer"][name]["state"].keys()
-            for key, value in param["state"].items():  # AdamW's step, exp_avg, exp_avg_sq
-                assert torch.equal(torch.as_tensor(got[layer]["optimizer"][name]["state"][key]), torch.as_tensor(value)), (
-                    f"layer {layer} {name} {key}")
+    _assert_same_weights(tmp_path / "clean", tmp_path / "chaos")
 
 
 @pytest.mark.timeout(300)
@@ -81,8 +86,4 @@ def test_eager_redundant_forwards_with_dropout_are_reused_after_a_kill_and_the_w
     assert codes == {"node0": 0, "node1": 0, "node2": -9}
     logs = "".join(capfd.readouterr())
     assert "node1: the redone step reused 2 of 2 kept redundant forwards (micro-batches [0, 1])" in logs, logs[-3000:]
-    want, got = _layers(tmp_path / "clean"), _layers(tmp_path / "chaos")
-    assert sorted(want) == sorted(got) == list(range(6))
-    for layer in range(6):
-        for name, tensor in want[layer]["weights"].items():
-            assert torch.equal(got[layer]["weights"][name], tensor), f"layer {layer} {name}"
+    _assert_same_weights(tmp_path / "clean", tmp_path / "chaos")

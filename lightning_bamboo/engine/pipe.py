@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -208,12 +207,11 @@ class BambooPipelineEngine(PipelineEngine):
         assert self.redundant is not None and self.replica is not None
         started = time.perf_counter()
         self._settle_replica()  # an RF runs on the replica's weights of this step
-        # The successor's layers draw what they draw on the successor (the step's keys), and the process's
-        # streams are left as they were: an RF never changes what the own stage draws next.
+        # The successor's layers draw what they draw on the successor (the step's keys: an engine with a replica
+        # is built by the runtime, with a seed), and the process's streams are left as they were.
         keys = self.module.keys
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        forked = torch.random.fork_rng(devices=devices) if keys is None else contextlib.nullcontext()
-        with forked, torch.enable_grad(), _saved_on_host(self.device):
+        assert keys is not None, "redundant forwards run only in an engine built with a seed (NodeStage)"
+        with torch.enable_grad(), _saved_on_host(self.device):
             leaf = _leaf(_to_device(self.redundant.inputs[micro_batch], self.device))
             self.redundant.kept[micro_batch] = (leaf, self.replica.compute_module().run(leaf, keys, micro_batch))
         self.redundant_forwards_run += 1

@@ -164,11 +164,11 @@ class PipelineRunner(NodeStage):
         share: tuple[int, int] | None = None
         if global_batch:
             first, m, total = pipeline_share(len(inputs), b, self.pipelines, self.pipeline_rank)
-            share = (m, total)
-        else:
+            share, offset = (m, total), first
+        else:  # the whole batch is this pipeline's; its micro-batches are numbered after the lower ranks'
             first, m = 0, micro_batches(len(inputs), b, self.pipelines)
-        chunks = [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)]
-        return chunks, share, first if global_batch else self.pipeline_rank * m
+            offset = self.pipeline_rank * m
+        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)], share, offset
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Train the step ``host.global_step()`` on ``batch``; if a peer is lost, fail over and redo it (unless
