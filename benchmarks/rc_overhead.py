@@ -106,8 +106,9 @@ class Rotate(pl.Callback):
         # the warm-up is eager: its steps 1-3 measure the costs eager places its forwards with
         mode = "eager" if step < self.warmup else MODES[(step - self.warmup) % len(MODES)]
         if mode == "off":
-            if engine.replica is not None:
-                engine.exchange.finish_send()  # the last gradients sent are gone before their buffers go
+            # The exchange is left as it is (the same one serves the next redundant step, with the same replica
+            # and peers): its sends in flight, and a replica update still due with its "read" unanswered, carry
+            # over the off step to the next redundant step, as they would to the next step of a lazy run.
             engine.replica, engine.replica_peers = None, (None, None)
         else:
             engine.replica, engine.replica_peers = replica, peers

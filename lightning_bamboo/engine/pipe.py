@@ -290,8 +290,7 @@ class BambooPipelineEngine(PipelineEngine):
         self.last_loss = loss
         if self._pending_step:
             # The replica's gradients: waited for only now, so the loss went out first (the last stage
-            # sends it once its schedule ends; the first stage's gradients come last of all). The
-            # last stage's replica update still due runs in this wait.
+            # sends it once its schedule ends; the first stage's gradients come last of all).
             self._settle_replica()
             started = time.perf_counter()
             self.exchange.receive()
@@ -341,6 +340,10 @@ class BambooPipelineEngine(PipelineEngine):
                 "redundant computation does not support gradient clipping yet (gradient_clipping: "
                 f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
             )
+        if self.replica is not None and self.replica.due and self.updates_replica_at_end:
+            # Before the ship: the successor may be waiting for "read" in its own (earlier) ship.
+            self.replica_seconds["replica_step"] += self.replica.settle()
+            self.exchange.acknowledge()
         started = time.perf_counter()
         self.exchange.ship(self.module)  # the replica's gradients are taken after the loss went out
         self.replica_seconds["ship"] += time.perf_counter() - started
@@ -354,25 +357,32 @@ class BambooPipelineEngine(PipelineEngine):
             self._exchange, self._exchange_key = GradientExchange(self.replica, *self.replica_peers), key
         return self._exchange
 
-    def _settle_replica(self) -> None:
-        """The step's first wait: apply the last step's replica update, and let the successor's gradients in early."""
-        if self.replica is not None and self.replica.due:
+    @property
+    def updates_replica_at_end(self) -> bool:
+        """Where the last step's replica update runs: in the wait that is longest anyway. Stage ``i`` of ``p``
+        waits about ``(p - 1 - i) * B`` for its first gradient (its successors' forwards and backwards of the
+        first micro-batch, less its own warm-up forwards) and ``i * B`` at the end of its schedule (for the
+        loss, until the first stage ran its last backward); ``i * F`` for its first activation is never the
+        longest. True: at the end (the later half of the stages, the last one always)."""
+        return 2 * self.stage_id > self.num_stages - 1
+
+    def _settle_replica(self, update: bool = True) -> None:
+        """The step's first wait: apply the last step's replica update (``update``), and let the successor's
+        gradients in early."""
+        if update and self.replica is not None and self.replica.due:
             self.replica_seconds["replica_step"] += self.replica.settle()
         if self.phase == "schedule" and self.defers_step:
+            self.exchange.acknowledge()
             self.exchange.post_receive()
 
     def _exec_recv_grads_settling(self, buffer_id: int) -> None:
-        # The first stage waits longest before its first gradient arrives (its successors run their
+        # The earlier stages wait longest before their first gradient arrives (their successors run their
         # forwards and backwards meanwhile): the last step's replica update runs there, in idle time.
-        self._settle_replica()
+        self._settle_replica(update=not self.updates_replica_at_end)
         PipelineEngine._exec_recv_grads(self, buffer_id)
 
     def _exec_recv_activations_settling(self, buffer_id: int) -> None:
-        # Every other stage first waits for its first activation, while its predecessors run their
-        # first forwards: the update runs there. (At the end of the step it would not be idle time on
-        # the last stage: the loss broadcast holds it until the first stage's last backward, and the
-        # next step's first activation is on its way by the time the update would run.)
-        self._settle_replica()
+        self._settle_replica(update=False)  # never the longest wait (``updates_replica_at_end``)
         PipelineEngine._exec_recv_activations(self, buffer_id)
 
     def _exec_reduce_grads_weighted(self) -> None:

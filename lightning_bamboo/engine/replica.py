@@ -11,9 +11,11 @@ Where that cost goes (``GradientExchange``, ``Replica.settle``): the holder post
 the step's first wait, so the successor's gradients travel while this stage still runs its last
 backward; the own gradients leave without waiting, and the replica's gradients are waited for
 only after the loss went out. The replica's update is not applied at the step boundary but
-where the next step first waits anyway (the first stage before its first gradient arrives, every
-other stage before its first activation arrives). The gradient buffers are allocated once and
-reused: a fresh buffer of a stage's gradients has its pages faulted in again at every step.
+where the next step waits longest anyway: the first stage before its first gradient arrives,
+every other stage at the end of its schedule, where it waits for the loss until the first stage
+ran its last backward (stage i waits i backwards there, and i forwards for its first activation).
+The gradient buffers are allocated once and reused: a fresh buffer of a stage's gradients has its
+pages faulted in again at every step.
 
 The gradients travel in chunks of whole parameters of about 1 MiB (``chunk_plan``), or through
 shared memory between two processes on one host (``GradientExchange``). Copying and sending them
@@ -336,8 +338,9 @@ class GradientExchange:
 
     Between two processes on one host they travel through shared memory instead: the holder offers
     a buffer of its own (``OFFER_TAG``, at its first ``post_receive``); once the owner has it
-    mapped, it copies its gradients straight into it and sends only the mask, and the holder copies
-    them out and answers "read" (``READ_TAG``) before the owner writes there again. The mask
+    mapped, it copies its gradients straight into it and sends only the mask; the replica's gradients are
+    views of that buffer, and the holder answers "read" (``READ_TAG``, ``acknowledge``) once their update
+    was applied; the owner writes there again only then (at its next ``ship``). The mask
     message says where the step's gradients are and where the next step's will be (a token that
     names the buffer), so both ends switch at the same step; socket writes of the whole gradients
     and the receiving thread's reads are saved. Every wait is still a wait on a message from the
@@ -363,6 +366,7 @@ class GradientExchange:
         self._offer: tuple[torch.Tensor, Any] | None = None
         self._owner_writes_shared = False
         self._read_sent: tuple[torch.Tensor, Any] | None = None
+        self._unread: int | None = None  # the token of the shared buffer the replica's gradients are views of
         # owner's end: the holder's offer being received, then its mapped buffer and token
         self._offer_in: tuple[torch.Tensor, Any] | None = None
         self._peer_shared: tuple[torch.Tensor, int] | None = None
@@ -475,6 +479,7 @@ class GradientExchange:
             return
         assert self.replica is not None
         self.replica.settle()  # the last step's update, if still due, runs while the gradients travel
+        self.acknowledge()  # the owner's ship waits for it before it sends what this waits for
         message, received, requests = self._recv
         self._recv = None
         _wait_all(requests)
@@ -485,14 +490,23 @@ class GradientExchange:
                                f"offered {own}: the gradient exchange is out of step with rank {self.recv_from}")
         if this:
             assert self._shared is not None
-            received.copy_(self._shared[0])
-            if self._read_sent is not None:
-                self._read_sent[1].wait()
-            read = torch.tensor([this], dtype=torch.int64)
-            self._read_sent = (read, dist.isend(read, self.recv_from, group=self.group, tag=READ_TAG))
+            # Read where the owner wrote them, no copy: "read" is answered once the replica's update used them.
+            received, self._unread = self._shared[0], this
         self._owner_writes_shared = bool(following)
         set_flat_grads(self.replica.module, received, message[:-_HEADER])
         self.replica.pending = True
+
+    def acknowledge(self) -> None:
+        """Answer "read" for the gradients in the shared buffer once the replica's update has used them (the owner
+        writes its next ones there only then, at its next ``ship``). The engine calls it where it applied the
+        update; ``receive`` does before it waits."""
+        if self._unread is None or self.replica is None or self.replica.pending or self.replica.due:
+            return
+        if self._read_sent is not None:
+            self._read_sent[1].wait()
+        read = torch.tensor([self._unread], dtype=torch.int64)
+        self._unread = None
+        self._read_sent = (read, dist.isend(read, self.recv_from, group=self.group, tag=READ_TAG))
 
     def finish_send(self) -> None:
         """Wait until the last gradients sent are gone (kept alive until then), or read from shared memory."""
