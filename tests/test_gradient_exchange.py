@@ -79,46 +79,38 @@ def _gradients(stage: _Stage, step: int) -> None:
 STEPS = 4
 
 
-def _exchange_worker(rank: int, port: int, same_host: bool, errors, results) -> None:
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        stage = _Stage()
-        if rank == 0:
-            if not same_host:  # the owner believes it runs elsewhere: it must decline the holder's shared buffer
-                replica_module.host_identity = lambda: "another-host/0"
-            exchange = GradientExchange(None, send_to=1, recv_from=None)
-            mapped = []
-            for step in range(STEPS):
-                _gradients(stage, step)
-                exchange.ship(stage)
-                mapped.append(exchange.through_shared_memory)
-                dist.barrier()  # what the loss broadcast does in a pipeline
-            exchange.finish_send()
-            results.put(("owner", mapped))
-        else:
-            replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
-            exchange = GradientExchange(replica, send_to=None, recv_from=0)
-            got, shared = replica.module.get_submodule("0"), []
-            for step in range(STEPS):
-                shared.append(exchange._owner_writes_shared)
-                exchange.post_receive()
-                _gradients(stage, step)  # what the owner computed, bit for bit
-                exchange.receive()
-                for name in "abc":
-                    want, have = getattr(stage, name).grad, getattr(got, name).grad
-                    assert (want is None) == (have is None), (step, name)
-                    assert want is None or torch.equal(want, have), (step, name)
-                replica.pending = False
-                free([replica.module])  # the update was applied: the receive buffer is free again
-                exchange.acknowledge()  # and the shared one: the owner's next ship waits for this
-                dist.barrier()
-            results.put(("holder", shared))
-    except BaseException as err:
-        errors.put(f"rank {rank}: {err!r}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _exchange_worker(rank: int, same_host: bool, results) -> None:
+    stage = _Stage()
+    if rank == 0:
+        if not same_host:  # the owner believes it runs elsewhere: it must decline the holder's shared buffer
+            replica_module.host_identity = lambda: "another-host/0"
+        exchange = GradientExchange(None, send_to=1, recv_from=None)
+        mapped = []
+        for step in range(STEPS):
+            _gradients(stage, step)
+            exchange.ship(stage)
+            mapped.append(exchange.through_shared_memory)
+            dist.barrier()  # what the loss broadcast does in a pipeline
+        exchange.finish_send()
+        results.put(("owner", mapped))
+    else:
+        replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
+        exchange = GradientExchange(replica, send_to=None, recv_from=0)
+        got, shared = replica.module.get_submodule("0"), []
+        for step in range(STEPS):
+            shared.append(exchange._owner_writes_shared)
+            exchange.post_receive()
+            _gradients(stage, step)  # what the owner computed, bit for bit
+            exchange.receive()
+            for name in "abc":
+                want, have = getattr(stage, name).grad, getattr(got, name).grad
+                assert (want is None) == (have is None), (step, name)
+                assert want is None or torch.equal(want, have), (step, name)
+            replica.pending = False
+            free([replica.module])  # the update was applied: the receive buffer is free again
+            exchange.acknowledge()  # and the shared one: the owner's next ship waits for this
+            dist.barrier()
+        results.put(("holder", shared))
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "another-host"])
@@ -128,68 +120,18 @@ def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same
     process group while the owner takes the holder's offer, and the rest through shared memory; an owner
     on another host declines the offer and every step goes over the process group."""
     assert len(chunk_plan([300_000] * 3)) == 3
-    ctx = mp.get_context("spawn")
-    errors, results = ctx.Queue(), ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_exchange_worker, args=(rank, port, same_host, errors, results)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        for proc in procs:
-            proc.join(timeout=60)
-        assert all(proc.exitcode == 0 for proc in procs), [errors.get(timeout=1) for _ in range(errors.qsize())]
-        seen = dict(results.get(timeout=5) for _ in range(2))
-        if same_host:
-            assert seen == {"owner": [False, True, True, True], "holder": [False, False, True, True]}
-        else:
-            assert seen == {"owner": [False] * STEPS, "holder": [False] * STEPS}
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    results = _run_pair(_exchange_worker, same_host)
+    seen = dict(results.get(timeout=5) for _ in range(2))
+    if same_host:
+        assert seen == {"owner": [False, True, True, True], "holder": [False, False, True, True]}
+    else:
+        assert seen == {"owner": [False] * STEPS, "holder": [False] * STEPS}
 
 
-def _hold_worker(rank: int, port: int, events, errors, results) -> None:
-    """Three steps through one host; the holder keeps step 2's gradients unread while the owner ships step 3."""
+def _pair_main(target, rank: int, port: int, args, errors, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        stage = _Stage()
-        if rank == 0:
-            exchange = GradientExchange(None, send_to=1, recv_from=None)
-            for step in range(STEPS):
-                _gradients(stage, step)
-                events.put(("shipping", step))
-                exchange.ship(stage)
-                events.put(("shipped", step))
-                dist.barrier()
-            exchange.finish_send()
-        else:
-            replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
-            exchange = GradientExchange(replica, send_to=None, recv_from=0)
-            got, seen = replica.module.get_submodule("0"), []
-            for step in range(STEPS):
-                exchange.post_receive()
-                exchange.receive()
-                replica.pending, replica.due = False, True  # committed, its update not applied yet
-                if step == 2:
-                    assert exchange._owner_writes_shared and exchange._unread is not None
-                    # read where the owner wrote them: views of the shared buffer, no copy
-                    assert got.a.grad.untyped_storage().data_ptr() == exchange._shared[0].untyped_storage().data_ptr()
-                    kept = got.a.grad.clone()
-                    exchange.acknowledge()  # not yet: the update is still due
-                    dist.barrier()
-                    while events.get(timeout=30) != ("shipping", 3):
-                        pass
-                    time.sleep(0.5)
-                    # the owner waits in its ship: step 3's gradients are not written over step 2's
-                    seen.append((events.empty(), torch.equal(got.a.grad, kept)))
-                replica.due = False
-                free([replica.module])  # the update was applied
-                exchange.acknowledge()
-                if step != 2:
-                    dist.barrier()
-            results.put(seen)
+        target(rank, *args, results)
     except BaseException as err:
         errors.put(f"rank {rank}: {err!r}")
         raise
@@ -198,26 +140,73 @@ def _hold_worker(rank: int, port: int, events, errors, results) -> None:
             dist.destroy_process_group()
 
 
-def test_the_owner_writes_the_shared_buffer_again_only_after_the_replica_used_it():
-    """The replica's gradients are views of the shared buffer until its update was applied (no copy at the
-    receive); the owner's next ship waits for the holder's "read", which ``acknowledge`` sends only then."""
+def _run_pair(target, *args):
+    """Run ``target(rank, *args, results)`` in two spawned processes on one gloo group to their end (60 s at
+    most, killed after); the results queue."""
     ctx = mp.get_context("spawn")
-    events, errors, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    errors, results = ctx.Queue(), ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_hold_worker, args=(rank, port, events, errors, results)) for rank in range(2)]
+    procs = [ctx.Process(target=_pair_main, args=(target, rank, port, args, errors, results)) for rank in range(2)]
     for proc in procs:
         proc.start()
     try:
         for proc in procs:
             proc.join(timeout=60)
         assert all(proc.exitcode == 0 for proc in procs), [errors.get(timeout=1) for _ in range(errors.qsize())]
-        # still shipping (no "shipped 3" yet) and step 2's gradients intact, half a second after ship 3 began
-        assert results.get(timeout=5) == [(True, True)]
+        return results
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def _hold_worker(rank: int, events, results) -> None:
+    """Three steps through one host; the holder keeps step 2's gradients unread while the owner ships step 3."""
+    stage = _Stage()
+    if rank == 0:
+        exchange = GradientExchange(None, send_to=1, recv_from=None)
+        for step in range(STEPS):
+            _gradients(stage, step)
+            events.put(("shipping", step))
+            exchange.ship(stage)
+            events.put(("shipped", step))
+            dist.barrier()
+        exchange.finish_send()
+    else:
+        replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
+        exchange = GradientExchange(replica, send_to=None, recv_from=0)
+        got, seen = replica.module.get_submodule("0"), []
+        for step in range(STEPS):
+            exchange.post_receive()
+            exchange.receive()
+            replica.pending, replica.due = False, True  # committed, its update not applied yet
+            if step == 2:
+                assert exchange._owner_writes_shared and exchange._unread is not None
+                # read where the owner wrote them: views of the shared buffer, no copy
+                assert got.a.grad.untyped_storage().data_ptr() == exchange._shared[0].untyped_storage().data_ptr()
+                kept = got.a.grad.clone()
+                exchange.acknowledge()  # not yet: the update is still due
+                dist.barrier()
+                while events.get(timeout=30) != ("shipping", 3):
+                    pass
+                time.sleep(0.5)
+                # the owner waits in its ship: step 3's gradients are not written over step 2's
+                seen.append((events.empty(), torch.equal(got.a.grad, kept)))
+            replica.due = False
+            free([replica.module])  # the update was applied
+            exchange.acknowledge()
+            if step != 2:
+                dist.barrier()
+        results.put(seen)
+
+
+def test_the_owner_writes_the_shared_buffer_again_only_after_the_replica_used_it():
+    """The replica's gradients are views of the shared buffer until its update was applied (no copy at the
+    receive); the owner's next ship waits for the holder's "read", which ``acknowledge`` sends only then."""
+    results = _run_pair(_hold_worker, mp.get_context("spawn").Queue())
+    # still shipping (no "shipped 3" yet) and step 2's gradients intact, half a second after ship 3 began
+    assert results.get(timeout=5) == [(True, True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
