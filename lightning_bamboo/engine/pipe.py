@@ -340,10 +340,8 @@ class BambooPipelineEngine(PipelineEngine):
                 "redundant computation does not support gradient clipping yet (gradient_clipping: "
                 f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
             )
-        if self.replica is not None and self.replica.due and self.updates_replica_at_end:
-            # Before the ship: the successor may be waiting for "read" in its own (earlier) ship.
-            self.replica_seconds["replica_step"] += self.replica.settle()
-            self.exchange.acknowledge()
+        if self.updates_replica_at_end:
+            self._settle_replica()  # before the ship: the successor may be waiting for "read" in its (earlier) ship
         started = time.perf_counter()
         self.exchange.ship(self.module)  # the replica's gradients are taken after the loss went out
         self.replica_seconds["ship"] += time.perf_counter() - started
@@ -367,8 +365,8 @@ class BambooPipelineEngine(PipelineEngine):
         return 2 * self.stage_id > self.num_stages - 1
 
     def _settle_replica(self, update: bool = True) -> None:
-        """The step's first wait: apply the last step's replica update (``update``), and let the successor's
-        gradients in early."""
+        """Where the step waits: apply the last step's replica update (``update``) and answer "read" for the
+        gradients it used, and let the successor's gradients in early."""
         if update and self.replica is not None and self.replica.due:
             self.replica_seconds["replica_step"] += self.replica.settle()
         if self.phase == "schedule" and self.defers_step:

@@ -355,7 +355,7 @@ class GradientExchange:
         # must fail on its destroyed group, never post on the new one.
         self.replica, self.send_to, self.recv_from = replica, send_to, recv_from
         self.group = group if group is not None else dist.group.WORLD
-        self._recv: tuple[torch.Tensor, torch.Tensor, list[Any]] | None = None
+        self._recv: tuple[torch.Tensor, torch.Tensor | None, list[Any]] | None = None
         self._sent: tuple[tuple[torch.Tensor, ...], list[Any]] = ((), [])  # buffers kept alive, requests
         # Buffers reused step after step (allocating them anew costs more than copying into them): one
         # to send from, two to receive into by turns, as the replica's gradients of one step are views
@@ -393,9 +393,12 @@ class GradientExchange:
         numel = sum(p.numel() for p in params)
         self._offer_shared(numel)
         mask = torch.zeros(len(params) + _HEADER, dtype=torch.uint8)
-        flat = self._receive_buffer(numel)
         requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG)]
-        if not self._owner_writes_shared:
+        flat = None  # through shared memory the replica reads the owner's buffer: no receive buffer
+        if self._owner_writes_shared:
+            self._recv_buffers = []  # those of the first steps, over the process group, are not used again
+        else:
+            flat = self._receive_buffer(numel)
             for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
                 requests.append(dist.irecv(flat[start:end], self.recv_from, group=self.group,
                                            tag=REPLICA_TAG + 1 + index))
@@ -486,14 +489,16 @@ class GradientExchange:
         _wait_all(requests)
         this, following = _tokens(message)
         own = self._shared[1] if self._shared is not None else None
-        if {this, following} - {0, own}:
-            raise RuntimeError(f"the replica's gradients name shared buffer {this or following}, but this holder "
-                               f"offered {own}: the gradient exchange is out of step with rank {self.recv_from}")
+        if {this, following} - {0, own} or (received is None) != bool(this):
+            raise RuntimeError(f"the replica's gradients name shared buffer {this or following} (expected "
+                               f"{own if received is None else 0}; this holder offered {own}): the gradient exchange "
+                               f"is out of step with rank {self.recv_from}")
         if this:
             assert self._shared is not None
             # Read where the owner wrote them, no copy: "read" is answered once the replica's update used them.
             received, self._unread = self._shared[0], this
         self._owner_writes_shared = bool(following)
+        assert received is not None  # (checked above)
         set_flat_grads(self.replica.module, received, message[:-_HEADER])
         self.replica.pending = True
 
