@@ -161,12 +161,16 @@ def _run_pair(target, *args):
                 proc.join()
 
 
+HOLD_STEPS = 5
+
+
 def _hold_worker(rank: int, events, results) -> None:
-    """Three steps through one host; the holder keeps step 2's gradients unread while the owner ships step 3."""
+    """Five steps through one host (steps 2 and 4 write the first half of the shared buffer, step 3 the
+    second): the holder keeps step 2's gradients unread while the owner ships steps 3 and 4."""
     stage = _Stage()
     if rank == 0:
         exchange = GradientExchange(None, send_to=1, recv_from=None)
-        for step in range(STEPS):
+        for step in range(HOLD_STEPS):
             _gradients(stage, step)
             events.put(("shipping", step))
             exchange.ship(stage)
@@ -176,37 +180,44 @@ def _hold_worker(rank: int, events, results) -> None:
     else:
         replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
         exchange = GradientExchange(replica, send_to=None, recv_from=0)
-        got, seen = replica.module.get_submodule("0"), []
-        for step in range(STEPS):
+        got, seen, kept = replica.module.get_submodule("0"), [], None
+        for step in range(HOLD_STEPS):
             exchange.post_receive()
+            if step == 3:
+                dist.barrier()  # the owner goes on to ship 4 while step 2's gradients are still unread
+                shipped = []
+                while (event := events.get(timeout=30)) != ("shipping", 4):
+                    shipped.append(event)
+                time.sleep(0.5)
+                # ship 3 wrote the other half without waiting; ship 4 waits: step 2's gradients are intact
+                seen.append((("shipped", 3) in shipped, events.empty(), torch.equal(got.a.grad, kept)))
+                replica.due = False
+                free([replica.module])  # step 2's update was applied: "read" lets ship 4 write the first half
+                exchange.acknowledge()
             exchange.receive()
             replica.pending, replica.due = False, True  # committed, its update not applied yet
             if step == 2:
-                assert exchange._owner_writes_shared and exchange._unread is not None
-                # read where the owner wrote them: views of the shared buffer, no copy
-                assert got.a.grad.untyped_storage().data_ptr() == exchange._shared[0].untyped_storage().data_ptr()
+                assert exchange._owner_writes_shared and exchange._unread == exchange._shared[1]
+                # read where the owner wrote them: views of the first half of the shared buffer, no copy
+                assert got.a.grad.data_ptr() == exchange._shared[0].data_ptr()
                 kept = got.a.grad.clone()
                 exchange.acknowledge()  # not yet: the update is still due
-                dist.barrier()
-                while events.get(timeout=30) != ("shipping", 3):
-                    pass
-                time.sleep(0.5)
-                # the owner waits in its ship: step 3's gradients are not written over step 2's
-                seen.append((events.empty(), torch.equal(got.a.grad, kept)))
-            replica.due = False
-            free([replica.module])  # the update was applied
-            exchange.acknowledge()
-            if step != 2:
+            else:
+                replica.due = False
+                free([replica.module])  # the update was applied
+                exchange.acknowledge()
+            if step != 3:
                 dist.barrier()
         results.put(seen)
 
 
-def test_the_owner_writes_the_shared_buffer_again_only_after_the_replica_used_it():
-    """The replica's gradients are views of the shared buffer until its update was applied (no copy at the
-    receive); the owner's next ship waits for the holder's "read", which ``acknowledge`` sends only then."""
+def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_replica_used_it():
+    """The replica's gradients are views of a half of the shared buffer until its update was applied (no copy
+    at the receive); the owner writes the other half at its next ship without waiting, and this half at the
+    ship after, once the holder's "read" came, which ``acknowledge`` sends only after the update."""
     results = _run_pair(_hold_worker, mp.get_context("spawn").Queue())
-    # still shipping (no "shipped 3" yet) and step 2's gradients intact, half a second after ship 3 began
-    assert results.get(timeout=5) == [(True, True)]
+    # ship 3 done; ship 4 still waiting (no "shipped 4" yet) and step 2's gradients intact half a second after
+    assert results.get(timeout=5) == [(True, True, True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

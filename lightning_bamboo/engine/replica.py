@@ -252,6 +252,7 @@ REPLICA_TAG = 0xB0
 #: elements (1 MiB of fp32); sender and receiver derive the same chunks, and tags, from their layers
 CHUNK_NUMEL = 1 << 18
 #: the tags of the shared-memory handshake: the holder's offer of its buffer, and its "read" after each step
+#: (``READ_TAG`` for the buffer's first half, one less for its second)
 OFFER_TAG, READ_TAG = REPLICA_TAG - 1, REPLICA_TAG - 2
 #: the size of an offer message (a pickled host identity, token and shared-memory handle)
 OFFER_BYTES = 1024
@@ -338,14 +339,15 @@ class GradientExchange:
     parameters have one.
 
     Between two processes on one host they travel through shared memory instead: the holder offers
-    a buffer of its own (``OFFER_TAG``, at its first ``post_receive``); once the owner has it
-    mapped, it copies its gradients straight into it and sends only the mask; the replica's gradients are
-    views of that buffer, and the holder answers "read" (``READ_TAG``, ``acknowledge``) once their update
-    was applied; the owner writes there again only then (at its next ``ship``). The mask
-    message says where the step's gradients are and where the next step's will be (a token that
-    names the buffer), so both ends switch at the same step; socket writes of the whole gradients
-    and the receiving thread's reads are saved. Every wait is still a wait on a message from the
-    peer, so a lost peer is noticed as before.
+    a buffer of its own with two halves (``OFFER_TAG``, at its first ``post_receive``); once the owner
+    has it mapped, it copies its gradients straight into the halves by turns and sends only the mask;
+    the replica's gradients are views of a half, and the holder answers "read" for it (``READ_TAG``
+    minus the half, ``acknowledge``) once their update was applied, during the next step; the owner
+    writes that half again only then, at the ship after next, so its ship does not wait for the
+    holder's update of the step before. The mask message says where the step's gradients are and
+    where the next step's will be (a token that names the half), so both ends switch at the same
+    step; socket writes of the whole gradients and the receiving thread's reads are saved. Every
+    wait is still a wait on a message from the peer, so a lost peer is noticed as before.
     """
 
     def __init__(self, replica: Replica | None, send_to: int | None, recv_from: int | None, group: Any = None) -> None:
@@ -362,16 +364,20 @@ class GradientExchange:
         # of its receive buffer until its deferred update is applied, during the next step.
         self._send_buffer: torch.Tensor | None = None
         self._recv_buffers: list[torch.Tensor] = []
-        # shared memory, holder's end: its buffer and token, the offer in flight, whether the owner writes there
+        # shared memory, holder's end: its buffer (two halves) and the first half's token (the second's is one
+        # more), the offer in flight, whether the owner writes there
         self._shared: tuple[torch.Tensor, int] | None = None
         self._offer: tuple[torch.Tensor, Any] | None = None
         self._owner_writes_shared = False
         self._read_sent: tuple[torch.Tensor, Any] | None = None
-        self._unread: int | None = None  # the token of the shared buffer the replica's gradients are views of
-        # owner's end: the holder's offer being received, then its mapped buffer and token
+        self._unread: int | None = None  # the token of the half the replica's gradients are views of
+        # owner's end: the holder's offer being received, then its mapped buffer and first token, the half it
+        # writes next, and per half the "read" it waits for: (message, token it must name, receive or None
+        # while not posted: it is posted where the step waits, off the critical path)
         self._offer_in: tuple[torch.Tensor, Any] | None = None
         self._peer_shared: tuple[torch.Tensor, int] | None = None
-        self._read: tuple[torch.Tensor, int] | None = None  # the holder's "read" being received, the token it must name
+        self._half = 0
+        self._reads: list[tuple[torch.Tensor, int, Any] | None] = [None, None]
         self._offer_answered = False
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
@@ -386,6 +392,10 @@ class GradientExchange:
         return buffer
 
     def post_receive(self) -> None:
+        """Post what this exchange waits for next: the replica's gradients, and the holder's "read" for the
+        gradients last shipped through shared memory (called where the step waits)."""
+        for half in (0, 1):
+            self._post_read(half)
         if self.recv_from is None or self._recv is not None:
             return
         assert self.replica is not None
@@ -415,7 +425,7 @@ class GradientExchange:
         payload = b""
         if numel:
             try:
-                buffer, token, payload = offer_shared_buffer(numel)
+                buffer, token, payload = offer_shared_buffer(2 * numel)  # two halves, written by turns
                 if len(payload) <= OFFER_BYTES - 4:
                     self._shared = (buffer, token)
                 else:
@@ -431,27 +441,57 @@ class GradientExchange:
 
     def ship(self, own: nn.Module) -> None:
         """Send ``own``'s (final) gradients without waiting, and make sure the replica's receive is posted."""
-        self.finish_send()  # and, through shared memory, until the holder read the last ones
+        self._finish_requests()
         if self.send_to is not None:
-            shared = self._peer_shared
+            shared = self._peer_half(self._half) if self._peer_shared is not None else None
+            if shared is not None:
+                self._wait_read(self._half)  # the holder read what this half held two ships ago
             flat, mask = flat_grads(own, out=shared[0] if shared is not None else self._send_buffer)
+            requests: list[Any] = []
             if shared is not None:
                 if flat is not shared[0]:  # gradients elsewhere than on the host
                     shared[0].copy_(flat)
                 self._send_buffer = None  # not needed any more
-                self._read = (torch.zeros(1, dtype=torch.int64), shared[1])
-                requests = [dist.irecv(self._read[0], self.send_to, group=self.group, tag=READ_TAG)]
+                self._reads[self._half] = (torch.zeros(1, dtype=torch.int64), shared[1], None)
+                self._half = 1 - self._half
             else:
                 self._send_buffer = flat
                 numels = [p.numel() for p in own.parameters() if p.requires_grad]
                 requests = [dist.isend(flat[start:end], self.send_to, group=self.group, tag=REPLICA_TAG + 1 + index)
                             for index, (_, _, start, end) in enumerate(chunk_plan(numels))]
                 self._take_offer(sum(numels))  # the next step's gradients go through it, if there is one
-            following = self._peer_shared[1] if self._peer_shared is not None else 0
+            following = self._peer_half(self._half)[1] if self._peer_shared is not None else 0
             message = _header(mask, shared[1] if shared is not None else 0, following)
             requests.append(dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG))
             self._sent = ((message, flat), requests)
         self.post_receive()
+
+    def _peer_half(self, half: int) -> tuple[torch.Tensor, int]:
+        """Half ``half`` of the holder's mapped buffer and its token."""
+        assert self._peer_shared is not None
+        buffer, token = self._peer_shared
+        numel = buffer.numel() // 2
+        return buffer[half * numel : (half + 1) * numel], token + half
+
+    def _post_read(self, half: int) -> None:
+        """Post the receive of the holder's "read" for ``half``, if it is awaited and not posted yet."""
+        awaited = self._reads[half]
+        if awaited is not None and awaited[2] is None:
+            message, token, _ = awaited
+            request = dist.irecv(message, self.send_to, group=self.group, tag=READ_TAG - half)
+            self._reads[half] = (message, token, request)
+
+    def _wait_read(self, half: int) -> None:
+        """Wait for the holder's "read" for ``half`` (if one is awaited): it named the half's token."""
+        self._post_read(half)
+        awaited, self._reads[half] = self._reads[half], None
+        if awaited is None:
+            return
+        message, token, request = awaited
+        request.wait()
+        if int(message[0].item()) != token:
+            raise RuntimeError(f"rank {self.send_to} acknowledged shared buffer {int(message[0].item())}, not "
+                               f"{token}: the gradient exchange is out of step")
 
     @property
     def through_shared_memory(self) -> bool:
@@ -473,7 +513,7 @@ class GradientExchange:
         size = int(message[:4].view(torch.int32).item())
         if not size:
             return  # the holder has no shared memory to offer
-        mapped = map_offered_buffer(message[4 : 4 + size].numpy().tobytes(), numel)
+        mapped = map_offered_buffer(message[4 : 4 + size].numpy().tobytes(), 2 * numel)
         if mapped is not None:  # else another machine, other layers or no access: the process group carries them
             self._peer_shared = mapped
 
@@ -488,15 +528,14 @@ class GradientExchange:
         self._recv = None
         _wait_all(requests)
         this, following = _tokens(message)
-        own = self._shared[1] if self._shared is not None else None
-        if {this, following} - {0, own} or (received is None) != bool(this):
+        own = (self._shared[1], self._shared[1] + 1) if self._shared is not None else ()
+        if {this, following} - {0, *own} or (received is None) != bool(this):
             raise RuntimeError(f"the replica's gradients name shared buffer {this or following} (expected "
-                               f"{own if received is None else 0}; this holder offered {own}): the gradient exchange "
-                               f"is out of step with rank {self.recv_from}")
+                               f"{'one of ' + str(own) if received is None else 0}; this holder offered {own}): the "
+                               f"gradient exchange is out of step with rank {self.recv_from}")
         if this:
-            assert self._shared is not None
             # Read where the owner wrote them, no copy: "read" is answered once the replica's update used them.
-            received, self._unread = self._shared[0], this
+            received, self._unread = self._half_of(this), this
         self._owner_writes_shared = bool(following)
         assert received is not None  # (checked above)
         set_flat_grads(self.replica.module, received, message[:-_HEADER])
@@ -510,18 +549,29 @@ class GradientExchange:
             return
         if self._read_sent is not None:
             self._read_sent[1].wait()
+        assert self._shared is not None
         read = torch.tensor([self._unread], dtype=torch.int64)
+        tag = READ_TAG - (self._unread - self._shared[1])
         self._unread = None
-        self._read_sent = (read, dist.isend(read, self.recv_from, group=self.group, tag=READ_TAG))
+        self._read_sent = (read, dist.isend(read, self.recv_from, group=self.group, tag=tag))
+
+    def _half_of(self, token: int) -> torch.Tensor:
+        """The half of this holder's shared buffer that ``token`` names."""
+        assert self._shared is not None
+        buffer, first = self._shared
+        numel = buffer.numel() // 2
+        half = token - first
+        return buffer[half * numel : (half + 1) * numel]
+
+    def _finish_requests(self) -> None:
+        (_buffers, requests), self._sent = self._sent, ((), [])
+        _wait_all(requests)
 
     def finish_send(self) -> None:
         """Wait until the last gradients sent are gone (kept alive until then), or read from shared memory."""
-        (_buffers, requests), self._sent = self._sent, ((), [])
-        _wait_all(requests)
-        read, self._read = self._read, None
-        if read is not None and int(read[0].item()) != read[1]:
-            raise RuntimeError(f"rank {self.send_to} acknowledged shared buffer {int(read[0].item())}, not "
-                               f"{read[1]}: the gradient exchange is out of step")
+        self._finish_requests()
+        for half in (0, 1):
+            self._wait_read(half)
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:
