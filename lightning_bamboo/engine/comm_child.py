@@ -8,6 +8,7 @@ worker sends it (see ``comm_process``). The zygote never initialises CUDA, so a 
 from __future__ import annotations
 
 import datetime
+import math
 import mmap
 import os
 import queue
@@ -231,5 +232,5 @@ def map_memory(fd: int, size: int) -> torch.Tensor:
 
 
 def view_of(slab: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return slab[:nbytes].view(dtype).view(shape)
