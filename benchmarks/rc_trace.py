@@ -9,7 +9,7 @@ averaged over the runs (steps slower than 1.2x their mode's median are left out:
 elsewhere on the machine). What a part costs on the critical path shows as its difference in the
 step time; what it costs the other process shows as slower forwards and backwards there.
 
-    python benchmarks/rc_trace.py [--stages 2] [--micro-batches 8] [--paired-steps 30] [--repeats 3]
+    python benchmarks/rc_trace.py [--stages 2] [--micro-batches 8] [--paired-steps 60] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run(stages: int, micro_batches: int, steps: int, warmup: int, out: Path) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rc_overhead.worker_arguments(parser)
-    parser.add_argument("--paired-steps", type=int, default=30, help="steps of each mode per run")
+    parser.add_argument("--paired-steps", type=int, default=60, help="steps of each mode per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs (their means are averaged)")
     args = parser.parse_args()
     if args.role == "worker":
