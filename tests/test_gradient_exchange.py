@@ -108,8 +108,9 @@ def _exchange_worker(rank: int, same_host: bool, results) -> None:
                 assert want is None or torch.equal(want, have), (step, name)
             replica.pending = False
             free([replica.module])  # the update was applied: the receive buffer is free again
-            exchange.acknowledge()  # and the shared one: the owner's next ship waits for this
+            exchange.acknowledge()  # and the shared one: the owner's next ship into it waits for this
             dist.barrier()
+        exchange.finish_send()  # its "read"s are gone
         results.put(("holder", shared))
 
 
@@ -208,6 +209,7 @@ def _hold_worker(rank: int, events, results) -> None:
                 exchange.acknowledge()
             if step != 3:
                 dist.barrier()
+        exchange.finish_send()
         results.put(seen)
 
 

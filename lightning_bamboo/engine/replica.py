@@ -369,7 +369,9 @@ class GradientExchange:
         self._shared: tuple[torch.Tensor, int] | None = None
         self._offer: tuple[torch.Tensor, Any] | None = None
         self._owner_writes_shared = False
-        self._read_sent: tuple[torch.Tensor, Any] | None = None
+        # per half, the last "read" sent (kept alive until it is gone: the owner receives it at its next ship
+        # into that half at the latest, which comes after the gradients it reads now)
+        self._read_sent: list[tuple[torch.Tensor, Any] | None] = [None, None]
         self._unread: int | None = None  # the token of the half the replica's gradients are views of
         # owner's end: the holder's offer being received, then its mapped buffer and first token, the half it
         # writes next, and per half the "read" it waits for: (message, token it must name, receive or None
@@ -396,6 +398,9 @@ class GradientExchange:
         gradients last shipped through shared memory (called where the step waits)."""
         for half in (0, 1):
             self._post_read(half)
+        self._post_replica_receive()
+
+    def _post_replica_receive(self) -> None:
         if self.recv_from is None or self._recv is not None:
             return
         assert self.replica is not None
@@ -464,7 +469,7 @@ class GradientExchange:
             message = _header(mask, shared[1] if shared is not None else 0, following)
             requests.append(dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG))
             self._sent = ((message, flat), requests)
-        self.post_receive()
+        self._post_replica_receive()  # not the "read" for this ship: that is posted where the next step waits
 
     def _peer_half(self, half: int) -> tuple[torch.Tensor, int]:
         """Half ``half`` of the holder's mapped buffer and its token."""
@@ -542,18 +547,19 @@ class GradientExchange:
         self.replica.pending = True
 
     def acknowledge(self) -> None:
-        """Answer "read" for the gradients in the shared buffer once the replica's update has used them (the owner
-        writes its next ones there only then, at its next ``ship``). The engine calls it where it applied the
-        update; ``receive`` does before it waits."""
+        """Answer "read" for the gradients in a half of the shared buffer once the replica's update has used them
+        (the owner writes that half again only then, at its ship after next). The engine calls it where it
+        applied the update; ``receive`` does before it waits."""
         if self._unread is None or self.replica is None or self.replica.pending or self.replica.due:
             return
-        if self._read_sent is not None:
-            self._read_sent[1].wait()
         assert self._shared is not None
+        half = self._unread - self._shared[1]
+        sent = self._read_sent[half]
+        if sent is not None:  # the "read" two steps ago: the owner took it at the ship of what was just read
+            sent[1].wait()
         read = torch.tensor([self._unread], dtype=torch.int64)
-        tag = READ_TAG - (self._unread - self._shared[1])
         self._unread = None
-        self._read_sent = (read, dist.isend(read, self.recv_from, group=self.group, tag=tag))
+        self._read_sent[half] = (read, dist.isend(read, self.recv_from, group=self.group, tag=READ_TAG - half))
 
     def _half_of(self, token: int) -> torch.Tensor:
         """The half of this holder's shared buffer that ``token`` names."""
@@ -568,10 +574,14 @@ class GradientExchange:
         _wait_all(requests)
 
     def finish_send(self) -> None:
-        """Wait until the last gradients sent are gone (kept alive until then), or read from shared memory."""
+        """Wait until the last gradients sent are gone (kept alive until then), or read from shared memory, and
+        the "read"s this holder sent are gone (a clean end of both: each waits for what the other sends)."""
         self._finish_requests()
         for half in (0, 1):
             self._wait_read(half)
+            sent, self._read_sent[half] = self._read_sent[half], None
+            if sent is not None:
+                sent[1].wait()
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:
