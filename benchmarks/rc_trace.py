@@ -32,7 +32,7 @@ TIMED = ("train_batch", "apply_step", "_settle_replica")
 
 def instrument(records: list[tuple[int, str, float]]) -> None:
     """Wrap the engine's instructions and the exchange's calls; each appends (step, name, ms)."""
-    from lightning_bamboo.engine import pipe, replica
+    from lightning_bamboo.engine import exchange, pipe
 
     engine = pipe.BambooPipelineEngine
     current = [0]
@@ -50,9 +50,9 @@ def instrument(records: list[tuple[int, str, float]]) -> None:
     for name in TIMED[1:]:
         setattr(engine, name, timed(name, getattr(engine, name)))
     for name in ("ship", "receive"):
-        setattr(replica.GradientExchange, name, timed(f"exchange.{name}", getattr(replica.GradientExchange, name)))
+        setattr(exchange.GradientExchange, name, timed(f"exchange.{name}", getattr(exchange.GradientExchange, name)))
     # the copy of the own gradients into the buffer they are sent from, inside ship
-    replica.flat_grads = timed("exchange.ship: copy", replica.flat_grads)
+    exchange.flat_grads = timed("exchange.ship: copy", exchange.flat_grads)
     train_batch = engine.train_batch
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -11,15 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_bamboo.engine import replica as replica_module
-from lightning_bamboo.engine.replica import (
-    CHUNK_NUMEL,
-    GradientExchange,
-    Replica,
-    StageContainer,
-    chunk_plan,
-    free,
-)
+from lightning_bamboo.engine import exchange as exchange_module
+from lightning_bamboo.engine.exchange import CHUNK_NUMEL, GradientExchange, chunk_plan
+from lightning_bamboo.engine.replica import Replica, StageContainer, free
 
 
 @pytest.mark.parametrize("numels", [[5], [3, 4, 5, 6, 7, 8], [100, 1, 1, 1, 100], [1] * 40, [9, 9, 9, 9]])
@@ -83,7 +77,7 @@ def _exchange_worker(rank: int, same_host: bool, results) -> None:
     stage = _Stage()
     if rank == 0:
         if not same_host:  # the owner believes it runs elsewhere: it must decline the holder's shared buffer
-            replica_module.host_identity = lambda: "another-host/0"
+            exchange_module.host_identity = lambda: "another-host/0"
         exchange = GradientExchange(None, send_to=1, recv_from=None)
         mapped = []
         for step in range(STEPS):
@@ -230,7 +224,7 @@ def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_repli
 
 _HOLDER = """
 import os, sys, time
-from lightning_bamboo.engine.replica import offer_shared_buffer
+from lightning_bamboo.engine.exchange import offer_shared_buffer
 buffer, token, payload = offer_shared_buffer(1000)
 buffer.copy_(buffer.new_tensor(range(1000)))
 sys.stdout.write(payload.hex() + "\\n"); sys.stdout.flush()
@@ -240,7 +234,7 @@ time.sleep(60)
 _OWNER = """
 import gc, os, signal, subprocess, sys
 import torch
-from lightning_bamboo.engine.replica import map_offered_buffer
+from lightning_bamboo.engine.exchange import map_offered_buffer
 from lightning_bamboo.membership.node import descendants
 holder = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
 payload = bytes.fromhex(holder.stdout.readline())

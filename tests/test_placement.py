@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_bamboo.engine.exchange import flat_grads
 from lightning_bamboo.engine.placement import ACTIVATION_RESERVE, replica_bytes, replica_device
-from lightning_bamboo.engine.replica import Replica, StageContainer, flat_grads
+from lightning_bamboo.engine.replica import Replica, StageContainer
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.runtime.config import BambooConfig
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_bamboo.engine.replica import GradientExchange
+from lightning_bamboo.engine.exchange import GradientExchange
 
 
 def test_the_gradient_exchange_keeps_the_group_it_was_made_in() -> None:

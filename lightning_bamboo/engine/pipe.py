@@ -16,8 +16,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import abort_generation
+from lightning_bamboo.engine.exchange import GradientExchange
 from lightning_bamboo.engine.layer_rng import StepKeys
-from lightning_bamboo.engine.replica import GradientExchange, Replica
+from lightning_bamboo.engine.replica import Replica
 from lightning_bamboo.errors import BambooError, FatalLoss
 from lightning_bamboo.schedule import Costs
 from lightning_bamboo.testing import faults
