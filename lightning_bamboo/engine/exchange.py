@@ -115,7 +115,7 @@ def offer_shared_buffer(numel: int) -> tuple[torch.Tensor, int, bytes]:
 
 
 def _gradient_bytes(numel: int) -> int:
-    return numel * torch.empty((), dtype=torch.get_default_dtype()).element_size()
+    return numel * torch.get_default_dtype().itemsize
 
 
 def map_offered_buffer(payload: bytes, numel: int) -> tuple[torch.Tensor, int] | None:

@@ -342,7 +342,7 @@ class BambooPipelineEngine(PipelineEngine):
                 f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
             )
         if self.updates_replica_at_end:
-            self._settle_replica()  # before the ship: the successor may be waiting for "read" in its (earlier) ship
+            self._settle_replica()  # the update due runs in the wait for the loss (updates_replica_at_end)
         started = time.perf_counter()
         self.exchange.ship(self.module)  # the replica's gradients are taken after the loss went out
         self.replica_seconds["ship"] += time.perf_counter() - started
