@@ -159,35 +159,58 @@ def _run_pair(target, *args):
 HOLD_STEPS = 5
 
 
+class _WatchedExchange(GradientExchange):
+    """Notes when (``time.monotonic``: one clock for every process of the host) an owner waits for a "read" and
+    when it came (into ``events``), and when a holder sent one (into ``sent``)."""
+
+    def __init__(self, events, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.events, self.sent = events, []
+
+    def _wait_read(self, half: int) -> None:
+        if self._reads[half] is None:
+            return super()._wait_read(half)
+        self.events.put(("waits for read", half, time.monotonic()))
+        super()._wait_read(half)
+        self.events.put(("read came", half, time.monotonic()))
+
+    def acknowledge(self) -> None:
+        unread = self._unread
+        super().acknowledge()
+        if unread is not None and self._unread is None:
+            self.sent.append((unread - self._shared[1], time.monotonic()))
+
+
 def _hold_worker(rank: int, events, results) -> None:
     """Five steps through one host (steps 2 and 4 write the first half of the shared buffer, step 3 the
     second): the holder keeps step 2's gradients unread while the owner ships steps 3 and 4."""
     stage = _Stage()
     if rank == 0:
-        exchange = GradientExchange(None, send_to=1, recv_from=None)
+        exchange = _WatchedExchange(events, None, send_to=1, recv_from=None)
         for step in range(HOLD_STEPS):
+            exchange.post_receive()  # where the engine's step waits: the "read"s are received from here on
             _gradients(stage, step)
-            events.put(("shipping", step))
             exchange.ship(stage)
             events.put(("shipped", step))
             dist.barrier()
         exchange.finish_send()
     else:
         replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
-        exchange = GradientExchange(replica, send_to=None, recv_from=0)
+        exchange = _WatchedExchange(events, replica, send_to=None, recv_from=0)
         got, seen, kept = replica.module.get_submodule("0"), [], None
         for step in range(HOLD_STEPS):
             exchange.post_receive()
             if step == 3:
                 dist.barrier()  # the owner goes on to ship 4 while step 2's gradients are still unread
-                shipped = []
-                while (event := events.get(timeout=30)) != ("shipping", 4):
-                    shipped.append(event)
-                time.sleep(0.5)
-                # ship 3 wrote the other half without waiting; ship 4 waits: step 2's gradients are intact
-                seen.append((("shipped", 3) in shipped, events.empty(), torch.equal(got.a.grad, kept)))
+                before = []
+                while (event := events.get(timeout=30))[0] != "waits for read":
+                    before.append(event)
+                # ship 3 wrote the other half without waiting; ship 4 waits, before its copy, for the "read" of
+                # the first half, sent only now
+                intact = torch.equal(got.a.grad, kept)
                 replica.due = False
                 free([replica.module])  # step 2's update was applied: "read" lets ship 4 write the first half
+                seen.append((before, event, intact))
                 exchange.acknowledge()
             exchange.receive()
             replica.pending, replica.due = False, True  # committed, its update not applied yet
@@ -204,16 +227,22 @@ def _hold_worker(rank: int, events, results) -> None:
             if step != 3:
                 dist.barrier()
         exchange.finish_send()
-        results.put(seen)
+        results.put((seen, exchange.sent))
 
 
 def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_replica_used_it():
     """The replica's gradients are views of a half of the shared buffer until its update was applied (no copy
     at the receive); the owner writes the other half at its next ship without waiting, and this half at the
-    ship after, once the holder's "read" came, which ``acknowledge`` sends only after the update."""
-    results = _run_pair(_hold_worker, mp.get_context("spawn").Queue())
-    # ship 3 done; ship 4 still waiting (no "shipped 4" yet) and step 2's gradients intact half a second after
-    assert results.get(timeout=5) == [(True, True, True)]
+    ship after, once the holder's "read" came, which ``acknowledge`` sends only after the update (a "read"
+    sent earlier would have arrived: the owner receives them from the start of each step on)."""
+    events = mp.get_context("spawn").Queue()
+    results = _run_pair(_hold_worker, events)
+    ([(before, waits, intact)], sent) = results.get(timeout=5)
+    # ships 0-3 went without waiting for a "read"; ship 4 waited for the first half's, with step 2's gradients intact
+    assert (before, waits[:2], intact) == ([("shipped", step) for step in range(4)], ("waits for read", 0), True)
+    # the holder sent that "read" (its first) only after ship 4 began to wait, and it came after that
+    came = next(event[2] for event in iter(lambda: events.get(timeout=5), None) if event[:2] == ("read came", 0))
+    assert sent[0][0] == 0 and waits[2] < sent[0][1] < came
 
 
 # ---------------------------------------------------------------------------------------------------------------
