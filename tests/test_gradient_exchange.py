@@ -4,7 +4,7 @@ exchange between two processes, over the process group and through shared memory
 from __future__ import annotations
 
 import socket
-import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -54,39 +54,46 @@ def _free_port() -> int:
 
 
 class _Stage(torch.nn.Module):
-    """Three parameters of 300,000 elements: three chunks."""
+    """Three parameters of 300,000 elements and a small one: four chunks."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b, self.c = (torch.nn.Parameter(torch.randn(300_000)) for _ in range(3))
+        self.d = torch.nn.Parameter(torch.randn(1000))
 
 
-def _gradients(stage: _Stage, step: int) -> None:
-    """Two backwards: the first reaches a and b, the second only a; c never gets a gradient."""
+def _gradients(stage: _Stage, step: int, before_last: Callable[[], None] = lambda: None) -> None:
+    """Two backwards: the first reaches a and b, the second a and d; c never gets a gradient. ``before_last`` runs
+    between them (where an engine's step waits before its last backward)."""
     for param in stage.parameters():
         param.grad = None
     (stage.a * stage.b).sum().mul(step + 1).backward()
-    (stage.a ** 2).sum().backward()
+    before_last()
+    ((stage.a ** 2).sum() + stage.d.sum() * step).backward()
 
 
 STEPS = 4
 
 
-def _exchange_worker(rank: int, same_host: bool, results) -> None:
+def _exchange_worker(rank: int, same_host: bool, write_ahead: bool, results) -> None:
     stage = _Stage()
     if rank == 0:
         if not same_host:  # the owner believes it runs elsewhere: it must decline the holder's shared buffer
             exchange_module.host_identity = lambda: "another-host/0"
         exchange = GradientExchange(None, send_to=1, recv_from=None)
-        mapped = []
+        mapped, in_shared = [], []
         for step in range(STEPS):
-            _gradients(stage, step)
+            _gradients(stage, step, (lambda: exchange.write_ahead(stage)) if write_ahead else (lambda: None))
+            shared = exchange._peer_half(exchange._half)[0] if exchange.through_shared_memory else None
             exchange.ship(stage)
             mapped.append(exchange.through_shared_memory)
+            # written ahead, the last backward accumulated a's gradient straight into the half shipped
+            in_shared.append(shared is not None and stage.a.grad.data_ptr() == shared.data_ptr())
             dist.barrier()  # what the loss broadcast does in a pipeline
         exchange.finish_send()
         results.put(("owner", mapped))
+        results.put(("owner's gradients in shared memory", in_shared))
     else:
         replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
         exchange = GradientExchange(replica, send_to=None, recv_from=0)
@@ -96,7 +103,7 @@ def _exchange_worker(rank: int, same_host: bool, results) -> None:
             exchange.post_receive()
             _gradients(stage, step)  # what the owner computed, bit for bit
             exchange.receive()
-            for name in "abc":
+            for name in "abcd":
                 want, have = getattr(stage, name).grad, getattr(got, name).grad
                 assert (want is None) == (have is None), (step, name)
                 assert want is None or torch.equal(want, have), (step, name)
@@ -108,19 +115,27 @@ def _exchange_worker(rank: int, same_host: bool, results) -> None:
         results.put(("holder", shared))
 
 
+@pytest.mark.parametrize("write_ahead", [False, True], ids=["shipped", "written-ahead"])
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "another-host"])
-def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same_host):
-    """Three chunks and a parameter without a gradient: the holder gets the owner's gradients bit for bit
+def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same_host, write_ahead):
+    """Four chunks and a parameter without a gradient: the holder gets the owner's gradients bit for bit
     (and None where the owner has none), step after step. On one host, the first two steps go over the
     process group while the owner takes the holder's offer, and the rest through shared memory; an owner
-    on another host declines the offer and every step goes over the process group."""
-    assert len(chunk_plan([300_000] * 3)) == 3
-    results = _run_pair(_exchange_worker, same_host)
-    seen = dict(results.get(timeout=5) for _ in range(2))
+    on another host declines the offer and every step goes over the process group.
+
+    Written ahead (``GradientExchange.write_ahead`` before the last backward), the owner's gradients are views
+    of the half shipped, and the last backward accumulates into it; d, whose first gradient comes in that
+    backward, is copied at the ship."""
+    assert len(chunk_plan(p.numel() for p in _Stage().parameters())) == 4
+    results = _run_pair(_exchange_worker, same_host, write_ahead)
+    seen = dict(results.get(timeout=5) for _ in range(3))
+    in_shared = [False, False, True, True] if same_host and write_ahead else [False] * STEPS
     if same_host:
-        assert seen == {"owner": [False, True, True, True], "holder": [False, False, True, True]}
+        assert seen == {"owner": [False, True, True, True], "holder": [False, False, True, True],
+                        "owner's gradients in shared memory": in_shared}
     else:
-        assert seen == {"owner": [False] * STEPS, "holder": [False] * STEPS}
+        assert seen == {"owner": [False] * STEPS, "holder": [False] * STEPS,
+                        "owner's gradients in shared memory": in_shared}
 
 
 def _pair_main(target, rank: int, port: int, args, errors, results) -> None:
@@ -160,33 +175,38 @@ HOLD_STEPS = 5
 
 
 class _WatchedExchange(GradientExchange):
-    """Notes when (``time.monotonic``: one clock for every process of the host) an owner waits for a "read" and
-    when it came (into ``events``), and when a holder sent one (into ``sent``)."""
+    """Notes, in order of cause: an owner's wait for a "read" (into ``events``) and whether the holder had sent it
+    when the wait ended; a holder's "read"s sent (into ``sent``) and whether it had seen the owner wait by then.
 
-    def __init__(self, events, *args, **kwargs) -> None:
+    Causes, not clocks: ``read_sent`` is set by the holder just before it sends a "read", ``saw_wait`` once it took
+    the owner's "waits for read" from the queue (timestamps of two processes were once seen out of order here)."""
+
+    def __init__(self, events, read_sent, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.events, self.sent = events, []
+        self.events, self.read_sent, self.sent, self.saw_wait = events, read_sent, [], False
 
     def _wait_read(self, half: int) -> None:
         if self._reads[half] is None:
             return super()._wait_read(half)
-        self.events.put(("waits for read", half, time.monotonic()))
+        self.events.put(("waits for read", half))
         super()._wait_read(half)
-        self.events.put(("read came", half, time.monotonic()))
+        self.events.put(("read came", half, self.read_sent.is_set()))
 
     def acknowledge(self) -> None:
         unread = self._unread
+        if unread is not None and not (self.replica.pending or self.replica.due):
+            self.read_sent.set()  # (what acknowledge sends now)
         super().acknowledge()
         if unread is not None and self._unread is None:
-            self.sent.append((unread - self._shared[1], time.monotonic()))
+            self.sent.append((unread - self._shared[1], self.saw_wait))
 
 
-def _hold_worker(rank: int, events, results) -> None:
+def _hold_worker(rank: int, events, read_sent, results) -> None:
     """Five steps through one host (steps 2 and 4 write the first half of the shared buffer, step 3 the
     second): the holder keeps step 2's gradients unread while the owner ships steps 3 and 4."""
     stage = _Stage()
     if rank == 0:
-        exchange = _WatchedExchange(events, None, send_to=1, recv_from=None)
+        exchange = _WatchedExchange(events, read_sent, None, send_to=1, recv_from=None)
         for step in range(HOLD_STEPS):
             exchange.post_receive()  # where the engine's step waits: the "read"s are received from here on
             _gradients(stage, step)
@@ -196,7 +216,7 @@ def _hold_worker(rank: int, events, results) -> None:
         exchange.finish_send()
     else:
         replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
-        exchange = _WatchedExchange(events, replica, send_to=None, recv_from=0)
+        exchange = _WatchedExchange(events, read_sent, replica, send_to=None, recv_from=0)
         got, seen, kept = replica.module.get_submodule("0"), [], None
         for step in range(HOLD_STEPS):
             exchange.post_receive()
@@ -205,6 +225,7 @@ def _hold_worker(rank: int, events, results) -> None:
                 before = []
                 while (event := events.get(timeout=30))[0] != "waits for read":
                     before.append(event)
+                exchange.saw_wait = True
                 # ship 3 wrote the other half without waiting; ship 4 waits, before its copy, for the "read" of
                 # the first half, sent only now
                 intact = torch.equal(got.a.grad, kept)
@@ -235,14 +256,15 @@ def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_repli
     at the receive); the owner writes the other half at its next ship without waiting, and this half at the
     ship after, once the holder's "read" came, which ``acknowledge`` sends only after the update (a "read"
     sent earlier would have arrived: the owner receives them from the start of each step on)."""
-    events = mp.get_context("spawn").Queue()
-    results = _run_pair(_hold_worker, events)
+    ctx = mp.get_context("spawn")
+    events, read_sent = ctx.Queue(), ctx.Event()
+    results = _run_pair(_hold_worker, events, read_sent)
     ([(before, waits, intact)], sent) = results.get(timeout=5)
     # ships 0-3 went without waiting for a "read"; ship 4 waited for the first half's, with step 2's gradients intact
-    assert (before, waits[:2], intact) == ([("shipped", step) for step in range(4)], ("waits for read", 0), True)
-    # the holder sent that "read" (its first) only after ship 4 began to wait, and it came after that
-    came = next(event[2] for event in iter(lambda: events.get(timeout=5), None) if event[:2] == ("read came", 0))
-    assert sent[0][0] == 0 and waits[2] < sent[0][1] < came
+    assert (before, waits, intact) == ([("shipped", step) for step in range(4)], ("waits for read", 0), True)
+    # the holder's first "read" was for that half, sent only once ship 4 waited; the wait ended after it was sent
+    came = next(event for event in iter(lambda: events.get(timeout=5), None) if event[:2] == ("read came", 0))
+    assert (sent[0], came) == ((0, True), ("read came", 0, True))
 
 
 # ---------------------------------------------------------------------------------------------------------------

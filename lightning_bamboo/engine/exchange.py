@@ -23,6 +23,9 @@ shared memory between two processes on one host (``GradientExchange``). Copying 
 during the first stage's last backward, from a helper thread, was tried and taken out: it made
 that backward (the end of every step) about 1 ms longer, and with shared memory there is almost
 no send left to hide (``benchmarks/rc_trace.py`` on the commits before and after, in the README).
+What is done instead: the engine writes the gradients so far into the shared buffer where the step waits
+before its last backward, and makes them views of it (``GradientExchange.write_ahead``); that backward
+accumulates into shared memory, and the ship copies nothing (1.2 ms off the first stage's critical path).
 """
 
 from __future__ import annotations
@@ -176,7 +179,8 @@ class GradientExchange:
 
     Between two processes on one host they travel through shared memory instead: the holder offers
     a buffer of its own with two halves (``OFFER_TAG``, at its first ``post_receive``); once the owner
-    has it mapped, it copies its gradients straight into the halves by turns and sends only the mask;
+    has it mapped, it copies its gradients straight into the halves by turns (or had them accumulate there,
+    ``write_ahead``) and sends only the mask;
     the replica's gradients are views of a half, and the holder answers "read" for it (``READ_TAG``
     minus the half, ``acknowledge``) once their update was applied, during the next step; the owner
     writes that half again only then, at the ship after next, so its ship does not wait for the
@@ -217,6 +221,7 @@ class GradientExchange:
         self._half = 0
         self._reads: list[tuple[torch.Tensor, int, Any] | None] = [None, None]
         self._offer_answered = False
+        self._written: int | None = None  # the half the own gradients were written ahead into (``write_ahead``)
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
@@ -285,9 +290,13 @@ class GradientExchange:
         self._finish_requests()
         if self.send_to is not None:
             shared = self._peer_half(self._half) if self._peer_shared is not None else None
-            if shared is not None:
-                self._wait_read(self._half)  # the holder read what this half held two ships ago
-            flat, mask = flat_grads(own, out=shared[0] if shared is not None else self._send_buffer)
+            written, self._written = self._written == self._half, None
+            if shared is not None and written:  # the gradients are in the half already, but those begun since
+                flat, mask = shared[0], _complete_written(own, shared[0])
+            else:
+                if shared is not None:
+                    self._wait_read(self._half)  # the holder read what this half held two ships ago
+                flat, mask = flat_grads(own, out=shared[0] if shared is not None else self._send_buffer)
             requests: list[Any] = []
             if shared is not None:
                 if flat is not shared[0]:  # gradients elsewhere than on the host
@@ -306,6 +315,30 @@ class GradientExchange:
             requests.append(dist.isend(message, self.send_to, group=self.group, tag=REPLICA_TAG))
             self._sent = ((message, flat), requests)
         self._post_replica_receive()  # not the "read" for this ship: that is posted where the next step waits
+
+    def write_ahead(self, own: nn.Module) -> None:
+        """Where the step waits before its last backward: write ``own``'s gradients so far into the shared half the
+        next ship sends, and make them views of it.
+
+        The last backward then accumulates straight into shared memory (in place, as into any gradient), and the
+        ship, on the critical path, copies nothing but the gradients that backward began. The caller's optimizer
+        must leave the gradients as they are and set them to None (not zero them) when it is done with them: the
+        holder reads them there during the next step.
+        """
+        if self.send_to is None or self._peer_shared is None or self._written is not None:
+            return
+        half = self._peer_half(self._half)[0]
+        params = [p for p in own.parameters() if p.requires_grad]
+        if not params or any(p.device.type != "cpu" or p.dtype != half.dtype for p in params):
+            return  # (on a GPU, or in another dtype: the ship gathers them to the host as before)
+        self._wait_read(self._half)  # the holder read what this half held two ships ago
+        flat_grads(own, out=half)
+        offset = 0
+        for param in params:
+            if param.grad is not None:
+                param.grad = half[offset : offset + param.numel()].view_as(param)
+            offset += param.numel()
+        self._written = self._half
 
     def _peer_half(self, half: int) -> tuple[torch.Tensor, int]:
         """Half ``half`` of the holder's mapped buffer and its token."""
@@ -415,6 +448,19 @@ class GradientExchange:
             sent, self._read_sent[half] = self._read_sent[half], None
             if sent is not None:
                 sent[1].wait()
+
+
+def _complete_written(module: nn.Module, half: torch.Tensor) -> torch.Tensor:
+    """After ``GradientExchange.write_ahead``: copy into ``half`` the gradients that are not views of it already
+    (those a parameter got first in the last backward), and return which parameters have one."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    offset, base, size = 0, half.data_ptr(), half.element_size()
+    for param in params:
+        n = param.numel()
+        if param.grad is not None and param.grad.data_ptr() != base + offset * size:
+            half[offset : offset + n].copy_(param.grad.detach().reshape(-1))
+        offset += n
+    return torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -378,11 +379,33 @@ class BambooPipelineEngine(PipelineEngine):
         # The earlier stages wait longest before their first gradient arrives (their successors run their
         # forwards and backwards meanwhile): the last step's replica update runs there, in idle time.
         self._settle_replica(update=not self.updates_replica_at_end)
+        self._write_ahead_at("grad")
         PipelineEngine._exec_recv_grads(self, buffer_id)
 
     def _exec_recv_activations_settling(self, buffer_id: int) -> None:
         self._settle_replica(update=False)  # never the longest wait (``updates_replica_at_end``)
+        self._write_ahead_at("activation")
         PipelineEngine._exec_recv_activations(self, buffer_id)
+
+    def _write_ahead_at(self, received: str) -> None:
+        """Count the step's receives; at the last one before the last backward (the last gradient, on the last
+        stage the last activation) write the own gradients ahead into the replica holder's shared memory
+        (``GradientExchange.write_ahead``): the last backward accumulates there, and the ship copies nothing."""
+        if not (self.phase == "schedule" and self.defers_step):
+            return
+        self._receives[received] = self._receives.get(received, 0) + 1
+        last = received == ("activation" if self.is_last_stage() else "grad")
+        if last and self._receives[received] == self.micro_batches and self._optimizer_lets_go_of_grads:
+            self.exchange.write_ahead(self.module)
+
+    @property
+    def _optimizer_lets_go_of_grads(self) -> bool:
+        """Whether the optimizer's ``zero_grad`` sets the gradients to None by default (DeepSpeed calls it so after
+        the step): one that zeroes them in place would zero those the holder has still to read."""
+        try:
+            return inspect.signature(self.optimizer.zero_grad).parameters["set_to_none"].default is True
+        except (AttributeError, TypeError, ValueError, KeyError):
+            return False
 
     def _exec_reduce_grads_weighted(self) -> None:
         """Average over samples, not over pipelines, when the pipelines ran different numbers of micro-batches.
@@ -412,6 +435,7 @@ class BambooPipelineEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         steps = _FailureInjector(pipe_schedule, self.node_id, self.batches_run - 1)
+        self._receives: dict[str, int] = {}  # (``_write_ahead_at``)
         try:
             super()._exec_schedule(steps)
         except Exception:
