@@ -222,6 +222,7 @@ class GradientExchange:
         self._reads: list[tuple[torch.Tensor, int, Any] | None] = [None, None]
         self._offer_answered = False
         self._written: int | None = None  # the half the own gradients were written ahead into (``write_ahead``)
+        self.ships_written_ahead = 0  # ships whose gradients were in the shared half already
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
@@ -293,6 +294,7 @@ class GradientExchange:
             written, self._written = self._written == self._half, None
             if shared is not None and written:  # the gradients are in the half already, but those begun since
                 flat, mask = shared[0], _complete_written(own, shared[0])
+                self.ships_written_ahead += 1
             else:
                 if shared is not None:
                     self._wait_read(self._half)  # the holder read what this half held two ships ago

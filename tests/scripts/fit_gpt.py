@@ -42,7 +42,8 @@ def ReplicaCheck(pl):  # noqa: N802 - a Callback class for the namespace in use
 
             engine = trainer.strategy.engine
             mine = (engine.own_states(), engine.replica.stage, engine.replica.states(), engine.redundant_forwards_run,
-                    engine.redundant is not None, engine.exchange.through_shared_memory)
+                    engine.redundant is not None, engine.exchange.through_shared_memory,
+                    engine.exchange.ships_written_ahead)
             gathered = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, mine)
             if trainer.is_global_zero:
@@ -52,7 +53,8 @@ def ReplicaCheck(pl):  # noqa: N802 - a Callback class for the namespace in use
                 print(json.dumps({"replica_check": trainer.global_step, "problems": problems,
                                   "redundant_forwards": [g[3] for g in gathered],
                                   "kept_after_commit": [g[4] for g in gathered],
-                                  "shared_memory": [g[5] for g in gathered]}), flush=True)
+                                  "shared_memory": [g[5] for g in gathered],
+                                  "written_ahead": [g[6] for g in gathered]}), flush=True)
 
     return _ReplicaCheck()
 
