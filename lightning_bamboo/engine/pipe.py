@@ -379,23 +379,22 @@ class BambooPipelineEngine(PipelineEngine):
         # The earlier stages wait longest before their first gradient arrives (their successors run their
         # forwards and backwards meanwhile): the last step's replica update runs there, in idle time.
         self._settle_replica(update=not self.updates_replica_at_end)
-        self._write_ahead_at("grad")
+        self._write_ahead_at_last_gradient()
         PipelineEngine._exec_recv_grads(self, buffer_id)
 
     def _exec_recv_activations_settling(self, buffer_id: int) -> None:
         self._settle_replica(update=False)  # never the longest wait (``updates_replica_at_end``)
-        self._write_ahead_at("activation")
         PipelineEngine._exec_recv_activations(self, buffer_id)
 
-    def _write_ahead_at(self, received: str) -> None:
-        """Count the step's receives; at the last one before the last backward (the last gradient, on the last
-        stage the last activation) write the own gradients ahead into the replica holder's shared memory
-        (``GradientExchange.write_ahead``): the last backward accumulates there, and the ship copies nothing."""
+    def _write_ahead_at_last_gradient(self) -> None:
+        """At the step's last gradient receive, before the last backward, write the own gradients ahead into the
+        replica holder's shared memory (``GradientExchange.write_ahead``): that backward accumulates there and the
+        ship copies nothing. Not on the last stage: its ship runs while the stages before it run their last
+        backwards, off the critical path, and its last activation often comes without a wait."""
         if not (self.phase == "schedule" and self.defers_step):
             return
-        self._receives[received] = self._receives.get(received, 0) + 1
-        last = received == ("activation" if self.is_last_stage() else "grad")
-        if last and self._receives[received] == self.micro_batches and self._optimizer_lets_go_of_grads:
+        self._gradients_received += 1
+        if self._gradients_received == self.micro_batches and self._optimizer_lets_go_of_grads:
             self.exchange.write_ahead(self.module)
 
     @property
@@ -435,7 +434,7 @@ class BambooPipelineEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         steps = _FailureInjector(pipe_schedule, self.node_id, self.batches_run - 1)
-        self._receives: dict[str, int] = {}  # (``_write_ahead_at``)
+        self._gradients_received = 0  # (``_write_ahead_at_last_gradient``)
         try:
             super()._exec_schedule(steps)
         except Exception:
