@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from lightning_bamboo.engine import exchange as exchange_module
 from lightning_bamboo.engine.exchange import CHUNK_NUMEL, GradientExchange, chunk_plan
 from lightning_bamboo.engine.replica import Replica, StageContainer, free
+from lightning_bamboo.errors import BambooError
 
 
 @pytest.mark.parametrize("numels", [[5], [3, 4, 5, 6, 7, 8], [100, 1, 1, 1, 100], [1] * 40, [9, 9, 9, 9]])
@@ -73,10 +74,10 @@ def _gradients(stage: _Stage, step: int, before_last: Callable[[], None] = lambd
     ((stage.a ** 2).sum() + stage.d.sum() * step).backward()
 
 
-STEPS = 4
+STEPS = 5
 
 
-def _exchange_worker(rank: int, same_host: bool, write_ahead: bool, results) -> None:
+def _exchange_worker(rank: int, same_host: bool, mode: str, results) -> None:
     stage = _Stage()
     if rank == 0:
         if not same_host:  # the owner believes it runs elsewhere: it must decline the holder's shared buffer
@@ -84,16 +85,22 @@ def _exchange_worker(rank: int, same_host: bool, write_ahead: bool, results) -> 
         exchange = GradientExchange(None, send_to=1, recv_from=None)
         mapped, in_shared = [], []
         for step in range(STEPS):
-            _gradients(stage, step, (lambda: exchange.write_ahead(stage)) if write_ahead else (lambda: None))
+            _gradients(stage, step, (lambda: exchange.write_ahead(stage)) if mode != "shipped" else (lambda: None))
             shared = exchange._peer_half(exchange._half)[0] if exchange.through_shared_memory else None
             exchange.ship(stage)
             mapped.append(exchange.through_shared_memory)
             # written ahead, the last backward accumulated a's gradient straight into the half shipped
             in_shared.append(shared is not None and stage.a.grad.data_ptr() == shared.data_ptr())
+            for param in stage.parameters():  # the optimizer's step, then its zero_grad
+                if mode == "optimizer-writes-grads" and param.grad is not None:
+                    param.grad.add_(1.0)  # (as SGD(nesterov=True)'s foreach step does)
+                param.grad = None
+            exchange.owner_stepped()
             dist.barrier()  # what the loss broadcast does in a pipeline
         exchange.finish_send()
         results.put(("owner", mapped))
         results.put(("owner's gradients in shared memory", in_shared))
+        results.put(("gradients left alone", exchange.grads_left_alone))
     else:
         replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
         exchange = GradientExchange(replica, send_to=None, recv_from=0)
@@ -103,6 +110,7 @@ def _exchange_worker(rank: int, same_host: bool, write_ahead: bool, results) -> 
             exchange.post_receive()
             _gradients(stage, step)  # what the owner computed, bit for bit
             exchange.receive()
+            dist.barrier()  # the owner's optimizer has stepped: what the replica reads must be unchanged
             for name in "abcd":
                 want, have = getattr(stage, name).grad, getattr(got, name).grad
                 assert (want is None) == (have is None), (step, name)
@@ -110,14 +118,13 @@ def _exchange_worker(rank: int, same_host: bool, write_ahead: bool, results) -> 
             replica.pending = False
             free([replica.module])  # the update was applied: the receive buffer is free again
             exchange.acknowledge()  # and the shared one: the owner's next ship into it waits for this
-            dist.barrier()
         exchange.finish_send()  # its "read"s are gone
         results.put(("holder", shared))
 
 
-@pytest.mark.parametrize("write_ahead", [False, True], ids=["shipped", "written-ahead"])
+@pytest.mark.parametrize("mode", ["shipped", "written-ahead", "optimizer-writes-grads"])
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "another-host"])
-def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same_host, write_ahead):
+def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same_host, mode):
     """Four chunks and a parameter without a gradient: the holder gets the owner's gradients bit for bit
     (and None where the owner has none), step after step. On one host, the first two steps go over the
     process group while the owner takes the holder's offer, and the rest through shared memory; an owner
@@ -125,17 +132,32 @@ def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same
 
     Written ahead (``GradientExchange.write_ahead`` before the last backward), the owner's gradients are views
     of the half shipped, and the last backward accumulates into it; d, whose first gradient comes in that
-    backward, is copied at the ship."""
+    backward, is copied at the ship. That starts only once the owner's optimizer was seen to leave its
+    gradients alone (the first step through shared memory): one that adds to them in place keeps the copy,
+    and the holder still reads what the owner shipped, after the owner's step."""
     assert len(chunk_plan(p.numel() for p in _Stage().parameters())) == 4
-    results = _run_pair(_exchange_worker, same_host, write_ahead)
-    seen = dict(results.get(timeout=5) for _ in range(3))
-    in_shared = [False, False, True, True] if same_host and write_ahead else [False] * STEPS
+    results = _run_pair(_exchange_worker, same_host, mode)
+    seen = dict(results.get(timeout=5) for _ in range(4))
     if same_host:
-        assert seen == {"owner": [False, True, True, True], "holder": [False, False, True, True],
-                        "owner's gradients in shared memory": in_shared}
+        assert seen == {"owner": [False] + [True] * 4, "holder": [False, False] + [True] * 3,
+                        "owner's gradients in shared memory": [False] * 3 + [mode == "written-ahead"] * 2,
+                        "gradients left alone": mode != "optimizer-writes-grads"}
     else:
         assert seen == {"owner": [False] * STEPS, "holder": [False] * STEPS,
-                        "owner's gradients in shared memory": in_shared}
+                        "owner's gradients in shared memory": [False] * STEPS, "gradients left alone": None}
+
+
+def test_an_optimizer_that_writes_gradients_after_they_were_written_ahead_stops_training():
+    """Seen to leave them alone before, an optimizer that then changes gradients the holder reads afterwards is an
+    error that names the rule, not a replica that drifts."""
+    exchange = GradientExchange(None, send_to=1, recv_from=None)
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.ones(3)
+    exchange._shipped_grads = (True, [(param, param.grad, param.grad._version)])  # as a written-ahead ship leaves it
+    param.grad.mul_(0.5)
+    param.grad = None
+    with pytest.raises(BambooError, match=r"must leave p\.grad as it is in step\(\) and zero_grad\(\) must set it to None"):
+        exchange.owner_stepped()
 
 
 def _pair_main(target, rank: int, port: int, args, errors, results) -> None:

@@ -48,6 +48,7 @@ from torch import nn
 from lightning_bamboo.engine.comm_child import map_memory, new_memory_file
 from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
+from lightning_bamboo.errors import BambooError
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,10 @@ class GradientExchange:
         self._offer_answered = False
         self._written: int | None = None  # the half the own gradients were written ahead into (``write_ahead``)
         self.ships_written_ahead = 0  # ships whose gradients were in the shared half already
+        # whether the owner's optimizer step leaves its gradients as they are and lets go of them (None: not seen
+        # yet, ``owner_stepped``), and the gradients of the last ship through shared memory with their versions
+        self.grads_left_alone: bool | None = None
+        self._shipped_grads: tuple[bool, list[tuple[torch.Tensor, torch.Tensor, int]]] = (False, [])
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
@@ -303,6 +308,8 @@ class GradientExchange:
             if shared is not None:
                 if flat is not shared[0]:  # gradients elsewhere than on the host
                     shared[0].copy_(flat)
+                self._shipped_grads = (written, [(p, p.grad, p.grad._version) for p in own.parameters()
+                                                 if p.requires_grad and p.grad is not None])
                 self._send_buffer = None  # not needed any more
                 self._reads[self._half] = (torch.zeros(1, dtype=torch.int64), shared[1], None)
                 self._half = 1 - self._half
@@ -323,11 +330,11 @@ class GradientExchange:
         next ship sends, and make them views of it.
 
         The last backward then accumulates straight into shared memory (in place, as into any gradient), and the
-        ship, on the critical path, copies nothing but the gradients that backward began. The caller's optimizer
-        must leave the gradients as they are and set them to None (not zero them) when it is done with them: the
+        ship, on the critical path, copies nothing but the gradients that backward began. Only once the owner's
+        optimizer was seen to leave its gradients as they are and set them to None (``owner_stepped``): the
         holder reads them there during the next step.
         """
-        if self.send_to is None or self._peer_shared is None or self._written is not None:
+        if self.send_to is None or self._peer_shared is None or self._written is not None or not self.grads_left_alone:
             return
         half = self._peer_half(self._half)[0]
         params = [p for p in own.parameters() if p.requires_grad]
@@ -341,6 +348,32 @@ class GradientExchange:
                 param.grad = half[offset : offset + param.numel()].view_as(param)
             offset += param.numel()
         self._written = self._half
+
+    def owner_stepped(self) -> None:
+        """After the owner's optimizer step of gradients shipped through shared memory: whether it left them as
+        they were and set them to None (``write_ahead`` needs both: the holder reads them during the next step).
+
+        Seen at the first such step, whose gradients are the owner's own; from then on they may be written
+        ahead. An optimizer that writes them in place (``SGD(nesterov=True)``'s foreach step does, and a
+        ``zero_grad`` that zeroes) keeps the copy at the ship. Should one do so later, after a write-ahead,
+        the holder's replica would take those values: that stops training with an error.
+        """
+        (written, grads), self._shipped_grads = self._shipped_grads, (False, [])
+        if not grads:
+            return
+        left_alone = all(p.grad is None and g._version == v for p, g, v in grads)
+        if written and not left_alone:
+            raise BambooError(
+                "the optimizer changed or kept the gradients it was given in place, after they had been shared with "
+                f"the replica holder (rank {self.send_to}), which reads them during the next step: its replica "
+                "would drift. An optimizer must leave p.grad as it is in step() and zero_grad() must set it to None "
+                "(torch's default); it did so in the steps before. Use such an optimizer, or redundancy='off'"
+            )
+        if self.grads_left_alone is None or not left_alone:
+            if not left_alone:
+                log.info("the optimizer writes its gradients in place: they are copied for rank %d at each step",
+                         self.send_to)
+            self.grads_left_alone = left_alone
 
     def _peer_half(self, half: int) -> tuple[torch.Tensor, int]:
         """Half ``half`` of the holder's mapped buffer and its token."""

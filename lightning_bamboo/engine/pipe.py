@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
 import time
@@ -322,6 +321,9 @@ class BambooPipelineEngine(PipelineEngine):
         """Apply the deferred update of the own stage and the replica (after the step committed)."""
         self.redundant = None  # the step counts: what a lazy backward would have needed is freed
         PipelineEngine._exec_optimizer_step(self)
+        exchange = self.__dict__.get("_exchange")
+        if exchange is not None:
+            exchange.owner_stepped()  # whether its gradients may be written ahead (``write_ahead``)
         if self.replica is not None and self.replica.pending:
             self.replica.step(self.optimizer, defer=True)  # applied where the next step first waits
         self._pending_step = False
@@ -394,17 +396,8 @@ class BambooPipelineEngine(PipelineEngine):
         if not (self.phase == "schedule" and self.defers_step):
             return
         self._gradients_received += 1
-        if self._gradients_received == self.micro_batches and self._optimizer_lets_go_of_grads:
+        if self._gradients_received == self.micro_batches:
             self.exchange.write_ahead(self.module)
-
-    @property
-    def _optimizer_lets_go_of_grads(self) -> bool:
-        """Whether the optimizer's ``zero_grad`` sets the gradients to None by default (DeepSpeed calls it so after
-        the step): one that zeroes them in place would zero those the holder has still to read."""
-        try:
-            return inspect.signature(self.optimizer.zero_grad).parameters["set_to_none"].default is True
-        except (AttributeError, TypeError, ValueError, KeyError):
-            return False
 
     def _exec_reduce_grads_weighted(self) -> None:
         """Average over samples, not over pipelines, when the pipelines ran different numbers of micro-batches.
