@@ -156,7 +156,7 @@ def test_an_optimizer_that_writes_gradients_after_they_were_written_ahead_stops_
     exchange._shipped_grads = (True, [(param, param.grad, param.grad._version)])  # as a written-ahead ship leaves it
     param.grad.mul_(0.5)
     param.grad = None
-    with pytest.raises(BambooError, match=r"must leave p\.grad as it is in step\(\) and zero_grad\(\) must set it to None"):
+    with pytest.raises(BambooError, match=r"Rule: step\(\) must leave p\.grad unchanged and zero_grad\(\) must set it to None"):
         exchange.owner_stepped()
 
 

@@ -23,9 +23,10 @@ shared memory between two processes on one host (``GradientExchange``). Copying 
 during the first stage's last backward, from a helper thread, was tried and taken out: it made
 that backward (the end of every step) about 1 ms longer, and with shared memory there is almost
 no send left to hide (``benchmarks/rc_trace.py`` on the commits before and after, in the README).
-What is done instead: the engine writes the gradients so far into the shared buffer where the step waits
-before its last backward, and makes them views of it (``GradientExchange.write_ahead``); that backward
-accumulates into shared memory, and the ship copies nothing (1.2 ms off the first stage's critical path).
+What is done instead: the stages before the last write their gradients so far into the shared buffer
+where the step waits before its last backward, and make them views of it (``write_ahead``); that
+backward accumulates into shared memory, and the ship copies nothing (1.2 ms off the first stage's
+critical path).
 """
 
 from __future__ import annotations
@@ -364,10 +365,11 @@ class GradientExchange:
         left_alone = all(p.grad is None and g._version == v for p, g, v in grads)
         if written and not left_alone:
             raise BambooError(
-                "the optimizer changed or kept the gradients it was given in place, after they had been shared with "
-                f"the replica holder (rank {self.send_to}), which reads them during the next step: its replica "
-                "would drift. An optimizer must leave p.grad as it is in step() and zero_grad() must set it to None "
-                "(torch's default); it did so in the steps before. Use such an optimizer, or redundancy='off'"
+                "the optimizer's step() changed the gradients in place, or its zero_grad() kept them, after they "
+                f"were shared with the replica holder (rank {self.send_to}), which reads them during the next step: "
+                "its replica would drift. Rule: step() must leave p.grad unchanged and zero_grad() must set it to "
+                "None (torch's default), as this optimizer did in the steps before. Fix: use such an optimizer, or "
+                "redundancy='off'"
             )
         if self.grads_left_alone is None or not left_alone:
             if not left_alone:
