@@ -385,7 +385,9 @@ class BambooPipelineEngine(PipelineEngine):
         PipelineEngine._exec_recv_grads(self, buffer_id)
 
     def _exec_recv_activations_settling(self, buffer_id: int) -> None:
-        self._settle_replica(update=False)  # never the longest wait (``updates_replica_at_end``)
+        # Never the longest wait (``updates_replica_at_end``), but under eager the later stages' end of schedule
+        # holds their redundant forwards too: their update runs here, in the wait for their first activation.
+        self._settle_replica(update=self.eager and self.updates_replica_at_end)
         PipelineEngine._exec_recv_activations(self, buffer_id)
 
     def _write_ahead_at_last_gradient(self) -> None:
