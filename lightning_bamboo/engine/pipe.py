@@ -365,7 +365,8 @@ class BambooPipelineEngine(PipelineEngine):
         waits about ``(p - 1 - i) * B`` for its first gradient (its successors' forwards and backwards of the
         first micro-batch, less its own warm-up forwards) and ``i * B`` at the end of its schedule (for the
         loss, until the first stage ran its last backward); ``i * F`` for its first activation is never the
-        longest. True: at the end (the later half of the stages, the last one always)."""
+        longest. True: at the end (the later half of the stages, the last one always); under eager, where the
+        end also holds the redundant forwards, in the wait for the first activation."""
         return 2 * self.stage_id > self.num_stages - 1
 
     def _settle_replica(self, update: bool = True) -> None:
