@@ -342,12 +342,8 @@ class GradientExchange:
         if not params or any(p.device.type != "cpu" or p.dtype != half.dtype for p in params):
             return  # (on a GPU, or in another dtype: the ship gathers them to the host as before)
         self._wait_read(self._half)  # the holder read what this half held two ships ago
-        flat_grads(own, out=half)
-        offset = 0
-        for param in params:
-            if param.grad is not None:
-                param.grad = half[offset : offset + param.numel()].view_as(param)
-            offset += param.numel()
+        _, mask = flat_grads(own, out=half)
+        set_flat_grads(own, half, mask)  # views of the half (None stays None)
         self._written = self._half
 
     def owner_stepped(self) -> None:
