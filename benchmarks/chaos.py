@@ -335,7 +335,8 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
     cold_bound = args.max_recovery if args.max_cold_restart is None else args.max_cold_restart
     slow = [s for s, kind in zip(row["recovery_seconds"], row["recovery_kinds"], strict=True)
             if s > (cold_bound if kind == "cold_restart" else args.max_recovery)]
-    if slow:
+    row["over_bound"] = slow
+    if slow and not args.no_bounds:
         problems.append(f"recoveries over {args.max_recovery} s, or {cold_bound} s for a restart that "
                         f"waited for a process to start: {slow}")
     row["cold_over_bound"] = [s for s, kind in zip(row["recovery_seconds"], row["recovery_kinds"], strict=True)
@@ -367,6 +368,8 @@ def table(rows: list[dict]) -> str:
         "",
         f"seeds {len(rows)}, changes survived {sum(r['changes'] for r in rows if not r['problems'])} of "
         f"{sum(r['changes'] for r in rows)}, runs with a mismatch, short or over a bound {len(failed)} {failed if failed else ''}",
+        f"recoveries over their bound {sum(len(r.get('over_bound', [])) for r in rows)}"
+        f" {[s for r in rows for s in r.get('over_bound', [])] or ''}",
         "changes drawn by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
         "recoveries by kind: " + ", ".join(
             f"{k} {sum(r['recoveries'].get(k, 0) for r in rows)}" for k in ("redundant", "checkpoint", "restart")),
@@ -393,6 +396,9 @@ def main() -> int:
                    help="seconds a restart from a checkpoint that found no process of the job ready may take (it "
                         "waits for one to start; listed apart). Default: --max-recovery, no exception (the demo's "
                         "warm pool keeps started processes for nodes that join)")
+    p.add_argument("--no-bounds", action="store_true",
+                   help="print the recoveries over a bound, but judge the runs by exactness, samples and steps alone "
+                        "(the test suite's run: a loaded machine may recover late, never wrongly)")
     p.add_argument("--detection-timeout", type=float, default=2.5,
                    help="the demo's --detection-timeout: a frozen node is found within it, so that its recovery "
                         "fits the bound (SIGKILLed nodes are found at once)")
