@@ -51,13 +51,22 @@ class Tokens(torch.utils.data.Dataset):
         return self.tokens[i, :-1], self.tokens[i, 1:]
 
 
+#: ``ulp``: the first weight of the first block starts one ulp higher (how far one rounding drifts a run apart)
+PERTURB_ENV = "BAMBOO_DEMO_PERTURB"
+
+
 class DemoGPT(pl.LightningModule):
     def __init__(self, samples: int, batch_size: int, optimizer: str = "sgd", dropout: float = 0.0) -> None:
         super().__init__()
         self.samples, self.batch_size, self.optimizer_name, self.dropout = samples, batch_size, optimizer, dropout
 
     def configure_pipeline(self):
-        return gpt_layers(dataclasses.replace(CONFIG, dropout=self.dropout))
+        layers = gpt_layers(dataclasses.replace(CONFIG, dropout=self.dropout))
+        if os.environ.get(PERTURB_ENV) == "ulp":  # benchmarks/noise_floor.py: one weight one ulp up, on every node
+            with torch.no_grad():
+                weight = next(layers[1].parameters()).view(-1)
+                weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+        return layers
 
     def pipeline_loss(self, outputs, targets):
         return gpt_loss(outputs, targets)

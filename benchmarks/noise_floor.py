@@ -1,0 +1,143 @@
+"""How far several-pipeline runs may drift from their clean run by rounding alone, and the faults judged against it.
+
+    python benchmarks/noise_floor.py [--steps 60] [--at 20] [--nodes 6] [--stages 3]
+
+With one pipeline, every failover ends bit-equal to the clean run. With several, a run whose pipeline
+count changes sums the same micro-batch gradients in another grouping: each pipeline accumulates its
+own share, then the pipelines' sums are added. That changes the last bits of a step's gradient, and
+training (AdamW most of all: it divides by the gradient's own size) carries those bits on. This script
+measures that drift on the demo's model, so that a several-pipeline run can be judged against a
+measured floor instead of an assumed tolerance:
+
+- floor, one ulp: the clean run against itself with one weight one ulp higher at step 0;
+- floor, regrouped: the clean run against the same job on one pipeline from step 0 (every step's
+  gradient grouped otherwise: the most regrouping a run can see);
+- a node of every pipeline SIGKILLed at once at step ``--at`` (the pipelines shrink to one);
+- the same, then two machines' worth of nodes joining ``--join-after`` steps later;
+- the reference for the kill: the same pipelines leaving at the same step with a notice, no kill.
+
+Each run prints its exit status, the largest difference of the final weights and of the AdamW state
+from the clean run's, its ratio to the floor (the larger of the two floors), and whether every step
+trained on the clean run's samples. A fault beyond the floor is a bug until shown otherwise; the kill
+and its notice reference must be bit-equal (the failover adds nothing but the regrouping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import chaos  # noqa: E402
+
+PERTURB_ENV = "BAMBOO_DEMO_PERTURB"  # read by lightning_bamboo/demo/worker.py
+
+
+def run_demo(out: Path, nodes: int, stages: int, steps: int, preempt: str = "", join: str = "",
+             perturb: bool = False, timeout: float = 1200.0) -> dict:
+    """One demo run in ``out``: its report, exit status, final weights, AdamW state and samples by step."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(nodes), "--stages", str(stages),
+           "--steps", str(steps), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
+           "--report", str(out / "report.json"), "--save-weights", str(out / "weights.pt"), "--preempt", preempt]
+    cmd += ["--join", join] if join else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(PERTURB_ENV, None)
+    if perturb:
+        env[PERTURB_ENV] = "ulp"
+    with (out / "demo.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = f"stopped after {timeout:g} s"
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    result = {"exit_code": code, "steps_completed": report.get("steps_completed", 0),
+              "failovers": [(f["step"], f.get("old_pipelines"), f.get("pipelines")) for f in report.get("failovers", [])]}
+    if code == 0 and (out / "weights.pt").exists():
+        result["weights"] = torch.load(out / "weights.pt", weights_only=True)
+        result["optimizer"] = chaos.optimizer_states(chaos.final_checkpoint(out / "work"))
+        result["samples"] = chaos.samples_by_step(out / "work")
+    return result
+
+
+def difference(run: dict, clean: dict) -> tuple[float, float]:
+    if "weights" not in run:
+        return float("inf"), float("inf")
+    return chaos.max_difference(run["weights"], clean["weights"]), chaos.max_difference(run["optimizer"], clean["optimizer"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--at", type=int, default=20, help="the step at which a node of every pipeline is killed")
+    p.add_argument("--join-after", type=int, default=10, help="steps after the kill at which two nodes join")
+    p.add_argument("--nodes", type=int, default=6)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--keep", default=None, help="keep every run's files in this directory")
+    args = p.parse_args()
+    if args.nodes % args.stages or args.nodes // args.stages < 2:
+        raise SystemExit(f"--nodes {args.nodes} must be a multiple of --stages {args.stages}, with 2 or more pipelines")
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bamboo-floor-"))
+    root.mkdir(parents=True, exist_ok=True)
+    pipelines, s = args.nodes // args.stages, args.stages
+    # one node in the middle of every pipeline; the whole last pipelines leave with a notice for the reference
+    victims = ",".join(f"node{q * s + min(1, s - 1)}@{args.at}" for q in range(pipelines))
+    leavers = ",".join(f"node{n}@{args.at - 1}:3" for n in range(s, args.nodes))
+    joiners = ",".join(f"spare{i}@{args.at + args.join_after}" for i in range(1, 3))
+    print(f"demo GPT, AdamW, {args.nodes} nodes, {pipelines} pipelines of {s} stages, {args.steps} steps; "
+          f"faults at step {args.at}", flush=True)
+    common = {"stages": s, "steps": args.steps}
+    clean = run_demo(root / "clean", args.nodes, **common)
+    if clean["exit_code"] != 0:
+        raise SystemExit(f"the clean run failed: exit {clean['exit_code']}; see {root / 'clean' / 'demo.log'}")
+    runs = {
+        "floor: one weight one ulp up at step 0": run_demo(root / "ulp", args.nodes, perturb=True, **common),
+        "floor: one pipeline from step 0": run_demo(root / "one", s, **common),
+        f"kill: a node of every pipeline at step {args.at} ({victims})": run_demo(root / "kill", args.nodes, preempt=victims, **common),
+        f"kill, then {joiners} join": run_demo(root / "kill_join", args.nodes, preempt=victims, join=joiners, **common),
+        f"reference: pipelines 2.. leave with a notice at step {args.at - 1} ({leavers})":
+            run_demo(root / "leave", args.nodes, preempt=leavers, **common),
+    }
+    floors = [difference(r, clean)[0] for name, r in runs.items() if name.startswith("floor")]
+    floor = max(floors)
+    rows, ok = [], True
+    for name, r in runs.items():
+        weights, optimizer = difference(r, clean)
+        samples = chaos.sample_problems(clean["samples"], r["samples"], args.steps) if "samples" in r else ["no samples"]
+        rows.append({"run": name, "exit_code": r["exit_code"], "steps_completed": r["steps_completed"],
+                     "failovers": r["failovers"], "weights_difference": weights, "optimizer_difference": optimizer,
+                     "over_floor": weights / floor if floor else float("inf"), "sample_problems": len(samples)})
+        judged = name.startswith(("kill", "reference"))
+        ok &= r["exit_code"] == 0 and r["steps_completed"] == args.steps and not samples
+        ok &= not judged or weights <= floor
+    kill, reference = runs[next(n for n in runs if n.startswith("kill:"))], runs[next(n for n in runs if n.startswith("reference"))]
+    kill_vs_reference = (chaos.max_difference(kill["weights"], reference["weights"])
+                         if "weights" in kill and "weights" in reference else float("inf"))
+    ok &= kill_vs_reference == 0.0
+    for row in rows:
+        print(json.dumps({"noise_floor_run": row}), flush=True)
+    print(f"\n{'run':<78} {'exit':>4} {'steps':>5} {'w diff':>9} {'opt diff':>9} {'/ floor':>8} {'samples':>7}")
+    for row in rows:
+        print(f"{row['run'][:78]:<78} {row['exit_code']!s:>4} {row['steps_completed']:>5} {row['weights_difference']:>9.3g} "
+              f"{row['optimizer_difference']:>9.3g} {row['over_floor']:>8.3f} {row['sample_problems']:>7}")
+    print(f"\nnoise floor after {args.steps} steps (the larger of the two floor runs): {floor:.3g}")
+    print(f"the kill against its notice reference (same pipelines from the same step): max difference "
+          f"{kill_vs_reference:.3g}")
+    print("every fault within the floor, every step on the clean run's samples, every run exit 0, the kill equal "
+          f"to its reference: {ok}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
