@@ -14,7 +14,8 @@ measured floor instead of an assumed tolerance:
   gradient grouped otherwise: the most regrouping a run can see);
 - a node of every pipeline SIGKILLed at once at step ``--at`` (the pipelines shrink to one);
 - the same, then two machines' worth of nodes joining ``--join-after`` steps later;
-- the reference for the kill: the same pipelines leaving at the same step with a notice, no kill.
+- the reference for the kill: every pipeline but the first leaving with a notice, so that the same
+  pipelines train from the same step on, without a kill or a failover from replicas.
 
 Each run prints its exit status, the largest difference of the final weights and of the AdamW state
 from the clean run's, its ratio to the floor (the larger of the two floors), and whether every step
@@ -91,9 +92,10 @@ def main() -> int:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bamboo-floor-"))
     root.mkdir(parents=True, exist_ok=True)
     pipelines, s = args.nodes // args.stages, args.stages
-    # one node in the middle of every pipeline; the whole last pipelines leave with a notice for the reference
-    victims = ",".join(f"node{q * s + min(1, s - 1)}@{args.at}" for q in range(pipelines))
-    leavers = ",".join(f"node{n}@{args.at - 1}:3" for n in range(s, args.nodes))
+    # node i starts on stage i // pipelines of pipeline i % pipelines (the demo's layout, column by column):
+    # the second stage of every pipeline is killed; for the reference every pipeline but the first leaves
+    victims = ",".join(f"node{min(1, s - 1) * pipelines + q}@{args.at}" for q in range(pipelines))
+    leavers = ",".join(f"node{n}@{args.at - 1}:3" for n in range(args.nodes) if n % pipelines)
     joiners = ",".join(f"spare{i}@{args.at + args.join_after}" for i in range(1, 3))
     print(f"demo GPT, AdamW, {args.nodes} nodes, {pipelines} pipelines of {s} stages, {args.steps} steps; "
           f"faults at step {args.at}", flush=True)
@@ -106,7 +108,7 @@ def main() -> int:
         "floor: one pipeline from step 0": run_demo(root / "one", s, **common),
         f"kill: a node of every pipeline at step {args.at} ({victims})": run_demo(root / "kill", args.nodes, preempt=victims, **common),
         f"kill, then {joiners} join": run_demo(root / "kill_join", args.nodes, preempt=victims, join=joiners, **common),
-        f"reference: pipelines 2.. leave with a notice at step {args.at - 1} ({leavers})":
+        f"reference: all pipelines but the first leave with a notice at step {args.at - 1} ({leavers})":
             run_demo(root / "leave", args.nodes, preempt=leavers, **common),
     }
     floors = [difference(r, clean)[0] for name, r in runs.items() if name.startswith("floor")]
