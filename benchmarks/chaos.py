@@ -17,9 +17,22 @@ the same steps without preemptions:
 
 Prints a table (seeds, changes, mismatches, recoveries by kind, p50/p99/max recovery) and exits 1 if
 any run differs, stops short, or recovers slower than ``--max-recovery`` seconds, restarts that found no process
-of the job ready and waited for one to start (listed apart) included unless ``--max-cold-restart`` allows them more.
+of the job ready and waited for one to start (listed apart) included unless ``--max-cold-restart`` allows them more
+(``--no-bounds``: recoveries are printed, not judged).
+
+With ``--pipelines P`` (2 or more) the demo runs ``3 * P`` nodes as P pipelines of 3 stages, and a
+*machine* is the P nodes of one stage row (the demo places node ``i`` on stage ``i // P`` of pipeline
+``i % P``, so a machine holds a node of every pipeline, as a machine of P GPUs would). The schedule
+then also draws whole machines killed at once and replacement machines of P nodes joining, besides
+the kinds above. Every run of a seed has the same steps, and is judged against a noise floor
+measured in the same call (``benchmarks/noise_floor.py``): when the number of pipelines changes, the
+step's gradients are summed in another grouping and the weights leave the clean run's by rounding,
+so the floor is the larger difference of two clean runs that differ only in that way (one weight one
+ulp up at step 0; the job on one pipeline). A run beyond it fails; samples, steps and exit status
+are checked as with one pipeline.
 
     python benchmarks/chaos.py [--seeds 10] [--changes 30] [--first-seed 0] [--store etcd|embedded] [--json]
+    python benchmarks/chaos.py --pipelines 2 --seeds 5
 """
 
 from __future__ import annotations
@@ -54,6 +67,22 @@ INSIDE = {"in_failover": "failover", "in_reconfiguration": "reconfigure", "in_ch
           "between_commit_and_apply": "apply{step}"}
 
 
+PERTURB_ENV = "BAMBOO_DEMO_PERTURB"  # read by lightning_bamboo/demo/worker.py: "ulp" nudges one weight
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The demo's size: ``nodes`` in pipelines of ``stages`` (None: one pipeline); ``perturb``: one weight one ulp up."""
+
+    nodes: int = NODES
+    stages: int | None = None
+    perturb: bool = False
+
+    @classmethod
+    def of(cls, pipelines: int) -> Shape:
+        return cls() if pipelines == 1 else cls(3 * pipelines, 3)
+
+
 @dataclass
 class Schedule:
     """One seed's membership changes as demo flags; ``kinds`` counts them by kind."""
@@ -70,7 +99,8 @@ class Schedule:
     changes: int = 0  # nodes lost or joined
 
 
-def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = JOIN_LAG, etcd: bool = False) -> Schedule:
+def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = JOIN_LAG, etcd: bool = False,
+                  pipelines: int = 1) -> Schedule:
     """Draw membership changes until there are ``changes`` of them (a node lost or joined is one change).
 
     The schedule follows who runs by itself (the demo's order: the first nodes, then each joined node
@@ -79,7 +109,9 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
     Neighbours are neighbours in that order, which is the pipeline's until a rebalance reorders it
     (then a "node and holder" pair may be survivable and a "non-neighbours" pair fatal: the report
     says what happened). With ``etcd``, up to two restarts of the etcd server are drawn too (they
-    change no membership and do not count as changes).
+    change no membership and do not count as changes). With ``pipelines`` of 2 or more, whole machines
+    (``pipelines`` nodes in a row of that order: one stage of every pipeline at the start) are killed
+    at once and replacement machines of as many nodes join.
     """
     rng = random.Random(seed)
     alive = [f"node{i}" for i in range(nodes)]
@@ -117,12 +149,21 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
             "two_non_neighbours": 2 if len(alive) >= 4 else 0,
             "node_and_holder": 2 if len(alive) >= 4 and fatal < 2 else 0,
             "etcd_restart": 1 if etcd and len(schedule.etcd_restarts) < 2 else 0,
+            "machine": 3 if pipelines > 1 and len(alive) - pipelines >= 2 else 0,
+            "machine_join": 2 if pipelines > 1 and len(alive) + len(joining) + pipelines <= nodes else 0,
         }
         if sum(weights.values()) == 0:
             continue  # wait for the joining nodes
         kind = rng.choices(list(weights), weights=list(weights.values()))[0]
         if kind == "join":
             join(step)
+        elif kind == "machine":  # a machine of several workers lost whole: a node of every pipeline at once
+            first = rng.randrange(len(alive) - pipelines + 1)
+            for name in alive[first : first + pipelines]:
+                kill(name, step)
+        elif kind == "machine_join":  # a replacement machine: its workers join together
+            for _ in range(pipelines):
+                join(step)
         elif kind == "etcd_restart":
             schedule.etcd_restarts.append(step)
         elif kind == "kill_after_join":  # killed as soon as it has run a step
@@ -172,14 +213,16 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
 
 
 def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float = 0.0,
-         etcd: bool = False, detection_timeout: float = 5.0, dropout: float = 0.0) -> dict:
+         etcd: bool = False, detection_timeout: float = 5.0, dropout: float = 0.0, shape: Shape | None = None) -> dict:
     """Run the demo (``schedule`` None: no preemptions) in ``out``; its report, with where its files are.
 
     With ``etcd`` the membership lives in a real etcd server started here, which the schedule's
-    ``etcd_restarts`` kill and start again (same data dir) when the job reaches those steps.
+    ``etcd_restarts`` kill and start again (same data dir) when the job reaches those steps. ``shape``: the
+    nodes and stages (default: ``NODES`` nodes in one pipeline), and the one-ulp perturbation of a floor run.
     """
+    shape = shape or Shape()
     if not etcd:
-        return _demo(out, steps, schedule, timeout, step_delay, "embedded", detection_timeout, dropout)
+        return _demo(out, steps, schedule, timeout, step_delay, "embedded", detection_timeout, dropout, shape)
     from tests.etcd_server import EtcdServer
 
     with EtcdServer() as server:
@@ -188,7 +231,7 @@ def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_
                                     daemon=True)
         restarts.start()
         try:
-            return _demo(out, steps, schedule, timeout, step_delay, server.url, detection_timeout, dropout)
+            return _demo(out, steps, schedule, timeout, step_delay, server.url, detection_timeout, dropout, shape)
         finally:
             done.set()
             restarts.join(30)
@@ -216,19 +259,22 @@ def _restart_etcd(server, steps: list[int], done: threading.Event) -> None:
 
 
 def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float, store: str,
-          detection_timeout: float, dropout: float) -> dict:
+          detection_timeout: float, dropout: float, shape: Shape) -> dict:
     report = out / "report.json"
-    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(NODES), "--steps", str(steps),
+    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(shape.nodes), "--steps", str(steps),
            "--checkpoint-every", str(CHECKPOINT_EVERY), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
            "--store", store, "--detection-timeout", str(detection_timeout), "--dropout", str(dropout),
            "--report", str(report), "--save-weights", str(out / "weights.pt"),
            "--preempt", ",".join(schedule.preempt) if schedule else ""]
+    cmd += ["--stages", str(shape.stages)] if shape.stages else []
     if schedule is not None:
         cmd += ["--freeze", ",".join(schedule.freeze)] if schedule.freeze else []
         cmd += ["--audit", "--step-delay", str(step_delay)] + (["--join", ",".join(schedule.join)] if schedule.join else [])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in faults.ENV_NAMES:
+    for name in (*faults.ENV_NAMES, PERTURB_ENV):
         env.pop(name, None)
+    if shape.perturb:
+        env[PERTURB_ENV] = "ulp"
     if schedule is not None and schedule.fail_at:
         (out / "fired").mkdir()
         env.update(faults.environment(schedule.fail_at, once_dir=out / "fired"))  # a node started again is spared
@@ -295,29 +341,58 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def seed_schedule(seed: int, args: argparse.Namespace) -> Schedule:
+    schedule = make_schedule(seed, args.changes, nodes=Shape.of(args.pipelines).nodes, etcd=args.store == "etcd",
+                             pipelines=args.pipelines)
+    if args.pipelines > 1:  # every seed as long as the longest, so that one clean run and one floor serve them all
+        schedule.steps = max(make_schedule(s, args.changes, nodes=Shape.of(args.pipelines).nodes,
+                                           etcd=args.store == "etcd", pipelines=args.pipelines).steps
+                             for s in range(args.first_seed, args.first_seed + args.seeds))
+    return schedule
+
+
+def clean_run(out: Path, steps: int, args: argparse.Namespace, shape: Shape) -> dict:
+    """A run of ``steps`` without preemptions: its weights, AdamW state, samples by step and samples/s."""
+    out.mkdir()
+    report = demo(out, steps, None, args.timeout, dropout=args.dropout, shape=shape)
+    if report["exit_code"] != 0 or report["steps_completed"] != steps:
+        raise SystemExit(f"the clean run of {steps} steps ({shape}) failed: exit {report['exit_code']}\n"
+                         f"{report['log_tail']}")
+    return {"weights": torch.load(out / "weights.pt"), "optimizer": optimizer_states(final_checkpoint(out / "work")),
+            "samples": samples_by_step(out / "work"), "samples_per_second": report["samples_per_second"]}
+
+
+def clean_and_floor(steps: int, args: argparse.Namespace, root: Path) -> dict:
+    """The clean run of ``steps``; with several pipelines, the noise floor as ``floor`` too: the larger difference
+    from it of the same job with one weight one ulp up, and of the same job on one pipeline of the same depth."""
+    shape = Shape.of(args.pipelines)
+    clean = clean_run(root / f"clean-{steps}", steps, args, shape)
+    clean["floor"] = 0.0
+    if args.pipelines > 1:
+        ulp = clean_run(root / f"floor-ulp-{steps}", steps, args, Shape(shape.nodes, shape.stages, perturb=True))
+        one = clean_run(root / f"floor-one-{steps}", steps, args, Shape(shape.stages, shape.stages))
+        clean["floor"] = max(max_difference(ulp["weights"], clean["weights"]), max_difference(one["weights"], clean["weights"]))
+        print(f"noise floor after {steps} steps: {clean['floor']:.3g} (one ulp: "
+              f"{max_difference(ulp['weights'], clean['weights']):.3g}, one pipeline: "
+              f"{max_difference(one['weights'], clean['weights']):.3g})", flush=True)
+    return clean
+
+
 def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[int, dict]) -> dict:
-    schedule = make_schedule(seed, args.changes, etcd=args.store == "etcd")
+    schedule = seed_schedule(seed, args)
     if schedule.steps not in clean_runs:
-        out = root / f"clean-{schedule.steps}"
-        out.mkdir()
-        report = demo(out, schedule.steps, None, args.timeout, dropout=args.dropout)
-        if report["steps_completed"] != schedule.steps:
-            raise SystemExit(f"the clean run of {schedule.steps} steps failed:\n{report['log_tail']}")
-        clean_runs[schedule.steps] = {"weights": torch.load(out / "weights.pt"),
-                                      "optimizer": optimizer_states(final_checkpoint(out / "work")),
-                                      "samples": samples_by_step(out / "work")}
-        clean_runs[schedule.steps]["samples_per_second"] = report["samples_per_second"]
+        clean_runs[schedule.steps] = clean_and_floor(schedule.steps, args, root)
     clean = clean_runs[schedule.steps]
     out = root / f"seed-{seed}"
     out.mkdir()
     report = demo(out, schedule.steps, schedule, args.timeout, args.step_delay, etcd=args.store == "etcd",
-                  detection_timeout=args.detection_timeout, dropout=args.dropout)
+                  detection_timeout=args.detection_timeout, dropout=args.dropout, shape=Shape.of(args.pipelines))
     row: dict = {"seed": seed, "steps": schedule.steps, "target_steps": schedule.steps,
                  "steps_completed": report.get("steps_completed", 0), "changes": schedule.changes,
                  "kinds": dict(schedule.kinds), "exit_code": report["exit_code"],
                  "recoveries": report.get("recoveries", {}), "recovery_seconds": report.get("recovery_seconds", []),
                  "preempt": schedule.preempt, "join": schedule.join, "fail_at": schedule.fail_at, "freeze": schedule.freeze,
-                 "etcd_restarts": schedule.etcd_restarts}
+                 "etcd_restarts": schedule.etcd_restarts, "floor": clean["floor"]}
     problems = []
     if report["exit_code"] != 0 or row["steps_completed"] != schedule.steps:
         problems.append(f"exit {report['exit_code']}, {row['steps_completed']} of {schedule.steps} steps; "
@@ -325,9 +400,12 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
     else:
         row["weights_difference"] = max_difference(torch.load(out / "weights.pt"), clean["weights"])
         row["optimizer_difference"] = max_difference(optimizer_states(final_checkpoint(out / "work")), clean["optimizer"])
-        if row["weights_difference"] or row["optimizer_difference"]:
+        if args.pipelines == 1 and (row["weights_difference"] or row["optimizer_difference"]):
             problems.append(f"weights differ by {row['weights_difference']:.3g}, optimizer state by "
                             f"{row['optimizer_difference']:.3g}")
+        if args.pipelines > 1 and row["weights_difference"] > clean["floor"]:
+            problems.append(f"weights differ by {row['weights_difference']:.3g}, beyond the noise floor "
+                            f"{clean['floor']:.3g} (optimizer state by {row['optimizer_difference']:.3g})")
         sample_issues = sample_problems(clean["samples"], samples_by_step(out / "work"), schedule.steps)
         row["sample_problems"] = len(sample_issues)
         problems += sample_issues[:5]
@@ -368,6 +446,8 @@ def table(rows: list[dict]) -> str:
         "",
         f"seeds {len(rows)}, changes survived {sum(r['changes'] for r in rows if not r['problems'])} of "
         f"{sum(r['changes'] for r in rows)}, runs with a mismatch, short or over a bound {len(failed)} {failed if failed else ''}",
+        f"noise floor (several pipelines; weights beyond it fail): {max(r.get('floor', 0.0) for r in rows):.3g}, largest "
+        f"difference of a run {max((r.get('weights_difference', 0.0) for r in rows), default=0.0):.3g}",
         f"recoveries over their bound {sum(len(r.get('over_bound', [])) for r in rows)}"
         f" {[s for r in rows for s in r.get('over_bound', [])] or ''}",
         "changes drawn by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())),
@@ -387,6 +467,9 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--pipelines", type=int, default=1,
+                   help="2 or more: that many pipelines of 3 stages, whole machines lost and joining, runs judged "
+                        "against a noise floor measured in the same call (default 1: one 4-stage pipeline, bit-exact)")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--changes", type=int, default=30, help="membership changes per seed (at least)")
     p.add_argument("--max-recovery", type=float, default=6.0,
@@ -416,7 +499,10 @@ def main() -> int:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bamboo-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     rows, clean_runs = [], {}
-    print(f"demo: {NODES} nodes, AdamW, dropout {args.dropout}, replica audit on, detection timeout "
+    if args.pipelines < 1:
+        raise SystemExit(f"--pipelines must be 1 or more (got {args.pipelines})")
+    shape = Shape.of(args.pipelines)
+    print(f"demo: {shape.nodes} nodes in {args.pipelines} pipeline(s), AdamW, dropout {args.dropout}, replica audit on, detection timeout "
           f"{args.detection_timeout} s, store {args.store}; bounds: recovery {args.max_recovery} s", flush=True)
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         row = run_seed(seed, args, root, clean_runs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 
@@ -13,12 +14,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import chaos  # noqa: E402
 
 
-def _replay(schedule: chaos.Schedule) -> tuple[int, int]:
+def _replay(schedule: chaos.Schedule, nodes: int = chaos.NODES) -> tuple[int, int]:
     """Follow a schedule's events in step order: (fewest nodes ever alive, nodes named before they exist)."""
     events = [(int(j.split("@")[1]), 0, "join", j.split("@")[0]) for j in schedule.join]
     events += [(int(p.split("@")[1].split(":")[0]), 1, "kill", p.split("@")[0]) for p in schedule.preempt + schedule.freeze]
     events += [(at, 1, "kill", f.split("@")[0]) for f, at in zip(schedule.fail_at, schedule.fail_steps, strict=True)]
-    alive, fewest, unknown = {f"node{i}" for i in range(chaos.NODES)}, chaos.NODES, 0
+    alive, fewest, unknown = {f"node{i}" for i in range(nodes)}, nodes, 0
     for _, _, kind, node in sorted(events):
         if kind == "join":
             alive.add(node)
@@ -76,6 +77,42 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     events = json.loads((tmp_path / "seed-71" / "report.json").read_text())["events"]
     assert any("frozen (SIGSTOP, never continued)" in event for event in events), events
     assert "dropout 0.1" in proc.stdout and "runs with a mismatch, short or over a bound 0" in proc.stdout
+
+
+def test_several_pipeline_schedules_lose_and_add_whole_machines():
+    """With 2 pipelines a machine is 2 nodes in a row of the demo's order (a node of each pipeline):
+    they are killed at the same step, and replacement machines join whole."""
+    kinds = collections.Counter()
+    for seed in range(10):
+        schedule = chaos.make_schedule(seed, 30, nodes=6, pipelines=2)
+        kinds.update(schedule.kinds)
+        kills_by_step = collections.Counter(int(p.split("@")[1].split(":")[0]) for p in schedule.preempt)
+        if schedule.kinds["machine"]:
+            assert max(kills_by_step.values()) >= 2  # a machine's nodes go at the same step
+        joins_by_step = collections.Counter(int(j.split("@")[1]) for j in schedule.join)
+        if schedule.kinds["machine_join"]:
+            assert max(joins_by_step.values()) >= 2
+        fewest, unknown = _replay(schedule, nodes=6)
+        assert fewest >= 1 and unknown == 0
+    assert kinds["machine"] >= 5 and kinds["machine_join"] >= 5
+    assert "machine" not in set().union(*(chaos.make_schedule(seed, 30).kinds for seed in range(10)))
+
+
+@pytest.mark.timeout(600)
+def test_a_several_pipeline_chaos_run_stays_within_its_measured_noise_floor(tmp_path):
+    """Seed 2 on 2 pipelines of 3 stages: a whole machine (a node of each pipeline) killed, a node killed inside
+    the failover, a replacement machine joining; the replica audit on. The weights stay within the noise floor
+    measured in the same call (a clean run with one weight one ulp up, and on one pipeline), every step trained
+    once on the clean run's samples, and the run exited 0."""
+    proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--pipelines", "2", "--seeds", "1", "--first-seed", "2",
+                "--changes", "6", "--store", "embedded", "--no-bounds", "--json", "--keep", str(tmp_path)], timeout=560)
+    rows = [json.loads(line)["chaos_run"] for line in proc.stdout.splitlines() if line.startswith('{"chaos_run"')]
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    (row,) = rows
+    assert row["kinds"]["machine"] == 1 and row["kinds"]["machine_join"] == 1 and row["kinds"]["in_failover"] == 1
+    assert row["exit_code"] == 0 and row["steps_completed"] == row["target_steps"]
+    assert 0.0 < row["floor"] and row["weights_difference"] <= row["floor"] and row["sample_problems"] == 0
+    assert "noise floor after" in proc.stdout
 
 
 @pytest.mark.timeout(120)
