@@ -181,13 +181,26 @@ class Cluster:
 
     def job_finished(self) -> bool:
         """Whether a worker of the current job marked it finished (``Session.finish``)."""
+        return self.finished_nodes() is not None
+
+    def finished_nodes(self) -> frozenset[str] | None:
+        """The current job's nodes when it finished (``Session.finish``): each of them must exit 0; a node the
+        job lost or released before is not one. None: not finished (or the store does not answer); an empty
+        set: finished, by a writer that did not name its nodes."""
         from lightning_bamboo.membership.keys import FINISHED_KEY
         from lightning_bamboo.membership.registry import job_prefix
 
         try:
-            return self.store.get(f"{job_prefix(self.job)}{FINISHED_KEY}") is not None
+            kv = self.store.get(f"{job_prefix(self.job)}{FINISHED_KEY}")
         except Exception:  # noqa: BLE001 - a store that does not answer: not known to be finished
-            return False
+            return None
+        if kv is None:
+            return None
+        try:
+            nodes = json.loads(kv.value)
+        except ValueError:
+            return frozenset()
+        return frozenset(nodes) if isinstance(nodes, list) else frozenset()
 
     def poll(self, announce_always: bool = False) -> dict[str, int]:
         """Reap workers that exited since the last call; announce the ones that died.
@@ -271,11 +284,12 @@ FINISHED_GRACE_SECONDS = 10.0
 
 
 def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
-                      announce_always: bool = False, kill_hung: bool = False) -> None:
+                      announce_always: bool = False, kill_hung: bool = False) -> set[str]:
     """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or with ``kill_hung``
     when they run on ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by
     itself). Only ``launch`` asks for that: all its workers are ranks of the job; a machine's supervisor
-    also runs standby nodes, which may still be starting when the job finishes."""
+    also runs standby nodes, which may still be starting when the job finishes. Returns the workers killed
+    as hung."""
     finished_at, checked, hung = None, 0.0, set()
     while cluster.running:
         cluster.poll(announce_always=announce_always)
@@ -296,6 +310,9 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
         if deadline is not None and now > deadline:
             raise TimeoutError(f"workers still running after the launcher's timeout: {cluster.running}")
         time.sleep(0.05)
+    # a worker that exited after the last poll (``running`` reaps it) has its code recorded, and its death announced
+    cluster.poll(announce_always=announce_always)
+    return hung
     cluster.poll(announce_always=announce_always)
 
 
@@ -329,6 +346,57 @@ def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
         store.close()
 
 
+@dataclass(frozen=True)
+class JobResult:
+    """How a local job ended: each node's exit code (negative: killed by that signal), the nodes the launcher
+    killed as hung after the job finished, and the job's nodes when it finished (None: it never finished;
+    empty: finished without naming them)."""
+
+    codes: Mapping[str, int]
+    hung: frozenset[str] = frozenset()
+    finished_nodes: frozenset[str] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The launcher's exit status is 0: some node finished cleanly, every other one was killed (a node the job
+        lost: SIGKILL, as a preemption or a frozen machine's end), and every node that was still in the job when it
+        finished exited 0 (one the launcher had to kill as hung did not finish cleanly)."""
+        codes = self.codes.values()
+        if not (any(c == 0 for c in codes) and all(c in (0, -signal.SIGKILL) for c in codes)):
+            return False
+        return not (self.finished_nodes or frozenset()) & {n for n, c in self.codes.items() if c != 0}
+
+    def failed_members(self) -> list[str]:
+        """The nodes still in the job when it finished that did not exit 0."""
+        return sorted(n for n in self.finished_nodes or () if self.codes.get(n, 0) != 0)
+
+
+def run_job(
+    command: Sequence[str],
+    nodes: int,
+    *,
+    store: str = "embedded",
+    job: str = "bamboo",
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    stop_grace: float = STOP_GRACE_SECONDS,
+) -> JobResult:
+    """Run ``command`` as ``nodes`` workers on this machine; returns how each ended (``launch`` for the codes)."""
+    if nodes < 1:
+        raise BambooConfigError(f"a job needs at least one node (nodes: {nodes})")
+    names = node_names(nodes)
+    cluster = Cluster(store, job, env, local_workers=nodes)
+    try:
+        with stopping(cluster, stop_grace) as stop:
+            for rank, name in enumerate(names):
+                cluster.spawn(name, command, rank, names)
+            hung = _wait_for_workers(cluster, stop, None if timeout is None else time.monotonic() + timeout,
+                                     kill_hung=True)
+        return JobResult(dict(cluster.codes), frozenset(hung), cluster.finished_nodes())
+    finally:
+        cluster.close()
+
+
 def launch(
     command: Sequence[str],
     nodes: int,
@@ -340,18 +408,7 @@ def launch(
     stop_grace: float = STOP_GRACE_SECONDS,
 ) -> dict[str, int]:
     """Run ``command`` as ``nodes`` workers; returns each node's exit code (negative: killed by that signal)."""
-    if nodes < 1:
-        raise BambooConfigError(f"a job needs at least one node (nodes: {nodes})")
-    names = node_names(nodes)
-    cluster = Cluster(store, job, env, local_workers=nodes)
-    try:
-        with stopping(cluster, stop_grace) as stop:
-            for rank, name in enumerate(names):
-                cluster.spawn(name, command, rank, names)
-            _wait_for_workers(cluster, stop, None if timeout is None else time.monotonic() + timeout, kill_hung=True)
-        return dict(cluster.codes)
-    finally:
-        cluster.close()
+    return dict(run_job(command, nodes, store=store, job=job, env=env, timeout=timeout, stop_grace=stop_grace).codes)
 
 
 @dataclass(frozen=True)
@@ -585,9 +642,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.nodes} node(s) here: {','.join(node_names(args.nodes))}; store {args.store}")
         print("command: " + shlex.join(command))
         return 0
-    codes = launch(command, args.nodes, store=args.store, job=args.job, stop_grace=args.stop_grace)
-    print("[launcher] exit codes: " + ", ".join(f"{n}={c}" for n, c in codes.items()), file=sys.stderr)
-    return 0 if any(c == 0 for c in codes.values()) and all(c in (0, -9) for c in codes.values()) else 1
+    result = run_job(command, args.nodes, store=args.store, job=args.job, stop_grace=args.stop_grace)
+    print("[launcher] exit codes: " + ", ".join(f"{n}={c}" for n, c in result.codes.items()), file=sys.stderr)
+    if result.failed_members():
+        print(f"[launcher] the job finished with {','.join(sorted(result.finished_nodes or ()))}, and "
+              f"{','.join(result.failed_members())} did not exit 0 after it (killed as hung: "
+              f"{','.join(sorted(result.hung)) or 'none'}): the job did not end cleanly", file=sys.stderr)
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The local launcher's share of one machine: compute threads per worker, standby processes at idle priority,
-and a worker that hangs after its job finished."""
+a worker that hangs after its job finished, and a job's end on every node soon after its last step."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +15,8 @@ import pytest
 from lightning_bamboo import launcher
 from lightning_bamboo.launcher import Cluster, launch
 from lightning_bamboo.membership.node import idle_priority_supported
-from tests.helpers import REPO
+from lightning_bamboo.testing import faults
+from tests.helpers import PYTHON, REPO, run
 
 # a standby node's process in miniature: reports its policy, starts a thread, is "admitted", reports every thread's
 # policy, and its child process's (as the communication zygote is one)
@@ -106,3 +108,32 @@ def test_a_worker_that_hangs_after_the_job_finished_is_killed_and_the_launcher_r
     codes = launch([sys.executable, "-c", FINISH_OR_HANG], 2, env={"PYTHONPATH": str(REPO)}, timeout=60)
     assert codes == {"node0": 0, "node1": -9}
     assert time.monotonic() - started < 30
+
+
+SLOW_MLP = [PYTHON, "tests/scripts/slow_mlp.py", "--stages", "4", "--steps", "12", "--sleep", "0.3"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("redundancy", "kill"), [("lazy", None), ("eager", None), ("lazy", "node2@5")])
+def test_a_finished_job_ends_on_every_node_soon_after_its_last_step(redundancy, kill):
+    """Issue 41: 4 nodes with 0.3 s steps finished, then every worker spent more than 10 s in the interpreter's
+    exit (full collections over the heap of torch, DeepSpeed and Lightning, 4 workers and their zygotes on 2
+    cores at once); the launcher killed them as hung and reported -9 for every node (once 0, a status that
+    lied). Every node still in the job exits 0, one killed mid-run is -9, the launcher's status is 0, and
+    every process has ended within 15 s of the last step (the bound of a hang, not a speed target)."""
+    env = faults.environment([kill] if kill else [])
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", *SLOW_MLP, "--redundancy", redundancy],
+               timeout=200, env=env)
+    ended = time.time()  # the launcher returns once every worker has exited
+    lines = [json.loads(found) for found in re.findall(r'\{"node": [^{}]*\}', proc.stdout)]  # lines may interleave
+    codes = dict(item.split("=") for line in proc.stdout.splitlines() if line.startswith("[launcher] exit codes: ")
+                 for item in line.removeprefix("[launcher] exit codes: ").split(", "))
+    expected = {f"node{i}": "0" for i in range(4)}
+    if kill:
+        expected[kill.split("@")[0]] = "-9"
+    assert codes == expected, proc.stdout[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    finished = {line["node"] for line in lines if line.get("global_step") == 12}
+    assert finished == {n for n, c in expected.items() if c == "0"}, proc.stdout[-3000:]
+    last_step = max(line["last_step"] for line in lines if "last_step" in line)
+    assert ended - last_step < 15, f"the processes ended {ended - last_step:.1f} s after the last step"

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -44,7 +44,7 @@ def zygote_main(fd: int) -> None:
             conn.recv()
             (child_fd,) = recvfds(sock, 1)
         except (EOFError, OSError):
-            return
+            _leave()
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -56,7 +56,18 @@ def zygote_main(fd: int) -> None:
         try:
             conn.send(pid)
         except OSError:
-            return
+            _leave()
+
+
+def _leave() -> NoReturn:
+    """The zygote's end (its worker closed the socket: the worker exits): leave without tearing torch down.
+
+    It holds nothing to save, and an interpreter that imported torch takes about a second of CPU to
+    finalize, taken at the moment its worker is finalizing too: at the end of a job every node's worker
+    and zygote did that at once (issue 41)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _child_main(fd: int) -> None:

@@ -18,7 +18,7 @@ def check_name(kind: str, name: str) -> str:
 
 
 #: under a job's prefix: set by the node that ends the job (``Session.finish``); standby nodes and the
-#: launcher read it
+#: launcher read it. Its value: the JSON list of the pipeline's nodes at the end (``"1"`` from older writers)
 FINISHED_KEY = "finished"
 #: under a job's prefix: put by whoever restarts a job that ended with a fatal loss (``registry.abandon_job``), as
 #: an admission record that names no node (``{"generation": -1, "order": [], "abandoned": reason}``), so that

@@ -266,8 +266,10 @@ class Session:
         return rank, world
 
     def finish(self) -> None:
-        """The job is over: standby nodes that were never admitted stop waiting."""
-        self.store.put(f"{self.base}{FINISHED_KEY}", "1")
+        """The job is over: standby nodes that were never admitted stop waiting. The value names the
+        pipeline's nodes at the end (the launcher holds each of them to exit 0; a node the job lost or
+        released before it finished is not one of them)."""
+        self.store.put(f"{self.base}{FINISHED_KEY}", json.dumps(list(self.nodes)))
 
     def record_reconfiguration(self, record: dict[str, Any]) -> None:
         """The sender (the first node of the new order that ran before it; a joining node at rank 0 does not
