@@ -279,8 +279,50 @@ def stopping(cluster: Cluster, grace: float = STOP_GRACE_SECONDS) -> Iterator[_S
             signal.signal(sig, old)
 
 
-#: seconds a worker may run on after its job was marked finished (it is then a hung node: killed)
+#: seconds a worker may run on after its job was marked finished; past them it is a hung node (killed) unless it
+#: still works: a process that used CPU in the last second is ending (on a loaded machine an interpreter's exit
+#: can take longer), one stopped or idle is hung (a frozen node, a wait that never ends)
 FINISHED_GRACE_SECONDS = 10.0
+#: seconds after the job finished past which a worker is killed even while it still uses CPU
+FINISHED_LIMIT_SECONDS = 120.0
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used by ``pid`` and its descendants; None where it is stopped (SIGSTOP) or gone."""
+    total = 0.0
+    for i, member in enumerate([pid, *descendants(pid)]):
+        try:
+            with open(f"/proc/{member}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            if i == 0:
+                return None
+            continue
+        if i == 0 and fields[0] in ("T", "t"):
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
+class _HangWatch:
+    """Which workers are hung after the job finished: past the grace and using no CPU (or stopped), or past the limit."""
+
+    def __init__(self, finished_at: float) -> None:
+        self.finished_at = finished_at
+        self.seen: dict[str, tuple[float, float | None]] = {}  # name -> (when, CPU seconds then)
+
+    def hung(self, name: str, pid: int, now: float) -> bool:
+        if now - self.finished_at <= FINISHED_GRACE_SECONDS:
+            return False
+        if now - self.finished_at > FINISHED_LIMIT_SECONDS:
+            return True
+        cpu = _cpu_seconds(pid)
+        when, before = self.seen.get(name, (None, None))
+        if when is None or now - when >= 1.0:
+            self.seen[name] = (now, cpu)
+        if cpu is None:
+            return True
+        return when is not None and now - when >= 1.0 and before is not None and cpu - before < 0.02
 
 
 def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
@@ -291,6 +333,7 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
     also runs standby nodes, which may still be starting when the job finishes. Returns the workers killed
     as hung."""
     finished_at, checked, hung = None, 0.0, set()
+    watch: _HangWatch | None = None
     while cluster.running:
         cluster.poll(announce_always=announce_always)
         if stop.overdue():
@@ -300,20 +343,21 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
         if kill_hung and finished_at is None and now - checked > 1.0:
             checked = now
             finished_at = now if cluster.job_finished() else None
-        if finished_at is not None and now - finished_at > FINISHED_GRACE_SECONDS:
+        if finished_at is not None:
+            watch = watch or _HangWatch(finished_at)
             for name in cluster.running:
-                if name not in hung:
-                    hung.add(name)
-                    print(f"[launcher] {name} still runs {FINISHED_GRACE_SECONDS:g} s after the job finished (hung): "
-                          "killed", file=sys.stderr, flush=True)
-                cluster.kill(name, signal.SIGKILL)
+                if name in hung or watch.hung(name, cluster.procs[name].pid, now):
+                    if name not in hung:
+                        hung.add(name)
+                        print(f"[launcher] {name} still runs {now - finished_at:.0f} s after the job finished, "
+                              "stopped or using no CPU (hung): killed", file=sys.stderr, flush=True)
+                    cluster.kill(name, signal.SIGKILL)
         if deadline is not None and now > deadline:
             raise TimeoutError(f"workers still running after the launcher's timeout: {cluster.running}")
         time.sleep(0.05)
     # a worker that exited after the last poll (``running`` reaps it) has its code recorded, and its death announced
     cluster.poll(announce_always=announce_always)
     return hung
-    cluster.poll(announce_always=announce_always)
 
 
 def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +139,34 @@ def test_a_finished_job_ends_on_every_node_soon_after_its_last_step(redundancy, 
     assert finished == {n for n, c in expected.items() if c == "0"}, proc.stdout[-3000:]
     last_step = max(line["last_step"] for line in lines if "last_step" in line)
     assert ended - last_step < 15, f"the processes ended {ended - last_step:.1f} s after the last step"
+
+
+def test_after_the_grace_a_worker_that_still_uses_cpu_is_ending_and_an_idle_or_stopped_one_is_hung():
+    """An interpreter's exit can take long on a loaded machine: past the grace the launcher kills only a worker
+    that is stopped (a frozen node) or used no CPU in the last second, and any worker past the limit."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    sleeper = "import time; print('ready', flush=True); time.sleep(600)"
+    idle = subprocess.Popen([sys.executable, "-c", sleeper], stdout=subprocess.PIPE, text=True)
+    stopped = subprocess.Popen([sys.executable, "-c", sleeper], stdout=subprocess.PIPE, text=True)
+    try:
+        for proc in (idle, stopped):  # started and asleep: an interpreter's start-up uses CPU
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "SIGSTOP did not stop the process"
+            time.sleep(0.05)
+        now = time.monotonic()
+        watch = launcher._HangWatch(now - launcher.FINISHED_GRACE_SECONDS - 1)
+        assert not watch.hung("early", busy.pid, now - 2)  # within the grace: never
+        assert watch.hung("stopped", stopped.pid, now)
+        first = {name: watch.hung(name, proc.pid, now) for name, proc in (("busy", busy), ("idle", idle))}
+        assert first == {"busy": False, "idle": False}  # one reading is no evidence yet
+        time.sleep(1.2)
+        later = time.monotonic()
+        assert not watch.hung("busy", busy.pid, later) and watch.hung("idle", idle.pid, later)
+        assert launcher._HangWatch(later - launcher.FINISHED_LIMIT_SECONDS - 1).hung("busy", busy.pid, later)
+    finally:
+        for proc in (busy, idle, stopped):
+            proc.kill()
+            proc.wait(30)
