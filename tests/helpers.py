@@ -1,8 +1,11 @@
-"""Shared test helpers: the tiny GPT config, its data, the single-process reference, process running."""
+"""Shared test helpers: the tiny GPT config, its data, the single-process reference, process running, reading a
+job's output."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +97,20 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, c
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def launcher_exit_codes(output: str) -> dict[str, int]:
+    """Each node's exit code from the local launcher's ``[launcher] exit codes: node0=0, node1=-9`` line in
+    ``output`` (empty if it printed none)."""
+    prefix = "[launcher] exit codes: "
+    return {node: int(code) for line in output.splitlines() if line.startswith(prefix)
+            for node, code in (item.split("=") for item in line.removeprefix(prefix).split(", "))}
+
+
+def json_reports(output: str) -> list[dict]:
+    """The one-line JSON objects that start with ``{"node": `` in ``output`` (``tests/scripts/slow_mlp.py``'s
+    reports), also where processes' lines interleave."""
+    return [json.loads(found) for found in re.findall(r'\{"node": [^{}]*\}', output)]
 
 
 def callback_from_yaml(cls: type, init_args: str) -> object:

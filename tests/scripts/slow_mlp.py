@@ -66,12 +66,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--sleep", type=float, default=0.3)
     p.add_argument("--redundancy", default="lazy")
+    p.add_argument("--detection-timeout", type=float, default=10.0,
+                   help="BambooStrategy(detection_timeout): longer where a killed machine's peers learn of it by its lease")
     p.add_argument("--hang-dump", type=float, default=0.0, help="dump every thread's stack this many seconds in")
     args = p.parse_args()
     if args.hang_dump:
         faulthandler.dump_traceback_later(args.hang_dump, exit=False)
     strategy = lightning_bamboo.BambooStrategy(stages=args.stages, micro_batch_size=2, redundancy=args.redundancy,
-                                               seed=1234, timeout=60)
+                                               seed=1234, timeout=60,
+                                               detection_timeout=args.detection_timeout)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
                          callbacks=[SlowSteps(args.sleep)], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
