@@ -8,6 +8,10 @@
 - DeepSpeed prints its process topology and layer seeds on rank 0 every time a pipeline is built
   (at start and after every failover or reconfiguration). ``deepspeed_prints_hidden`` drops those
   lines; ``BAMBOO_DEEPSPEED_LOGS=1`` keeps them.
+- DeepSpeed warns in every process that it fell back to the CPU when it finds no GPU, which a CPU job
+  cannot act on: ``choose_deepspeed_accelerator`` names the CPU for it (``DS_ACCELERATOR=cpu``) where
+  torch sees no GPU and the user chose nothing. Lightning's and torch's own warnings that our code sets
+  off and a user cannot act on are filtered by ``filter_unactionable_warnings``.
 """
 
 from __future__ import annotations
@@ -101,3 +105,27 @@ def deepspeed_prints_hidden() -> Iterator[None]:
     finally:
         sys.stdout.flush()
         sys.stdout = previous
+
+
+def choose_deepspeed_accelerator() -> None:
+    """``DS_ACCELERATOR=cpu`` where torch sees no GPU and nobody set it (DeepSpeed then picks the CPU silently)."""
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+#: warnings our code sets off in Lightning or torch that name nothing a user can change
+UNACTIONABLE_WARNINGS = (
+    # Lightning 2.6's pytree helper on torch >= 2.10, once per rank at the first batch
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+
+def filter_unactionable_warnings() -> None:
+    import warnings
+
+    for message in UNACTIONABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)

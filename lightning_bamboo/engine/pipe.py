@@ -177,7 +177,7 @@ class BambooPipelineEngine(PipelineEngine):
         costs = self.__dict__["_measured_costs"] = Costs(forward=1, backward=ratio)
         placed = [sum(1 for s in _eager_steps(self.num_stages, self.micro_batches, self.stage_id, c)
                       for name, _ in s if name == "RedundantForward") for c in (costs, None)]
-        log.warning("%s: eager RFs placed with measured costs F = 1, B = %.1f: %d per step (the model's F = 1, B = 2: %d)",
+        log.info("%s: eager RFs placed with measured costs F = 1, B = %.1f: %d per step (the model's F = 1, B = 2: %d)",
                  self.node_id or f"rank {self.global_rank}", ratio, *placed)
         return costs
 

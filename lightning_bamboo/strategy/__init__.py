@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+from lightning_bamboo import logs
 from lightning_bamboo.strategy.bamboo import make_strategy_class
+
+logs.filter_unactionable_warnings()
 
 
 @functools.cache

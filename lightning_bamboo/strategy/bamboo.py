@@ -325,7 +325,8 @@ class _BambooStrategyMixin(CheckpointHooks):
         finally:
             comm_process.watch_while_forming(lambda: False)
             self._timeout = full
-        torch_dist.distributed_c10d._set_pg_timeout(full)
+        if self._get_process_group_backend() != BACKEND:  # the abortable backend's timeout is its own
+            torch_dist.distributed_c10d._set_pg_timeout(full)
 
     @override
     def set_world_ranks(self) -> None:
@@ -392,6 +393,11 @@ class _BambooStrategyMixin(CheckpointHooks):
         from lightning_bamboo.callbacks.failover_metrics import add_failover_metrics
 
         self._check_trainer(trainer)
+        if self.redundancy != "off" and not launched_by_bamboo() and self.global_rank == 0:
+            log.warning("redundancy=%r keeps replicas, but no process of this job survives a death under Lightning's own "
+                        "launcher, so they cannot save a step; start it with `python -m lightning_bamboo.launcher --nodes "
+                        "N -- python YOUR_SCRIPT.py` (one machine) or `--node NAME --workers K` on each machine for "
+                        "failover, or set redundancy='off'", self.redundancy)
         self._take_over_sampler_injection(trainer)
         patches.no_sigterm_broadcast_under_membership(trainer)
         add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
