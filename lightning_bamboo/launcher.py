@@ -66,6 +66,51 @@ def node_names(nodes: int) -> list[str]:
     return [f"node{i}" for i in range(nodes)]
 
 
+#: every variable the launcher sets in a worker's environment, with what it holds (``--help`` and the docs list them)
+WORKER_ENV: tuple[tuple[str, str], ...] = (
+    (NODE_ENV, "the worker's node: node0.. (--nodes), NAME (--node) or NAME.0 .. NAME.K-1 (--workers K)"),
+    (NODES_ENV, "the job's initial nodes in rank order, comma-separated (a standby node: its own name)"),
+    (STORE_ENV, "the membership store's URL (--store; 'embedded' becomes the private server's)"),
+    (JOB_ENV, "the job's name (--job): its key space in the store"),
+    (JOIN_ENV, "1 for a standby node, which waits until a reconfiguration admits it (unset otherwise)"),
+    (MACHINE_ENV, "with --node: the machine (failure domain) the worker runs on"),
+    (ADDR_ENV, "with --node: the address the machine's peers reach it at (--addr)"),
+    ("RANK", "the worker's rank in the initial job (a standby node: 0)"),
+    ("WORLD_SIZE", "the number of nodes in the initial job (a standby node: 1)"),
+    ("LOCAL_RANK", "the same as RANK (a standby node: 0); on a GPU machine, the GPU the worker uses"),
+    ("NODE_RANK", "0: to Lightning the job is one node whose LOCAL_RANK is the global rank"),
+    ("MASTER_ADDR", "where the initial process group meets (with --node: the first node's --addr)"),
+    ("MASTER_PORT", "the initial process group's port (a free one, chosen by the launcher)"),
+    ("OMP_NUM_THREADS", "this machine's cores divided among its workers, when several share it, unless set"),
+    ("GLOO_SOCKET_IFNAME", "the interface that owns --addr (127.0.0.1: loopback), unless one of the two is set"),
+    ("NCCL_SOCKET_IFNAME", "the same interface, as =NAME"),
+)
+
+
+def worker_env_help() -> str:
+    """``--help``'s epilog: the environment each worker gets."""
+    width = max(len(name) for name, _ in WORKER_ENV)
+    lines = [f"  {name:<{width}}  {meaning}" for name, meaning in WORKER_ENV]
+    return "\n".join(["environment of each worker (besides the launcher's own):", *lines])
+
+
+def visible_gpus() -> int:
+    """The GPUs a worker started here sees (``CUDA_VISIBLE_DEVICES`` applied); 0 on a machine without CUDA.
+    torch is loaded already (the package's import brings it); counting GPUs creates no CUDA context."""
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def worker_device(env: Mapping[str, str], gpus: int) -> str:
+    """The device a worker with environment ``env`` uses on a machine with ``gpus`` GPUs: the GPU
+    ``LOCAL_RANK`` (Lightning's and DeepSpeed's choice), or the CPU where there is none."""
+    if gpus == 0:
+        return "cpu"
+    local = int(env.get("LOCAL_RANK", "0"))
+    return f"cuda:{local}" if local < gpus else f"cuda:{local} (this machine has {gpus} GPU(s))"
+
+
 
 class Cluster:
     """Worker processes, one per node, sharing a store; a dead worker is announced at once.
@@ -75,7 +120,9 @@ class Cluster:
     """
 
     def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None,
-                 local_workers: int | None = None) -> None:
+                 local_workers: int | None = None, *, report: bool = False, pid_dir: str | None = None) -> None:
+        """``report``: print one line per worker it starts on stderr (node, pid, rank, device); ``pid_dir``: keep
+        ``<node>.pid`` there for each running worker (written atomically at its start, removed once it exited)."""
         from lightning_bamboo.membership import connect, resolve_store
         from lightning_bamboo.membership.address import bind_env
         from lightning_bamboo.membership.registry import Registry
@@ -93,6 +140,10 @@ class Cluster:
             self.env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // local_workers))
         self.procs: dict[str, subprocess.Popen] = {}
         self.codes: dict[str, int] = {}
+        self.report, self.pid_dir = report, pid_dir
+        self._gpus = visible_gpus() if report else 0
+        if pid_dir is not None:
+            os.makedirs(pid_dir, exist_ok=True)
         self.store = connect(self.url)
         self._reporter = Registry(self.store, job, "launcher")
 
@@ -134,6 +185,7 @@ class Cluster:
         """Worker ``name`` runs in ``proc``, a process started elsewhere (a warm pool's, given its assignment)."""
         self.codes.pop(name, None)
         self.procs[name] = proc
+        self._write_pid(name, proc.pid)
 
     def spawn_joiner(self, name: str, command: Sequence[str], idle: bool = False, **popen: object) -> None:
         """Start a node that joins the running job: standby until a reconfiguration admits it.
@@ -154,7 +206,32 @@ class Cluster:
 
     def _start(self, name: str, command: Sequence[str], env: dict[str, str], popen: Mapping[str, object]) -> None:
         self.codes.pop(name, None)
-        self.procs[name] = subprocess.Popen(list(command), env=env, **popen)  # type: ignore[call-overload]
+        proc = self.procs[name] = subprocess.Popen(list(command), env=env, **popen)  # type: ignore[call-overload]
+        self._write_pid(name, proc.pid)
+        if self.report:
+            role = ("standby (joins the running job)" if env.get(JOIN_ENV) == "1"
+                    else f"rank {env['RANK']} of {env['WORLD_SIZE']}")
+            print(f"[launcher] {name}: pid {proc.pid}, {role}, device {worker_device(env, self._gpus)}",
+                  file=sys.stderr, flush=True)
+
+    def _pid_file(self, name: str) -> str | None:
+        return None if self.pid_dir is None else os.path.join(self.pid_dir, f"{name}.pid")
+
+    def _write_pid(self, name: str, pid: int) -> None:
+        """``<pid_dir>/<name>.pid``, written whole or not at all: a reader never sees a partial number."""
+        path = self._pid_file(name)
+        if path is None:
+            return
+        temporary = os.path.join(os.path.dirname(path), f".{name}.pid.{os.getpid()}.tmp")
+        with open(temporary, "w") as f:
+            f.write(f"{pid}\n")
+        os.replace(temporary, path)
+
+    def _remove_pid(self, name: str) -> None:
+        path = self._pid_file(name)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     def new_job(self, job: str) -> None:
         """Later workers (e.g. a restart from a checkpoint) use a fresh key space in the store."""
@@ -213,6 +290,7 @@ class Cluster:
             if name in self.codes or proc.poll() is None:
                 continue
             self.codes[name] = exited[name] = proc.returncode
+            self._remove_pid(name)
             if proc.returncode != 0 and (announce_always or self.running):
                 try:  # tell the survivors now; the lease would take its TTL
                     self._reporter.announce_loss(name, f"process exited with {proc.returncode}", timeout=2.0)
@@ -221,10 +299,11 @@ class Cluster:
         return exited
 
     def close(self) -> None:
-        for proc in self.procs.values():
+        for name, proc in self.procs.items():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
+            self._remove_pid(name)
         self.store.close()
         if self._server is not None:
             self._server.stop()
@@ -424,12 +503,17 @@ def run_job(
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     stop_grace: float = STOP_GRACE_SECONDS,
+    report: bool = False,
+    pid_dir: str | None = None,
 ) -> JobResult:
-    """Run ``command`` as ``nodes`` workers on this machine; returns how each ended (``launch`` for the codes)."""
+    """Run ``command`` as ``nodes`` workers on this machine; returns how each ended (``launch`` for the codes).
+
+    ``report``: one line per worker on stderr as it starts (node, pid, rank, device); ``pid_dir``: ``<node>.pid``
+    there while each worker runs."""
     if nodes < 1:
         raise BambooConfigError(f"a job needs at least one node (nodes: {nodes})")
     names = node_names(nodes)
-    cluster = Cluster(store, job, env, local_workers=nodes)
+    cluster = Cluster(store, job, env, local_workers=nodes, report=report, pid_dir=pid_dir)
     try:
         with stopping(cluster, stop_grace) as stop:
             for rank, name in enumerate(names):
@@ -450,9 +534,12 @@ def launch(
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     stop_grace: float = STOP_GRACE_SECONDS,
+    report: bool = False,
+    pid_dir: str | None = None,
 ) -> dict[str, int]:
     """Run ``command`` as ``nodes`` workers; returns each node's exit code (negative: killed by that signal)."""
-    return dict(run_job(command, nodes, store=store, job=job, env=env, timeout=timeout, stop_grace=stop_grace).codes)
+    return dict(run_job(command, nodes, store=store, job=job, env=env, timeout=timeout, stop_grace=stop_grace,
+                        report=report, pid_dir=pid_dir).codes)
 
 
 @dataclass(frozen=True)
@@ -582,6 +669,8 @@ def supervise(
     min_nodes: int | None = None,
     max_nodes: int | None = None,
     stop_grace: float = STOP_GRACE_SECONDS,
+    report: bool = False,
+    pid_dir: str | None = None,
 ) -> int:
     """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
@@ -589,7 +678,7 @@ def supervise(
     the first node publishes the address of the initial process group in the store (``addr``
     and a free port there); the others wait for it (at most ``timeout`` s). A worker that dies is
     announced in the store at once, so its peers fail over in milliseconds. Every process group
-    binds to the interface that owns ``addr``.
+    binds to the interface that owns ``addr``. ``report`` and ``pid_dir`` as for ``run_job``.
     """
     from lightning_bamboo.membership.registry import job_prefix
 
@@ -597,7 +686,8 @@ def supervise(
                      min_nodes=min_nodes, max_nodes=max_nodes)
     chosen = {k: os.environ[k] for k in INTERFACE_VARS if k in os.environ}  # the user's choice wins over ours
     cluster = Cluster(store, job, {**plan.env, **chosen, **(env or {})},
-                      local_workers=len(plan.workers) if len(plan.workers) > 1 else None)
+                      local_workers=len(plan.workers) if len(plan.workers) > 1 else None, report=report,
+                      pid_dir=pid_dir)
     try:
         with stopping(cluster, stop_grace) as stop:
             if min_nodes is not None:
@@ -640,7 +730,10 @@ def _wait_for_key(store: Any, key: str, timeout: float, what: str) -> dict[str, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_bamboo.launcher", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_bamboo.launcher", description=__doc__.splitlines()[0],
+                                     epilog=worker_env_help() + "\n\nAt each worker's start the launcher prints "
+                                     "one line on stderr: '[launcher] NODE: pid PID, rank R of N, device DEVICE'.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=None, help="run this many nodes here (one machine)")
     parser.add_argument("--node", default=None, help="run this machine's node(s) here (one supervisor per machine)")
     parser.add_argument("--workers", type=int, default=None,
@@ -660,6 +753,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stop-grace", type=float, default=STOP_GRACE_SECONDS,
                         help="seconds the workers get to hand over after SIGTERM/SIGINT/SIGHUP to this launcher (they get "
                              "SIGTERM, a preemption notice) before they are killed; a second signal kills them at once")
+    parser.add_argument("--pid-dir", default=None, metavar="DIR",
+                        help="write DIR/NODE.pid (the worker's process id) for each worker while it runs: written "
+                             "whole when it starts, removed once it exited (kill -9 $(cat DIR/node2.pid) preempts node2)")
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print what would run, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     args = parser.parse_args(argv)
@@ -677,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
                          workers=args.workers, job=args.job, timeout=args.timeout, min_nodes=args.min_nodes,
-                         max_nodes=args.max_nodes, stop_grace=args.stop_grace)
+                         max_nodes=args.max_nodes, stop_grace=args.stop_grace, report=True, pid_dir=args.pid_dir)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
         return 0 if code == 0 else 1
     if args.workers is not None:
@@ -686,7 +782,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.nodes} node(s) here: {','.join(node_names(args.nodes))}; store {args.store}")
         print("command: " + shlex.join(command))
         return 0
-    result = run_job(command, args.nodes, store=args.store, job=args.job, stop_grace=args.stop_grace)
+    result = run_job(command, args.nodes, store=args.store, job=args.job, stop_grace=args.stop_grace, report=True,
+                     pid_dir=args.pid_dir)
     print("[launcher] exit codes: " + ", ".join(f"{n}={c}" for n, c in result.codes.items()), file=sys.stderr)
     if result.failed_members():
         print(f"[launcher] the job finished with {','.join(sorted(result.finished_nodes or ()))}, and "
