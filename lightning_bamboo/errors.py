@@ -18,3 +18,16 @@ class FatalLoss(BambooError):
 #: exit status of a process that stops on a FatalLoss: "start the job again from its last checkpoint
 #: with the nodes that are up" (EX_TEMPFAIL; the demo's driver does that on seeing it)
 FATAL_EXIT_CODE = 75
+
+#: exit status of a worker that refused the job's configuration (a ``BambooConfigError`` before or at its
+#: first step): nothing trained, nothing to restart; the launcher stops the other workers and exits with it
+CONFIG_EXIT_CODE = 2
+
+
+def batch_form_error(batch: object) -> BambooConfigError:
+    """The error for a batch that is not ``(inputs, targets)`` (raised at a step, or before any from the first sample)."""
+    kind = f"a {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    return BambooConfigError(
+        f"strategy='bamboo' needs batches of the form (inputs, targets), got {kind}; make the "
+        f"Dataset return (inputs, targets) pairs or add a collate_fn that does"
+    )

@@ -105,7 +105,7 @@ else:
 def test_a_worker_that_hangs_after_the_job_finished_is_killed_and_the_launcher_returns(monkeypatch):
     """A frozen node never exits: once the job is finished the launcher gives it a grace, then kills it
     (it waited for it until its own timeout before)."""
-    monkeypatch.setattr(launcher, "FINISHED_GRACE_SECONDS", 2.0)
+    monkeypatch.setattr(launcher.cluster, "FINISHED_GRACE_SECONDS", 2.0)
     started = time.monotonic()
     codes = launch([sys.executable, "-c", FINISH_OR_HANG], 2, env={"PYTHONPATH": str(REPO)}, timeout=60)
     assert codes == {"node0": 0, "node1": -9}

@@ -8,6 +8,7 @@ worker sends it (see ``comm_process``). The zygote never initialises CUDA, so a 
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import mmap
 import os
@@ -20,7 +21,7 @@ import warnings
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ def zygote_main(fd: int) -> None:
     which unwinds it out of this loop; the zygote itself ends when the worker's end of the socket closes.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies to wait for
+    # Everything here so far is torch's import, kept for the process's life: the exit's full collection need not
+    # walk it (at a job's end every node's worker and zygote exit at once; on 2 cores that took seconds, issue 41)
+    gc.freeze()
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     try:
@@ -44,7 +48,7 @@ def zygote_main(fd: int) -> None:
             conn.recv()
             (child_fd,) = recvfds(sock, 1)
         except (EOFError, OSError):
-            _leave()
+            return  # the worker closed its end: it exits
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -56,18 +60,7 @@ def zygote_main(fd: int) -> None:
         try:
             conn.send(pid)
         except OSError:
-            _leave()
-
-
-def _leave() -> NoReturn:
-    """The zygote's end (its worker closed the socket: the worker exits): leave without tearing torch down.
-
-    It holds nothing to save, and an interpreter that imported torch takes about a second of CPU to
-    finalize, taken at the moment its worker is finalizing too: at the end of a job every node's worker
-    and zygote did that at once (issue 41)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+            return
 
 
 def _child_main(fd: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.pipe import PeerLost
-from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss
+from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, batch_form_error
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
@@ -154,11 +154,7 @@ class PipelineRunner(NodeStage):
         micro-batches, see ``pipeline_share``; None for a batch of this pipeline's own); and the global index of
         its first micro-batch (of a batch of its own: as if the pipelines' batches were one, in rank order)."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            kind = f"a {type(batch).__name__}" + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-            raise BambooConfigError(
-                f"strategy='bamboo' needs batches of the form (inputs, targets), got {kind}; make the "
-                f"Dataset return (inputs, targets) pairs or add a collate_fn that does"
-            )
+            raise batch_form_error(batch)
         inputs, targets = batch
         b = self.config.micro_batch_size
         share: tuple[int, int] | None = None

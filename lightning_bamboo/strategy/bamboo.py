@@ -32,6 +32,7 @@ from lightning_bamboo.strategy import patches
 from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_bamboo.strategy.lightning_host import LightningHost
 from lightning_bamboo.strategy.loading import PipelineData
+from lightning_bamboo.strategy.refusal import check_batches, refused_quietly, warn_if_replicas_cannot_help
 from lightning_bamboo.topology.layout import resolve_stages
 
 if TYPE_CHECKING:
@@ -370,7 +371,11 @@ class _BambooStrategyMixin(CheckpointHooks):
 
     @override
     def connect(self, model: Any) -> None:
-        self._check_model(model)
+        with refused_quietly():  # under the Bamboo launcher: before the membership rendezvous
+            if launched_by_bamboo():
+                self.check_before_launch(model, model._trainer)
+                self._data_checked = check_batches(model._trainer, self.micro_batch_size, self.pipelines, early=True)
+            self._check_model(model)
         super().connect(model)
         utils = self._pl("utilities.model_helpers")
         for hook in ("training_step", "validation_step", "test_step"):
@@ -392,13 +397,13 @@ class _BambooStrategyMixin(CheckpointHooks):
     def setup(self, trainer: Any) -> None:
         from lightning_bamboo.callbacks.failover_metrics import add_failover_metrics
 
-        self._check_trainer(trainer)
-        if self.redundancy != "off" and not launched_by_bamboo() and self.global_rank == 0:
-            log.warning("redundancy=%r keeps replicas, but no process of this job survives a death under Lightning's own "
-                        "launcher, so they cannot save a step; start it with `python -m lightning_bamboo.launcher --nodes "
-                        "N -- python YOUR_SCRIPT.py` (one machine) or `--node NAME --workers K` on each machine for "
-                        "failover, or set redundancy='off'", self.redundancy)
-        self._take_over_sampler_injection(trainer)
+        with refused_quietly():
+            self._check_trainer(trainer)
+            self._take_over_sampler_injection(trainer)
+            if not getattr(self, "_data_checked", False):  # before the engine is built
+                check_batches(trainer, self.micro_batch_size, self.pipelines)
+        if self.global_rank == 0:
+            warn_if_replicas_cannot_help(self.redundancy)
         patches.no_sigterm_broadcast_under_membership(trainer)
         add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
         assert self.accelerator is not None
@@ -451,7 +456,8 @@ class _BambooStrategyMixin(CheckpointHooks):
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
         self.runner.global_micro_batches = self.global_micro_batches
-        loss = self.runner.train_step(batch)
+        with refused_quietly():  # a batch that only the step could check (an iterable dataset's)
+            loss = self.runner.train_step(batch)
         # a node lost (or gone after a notice) meanwhile fails the audit's collective: fail over, audit again
         self.runner.resilient(lambda: self.runner.audit("after"))
         trainer = self._module.trainer

@@ -1,0 +1,424 @@
+"""The launcher's workers on one machine: ``Cluster`` starts, watches and announces them; ``stopping`` hands a
+supervisor's stop signal to them with a grace; ``_wait_for_workers`` waits for them, killing a worker that is
+hung after its job finished (stopped, or idle past the grace)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+from lightning_bamboo.engine.groups import free_port
+from lightning_bamboo.errors import CONFIG_EXIT_CODE
+from lightning_bamboo.membership.node import (
+    ADDR_ENV,
+    JOB_ENV,
+    JOIN_ENV,
+    MACHINE_ENV,
+    NODE_ENV,
+    NODES_ENV,
+    STORE_ENV,
+    descendants,
+    idle_priority_supported,
+    joiner_env,
+)
+
+#: keys of a restart in the same processes, under the failed job's prefix: ``offer/<node>`` (the worker
+#: waits to be given the next job), ``assign/<node>`` (its rank environment and arguments there)
+OFFER_KEY, ASSIGN_KEY = "offer/", "assign/"
+
+#: the variables that bind process groups to an interface (set from --addr unless the user set them)
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+#: signals that stop a supervisor (a machine shutting down, Kubernetes deleting a pod, Ctrl-C)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+#: seconds a stopped supervisor's workers get to hand over their work before they are SIGKILLed
+STOP_GRACE_SECONDS = 30.0
+
+
+def node_names(nodes: int) -> list[str]:
+    return [f"node{i}" for i in range(nodes)]
+
+
+#: every variable the launcher sets in a worker's environment, with what it holds (``--help`` and the docs list them)
+WORKER_ENV: tuple[tuple[str, str], ...] = (
+    (NODE_ENV, "the worker's node: node0.. (--nodes), NAME (--node) or NAME.0 .. NAME.K-1 (--workers K)"),
+    (NODES_ENV, "the job's initial nodes in rank order, comma-separated (a standby node: its own name)"),
+    (STORE_ENV, "the membership store's URL (--store; 'embedded' becomes the private server's)"),
+    (JOB_ENV, "the job's name (--job): its key space in the store"),
+    (JOIN_ENV, "1 for a standby node, which waits until a reconfiguration admits it (unset otherwise)"),
+    (MACHINE_ENV, "with --node: the machine (failure domain) the worker runs on"),
+    (ADDR_ENV, "with --node: the address the machine's peers reach it at (--addr)"),
+    ("RANK", "the worker's rank in the initial job (a standby node: 0)"),
+    ("WORLD_SIZE", "the number of nodes in the initial job (a standby node: 1)"),
+    ("LOCAL_RANK", "the same as RANK (a standby node: 0); on a GPU machine, the GPU the worker uses"),
+    ("NODE_RANK", "0: to Lightning the job is one node whose LOCAL_RANK is the global rank"),
+    ("MASTER_ADDR", "where the initial process group meets (with --node: the first node's --addr)"),
+    ("MASTER_PORT", "the initial process group's port (a free one, chosen by the launcher)"),
+    ("OMP_NUM_THREADS", "this machine's cores divided among its workers, when several share it, unless set"),
+    ("GLOO_SOCKET_IFNAME", "the interface that owns --addr (127.0.0.1: loopback), unless one of the two is set"),
+    ("NCCL_SOCKET_IFNAME", "the same interface, as =NAME"),
+)
+
+
+def worker_env_help() -> str:
+    """``--help``'s epilog: the environment each worker gets."""
+    width = max(len(name) for name, _ in WORKER_ENV)
+    lines = [f"  {name:<{width}}  {meaning}" for name, meaning in WORKER_ENV]
+    return "\n".join(["environment of each worker (besides the launcher's own):", *lines])
+
+
+def visible_gpus() -> int:
+    """The GPUs a worker started here sees (``CUDA_VISIBLE_DEVICES`` applied); 0 on a machine without CUDA.
+    torch is loaded already (the package's import brings it); counting GPUs creates no CUDA context."""
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def worker_device(env: Mapping[str, str], gpus: int) -> str:
+    """The device a worker with environment ``env`` uses on a machine with ``gpus`` GPUs: the GPU
+    ``LOCAL_RANK`` (Lightning's and DeepSpeed's choice), or the CPU where there is none."""
+    if gpus == 0:
+        return "cpu"
+    local = int(env.get("LOCAL_RANK", "0"))
+    return f"cuda:{local}" if local < gpus else f"cuda:{local} (this machine has {gpus} GPU(s))"
+
+
+
+class Cluster:
+    """Worker processes, one per node, sharing a store; a dead worker is announced at once.
+
+    ``spawn`` starts a node, ``kill`` sends it a real signal, ``poll`` reaps exited workers
+    (announcing the unexpected deaths in the store) and returns them.
+    """
+
+    def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None,
+                 local_workers: int | None = None, *, report: bool = False, pid_dir: str | None = None) -> None:
+        """``report``: print one line per worker it starts on stderr (node, pid, rank, device); ``pid_dir``: keep
+        ``<node>.pid`` there for each running worker (written atomically at its start, removed once it exited)."""
+        from lightning_bamboo.membership import connect, resolve_store
+        from lightning_bamboo.membership.address import bind_env
+        from lightning_bamboo.membership.registry import Registry
+
+        self.url, self._server = resolve_store(store)
+        self.job = job
+        self.env = {**os.environ, **(env or {}), STORE_ENV: self.url, JOB_ENV: job, "NODE_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        if not any(k in self.env for k in INTERFACE_VARS):
+            # gloo would bind to whatever the host name resolves to (loopback where it resolves to nothing)
+            self.env.update(bind_env(self.env.get(ADDR_ENV, "127.0.0.1")))
+        if local_workers and "OMP_NUM_THREADS" not in self.env:
+            # ``local_workers`` processes share this machine's cores: split them (as torchrun and Lightning's
+            # launchers do for the processes they start) instead of each using them all
+            self.env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // local_workers))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.codes: dict[str, int] = {}
+        self.report, self.pid_dir = report, pid_dir
+        self._gpus = visible_gpus() if report else 0
+        if pid_dir is not None:
+            os.makedirs(pid_dir, exist_ok=True)
+        self.store = connect(self.url)
+        self._reporter = Registry(self.store, job, "launcher")
+
+    def spawn(self, name: str, command: Sequence[str], rank: int, world: Sequence[str], **popen: object) -> None:
+        env = {**self.env, **self._rank_env(name, rank, world)}
+        env.pop(JOIN_ENV, None)
+        self._start(name, command, env, popen)
+
+    def _rank_env(self, name: str, rank: int, world: Sequence[str]) -> dict[str, str]:
+        return {JOB_ENV: self.job, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
+                "LOCAL_RANK": str(rank), NODE_ENV: name, "MASTER_ADDR": self.env["MASTER_ADDR"],
+                "MASTER_PORT": self.env["MASTER_PORT"]}
+
+    def offered(self, job: str) -> set[str]:
+        """The running workers of ``job`` that offered their process to the next job (``offer_process``)."""
+        return self.offered_by(job) & set(self.running)
+
+    def offered_by(self, job: str) -> set[str]:
+        """The names under which processes offered themselves in ``job`` (``offer_process``), running or not."""
+        from lightning_bamboo.membership.registry import job_prefix
+
+        return {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{job_prefix(job)}{OFFER_KEY}").kvs}
+
+    def reuse(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], offered_in: str,
+              process: str | None = None, log: str | None = None) -> None:
+        """Run the worker again with ``args`` as rank ``rank`` of ``world`` in the current job, in ``name``'s
+        running process (or the one that offered itself as ``process``), which offered it in job ``offered_in``:
+        no new interpreter, no imports. ``rank`` None: as a node that joins the current job (standby until
+        admitted, as ``spawn_joiner`` starts one). ``log``: the file its output goes to from now on."""
+        from lightning_bamboo.membership.registry import job_prefix
+
+        env = self._rank_env(name, rank, world) if rank is not None else {
+            JOB_ENV: self.job, "MASTER_ADDR": self.env["MASTER_ADDR"], "MASTER_PORT": self.env["MASTER_PORT"],
+            **joiner_env(name)}
+        assignment = {"env": env, "args": list(args), "log": log}
+        self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{process or name}", json.dumps(assignment))
+
+    def adopt(self, name: str, proc: subprocess.Popen) -> None:
+        """Worker ``name`` runs in ``proc``, a process started elsewhere (a warm pool's, given its assignment)."""
+        self.codes.pop(name, None)
+        self.procs[name] = proc
+        self._write_pid(name, proc.pid)
+
+    def spawn_joiner(self, name: str, command: Sequence[str], idle: bool = False, **popen: object) -> None:
+        """Start a node that joins the running job: standby until a reconfiguration admits it.
+
+        ``idle``: start it at idle CPU priority (where this process may raise it back, see
+        ``idle_priority_supported``); it returns to normal priority when admitted. For nodes that
+        share the running nodes' cores (a local cluster): their start-up and wait then take only
+        the cycles training leaves, as a separate machine's would take none."""
+        env = {**self.env, JOB_ENV: self.job, **joiner_env(name)}
+        self._start(name, command, env, popen)
+        if idle and idle_priority_supported():
+            # before the new interpreter starts a thread (its threads inherit the policy); no preexec_fn,
+            # which is unsafe in a process with threads
+            try:
+                os.sched_setscheduler(self.procs[name].pid, os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:  # it died at once; poll() reports it
+                pass
+
+    def _start(self, name: str, command: Sequence[str], env: dict[str, str], popen: Mapping[str, object]) -> None:
+        self.codes.pop(name, None)
+        proc = self.procs[name] = subprocess.Popen(list(command), env=env, **popen)  # type: ignore[call-overload]
+        self._write_pid(name, proc.pid)
+        if self.report:
+            role = ("standby (joins the running job)" if env.get(JOIN_ENV) == "1"
+                    else f"rank {env['RANK']} of {env['WORLD_SIZE']}")
+            print(f"[launcher] {name}: pid {proc.pid}, {role}, device {worker_device(env, self._gpus)}",
+                  file=sys.stderr, flush=True)
+
+    def _pid_file(self, name: str) -> str | None:
+        return None if self.pid_dir is None else os.path.join(self.pid_dir, f"{name}.pid")
+
+    def _write_pid(self, name: str, pid: int) -> None:
+        """``<pid_dir>/<name>.pid``, written whole or not at all: a reader never sees a partial number."""
+        path = self._pid_file(name)
+        if path is None:
+            return
+        temporary = os.path.join(os.path.dirname(path), f".{name}.pid.{os.getpid()}.tmp")
+        with open(temporary, "w") as f:
+            f.write(f"{pid}\n")
+        os.replace(temporary, path)
+
+    def _remove_pid(self, name: str) -> None:
+        path = self._pid_file(name)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    def new_job(self, job: str) -> None:
+        """Later workers (e.g. a restart from a checkpoint) use a fresh key space in the store."""
+        from lightning_bamboo.membership.registry import job_prefix
+
+        self.job = self._reporter.job = job
+        self._reporter.base = job_prefix(job)
+        self.env["MASTER_PORT"] = str(free_port())  # a process kept from the last job may still hold the old one
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to worker ``name``; SIGKILL and SIGSTOP reach its own child processes too (its
+        communication processes): a machine that vanishes or hangs takes all of them with it."""
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            family = descendants(proc.pid) if sig in (signal.SIGKILL, signal.SIGSTOP) else []
+            proc.send_signal(sig)
+            for pid in family:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    @property
+    def running(self) -> list[str]:
+        return [n for n, p in self.procs.items() if n not in self.codes and p.poll() is None]
+
+    def job_finished(self) -> bool:
+        """Whether a worker of the current job marked it finished (``Session.finish``)."""
+        return self.finished_nodes() is not None
+
+    def finished_nodes(self) -> frozenset[str] | None:
+        """The current job's nodes when it finished (``Session.finish``): each of them must exit 0; a node the
+        job lost or released before is not one. None: not finished (or the store does not answer); an empty
+        set: finished, by a writer that did not name its nodes."""
+        from lightning_bamboo.membership.keys import FINISHED_KEY
+        from lightning_bamboo.membership.registry import job_prefix
+
+        try:
+            kv = self.store.get(f"{job_prefix(self.job)}{FINISHED_KEY}")
+        except Exception:  # noqa: BLE001 - a store that does not answer: not known to be finished
+            return None
+        if kv is None:
+            return None
+        try:
+            nodes = json.loads(kv.value)
+        except ValueError:
+            return frozenset()
+        return frozenset(nodes) if isinstance(nodes, list) else frozenset()
+
+    def poll(self, announce_always: bool = False) -> dict[str, int]:
+        """Reap workers that exited since the last call; announce the ones that died.
+
+        A death is announced while other workers of this cluster run (they are its audience), or
+        always with ``announce_always`` (a one-node supervisor: its peers run elsewhere).
+        """
+        exited = {}
+        for name, proc in self.procs.items():
+            if name in self.codes or proc.poll() is None:
+                continue
+            self.codes[name] = exited[name] = proc.returncode
+            self._remove_pid(name)
+            if proc.returncode not in (0, CONFIG_EXIT_CODE) and (announce_always or self.running):
+                try:  # tell the survivors now; the lease would take its TTL
+                    self._reporter.announce_loss(name, f"process exited with {proc.returncode}", timeout=2.0)
+                except Exception as err:  # noqa: BLE001 - the lease is the backstop
+                    print(f"[launcher] could not announce the loss of {name}: {err}", file=sys.stderr)
+        return exited
+
+    def close(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+            self._remove_pid(name)
+        self.store.close()
+        if self._server is not None:
+            self._server.stop()
+
+
+class _Stop:
+    """What :func:`stopping` saw: the signal that stopped the supervisor, and when its grace ends."""
+
+    signum: int | None = None
+    deadline: float | None = None
+
+    def overdue(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+
+@contextlib.contextmanager
+def stopping(cluster: Cluster, grace: float = STOP_GRACE_SECONDS) -> Iterator[_Stop]:
+    """While a supervisor runs: a stop signal forwards SIGTERM to its workers (a preemption notice:
+    under ``PreemptionCallback`` each hands its stage over at the next step boundary) instead of
+    leaving them orphaned; a second signal, or ``grace`` seconds, and they are SIGKILLed (the
+    caller's loop checks :meth:`_Stop.overdue`). Before any worker runs, a stop signal raises
+    ``SystemExit`` (128 + the signal), which ends a wait at a rendezvous. Outside the main thread it
+    changes nothing."""
+    stop = _Stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        if not cluster.running:  # nothing started yet (or left): stop here, the caller's finally cleans up
+            raise SystemExit(128 + signum)
+        first = stop.signum is None
+        stop.signum = signum
+        if first:
+            stop.deadline = time.monotonic() + grace
+        print(f"[launcher] {signal.Signals(signum).name}: "
+              + (f"workers notified (SIGTERM), {grace:g} s to hand over" if first else "workers killed"),
+              file=sys.stderr, flush=True)
+        for name in cluster.running:
+            cluster.kill(name, signal.SIGTERM if first else signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+#: seconds a worker may run on after its job was marked finished; past them it is a hung node (killed) unless it
+#: still works: a process that used CPU in the last second is ending (on a loaded machine an interpreter's exit
+#: can take longer), one stopped or idle is hung (a frozen node, a wait that never ends)
+FINISHED_GRACE_SECONDS = 10.0
+#: seconds after the job finished past which a worker is killed even while it still uses CPU
+FINISHED_LIMIT_SECONDS = 120.0
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds used by ``pid`` and its descendants; None where it is stopped (SIGSTOP) or gone."""
+    total = 0.0
+    for i, member in enumerate([pid, *descendants(pid)]):
+        try:
+            with open(f"/proc/{member}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            if i == 0:
+                return None
+            continue
+        if i == 0 and fields[0] in ("T", "t"):
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
+class _HangWatch:
+    """Which workers are hung after the job finished: past the grace and using no CPU (or stopped), or past the limit."""
+
+    def __init__(self, finished_at: float) -> None:
+        self.finished_at = finished_at
+        self.seen: dict[str, tuple[float, float | None]] = {}  # name -> (when, CPU seconds then)
+
+    def hung(self, name: str, pid: int, now: float) -> bool:
+        if now - self.finished_at <= FINISHED_GRACE_SECONDS:
+            return False
+        if now - self.finished_at > FINISHED_LIMIT_SECONDS:
+            return True
+        cpu = _cpu_seconds(pid)
+        when, before = self.seen.get(name, (None, None))
+        if when is None or now - when >= 1.0:
+            self.seen[name] = (now, cpu)
+        if cpu is None:
+            return True
+        return when is not None and now - when >= 1.0 and before is not None and cpu - before < 0.02
+
+
+def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
+                      announce_always: bool = False, kill_hung: bool = False) -> set[str]:
+    """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or with ``kill_hung``
+    when they run on ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by
+    itself). Only ``launch`` asks for that: all its workers are ranks of the job; a machine's supervisor
+    also runs standby nodes, which may still be starting when the job finishes. Returns the workers killed
+    as hung."""
+    finished_at, checked, hung = None, 0.0, set()
+    watch: _HangWatch | None = None
+    told_refusal = False
+    while cluster.running:
+        cluster.poll(announce_always=announce_always)
+        if stop.overdue():
+            for name in cluster.running:
+                cluster.kill(name, signal.SIGKILL)
+        now = time.monotonic()
+        if kill_hung and finished_at is None and now - checked > 1.0:
+            checked = now
+            finished_at = now if cluster.job_finished() else None
+        refused = [n for n, c in cluster.codes.items() if c == CONFIG_EXIT_CODE]
+        if refused and finished_at is None and cluster.running:  # the same script refuses everywhere: stop waiting
+            if not told_refusal:
+                told_refusal = True
+                print(f"[launcher] {refused[0]} refused the job's configuration (exit {CONFIG_EXIT_CODE}; the reason "
+                      "is above): no worker trained; stopping the others", file=sys.stderr, flush=True)
+            for name in cluster.running:
+                cluster.kill(name, signal.SIGKILL)
+        if finished_at is not None:
+            watch = watch or _HangWatch(finished_at)
+            for name in cluster.running:
+                if name in hung or watch.hung(name, cluster.procs[name].pid, now):
+                    if name not in hung:
+                        hung.add(name)
+                        print(f"[launcher] {name} still runs {now - finished_at:.0f} s after the job finished, "
+                              "stopped or using no CPU (hung): killed", file=sys.stderr, flush=True)
+                    cluster.kill(name, signal.SIGKILL)
+        if deadline is not None and now > deadline:
+            raise TimeoutError(f"workers still running after the launcher's timeout: {cluster.running}")
+        time.sleep(0.05)
+    # a worker that exited after the last poll (``running`` reaps it) has its code recorded, and its death announced
+    cluster.poll(announce_always=announce_always)
+    return hung

@@ -1,0 +1,119 @@
+"""A bad configuration is refused early, once, in a few lines: never a traceback per rank after the first step.
+
+Under the Bamboo launcher every worker runs the user's script, so every worker finds the same mistake.
+:func:`refused_quietly` turns a :class:`BambooConfigError` raised inside it into one message, printed by
+the first worker to refuse (agreed in the membership store), and exit status :data:`CONFIG_EXIT_CODE`;
+the launcher then stops the other workers and exits with that status. The strategy checks the model and the options when the
+model is connected (before the membership rendezvous) and the training data before the engine is built
+(:func:`check_batches`: the batch form from the dataset's first sample, the batch size against
+``micro_batch_size``), so that neither waits for a pipeline and a first step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning_bamboo.errors import CONFIG_EXIT_CODE, BambooConfigError, batch_form_error
+from lightning_bamboo.membership.node import JOB_ENV, NODE_ENV, STORE_ENV
+from lightning_bamboo.runtime.session import launched_by_bamboo
+from lightning_bamboo.topology.layout import micro_batches, pipeline_share
+
+
+def speaks() -> bool:
+    """This worker says what the whole job would say: the first of its workers to refuse (a key in the membership
+    store, created once), or any that cannot reach the store."""
+    from lightning_bamboo.membership import connect
+    from lightning_bamboo.membership.keys import job_prefix
+
+    try:
+        store = connect(os.environ[STORE_ENV], timeout=2.0)
+        try:
+            won, _ = store.put_if_absent(f"{job_prefix(os.environ.get(JOB_ENV, 'bamboo'))}refused",
+                                         os.environ.get(NODE_ENV, ""), timeout=2.0)
+            return won
+        finally:
+            store.close()
+    except Exception:  # noqa: BLE001 - better said twice than not at all
+        return True
+
+
+@contextmanager
+def refused_quietly() -> Iterator[None]:
+    """Under the Bamboo launcher, a ``BambooConfigError`` inside: one message (the first node's) and exit status
+    ``CONFIG_EXIT_CODE`` everywhere, without a traceback. Elsewhere the error passes as it is."""
+    if not launched_by_bamboo():
+        yield
+        return
+    try:
+        yield
+    except BambooConfigError as err:
+        if speaks():
+            print(f"lightning_bamboo: the job was refused before it trained: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        raise SystemExit(CONFIG_EXIT_CODE) from None
+
+
+def warn_if_replicas_cannot_help(redundancy: str) -> None:
+    """Once (the caller's rank 0): replicas outside the Bamboo launcher cost memory and time and save nothing."""
+    if redundancy != "off" and not launched_by_bamboo():
+        logging.getLogger("lightning_bamboo.strategy").warning(
+            "redundancy=%r keeps replicas, but no process survives a death under Lightning's own launcher, so they "
+            "cannot save a step; for failover start the job with `python -m lightning_bamboo.launcher --nodes N -- "
+            "python SCRIPT.py` (or `--node NAME --workers K` on each machine), else set redundancy='off'", redundancy)
+
+
+def _first_batch(loader: Any) -> Any:
+    """What the loader's batches look like, from the dataset's first sample through its collate_fn; None where
+    that cannot be told without iterating (an iterable dataset, an empty one, one that fails on index 0)."""
+    import torch
+
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        if len(dataset) == 0:
+            return None
+        sample = dataset[0]
+        collate = getattr(loader, "collate_fn", None)
+        return collate([sample]) if collate is not None else sample
+    except Exception:  # noqa: BLE001 - the first batch of the run checks it then
+        return None
+
+
+def check_batches(trainer: Any, micro_batch_size: int, pipelines: int, early: bool = False) -> bool:
+    """The training data's batches, when fitting: of the form (inputs, targets), and a batch size that splits
+    into whole micro-batches (with a plain sampler each step loads the global batch, the DataLoader's batch size
+    times ``pipelines``, as ``PipelineData.loader`` does; with another, each pipeline splits its own batch).
+
+    ``early``: when the model is connected, before the membership rendezvous. A LightningDataModule's loader
+    needs its ``setup`` first, and a module's loader may too: those are checked later (False: not checked).
+    The loader's hook runs once more for this check."""
+    import torch
+
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    if source is None or not source.is_defined() or getattr(trainer.state, "fn", None) != "fit":  # TrainerFn.FITTING
+        return True  # nothing to check
+    if early and any(c.__name__ == "LightningDataModule" for c in type(source.instance).__mro__):
+        return False
+    try:
+        loader = source.dataloader()
+    except Exception:  # noqa: BLE001 - it needs a setup that has not run yet: checked before the engine instead
+        if early:
+            return False
+        raise
+    batch = _first_batch(loader)
+    if batch is not None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise batch_form_error(batch)
+    size = getattr(loader, "batch_size", None)
+    plain = type(getattr(loader, "sampler", None)) in (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler)
+    if isinstance(size, int) and size > 0:
+        if plain:
+            pipeline_share(size * pipelines, micro_batch_size, pipelines, 0)
+        else:
+            micro_batches(size, micro_batch_size, pipelines)
+    return True

@@ -1,0 +1,40 @@
+"""A job with one bad input, under the Bamboo launcher: ``form`` (batches of inputs only) or ``divisibility``
+(a batch size of 7 with micro-batches of 2). Used by tests/test_refusal.py."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+import lightning_bamboo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slow_mlp import MLP  # noqa: E402
+
+
+class InputsOnly(MLP):
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(self.steps * self.batch_size, self.width))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mistake", choices=("form", "divisibility"))
+    p.add_argument("--stages", type=int, default=2)
+    args = p.parse_args()
+    model = InputsOnly(4, 8, 4, 8) if args.mistake == "form" else MLP(4, 8, 4, 7)
+    strategy = lightning_bamboo.BambooStrategy(stages=args.stages, micro_batch_size=2, redundancy="lazy", seed=1)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
+    trainer.fit(model)
+    print("trained", flush=True)  # never reached
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""A bad input under the Bamboo launcher is refused before the job trains: once, in a few lines, without a
+traceback, with exit status 2 from the launcher (issue 41: it came after the first step, once per rank, 152 lines)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lightning_bamboo.errors import CONFIG_EXIT_CODE
+from tests.helpers import PYTHON, launcher_exit_codes, run
+
+#: what a Trainer prints when it is made, before any of our code runs (the user sees it on every run)
+LIGHTNING_TRAINER_LINES = ("GPU available:", "TPU available:", "💡 Tip:")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("mistake", "rule"), [
+    ("form", "needs batches of the form (inputs, targets), got a list of length 1"),
+    ("divisibility", "the global batch of 7 samples (DataLoader batch_size x the pipelines the job started with) is "
+                     "not a multiple of micro_batch_size 2"),
+])
+def test_a_bad_input_is_refused_once_before_the_job_trains(mistake, rule):
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", PYTHON, "tests/scripts/bad_input.py",
+                mistake], timeout=180)
+    assert proc.returncode == CONFIG_EXIT_CODE, proc.stdout[-3000:]
+    codes = launcher_exit_codes(proc.stdout)
+    # the first to refuse exits 2; the launcher stops the other, which refuses too or is killed on the way
+    assert sorted(codes) == ["node0", "node1"] and CONFIG_EXIT_CODE in codes.values(), codes
+    assert set(codes.values()) <= {CONFIG_EXIT_CODE, -9}, codes
+    assert proc.stdout.count("the job was refused before it trained") == 1, proc.stdout[-3000:]
+    assert rule in proc.stdout and "trained\n" not in proc.stdout
+    assert "Traceback" not in proc.stdout and not re.search(r"warn", proc.stdout, re.I), proc.stdout[-3000:]
+    said = [line for line in proc.stdout.splitlines() if line.strip() and not re.match(r"\[launcher\] node\d: pid", line)
+            and not line.startswith(LIGHTNING_TRAINER_LINES)]
+    assert len(said) <= 5, "\n".join(said)
