@@ -433,10 +433,12 @@ class BambooPipelineEngine(PipelineEngine):
         self._gradients_received = 0  # (``_write_ahead_at_last_gradient``)
         try:
             super()._exec_schedule(steps)
-        except Exception:
+        except Exception as err:
             if isinstance(pipe_schedule, ds_schedule.TrainSchedule):
-                log.error("rank %d (stage %d) failed at schedule step %d:\n%s", self.global_rank, self.stage_id,
-                          steps.index, self.schedule_table(error_at=steps.index))
+                # a lost peer is expected on spot machines (the failover says so): the table is for a real fault
+                level = logging.DEBUG if isinstance(err, PeerLost) or _is_comm_error(err) else logging.ERROR
+                log.log(level, "rank %d (stage %d) failed at schedule step %d:\n%s", self.global_rank, self.stage_id,
+                        steps.index, self.schedule_table(error_at=steps.index))
             raise
 
     def schedule_table(self, error_at: int | None = None) -> str:
