@@ -1,6 +1,7 @@
 """How far several-pipeline runs may drift from their clean run by rounding alone, and the faults judged against it.
 
     python benchmarks/noise_floor.py [--steps 60] [--at 20] [--nodes 6] [--stages 3]
+    python benchmarks/noise_floor.py --capacity-of DIR   # the capacity timelines of runs kept with --keep DIR
 
 With one pipeline, every failover ends bit-equal to the clean run. With several, a run whose pipeline
 count changes sums the same micro-batch gradients in another grouping: each pipeline accumulates its
@@ -72,6 +73,23 @@ def run_demo(out: Path, nodes: int, stages: int, steps: int, preempt: str = "", 
     return result
 
 
+def capacity(out: Path) -> list[str]:
+    """When the run's layout changed, in seconds after its first failover: how long the job trained below its
+    capacity (from the demo's report: step times, failovers and reconfigurations)."""
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    at = {int(step): float(t) for step, t in report.get("step_times", [])}
+    failovers = report.get("failovers", [])
+    if not failovers:
+        return []
+    start = at.get(int(failovers[0]["step"]), 0.0)
+    lines = [f"step {f['step']} (+{at.get(int(f['step']), start) - start:.1f} s): failover, lost {f['lost']}, "
+             f"{f['pipelines']} pipeline(s) of {len(f['order']) // max(1, f['pipelines'])}, released {f.get('released', [])}"
+             for f in failovers]
+    lines += [f"step {c['step']} (+{at.get(int(c['step']), start) - start:.1f} s): {c['reason']}: {c['order']}"
+              for c in report.get("reconfigurations", [])]
+    return [*lines, f"events: {report.get('events', [])}"]
+
+
 def difference(run: dict, clean: dict) -> tuple[float, float]:
     if "weights" not in run:
         return float("inf"), float("inf")
@@ -86,7 +104,13 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=6)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--keep", default=None, help="keep every run's files in this directory")
+    p.add_argument("--capacity-of", default=None, help="only print the capacity timelines of the runs kept in this "
+                   "directory by an earlier --keep")
     args = p.parse_args()
+    if args.capacity_of:
+        for name in ("kill", "kill_join"):
+            print(f"{name}:\n  " + "\n  ".join(capacity(Path(args.capacity_of) / name)))
+        return 0
     if args.nodes % args.stages or args.nodes // args.stages < 2:
         raise SystemExit(f"--nodes {args.nodes} must be a multiple of --stages {args.stages}, with 2 or more pipelines")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bamboo-floor-"))
@@ -133,6 +157,8 @@ def main() -> int:
     for row in rows:
         print(f"{row['run'][:78]:<78} {row['exit_code']!s:>4} {row['steps_completed']:>5} {row['weights_difference']:>9.3g} "
               f"{row['optimizer_difference']:>9.3g} {row['over_floor']:>8.3f} {row['sample_problems']:>7}")
+    for name in ("kill", "kill_join"):
+        print(f"capacity, {name}:\n  " + "\n  ".join(capacity(root / name)))
     print(f"\nnoise floor after {args.steps} steps (the larger of the two floor runs): {floor:.3g}")
     print(f"the kill against its notice reference (same pipelines from the same step): max difference "
           f"{kill_vs_reference:.3g}")
