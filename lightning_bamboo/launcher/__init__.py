@@ -152,21 +152,10 @@ def run_job(
         cluster.close()
 
 
-def launch(
-    command: Sequence[str],
-    nodes: int,
-    *,
-    store: str = "embedded",
-    job: str = "bamboo",
-    env: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    stop_grace: float = STOP_GRACE_SECONDS,
-    report: bool = False,
-    pid_dir: str | None = None,
-) -> dict[str, int]:
-    """Run ``command`` as ``nodes`` workers; returns each node's exit code (negative: killed by that signal)."""
-    return dict(run_job(command, nodes, store=store, job=job, env=env, timeout=timeout, stop_grace=stop_grace,
-                        report=report, pid_dir=pid_dir).codes)
+def launch(command: Sequence[str], nodes: int, **options: Any) -> dict[str, int]:
+    """Run ``command`` as ``nodes`` workers (``options``: ``run_job``'s); returns each node's exit code (negative:
+    killed by that signal)."""
+    return dict(run_job(command, nodes, **options).codes)
 
 
 @dataclass(frozen=True)
