@@ -372,7 +372,7 @@ class _BambooStrategyMixin(CheckpointHooks):
     @override
     def connect(self, model: Any) -> None:
         with refused_quietly():  # under the Bamboo launcher: before the membership rendezvous
-            if launched_by_bamboo():
+            if launched_by_bamboo() and not joining():  # a joining node takes the running job's layout and data
                 self.check_before_launch(model, model._trainer)
                 self._data_checked = check_batches(model._trainer, self.micro_batch_size, self.pipelines, early=True)
             self._check_model(model)
@@ -400,7 +400,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         with refused_quietly():
             self._check_trainer(trainer)
             self._take_over_sampler_injection(trainer)
-            if not getattr(self, "_data_checked", False):  # before the engine is built
+            if not (getattr(self, "_data_checked", False) or joining()):  # before the engine is built
                 check_batches(trainer, self.micro_batch_size, self.pipelines)
         if self.global_rank == 0:
             warn_if_replicas_cannot_help(self.redundancy)
