@@ -113,6 +113,9 @@ def test_a_several_pipeline_chaos_run_stays_within_its_measured_noise_floor(tmp_
     assert row["exit_code"] == 0 and row["steps_completed"] == row["target_steps"]
     assert 0.0 < row["floor"] and row["weights_difference"] <= row["floor"] and row["sample_problems"] == 0
     assert "noise floor after" in proc.stdout
+    # the joining nodes were admitted and trained (a join that is refused still ends within the floor)
+    report = json.loads((tmp_path / "seed-2" / "report.json").read_text())
+    assert any(node.startswith("spare") for change in report["reconfigurations"] for node in change["order"]), report
 
 
 @pytest.mark.timeout(120)
