@@ -371,13 +371,12 @@ class _HangWatch:
             return False
         if now - self.finished_at > FINISHED_LIMIT_SECONDS:
             return True
-        cpu = _cpu_seconds(pid)
         when, before = self.seen.get(name, (None, None))
-        if when is None or now - when >= 1.0:
-            self.seen[name] = (now, cpu)
-        if cpu is None:
-            return True
-        return when is not None and now - when >= 1.0 and before is not None and cpu - before < 0.02
+        if when is not None and now - when < 1.0:
+            return False  # /proc is read once a second per worker, not at every poll
+        cpu = _cpu_seconds(pid)
+        self.seen[name] = (now, cpu)
+        return cpu is None or (before is not None and cpu - before < 0.02)
 
 
 def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,

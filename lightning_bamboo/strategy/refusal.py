@@ -3,8 +3,8 @@
 Under the Bamboo launcher every worker runs the user's script, so every worker finds the same mistake.
 :func:`refused_quietly` turns a :class:`BambooConfigError` raised inside it into one message, printed by
 the first worker to refuse (agreed in the membership store), and exit status :data:`CONFIG_EXIT_CODE`;
-the launcher then stops the other workers and exits with that status. The strategy checks the model and the options when the
-model is connected (before the membership rendezvous) and the training data before the engine is built
+the launcher then stops the other workers and exits with that status. The strategy checks the model and
+the options when the model is connected (before the membership rendezvous) and the training data before the engine is built
 (:func:`check_batches`: the batch form from the dataset's first sample, the batch size against
 ``micro_batch_size``), so that neither waits for a pipeline and a first step.
 """
@@ -44,7 +44,7 @@ def speaks() -> bool:
 
 @contextmanager
 def refused_quietly() -> Iterator[None]:
-    """Under the Bamboo launcher, a ``BambooConfigError`` inside: one message (the first node's) and exit status
+    """Under the Bamboo launcher, a ``BambooConfigError`` inside: one message (the first worker's to refuse) and exit status
     ``CONFIG_EXIT_CODE`` everywhere, without a traceback. Elsewhere the error passes as it is."""
     if not launched_by_bamboo():
         yield
