@@ -40,14 +40,20 @@ class TokenData(torch.utils.data.Dataset):
 
 
 def reference_weights(
-    steps: int, batch_size: int, pipelines: int, micro_batch_size: int, optimizer: str = "sgd", seed: int = 1234
+    steps: int, batch_size: int, pipelines: int, micro_batch_size: int, optimizer: str = "sgd", seed: int = 1234,
+    clip: float = 0.0, dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Single-process run of the same layers, micro-batching (gradient accumulation) and data order."""
+    """Single-process run of the same layers, micro-batching (gradient accumulation) and data order; ``clip``: by the
+    global norm (torch's ``clip_grad_norm_``), ``dtype``: the layers and the loss under CPU autocast to it."""
+    import contextlib
+
     cfg = make_config()
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*gpt_layers(cfg))
     if optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    elif optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = TokenData(cfg, steps * batch_size * pipelines)
@@ -57,7 +63,11 @@ def reference_weights(
         opt.zero_grad()
         for c in range(chunks):
             x, y = data[step * per_step + c * micro_batch_size : step * per_step + (c + 1) * micro_batch_size]
-            (gpt_loss(model(x), y) / chunks).backward()
+            with torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+                loss = gpt_loss(model(x), y)
+            (loss / chunks).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

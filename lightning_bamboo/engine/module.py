@@ -11,6 +11,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
+from lightning_bamboo.engine.precision import Precision
 from lightning_bamboo.errors import BambooConfigError
 
 
@@ -110,6 +111,9 @@ class BambooPipelineModule(PipelineModule):
 
     splice: Splice | None = None
     keys: StepKeys | None = None
+    #: bf16/fp16 compute (``engine.precision``): the layers and the loss run under its autocast on ``compute_device``
+    precision: Precision | None = None
+    compute_device = torch.device("cpu")
     #: training forwards run in this step: the local index of the micro-batch the next one runs (1F1B runs a
     #: stage's forwards in micro-batch order); the engine sets it to 0 when a step begins
     forwards = 0
@@ -129,7 +133,20 @@ class BambooPipelineModule(PipelineModule):
         self.parts = list(self._bamboo_parts)
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
+    def set_precision(self, precision: Precision | None, device: torch.device) -> None:
+        """Run the layers and the loss in ``precision`` (reduced: under autocast on ``device``'s type)."""
+        self.precision, self.compute_device = precision, device
+        loss_fn: Any = getattr(self, "loss_fn", None)
+        if precision is not None and precision.reduced and loss_fn is not None:
+            self.loss_fn = _InAutocast(loss_fn, precision, device)
+
     def forward(self, forward_input: Any) -> Any:
+        if self.precision is None or not self.precision.reduced:
+            return self._forward(forward_input)
+        with self.precision.autocast(self.compute_device):
+            return self._forward(forward_input)
+
+    def _forward(self, forward_input: Any) -> Any:
         splice = self.splice
         keys = self.keys if self.training else None
         if (splice is None and keys is None) or self.activation_checkpoint_interval or self.seed_layers:
@@ -148,3 +165,14 @@ class BambooPipelineModule(PipelineModule):
             return run_layers(calls[cut:], x, keys, micro_batch)
         splice.reused.append(micro_batch)
         return _Reuse.apply(x, splice.anchor, kept, splice)
+
+
+class _InAutocast:
+    """A loss function run under the stage's autocast (a loss in fp32 from bf16/fp16 outputs, as autocast computes it)."""
+
+    def __init__(self, fn: Any, precision: Precision, device: torch.device) -> None:
+        self.fn, self.precision, self.device = fn, precision, device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision.autocast(self.device):
+            return self.fn(*args, **kwargs)

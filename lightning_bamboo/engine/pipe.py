@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,23 +14,17 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine.comm_process import abort_generation
 from lightning_bamboo.engine.exchange import GradientExchange
+from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS, PeerLost, StepGuard, is_comm_error
 from lightning_bamboo.engine.layer_rng import StepKeys
+from lightning_bamboo.engine.precision import Precision, StepFinish, StepResult, scaled_loss
 from lightning_bamboo.engine.replica import Replica
-from lightning_bamboo.errors import BambooError, FatalLoss
+
+__all__ = ["STEP_FINISH_SECONDS", "BambooPipelineEngine", "PeerLost", "StepGuard", "Wiring"]
 from lightning_bamboo.schedule import Costs
 from lightning_bamboo.testing import faults
 
 log = logging.getLogger(__name__)
-
-class PeerLost(BambooError):
-    """A peer of this pipeline is gone; the step in flight did not commit here."""
-
-    def __init__(self, message: str, lost: Iterable[str] = ()) -> None:
-        super().__init__(message)
-        self.lost = tuple(lost)
-
 
 class RedundantForward(ds_schedule.PipeInstruction):
     """Forward of the replica (the successor's stage) on micro-batch ``micro_batch``, its graph kept.
@@ -191,7 +184,41 @@ class BambooPipelineEngine(PipelineEngine):
             time.perf_counter() - started)
 
     def _exec_backward_timed(self, buffer_id: int) -> None:
+        if self.is_last_stage() and self.precision.scaling is not None:
+            self.loss: Any = scaled_loss(self.loss, self.precision)  # fp16: the backward starts from the scaled loss
         self._timed("backward", lambda: PipelineEngine._exec_backward_pass(self, buffer_id))
+
+    @property
+    def precision(self) -> Precision:
+        """How this engine computes (``engine.precision``): fp32, or bf16/fp16 under autocast with fp32 masters."""
+        option = getattr(self, "bamboo_options", {}).get("precision")
+        return option if option is not None else _FP32
+
+    #: what the step's ``StepFinish`` found (None: it did not run)
+    finished: StepResult | None = None
+
+    def _finish_gradients(self) -> StepResult | None:
+        """Unscale (fp16), the global norm and clipping, and whether the step is skipped (an overflow anywhere)."""
+        if not self.precision.finishes_step:
+            return None
+        import torch.distributed as dist
+
+        result = StepFinish(self.precision).run(self.module, self.module._num_layers, self.grid.data_parallel_id == 0,
+                                                dist.all_reduce, self.device)
+        self._global_grad_norm = result.norm
+        return result
+
+    def _skip_step(self) -> None:
+        """An fp16 overflow (or a non-finite norm): the update is skipped everywhere, as DeepSpeed skips it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def _update_loss_scale(self) -> None:
+        scaling = self.precision.scaling
+        if self.finished is not None and self.precision.state is not None and scaling is not None:
+            self.precision.state.update(self.finished.overflow, scaling)
 
     def _next_batch(self) -> Any:
         batch = super()._next_batch()
@@ -212,7 +239,7 @@ class BambooPipelineEngine(PipelineEngine):
         # is built by the runtime, with a seed), and the process's streams are left as they were.
         keys = self.module.keys
         assert keys is not None, "redundant forwards run only in an engine built with a seed (NodeStage)"
-        with torch.enable_grad(), _saved_on_host(self.device):
+        with torch.enable_grad(), _saved_on_host(self.device), self.precision.autocast(self.device):
             leaf = _leaf(_to_device(self.redundant.inputs[micro_batch], self.device))
             self.redundant.kept[micro_batch] = (leaf, self.replica.compute_module().run(leaf, keys, micro_batch))
         self.redundant_forwards_run += 1
@@ -320,12 +347,20 @@ class BambooPipelineEngine(PipelineEngine):
     def apply_step(self) -> None:
         """Apply the deferred update of the own stage and the replica (after the step committed)."""
         self.redundant = None  # the step counts: what a lazy backward would have needed is freed
-        PipelineEngine._exec_optimizer_step(self)
+        skip = self.finished is not None and self.finished.overflow
+        if skip:
+            self._skip_step()
+        else:
+            PipelineEngine._exec_optimizer_step(self)
+        self._update_loss_scale()
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
             exchange.owner_stepped()  # whether its gradients may be written ahead (``write_ahead``)
         if self.replica is not None and self.replica.pending:
-            self.replica.step(self.optimizer, defer=True)  # applied where the next step first waits
+            if skip:
+                self.replica.discard()
+            else:
+                self.replica.step(self.optimizer, defer=True)  # applied where the next step first waits
         self._pending_step = False
 
     def discard_step(self) -> None:
@@ -337,13 +372,15 @@ class BambooPipelineEngine(PipelineEngine):
         self._pending_step = False
 
     def _exec_deferred_optimizer_step(self, lr_kwargs: Any = None) -> None:
+        # Clipped (and unscaled) before they are shipped: the replica receives what the owner's optimizer consumes.
+        self.finished = self._finish_gradients()
         if not self.defers_step:
-            return PipelineEngine._exec_optimizer_step(self, lr_kwargs)
-        if self.gradient_clipping() > 0:
-            raise BambooError(
-                "redundant computation does not support gradient clipping yet (gradient_clipping: "
-                f"{self.gradient_clipping()}); set gradient_clip_val=None or redundancy='off'"
-            )
+            if self.finished is not None and self.finished.overflow:
+                self._skip_step()
+            else:
+                PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+            self._update_loss_scale()
+            return None
         if self.updates_replica_at_end:
             self._settle_replica()  # the update due runs in the wait for the loss (updates_replica_at_end)
         started = time.perf_counter()
@@ -436,7 +473,7 @@ class BambooPipelineEngine(PipelineEngine):
         except Exception as err:
             if isinstance(pipe_schedule, ds_schedule.TrainSchedule):
                 # a lost peer is expected on spot machines (the failover says so): the table is for a real fault
-                level = logging.DEBUG if isinstance(err, PeerLost) or _is_comm_error(err) else logging.ERROR
+                level = logging.DEBUG if isinstance(err, PeerLost) or is_comm_error(err) else logging.ERROR
                 log.log(level, "rank %d (stage %d) failed at schedule step %d:\n%s", self.global_rank, self.stage_id,
                         steps.index, self.schedule_table(error_at=steps.index))
             raise
@@ -448,6 +485,9 @@ class BambooPipelineEngine(PipelineEngine):
         mode = "eager" if self.eager else "lazy" if self.replica is not None else "off"
         costs = self.rf_costs if self.eager else None
         return format_table(build_schedule(self.num_stages, self.micro_batches, mode, costs=costs), error_at=error_at)
+
+
+_FP32 = Precision()
 
 
 def _detached(value: Any) -> Any:
@@ -504,68 +544,3 @@ class _FailureInjector:
             if index and check:
                 faults.reached(self.node, self.step, index)
             yield commands
-
-
-#: the most seconds a step may take to end after its generation's communication was aborted
-STEP_FINISH_SECONDS = 60.0
-
-
-class StepGuard:
-    """Runs a step on a worker thread so that a lost peer can never block the caller.
-
-    A send or receive with a frozen or vanished peer would block until the process-group timeout.
-    So the step runs on a worker thread while the caller waits for it *or* for ``lost`` (set by the
-    membership watcher). On a loss the guard aborts the generation's communication
-    (``comm_process.abort_generation``): every wait of the old process group ends at once, the step
-    thread raises out of it and ends, and only then does the failover go on. No thread of the old
-    generation is left behind; one still computing after ``finish_within`` seconds is a fatal error.
-    """
-
-    def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float,
-                 finish_within: float = STEP_FINISH_SECONDS) -> None:
-        self.lost, self.describe, self.detection_timeout = lost, describe, detection_timeout
-        self.finish_within = finish_within
-
-    def run(self, fn: Callable[[], Any], busy: Callable[[], bool] = lambda: False) -> Any:
-        result: dict[str, Any] = {}
-        done = threading.Event()
-
-        def work() -> None:
-            try:
-                result["value"] = fn()
-            except BaseException as err:  # noqa: BLE001 - handed to the caller
-                result["error"] = err
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=work, name="bamboo-step", daemon=True)
-        thread.start()
-        while not done.wait(0.02):
-            if self.lost.is_set() and not busy():
-                lost = PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
-                abort_generation()
-                if not done.wait(self.finish_within):
-                    raise FatalLoss(f"{lost}; the step did not end within {self.finish_within:g} s of aborting its "
-                                    "communication, so it cannot be failed over: start again from the checkpoint")
-                thread.join()
-                raise lost
-        thread.join()
-        if "error" in result:
-            err = result["error"]
-            if isinstance(err, PeerLost):
-                raise err
-            if isinstance(err, RuntimeError):
-                # A receive from a dead peer fails fast, with messages that vary by transport and
-                # timing; wait (bounded) for the store to say whether someone died.
-                if self.lost.wait(self.detection_timeout if _is_comm_error(err) else min(2.0, self.detection_timeout)):
-                    raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
-            raise err
-        return result["value"]
-
-
-def _is_comm_error(err: BaseException) -> bool:
-    text = str(err).lower()
-    return any(
-        k in text
-        for k in ("aborted", "communication process", "connection", "gloo", "closed", "closure", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
-    )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_bamboo.engine.placement import check_placement
+from lightning_bamboo.engine.precision import resolve
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_option
 
@@ -32,6 +33,8 @@ class BambooConfig:
     audit_replicas: bool = False
     replica_placement: str = "auto"
     replica_memory_budget: int | None = None
+    #: "32", "bf16" or "16" (``engine.precision``); the DeepSpeed config's bf16/fp16 sections give it too
+    precision: str = "32"
 
     def __post_init__(self) -> None:
         stages, micro = self.stages, self.micro_batch_size
@@ -62,6 +65,7 @@ class BambooConfig:
             )
         self.detection_timeout = float(self.detection_timeout)
         self.deepspeed = dict(self.deepspeed or {})
+        resolve(self.precision, self.deepspeed, None)  # refuses what cannot run exactly, before anything starts
 
     @property
     def redundant(self) -> bool:

@@ -104,6 +104,7 @@ def start_admitted(runner: NodeStage, model: PipelineModel, record: dict[str, An
         return held, exchange_objects(None, send_to=None, recv_from=order.index(record["sender"]))
 
     held, meta = session.guard().run(receive)
+    runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the running nodes' loss scale
     pipelines = int(record.get("pipelines", 1))
     layout = Layout(len(order) // pipelines, pipelines, tuple(record["parts"]))
     runner.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)

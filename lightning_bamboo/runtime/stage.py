@@ -27,6 +27,7 @@ from lightning_bamboo.engine.module import BuiltLayers, Splice, build_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, Wiring
 from lightning_bamboo.engine.placement import replica_device
+from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.runtime.collectives import decode, encode
@@ -60,6 +61,9 @@ class NodeStage:
         self.layout: Layout | None = None
         self.rank = 0
         self.gradient_clipping = 0.0
+        #: how the job computes (fp32, or bf16/fp16 with fp32 masters), its clipping and fp16's loss scale: resolved
+        #: at start from the config, kept through every rebuild (the loss scale is the job's, not an engine's)
+        self.precision: Precision | None = None
         self.param_counts: list[int] = []  # trainable parameters per layer, measured by probe()
         self.layer_names: list[str] = []  # each layer's class name, measured by probe()
         self.audits = 0  # replica audits passed by this process
@@ -101,6 +105,7 @@ class NodeStage:
         probe = self.probe(model)
         parts = compute_parts(self.config.partition, stages, probe.param_counts, probe.names)
         self.layout, self.rank, self.gradient_clipping = Layout(stages, pipelines, parts), rank, gradient_clipping
+        self.resolve_precision()
         if self.session is not None and torch_dist.get_backend() != BACKEND:
             log.warning("%s: the job's process group uses %r, which cannot be aborted: a failover waits until a step "
                         "blocked on a lost peer returns by that backend's own timeout. Form it with "
@@ -112,6 +117,21 @@ class NodeStage:
         self.engine = self._new_engine(module, optimizer, self.layout)
         if fitting:
             self._arm(self.engine)
+
+    def resolve_precision(self, loss_scale: dict[str, Any] | None = None) -> Precision:
+        """The job's :class:`Precision` from the config and ``gradient_clipping`` (``loss_scale``: fp16's scale state
+        to continue from, a checkpoint's or a running node's)."""
+        if self.precision is None:
+            self.precision, _ = resolve(self.config.precision, self.config.deepspeed, self.gradient_clipping)
+        if loss_scale and self.precision.state is not None:
+            self.precision.state = ScaleState(**loss_scale)  # in place: the engines share this object
+        return self.precision
+
+    def precision_meta(self) -> dict[str, Any]:
+        """What a checkpoint or a joining node needs of the precision: fp16's loss scale state."""
+        state = self.precision.state if self.precision is not None else None
+        return {"precision": self.precision.name if self.precision else "32",
+                **({"loss_scale": state.as_dict()} if state is not None else {})}
 
     def _build(self, keep: Callable[[int], bool]) -> BuiltLayers:
         assert self.model is not None, "probe() or start() names the model first"
@@ -138,19 +158,22 @@ class NodeStage:
         with _deepspeed_device(self.device):
             module = build_pipeline_module(layers, layout, self.model.pipeline_loss, timeout)
         module.to(self.device)
+        module.set_precision(self.precision, self.device)
         if states is not None:
             ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         self.host.adopt_stage(module)
         return module
 
     def _new_engine(self, module: Any, optimizer: Any, layout: Layout) -> BambooPipelineEngine:
-        config = deepspeed_config(self.config.micro_batch_size, 1, layout.pipelines, self.gradient_clipping,
-                                  self.config.deepspeed)
+        precision = self.precision if self.precision is not None else self.resolve_precision()
+        # reduced precision and clipping are the engine's own (``engine.precision``), not DeepSpeed's
+        _, rest = resolve(self.config.precision, self.config.deepspeed, self.gradient_clipping)
+        config = deepspeed_config(self.config.micro_batch_size, 1, layout.pipelines, 0.0, rest)
         with _deepspeed_device(self.device):
             return build_engine(
                 module, optimizer, config, timedelta(seconds=self.config.timeout),
                 bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs,
-                                "seed": self.seed},
+                                "seed": self.seed, "precision": precision},
             )
 
     def _rank_of(self, layout: Layout, stage: int, pipeline: int) -> int:

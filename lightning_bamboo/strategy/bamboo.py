@@ -32,7 +32,12 @@ from lightning_bamboo.strategy import patches
 from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_bamboo.strategy.lightning_host import LightningHost
 from lightning_bamboo.strategy.loading import PipelineData
-from lightning_bamboo.strategy.refusal import check_batches, refused_quietly, warn_if_replicas_cannot_help
+from lightning_bamboo.strategy.refusal import (
+    check_batches,
+    check_trainer,
+    refused_quietly,
+    warn_if_replicas_cannot_help,
+)
 from lightning_bamboo.topology.layout import resolve_stages
 
 if TYPE_CHECKING:
@@ -398,7 +403,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         from lightning_bamboo.callbacks.failover_metrics import add_failover_metrics
 
         with refused_quietly():
-            self._check_trainer(trainer)
+            check_trainer(trainer, self.options, getattr(self.precision_plugin, "precision", "32-true"))
             self._take_over_sampler_injection(trainer)
             if not (getattr(self, "_data_checked", False) or joining()):  # before the engine is built
                 check_batches(trainer, self.micro_batch_size, self.pipelines)
@@ -427,26 +432,6 @@ class _BambooStrategyMixin(CheckpointHooks):
         self.model = model  # no DDP wrapper: the engine reduces gradients
         self.setup_precision_plugin()
 
-    def _check_trainer(self, trainer: Any) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise BambooConfigError(
-                f"strategy='bamboo' accumulates gradients over micro-batches, not over batches "
-                f"(accumulate_grad_batches: {trainer.accumulate_grad_batches}); use accumulate_grad_batches=1 and a "
-                f"{trainer.accumulate_grad_batches}x larger batch"
-            )
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
-            raise BambooConfigError(
-                f"strategy='bamboo' clips gradients by norm inside the engine "
-                f"(gradient_clip_algorithm: {trainer.gradient_clip_algorithm!r}); use gradient_clip_algorithm='norm'"
-            )
-        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-        if precision not in ("32-true", "32"):
-            raise BambooConfigError(
-                f"strategy='bamboo' runs the Lightning precision '32-true' and takes reduced precision from "
-                f"DeepSpeed's config (precision: {precision!r}); use precision='32-true' and "
-                f"BambooStrategy(config={{'bf16': {{'enabled': True}}}})"
-            )
-
     @override
     def model_to_device(self) -> None:
         pass  # the engine places the stage; the LightningModule holds no other weights
@@ -463,6 +448,9 @@ class _BambooStrategyMixin(CheckpointHooks):
         trainer = self._module.trainer
         self.data.advance(trainer.current_epoch, len(batch[0]), self.pipelines)
         self._module.log("train_loss", loss, prog_bar=True, on_step=True, sync_dist=False)
+        finished = self.engine.finished if self.engine is not None else None
+        if finished is not None:  # clipping or fp16: the global norm before clipping (inf: a skipped fp16 step)
+            self._module.log("grad_norm", finished.norm, on_step=True, sync_dist=False)
         return loss
 
     def _eval_step(self, name: str, batch: Any) -> torch.Tensor:

@@ -62,7 +62,7 @@ class CheckpointHooks(_Lightning):
         out["bamboo"] = ckpt.bamboo_meta(
             layout.num_layers, layout.parts, layout.pipelines, optimizer, cursor=self.data.state(),
             seed=self.runner.seed, redundancy=self.redundancy, world_size=self.world_size,
-            step=checkpoint.get("global_step"),
+            step=checkpoint.get("global_step"), **self.runner.precision_meta(),
         )
         return out
 
@@ -101,6 +101,7 @@ class CheckpointHooks(_Lightning):
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path = checkpoint_path
         self.runner.resume_from(checkpoint_path, meta)
+        self.runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
         self.data.restore(meta["bamboo"])
         self._resume_rng = None
         saved_world = meta["bamboo"].get("world_size")

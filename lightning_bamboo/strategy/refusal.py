@@ -85,6 +85,28 @@ def _first_batch(loader: Any) -> Any:
         return None
 
 
+def check_trainer(trainer: Any, options: Any, precision_flag: Any) -> None:
+    """The Trainer's options that the pipeline engine takes over: gradient accumulation, clipping and precision
+    (``options.precision`` is set from Lightning's flag; it must agree with the DeepSpeed config's)."""
+    from lightning_bamboo.engine.precision import from_lightning, resolve
+
+    if trainer.accumulate_grad_batches != 1:
+        raise BambooConfigError(
+            f"strategy='bamboo' accumulates gradients over micro-batches, not over batches "
+            f"(accumulate_grad_batches: {trainer.accumulate_grad_batches}); use accumulate_grad_batches=1 and a "
+            f"{trainer.accumulate_grad_batches}x larger batch"
+        )
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
+        raise BambooConfigError(
+            f"strategy='bamboo' clips gradients by norm inside the engine "
+            f"(gradient_clip_algorithm: {trainer.gradient_clip_algorithm!r}); use gradient_clip_algorithm='norm'"
+        )
+    name = from_lightning(precision_flag)
+    resolve(name, options.deepspeed, trainer.gradient_clip_val)  # Lightning's flags against the DeepSpeed config
+    if name != "32":
+        options.precision = name
+
+
 def check_batches(trainer: Any, micro_batch_size: int, pipelines: int, early: bool = False) -> bool:
     """The training data's batches, when fitting: of the form (inputs, targets), and a batch size that splits
     into whole micro-batches (with a plain sampler each step loads the global batch, the DataLoader's batch size

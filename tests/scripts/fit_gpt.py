@@ -59,6 +59,21 @@ def ReplicaCheck(pl):  # noqa: N802 - a Callback class for the namespace in use
     return _ReplicaCheck()
 
 
+def StepLog(pl):  # noqa: N802 - a Callback class for the namespace in use
+    class _StepLog(pl.Callback):
+        """After every step, on rank 0: the global gradient norm (inf: an fp16 overflow, skipped) and the loss scale."""
+
+        def on_train_batch_end(self, trainer, *args):
+            finished = trainer.strategy.engine.finished
+            state = trainer.strategy.runner.precision.state
+            if trainer.is_global_zero:
+                print(json.dumps({"step_end": trainer.global_step, "norm": finished.norm if finished else None,
+                                  "overflow": finished.overflow if finished else None,
+                                  "scale": state.scale if state else None}), flush=True)
+
+    return _StepLog()
+
+
 def PerturbReplica(pl, step: int, rank: int):  # noqa: N802 - a Callback class for the namespace in use
     class _PerturbReplica(pl.Callback):
         """A fault for the replica audit to find: before step ``step``, rank ``rank`` changes one weight of its replica."""
@@ -94,6 +109,9 @@ def main() -> None:
     p.add_argument("--audit", action="store_true", help="BambooStrategy(audit_replicas=True)")
     p.add_argument("--lr-decay", type=float, default=None, help="multiply the learning rate by this after every step")
     p.add_argument("--perturb-replica", default=None, help="STEP:RANK: change one weight of that rank's replica before that step")
+    p.add_argument("--precision", default="32-true", help="Trainer(precision=...)")
+    p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    p.add_argument("--ds-config", default="{}", help="BambooStrategy(config=...): extra DeepSpeed config, as JSON")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -110,6 +128,8 @@ def main() -> None:
         def configure_optimizers(self):
             if args.optimizer == "adam":
                 optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+            elif args.optimizer == "adamw":
+                optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
             else:
                 optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
             if not args.lr_decay:
@@ -126,10 +146,11 @@ def main() -> None:
     strategy = (lightning_bamboo.BambooStrategy if args.namespace == "lightning.pytorch" else lightning_bamboo.PTLBambooStrategy)(
         stages=args.stages, micro_batch_size=args.micro_batch_size, partition=partition, seed=1234, timeout=60,
         redundancy=args.redundancy, detection_timeout=args.detection_timeout, audit_replicas=args.audit,
+        config=json.loads(args.ds_config),
         rf_costs=args.rf_costs if args.rf_costs == "measured"
         else dict(zip(("forward", "backward"), map(float, args.rf_costs.split(",")), strict=True)),
     )
-    callbacks = [StageDevice(pl)()]
+    callbacks = [StageDevice(pl)(), StepLog(pl)]
     if args.check_replicas:
         callbacks.append(ReplicaCheck(pl))
     if args.perturb_replica:
@@ -149,7 +170,7 @@ def main() -> None:
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=args.devices, max_steps=args.steps, callbacks=callbacks,
         logger=pl.loggers.CSVLogger(args.out), enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=0, precision=args.precision, gradient_clip_val=args.clip,
     )
     trainer.fit(GPT(), ckpt_path=args.resume)
     # every process: its live threads (a test counts those of old communication generations: none may be left),
@@ -168,6 +189,8 @@ def main() -> None:
             "global_step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"]),
             "failovers": res.failovers if res is not None else [], "world_size": trainer.world_size,
             "audits": trainer.strategy.audits,
+            "grad_norm": float(trainer.callback_metrics.get("grad_norm", float("nan"))),
+            "loss_scale": trainer.strategy.runner.precision_meta().get("loss_scale"),
         }))
 
 

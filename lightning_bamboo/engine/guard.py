@@ -1,0 +1,83 @@
+"""``StepGuard``: a training step on a worker thread, ended at once when a peer is lost."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lightning_bamboo.engine.comm_process import abort_generation
+from lightning_bamboo.errors import BambooError, FatalLoss
+
+
+class PeerLost(BambooError):
+    """A peer of this pipeline is gone; the step in flight did not commit here."""
+
+    def __init__(self, message: str, lost: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.lost = tuple(lost)
+
+
+#: the most seconds a step may take to end after its generation's communication was aborted
+STEP_FINISH_SECONDS = 60.0
+
+
+class StepGuard:
+    """Runs a step on a worker thread so that a lost peer can never block the caller.
+
+    A send or receive with a frozen or vanished peer would block until the process-group timeout.
+    So the step runs on a worker thread while the caller waits for it *or* for ``lost`` (set by the
+    membership watcher). On a loss the guard aborts the generation's communication
+    (``comm_process.abort_generation``): every wait of the old process group ends at once, the step
+    thread raises out of it and ends, and only then does the failover go on. No thread of the old
+    generation is left behind; one still computing after ``finish_within`` seconds is a fatal error.
+    """
+
+    def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float,
+                 finish_within: float = STEP_FINISH_SECONDS) -> None:
+        self.lost, self.describe, self.detection_timeout = lost, describe, detection_timeout
+        self.finish_within = finish_within
+
+    def run(self, fn: Callable[[], Any], busy: Callable[[], bool] = lambda: False) -> Any:
+        result: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                result["value"] = fn()
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                result["error"] = err
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=work, name="bamboo-step", daemon=True)
+        thread.start()
+        while not done.wait(0.02):
+            if self.lost.is_set() and not busy():
+                lost = PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
+                abort_generation()
+                if not done.wait(self.finish_within):
+                    raise FatalLoss(f"{lost}; the step did not end within {self.finish_within:g} s of aborting its "
+                                    "communication, so it cannot be failed over: start again from the checkpoint")
+                thread.join()
+                raise lost
+        thread.join()
+        if "error" in result:
+            err = result["error"]
+            if isinstance(err, PeerLost):
+                raise err
+            if isinstance(err, RuntimeError):
+                # A receive from a dead peer fails fast, with messages that vary by transport and
+                # timing; wait (bounded) for the store to say whether someone died.
+                if self.lost.wait(self.detection_timeout if is_comm_error(err) else min(2.0, self.detection_timeout)):
+                    raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
+            raise err
+        return result["value"]
+
+
+def is_comm_error(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(
+        k in text
+        for k in ("aborted", "communication process", "connection", "gloo", "closed", "closure", "reset", "peer", "timed out", "timeout", "broken pipe", "nccl")
+    )
