@@ -43,6 +43,9 @@ def config_for(block_size: int) -> GPTConfig:
     return dataclasses.replace(CONFIG, block_size=block_size)
 
 MODES = ("off", "lazy", "eager")
+#: "PRECISION:CLIP" for every worker of the call (``--precision``, ``--clip``)
+PRECISION_ENV = "BAMBOO_BENCH_PRECISION"
+PRECISION_CONFIGS = {"32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -63,11 +66,13 @@ def worker(args: argparse.Namespace) -> None:
 
     timer = Timer()
     rotate = Rotate(args.warmup)
+    precision, clip = os.environ.get(PRECISION_ENV, "32:0").split(":")
     strategy = lightning_bamboo.BambooStrategy(
         stages=args.stages, micro_batch_size=MICRO, partition="uniform", seed=0, redundancy=args.redundancy,
-        detection_timeout=5, process_group_backend=args.backend or None,
+        detection_timeout=5, process_group_backend=args.backend or None, config=PRECISION_CONFIGS[precision],
     )
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
+                         gradient_clip_val=float(clip) or None,
                          callbacks=[timer, rotate] if args.rotate else [timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False)
     trainer.fit(BenchGPT(config_for(args.block_size), args.steps * batch, batch))
@@ -187,6 +192,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (median of their medians)")
     parser.add_argument("--shapes", default="2x4,2x8,4x4,4x8", help="stages x micro-batches to measure")
     parser.add_argument("--no-kills", dest="kills", action="store_false", help="skip the two recovery runs")
+    parser.add_argument("--precision", choices=sorted(PRECISION_CONFIGS), default="32",
+                        help="every run in this precision (DeepSpeed's bf16/fp16 section: fp32 masters, autocast)")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient_clip_val of every run (0: none)")
     parser.add_argument("--record", action="store_true",
                         help="write eager's measured overhead at 2 x 8 to the simulator's defaults (sim_params.json)")
     parser.add_argument("--layer-cost", action="store_true",
@@ -198,6 +206,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
+    os.environ[PRECISION_ENV] = f"{args.precision}:{args.clip}"
+    print(f"precision {args.precision}, gradient clipping {args.clip or 'off'}")
 
     rows = {}
     costs: dict[tuple[int, int, str], dict[str, list[float]]] = {}
