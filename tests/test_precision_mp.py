@@ -76,32 +76,44 @@ def test_bf16_with_clipping_trains_in_bf16_and_clips_by_the_global_norm(bf16_cle
 
 @pytest.mark.parametrize("mode, precision, kill", [
     ("lazy", BF16, "node2@5"),
-    # eager with DeepSpeed's bf16 section instead of Lightning's flag, node1 killed mid-step
-    ("eager", BF16_DEEPSPEED, "node1@5:6"),
+    # eager with DeepSpeed's bf16 section instead of Lightning's flag, node1 killed mid-step, the replica audit on
+    ("eager", [*BF16_DEEPSPEED, "--audit"], "node1@5:6"),
 ], ids=["lazy-lightning-flag", "eager-deepspeed-config"])
 def test_bf16_with_clipping_survives_a_sigkill_bit_exact(tmp_path, bf16_clean, mode, precision, kill):
     clean, _, clean_steps = bf16_clean
     summary, steps = _job(tmp_path, "--redundancy", mode, *precision, kill=[kill])
     (failover,) = summary["failovers"]
     assert failover["lost"] == [kill.split("@")[0]] and failover["step"] == 5
+    # with the audit: every replica equalled its owner's masters and AdamW state after every step and the rebuild
+    assert summary["audits"] == (STEPS + 1 if "--audit" in precision else 0)
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(clean / "final.pt")) == 0.0
     assert max_abs_diff(optimizer_states(tmp_path / "final.ckpt"), optimizer_states(clean / "final.ckpt")) == 0.0
     assert [s["norm"] for s in steps] == [s["norm"] for s in clean_steps]  # the same global norm at every step
 
 
-def test_bf16_resumed_into_another_layout_is_bit_exact(tmp_path, bf16_clean):
-    """The clean run's checkpoint of step 6 (4 stages) resumed by 2 stages on 2 nodes: the clean run's weights and
-    optimizer state at step 12 (per-layer norms make the clip coefficient independent of the layout)."""
-    clean, _, _ = bf16_clean
+def _resume_on_two_nodes(checkpoint, out, *precision):
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", PYTHON,
                 str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--devices", "2", "--stages", "2", "--partition",
                 "uniform", "--batch-size", "8", "--micro-batch-size", "2", "--optimizer", "adamw", "--clip", "0.5",
-                "--steps", str(STEPS), "--redundancy", "lazy", *BF16, "--resume", str(clean / "step6.ckpt"),
-                "--out", str(tmp_path)], timeout=240)
+                "--steps", str(STEPS), "--redundancy", "lazy", *precision, "--resume", str(checkpoint),
+                "--out", str(out)], timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": 0}
-    assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(clean / "final.pt")) == 0.0
-    assert max_abs_diff(optimizer_states(tmp_path / "final.ckpt"), optimizer_states(clean / "final.ckpt")) == 0.0
+    return proc.stdout
+
+
+def test_bf16_resumed_into_another_layout_is_bit_exact_and_into_fp32_says_so(tmp_path, bf16_clean):
+    """The clean run's checkpoint of step 6 (4 stages) resumed by 2 stages on 2 nodes: the clean run's weights and
+    optimizer state at step 12 (per-layer norms make the clip coefficient independent of the layout). Resumed in
+    fp32 instead, it says what happens and goes on from the fp32 masters: other weights, close to bf16's."""
+    clean, _, _ = bf16_clean
+    _resume_on_two_nodes(clean / "step6.ckpt", tmp_path / "bf16", *BF16)
+    assert max_abs_diff(torch.load(tmp_path / "bf16" / "final.pt"), torch.load(clean / "final.pt")) == 0.0
+    assert max_abs_diff(optimizer_states(tmp_path / "bf16" / "final.ckpt"), optimizer_states(clean / "final.ckpt")) == 0.0
+    stdout = _resume_on_two_nodes(clean / "step6.ckpt", tmp_path / "fp32")
+    assert "was trained in bf16 and this run computes in fp32: it continues from the saved fp32 master weights" in stdout
+    fp32, bf16 = torch.load(tmp_path / "fp32" / "final.pt"), torch.load(clean / "final.pt")
+    assert 0 < max_abs_diff(fp32, bf16) and _distance(fp32, bf16) < 0.25 * _distance(bf16, reference_weights(0, 8, 1, 2))
 
 
 def test_fp16_overflows_right_before_and_right_after_failovers_are_exact(tmp_path):

@@ -101,7 +101,16 @@ class CheckpointHooks(_Lightning):
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path = checkpoint_path
         self.runner.resume_from(checkpoint_path, meta)
-        self.runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
+        precision = self.runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
+        saved_precision = meta["bamboo"].get("precision", "32")
+        if saved_precision != precision.name:
+            log.warning(
+                "checkpoint %s was trained in %s and this run computes in %s: it continues from the saved fp32 master "
+                "weights and optimizer state (every precision keeps them in fp32)%s", checkpoint_path,
+                {"32": "fp32", "16": "fp16"}.get(saved_precision, saved_precision), precision.describe(),
+                "; fp16's loss scale starts afresh" if precision.state is not None and "loss_scale" not in meta["bamboo"]
+                else "",
+            )
         self.data.restore(meta["bamboo"])
         self._resume_rng = None
         saved_world = meta["bamboo"].get("world_size")
