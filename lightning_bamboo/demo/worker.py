@@ -53,6 +53,29 @@ class Tokens(torch.utils.data.Dataset):
 
 #: ``ulp``: the first weight of the first block starts one ulp higher (how far one rounding drifts a run apart)
 PERTURB_ENV = "BAMBOO_DEMO_PERTURB"
+#: ``bf16`` or ``fp16``: the layers run under autocast in that precision, fp32 master weights (the strategy's
+#: DeepSpeed config ``{"bf16": {"enabled": True}}``); absent or empty: fp32
+PRECISION_ENV = "BAMBOO_DEMO_PRECISION"
+#: a float: clip the gradients by their global norm to it (the Trainer's ``gradient_clip_val``); absent or 0: off
+CLIP_ENV = "BAMBOO_DEMO_CLIP"
+#: ``PRECISION_ENV``'s values -> the DeepSpeed config's section
+PRECISION_SECTIONS = {"bf16": "bf16", "fp16": "fp16"}
+
+
+def numerics() -> tuple[dict, float | None]:
+    """The strategy's DeepSpeed config and the Trainer's ``gradient_clip_val`` from ``PRECISION_ENV`` and
+    ``CLIP_ENV`` (``benchmarks/chaos.py --precision/--clip``; the demo's command line has no flag for them)."""
+    precision = os.environ.get(PRECISION_ENV, "")
+    if precision and precision not in PRECISION_SECTIONS:
+        raise SystemExit(f"{PRECISION_ENV}={precision!r}: use one of {', '.join(PRECISION_SECTIONS)} (unset: fp32)")
+    config = {PRECISION_SECTIONS[precision]: {"enabled": True}} if precision else {}
+    try:
+        clip = float(os.environ.get(CLIP_ENV) or 0.0)
+    except ValueError:
+        raise SystemExit(f"{CLIP_ENV}={os.environ[CLIP_ENV]!r}: a number, the global norm to clip to") from None
+    if clip < 0:
+        raise SystemExit(f"{CLIP_ENV}={clip:g}: the norm to clip to is 0 (off) or more")
+    return config, clip or None
 
 
 class DemoGPT(pl.LightningModule):
@@ -207,11 +230,13 @@ def train(args: argparse.Namespace) -> int:
     node = os.environ.get("BAMBOO_NODE", "node0")
     model = DemoGPT(samples=args.steps * (args.global_batch or args.batch_size), batch_size=args.batch_size,
                     optimizer=args.optimizer, dropout=args.dropout)
+    config, clip = numerics()
     strategy = lightning_bamboo.BambooStrategy(
         # a lone survivor restarted with its redundancy on runs one stage until nodes join (stages=None: the world's)
         stages=None if args.stages == 1 and args.redundancy != "off" else args.stages, micro_batch_size=args.micro_batch_size, seed=0,
         partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,
         redundancy=args.redundancy, timeout=60, detection_timeout=args.detection_timeout, audit_replicas=args.audit,
+        config=config,
     )
     checkpoints = pl.callbacks.ModelCheckpoint(
         dirpath=args.checkpoint_dir, filename="step{step}", every_n_train_steps=args.checkpoint_every,
@@ -230,7 +255,7 @@ def train(args: argparse.Namespace) -> int:
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", args.stages)),
         max_steps=args.steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=clip,  # clipped by norm in the engine
     )
     start = time.perf_counter()
     trainer.fit(model, ckpt_path=args.resume)
