@@ -31,8 +31,15 @@ so the floor is the larger difference of two clean runs that differ only in that
 ulp up at step 0; the job on one pipeline). A run beyond it fails; samples, steps and exit status
 are checked as with one pipeline.
 
+With ``--precision bf16`` (or ``fp16``) every demo run of the call, the clean runs included, computes its
+layers under autocast in that precision with fp32 master weights, and clips the gradients by their global
+norm to ``--clip`` (default 1.0 then; 0 turns it off). The worker reads them from ``BAMBOO_DEMO_PRECISION``
+and ``BAMBOO_DEMO_CLIP`` (the demo's command line has no flag for them). The judgement is unchanged: on one
+pipeline the chaos run must equal the clean run of the same precision bit for bit.
+
     python benchmarks/chaos.py [--seeds 10] [--changes 30] [--first-seed 0] [--store etcd|embedded] [--json]
     python benchmarks/chaos.py --pipelines 2 --seeds 5
+    python benchmarks/chaos.py --seeds 3 --precision bf16 [--clip 1.0]
 """
 
 from __future__ import annotations
@@ -68,6 +75,21 @@ INSIDE = {"in_failover": "failover", "in_reconfiguration": "reconfigure", "in_ch
 
 
 PERTURB_ENV = "BAMBOO_DEMO_PERTURB"  # read by lightning_bamboo/demo/worker.py: "ulp" nudges one weight
+PRECISION_ENV = "BAMBOO_DEMO_PRECISION"  # read by the worker too: "bf16" or "fp16" (unset: fp32)
+CLIP_ENV = "BAMBOO_DEMO_CLIP"  # and the global norm to clip the gradients to (unset: no clipping)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How every demo run of a call computes: ``precision`` "32", "bf16" or "fp16"; ``clip``: the global norm (0: off)."""
+
+    precision: str = "32"
+    clip: float = 0.0
+
+    def environment(self) -> dict[str, str]:
+        """The worker's environment variables for it (none for fp32 without clipping)."""
+        env = {PRECISION_ENV: self.precision} if self.precision != "32" else {}
+        return {**env, CLIP_ENV: repr(self.clip)} if self.clip else env
 
 
 @dataclass(frozen=True)
@@ -213,16 +235,18 @@ def make_schedule(seed: int, changes: int, nodes: int = NODES, join_lag: int = J
 
 
 def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float = 0.0,
-         etcd: bool = False, detection_timeout: float = 5.0, dropout: float = 0.0, shape: Shape | None = None) -> dict:
+         etcd: bool = False, detection_timeout: float = 5.0, dropout: float = 0.0, shape: Shape | None = None,
+         numerics: Numerics = Numerics()) -> dict:
     """Run the demo (``schedule`` None: no preemptions) in ``out``; its report, with where its files are.
 
     With ``etcd`` the membership lives in a real etcd server started here, which the schedule's
     ``etcd_restarts`` kill and start again (same data dir) when the job reaches those steps. ``shape``: the
-    nodes and stages (default: ``NODES`` nodes in one pipeline), and the one-ulp perturbation of a floor run.
+    nodes and stages (default: ``NODES`` nodes in one pipeline), and the one-ulp perturbation of a floor run;
+    ``numerics``: the precision and gradient clipping of every node.
     """
     shape = shape or Shape()
     if not etcd:
-        return _demo(out, steps, schedule, timeout, step_delay, "embedded", detection_timeout, dropout, shape)
+        return _demo(out, steps, schedule, timeout, step_delay, "embedded", detection_timeout, dropout, shape, numerics)
     from tests.etcd_server import EtcdServer
 
     with EtcdServer() as server:
@@ -231,7 +255,8 @@ def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_
                                     daemon=True)
         restarts.start()
         try:
-            return _demo(out, steps, schedule, timeout, step_delay, server.url, detection_timeout, dropout, shape)
+            return _demo(out, steps, schedule, timeout, step_delay, server.url, detection_timeout, dropout, shape,
+                         numerics)
         finally:
             done.set()
             restarts.join(30)
@@ -259,7 +284,7 @@ def _restart_etcd(server, steps: list[int], done: threading.Event) -> None:
 
 
 def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float, store: str,
-          detection_timeout: float, dropout: float, shape: Shape) -> dict:
+          detection_timeout: float, dropout: float, shape: Shape, numerics: Numerics) -> dict:
     report = out / "report.json"
     cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(shape.nodes), "--steps", str(steps),
            "--checkpoint-every", str(CHECKPOINT_EVERY), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
@@ -271,10 +296,11 @@ def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step
         cmd += ["--freeze", ",".join(schedule.freeze)] if schedule.freeze else []
         cmd += ["--audit", "--step-delay", str(step_delay)] + (["--join", ",".join(schedule.join)] if schedule.join else [])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in (*faults.ENV_NAMES, PERTURB_ENV):
+    for name in (*faults.ENV_NAMES, PERTURB_ENV, PRECISION_ENV, CLIP_ENV):
         env.pop(name, None)
     if shape.perturb:
         env[PERTURB_ENV] = "ulp"
+    env.update(numerics.environment())  # every run of the call, clean and chaos alike
     if schedule is not None and schedule.fail_at:
         (out / "fired").mkdir()
         env.update(faults.environment(schedule.fail_at, once_dir=out / "fired"))  # a node started again is spared
@@ -351,10 +377,14 @@ def seed_schedule(seed: int, args: argparse.Namespace) -> Schedule:
     return schedule
 
 
+def numerics_of(args: argparse.Namespace) -> Numerics:
+    return Numerics(args.precision, args.clip)
+
+
 def clean_run(out: Path, steps: int, args: argparse.Namespace, shape: Shape) -> dict:
     """A run of ``steps`` without preemptions: its weights, AdamW state, samples by step and samples/s."""
     out.mkdir()
-    report = demo(out, steps, None, args.timeout, dropout=args.dropout, shape=shape)
+    report = demo(out, steps, None, args.timeout, dropout=args.dropout, shape=shape, numerics=numerics_of(args))
     if report["exit_code"] != 0 or report["steps_completed"] != steps:
         raise SystemExit(f"the clean run of {steps} steps ({shape}) failed: exit {report['exit_code']}\n"
                          f"{report['log_tail']}")
@@ -386,13 +416,15 @@ def run_seed(seed: int, args: argparse.Namespace, root: Path, clean_runs: dict[i
     out = root / f"seed-{seed}"
     out.mkdir()
     report = demo(out, schedule.steps, schedule, args.timeout, args.step_delay, etcd=args.store == "etcd",
-                  detection_timeout=args.detection_timeout, dropout=args.dropout, shape=Shape.of(args.pipelines))
+                  detection_timeout=args.detection_timeout, dropout=args.dropout, shape=Shape.of(args.pipelines),
+                  numerics=numerics_of(args))
     row: dict = {"seed": seed, "steps": schedule.steps, "target_steps": schedule.steps,
                  "steps_completed": report.get("steps_completed", 0), "changes": schedule.changes,
                  "kinds": dict(schedule.kinds), "exit_code": report["exit_code"],
                  "recoveries": report.get("recoveries", {}), "recovery_seconds": report.get("recovery_seconds", []),
                  "preempt": schedule.preempt, "join": schedule.join, "fail_at": schedule.fail_at, "freeze": schedule.freeze,
-                 "etcd_restarts": schedule.etcd_restarts, "floor": clean["floor"]}
+                 "etcd_restarts": schedule.etcd_restarts, "floor": clean["floor"], "precision": args.precision,
+                 "clip": args.clip}
     problems = []
     if report["exit_code"] != 0 or row["steps_completed"] != schedule.steps:
         problems.append(f"exit {report['exit_code']}, {row['steps_completed']} of {schedule.steps} steps; "
@@ -490,19 +522,30 @@ def main() -> int:
     p.add_argument("--dropout", type=float, default=0.1,
                    help="dropout in every layer of the demo model (0 turns it off): each layer's masks must follow it "
                         "through failovers, moves and restarts for the weights to stay exact")
+    p.add_argument("--precision", choices=("32", "bf16", "fp16"), default="32",
+                   help="every demo run of the call (the clean runs too) computes its layers in this precision under "
+                        "autocast, with fp32 master weights (default 32: fp32 throughout)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="clip every step's gradients by their global norm to this (0: off; default 1.0 with "
+                        "--precision bf16 or fp16, else 0)")
     p.add_argument("--store", choices=("etcd", "embedded"), default="etcd",
                    help="membership in a real etcd server that the schedule restarts (default), or the embedded store")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one demo run may take")
     p.add_argument("--keep", default=None, help="keep every run's files in this directory")
     p.add_argument("--json", action="store_true", help="also print every run as a JSON line")
     args = p.parse_args()
+    if args.clip is None:
+        args.clip = 0.0 if args.precision == "32" else 1.0
+    if args.clip < 0:
+        raise SystemExit(f"--clip must be 0 (off) or more (got {args.clip:g})")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bamboo-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     rows, clean_runs = [], {}
     if args.pipelines < 1:
         raise SystemExit(f"--pipelines must be 1 or more (got {args.pipelines})")
     shape = Shape.of(args.pipelines)
-    print(f"demo: {shape.nodes} nodes in {args.pipelines} pipeline(s), AdamW, dropout {args.dropout}, replica audit on, detection timeout "
+    print(f"demo: {shape.nodes} nodes in {args.pipelines} pipeline(s), AdamW, dropout {args.dropout}, precision "
+          f"{args.precision}, gradient clipping {args.clip:g}, replica audit on, detection timeout "
           f"{args.detection_timeout} s, store {args.store}; bounds: recovery {args.max_recovery} s", flush=True)
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         row = run_seed(seed, args, root, clean_runs)
