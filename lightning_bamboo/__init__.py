@@ -22,6 +22,7 @@ _LAZY = {
     "PTLBambooStrategy": "lightning_bamboo.strategy",
     "consolidate_checkpoint": "lightning_bamboo.checkpoint",
     "initialize": "lightning_bamboo.deepspeed_api",
+    "init_distributed": "lightning_bamboo.deepspeed_api",
 }
 
 
@@ -40,5 +41,6 @@ __all__ = [
     "BambooStrategy",
     "PTLBambooStrategy",
     "consolidate_checkpoint",
+    "init_distributed",
     "initialize",
 ]

@@ -127,9 +127,6 @@ def test_layers_are_built_under_the_seed_whatever_is_kept():
 @pytest.mark.parametrize(
     "section, message",
     [
-        ({"redundancy": "lazy"}, r'"bamboo.redundancy" = \'lazy\' is not available through lightning_bamboo.initialize'
-                                 r'.*use "redundancy": "off" here, or train with Trainer\(strategy=BambooStrategy'),
-        ({"redundancy": "eager"}, r"'eager' is not available through lightning_bamboo.initialize"),
         ({"redundancy": "always"}, r'"bamboo.redundancy" must be one of'),
         ({"timeout": 0}, r'"bamboo.timeout" must be a positive number of seconds \(got 0\)'),
         ({"retries": 3}, r"unknown keys in the \"bamboo\" config entry: \['retries'\]"),
@@ -140,7 +137,32 @@ def test_initialize_bamboo_options_are_checked(section, message):
 
     with pytest.raises(BambooConfigError, match=message):
         bamboo_options({"bamboo": section})
-    assert bamboo_options({"bamboo": {"timeout": 60}}) == {"redundancy": "off", "timeout": 60}
+    assert bamboo_options({"bamboo": {"timeout": 60}}) == {"redundancy": "off", "timeout": 60, "detection_timeout": 10.0,
+                                                          "audit_replicas": False}
+
+
+def test_initialize_with_replicas_outside_the_bamboo_launcher_is_refused_with_how_to_start_it(tmp_path, monkeypatch):
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    import lightning_bamboo
+    from lightning_bamboo.engine.build import ensure_deepspeed_comm
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule reads it
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    ensure_deepspeed_comm("gloo")
+    try:
+        module = PipelineModule(layers=[torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], num_stages=1,
+                                loss_fn=torch.nn.functional.mse_loss)
+        for mode in ("lazy", "eager"):
+            with pytest.raises(BambooConfigError, match=rf"\"bamboo.redundancy\" = '{mode}' needs the Bamboo launcher.*"
+                                                        r"python -m lightning_bamboo.launcher --nodes N"):
+                lightning_bamboo.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
+                                                                  "bamboo": {"redundancy": mode}})
+    finally:
+        ds_comm.cdb = None
+        dist.destroy_process_group()
 
 
 def test_reductions_between_steps_match_lightnings() -> None:

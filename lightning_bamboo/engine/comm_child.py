@@ -141,7 +141,8 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
     while True:
         try:
             request = conn.recv()
-        except EOFError:  # the caller died (a clean close sends None): nothing more to do, nobody to tell
+        except (EOFError, ConnectionResetError):  # the caller died or exited (a clean close sends None): nothing
+            # more to do, nobody to tell
             # its groups' threads die with the interpreter, and torch's C++ says so ("terminate called without an
             # active exception") on the stderr of a node that is already gone: not a message for the user
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)

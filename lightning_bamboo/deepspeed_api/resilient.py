@@ -1,0 +1,388 @@
+"""``ResilientPipelineEngine``: a DeepSpeed training loop's engine with replicas and failover.
+
+``lightning_bamboo.initialize`` returns one under the Bamboo launcher when the config's ``"bamboo"`` section asks
+for ``"redundancy": "lazy"`` or ``"eager"``. It speaks DeepSpeed's pipeline engine's language
+(``train_batch(data_iter)``, ``save_checkpoint``, ``load_checkpoint``, ``global_steps``, ...) and runs the same
+``PipelineRunner`` as ``BambooStrategy``: every node builds its stage of the model from the ``PipelineModule``'s
+layer list (under its ``base_seed``), keeps a replica of its successor's stage, and redoes a step a lost node was
+in, from the step's micro-batches that it kept.
+
+The data contract is the Lightning path's: every node draws the same **global** batch, ``gradient_accumulation_steps``
+micro-batches per pipeline of the job's start, from its own iterator (the same sequence on every node), so a lost
+pipeline's share of a step is never skipped. Each micro-batch is ``(inputs, targets)`` of tensors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.errors import BambooConfigError
+
+log = logging.getLogger(__name__)
+
+#: the ``"bamboo"`` section's keys this engine reads besides ``redundancy`` and ``timeout``
+RESILIENT_KEYS = {"detection_timeout": 10.0, "audit_replicas": False}
+
+#: DeepSpeed's optimizer ``type`` names (lower case) -> a torch optimizer; "adam" is AdamW unless adam_w_mode is false
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
+
+#: keys of the DeepSpeed config the engine takes over (the rest goes to DeepSpeed's engine as it is)
+_TAKEN = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class _Model:
+    """The ``PipelineModule``'s layers and loss, as the runner reads a model (``runtime.host.PipelineModel``)."""
+
+    def __init__(self, module: Any) -> None:
+        self.specs, self.loss_fn = list(module._layer_specs), module.loss_fn
+
+    def configure_pipeline(self) -> list[Any]:
+        return list(self.specs)
+
+    def pipeline_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        return self.loss_fn(outputs, targets)
+
+
+class _Host:
+    """What the loop tells the runner: its step counter, and the optimizer and scheduler the config describes."""
+
+    def __init__(self, make_optimizer: Any, make_scheduler: Any) -> None:
+        self.make_optimizer, self.make_scheduler = make_optimizer, make_scheduler
+        self.step = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.meta: Any = None  # () -> the training state a joining node gets (set by the engine)
+
+    def global_step(self) -> int:
+        return self.step
+
+    def adopt_stage(self, module: torch.nn.Module) -> None:
+        self.stage = module
+
+    def optimizer_for(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+        return self.make_optimizer([p for p in module.parameters() if p.requires_grad])
+
+    def setup_optimizers(self, module: torch.nn.Module) -> torch.optim.Optimizer:
+        self.optimizer = self.optimizer_for(module)
+        self.scheduler = self.make_scheduler(self.optimizer) if self.make_scheduler is not None else None
+        return self.optimizer
+
+    def rebind_optimizer(self, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+        self.optimizer = new
+        if self.scheduler is not None:
+            self.scheduler.optimizer = new
+
+    def enter_group(self, rank: int, world: int) -> None:
+        pass
+
+    def training_state(self) -> dict[str, Any]:
+        return self.meta() if self.meta is not None else {}
+
+
+def optimizer_factory(config: dict[str, Any], optimizer: Any) -> Any:
+    """``params -> optimizer``: the ``optimizer`` argument if it is a callable, else the config's section."""
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise BambooConfigError(
+                "with replicas, lightning_bamboo.initialize builds each stage's optimizer itself (a failover rebuilds "
+                f"it for other layers), so it takes a callable, not an optimizer built on the whole model (got "
+                f"{type(optimizer).__name__}); pass optimizer=lambda params: torch.optim.{type(optimizer).__name__}"
+                "(params, ...) or an \"optimizer\" section in the config"
+            )
+        if not callable(optimizer):
+            raise BambooConfigError(f"optimizer must be a callable params -> optimizer (got {type(optimizer).__name__})")
+        return optimizer
+    section = config.get("optimizer")
+    if not isinstance(section, dict) or "type" not in section:
+        raise BambooConfigError('no optimizer: pass optimizer=lambda params: ... or an "optimizer" section '
+                                '{"type": "AdamW", "params": {"lr": ...}} in the config')
+    name = str(section["type"]).lower()
+    params = dict(section.get("params", {}))
+    params.pop("torch_adam", None)
+    if name == "adam":
+        name = "adamw" if params.pop("adam_w_mode", True) else "adam"
+    cls = _OPTIMIZERS.get(name) or (torch.optim.Adam if name == "adam" else None)
+    if cls is None:
+        raise BambooConfigError(f"optimizer type {section['type']!r} is not supported with replicas; use one of "
+                                f"Adam, AdamW, SGD, Adagrad, or pass optimizer=lambda params: ...")
+    return lambda model_params: cls(model_params, **params)
+
+
+def scheduler_factory(config: dict[str, Any], lr_scheduler: Any) -> Any:
+    """``optimizer -> scheduler`` (stepped after each committed step): the argument if callable, else the config's
+    ``"scheduler"`` section (DeepSpeed's ``lr_schedules``), else None."""
+    if lr_scheduler is not None:
+        if not callable(lr_scheduler) or hasattr(lr_scheduler, "step"):
+            raise BambooConfigError("with replicas, lr_scheduler must be a callable optimizer -> scheduler (each "
+                                    "stage's optimizer is built by lightning_bamboo); or use a \"scheduler\" section")
+        return lr_scheduler
+    section = config.get("scheduler")
+    if not isinstance(section, dict):
+        return None
+    from deepspeed.runtime import lr_schedules
+
+    cls = getattr(lr_schedules, str(section.get("type")), None)
+    if cls is None:
+        raise BambooConfigError(f"unknown scheduler type {section.get('type')!r}; use one of DeepSpeed's lr_schedules")
+    params = dict(section.get("params", {}))
+    return lambda optimizer: cls(optimizer, **params)
+
+
+class ResilientPipelineEngine:
+    """DeepSpeed's pipeline engine, as a loop uses it, with replicas and failover (see the module's docstring).
+
+    Other attributes (``module``, ``optimizer``, ``is_last_stage()``, ...) are the current stage engine's: after a
+    failover that is another engine, with other layers.
+    """
+
+    def __init__(self, module: Any, config: dict[str, Any], options: dict[str, Any], optimizer: Any = None,
+                 lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None) -> None:
+        from lightning_bamboo.runtime import BambooConfig, PipelineRunner
+        from lightning_bamboo.runtime.session import launched_by_bamboo
+
+        if not launched_by_bamboo():
+            raise BambooConfigError(
+                f'"bamboo.redundancy" = {options["redundancy"]!r} needs the Bamboo launcher (its membership store '
+                "finds a lost node); start the script with python -m lightning_bamboo.launcher --nodes N -- python "
+                'SCRIPT, or use "redundancy": "off"'
+            )
+        if getattr(module, "activation_checkpoint_interval", 0):
+            raise BambooConfigError("activation_checkpoint_interval is not supported with replicas yet; set it to 0")
+        micro = int(config.get("train_micro_batch_size_per_gpu") or 0)
+        accumulation = int(config.get("gradient_accumulation_steps") or 1)
+        if micro < 1:
+            raise BambooConfigError("the config needs train_micro_batch_size_per_gpu (the samples of a micro-batch)")
+        world = dist.get_world_size()
+        stages = int(module.num_stages)
+        if world % stages:
+            raise BambooConfigError(f"{world} processes do not form pipelines of {stages} stages; start a multiple of "
+                                    f"{stages} nodes or build the PipelineModule with num_stages dividing {world}")
+        self.pipelines_at_start = world // stages
+        self.micro_batches = accumulation  # per pipeline of the job's start, as DeepSpeed counts them
+        rest = {k: v for k, v in config.items() if k not in _TAKEN}
+        self.config = BambooConfig(
+            stages=stages, micro_batch_size=micro, partition=getattr(module, "partition_method", "parameters"),
+            seed=int(getattr(module, "base_seed", 1234)), redundancy=options["redundancy"],
+            timeout=float(options["timeout"]), detection_timeout=float(options["detection_timeout"]),
+            deepspeed=rest, audit_replicas=bool(options["audit_replicas"]),
+        )
+        self.host = _Host(optimizer_factory(config, optimizer), scheduler_factory(config, lr_scheduler))
+        self.host.meta = self._meta
+        device = torch.device("cpu")
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        self.runner = PipelineRunner(self.config, self.host, device=device)
+        self.runner.session = _SESSION.pop("session", None) or self.runner.open_session()
+        self.runner.global_micro_batches = accumulation * self.pipelines_at_start
+        self.runner.start(_Model(module), world, dist.get_rank(), fitting=True)
+        self.training_dataloader = self._loader(training_data, collate_fn, micro) if training_data is not None else None
+        self._data: Iterator[Any] | None = None
+        self.drawn = 0  # micro-batches drawn from the data so far (a checkpoint keeps it: ``data_position``)
+        self._failed = False
+        _watch_exit(self)
+
+    # ------------------------------------------------------------------ DeepSpeed's surface
+    def __getattr__(self, name: str) -> Any:
+        engine = self.__dict__.get("runner") and self.__dict__["runner"].engine
+        if engine is None:
+            raise AttributeError(name)
+        return getattr(engine, name)
+
+    @property
+    def global_steps(self) -> int:
+        return self.host.step
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.host.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.host.scheduler
+
+    def train_batch_size(self) -> int:
+        return self.config.micro_batch_size * self.micro_batches * self.pipelines_at_start
+
+    def _loader(self, data: Any, collate_fn: Any, micro: int) -> torch.utils.data.DataLoader:
+        # one order for every node, not a shard per data-parallel rank: each node draws the global batch
+        return torch.utils.data.DataLoader(data, batch_size=micro, shuffle=False, collate_fn=collate_fn, drop_last=True)
+
+    def _default_iterator(self) -> Iterator[Any]:
+        if self.training_dataloader is None:
+            raise BambooConfigError("train_batch() needs data_iter=... (no training_data was given to initialize)")
+        if self._data is None:
+            self._data = _repeat(self.training_dataloader, skip=self.drawn)
+        return self._data
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One step on the next global batch of ``data_iter`` (default: the training data's loader); on a loss, fail
+        over and redo it from the micro-batches drawn for it. Returns the step's loss, as DeepSpeed does."""
+        it = data_iter if data_iter is not None else self._default_iterator()
+        count = self.runner.global_micro_batches or self.micro_batches
+        micro = [next(it) for _ in range(count)]
+        self.drawn += count
+        batch = _concatenate(micro)
+        if self.runner.engine is not None:  # DeepSpeed's own counter (its prints), in the engine of now
+            self.runner.engine.global_steps = self.host.step
+        try:
+            loss = self.runner.train_step(batch)
+        except BaseException:
+            self._failed = True
+            raise
+        engine = self.runner.engine
+        finished = engine.finished if engine is not None else None
+        if self.host.scheduler is not None and not (finished is not None and finished.overflow):
+            self.host.scheduler.step()  # DeepSpeed steps its scheduler after each applied step
+        self.host.step += 1
+        return loss
+
+    def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        micro = [next(data_iter) for _ in range(self.runner.global_micro_batches or self.micro_batches)]
+        return self.runner.eval_step(_concatenate(micro))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _meta(self, client_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        layout, engine = self.runner.layout, self.runner.engine
+        assert layout is not None and engine is not None
+        scheduler = self.host.scheduler
+        return {
+            "client_state": dict(client_state or {}), "data_position": self.drawn,
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "bamboo": ckpt.bamboo_meta(layout.num_layers, layout.parts, layout.pipelines, engine.optimizer,
+                                       global_steps=self.host.step, seed=self.runner.seed,
+                                       redundancy=self.config.redundancy, world_size=dist.get_world_size(),
+                                       **self.runner.precision_meta()),
+        }
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's signature: ``save_dir/tag`` (default ``global_step<N>``) in the per-layer format (loads into any
+        layout), ``save_dir/latest`` names it. A loss during the save fails over and saves again."""
+        if exclude_frozen_parameters:
+            raise BambooConfigError("exclude_frozen_parameters is not supported: every layer file holds its weights")
+        tag = str(tag) if tag is not None else f"global_step{self.host.step}"
+        path = Path(save_dir) / tag
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+        self.runner.resilient(lambda: self.runner.save(
+            path, lambda: self._meta(client_state), with_optimizer=True, is_global_zero=dist.get_rank() == 0,
+            barrier=lambda _name: dist.barrier(), step=self.host.step))
+        if save_latest and dist.get_rank() == 0:
+            ckpt.atomic_save(tag.encode(), Path(save_dir) / "latest")
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's signature and return value ``(path, client_state)``; ``(None, None)`` when there is nothing
+        to load. Any saved layout loads. ``client_state["data_position"]`` is the micro-batches drawn before the save
+        (the training data's loader continues after them by itself)."""
+        if tag is None:
+            latest = Path(load_dir) / "latest"
+            if not latest.exists():
+                log.warning("no checkpoint to load in %s (no 'latest' file); starting from scratch", load_dir)
+                return None, None
+            tag = latest.read_text().strip()
+        path = Path(load_dir) / str(tag)
+        meta = ckpt.read_meta(path)
+        runner = self.runner
+        runner.resume_from(path, meta)
+        runner.resolve_precision(meta["bamboo"].get("loss_scale"))
+        runner.load_weights(strict=load_module_strict)
+        if load_optimizer_states and not load_module_only:
+            runner.load_optimizer()
+        runner.resumed()
+        if not load_module_only:
+            self.host.step = int(meta["bamboo"].get("global_steps", 0))
+            self.drawn, self._data = int(meta.get("data_position", 0)), None
+            if load_lr_scheduler_states and self.host.scheduler is not None and meta.get("lr_scheduler") is not None:
+                self.host.scheduler.load_state_dict(meta["lr_scheduler"])
+        runner.resilient(lambda: runner.audit("resumed before"))
+        return str(path), {**meta.get("client_state", {}), "data_position": int(meta.get("data_position", 0))}
+
+    def finish(self, completed: bool = True) -> None:
+        """End this node's part in the job (called at exit: completed unless an exception left the script)."""
+        runner = self.__dict__.get("runner")
+        if runner is None or runner.session is None:
+            return
+        runner.finish(completed=completed and not self._failed)
+        runner.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # its communication process ends with it, not with a reset connection
+
+
+#: a membership session opened by ``init_distributed`` for the engine ``initialize`` builds next
+_SESSION: dict[str, Any] = {}
+
+
+def open_job(timeout: float, detection_timeout: float) -> None:
+    """Under the Bamboo launcher: join the job's membership and form its process group on the abortable backend."""
+    from lightning_bamboo.engine import comm_process
+    from lightning_bamboo.engine.build import ensure_deepspeed_comm
+    from lightning_bamboo.errors import FatalLoss
+    from lightning_bamboo.runtime.session import Session, joining
+
+    comm_process.use_transport("gloo", torch.device("cpu"))
+    comm_process.prepare()
+    session = Session(detection_timeout, timeout)
+    session.backend = comm_process.BACKEND
+    if joining():
+        # A standby node (one released when its pipeline lost a node, or started to join): this door does not
+        # admit nodes into a running job yet, so it waits for the job to finish and leaves with it.
+        record = session.wait_admission()
+        session.stop()
+        if record is None:
+            log.warning("%s: the job finished before this standby node was needed", session.node)
+            raise SystemExit(0)
+        raise BambooConfigError(f"{session.node} was admitted into the running job, which lightning_bamboo.initialize "
+                                "cannot join yet; use BambooStrategy with RebalanceCallback to admit nodes")
+    if session.start_lost:
+        raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; start it again with the nodes "
+                        "that are up")
+    _SESSION["session"] = session
+    dist.init_process_group(comm_process.BACKEND, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    ensure_deepspeed_comm(comm_process.BACKEND)
+
+
+def _repeat(loader: Any, skip: int) -> Iterator[Any]:
+    """The loader's micro-batches over and over (DeepSpeed's ``RepeatingLoader``), after ``skip`` of them."""
+    drawn = 0
+    while True:
+        for item in loader:
+            if drawn >= skip:
+                yield item
+            drawn += 1
+
+
+def _concatenate(micro: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One global batch ``(inputs, targets)`` of the step's micro-batches (kept until the step commits)."""
+    for item in micro:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(torch.is_tensor(t) for t in item)):
+            raise BambooConfigError(
+                "with replicas, each micro-batch from data_iter must be (inputs, targets), two tensors (got "
+                f"{type(item).__name__}); return them from the dataset or collate_fn"
+            )
+    return torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+
+
+def _watch_exit(engine: ResilientPipelineEngine) -> None:
+    """At interpreter exit, finish the node's part: completed unless an exception is leaving the script."""
+    previous = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        engine._failed = True
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    atexit.register(lambda: engine.finish(completed=True))

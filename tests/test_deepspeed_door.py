@@ -1,0 +1,99 @@
+"""The DeepSpeed door with failover: ``examples/deepspeed_spot.py`` (DeepSpeed's pipeline example moved onto spot
+machines with a few changed lines) under the Bamboo launcher, real SIGKILLs, every exit code checked."""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+
+import pytest
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo import consolidate_checkpoint
+from lightning_bamboo.testing import faults
+from tests.helpers import PYTHON, REPO, launcher_exit_codes, max_abs_diff, optimizer_states, run
+
+pytestmark = pytest.mark.timeout(300)
+
+PLAIN, SPOT = REPO / "examples" / "deepspeed_pipe.py", REPO / "examples" / "deepspeed_spot.py"
+STEPS = 12
+
+
+def _code(path):
+    """The script's lines without its module docstring."""
+    text = path.read_text()
+    return text[text.index('"""', 3) + 3:].splitlines()
+
+
+def test_the_spot_example_differs_from_plain_deepspeed_in_a_few_lines():
+    changed = [line for line in difflib.unified_diff(_code(PLAIN), _code(SPOT), lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= 10, changed
+    assert "-import deepspeed" in changed and "+import lightning_bamboo" in changed
+    assert '+        "bamboo": {"redundancy": "lazy"},' in changed
+
+
+def _train(out, script=SPOT, nodes=4, stages=4, kill=(), extra=()):
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", str(nodes), "--", PYTHON, str(script),
+                "--steps", str(STEPS), "--stages", str(stages), "--save-dir", str(out), *extra], timeout=240,
+               env=faults.environment(list(kill)) if kill else None)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    victims = {k.split("@")[0] for k in kill}
+    codes = launcher_exit_codes(proc.stdout)
+    assert {n: c for n, c in codes.items() if n not in victims} == {f"node{i}": 0 for i in range(nodes)
+                                                                     if f"node{i}" not in victims}, codes
+    assert all(codes[v] == -9 for v in victims), codes
+    assert f"step {STEPS}: loss" in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    return proc.stdout
+
+
+def _final(out):
+    meta = ckpt.read_meta(out / "final")
+    return consolidate_checkpoint(out / "final"), optimizer_states(out / "final"), meta
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean")
+    _train(out, extra=("--save-every", "6"))
+    return out
+
+
+@pytest.mark.parametrize("mode, kill", [("lazy", "node2@5"), ("eager", "node1@5:6")], ids=["lazy", "eager-mid-step"])
+def test_a_sigkilled_node_is_taken_over_and_the_run_ends_bit_exact(tmp_path, clean, mode, kill):
+    script = tmp_path / "spot.py"
+    script.write_text(SPOT.read_text().replace('"redundancy": "lazy"', f'"redundancy": "{mode}"'))
+    stdout = _train(tmp_path / "out", script=script, kill=[kill])
+    assert f"lost ['{kill.split('@')[0]}'] at step 5" in stdout
+    weights, states, meta = _final(tmp_path / "out")
+    clean_weights, clean_states, clean_meta = _final(clean)
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    # every step drew the same 4 micro-batches from the data, none skipped or drawn twice by the redone step
+    assert meta["data_position"] == clean_meta["data_position"] == STEPS * 4
+    assert meta["bamboo"]["global_steps"] == STEPS
+
+
+def test_load_checkpoint_then_a_kill_ends_bit_exact_in_another_layout(tmp_path, clean):
+    """The clean run's checkpoint of step 6 (4 stages) loaded by ``engine.load_checkpoint`` on 3 nodes of 3 stages,
+    node1 killed at step 9: the clean run's weights and optimizer state at step 12."""
+    saved = tmp_path / "ckpt"
+    shutil.copytree(clean / "global_step6", saved / "global_step6")
+    (saved / "latest").write_text("global_step6")
+    stdout = _train(saved, nodes=3, stages=3, kill=["node1@9"], extra=("--resume",))
+    assert "lost ['node1'] at step 9" in stdout
+    weights, states, meta = _final(saved)
+    clean_weights, clean_states, _ = _final(clean)
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    assert meta["data_position"] == STEPS * 4
+
+
+def test_two_pipelines_with_a_kill_end_within_float_rounding(tmp_path):
+    """2 pipelines of 2 stages; node1 killed at step 5: the whole pipeline redoes the step with the global batch (8
+    micro-batches a step throughout), the released node waits as a standby and leaves with the job."""
+    _train(tmp_path / "clean", stages=2)
+    stdout = _train(tmp_path / "kill", stages=2, kill=["node1@5"])
+    assert "node3: the job finished before this standby node was needed" in stdout
+    weights, _, meta = _final(tmp_path / "kill")
+    clean_weights, _, clean_meta = _final(tmp_path / "clean")
+    assert max_abs_diff(weights, clean_weights) <= 1e-6
+    assert meta["data_position"] == clean_meta["data_position"] == STEPS * 8
