@@ -214,8 +214,10 @@ class ResilientPipelineEngine:
         return self.config.micro_batch_size * self.micro_batches * self.pipelines_at_start
 
     def _loader(self, data: Any, collate_fn: Any, micro: int) -> torch.utils.data.DataLoader:
-        # one order for every node, not a shard per data-parallel rank: each node draws the global batch
-        return torch.utils.data.DataLoader(data, batch_size=micro, shuffle=False, collate_fn=collate_fn, drop_last=True)
+        # One order for every node, not a shard per data-parallel rank: each node draws the global batch. It is the
+        # order DeepSpeed's loader gives a single pipeline (a DistributedSampler of one replica, seed 0, no set_epoch).
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return torch.utils.data.DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn, drop_last=True)
 
     def _default_iterator(self) -> Iterator[Any]:
         if self.training_dataloader is None:
