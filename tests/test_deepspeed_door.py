@@ -38,7 +38,7 @@ def _train(out, script=SPOT, nodes=4, stages=4, kill=(), extra=()):
                 "--steps", str(STEPS), "--stages", str(stages), "--save-dir", str(out), *extra], timeout=240,
                env=faults.environment(list(kill)) if kill else None)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    victims = {k.split("@")[0] for k in kill}
+    victims = {k.split("@")[0] for k in kill if not k.endswith("!term")}  # a notice leaves with 0
     codes = launcher_exit_codes(proc.stdout)
     assert {n: c for n, c in codes.items() if n not in victims} == {f"node{i}": 0 for i in range(nodes)
                                                                      if f"node{i}" not in victims}, codes
@@ -59,12 +59,19 @@ def clean(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mode, kill", [("lazy", "node2@5"), ("eager", "node1@5:6")], ids=["lazy", "eager-mid-step"])
+@pytest.mark.parametrize("mode, kill", [("lazy", "node2@5"), ("eager", "node1@5:6"), ("lazy", "node2@5:3!term")],
+                         ids=["lazy", "eager-mid-step", "sigterm-notice"])
 def test_a_sigkilled_node_is_taken_over_and_the_run_ends_bit_exact(tmp_path, clean, mode, kill):
+    """A SIGKILL is taken over from the replica and the step redone; a SIGTERM (a notice) mid-step lets the node
+    finish the step and leave with exit 0, its stage served from the replica from the next step on."""
     script = tmp_path / "spot.py"
     script.write_text(SPOT.read_text().replace('"redundancy": "lazy"', f'"redundancy": "{mode}"'))
     stdout = _train(tmp_path / "out", script=script, kill=[kill])
-    assert f"lost ['{kill.split('@')[0]}'] at step 5" in stdout
+    node = kill.split("@")[0]
+    if kill.endswith("!term"):
+        assert f"{node}: leaving after a preemption notice" in stdout and f"lost ['{node}'] at step 6" in stdout
+    else:
+        assert f"lost ['{node}'] at step 5" in stdout
     weights, states, meta = _final(tmp_path / "out")
     clean_weights, clean_states, clean_meta = _final(clean)
     assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0

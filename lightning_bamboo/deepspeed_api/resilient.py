@@ -190,6 +190,7 @@ class ResilientPipelineEngine:
         self.drawn = 0  # micro-batches drawn from the data so far (a checkpoint keeps it: ``data_position``)
         self._failed = False
         _watch_exit(self)
+        _leave_on_sigterm()
 
     # ------------------------------------------------------------------ DeepSpeed's surface
     def __getattr__(self, name: str) -> Any:
@@ -216,7 +217,8 @@ class ResilientPipelineEngine:
     def _loader(self, data: Any, collate_fn: Any, micro: int) -> torch.utils.data.DataLoader:
         # One order for every node, not a shard per data-parallel rank: each node draws the global batch. It is the
         # order DeepSpeed's loader gives a single pipeline (a DistributedSampler of one replica, seed 0, no set_epoch).
-        sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        sampler: torch.utils.data.Sampler[int] = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0,
+                                                                                      shuffle=True, seed=0)
         return torch.utils.data.DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn, drop_last=True)
 
     def _default_iterator(self) -> Iterator[Any]:
@@ -238,9 +240,9 @@ class ResilientPipelineEngine:
             self.runner.engine.global_steps = self.host.step
         try:
             loss = self.runner.train_step(batch)
-        except BaseException:
+        except Exception:
             self._failed = True
-            raise
+            raise  # (a node leaving after a notice ends with SystemExit(0), after its last step committed)
         engine = self.runner.engine
         finished = engine.finished if engine is not None else None
         if self.host.scheduler is not None and not (finished is not None and finished.overflow):
@@ -318,9 +320,10 @@ class ResilientPipelineEngine:
         runner = self.__dict__.get("runner")
         if runner is None or runner.session is None:
             return
-        runner.finish(completed=completed and not self._failed)
+        departed = not runner.session.active  # left after a notice: the others go on
+        runner.finish(completed=completed and not self._failed and not departed)
         runner.close()
-        if dist.is_initialized():
+        if dist.is_initialized() and not departed:
             dist.destroy_process_group()  # its communication process ends with it, not with a reset connection
 
 
@@ -376,6 +379,18 @@ def _concatenate(micro: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
                 f"{type(item).__name__}); return them from the dataset or collate_fn"
             )
     return torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
+
+
+def _leave_on_sigterm() -> None:
+    """SIGTERM (a spot notice, a scheduler's stop) is a notice: this node leaves after the step in flight commits,
+    its stage served from its replica by the others, and its process exits 0 from ``train_batch``."""
+    import signal
+    import threading
+
+    from lightning_bamboo.runtime.session import request_leave
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: request_leave())
 
 
 def _watch_exit(engine: ResilientPipelineEngine) -> None:

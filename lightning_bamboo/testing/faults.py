@@ -2,7 +2,8 @@
 
 The spec is a comma-separated list of items; each kills the named node once it reaches the point
 (with the suffix ``!stop``, e.g. ``node2@7:13!stop``, it freezes it instead: SIGSTOP to its child
-processes and itself, never continued: a machine that hangs rather than vanishes):
+processes and itself, never continued: a machine that hangs rather than vanishes; with ``!term`` it sends
+its own process a SIGTERM: a preemption notice, handled by what the process installed for it):
 
 - ``NODE@STEP``: at the start of step STEP (the 0-based count of the engine's ``train_batch`` calls);
 - ``NODE@STEP:INSTRUCTION``: after INSTRUCTION (1 or more) DeepSpeed schedule steps of step STEP, a kill
@@ -50,15 +51,17 @@ class Fault:
     node: str
     point: str
     instruction: int | None = None
-    #: "kill" (SIGKILL) or "stop" (SIGSTOP to the node's processes, never continued)
+    #: "kill" (SIGKILL), "stop" (SIGSTOP to the node's processes, never continued) or "term" (SIGTERM to the node's
+    #: process: a preemption notice, handled by whatever the process installed for it)
     action: str = "kill"
 
     def __post_init__(self) -> None:
         if not self.node or not self.point or any(c in self.node + self.point for c in "@,: "):
             raise ValueError(f"a fault needs a node and a point without '@', ',', ':' or spaces "
                              f"(node: {self.node!r}, point: {self.point!r}); write it as NODE@POINT")
-        if self.action not in ("kill", "stop"):
-            raise ValueError(f"a fault's action is kill (the default) or stop (suffix !stop), not {self.action!r}")
+        if self.action not in ("kill", "stop", "term"):
+            raise ValueError(f"a fault's action is kill (the default), stop (suffix !stop) or term (suffix !term), "
+                             f"not {self.action!r}")
         if self.instruction is not None and self.instruction < 1:
             raise ValueError(f"a fault's instruction counts schedule steps from 1 (instruction: {self.instruction}); "
                              f"use NODE@STEP to kill at the start of the step")
@@ -130,7 +133,10 @@ def reached(node: str, point: str | int, instruction: int | None = None) -> None
             if armed.once_dir is not None and not _first_to_fire(armed.once_dir, fault):
                 continue
             where = f"at step {point}" + ("" if instruction is None else f" instruction {instruction}")
-            if fault.action == "stop":
+            if fault.action == "term":
+                log.warning("%s: injected SIGTERM %s", node, where)
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif fault.action == "stop":
                 from lightning_bamboo.membership.node import descendants
 
                 log.warning("%s: injected SIGSTOP %s (pid %d, never continued)", node, where, os.getpid())
