@@ -12,7 +12,7 @@ from lightning_bamboo.engine.module import BambooPipelineModule, Splice
 
 def _stage(layers: list[nn.Module], splice: Splice | None) -> SimpleNamespace:
     """What BambooPipelineModule.forward reads of its module: a merged stage of layers 0..3, layers 2..3 spliced."""
-    return SimpleNamespace(splice=splice, activation_checkpoint_interval=0, seed_layers=False, _local_start=0,
+    return SimpleNamespace(precision=None, checkpoint_every=0, splice=splice, activation_checkpoint_interval=0, seed_layers=False, _local_start=0,
                            forward_funcs=layers, keys=None, training=True, forwards=0)
 
 

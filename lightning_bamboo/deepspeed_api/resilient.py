@@ -156,8 +156,6 @@ class ResilientPipelineEngine:
                 "finds a lost node); start the script with python -m lightning_bamboo.launcher --nodes N -- python "
                 'SCRIPT, or use "redundancy": "off"'
             )
-        if getattr(module, "activation_checkpoint_interval", 0):
-            raise BambooConfigError("activation_checkpoint_interval is not supported with replicas yet; set it to 0")
         micro = int(config.get("train_micro_batch_size_per_gpu") or 0)
         accumulation = int(config.get("gradient_accumulation_steps") or 1)
         if micro < 1:
@@ -175,6 +173,8 @@ class ResilientPipelineEngine:
             seed=int(getattr(module, "base_seed", 1234)), redundancy=options["redundancy"],
             timeout=float(options["timeout"]), detection_timeout=float(options["detection_timeout"]),
             deepspeed=rest, audit_replicas=bool(options["audit_replicas"]),
+            # DeepSpeed's activation_checkpoint_interval, run by the stage itself (exact with the per-layer streams)
+            activation_checkpointing=int(getattr(module, "activation_checkpoint_interval", 0) or 0),
         )
         self.host = _Host(optimizer_factory(config, optimizer), scheduler_factory(config, lr_scheduler))
         self.host.meta = self._meta

@@ -16,7 +16,7 @@ anything else the process draws (its loss, its data) is unchanged by the layers 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,4 +78,22 @@ def run_layers(calls: Iterable[tuple[int, Callable[[Any], Any]]], x: Any, keys: 
     finally:
         for generator, state in zip(generators, saved, strict=True):
             generator.set_state(state)
+    return x
+
+
+def run_layers_checkpointed(calls: Sequence[tuple[int, Callable[[Any], Any]]], x: Any, keys: StepKeys | None,
+                            micro_batch: int, every: int) -> Any:
+    """``run_layers`` in activation-checkpointed segments of ``every`` layers (0, or no autograd: plainly).
+
+    A segment keeps only its input; its backward runs its forward again. With ``keys`` each layer re-seeds its
+    streams from them, so the recompute draws the same dropout masks and the gradients are bit for bit those of
+    ``run_layers``; without keys, torch restores the process's streams for the recompute.
+    """
+    if not every or not torch.is_grad_enabled():
+        return run_layers(calls, x, keys, micro_batch)
+    from torch.utils.checkpoint import checkpoint
+
+    for start in range(0, len(calls), every):
+        x = checkpoint(run_layers, list(calls[start : start + every]), x, keys, micro_batch, use_reentrant=False,
+                       preserve_rng_state=keys is None)
     return x

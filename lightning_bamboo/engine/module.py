@@ -10,7 +10,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
+from lightning_bamboo.engine.layer_rng import StepKeys, run_layers, run_layers_checkpointed
 from lightning_bamboo.engine.precision import Precision
 from lightning_bamboo.errors import BambooConfigError
 
@@ -114,6 +114,10 @@ class BambooPipelineModule(PipelineModule):
     #: bf16/fp16 compute (``engine.precision``): the layers and the loss run under its autocast on ``compute_device``
     precision: Precision | None = None
     compute_device = torch.device("cpu")
+    #: layers per activation-checkpointed segment while training (0: none): a segment keeps only its input, and its
+    #: forward runs again in its backward, drawing the same random numbers (each layer re-seeds its streams from the
+    #: step's keys, ``layer_rng``), so the gradients are those of a run without it, bit for bit
+    checkpoint_every = 0
     #: training forwards run in this step: the local index of the micro-batch the next one runs (1F1B runs a
     #: stage's forwards in micro-batch order); the engine sets it to 0 when a step begins
     forwards = 0
@@ -141,30 +145,35 @@ class BambooPipelineModule(PipelineModule):
             self.loss_fn = _InAutocast(loss_fn, precision, device)
 
     def forward(self, forward_input: Any) -> Any:
-        if self.precision is None or not self.precision.reduced:
-            return self._forward(forward_input)
-        with self.precision.autocast(self.compute_device):
-            return self._forward(forward_input)
+        precision = self.precision
+        if precision is None or not precision.reduced:
+            return _stage_forward(self, forward_input)
+        with precision.autocast(self.compute_device):
+            return _stage_forward(self, forward_input)
 
-    def _forward(self, forward_input: Any) -> Any:
-        splice = self.splice
-        keys = self.keys if self.training else None
-        if (splice is None and keys is None) or self.activation_checkpoint_interval or self.seed_layers:
-            return super().forward(forward_input)
-        micro_batch = self.forwards
-        self.forwards += 1
-        calls = list(enumerate(self.forward_funcs, start=self._local_start))
-        if splice is None:
-            return run_layers(calls, forward_input, keys, micro_batch)
-        cut = splice.boundary - self._local_start
-        x = run_layers(calls[:cut], forward_input, keys, micro_batch)
-        kept = splice.kept.get(micro_batch)
-        # Reused only where the stage recomputed exactly the input the kept forward ran on (the same
-        # micro-batch through the same, uncommitted weights): anything else is computed afresh.
-        if kept is None or not torch.is_tensor(x) or not torch.is_tensor(kept[1]) or not _same(x, kept[0]):
-            return run_layers(calls[cut:], x, keys, micro_batch)
-        splice.reused.append(micro_batch)
-        return _Reuse.apply(x, splice.anchor, kept, splice)
+
+def _stage_forward(module: BambooPipelineModule, forward_input: Any) -> Any:
+    """The stage's forward (its own or, with neither keys nor splice, DeepSpeed's)."""
+    splice = module.splice
+    keys = module.keys if module.training else None
+    if (splice is None and keys is None and not module.checkpoint_every) or module.activation_checkpoint_interval \
+            or module.seed_layers:
+        return PipelineModule.forward(module, forward_input)
+    micro_batch = module.forwards
+    module.forwards += 1
+    calls = list(enumerate(module.forward_funcs, start=module._local_start))
+    if splice is None:
+        every = module.checkpoint_every if module.training else 0
+        return run_layers_checkpointed(calls, forward_input, keys, micro_batch, every)
+    cut = splice.boundary - module._local_start
+    x = run_layers(calls[:cut], forward_input, keys, micro_batch)
+    kept = splice.kept.get(micro_batch)
+    # Reused only where the stage recomputed exactly the input the kept forward ran on (the same
+    # micro-batch through the same, uncommitted weights): anything else is computed afresh.
+    if kept is None or not torch.is_tensor(x) or not torch.is_tensor(kept[1]) or not _same(x, kept[0]):
+        return run_layers(calls[cut:], x, keys, micro_batch)
+    splice.reused.append(micro_batch)
+    return _Reuse.apply(x, splice.anchor, kept, splice)
 
 
 class _InAutocast:

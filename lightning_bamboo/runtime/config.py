@@ -35,6 +35,8 @@ class BambooConfig:
     replica_memory_budget: int | None = None
     #: "32", "bf16" or "16" (``engine.precision``); the DeepSpeed config's bf16/fp16 sections give it too
     precision: str = "32"
+    #: layers per activation-checkpointed segment (0: none; ``BambooPipelineModule.checkpoint_every``)
+    activation_checkpointing: int = 0
 
     def __post_init__(self) -> None:
         stages, micro = self.stages, self.micro_batch_size
@@ -66,6 +68,10 @@ class BambooConfig:
         self.detection_timeout = float(self.detection_timeout)
         self.deepspeed = dict(self.deepspeed or {})
         resolve(self.precision, self.deepspeed, None)  # refuses what cannot run exactly, before anything starts
+        every = self.activation_checkpointing
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise BambooConfigError(f"activation_checkpointing is the layers per checkpointed segment, an integer >= 0 "
+                                    f"(activation_checkpointing: {every!r}); 0 turns it off, 1 checkpoints every layer")
 
     @property
     def redundant(self) -> bool:

@@ -159,6 +159,7 @@ class NodeStage:
             module = build_pipeline_module(layers, layout, self.model.pipeline_loss, timeout)
         module.to(self.device)
         module.set_precision(self.precision, self.device)
+        module.checkpoint_every = self.config.activation_checkpointing
         if states is not None:
             ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         self.host.adopt_stage(module)

@@ -93,6 +93,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         audit_replicas: bool = False,
         replica_placement: str = "auto",
         replica_memory_budget: int | None = None,
+        activation_checkpointing: int = 0,
         **kwargs: Any,
     ) -> None:
         """
@@ -129,6 +130,8 @@ class _BambooStrategyMixin(CheckpointHooks):
                 there. In host memory its redundant forwards run on a copy of its weights on the GPU, and
                 its update on the GPU a layer at a time (the owner's arithmetic: exact), at the cost of
                 moving its state there and back each step. On CPU the replica is in host memory.
+            activation_checkpointing: layers per activation-checkpointed segment (0: off): a segment keeps only its
+                input and runs its forward again in its backward, with the same dropout masks (bit-exact).
             replica_memory_budget: bytes of GPU memory a replica may take under ``"auto"`` (default: what
                 is free once the stage is built, less a quarter of the GPU's memory for activations).
             process_group_backend: ``None`` (default) or ``"nccl"``: the abortable backend
@@ -140,7 +143,7 @@ class _BambooStrategyMixin(CheckpointHooks):
             stages=stages, micro_batch_size=micro_batch_size, partition=partition, seed=seed, redundancy=redundancy,
             timeout=timeout, detection_timeout=detection_timeout, deepspeed=dict(config or {}), rf_costs=rf_costs,
             audit_replicas=audit_replicas, replica_placement=replica_placement,
-            replica_memory_budget=replica_memory_budget,
+            replica_memory_budget=replica_memory_budget, activation_checkpointing=activation_checkpointing,
         )
         super().__init__(
             process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout), **kwargs

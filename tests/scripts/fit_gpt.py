@@ -6,6 +6,7 @@ Writes the consolidated weights to OUT/final.pt (rank 0) and a JSON line per eve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -110,13 +111,16 @@ def main() -> None:
     p.add_argument("--lr-decay", type=float, default=None, help="multiply the learning rate by this after every step")
     p.add_argument("--perturb-replica", default=None, help="STEP:RANK: change one weight of that rank's replica before that step")
     p.add_argument("--precision", default="32-true", help="Trainer(precision=...)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout in every block")
+    p.add_argument("--activation-checkpointing", type=int, default=0,
+                   help="BambooStrategy(activation_checkpointing=...): layers per checkpointed segment")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     p.add_argument("--ds-config", default="{}", help="BambooStrategy(config=...): extra DeepSpeed config, as JSON")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     pl = importlib.import_module(args.namespace)
-    cfg = make_config()
+    cfg = dataclasses.replace(make_config(), dropout=args.dropout)
 
     class GPT(pl.LightningModule):
         def configure_pipeline(self):
@@ -146,7 +150,7 @@ def main() -> None:
     strategy = (lightning_bamboo.BambooStrategy if args.namespace == "lightning.pytorch" else lightning_bamboo.PTLBambooStrategy)(
         stages=args.stages, micro_batch_size=args.micro_batch_size, partition=partition, seed=1234, timeout=60,
         redundancy=args.redundancy, detection_timeout=args.detection_timeout, audit_replicas=args.audit,
-        config=json.loads(args.ds_config),
+        config=json.loads(args.ds_config), activation_checkpointing=args.activation_checkpointing,
         rf_costs=args.rf_costs if args.rf_costs == "measured"
         else dict(zip(("forward", "backward"), map(float, args.rf_costs.split(",")), strict=True)),
     )
