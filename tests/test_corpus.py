@@ -1,0 +1,47 @@
+"""TokenCorpus: a flat token file read through a memory map, as the samples a GPT trains on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.models.corpus import TokenCorpus, write_tokens
+
+
+def test_samples_are_next_token_pairs_read_from_the_file(tmp_path):
+    ids = np.arange(1000) % 50257  # GPT-2's vocabulary fits uint16
+    path = write_tokens(tmp_path / "train.bin", ids)
+    assert path.stat().st_size == 2 * len(ids) and not list(tmp_path.glob(".*tmp*"))
+    corpus = TokenCorpus(path, block_size=64)
+    assert len(corpus) == (1000 - 65) // 64 + 1
+    x, y = corpus[3]
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (64,)
+    assert torch.equal(x, torch.arange(192, 256)) and torch.equal(y, torch.arange(193, 257))
+    last = corpus[len(corpus) - 1]
+    assert int(last[1][-1]) <= 999
+    with pytest.raises(IndexError):
+        corpus[len(corpus)]
+    overlapping = TokenCorpus(path, block_size=64, stride=8)
+    assert torch.equal(overlapping[1][0], torch.arange(8, 72))
+
+
+def test_a_dataloader_over_it_batches_samples(tmp_path):
+    path = write_tokens(tmp_path / "big.bin", np.arange(70000), dtype="uint32")
+    loader = torch.utils.data.DataLoader(TokenCorpus(path, 16, dtype="uint32"), batch_size=4)
+    x, y = next(iter(loader))
+    assert x.shape == (4, 16) and int(x[1, 0]) == 16 and int(y[0, -1]) == 16
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: TokenCorpus(p / "missing.bin", 8), "no corpus file"),
+    (lambda p: TokenCorpus(write_tokens(p / "t.bin", range(5)), 8), "fewer than one sample"),
+    (lambda p: TokenCorpus(p / "odd.bin", 8) if (p / "odd.bin").write_bytes(b"\0" * 41) else None,
+     "not a whole number of uint16 tokens"),
+    (lambda p: write_tokens(p / "v.bin", [70000]), "use dtype='uint32'"),
+    (lambda p: TokenCorpus(p / "x.bin", 8, dtype="int8"), "uint16 or uint32"),
+])
+def test_bad_corpora_are_refused_with_the_fix(tmp_path, make, message):
+    with pytest.raises(BambooConfigError, match=message):
+        make(tmp_path)
