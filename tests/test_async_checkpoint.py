@@ -195,7 +195,12 @@ def test_failed_write_is_raised_at_next_save_or_teardown(tmp_path, reported_at):
     _step(callback, trainer, module)
     callback._wait()
     assert ckpt.latest_checkpoint(tmp_path / "ckpts") == tmp_path / "ckpts" / ckpt.step_name(1)
-    assert logged["async_checkpoint/stall_seconds"] >= 0.0
+    # the stall logged is the one the save measured and recorded for step 1, with the interval it used
+    (event,) = callback.events
+    assert event["step"] == 1 and event["path"] == str(tmp_path / "ckpts" / ckpt.step_name(1))
+    assert logged["async_checkpoint/stall_seconds"] == event["stall_seconds"] == callback.stall_seconds
+    assert isinstance(callback.stall_seconds, float) and event["interval"] == 1
+    assert logged["async_checkpoint/interval"] == 1.0
     # the directory becomes unwritable (here: a file in its place); the next write fails in the background
     os.rename(tmp_path / "ckpts", tmp_path / "moved")
     (tmp_path / "ckpts").write_text("not a directory")
