@@ -23,6 +23,16 @@ _lightning_log = logging.getLogger("lightning.pytorch.callbacks.hydrozoa_tuner")
 _STRATEGY_OPTIONS = ("stages", "micro_batch_size", "partition")
 
 
+def _holds_replica(strategy: Any) -> bool:
+    """Whether each worker also holds its successor's stage in the memory the plan fills: under ``redundancy`` lazy
+    or eager, unless the replica is placed in host memory while the stages run on a GPU."""
+    options = getattr(strategy, "options", None)
+    if options is None or getattr(options, "redundancy", "off") == "off":
+        return False
+    device = getattr(strategy, "root_device", torch.device("cpu"))
+    return not (device.type == "cuda" and getattr(options, "replica_placement", "auto") == "host")
+
+
 def apply_plan(strategy: Any, plan: Plan) -> None:
     """Set the layout options of a BambooStrategy (before ``strategy.setup()`` builds the engine)."""
     missing = [name for name in _STRATEGY_OPTIONS if not hasattr(strategy, name)]
@@ -140,6 +150,7 @@ class HydrozoaTuner(Callback):
         self.table: PlanTable | None = None
         self.plan: Plan | None = None
         self.profile: ModelProfile | None = None  # what the table was planned from (for split_for)
+        self.replica = False  # whether the plans count each worker's replica of its successor (``_holds_replica``)
         self.hardware: Hardware | None = None
 
     # ------------------------------------------------------------------ planning (rank 0)
@@ -200,7 +211,9 @@ class HydrozoaTuner(Callback):
             step_overhead_seconds=self.step_overhead_seconds,
         )
         self.profile, self.hardware = profile, hw
-        return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch)
+        self.replica = _holds_replica(strategy)
+        return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch,
+                          replica=self.replica)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -252,7 +265,8 @@ class HydrozoaTuner(Callback):
 
         if self.profile is None or self.hardware is None or micro_batch_size not in self.profile.micro_batch_sizes:
             return None
-        result = solve_split(self.profile, self.hardware, stages, micro_batch_size, micro_batches, pipelines)
+        result = solve_split(self.profile, self.hardware, stages, micro_batch_size, micro_batches, pipelines,
+                             replica=self.replica)
         if isinstance(result, NoSplit):
             log.warning("HydrozoaTuner: no split of %d stages fits (%s); the reconfiguration keeps its own", stages, result.reason)
             return None

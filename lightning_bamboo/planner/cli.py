@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-scale", type=float, default=1.0,
                         help="workers' compute time / profiled time (e.g. 2 when two workers share a core)")
     parser.add_argument("--allow-idle", action="store_true", help="allow plans that leave workers unused")
+    parser.add_argument("--replica", action="store_true",
+                        help="each worker also holds its successor's stage (redundancy lazy/eager): plans fit with it")
     parser.add_argument("--n-layer", type=int, default=4, help="GPT transformer blocks (pipeline layers = n + 2)")
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--n-head", type=int, default=4)
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             profile = _measure(args)
         if args.save_profile is not None:
             args.save_profile.write_text(json.dumps(profile.to_dict(), indent=2))
-        options = dict(scale_batch=args.scale_batch, allow_idle=args.allow_idle)
+        options = dict(scale_batch=args.scale_batch, allow_idle=args.allow_idle, replica=args.replica)
         if args.json:
             chosen = plan(profile, hw, args.world_size, args.global_batch, **options)
             print(chosen.to_json())

@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.planner.costmodel import Hardware, ModelProfile, StageEstimate
-from lightning_bamboo.planner.solver import NoSplit, SegmentTables, solve_split
+from lightning_bamboo.planner.solver import NoSplit, SegmentTables, replica_bytes, solve_split
 
 
 class NoFeasiblePlanError(BambooConfigError):
@@ -62,7 +62,7 @@ class Plan:
     predicted_step_seconds: float
     samples_per_second: float
     stage_seconds: tuple[float, ...]  # busy time per micro-batch (forward + backward + transfers)
-    stage_memory_bytes: tuple[int, ...]
+    stage_memory_bytes: tuple[int, ...]  # with ``replica``: the successor's replica included
     memory_limit_bytes: int
     scale_batch: bool = False  # Hydrozoa mode: the global batch grows with the pipelines
     stage_estimates: tuple[StageEstimate, ...] = ()
@@ -156,9 +156,14 @@ def plan(
     scale_batch: bool = False,
     allow_idle: bool = False,
     alternatives: int = 5,
+    replica: bool = False,
     _tables: dict[int, SegmentTables] | None = None,
 ) -> Plan:
     """The layout with the most samples per second for ``world_size`` workers.
+
+    With ``replica`` (``redundancy`` lazy or eager) every worker also holds its successor's stage, weights,
+    gradients and optimizer state, in the same memory: every layout the plan considers fits with it
+    (``solve_split``), so where a replica would not fit a deeper pipeline (smaller stages) wins.
 
     ``global_batch`` is fixed by default (samples per step over all pipelines). With
     ``scale_batch`` (Hydrozoa) it is the batch of one pipeline and the step's batch grows with
@@ -189,7 +194,7 @@ def plan(
             micro_batches = per_pipeline // mbs
             if mbs not in tables:
                 tables[mbs] = SegmentTables(profile, hw, mbs)
-            result = solve_split(profile, hw, stages, mbs, micro_batches, pipelines, tables=tables[mbs])
+            result = solve_split(profile, hw, stages, mbs, micro_batches, pipelines, tables=tables[mbs], replica=replica)
             if isinstance(result, NoSplit):
                 least_memory = min(least_memory, result.min_peak_memory_bytes)
                 rejected.append(Infeasible(stages, pipelines, mbs, result.reason))
@@ -227,7 +232,9 @@ def plan(
         predicted_step_seconds=best.predicted_step_seconds,
         samples_per_second=best.samples_per_second,
         stage_seconds=tuple(s.busy_seconds for s in est.stages),
-        stage_memory_bytes=tuple(int(s.memory_bytes) for s in est.stages),
+        stage_memory_bytes=tuple(int(s.memory_bytes + r) for s, r in zip(
+            est.stages, replica_bytes(best.partition, tables[best.micro_batch_size]) if replica else [0] * len(est.stages),
+            strict=True)),
         memory_limit_bytes=hw.memory_bytes,
         scale_batch=scale_batch,
         stage_estimates=est.stages,
@@ -303,6 +310,7 @@ def plan_table(
     scale_batch: bool = False,
     allow_idle: bool = False,
     alternatives: int = 5,
+    replica: bool = False,
 ) -> PlanTable:
     """Plans for world sizes 1..max_world_size; a size with no valid layout keeps its error message."""
     if max_world_size < 1:
@@ -315,7 +323,7 @@ def plan_table(
         try:
             plans.append(
                 plan(profile, hw, w, global_batch, scale_batch=scale_batch, allow_idle=allow_idle,
-                     alternatives=alternatives, _tables=tables)
+                     alternatives=alternatives, replica=replica, _tables=tables)
             )
             errors.append("")
         except NoFeasiblePlanError as err:

@@ -162,6 +162,21 @@ def _min_sum_over_pairs(
     return best[L]
 
 
+def replica_bytes(partition: tuple[int, ...], tables: SegmentTables) -> list[float]:
+    """Per stage, the static bytes (weights, gradients, optimizer state) of the successor's stage, whose replica
+    the stage's worker holds under ``redundancy`` lazy or eager (the last stage holds stage 0's)."""
+    segs = list(pairwise(partition))
+    if len(segs) < 2:
+        return [0.0] * len(segs)
+    return [float(tables.static[segs[(k + 1) % len(segs)]]) for k in range(len(segs))]
+
+
+#: uniform reserves tried for the successor's replica when the plain best split does not fit with it
+_RESERVES = 17
+#: rounds of reserves taken from the last split's own replicas
+_ROUNDS = 4
+
+
 def solve_split(
     profile: ModelProfile,
     hw: Hardware,
@@ -170,15 +185,115 @@ def solve_split(
     micro_batches: int,
     pipelines: int = 1,
     tables: SegmentTables | None = None,
+    replica: bool = False,
 ) -> Split | NoSplit:
-    """The split with the least predicted step time for this layout, or why there is none."""
+    """The split with the least predicted step time for this layout, or why there is none.
+
+    With ``replica`` every worker also holds its successor's stage (``redundancy`` lazy or eager, the replica in
+    the same memory): the split returned fits with it. When the best split without it does not, splits are solved
+    with reserves: stage ``k`` keeps ``R[k]`` bytes free and its static bytes stay within its predecessor's reserve
+    ``R[k - 1]``, so that any such split fits with its replicas. The reserves tried are the replica sizes of every
+    split ``feasible_with_replica`` finds (exact: so a split is found whenever one fits), of splits refined from the
+    plain best one, and uniform reserves across the segments' static sizes; the fastest split found is returned.
+    The search over reserves is not exhaustive: on random models under pressure it returned the fastest fitting
+    split in 72 of 85 cases and one within 1.22x of it in all (``tests/test_planner.py``).
+    """
+    t = tables if tables is not None else SegmentTables(profile, hw, micro_batch_size)
+    result = _solve(profile, hw, stages, micro_batch_size, micro_batches, pipelines, t, None)
+    if not replica or stages < 2 or isinstance(result, NoSplit):
+        return result
+    need = max(s.memory_bytes + r for s, r in zip(result.estimate.stages, replica_bytes(result.partition, t),
+                                                   strict=True))
+    if need <= hw.memory_bytes:
+        return result
+    sizes = np.unique(t.static[t.valid & (t.static > 0)])
+    tries = [[float(r)] * stages for r in np.unique(np.quantile(sizes, np.linspace(0.0, 1.0, _RESERVES),
+                                                                 method="higher"))]
+    fitting = feasible_with_replica(t, stages, micro_batches, hw.memory_bytes)
+    if not fitting:
+        return NoSplit(f"no split into {stages} stages fits with each worker also holding its successor's replica "
+                       f"(the best split without it needs {_mib(need)} with it, above the memory limit "
+                       f"{_mib(hw.memory_bytes)})", need)
+    # each fitting split's own replicas as reserves: it is among the splits allowed then, with faster ones maybe
+    tries += [replica_bytes(fits, t) for fits in fitting]
+    best: Split | None = None
+    seen: set[tuple[float, ...]] = set()
+    base = result
+    for _ in range(_ROUNDS if stages <= _ROUNDS else 0):  # reserves from the last split's replicas: the split moves to where they fit
+        reserves = replica_bytes(base.partition, t)
+        tries.append(reserves)
+        found = _solve(profile, hw, stages, micro_batch_size, micro_batches, pipelines, t, reserves)
+        if not isinstance(found, Split):
+            break
+        base = found
+    for reserves in tries:
+        if tuple(reserves) in seen:
+            continue
+        seen.add(tuple(reserves))
+        found = _solve(profile, hw, stages, micro_batch_size, micro_batches, pipelines, t, reserves)
+        if isinstance(found, Split) and (best is None or found.estimate.step_seconds < best.estimate.step_seconds):
+            best = found
+    if best is None:
+        return NoSplit(f"no split into {stages} stages fits with each worker also holding its successor's replica "
+                       f"(the best split without it needs {_mib(need)} with it, above the memory limit "
+                       f"{_mib(hw.memory_bytes)})", need)
+    return best
+
+
+def feasible_with_replica(t: SegmentTables, stages: int, micro_batches: int, limit: float) -> list[tuple[int, ...]]:
+    """Splits into ``stages`` whose every stage fits with its successor's replica (the last stage holds stage 0's):
+    one for each end of stage 0 that has one; none only if no split fits. Exact, O(stages x layers^3) in
+    vectorised steps.
+
+    For each end ``e`` of stage 0: ``reach[i, j]`` says stages 0..k can be placed with stage k = layers i..j-1, every
+    stage before k fitting with its successor's replica. Stage k's own check needs only the least memory of a stage
+    k-1 ending at i that was reachable, which is kept with its start for the way back.
+    """
+    L = t.num_layers
+    memories = [t.memory(k, stages, micro_batches) for k in range(stages)]
+    positions = [t.positions(k, stages) for k in range(stages)]
+    found = []
+    for e in range(1, L - stages + 2):
+        reach = np.zeros_like(t.valid)
+        reach[0, e] = positions[0][0, e]
+        starts: list[np.ndarray] = []
+        for k in range(1, stages):
+            prev = np.where(reach, memories[k - 1], _INF)  # [h, i]: stage k-1 = h..i, reachable
+            least = prev.min(axis=0)  # per i: the least memory of a reachable stage k-1 ending at i
+            starts.append(prev.argmin(axis=0))
+            reach = positions[k] & (least[:, None] + t.static <= limit)
+        ring = reach[:, L] & (memories[stages - 1][:, L] + t.static[0, e] <= limit)
+        if not ring.any():
+            continue
+        parts = [L, int(np.argmax(ring))]
+        for k in range(stages - 1, 0, -1):
+            parts.append(int(starts[k - 1][parts[-1]]))
+        found.append(tuple(reversed(parts)))
+    return found
+
+
+def _solve(
+    profile: ModelProfile,
+    hw: Hardware,
+    stages: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    pipelines: int,
+    t: SegmentTables,
+    reserves: list[float] | None,
+) -> Split | NoSplit:
+    """``solve_split`` without a replica; with ``reserves``, stage ``k`` keeps ``reserves[k]`` bytes free and its
+    static bytes within ``reserves[k - 1]`` (its predecessor holds its replica there)."""
     L = profile.num_layers
     if stages > L:
         return NoSplit(f"{stages} stages need at least {stages} layers (the model has {L})", _INF)
-    t = tables if tables is not None else SegmentTables(profile, hw, micro_batch_size)
     memories = [t.memory(k, stages, micro_batches) for k in range(stages)]
     positions = [t.positions(k, stages) for k in range(stages)]
-    allowed = [pos & (mem <= hw.memory_bytes) for pos, mem in zip(positions, memories, strict=True)]
+    if reserves is None:
+        allowed = [pos & (mem <= hw.memory_bytes) for pos, mem in zip(positions, memories, strict=True)]
+    else:
+        allowed = [pos & (mem + reserves[k] <= hw.memory_bytes) & (t.static <= reserves[k - 1])
+                   for k, (pos, mem) in enumerate(zip(positions, memories, strict=True))]
 
     s_weight = 2 * t.cut  # cost of a cut ending a stage at boundary j (0 at j = L)
     s_min, first = _dp(allowed, s_weight, "sum")
