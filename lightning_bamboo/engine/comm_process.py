@@ -133,7 +133,8 @@ class CommProcess:
     """
 
     def __init__(self, host: str, port: int, prefix: str, rank: int | None = None, world_size: int | None = None,
-                 timeout: float = 300.0, transport: str = "gloo", device: int | None = None) -> None:
+                 timeout: float = 300.0, transport: str = "gloo", device: int | None = None,
+                 abort_if: Callable[[], bool] | None = None) -> None:
         self.name = f"comm[{prefix}]" if rank is None else f"comm[{prefix} rank {rank}]"
         self.timeout, self.transport = timeout, transport
         self._slabs: _Slabs | CudaSlabs
@@ -153,6 +154,19 @@ class CommProcess:
         self._next = 0
         self._groups = 0
         self._ended: str | None = None
+        # Its connect to the generation's store is waited for in slices: a store whose host was lost meanwhile
+        # (a failover inside a failover) would hold it for the whole timeout, twice (torch retries), with the
+        # loss already known. ``abort_if`` (a member was lost) or the timeout ends the wait and the child.
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.1):
+            lost = abort_if is not None and abort_if()
+            if lost or time.monotonic() > deadline:
+                self._proc.kill()
+                self._conn.close()
+                self._sock.close()
+                why = "a member was lost" if lost else f"not within {timeout:g} s"
+                raise CommAborted(f"{self.name}: the communication process did not reach the store at {host}:{port} "
+                                  f"({why})")
         try:
             self._conn.recv()
         except EOFError:
@@ -489,7 +503,8 @@ def open_generation(host: str, port: int, prefix: str, timeout: float,
     check = abort_if or _GENERATION["abort_if"]
     abort_generation()
     transport = _GENERATION["transport"] or os.environ.get(TRANSPORT_ENV) or "gloo"
-    comm = CommProcess(host, port, prefix, timeout=timeout, transport=transport, device=_GENERATION["device"])
+    comm = CommProcess(host, port, prefix, timeout=timeout, transport=transport, device=_GENERATION["device"],
+                       abort_if=check)
     _GENERATION.update(comm=comm, abort_if=check)
     return comm
 
