@@ -93,9 +93,23 @@ def test_workers_that_ignore_the_notice_are_killed_after_the_grace(tmp_path):
     assert "node0=-9" in err and "node1=-9" in err  # the true status: killed
 
 
+def _store_waits_on(key: str) -> bool:
+    """Whether a connection to the embedded store server (in this process) is held in a wait for ``key``."""
+    from lightning_bamboo.membership import embedded
+
+    for frame in list(sys._current_frames().values()):
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "op_wait" and code.co_filename == embedded.__file__ and frame.f_locals.get("prefix") == key:
+                return True
+            frame = frame.f_back
+    return False
+
+
 def test_a_launcher_stopped_before_its_workers_start_exits_at_once(tmp_path):
     # --node with --peers: the second machine waits for the first to publish its address; nothing runs yet
     from lightning_bamboo.membership import EmbeddedServer
+    from lightning_bamboo.membership.registry import job_prefix
 
     server = EmbeddedServer().start()
     try:
@@ -104,8 +118,13 @@ def test_a_launcher_stopped_before_its_workers_start_exits_at_once(tmp_path):
         proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(3.0)
-            assert proc.poll() is None
+            # the launcher is in its wait for m0's address (its stop handler is in place by then): the store
+            # holds its request for the key
+            deadline = time.monotonic() + 60
+            while not _store_waits_on(f"{job_prefix('bamboo')}master"):
+                assert proc.poll() is None, f"the launcher exited early: {proc.stderr.read() if proc.stderr else ''}"
+                assert time.monotonic() < deadline, "the launcher did not wait for m0's address within 60 s"
+                time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=30)
         finally:
