@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from lightning_bamboo.engine.comm_process import (
     BACKEND,
     CommAborted,
     CommProcess,
+    CommWork,
     abort_generation,
     open_generation,
     use_transport,
@@ -75,6 +78,40 @@ def _exchange(comm: CommProcess, device: str = "cpu") -> None:
     assert torch.equal(back, message * 2)
 
 
+def _until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Wait for ``condition`` (polled); fail with ``what`` if it does not hold within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s"
+        time.sleep(0.01)
+
+
+def _frozen(pgid: int) -> bool:
+    """Whether SIGSTOP took effect on every process of process group ``pgid`` (state T; Z: already gone)."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            states.append(fields[0])
+    return bool(states) and all(state in ("T", "Z") for state in states)
+
+
+def _in_wait(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is blocked in a ``CommWork``'s wait now: inside ``CommWork.wait``, on the
+    condition variable of its event."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None or frame.f_code is not threading.Condition.wait.__code__:
+        return False
+    while frame is not None:
+        if frame.f_code is CommWork.wait.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @pytest.fixture
 def store():
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -109,6 +146,7 @@ def test_a_receive_blocked_on_a_frozen_peer_ends_within_a_second_of_the_abort(st
         comm = CommProcess("127.0.0.1", store.port, "gen2", 0, 2)
         _exchange(comm, device)
         os.killpg(peer.pid, signal.SIGSTOP)  # the whole machine hangs: rank 1 and its communication process
+        _until(lambda: _frozen(peer.pid), 30, "the peer did not stop")
         blocked = comm.recv(torch.zeros(16, device=device), 1, tag=9)
         outcome: dict[str, object] = {}
 
@@ -122,8 +160,9 @@ def test_a_receive_blocked_on_a_frozen_peer_ends_within_a_second_of_the_abort(st
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        time.sleep(1.0)
-        assert waiter.is_alive()  # really blocked on the frozen peer
+        # really blocked on the frozen peer: the waiter sits in the receive's wait, and the receive is not done
+        _until(lambda: _in_wait(waiter) or not waiter.is_alive(), 60, "the waiter did not block in the receive's wait")
+        assert waiter.is_alive() and not outcome and not blocked.done.is_set()
         aborted = time.monotonic()
         comm.abort()
         waiter.join(10)
@@ -166,14 +205,28 @@ def test_a_step_blocked_on_a_frozen_peer_ends_at_the_loss_and_leaves_no_thread(s
         dist.recv(back, 1, tag=8)
         assert torch.equal(back, message * 2)
         os.killpg(peer.pid, signal.SIGSTOP)
+        _until(lambda: _frozen(peer.pid), 30, "the peer did not stop")
         lost = threading.Event()
         guard = StepGuard(lost, lambda: ("node1",), detection_timeout=1.0)
-        threading.Timer(0.5, lost.set).start()
+        blocked: list[bool] = []
+
+        def lose_once_blocked() -> None:  # the loss comes while the step is blocked in the operation
+            try:
+                _until(lambda: any(_in_wait(t) for t in threading.enumerate() if t.name == "bamboo-step"), 60,
+                       "the step did not block in the operation")
+                blocked.append(True)
+            finally:
+                lost.set()
+
+        loser = threading.Thread(target=lose_once_blocked, name="test-loss")
+        loser.start()
         with pytest.raises(PeerLost, match="node1"):
             guard.run(BLOCKED[op])
+        loser.join()
+        assert blocked, "the step was not blocked in the operation when the loss came"
         assert not [t for t in threading.enumerate() if t.name == "bamboo-step"]
         dist.destroy_process_group()
-        left = {t for t in threading.enumerate() if not t.name.startswith("Thread-")} - before  # (the timer's)
+        left = set(threading.enumerate()) - before
         assert not left, left
     finally:
         abort_generation()
@@ -216,16 +269,17 @@ def test_an_nccl_collective_whose_peer_never_comes_ends_at_the_abort_and_the_gpu
     peer). The abort ends it at once, the communication process is gone, and a new generation on the
     same GPU works."""
     comm = CommProcess("127.0.0.1", store.port, "nccl-lost", 0, 2, timeout=600, transport="nccl", device=0)
+    keys = store.num_keys()
     blocked = comm.allreduce(torch.ones(1 << 20, device="cuda"))
-    time.sleep(3.0)
-    assert not blocked.done.is_set()  # really blocked: the peer never came
+    # really blocked: the all-reduce reached NCCL (rank 0 put its communicator's id in the store, for a
+    # rank 1 that never comes, and waits for it) and is not done
+    _until(lambda: store.num_keys() > keys, 60, "the all-reduce did not reach NCCL's communicator set-up")
+    assert not blocked.done.is_set()
     comm.abort()
     with pytest.raises(CommAborted):
         blocked.wait(10)
-    deadline = time.monotonic() + 10
-    while comm.alive and time.monotonic() < deadline:
-        time.sleep(0.05)  # a killed process with a CUDA context takes a moment to be gone
-    assert not comm.alive
+    # a killed process with a CUDA context takes a moment to be gone
+    _until(lambda: not comm.alive, 10, "the communication process was not gone")
     again = CommProcess("127.0.0.1", store.port, "nccl-after", 0, 1, transport="nccl", device=0)
     total = torch.full((4,), 3.0, device="cuda")
     again.allreduce(total).wait(60)
