@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test check bench lint clean
+.PHONY: install demo test check gpu-check bench lint clean
 
 install: $(STAMP)
 
@@ -35,6 +35,17 @@ CHECK := $(addprefix tests/,test_architecture.py test_audit.py test_corpus.py te
 
 check: install
 	$(PY) -m pytest -q $(CHECK)
+
+# The prepared GPU check, on a machine with a CUDA GPU and the packages installed (PY=python3 to use them
+# outside .venv): the CUDA tests, then benchmarks/gpu.py (NCCL aborts, a GPT sharing the GPU through a kill
+# and a freeze), raw output with the commit in benchmarks/results/gpu_tests.txt and gpu.txt.
+GPU_TESTS := tests/test_comm_process.py tests/test_placement.py tests/test_profile.py tests/test_strategy_mp.py \
+	tests/test_runner.py
+
+gpu-check:
+	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make gpu-check needs a CUDA GPU (torch sees none)')"
+	$(PY) benchmarks/record.py gpu_tests -- $(PY) -m pytest -q -rA $(GPU_TESTS) -k "cuda or nccl or gpu"
+	$(PY) benchmarks/record.py gpu -- $(PY) benchmarks/gpu.py
 
 bench: install
 	$(PY) benchmarks/strategy_overhead.py
