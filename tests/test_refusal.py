@@ -19,6 +19,7 @@ LIGHTNING_TRAINER_LINES = ("GPU available:", "TPU available:", "💡 Tip:")
     ("form", "needs batches of the form (inputs, targets), got a list of length 1"),
     ("divisibility", "the global batch of 7 samples (DataLoader batch_size x the pipelines the job started with) is "
                      "not a multiple of micro_batch_size 2"),
+    ("precision", "strategy='bamboo' runs precision '32-true', 'bf16-mixed' or '16-mixed'"),
 ])
 def test_a_bad_input_is_refused_once_before_the_job_trains(mistake, rule):
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", PYTHON, "tests/scripts/bad_input.py",
@@ -34,3 +35,14 @@ def test_a_bad_input_is_refused_once_before_the_job_trains(mistake, rule):
     said = [line for line in proc.stdout.splitlines() if line.strip() and not re.match(r"\[launcher\] node\d: pid", line)
             and not line.startswith(LIGHTNING_TRAINER_LINES)]
     assert len(said) <= 5, "\n".join(said)
+
+
+@pytest.mark.timeout(200)
+def test_under_lightnings_own_launcher_a_bad_precision_is_refused_before_any_child_starts():
+    """``python script.py`` with devices=2: Lightning's launcher would start a second process; the precision is
+    refused in the launching process first (one message, no child's)."""
+    proc = run([PYTHON, "tests/scripts/bad_input.py", "precision"], timeout=180)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "strategy='bamboo' runs precision '32-true', 'bf16-mixed' or '16-mixed'" in proc.stdout
+    assert "64-true" in proc.stdout and "trained\n" not in proc.stdout
+    assert "Initializing distributed" not in proc.stdout, proc.stdout[-3000:]  # no process group, so no child

@@ -223,6 +223,8 @@ class _BambooStrategyMixin(CheckpointHooks):
         A callback with ``sets_bamboo_layout = True`` (HydrozoaTuner) chooses stages and partition in
         its ``setup``, inside the processes: then only the model's hooks are checked here.
         """
+        if trainer is not None:  # precision, clipping and accumulation: the Trainer's options, known already
+            check_trainer(trainer, self.options, getattr(self.precision_plugin, "precision", "32-true"))
         if joining() or any(getattr(cb, "sets_bamboo_layout", False) for cb in getattr(trainer, "callbacks", None) or ()):
             if model is not None:
                 self._check_model(model)
