@@ -191,8 +191,9 @@ def test_sweep_writes_a_real_png_with_named_axes(tmp_path, capsys):
     params = SimParams(**{**SimParams().as_dict(), **{k: float(v) for k, v in (p.split("=") for p in TOY_PARAMS)}})
     results = sweep(name, values, lambda n, v: simulate(parse_trace(TOY_TRACE.split(), "t"), params.replace(**{n: v})))
     fig = plot_sweep(name, results, tmp_path / "again.png")
-    assert [ax.get_ylabel() for ax in fig.axes] == ["throughput (samples/s)", "value (samples/$)", "ratio"]
-    assert fig.axes[-1].get_xlabel() == "restart_seconds"
+    assert [ax.get_ylabel() for ax in fig.axes] == ["throughput (samples/s)", "value (samples/$)", "ratio",
+                                                    "ETTR (of on-demand's samples)"]  # on-demand is among them
+    assert fig.axes[-1].get_xlabel() == "restart_seconds" and fig.axes[-1].get_xscale() == "linear"
     assert all(len(line.get_xdata()) == 3 for line in fig.axes[0].get_lines())
     # a slower restart hurts checkpoint-restart (one loss at 100 s), not on-demand
     ck = [r.policies["checkpoint"].samples for _, r in results]
@@ -210,3 +211,59 @@ def test_sweep_of_a_synthetic_trace_field_and_bad_sweeps(tmp_path, capsys):
     assert call(["--trace", "p3", "--sweep", "preemption_rate=0.1:1:2"]) == 2  # a --spot field needs --generate
     assert call(["--trace", "p3", "--sweep", "restart_seconds=1:2:1"]) == 2
     assert "COUNT must be at least 2" in capsys.readouterr().err
+
+
+def test_mtbf_sweep_gives_each_policy_its_ettr_against_on_demand(tmp_path, capsys):
+    import math
+
+    from lightning_bamboo.sim.generate import SpotModel, generate_trace
+    from lightning_bamboo.sim.sweep import mtbf_preemption_rate, parse_sweep
+
+    # geometric spacing between the ends, units s/m/h, or a list
+    name, values = parse_sweep("mtbf=5m:24h:3")
+    assert name == "mtbf" and values[0] == 300 and values[2] == 86400
+    assert math.isclose(values[1], math.sqrt(300 * 86400))
+    assert parse_sweep("mtbf=1h,90,10m")[1] == [90, 600, 3600]
+    # the rate gives the cluster, not each node, one failure per mtbf on average
+    rate = mtbf_preemption_rate(600, 12)
+    trace = generate_trace(SpotModel(nodes=12, hours=10, preemption_rate=rate, replacement_delay_seconds=60))
+    removals = sum(e.kind == "remove" for e in trace.events)
+    assert 0.8 * 60 <= removals <= 1.2 * 60, removals
+    png = tmp_path / "ettr.png"
+    argv = ["--sweep", "mtbf=5m,2h", "--spot", "nodes=12", "--spot", "hours=3", "--spot", "replacement_delay_seconds=60",
+            "--param", "stages=4", "--param", "min_stages=2", "--param", "step_pipelines=3",
+            "--policies", "checkpoint,bamboo", "--plot", str(png)]
+    assert call(argv) == 0
+    rows = capsys.readouterr().out.splitlines()
+    header = rows[0].split()
+    assert "on_demand" in header  # added: the reference of every ETTR
+    ettr_cols = [i for i, h in enumerate(rows[0].split("  ")) if h.strip().startswith("ETTR")]
+    assert rows[0].count("ETTR checkpoint") == 1 and rows[0].count("ETTR bamboo") == 1 and len(ettr_cols) == 2
+    cells = {r.split()[0]: r.split() for r in rows[1:3]}
+    assert set(cells) == {"5m", "2h"}
+    # columns: value, 3 x /s, 3 x /$, ETTR checkpoint, ETTR bamboo, ratios
+    ettr = {k: (float(v[7]), float(v[8])) for k, v in cells.items()}
+    assert all(0 < x <= 1.0 for pair in ettr.values() for x in pair), ettr
+    assert ettr["5m"][0] < ettr["2h"][0] and ettr["5m"][1] < ettr["2h"][1], ettr  # more failures, less progress
+    assert ettr["5m"][1] > ettr["5m"][0], ettr  # failover beats a restart from a checkpoint when failures are frequent
+    from lightning_bamboo.sim.simulate import simulate
+    from lightning_bamboo.sim.sweep import plot_sweep
+
+    params = SimParams(stages=4, min_stages=2, step_pipelines=3, hours=1)
+    results = [(m, simulate(generate_trace(SpotModel(nodes=12, hours=1, preemption_rate=mtbf_preemption_rate(m, 12))),
+                            params, ("on_demand", "bamboo"))) for m in (300.0, 3600.0)]
+    fig = plot_sweep("mtbf", results, png)
+    ax = fig.axes[-1]
+    assert ax.get_ylabel().startswith("ETTR") and ax.get_xscale() == "log" and "minutes" in ax.get_xlabel()
+    assert list(ax.get_lines()[0].get_xdata()) == [5.0, 60.0]
+
+
+def test_mtbf_sweep_refuses_a_trace_and_bad_durations(capsys):
+    assert call(["--trace", "p3", "--sweep", "mtbf=5m:1h:3"]) == 2
+    assert "drop --trace" in capsys.readouterr().err
+    assert call(["--sweep", "mtbf=5m:1h:3", "--spot", "preemption_rate=1"]) == 2
+    assert "drop --spot preemption_rate" in capsys.readouterr().err
+    assert call(["--sweep", "mtbf=0:1h:3"]) == 2
+    assert "must be > 0" in capsys.readouterr().err
+    assert call(["--sweep", "mtbf=5x:1h:3"]) == 2
+    assert "not a duration" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from lightning_bamboo.sim.generate import SpotModel, generate_trace
 from lightning_bamboo.sim.params import convert, load_params, parse_overrides
 from lightning_bamboo.sim.scenarios import scenario
 from lightning_bamboo.sim.simulate import simulate
-from lightning_bamboo.sim.sweep import parse_sweep, plot_sweep, sweep, sweep_table
+from lightning_bamboo.sim.sweep import MTBF, mtbf_preemption_rate, parse_sweep, plot_sweep, sweep, sweep_table
 from lightning_bamboo.sim.trace import Trace, bundled_trace, read_trace, write_trace
 
 POLICY_NAMES = ("on_demand", "checkpoint", "checkpoint_oracle", "bamboo", "recycle", "parcae")
@@ -70,30 +70,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep",
         metavar="PARAM=A:B:N",
         help="replay once per value of one input (N values from A to B; a --spot field with --generate) and "
-        "print a table; with --plot, the PNG shows throughput, value and the ratios against it",
+        "print a table; with --plot, the PNG shows throughput, value and the ratios against it. "
+        "mtbf=5m:24h:N (or a list, mtbf=5m,10m,1h) sweeps the cluster's mean time between failures over "
+        "synthetic traces (geometric spacing) and adds each policy's ETTR, its share of on-demand's training progress",
     )
     parser.add_argument(
         "--show-inputs", action="store_true", help="also print every input with its value, kind and source"
     )
 
 
+def _spot_model(args: argparse.Namespace, spot: dict[str, float] | None = None) -> SpotModel:
+    """The synthetic trace model of ``--spot KEY=VALUE`` (and ``spot``'s fields on top)."""
+    fields = {f.name: f for f in dataclasses.fields(SpotModel)}
+    values: dict[str, Any] = {}
+    for item in args.spot:
+        key, sep, text = item.partition("=")
+        if not sep or key not in fields:
+            raise BambooConfigError(f"--spot needs KEY=VALUE with KEY in {sorted(fields)} (got {item!r})")
+        try:
+            number = float(text)
+        except ValueError:
+            raise BambooConfigError(f"--spot {key} needs a number (got {text!r})") from None
+        values[key] = int(number) if fields[key].type == "int" else number
+    values.update(spot or {})
+    return SpotModel(**values)
+
+
 def _trace(args: argparse.Namespace, spot: dict[str, float] | None = None) -> tuple[Trace, float]:
     if args.generate:
         if args.trace:
             raise BambooConfigError("pass either --trace or --generate, not both")
-        fields = {f.name: f for f in dataclasses.fields(SpotModel)}
-        values: dict[str, Any] = {}
-        for item in args.spot:
-            key, sep, text = item.partition("=")
-            if not sep or key not in fields:
-                raise BambooConfigError(f"--spot needs KEY=VALUE with KEY in {sorted(fields)} (got {item!r})")
-            try:
-                number = float(text)
-            except ValueError:
-                raise BambooConfigError(f"--spot {key} needs a number (got {text!r})") from None
-            values[key] = int(number) if fields[key].type == "int" else number
-        values.update(spot or {})
-        model = SpotModel(**values)
+        model = _spot_model(args, spot)
         return generate_trace(model), model.hours
     if args.spot:
         raise BambooConfigError("--spot only applies with --generate")
@@ -107,6 +114,15 @@ def _trace(args: argparse.Namespace, spot: dict[str, float] | None = None) -> tu
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.sweep and args.sweep.partition("=")[0] == MTBF:
+            if args.trace or args.scenario:
+                raise BambooConfigError(
+                    "--sweep mtbf draws one synthetic trace per failure rate; drop --trace/--scenario "
+                    "(the cluster is --spot nodes=N, its other fields apply too)"
+                )
+            if any(item.partition("=")[0] == "preemption_rate" for item in args.spot):
+                raise BambooConfigError("--sweep mtbf sets the preemption rate; drop --spot preemption_rate")
+            args.generate = True
         trace, hours = _trace(args)
         chosen = scenario(args.scenario) if args.scenario else None
         overrides: dict[str, Any] = dict(chosen.values) if chosen else {}
@@ -155,8 +171,14 @@ def _run_sweep(args: argparse.Namespace, params: Any, policies: list[str], sourc
     """``--sweep``: one replay per value; a table, and the PNG with ``--plot``."""
     spot_fields = [f.name for f in dataclasses.fields(SpotModel)] if args.generate else []
     name, values = parse_sweep(args.sweep, spot_fields)
+    if name == MTBF and "on_demand" not in policies:
+        policies = ["on_demand", *policies]  # the reference of every ETTR
 
     def one(name: str, value: float) -> Any:
+        if name == MTBF:
+            rate = mtbf_preemption_rate(value, _spot_model(args).nodes)
+            trace, _ = _trace(args, {"preemption_rate": rate})
+            return simulate(trace, params, policies, sources)
         if name in spot_fields:
             trace, hours = _trace(args, {name: value})
             return simulate(trace, params, policies, sources)
