@@ -38,9 +38,10 @@ CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=19
 MICRO = 2
 
 
-def config_for(block_size: int) -> GPTConfig:
-    """The benchmark GPT with sequences of ``block_size`` tokens (the parameters barely change)."""
-    return dataclasses.replace(CONFIG, block_size=block_size)
+def config_for(block_size: int, n_embd: int = CONFIG.n_embd) -> GPTConfig:
+    """The benchmark GPT with sequences of ``block_size`` tokens (the parameters barely change) and width ``n_embd``
+    (``--n-embd``: a wider model, whose weights and AdamW state outweigh the framework's own memory)."""
+    return dataclasses.replace(CONFIG, block_size=block_size, n_embd=n_embd)
 
 MODES = ("off", "lazy", "eager")
 #: "PRECISION:CLIP" for every worker of the call (``--precision``, ``--clip``)
@@ -75,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
                          gradient_clip_val=float(clip) or None,
                          callbacks=[timer, rotate] if args.rotate else [timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False)
-    trainer.fit(BenchGPT(config_for(args.block_size), args.steps * batch, batch))
+    trainer.fit(BenchGPT(config_for(args.block_size, args.n_embd), args.steps * batch, batch))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, (peak, dict(strategy.engine.replica_seconds)))
@@ -123,12 +124,14 @@ class Rotate(pl.Callback):
 
 def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
                block_size: int = CONFIG.block_size, rotate: bool = False, warmup: int = 5, script: str = __file__,
-               backend: str = "") -> dict:
+               backend: str = "", n_embd: int = CONFIG.n_embd) -> dict:
     """Run ``script``'s worker (this one's, or one that wraps it) on a fresh set of processes; its result."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
     cmd = [sys.executable, script, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
            "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size), "--warmup", str(warmup)]
+    if n_embd != CONFIG.n_embd:
+        cmd += ["--n-embd", str(n_embd)]
     if rotate:
         cmd.append("--rotate")
     if backend:
@@ -181,6 +184,9 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=CONFIG.block_size,
                         help="tokens per sequence: compute per step grows with it, the redundancy's per-step cost does not")
+    parser.add_argument("--n-embd", type=int, default=CONFIG.n_embd,
+                        help="the GPT's width (default %(default)s; 768 gives 43M parameters, whose weights and AdamW "
+                             "state outweigh the framework's memory, to see what the replica costs)")
     parser.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="", help="process_group_backend (default: the strategy's, 'bamboo' on CPU)")
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -220,7 +226,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for mode in MODES:
                     r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}-{repeat}.json"),
-                               block_size=args.block_size, warmup=args.warmup)
+                                   block_size=args.block_size, warmup=args.warmup, n_embd=args.n_embd)
                     times = sorted(r["times"][args.warmup:])
                     medians[mode].append(times[len(times) // 2])
                     peaks[mode].append(max(r["peak_bytes"]))
@@ -234,7 +240,8 @@ def main() -> None:
         for stages, m in shapes if args.paired_steps else []:
             for repeat in range(args.repeats):
                 r = run_config(stages, m, "eager", args.warmup + len(MODES) * args.paired_steps,
-                               Path(tmp, f"paired-{stages}-{m}-{repeat}.json"), block_size=args.block_size, rotate=True, warmup=args.warmup)
+                               Path(tmp, f"paired-{stages}-{m}-{repeat}.json"), block_size=args.block_size, rotate=True, warmup=args.warmup,
+                               n_embd=args.n_embd)
                 by_mode = {mode: sorted(t for t, md in list(zip(r["times"], r["modes"], strict=True))[args.warmup:] if md == mode)
                            for mode in MODES}
                 paired.setdefault((stages, m), []).append({mode: ts[len(ts) // 2] for mode, ts in by_mode.items()})
@@ -243,13 +250,16 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for backend in ("gloo", "bamboo"):
                     r = run_config(stages, m, "off", args.steps, Path(tmp, f"layer-{stages}-{m}-{backend}-{repeat}.json"),
-                                   block_size=args.block_size, warmup=args.warmup, backend=backend)
+                                   block_size=args.block_size, warmup=args.warmup, backend=backend, n_embd=args.n_embd)
                     times = sorted(r["times"][args.warmup:])
                     layer.setdefault((stages, m), {}).setdefault(backend, []).append(times[len(times) // 2])
         kill_step = args.steps // 2
         kills = {mode: run_config(4, 8, mode, args.steps, Path(tmp, f"kill-{mode}.json"), kill=f"node2@{kill_step}",
-                                  block_size=args.block_size, warmup=args.warmup) for mode in ("lazy", "eager")} if args.kills else {}
-    print(f"GPT {sum(p.numel() for layer in gpt_layers(CONFIG) for p in layer.parameters()) / 1e6:.1f}M params, "
+                                  block_size=args.block_size, warmup=args.warmup, n_embd=args.n_embd)
+                 for mode in ("lazy", "eager")} if args.kills else {}
+    layers = gpt_layers(config_for(args.block_size, args.n_embd))
+    params = sum(p.numel() for layer in layers for p in layer.parameters())
+    print(f"GPT {params / 1e6:.1f}M params (width {args.n_embd}), "
           f"{args.block_size}-token sequences, "
           f"micro-batch {MICRO}, AdamW, CPU ({args.backend or 'bamboo'} backend over gloo), "
           f"{args.steps - args.warmup} timed steps per run, "
@@ -259,6 +269,11 @@ def main() -> None:
         base_step, base_peak = rows[(stages, m, "off")]
         print(f"{stages:>6} {m:>7} {mode:>5} {step * 1e3:>9.1f} {step / base_step:>6.3f} {peak / 2**20:>14.0f} "
               f"{peak / base_peak:>6.3f}")
+    for stages in sorted({stages for stages, _, _ in rows}):
+        # what holding a replica should add: the successor's weights, gradients and two AdamW moments, 16 bytes each
+        per_stage = params / stages
+        print(f"at {stages} stages a stage holds about {per_stage / 1e6:.1f}M parameters: a replica of one adds about "
+              f"{per_stage * 16 / 2**20:.0f} MiB (weights, gradients and AdamW's two moments in fp32, 16 bytes each)")
     for (stages, m, mode), per_step in costs.items():
         print(f"{mode} {stages} stages x {m} micro-batches, ms per step on each rank: "
               + ", ".join(f"{k} " + "/".join(f"{v * 1e3:.1f}" for v in values) for k, values in per_step.items()))

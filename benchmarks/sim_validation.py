@@ -24,6 +24,14 @@ times of benchmarks/sim_calibrate.py (a released survivor's standby restart is a
 decisions, rollbacks and pauses are the simulator's. Target: samples/s within 15% for both policies.
 
     python benchmarks/sim_validation.py --cluster [--repeats 2] [--steps 600] [--clean-steps 200]
+
+``--cluster --mtbf 5m,10m`` checks the ETTR of ``lightning-bamboo simulate --sweep mtbf=...`` the same way:
+instead of the p3 slice, a synthetic trace per value (the simulator's ``--generate`` model, 6 nodes whose
+cluster loses one every MTBF on average, replacements after ``--replacement-delay`` trace seconds),
+compressed by ``--time-scale``. One more demo run per repeat is the reference: the same 6 nodes, no
+preemption, no replicas and no checkpoints, whose samples/s stands for on-demand's. It prints each
+policy's ETTR measured (its samples/s over the reference's) and predicted (the simulator's over the
+same reference); the target is within 15%.
 """
 
 from __future__ import annotations
@@ -236,40 +244,74 @@ def predict_cluster(trace_csv: Path, policy: str, single: dict, measured: dict, 
     }
 
 
+def mtbf_trace(mtbf: float, args: argparse.Namespace):
+    """A synthetic trace of the simulator's model: the demo's 6 nodes lose one every ``mtbf`` trace seconds on
+    average, each replaced after ``--replacement-delay`` (mean), long enough for ``--steps`` at ``--time-scale``."""
+    from lightning_bamboo.sim.generate import SpotModel, generate_trace
+    from lightning_bamboo.sim.sweep import mtbf_preemption_rate
+
+    nodes = len(CLUSTER_NODES)
+    model = SpotModel(nodes=nodes, hours=args.hours, preemption_rate=mtbf_preemption_rate(mtbf, nodes),
+                      replacement_delay_seconds=args.replacement_delay, seed=args.seed)
+    return generate_trace(model)
+
+
 def validate_cluster(args: argparse.Namespace) -> None:
-    start = args.start_hours * 3600
-    piece = slice_trace(read_trace(bundled_trace("p3")), start, start + args.hours * 3600)
-    print(
-        f"cluster simulator vs demo, 2 pipelines x 3 stages; slice: {piece.source}, {len(piece.nodes)} nodes, "
-        f"{piece.removals} removals; 1 demo s = {args.time_scale:g} trace s; {args.steps} steps of 8 samples, "
-        f"checkpoint every {args.checkpoint_every}; clean runs of {args.clean_steps} steps"
-    )
-    print("\n| repeat | policy | step s (2 x 3 own, 1 x 3 clean) | recovery s (mean) | measured samples/s | predicted samples/s | error | "
-          "recoveries measured / predicted | preemptions measured / predicted |\n|---|---|---:|---:|---:|---:|---:|---|---|")
+    if args.mtbf:
+        from lightning_bamboo.sim.sweep import parse_duration
+
+        pieces = [(f"mtbf {text}", mtbf_trace(parse_duration(text), args)) for text in args.mtbf.split(",")]
+    else:
+        start = args.start_hours * 3600
+        pieces = [("p3", slice_trace(read_trace(bundled_trace("p3")), start, start + args.hours * 3600))]
+    for label, piece in pieces:
+        print(
+            f"cluster simulator vs demo, 2 pipelines x 3 stages; {label}: {piece.source}, {len(piece.nodes)} nodes, "
+            f"{piece.removals} removals; 1 demo s = {args.time_scale:g} trace s; {args.steps} steps of 8 samples, "
+            f"checkpoint every {args.checkpoint_every}; clean runs of {args.clean_steps} steps"
+        )
+    print("\n| trace | repeat | policy | step s (2 x 3 own, 1 x 3 clean) | recovery s (mean) | measured samples/s | "
+          "predicted samples/s | error | ETTR measured / predicted | recoveries measured / predicted | "
+          "preemptions measured / predicted |\n|---|---|---|---:|---:|---:|---:|---:|---|---|---|")
     worst: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        csv = Path(tmp) / "slice.csv"
-        write_trace(piece, csv)
-        for repeat in range(1, args.repeats + 1):
-            for name, (policy, extra) in CLUSTER_MODES.items():
-                base = Path(tmp) / f"{name}{repeat}"
-                single = run_cluster_demo(None, args.clean_steps, extra, base / "single", args, nodes=3)
-                measured = run_cluster_demo(csv, args.steps, extra, base / "trace", args)
-                predicted = predict_cluster(csv, policy, single, measured, args)
-                error = relative_error(predicted["samples_per_second"], measured["samples_per_second"])
-                worst[name] = max(worst.get(name, 0.0), error)
-                m_rec, p_rec = measured["recoveries"], predicted["recoveries"]
-                print(
-                    f"| {repeat} | {name} | {predicted['step_seconds']:.3f}, {predicted['single_step_seconds']:.3f} | {predicted['recovery_seconds']:.2f} | "
-                    f"{measured['samples_per_second']:.2f} | {predicted['samples_per_second']:.2f} | {error:.1%} | "
-                    f"{m_rec['redundant']}/{m_rec['checkpoint']}/{m_rec['restart']} / "
-                    f"{p_rec['redundant']}/{p_rec['checkpoint']}/{p_rec['restart']} | "
-                    f"{measured['preemptions']} / {predicted['preemptions']} |",
-                    flush=True,
-                )
+        for index, (label, piece) in enumerate(pieces):
+            csv = Path(tmp) / f"trace{index}.csv"
+            write_trace(piece, csv)
+            validate_piece(label, csv, Path(tmp) / f"runs{index}", args, worst)
     ok = all(e <= 0.15 for e in worst.values())
     print("\nlargest error per policy: " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
-    print(f"samples/s within 15% for both policies in every repeat: {'yes' if ok else 'NO'}")
+    what = "samples/s and ETTR" if args.mtbf else "samples/s"
+    print(f"{what} within 15% for both policies in every repeat: {'yes' if ok else 'NO'}")
+
+
+def validate_piece(label: str, csv: Path, tmp: Path, args: argparse.Namespace, worst: dict[str, float]) -> None:
+    """The repeats of both policies on one trace; a row each."""
+    for repeat in range(1, args.repeats + 1):
+        reference = None
+        if args.mtbf:  # on-demand's stand-in: the same nodes, nothing lost, nothing saved, no replicas
+            clean = run_cluster_demo(None, args.clean_steps, ("--no-redundancy", "--checkpoint-every", "1000000"),
+                                     tmp / f"reference{repeat}", args)
+            reference = clean["samples_per_second"]
+        for name, (policy, extra) in CLUSTER_MODES.items():
+            base = tmp / f"{name}{repeat}"
+            single = run_cluster_demo(None, args.clean_steps, extra, base / "single", args, nodes=3)
+            measured = run_cluster_demo(csv, args.steps, extra, base / "trace", args)
+            predicted = predict_cluster(csv, policy, single, measured, args)
+            error = relative_error(predicted["samples_per_second"], measured["samples_per_second"])
+            worst[name] = max(worst.get(name, 0.0), error)
+            m_rec, p_rec = measured["recoveries"], predicted["recoveries"]
+            ettr = (f"{measured['samples_per_second'] / reference:.3f} / {predicted['samples_per_second'] / reference:.3f}"
+                    if reference else "n/a")
+            print(
+                f"| {label} | {repeat} | {name} | {predicted['step_seconds']:.3f}, {predicted['single_step_seconds']:.3f} | "
+                f"{predicted['recovery_seconds']:.2f} | "
+                f"{measured['samples_per_second']:.2f} | {predicted['samples_per_second']:.2f} | {error:.1%} | {ettr} | "
+                f"{m_rec['redundant']}/{m_rec['checkpoint']}/{m_rec['restart']} / "
+                f"{p_rec['redundant']}/{p_rec['checkpoint']}/{p_rec['restart']} | "
+                f"{measured['preemptions']} / {predicted['preemptions']} |",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -284,6 +326,11 @@ def main() -> None:
         "--steps", type=int, default=800, help="demo steps (a multiple of --checkpoint-every)"
     )
     parser.add_argument("--checkpoint-every", type=int, default=4)
+    parser.add_argument("--mtbf", default="", help="--cluster: synthetic traces at these mean times between failures "
+                        "of the whole cluster, in trace time (e.g. 5m,10m), instead of the p3 slice; prints ETTR")
+    parser.add_argument("--replacement-delay", type=float, default=60.0,
+                        help="--mtbf: mean trace seconds until a preempted node's replacement is added")
+    parser.add_argument("--seed", type=int, default=0, help="--mtbf: the synthetic traces' seed")
     parser.add_argument("--predict-only", action="store_true", help="print the predictions, run no demo")
     parser.add_argument("--save", default=None, help="write measured and predicted results to this JSON")
     args = parser.parse_args()
