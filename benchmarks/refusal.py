@@ -1,0 +1,87 @@
+"""How fast and how briefly a bad input is refused (issue 41): seconds from the command to its exit, lines printed.
+
+Each bad input of ``tests/scripts/bad_input.py`` (batches without targets, a batch size that is not a
+multiple of the micro-batch size, a precision the engine does not run) is started two ways:
+
+* under the Bamboo launcher, ``python -m lightning_bamboo.launcher --nodes N -- python bad_input.py MISTAKE``:
+  the launcher does not import the user's script, so the first processes that can see the module are the
+  workers; each refuses before it registers, rendezvouses or builds anything, one of them prints the
+  rule once and the launcher stops the job with exit status 2;
+* as a plain script (``python bad_input.py MISTAKE``, ``devices=2``: Lightning's own launcher), where the
+  Trainer's options are refused in the launching process before any child starts (only the precision is a
+  Trainer option; the other two need the DataLoader, which Lightning builds in the children).
+
+Prints, per case: the exit status, the seconds from start to exit, the lines printed (without the
+launcher's own pid lines and Lightning's "GPU available" banner, which every run prints), and whether the
+rule was in them. Bounds: 10 s and 5 lines. Exits 1 if a case is not refused (status 0 or no rule printed).
+
+    python benchmarks/refusal.py [--nodes 4] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "bad_input.py"
+RULES = {
+    "form": "needs batches of the form (inputs, targets)",
+    "divisibility": "is not a multiple of micro_batch_size 2",
+    "precision": "strategy='bamboo' runs precision '32-true', 'bf16-mixed' or '16-mixed'",
+}
+BANNER = ("GPU available:", "TPU available:", "💡 Tip:", "HPU available:")
+SECONDS_BOUND, LINES_BOUND = 10.0, 5
+
+
+def run(cmd: list[str]) -> tuple[int, float, list[str]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          start_new_session=True)
+    seconds = time.perf_counter() - start
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()
+             and not re.match(r"\[launcher\] node\d+: pid", line) and not line.startswith(BANNER)]
+    return proc.returncode, seconds, lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per case (the median time is printed)")
+    args = parser.parse_args()
+    cases = [(f"Bamboo launcher, {args.nodes} nodes", mistake,
+              [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(args.nodes), "--",
+               sys.executable, str(SCRIPT), mistake, "--stages", str(args.nodes)]) for mistake in RULES]
+    cases.append(("plain script, Lightning's launcher", "precision", [sys.executable, str(SCRIPT), "precision"]))
+    print(f"{'how it is started':<36} {'mistake':<13} {'status':>6} {'seconds':>8} {'lines':>6}  rule printed")
+    wrong = []
+    for how, mistake, cmd in cases:
+        results = [run(cmd) for _ in range(args.repeats)]
+        codes = {code for code, _, _ in results}
+        seconds = statistics.median(s for _, s, _ in results)
+        lines = max(len(said) for _, _, said in results)
+        ruled = all(RULES[mistake] in "\n".join(said) for _, _, said in results)
+        print(f"{how:<36} {mistake:<13} {'/'.join(map(str, sorted(codes))):>6} {seconds:>8.2f} {lines:>6}  "
+              f"{'yes' if ruled else 'NO'}")
+        if 0 in codes or not ruled:
+            wrong.append((how, mistake, results[-1][2][-20:]))
+        over = [f"{seconds:.1f} s > {SECONDS_BOUND:g} s"] if seconds > SECONDS_BOUND else []
+        over += [f"{lines} lines > {LINES_BOUND}"] if lines > LINES_BOUND else []
+        if over:
+            print(f"  missed the bound: {', '.join(over)}")
+    for how, mistake, tail in wrong:
+        print(f"NOT REFUSED: {how}, {mistake}; its output ends:\n  " + "\n  ".join(tail))
+    print(f"bounds: refused within {SECONDS_BOUND:g} s in at most {LINES_BOUND} lines (median of {args.repeats} runs; "
+          f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.1f})")
+    sys.exit(1 if wrong else 0)
+
+
+if __name__ == "__main__":
+    main()
