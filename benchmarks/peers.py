@@ -1,0 +1,517 @@
+"""Bamboo against what a user runs today: plain DeepSpeed under torchrun elastic, on one compressed spot-trace slice.
+
+Three runs of the same model (the demo's GPT, 8 layers), the same global batch (8 samples in 4
+micro-batches of 2), the same steps and the same slice of a Bamboo trace (its first ``--nodes`` nodes
+start; a removal is a SIGKILL of that machine, a later node joins), on this machine:
+
+- **(a) bamboo**: ``lightning-bamboo demo`` with its default redundancy (``lazy``), RebalanceCallback and
+  checkpoints every K steps (``benchmarks/preemption.py``'s run);
+- **(b) torchrun**: ``benchmarks/peer_train.py``, a plain DeepSpeed pipeline script, under one
+  ``torchrun --nnodes=1:N --nproc-per-node=1 --max-restarts=R --rdzv-backend=c10d`` agent per machine.
+  A preemption SIGKILLs the machine: the agent's process group and its worker's (torchrun starts each
+  worker in a session of its own). A node that joins starts a new agent (at most N agents run; a joined
+  node beyond them waits and replaces the next one preempted, as the demo's standby nodes do). The
+  script saves a DeepSpeed checkpoint every K steps and loads the latest at every (re)start, its depth
+  the live world size; the rendezvous store runs here, in this process, as on a machine no one preempts
+  (the demo's store lives in its controller too);
+- **(c) demo --no-redundancy**: our emulation of checkpoint-restart, to see how close it comes to (b).
+
+K is Young/Daly's interval: K = sqrt(2 × save time × MTBF) / step time, save and step time measured
+in a short first run of (b) without preemptions, the MTBF from the slice (its kills of running nodes).
+``--save-every K`` skips that run.
+
+Prints for each: useful samples/s ((steps - 1) × 8 samples from the first to the last finished step,
+the demo's own measure; every step of the end survived), preemptions, restarts, recomputed steps,
+p50/max recovery (a kill to the first step finished after it by the job that recovered), the time lost
+per preemption, for (b) its split into detection, restart, reload, first step and recomputed steps, and
+the ratios a/b and a/c (target a/b >= 2x: exit status 1 below it).
+
+    python benchmarks/peers.py --trace p3 [--nodes 6] [--steps 500] [--time-scale 100]
+    python benchmarks/peers.py --trace g4dn
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "lightning_bamboo" / "data"
+PEER_SCRIPT = Path(__file__).resolve().parent / "peer_train.py"
+GLOBAL_BATCH = 8  # lightning_bamboo.demo.plan.GLOBAL_BATCH; peer_train.GLOBAL_BATCH
+#: torchrun's rendezvous: the store is external (here); a restart's last call for late agents, in seconds
+LAST_CALL_SECONDS = 2
+#: ... and the interval of its heartbeats: an agent that missed 3 is dropped from the next round
+KEEP_ALIVE_SECONDS = 1
+#: seconds the agents get to exit once the job trained its last step (torchrun's exit barrier)
+EXIT_GRACE_SECONDS = 30.0
+
+
+def trace_path(name: str) -> Path:
+    """``p3``, ``g4dn`` or a path to a Bamboo trace CSV."""
+    if name in ("p3", "g4dn"):
+        return DATA / f"aws-{name}-trace.csv"
+    path = Path(name)
+    if not path.exists():
+        raise SystemExit(f"--trace {name}: no such file; give p3, g4dn or the path of a Bamboo trace CSV")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- the slice
+def slice_events(path: Path, nodes: list[str], time_scale: float) -> list:
+    """The slice's events exactly as the demo replays them (``lightning_bamboo.demo.events.events_from_trace``)."""
+    from lightning_bamboo.demo.events import events_from_trace
+    from lightning_bamboo.sim.trace import read_trace
+
+    return sorted(events_from_trace(read_trace(str(path)), nodes, time_scale), key=lambda e: e.at_seconds)
+
+
+def kills_of_running(events: list, nodes: list[str], width: int, horizon: float) -> int:
+    """How many of the slice's removals within ``horizon`` seconds hit a running node, when at most ``width``
+    nodes run and a joined node runs at once if there is room, else waits and replaces the next lost one."""
+    running, waiting, kills = list(nodes[:width]), list(nodes[width:]), 0
+    for event in events:
+        if event.at_seconds > horizon:
+            break
+        if event.kind == "join":
+            (running if len(running) < width else waiting).append(event.node)
+        elif event.node in running:
+            kills += 1
+            running.remove(event.node)
+            if waiting:
+                running.append(waiting.pop(0))
+        elif event.node in waiting:
+            waiting.remove(event.node)
+    return kills
+
+
+def young_daly(save_seconds: float, mtbf: float, step_seconds: float) -> int:
+    """Young/Daly's checkpoint interval in steps: sqrt(2 × save time × MTBF) / step time, at least 1."""
+    return max(1, round(math.sqrt(2.0 * save_seconds * mtbf) / step_seconds))
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc: torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_machine(proc: subprocess.Popen) -> None:
+    """SIGKILL a machine: the agent's process group and those of everything it started, stopped first so that
+    none of them sees the others go."""
+    groups = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGSTOP)
+        groups.append(proc.pid)
+    for pid in descendants(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(pid)
+            os.killpg(group, signal.SIGSTOP)
+            groups.append(group)
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP end this script through its ``finally`` blocks, which kill what it started."""
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# ---------------------------------------------------------------------------------------------- (a), (c)
+def run_demo(label: str, args: argparse.Namespace, trace: Path, every: int, workdir: Path, *extra: str) -> dict:
+    """``lightning-bamboo demo`` on the slice; its report (``--report``), with ``"wall"`` added."""
+    report = workdir / f"{label}.json"
+    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(args.nodes), "--steps", str(args.steps),
+           "--trace", str(trace), "--time-scale", str(args.time_scale), "--checkpoint-every", str(every),
+           "--quiet", "--report", str(report), *extra]
+    log = workdir / f"{label}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        began = time.monotonic()
+        try:
+            code = proc.wait(timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if proc.poll() is None:  # the demo kills its workers on SIGTERM; SIGKILL its group if it does not end
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+    if code != 0 or not report.exists():
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        why = f"timed out after {args.run_timeout:.0f} s" if code is None else f"exit status {code}"
+        return {"failed": f"{label}: {why}; its output ends:\n{tail}"}
+    result = json.loads(report.read_text())
+    result["wall"] = time.monotonic() - began
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- (b)
+@dataclass
+class PeerRun:
+    """Plain DeepSpeed under one torchrun agent per machine, through the slice's events."""
+
+    args: argparse.Namespace
+    events: list
+    nodes: list[str]
+    workdir: Path
+    save_every: int
+    agents: dict[str, subprocess.Popen] = field(default_factory=dict)
+    alive: list[str] = field(default_factory=list)  # nodes on the market: running an agent or waiting for a place
+    kills: list[tuple[float, str]] = field(default_factory=list)  # (time, node)
+    joins: int = 0
+    codes: dict[str, int | None] = field(default_factory=dict)
+
+    def command(self, port: int) -> list[str]:
+        a = self.args
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{a.nodes}", "--nproc-per-node=1",
+                f"--max-restarts={a.max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=peer{port}", f"--rdzv-conf=is_host=false,last_call_timeout={a.last_call},"
+                f"keep_alive_interval={a.keep_alive},keep_alive_max_attempt=3",
+                str(PEER_SCRIPT), "--steps", str(a.steps), "--save-dir", str(self.workdir / "ckpt"),
+                "--save-every", str(self.save_every), "--events", str(self.workdir / "events.jsonl")]
+
+    def start(self, node: str, cmd: list[str]) -> None:
+        env = {**os.environ, "PEER_NODE": node, "PYTHONUNBUFFERED": "1",
+               # the demo launcher's rule for workers sharing this machine's cores (launcher.cluster)
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                 str(max(1, len(os.sched_getaffinity(0)) // (self.args.nodes + 1))))}
+        log = (self.workdir / f"agent-{node}.log").open("a")
+        self.agents[node] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+        log.close()
+
+    def run(self) -> dict:
+        from torch.distributed import TCPStore
+
+        (self.workdir / "events.jsonl").touch()
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+        cmd = self.command(store.port)
+        self.args.peer_command = " ".join(cmd)
+        pending = list(self.events)
+        began, first_step, deadline = time.monotonic(), None, time.monotonic() + self.args.run_timeout
+        lines: list[dict] = []
+        offset, finished, finished_at = 0, False, None
+        try:
+            self.alive = list(self.nodes)
+            for node in self.nodes:
+                self.start(node, cmd)
+            while True:
+                with (self.workdir / "events.jsonl").open() as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                complete = chunk[: chunk.rfind("\n") + 1]
+                offset += len(complete.encode())
+                lines += [json.loads(x) for x in complete.splitlines() if x]
+                if first_step is None and any(e["event"] == "step" for e in lines):
+                    first_step = min(e["t"] for e in lines if e["event"] == "step")
+                finished = finished or any(e["event"] == "done" and e["rank"] == 0 for e in lines)
+                if finished and finished_at is None:
+                    finished_at = time.monotonic()  # trained: the trace goes no further; the agents end by themselves
+                if first_step is not None and not finished:
+                    elapsed = time.time() - first_step
+                    while pending and pending[0].at_seconds <= elapsed:
+                        self.fire(pending.pop(0), cmd)
+                for node, proc in self.agents.items():
+                    if proc.poll() is not None and node not in self.codes:
+                        self.codes[node] = proc.returncode
+                running = [n for n, p in self.agents.items() if p.poll() is None]
+                if not running:
+                    break
+                if finished_at is not None and time.monotonic() > finished_at + EXIT_GRACE_SECONDS:
+                    break  # the agents' exit barrier waits for agents that are gone; the finally kills them
+                if time.monotonic() > deadline:
+                    where = self.dump_workers()
+                    return {"failed": f"torchrun: not finished after {self.args.run_timeout:.0f} s ({where})", "lines": lines}
+                time.sleep(0.05)
+        finally:
+            for node, proc in self.agents.items():
+                if proc.poll() is None:
+                    kill_machine(proc)
+                    self.codes.setdefault(node, proc.returncode)
+            # a worker whose agent is gone (reparented): every worker that wrote an event, if it still runs
+            for pid in {e["pid"] for e in lines if e["event"] == "start"}:
+                with contextlib.suppress(OSError):
+                    if str(PEER_SCRIPT) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                        os.killpg(pid, signal.SIGKILL)
+            del store
+        result = summarize_peer(lines, self.kills, self.args.steps)
+        result.update(wall=time.monotonic() - began, joins=self.joins, codes=dict(self.codes))
+        return result
+
+    def dump_workers(self) -> str:
+        """Where each worker of a run that overran is (their tracebacks go to the agents' logs)."""
+        for proc in self.agents.values():
+            for pid in descendants(proc.pid) if proc.poll() is None else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+        time.sleep(2.0)
+        return f"the workers' tracebacks are in {self.workdir}/agent-*.log"
+
+    def fire(self, event, cmd: list[str]) -> None:
+        node, width = event.node, self.args.nodes
+        if event.kind == "join":
+            self.joins += 1
+            self.alive.append(node)
+        elif node in self.agents and self.agents[node].poll() is None:
+            self.kills.append((time.time(), node))
+            kill_machine(self.agents[node])
+            self.codes[node] = self.agents[node].returncode
+            self.alive.remove(node)
+        elif node in self.alive:
+            self.alive.remove(node)
+        running = [n for n, p in self.agents.items() if p.poll() is None]
+        for spare in [n for n in self.alive if n not in self.agents][: max(0, width - len(running))]:
+            self.start(spare, cmd)  # a machine that joined takes a free place: a new agent, a new rendezvous round
+
+
+def summarize_peer(lines: list[dict], kills: list[tuple[float, str]], steps: int) -> dict:
+    """(b)'s numbers from its workers' event lines and the kill times."""
+    step_events = [e for e in lines if e["event"] == "step"]
+    done = [e for e in lines if e["event"] == "done" and e["rank"] == 0]
+    final = max((e["step"] for e in done), default=max((e["step"] for e in step_events), default=0))
+    times = sorted(e["t"] for e in step_events)
+    span = times[-1] - times[0] if len(times) > 1 else 0.0
+    intervals = [b["t"] - a["t"] for a, b in itertools.pairwise(step_events) if b["step"] == a["step"] + 1
+                 and b["pid"] == a["pid"]]
+    step_seconds = statistics.median(intervals) if intervals else float("nan")
+    start_of = {e["pid"]: e["t"] for e in lines if e["event"] == "start"}
+    per_kill = []
+    for at, node in kills:
+        before = [e["step"] for e in step_events if e["t"] <= at]
+        progress = before[-1] if before else 0
+        # the job that recovered: its workers started after the kill; its first finished step ends the recovery
+        recovered = next((e for e in step_events if e["t"] > at and start_of.get(e["pid"], 0) > at), None)
+        if recovered is None:
+            per_kill.append({"node": node, "progress": progress, "recovery": None})
+            continue
+        end = recovered["t"]
+        new = [e for e in lines if start_of.get(e["pid"], 0) > at and e["t"] <= end]
+        # detected once every survivor's worker failed: the errors before the first new worker started
+        first_start = min((start_of[e["pid"]] for e in new), default=end)
+        errors = [e["t"] for e in lines if e["event"] == "error" and at < e["t"] < first_start]
+        loading = [e["t"] for e in new if e["event"] in ("loading", "loaded")]
+        loaded = [e for e in new if e["event"] == "loaded"]
+        detected = max(errors) if errors else float("nan")
+        load_start = min(loading) if loading else float("nan")
+        load_end = max(e["t"] for e in loaded) if loaded else float("nan")
+        resumed = min((e["step"] for e in loaded), default=0)
+        per_kill.append({
+            "node": node, "progress": progress, "resumed_at": resumed, "recovery": end - at,
+            "detection": detected - at, "restart": load_start - (detected if errors else at),
+            "reload": load_end - load_start, "first_step": end - load_end,
+            "redone": max(0, progress - resumed), "optimizer": sorted({e["optimizer"] for e in loaded}),
+        })
+    generations = [e for e in lines if e["event"] == "loaded" and e["rank"] == 0]
+    return {
+        "steps_completed": final,
+        "samples_per_second": max(0, final - 1) * GLOBAL_BATCH / span if span > 0 else 0.0,
+        "span": span,
+        "step_seconds": step_seconds,
+        "preemptions": len(kills),
+        "restarts": max(0, len(generations) - 1),
+        "optimizer_resets": sum(1 for e in generations if e["optimizer"] == "reset"),
+        "recomputed_steps": max(0, len(step_events) - final),
+        "recovery_seconds": [k["recovery"] for k in per_kill if k["recovery"] is not None],
+        "per_kill": per_kill,
+        "save_seconds": [e["seconds"] for e in lines if e["event"] == "saved"],
+        "depths": [e["world"] for e in generations],
+    }
+
+
+def calibrate(args: argparse.Namespace, workdir: Path) -> dict:
+    """A short run of (b) on all nodes, no preemption, saving every other step: its step and save times."""
+    steps = args.calibration_steps
+    saved = args.steps
+    args.steps = steps
+    try:
+        run = PeerRun(args, [], [f"node{i}" for i in range(args.nodes)], workdir, save_every=2).run()
+    finally:
+        args.steps = saved
+    if "failed" in run or run["steps_completed"] != steps:
+        raise SystemExit(f"calibration run of torchrun failed: {run.get('failed', run)}")
+    lines = [json.loads(x) for x in (workdir / "events.jsonl").read_text().splitlines() if x]
+    # a save holds the step for its slowest rank: the longest per save step, their median
+    by_step: dict[int, float] = {}
+    for e in lines:
+        if e["event"] == "saved":
+            by_step[e["step"]] = max(by_step.get(e["step"], 0.0), e["seconds"])
+    return {"step_seconds": run["step_seconds"], "save_seconds": statistics.median(by_step.values())}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def lost_per_preemption(r: dict, steps: int, step_seconds: float) -> float:
+    """Seconds the run took beyond its steps at the undisturbed step time, per preemption."""
+    return (r["span"] - (steps - 1) * step_seconds) / r["preemptions"] if r["preemptions"] else float("nan")
+
+
+def demo_view(r: dict) -> dict:
+    times = r.get("step_times") or []
+    span = times[-1][1] - times[0][1] if len(times) > 1 else 0.0
+    intervals = [b[1] - a[1] for a, b in itertools.pairwise(times) if b[0] == a[0] + 1]
+    rec = r["recoveries"]
+    return {"steps_completed": r["steps_completed"], "samples_per_second": r["samples_per_second"], "span": span,
+            "step_seconds": p50(intervals), "preemptions": r["preemptions"],
+            "restarts": rec["checkpoint"] + rec["restart"], "failovers": rec["redundant"],
+            "recomputed_steps": r["recomputed_steps"], "recovery_seconds": r["recovery_seconds"],
+            "joins": r["joins"], "wall": r["wall"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default="p3", help="p3, g4dn or the path of a Bamboo trace CSV (default p3)")
+    parser.add_argument("--nodes", type=int, default=6, help="the slice's first nodes that start (default 6)")
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--time-scale", type=float, default=100.0, help="trace seconds per real second (default 100)")
+    parser.add_argument("--save-every", type=int, default=0, help="K; default 0: Young/Daly from a calibration run")
+    parser.add_argument("--calibration-steps", type=int, default=12)
+    parser.add_argument("--max-restarts", type=int, default=100, help="torchrun's --max-restarts per agent")
+    parser.add_argument("--last-call", type=int, default=LAST_CALL_SECONDS,
+                        help="torchrun's rendezvous last_call_timeout in seconds (default %(default)s; torch's is 30)")
+    parser.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_SECONDS,
+                        help="torchrun's rendezvous keep_alive_interval in seconds: a lost agent leaves the "
+                        "rendezvous after 3 of them (default %(default)s; torch's is 5)")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds any one run may take")
+    parser.add_argument("--workdir", default=None, help="keep every run's logs, events and checkpoints here (a new "
+                        "directory; default: a temporary one, removed)")
+    parser.add_argument("--only", default="abc", help="which runs: any of a, b, c (default abc)")
+    args = parser.parse_args(argv)
+    trace = trace_path(args.trace)
+    nodes = [f"node{i}" for i in range(args.nodes)]
+    events = slice_events(trace, nodes, args.time_scale)
+    with stop_signals_raise(), contextlib.ExitStack() as stack:
+        work = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bamboo-peers-")))
+        work.mkdir(parents=True, exist_ok=True)
+        print(f"trace {trace.name}: first {args.nodes} nodes start, {args.steps} steps of {GLOBAL_BATCH} samples "
+              f"(4 micro-batches of 2), one pipeline as deep as the live nodes (at most {args.nodes}), "
+              f"1 trace second = {1 / args.time_scale:.4f} s; {os.cpu_count()} CPU cores, gloo", flush=True)
+        if args.save_every:
+            every = args.save_every
+            print(f"K = {every} steps (--save-every)", flush=True)
+        else:
+            (work / "calibrate").mkdir()
+            cal = calibrate(args, work / "calibrate")
+            horizon = max(e.at_seconds for e in events)  # the whole slice: the trace's own rate of losses
+            kills = kills_of_running(events, nodes, args.nodes, horizon)
+            mtbf = horizon / kills if kills else float("inf")
+            every = min(args.steps, young_daly(cal["save_seconds"], mtbf, cal["step_seconds"]))
+            print(f"K = {every} steps: Young/Daly sqrt(2 x save {cal['save_seconds']:.3f} s x MTBF {mtbf:.1f} s) / "
+                  f"step {cal['step_seconds']:.3f} s; save and step time from a {args.calibration_steps}-step "
+                  f"torchrun run on {args.nodes} nodes saving every 2 steps, MTBF = the slice's {horizon:.0f} s / "
+                  f"its {kills} kills of running nodes", flush=True)
+        results: dict[str, dict] = {}
+        for key, label in (("a", "bamboo"), ("b", "torchrun"), ("c", "demo-restart")):
+            if key not in args.only:
+                continue
+            (work / label).mkdir()
+            if key == "a":
+                results[label] = run_demo(label, args, trace, every, work / label)
+            elif key == "c":
+                results[label] = run_demo(label, args, trace, every, work / label, "--no-redundancy")
+            else:
+                results[label] = PeerRun(args, events, nodes, work / label, every).run()
+                print(f"peer command (per machine): {args.peer_command}", flush=True)
+            if "failed" in results[label]:
+                print(f"{label} FAILED: {results[label]['failed']}", flush=True)
+            else:
+                print(f"{label}: done in {results[label]['wall']:.0f} s", flush=True)
+        return report(args, results)
+
+
+def report(args: argparse.Namespace, results: dict[str, dict]) -> int:
+    views = {k: (demo_view(v) if k != "torchrun" else v) for k, v in results.items() if "failed" not in v}
+    clean = min((v["step_seconds"] for v in views.values() if v["step_seconds"] == v["step_seconds"]), default=float("nan"))
+    print(f"\n{'run':<14}{'steps':>6}{'samples/s':>10}{'preempt':>8}{'restarts':>9}{'failovers':>10}{'redone':>7}"
+          f"{'p50 rec s':>10}{'max rec s':>10}{'lost s/preempt':>15}{'step s':>8}")
+    for name, v in views.items():
+        rec = v["recovery_seconds"]
+        print(f"{name:<14}{v['steps_completed']:>6}{v['samples_per_second']:>10.2f}{v['preemptions']:>8}"
+              f"{v['restarts']:>9}{v.get('failovers', 0):>10}{v['recomputed_steps']:>7}{p50(rec):>10.2f}"
+              f"{max(rec, default=float('nan')):>10.2f}{lost_per_preemption(v, args.steps, clean):>15.2f}"
+              f"{v['step_seconds']:>8.3f}")
+    print(f"(lost s/preempt: (first to last step) - (steps - 1) x {clean:.3f} s, the fastest run's median step, "
+          f"over the preemptions; restarts to take in joining nodes count in it)")
+    peer = views.get("torchrun")
+    if peer:
+        print("\ntorchrun, each preemption: detection (kill -> the last survivor's worker failed), restart (-> the "
+              "job that recovered starts loading its checkpoint), reload, first step, recomputed steps")
+        for k in peer["per_kill"]:
+            if k["recovery"] is None:
+                print(f"  {k['node']} at step {k['progress']}: no job recovered from it")
+                continue
+            print(f"  {k['node']:<8} at step {k['progress']:>4}: recovery {k['recovery']:6.2f} s = detection "
+                  f"{k['detection']:5.2f} + restart {k['restart']:6.2f} + reload {k['reload']:5.2f} + first step "
+                  f"{k['first_step']:5.2f}; then {k['redone']} steps redone ({k['redone'] * clean:.2f} s), "
+                  f"resumed at step {k['resumed_at']} with optimizer state {'/'.join(k['optimizer'])}")
+        print(f"  restarts {peer['restarts']} (joins {peer['joins']}), depths {peer['depths']}, optimizer state "
+              f"reset at {peer['optimizer_resets']} (the depth changed), agent exit codes {peer['codes']}")
+    for name, v in results.items():
+        if "failed" in v:
+            print(f"{name}: FAILED ({v['failed'].splitlines()[0]})")
+    ok = True
+    a, b, c = (views.get(k) for k in ("bamboo", "torchrun", "demo-restart"))
+    if a and b:
+        ratio = a["samples_per_second"] / b["samples_per_second"] if b["samples_per_second"] else float("inf")
+        print(f"\nuseful throughput a/b, bamboo / torchrun + DeepSpeed checkpoints: {ratio:.2f}x (target >= 2x)")
+        ok = ratio >= 2.0
+    if a and c:
+        print(f"useful throughput a/c, bamboo / demo --no-redundancy: "
+              f"{a['samples_per_second'] / c['samples_per_second']:.2f}x")
+    if b and c:
+        print(f"the emulation against the peer, c/b: {c['samples_per_second'] / b['samples_per_second']:.2f}x")
+    unfinished = [name for name, v in views.items() if v["steps_completed"] < args.steps]
+    if unfinished:
+        print(f"did not train all {args.steps} steps: {', '.join(unfinished)}")
+    failed = any("failed" in v for v in results.values()) or bool(unfinished)
+    return 0 if ok and not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

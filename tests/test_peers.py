@@ -1,0 +1,102 @@
+"""The peer benchmark (benchmarks/peers.py): its slice arithmetic, and the plain DeepSpeed script it restarts,
+killed after a checkpoint and resumed from it at another depth."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PYTHON, REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import peers  # noqa: E402
+
+from lightning_bamboo.demo.events import ClusterEvent  # noqa: E402
+
+
+def test_young_daly_interval():
+    # sqrt(2 x 0.05 s x 10 s) = 1 s of steps of 0.1 s; never below one step
+    assert peers.young_daly(0.05, 10.0, 0.1) == 10
+    assert peers.young_daly(0.001, 1.0, 10.0) == 1
+
+
+def test_kills_of_running_nodes_only():
+    nodes = ["node0", "node1"]
+    events = [
+        ClusterEvent("join", "spare1", at_seconds=0.0),  # no room: waits
+        ClusterEvent("preempt", "node0", at_seconds=1.0),  # a kill; spare1 takes its place
+        ClusterEvent("preempt", "spare1", at_seconds=2.0),  # a kill of the replacement
+        ClusterEvent("join", "spare2", at_seconds=3.0),  # room: runs
+        ClusterEvent("preempt", "spare3", at_seconds=3.5),  # never ours: no kill
+        ClusterEvent("preempt", "node1", at_seconds=9.0),  # beyond the horizon
+    ]
+    assert peers.kills_of_running(events, nodes, width=2, horizon=5.0) == 2
+    assert peers.kills_of_running(events, nodes, width=2, horizon=10.0) == 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+
+
+def _workers(world: int, tmp: Path, steps: int, port: int) -> list[subprocess.Popen]:
+    """``world`` ranks of benchmarks/peer_train.py with torch's env:// variables (what torchrun gives them)."""
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PEER_NODE": f"node{rank}"}
+        procs.append(subprocess.Popen(
+            [PYTHON, str(REPO / "benchmarks" / "peer_train.py"), "--steps", str(steps), "--save-dir", str(tmp / "ckpt"),
+             "--save-every", "2", "--events", str(tmp / "events.jsonl"), "--timeout", "30"],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    return procs
+
+
+@pytest.mark.timeout(120)
+def test_peer_resumes_from_its_deepspeed_checkpoint_after_a_kill(tmp_path):
+    """Two stages killed (SIGKILL) after step 3, past the checkpoint of step 2: one stage resumes at step 2, with
+    the weights and not the momentum (DeepSpeed keeps the optimizer state per stage), and finishes step 5."""
+    events = tmp_path / "events.jsonl"
+    first = _workers(2, tmp_path, steps=50, port=_free_port())
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "step" and e["step"] >= 3 for e in _events(events)):
+            assert time.monotonic() < deadline, f"no step 3 within 90 s: {_events(events)}"
+            assert all(p.poll() is None for p in first), f"a worker ended: {[p.returncode for p in first]}"
+            time.sleep(0.05)
+    finally:
+        for p in first:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert [p.returncode for p in first] == [-signal.SIGKILL, -signal.SIGKILL]
+    killed_at = max(e["step"] for e in _events(events) if e["event"] == "step")
+    saved = int((tmp_path / "ckpt" / "latest").read_text().strip().removeprefix("global_step"))
+    assert 2 <= saved <= killed_at
+
+    (second,) = _workers(1, tmp_path, steps=killed_at + 2, port=_free_port())
+    try:
+        assert second.wait(timeout=90) == 0
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+            second.wait(timeout=30)
+    resumed = [e for e in _events(events) if e["pid"] == second.pid]
+    (loaded,) = [e for e in resumed if e["event"] == "loaded"]
+    assert (loaded["step"], loaded["depth"], loaded["world"], loaded["optimizer"]) == (saved, 2, 1, "reset")
+    assert [e["step"] for e in resumed if e["event"] == "step"] == list(range(saved + 1, killed_at + 3))
+    assert [e["step"] for e in resumed if e["event"] == "done"] == [killed_at + 2]
