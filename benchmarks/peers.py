@@ -26,7 +26,7 @@ p50/max recovery (a kill to the first step finished after it by the job that rec
 per preemption, for (b) its split into detection, restart, reload, first step and recomputed steps, and
 the ratios a/b and a/c (target a/b >= 2x: exit status 1 below it).
 
-    python benchmarks/peers.py --trace p3 [--nodes 6] [--steps 500] [--time-scale 100]
+    python benchmarks/peers.py --trace p3 [--nodes 6] [--steps 300] [--time-scale 100]
     python benchmarks/peers.py --trace g4dn
 """
 
@@ -55,7 +55,7 @@ GLOBAL_BATCH = 8  # lightning_bamboo.demo.plan.GLOBAL_BATCH; peer_train.GLOBAL_B
 #: torchrun's rendezvous: the store is external (here); a restart's last call for late agents, in seconds
 LAST_CALL_SECONDS = 2
 #: ... and the interval of its heartbeats: an agent that missed 3 is dropped from the next round
-KEEP_ALIVE_SECONDS = 1
+KEEP_ALIVE_SECONDS = 2
 #: seconds the agents get to exit once the job trained its last step (torchrun's exit barrier)
 EXIT_GRACE_SECONDS = 30.0
 
@@ -372,7 +372,9 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> dict:
     finally:
         args.steps = saved
     if "failed" in run or run["steps_completed"] != steps:
-        raise SystemExit(f"calibration run of torchrun failed: {run.get('failed', run)}")
+        why = run.get("failed") or f"exit codes {run['codes']}"
+        raise SystemExit(f"the calibration run of torchrun failed ({why}); its agents' logs are in {workdir} "
+                         "(keep them with --workdir DIR), or give --save-every K")
     lines = [json.loads(x) for x in (workdir / "events.jsonl").read_text().splitlines() if x]
     # a save holds the step for its slowest rank: the longest per save step, their median
     by_step: dict[int, float] = {}
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="p3", help="p3, g4dn or the path of a Bamboo trace CSV (default p3)")
     parser.add_argument("--nodes", type=int, default=6, help="the slice's first nodes that start (default 6)")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--time-scale", type=float, default=100.0, help="trace seconds per real second (default 100)")
     parser.add_argument("--save-every", type=int, default=0, help="K; default 0: Young/Daly from a calibration run")
     parser.add_argument("--calibration-steps", type=int, default=12)
