@@ -81,7 +81,7 @@ class PipelineRunner(NodeStage):
     def enter(self, record: dict[str, Any]) -> tuple[int, int]:
         """Join the job's process group as its admission ``record`` says; returns (rank, world size)."""
         self.rank, world = self._session().enter(record)
-        self.config.stages = world // int(record.get("pipelines", 1))
+        self.depth = world // int(record.get("pipelines", 1))
         self.catching_up = True  # until its first step (see ``catching_up``)
         log.warning("%s: admitted as rank %d of %d at step %d", self.node, self.rank, world, record["step"])
         return self.rank, world
@@ -95,12 +95,12 @@ class PipelineRunner(NodeStage):
         ``FatalLoss``: the launcher starts it again with the nodes that are up. Returns (rank, world).
         """
         session = self._session()
-        stages = self.config.stages
+        stages = self.depth
         if stages is not None and stages != len(session.nodes):
             raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; a job of {len(session.nodes)} "
                             f"nodes in {stages}-stage pipelines starts again with the nodes that are up")
         assigned = session.start_without(min_nodes=2 if self.config.redundant else 1)
-        self.config.stages = assigned[1]
+        self.depth = assigned[1]
         return assigned
 
     def before_step(self, hook: Callable[[PipelineRunner, int], None]) -> Callable[[], None]:
