@@ -50,7 +50,7 @@ def reform_process_group(
     """
     import torch.distributed as dist
 
-    from lightning_bamboo.engine.pipe import PeerLost
+    from lightning_bamboo.errors import PeerLost
 
     rank, world = order.index(me), len(order)
     key = f"{job_prefix(job)}pg/{generation}/{tag}"

@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.engine.build import ensure_deepspeed_comm
 from lightning_bamboo.engine.exchange import exchange_objects
-from lightning_bamboo.engine.pipe import PeerLost
 from lightning_bamboo.engine.reconfigure import move_layers
-from lightning_bamboo.errors import BambooConfigError, FatalLoss
+from lightning_bamboo.errors import BambooConfigError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import Layout
