@@ -13,13 +13,12 @@ import torch
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import BACKEND
-from lightning_bamboo.engine.pipe import PeerLost
-from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, batch_form_error
+from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, PeerLost, batch_form_error
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
-from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo
+from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage, States
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
@@ -59,8 +58,7 @@ class PipelineRunner(NodeStage):
     def open_session(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Session | None:
         """Under the Bamboo launcher: register this node and pass the job's start rendezvous (else None)."""
         if self.session is None and launched_by_bamboo():
-            self.session = Session(self.config.detection_timeout, self.config.timeout, leave_requested)
-            self.session.backend = self.backend
+            self.session = start_session(self.config.detection_timeout, self.config.timeout, self.backend, leave_requested)
         return self.session
 
     def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> dict[str, Any] | None:
@@ -140,12 +138,12 @@ class PipelineRunner(NodeStage):
         """Put ``value`` as this node's entry of ``topic`` in the job's store (``<job>/<topic>/<node>``), for
         whoever watches the job (the demo's controller reads ``progress``); nothing without membership."""
         if self.session is not None:
-            self.session.store.put(f"{self.session.base}{topic}/{self.session.node}", value)
+            self.session.store.put(self.session.keys.topic(topic, self.session.node), value)
 
     def agree(self, topic: str, step: int, proposal: dict[str, Any]) -> dict[str, Any]:
         """One value for ``topic`` at ``step`` on every node: the first proposal put in the store wins."""
         session = self._session()
-        _, kv = session.store.put_if_absent(f"{session.base}{topic}/{session.generation}/{step}", json.dumps(proposal))
+        _, kv = session.store.put_if_absent(session.keys.agreement(topic, session.generation, step), json.dumps(proposal))
         return dict(json.loads(kv.value))
 
     # ------------------------------------------------------------------ steps
@@ -330,7 +328,7 @@ class PipelineRunner(NodeStage):
         keep = []
         if self.session is not None:
             self.session.stop()
-            keep.append(getattr(self.session, "_tcp_store", None))
+            keep.append(getattr(self.session.groups, "tcp_store", None))
             self.session = None
         self.engine = None
         return keep
