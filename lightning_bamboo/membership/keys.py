@@ -166,12 +166,3 @@ class JobKeys:
     def assign(self, process: str) -> str:
         """``assign/<process>``: what the launcher gives an offered process (JSON: name, environment, arguments)."""
         return self._under("assign", process)
-
-    def machines(self, machine: str | None = None) -> str:
-        """``machines/<name>``: a machine registered for the fleet rendezvous (``--min-nodes``)."""
-        return self._under("machines", machine)
-
-    @property
-    def roster(self) -> str:
-        """``roster``: the machines the fleet rendezvous chose."""
-        return self.base + "roster"

@@ -28,12 +28,12 @@ def speaks() -> bool:
     """This worker says what the whole job would say: the first of its workers to refuse (a key in the membership
     store, created once), or any that cannot reach the store."""
     from lightning_bamboo.membership import connect
-    from lightning_bamboo.membership.keys import job_prefix
+    from lightning_bamboo.membership.keys import JobKeys
 
     try:
         store = connect(os.environ[STORE_ENV], timeout=2.0)
         try:
-            won, _ = store.put_if_absent(f"{job_prefix(os.environ.get(JOB_ENV, 'bamboo'))}refused",
+            won, _ = store.put_if_absent(JobKeys(os.environ.get(JOB_ENV, "bamboo")).refused,
                                          os.environ.get(NODE_ENV, ""), timeout=2.0)
             return won
         finally:
