@@ -277,3 +277,25 @@ def test_a_leaver_announces_at_its_commit_and_departs_through_its_group_former(s
         with pytest.raises(SystemExit) as exit_status:
             s["n1"].depart()
         assert exit_status.value.code == 0 and s["n1"].groups.aborts == 1 and not s["n1"].active
+
+
+def test_the_key_schema_reads_like_the_layout_in_the_docs():
+    keys = JobKeys("demo")
+    assert [keys.commit(2, 7), keys.commit(2, 7, "n1"), keys.joiners(2, 7), keys.decision(3), keys.admit(),
+            keys.admit(3), keys.abandoned, keys.standby("n9"), keys.rdzv(0), keys.rdzv(3, "a-b"),
+            keys.start_passed("n1"), keys.process_group(3, "a-b"), keys.released(3), keys.coll(2), keys.coll(2, 5),
+            keys.failovers(3), keys.reconfigurations(), keys.confirmed("n1"), keys.finished, keys.progress("n1"),
+            keys.agreement("rebalance", 2, 7), keys.node("n1"), keys.lost(), keys.leaving("n1"), keys.offer("n1"),
+            keys.assign("n1"), keys.master, keys.refused] == [
+        "/bamboo/demo/commit/2/7/", "/bamboo/demo/commit/2/7/n1", "/bamboo/demo/joiners/2/7",
+        "/bamboo/demo/decision/3", "/bamboo/demo/admit/", "/bamboo/demo/admit/3", "/bamboo/demo/admit/abandoned",
+        "/bamboo/demo/standby/n9", "/bamboo/demo/rdzv/0/", "/bamboo/demo/rdzv/3/a-b",
+        "/bamboo/demo/rdzv/0-passed/n1", "/bamboo/demo/pg/3/a-b", "/bamboo/demo/released/3/",
+        "/bamboo/demo/coll/2/", "/bamboo/demo/coll/2/5", "/bamboo/demo/failovers/3",
+        "/bamboo/demo/reconfigurations/", "/bamboo/demo/confirmed/n1", "/bamboo/demo/finished",
+        "/bamboo/demo/progress/n1", "/bamboo/demo/rebalance/2/7", "/bamboo/demo/nodes/n1", "/bamboo/demo/lost/",
+        "/bamboo/demo/leaving/n1", "/bamboo/demo/offer/n1", "/bamboo/demo/assign/n1", "/bamboo/demo/master",
+        "/bamboo/demo/refused",
+    ]
+    with pytest.raises(BambooError, match="a job name must be a non-empty printable name without '/'"):
+        JobKeys("a/b")
