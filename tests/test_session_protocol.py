@@ -21,6 +21,7 @@ from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership import EmbeddedServer, Store, connect
 from lightning_bamboo.membership.fence import Fenced
 from lightning_bamboo.membership.keys import JobKeys
+from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.membership.registry import abandon_job
 from lightning_bamboo.membership.session import Session
 
@@ -32,6 +33,9 @@ DETECTION = 1.0
 RENDEZVOUS = 20.0
 #: how long a test waits for its threads
 JOIN = 30.0
+#: two stages of three layers each become three of two, on a standby node n9
+ADMIT_N9 = Reconfiguration(generation=1, order=("n0", "n1", "n9"), parts=(0, 2, 4, 6), old_order=("n0", "n1"),
+                           old_parts=(0, 3, 6), sender="n0", tag="reconf", step=1, reason="admit n9")
 
 
 class Groups:
@@ -212,14 +216,14 @@ def test_a_standby_node_is_admitted_by_a_record_and_enters_the_next_generation(s
                 x.admitting = True
             assert on_threads({n: (lambda x=x: x.commit(0)) for n, x in s.items()}) == dict.fromkeys(s)
             assert [x.joiners for x in s.values()] == [["n9"], ["n9"]]
-            record = {"generation": 1, "order": ["n0", "n1", "n9"], "tag": "admit-n9", "step": 1, "pipelines": 1}
+            record = ADMIT_N9
             s["n0"].admit(record)
             assert spare.wait_admission(poll=0.2) == record
-            entered = on_threads({"n0": lambda: s["n0"].reform(record["order"], tag="admit-n9"),
-                                  "n1": lambda: s["n1"].reform(record["order"], tag="admit-n9"),
+            entered = on_threads({"n0": lambda: s["n0"].reform(list(record.order), tag=record.tag),
+                                  "n1": lambda: s["n1"].reform(list(record.order), tag=record.tag),
                                   "n9": lambda: spare.enter(record)})
             assert entered == {"n0": (0, 3), "n1": (1, 3), "n9": (2, 3)}
-            assert all(x.generation == 1 and x.nodes == record["order"] for x in (*s.values(), spare))
+            assert all(x.generation == 1 and x.nodes == list(record.order) for x in (*s.values(), spare))
             assert s["n0"].standby() == [] and spare.store.get(spare.keys.standby("n9")) is None
         finally:
             spare.stop()
@@ -299,3 +303,17 @@ def test_the_key_schema_reads_like_the_layout_in_the_docs():
     ]
     with pytest.raises(BambooError, match="a job name must be a non-empty printable name without '/'"):
         JobKeys("a/b")
+
+
+def test_a_reconfiguration_record_keeps_its_json_and_checks_its_sender():
+    stored = json.loads(ADMIT_N9.to_json())
+    assert stored == {"generation": 1, "order": ["n0", "n1", "n9"], "parts": [0, 2, 4, 6], "old_order": ["n0", "n1"],
+                      "old_parts": [0, 3, 6], "sender": "n0", "tag": "reconf", "step": 1, "reason": "admit n9",
+                      "pipelines": 1, "old_pipelines": 1}
+    assert Reconfiguration.from_json(ADMIT_N9.to_json()) == ADMIT_N9 and ADMIT_N9.joiners == ("n9",)
+    timed = Reconfiguration.from_json({**stored, "seconds": 0.5})
+    assert json.loads(timed.to_json())["seconds"] == 0.5
+    with pytest.raises(BambooError, match=r"sender must run before and after it \(sender 'n9'"):
+        Reconfiguration.from_json({**stored, "sender": "n9"})
+    with pytest.raises(BambooError, match="order of 3 nodes does not split into 2 pipeline"):
+        Reconfiguration.from_json({**stored, "pipelines": 2})

@@ -20,6 +20,7 @@ from lightning_bamboo.membership.fence import Fenced, FencedStore
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.protocol import Store, wait_riding_out
+from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.membership.registry import LossDetector, Registry
 from lightning_bamboo.testing import faults
 
@@ -278,11 +279,11 @@ class Session:
         live = set(self.registry.members().live)
         return sorted(n for n in waiting if n in live)
 
-    def admit(self, record: dict[str, Any]) -> None:
+    def admit(self, record: Reconfiguration) -> None:
         """Publish a reconfiguration (generation, order, parts...) so that the standby nodes in it join."""
-        self.store.put(self.keys.admit(record["generation"]), json.dumps(record))
+        self.store.put(self.keys.admit(record.generation), record.to_json())
 
-    def wait_admission(self, poll: float = 1.0) -> dict[str, Any] | None:
+    def wait_admission(self, poll: float = 1.0) -> Reconfiguration | None:
         """Standby until a reconfiguration names this node (its record) or the job finishes (None).
 
         A standby node is live (its lease is kept) and costs nothing; it waits as long as the job runs.
@@ -296,7 +297,7 @@ class Session:
             records = sorted((json.loads(kv.value) for kv in snap.kvs), key=lambda r: r["generation"])
             mine = [r for r in records if self.node in r["order"]]
             if mine:
-                return mine[-1]
+                return Reconfiguration.from_json(mine[-1])
             abandoned = [r["abandoned"] for r in records if r.get("abandoned")]
             if abandoned:
                 raise FatalLoss(f"the job this standby node waited to join ended before admitting it: {abandoned[0]}")
@@ -305,10 +306,10 @@ class Session:
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
             revision = change.revision
 
-    def enter(self, record: dict[str, Any]) -> tuple[int, int]:
+    def enter(self, record: Reconfiguration) -> tuple[int, int]:
         """Join the process group of an admission record (as a standby node); returns (rank, world size)."""
-        self.generation = int(record["generation"]) - 1
-        rank, world = self.reform(list(record["order"]), tag=record["tag"])
+        self.generation = record.generation - 1
+        rank, world = self.reform(list(record.order), tag=record.tag)
         self.store.delete(self.keys.standby(self.node))
         return rank, world
 
@@ -318,11 +319,11 @@ class Session:
         released before it finished is not one of them)."""
         self.store.put(self.keys.finished, json.dumps(list(self.nodes)))
 
-    def record_reconfiguration(self, record: dict[str, Any]) -> None:
+    def record_reconfiguration(self, record: Reconfiguration) -> None:
         """The sender (the first node of the new order that ran before it; a joining node at rank 0 does not
         call this) keeps the record in the store, for reports (``reconfigurations/<generation>``)."""
-        if record.get("sender") == self.node:
-            self.store.put(self.keys.reconfigurations(self.generation), json.dumps(record))
+        if record.sender == self.node:
+            self.store.put(self.keys.reconfigurations(self.generation), record.to_json())
 
     # ------------------------------------------------------------------ collectives between steps
     def gather(self, value: str) -> list[str]:

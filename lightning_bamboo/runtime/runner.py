@@ -14,6 +14,7 @@ import torch
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, PeerLost, batch_form_error
+from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
@@ -61,7 +62,7 @@ class PipelineRunner(NodeStage):
             self.session = start_session(self.config.detection_timeout, self.config.timeout, self.backend, leave_requested)
         return self.session
 
-    def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> dict[str, Any] | None:
+    def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Reconfiguration | None:
         """A node joining a running job: standby until a reconfiguration admits it (its record), or the job
         finishes (None)."""
         session = self.open_session(leave_requested)
@@ -76,12 +77,12 @@ class PipelineRunner(NodeStage):
             session.stop()
         return record
 
-    def enter(self, record: dict[str, Any]) -> tuple[int, int]:
+    def enter(self, record: Reconfiguration) -> tuple[int, int]:
         """Join the job's process group as its admission ``record`` says; returns (rank, world size)."""
         self.rank, world = self._session().enter(record)
-        self.depth = world // int(record.get("pipelines", 1))
+        self.depth = world // record.pipelines
         self.catching_up = True  # until its first step (see ``catching_up``)
-        log.warning("%s: admitted as rank %d of %d at step %d", self.node, self.rank, world, record["step"])
+        log.warning("%s: admitted as rank %d of %d at step %d", self.node, self.rank, world, record.step)
         return self.rank, world
 
     def start_without_lost(self) -> tuple[int, int]:
@@ -216,7 +217,7 @@ class PipelineRunner(NodeStage):
         (see ``runtime.failover.fail_over``)."""
         return fail_over(self, err, step, in_flight)
 
-    def start_admitted(self, model: PipelineModel, record: dict[str, Any], gradient_clipping: float = 0.0) -> dict[str, Any]:
+    def start_admitted(self, model: PipelineModel, record: Reconfiguration, gradient_clipping: float = 0.0) -> dict[str, Any]:
         """A joining node's stage, from the running nodes (see ``runtime.moves.start_admitted``); returns the
         training state the sender's host gave."""
         return start_admitted(self, model, record, self.rank, gradient_clipping)

@@ -17,9 +17,10 @@ from lightning_bamboo.engine.guard import StepGuard
 from lightning_bamboo.errors import PeerLost
 from lightning_bamboo.membership import session as membership
 from lightning_bamboo.membership.protocol import Store
+from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.membership.session import GroupFormer, joining, launched_by_bamboo
 
-__all__ = ["LEAVE", "GroupFormer", "PeerLost", "Session", "TorchGroups", "joining", "launched_by_bamboo",
+__all__ = ["LEAVE", "GroupFormer", "PeerLost", "Reconfiguration", "Session", "TorchGroups", "joining", "launched_by_bamboo",
            "start_session", "request_leave"]
 
 #: set (from a signal handler, a notice poller, anywhere) to leave the job at the end of the step

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import DDPStrategy as _Lightning
 
     from lightning_bamboo.engine.pipe import BambooPipelineEngine
-    from lightning_bamboo.runtime.session import Session
+    from lightning_bamboo.runtime.session import Reconfiguration, Session
     from lightning_bamboo.topology.layout import Layout
 
 else:
@@ -154,7 +154,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         self._admitted_checkpoint: dict[str, Any] | None = None  # a joining node's state, from a running node
         self._resume_rng: dict[str, Any] | None = None  # this process's RNG states from the checkpoint, until on_train_start
         self._inject_sampler: bool | None = None  # the Trainer's use_distributed_sampler, before we take it over
-        self._admission: dict[str, Any] | None = None  # the reconfiguration record that admitted this (joining) node
+        self._admission: Reconfiguration | None = None  # the reconfiguration record that admitted this (joining) node
         #: (rank, world size) of a process group formed by lightning_bamboo before Lightning's setup (an
         #: admission, or a start without nodes that died), not the launch environment's
         self._assigned: tuple[int, int] | None = None
