@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class BambooError(Exception):
     """Base class of every error raised by lightning_bamboo."""
@@ -13,6 +15,14 @@ class BambooConfigError(BambooError, ValueError):
 
 class FatalLoss(BambooError):
     """A lost stage has no live replica (a node and its replica holder were lost together)."""
+
+
+class PeerLost(BambooError):
+    """A peer of this pipeline is gone; the step in flight did not commit here. ``lost``: the peers known lost."""
+
+    def __init__(self, message: str, lost: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.lost = tuple(lost)
 
 
 #: exit status of a process that stops on a FatalLoss: "start the job again from its last checkpoint

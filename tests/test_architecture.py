@@ -182,6 +182,30 @@ def test_topology_loads_no_torch():
     assert proc.returncode == 0, f"importing lightning_bamboo.topology loaded {proc.stdout.strip()}\n{proc.stderr}"
 
 
+def test_membership_imports_no_torch():
+    """The membership protocol (the session included) runs in one process against a store: no module of
+    ``membership/`` names torch, and importing all of them loads none of the heavy packages."""
+    named = sorted(
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in (PACKAGE / "membership").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if (isinstance(node, ast.Import) and any(a.name.split(".")[0] in ("torch", "deepspeed", "lightning")
+                                                 for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and not node.level
+            and (node.module or "").split(".")[0] in ("torch", "deepspeed", "lightning"))
+    )
+    assert not named, "membership/ imports torch, deepspeed or lightning; move that code to engine/ or runtime/:\n" + \
+        "\n".join(named)
+    modules = sorted(m for m in MODULES if layer_of(m)[0] == "membership")
+    code = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'lightning', 'numpy') if m in sys.modules); "
+        "print(heavy); sys.exit(bool(heavy))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"importing lightning_bamboo.membership's modules loaded {proc.stdout.strip()}\n{proc.stderr}"
+
+
 def test_the_layer_table_covers_every_module():
     for module in MODULES:
         layer_of(module)

@@ -917,14 +917,14 @@ def test_start_rendezvous_ends_at_once_when_a_node_died_starting(embedded_server
     it, ``start_without`` stops with FatalLoss (a restart with the nodes that are up)."""
     from lightning_bamboo.errors import FatalLoss
     from lightning_bamboo.membership.node import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
-    from lightning_bamboo.runtime.session import Session
+    from lightning_bamboo.runtime.session import start_session
 
     job = f"r{uuid.uuid4().hex[:6]}"
     reporter = Registry(connect(embedded_server.url), job, "launcher")
     reporter.announce_loss("node1", "process exited with -9", timeout=2.0)
     for key, value in {STORE_ENV: embedded_server.url, JOB_ENV: job, NODE_ENV: "node0", NODES_ENV: "node0,node1"}.items():
         monkeypatch.setenv(key, value)
-    res = Session(detection_timeout=5.0, rendezvous_timeout=120.0)  # a BarrierTimeoutError if it waited it out
+    res = start_session(detection_timeout=5.0, rendezvous_timeout=120.0)  # a BarrierTimeoutError if it waited it out
     try:
         assert res.start_lost == {"node1"}
         with pytest.raises(FatalLoss, match=r"\['node1'\] died while the job started, leaving 1 of 2 nodes \(at least 2 needed\)"):

@@ -209,3 +209,32 @@ def test_the_process_group_backend_is_the_abortable_one_with_nccl_on_gpus():
         assert comm_process._GENERATION["transport"] == "gloo"
     finally:
         comm_process.use_transport("gloo")
+
+
+def test_options_are_a_frozen_config_changed_only_by_a_checked_replacement():
+    import dataclasses
+
+    from lightning_bamboo.runtime.config import BambooConfig
+
+    config = BambooConfig(stages=2, partition=[0, 4, 8])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.stages = 3  # type: ignore[misc]
+    with pytest.raises(BambooConfigError, match=r"stages must be a positive integer or None \(stages: 0\)"):
+        config.replace(stages=0)
+    with pytest.raises(BambooConfigError, match=r"has no option \['stage'\]"):
+        config.replace(stage=3)
+    wider = config.replace(stages=3, partition=(0, 2, 5, 8))
+    assert (wider.stages, wider.partition, config.stages) == (3, [0, 2, 5, 8], 2)
+
+    strategy = lightning_bamboo.BambooStrategy(stages=2, partition=[0, 4, 8], redundancy="lazy")
+    runner = strategy.runner
+    # one option at a time is checked against the others: a depth the explicit partition does not have is refused,
+    # and nothing changes
+    with pytest.raises(BambooConfigError, match="partition"):
+        strategy.stages = 3
+    assert strategy.options.stages == 2 and runner.config is strategy.options and runner.depth == 2
+    strategy.update_options(stages=3, partition=[0, 2, 5, 8], micro_batch_size=2)  # together, as the tuner does
+    assert (strategy.stages, strategy.partition, strategy.micro_batch_size) == (3, [0, 2, 5, 8], 2)
+    assert runner.config is strategy.options and runner.depth == 3
+    strategy.seed = 5
+    assert runner.config.seed == 5 and runner.config.stages == 3

@@ -49,9 +49,12 @@ def apply_plan(strategy: Any, plan: Plan) -> None:
             f"{plan.stages * plan.pipelines} workers does not match the world size {world_size}; "
             f"look up the plan for {world_size} workers (HydrozoaTuner.plan_for({world_size}))"
         )
-    strategy.stages = plan.stages
-    strategy.micro_batch_size = plan.micro_batch_size
-    strategy.partition = list(plan.partition)
+    changes = {"stages": plan.stages, "micro_batch_size": plan.micro_batch_size, "partition": list(plan.partition)}
+    if hasattr(strategy, "update_options"):
+        strategy.update_options(**changes)  # checked together: a partition fits its stage count
+    else:
+        for name, value in changes.items():
+            setattr(strategy, name, value)
 
 
 def describe(plan: Plan) -> str:

@@ -336,12 +336,11 @@ def open_job(timeout: float, detection_timeout: float) -> None:
     from lightning_bamboo.engine import comm_process
     from lightning_bamboo.engine.build import ensure_deepspeed_comm
     from lightning_bamboo.errors import FatalLoss
-    from lightning_bamboo.runtime.session import Session, joining
+    from lightning_bamboo.runtime.session import joining, start_session
 
     comm_process.use_transport("gloo", torch.device("cpu"))
     comm_process.prepare()
-    session = Session(detection_timeout, timeout)
-    session.backend = comm_process.BACKEND
+    session = start_session(detection_timeout, timeout, comm_process.BACKEND)
     if joining():
         # A standby node (one released when its pipeline lost a node, or started to join): this door does not
         # admit nodes into a running job yet, so it waits for the job to finish and leaves with it.

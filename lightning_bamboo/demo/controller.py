@@ -17,6 +17,7 @@ from lightning_bamboo.demo.events import ClusterEvent
 from lightning_bamboo.demo.plan import STANDBY_PROCESSES, layout_for
 from lightning_bamboo.demo.recovery import RecoveryClock
 from lightning_bamboo.errors import BambooConfigError, BambooError
+from lightning_bamboo.membership.keys import JobKeys
 
 EXIT_FATAL = 75  # lightning_bamboo.errors.FATAL_EXIT_CODE
 #: seconds the controller waits for a store that stopped answering (an etcd restart) before it gives up
@@ -84,7 +85,7 @@ class _Run:
 
     # the job of the current generation (set by start_job)
     job: str
-    base: str
+    keys: JobKeys
     out: Path
     depth: int
     waiting: list[str]
@@ -135,8 +136,6 @@ class _Run:
     # ------------------------------------------------------------------ a job starts
     def start_job(self) -> None:
         """Start this generation's job: the pipelines of the start on the pool of nodes; other nodes stand by."""
-        from lightning_bamboo.membership.registry import job_prefix
-
         args, cluster = self.args, self.cluster
         self.job = job = f"{self.prefix}{self.generation}"
         previous_job = cluster.job
@@ -175,7 +174,7 @@ class _Run:
             self.joiners.add(name)
             self.waiting.remove(name)
         self.kept, self.cold, self.stepped = set(), False, False
-        self.base = job_prefix(job)
+        self.keys = JobKeys(job)
         self.fatal_at = None
         self.rescale = False
 
@@ -224,7 +223,7 @@ class _Run:
     def _follow_progress(self) -> dict[str, int]:
         """Show the steps finished since the last look; each node's step count."""
         state = self.state
-        snap = self.cluster.store.get_prefix(f"{self.base}progress/")
+        snap = self.cluster.store.get_prefix(self.keys.progress())
         steps = [int(kv.value) for kv in snap.kvs]
         now = max(steps, default=state.progress)
         if now > state.progress:
@@ -236,7 +235,7 @@ class _Run:
             state.recovery.stepped(now, time.monotonic())
             state.progress = now
             _show(self.args, state, [n for n in self.cluster.running if n not in self.frozen])
-            _show_records(self.cluster.store, self.base, state, self.shown)
+            _show_records(self.cluster.store, self.keys, state, self.shown)
         return {kv.key.rsplit("/", 1)[1]: int(kv.value) for kv in snap.kvs}
 
     def _due_events(self, progress: dict[str, int]) -> list[ClusterEvent]:
@@ -261,7 +260,7 @@ class _Run:
             if node in self.waiting:
                 self.waiting.remove(node)
             state.event(f"step {state.progress}: standby {node} preempted")
-        elif node in cluster.running and node in _standing_by(cluster, self.base, self.joiners):
+        elif node in cluster.running and node in _standing_by(cluster, self.keys, self.joiners):
             cluster.kill(node, signal.SIGKILL)  # a standby process: nothing to recover
             self.alive.remove(node)
             state.event(f"step {state.progress}: standby {node} preempted")
@@ -323,7 +322,7 @@ class _Run:
             for name in frozen & set(cluster.running):
                 cluster.kill(name, signal.SIGKILL)
             return True
-        if self.joiners and set(cluster.running) - frozen <= _standing_by(cluster, self.base, self.joiners):
+        if self.joiners and set(cluster.running) - frozen <= _standing_by(cluster, self.keys, self.joiners):
             if self.no_redundancy or cluster.job_finished():
                 _stop_within(cluster, 0.0)  # the job is over; standby nodes wait for nothing
                 return True
@@ -341,7 +340,7 @@ class _Run:
             from lightning_bamboo.membership.registry import abandon_job
 
             abandon_job(cluster.store, self.job, f"a fatal loss at step {self.state.progress}")
-            starting = functools.partial(_starting, cluster, self.base, self.joiners)
+            starting = functools.partial(_starting, cluster, self.keys, self.joiners)
             was_starting = starting()
             self.kept = _stop_within(cluster, 15.0, keep=functools.partial(cluster.offered, self.job),
                                      unless_kept=starting, spare=lambda: bool(self.pool.ready()))
@@ -353,16 +352,16 @@ class _Run:
     # ------------------------------------------------------------------ the job ended
     def end_job(self) -> dict[str, Any] | None:
         """Record the job's failovers and reconfigurations; its final report if it finished, else restart (None)."""
-        cluster, state, base, out = self.cluster, self.state, self.base, self.out
+        cluster, state, keys, out = self.cluster, self.state, self.keys, self.out
         cluster.poll()
-        _show_records(cluster.store, base, state, self.shown)
+        _show_records(cluster.store, keys, state, self.shown)
         # keyed by generation, which the store lists as text ("10" before "4"): in step order
-        failovers = sorted((json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}failovers/").kvs),
+        failovers = sorted((json.loads(kv.value) for kv in cluster.store.get_prefix(keys.failovers()).kvs),
                            key=lambda r: r["step"])
         state.failovers += failovers
         state.recoveries["redundant"] += len(failovers)
         state.reconfigurations += sorted(
-            (json.loads(kv.value) for kv in cluster.store.get_prefix(f"{base}reconfigurations/").kvs),
+            (json.loads(kv.value) for kv in cluster.store.get_prefix(keys.reconfigurations()).kvs),
             key=lambda r: r["step"])
         report_file = out / "report.json"
         if state.progress == 0 and self.first_step_at is None and not report_file.exists() and self.generation == 0:
@@ -486,24 +485,24 @@ def _audit_error(workdir: Path) -> str:
     return "(no audit line in the logs)"
 
 
-def _standing_by(cluster: Any, base: str, joiners: set[str]) -> set[str]:
+def _standing_by(cluster: Any, keys: JobKeys, joiners: set[str]) -> set[str]:
     """Nodes waiting as standby: the ``joiners`` (started as standby processes) that no reconfiguration has
     admitted yet, and nodes registered as standby (a node released from a dropped pipeline is one)."""
-    registered = _registered(cluster, base)
-    return (joiners - _admitted(cluster, base)) | registered if joiners else registered
+    registered = _registered(cluster, keys)
+    return (joiners - _admitted(cluster, keys)) | registered if joiners else registered
 
 
-def _starting(cluster: Any, base: str, joiners: set[str]) -> set[str]:
+def _starting(cluster: Any, keys: JobKeys, joiners: set[str]) -> set[str]:
     """The ``joiners`` still starting: running, neither registered as standby nodes nor admitted yet."""
-    return (joiners & set(cluster.running)) - _registered(cluster, base) - _admitted(cluster, base)
+    return (joiners & set(cluster.running)) - _registered(cluster, keys) - _admitted(cluster, keys)
 
 
-def _registered(cluster: Any, base: str) -> set[str]:
-    return {kv.key.rsplit("/", 1)[1] for kv in cluster.store.get_prefix(f"{base}standby/").kvs}
+def _registered(cluster: Any, keys: JobKeys) -> set[str]:
+    return {kv.key.rsplit("/", 1)[1] for kv in cluster.store.get_prefix(keys.standby()).kvs}
 
 
-def _admitted(cluster: Any, base: str) -> set[str]:
-    return {n for kv in cluster.store.get_prefix(f"{base}admit/").kvs for n in json.loads(kv.value)["order"]}
+def _admitted(cluster: Any, keys: JobKeys) -> set[str]:
+    return {n for kv in cluster.store.get_prefix(keys.admit()).kvs for n in json.loads(kv.value)["order"]}
 
 
 def _stop_within(cluster: Any, seconds: float, keep: Callable[[], set[str]] = set,
@@ -546,12 +545,12 @@ def _show(args: argparse.Namespace, state: DemoState, running: list[str]) -> Non
           f"live: {' '.join(sorted(running))}  ({_stamp(state.started)})", flush=True)
 
 
-def _show_records(store: Any, base: str, state: DemoState, shown: set[str]) -> None:
+def _show_records(store: Any, keys: JobKeys, state: DemoState, shown: set[str]) -> None:
     """Show the failovers and reconfigurations the workers recorded in the store since the last call."""
     if state.quiet:
         return
-    for kind in ("failovers", "reconfigurations"):
-        for kv in store.get_prefix(f"{base}{kind}/").kvs:
+    for kind, prefix in (("failovers", keys.failovers()), ("reconfigurations", keys.reconfigurations())):
+        for kv in store.get_prefix(prefix).kvs:
             if kv.key in shown:
                 continue
             shown.add(kv.key)

@@ -10,8 +10,9 @@ from typing import Any
 
 from lightning_bamboo.engine.comm_process import BACKEND, CommAborted, abort_generation, open_generation
 from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import node_address
-from lightning_bamboo.membership.registry import job_prefix, wait_for_key
+from lightning_bamboo.membership.registry import wait_for_key
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,10 +51,10 @@ def reform_process_group(
     """
     import torch.distributed as dist
 
-    from lightning_bamboo.engine.pipe import PeerLost
+    from lightning_bamboo.errors import PeerLost
 
     rank, world = order.index(me), len(order)
-    key = f"{job_prefix(job)}pg/{generation}/{tag}"
+    key = JobKeys(job).process_group(generation, tag)
     host = node_address()  # the new rank 0 hosts the group's store where its peers reach it
     if rank == 0:
         port = free_port(host)

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from lightning_bamboo.engine.comm_process import abort_generation
-from lightning_bamboo.errors import BambooError, FatalLoss
+from lightning_bamboo.errors import FatalLoss, PeerLost
 
-
-class PeerLost(BambooError):
-    """A peer of this pipeline is gone; the step in flight did not commit here."""
-
-    def __init__(self, message: str, lost: Iterable[str] = ()) -> None:
-        super().__init__(message)
-        self.lost = tuple(lost)
-
+__all__ = ["STEP_FINISH_SECONDS", "PeerLost", "StepGuard", "is_comm_error"]
 
 #: the most seconds a step may take to end after its generation's communication was aborted
 STEP_FINISH_SECONDS = 60.0

@@ -76,13 +76,14 @@ def offer_process(timeout: float = 60.0) -> dict[str, Any] | None:
     per node), or None when no assignment came within ``timeout`` seconds (exit then; the launcher
     starts a fresh process)."""
     from lightning_bamboo.membership import connect
-    from lightning_bamboo.membership.registry import job_prefix, wait_for_key
+    from lightning_bamboo.membership.keys import JobKeys
+    from lightning_bamboo.membership.registry import wait_for_key
 
-    base, node = job_prefix(os.environ[JOB_ENV]), os.environ[NODE_ENV]
+    keys, node = JobKeys(os.environ[JOB_ENV]), os.environ[NODE_ENV]
     store = connect(os.environ[STORE_ENV])
     try:
-        store.put(f"{base}{OFFER_KEY}{node}", "1")
-        kv = wait_for_key(store, f"{base}{ASSIGN_KEY}{node}", timeout)
+        store.put(keys.offer(node), "1")
+        kv = wait_for_key(store, keys.assign(node), timeout)
         if kv is None:
             return None
         assignment = dict(json.loads(kv.value))
@@ -296,7 +297,7 @@ def supervise(
     announced in the store at once, so its peers fail over in milliseconds. Every process group
     binds to the interface that owns ``addr``. ``report`` and ``pid_dir`` as for ``run_job``.
     """
-    from lightning_bamboo.membership.registry import job_prefix
+    from lightning_bamboo.membership.keys import JobKeys, job_prefix
 
     plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job,
                      min_nodes=min_nodes, max_nodes=max_nodes)
@@ -320,7 +321,7 @@ def supervise(
                 for worker in plan.workers:
                     cluster.spawn_joiner(worker, command)
             else:
-                key = f"{job_prefix(job)}master"
+                key = JobKeys(job).master
                 if plan.publisher in plan.workers:
                     master = {"host": plan.addr, "port": free_port(plan.addr)}
                     cluster.store.put(key, json.dumps(master))

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from lightning_bamboo.engine.groups import free_port
 from lightning_bamboo.errors import CONFIG_EXIT_CODE
+from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import (
     ADDR_ENV,
     JOB_ENV,
@@ -30,7 +31,8 @@ from lightning_bamboo.membership.node import (
 )
 
 #: keys of a restart in the same processes, under the failed job's prefix: ``offer/<node>`` (the worker
-#: waits to be given the next job), ``assign/<node>`` (its rank environment and arguments there)
+#: waits to be given the next job), ``assign/<node>`` (its rank environment and arguments there); built by
+#: ``JobKeys.offer``/``JobKeys.assign``, these names are kept for importers
 OFFER_KEY, ASSIGN_KEY = "offer/", "assign/"
 
 #: the variables that bind process groups to an interface (set from --addr unless the user set them)
@@ -144,9 +146,7 @@ class Cluster:
 
     def offered_by(self, job: str) -> set[str]:
         """The names under which processes offered themselves in ``job`` (``offer_process``), running or not."""
-        from lightning_bamboo.membership.registry import job_prefix
-
-        return {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{job_prefix(job)}{OFFER_KEY}").kvs}
+        return {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(JobKeys(job).offer()).kvs}
 
     def reuse(self, name: str, args: Sequence[str], rank: int | None, world: Sequence[str], offered_in: str,
               process: str | None = None, log: str | None = None) -> None:
@@ -154,13 +154,11 @@ class Cluster:
         running process (or the one that offered itself as ``process``), which offered it in job ``offered_in``:
         no new interpreter, no imports. ``rank`` None: as a node that joins the current job (standby until
         admitted, as ``spawn_joiner`` starts one). ``log``: the file its output goes to from now on."""
-        from lightning_bamboo.membership.registry import job_prefix
-
         env = self._rank_env(name, rank, world) if rank is not None else {
             JOB_ENV: self.job, "MASTER_ADDR": self.env["MASTER_ADDR"], "MASTER_PORT": self.env["MASTER_PORT"],
             **joiner_env(name)}
         assignment = {"env": env, "args": list(args), "log": log}
-        self.store.put(f"{job_prefix(offered_in)}{ASSIGN_KEY}{process or name}", json.dumps(assignment))
+        self.store.put(JobKeys(offered_in).assign(process or name), json.dumps(assignment))
 
     def adopt(self, name: str, proc: subprocess.Popen) -> None:
         """Worker ``name`` runs in ``proc``, a process started elsewhere (a warm pool's, given its assignment)."""
@@ -216,10 +214,7 @@ class Cluster:
 
     def new_job(self, job: str) -> None:
         """Later workers (e.g. a restart from a checkpoint) use a fresh key space in the store."""
-        from lightning_bamboo.membership.registry import job_prefix
-
-        self.job = self._reporter.job = job
-        self._reporter.base = job_prefix(job)
+        self.job = self._reporter.job = job  # its keys follow the job (``Registry.keys``)
         self.env["MASTER_PORT"] = str(free_port())  # a process kept from the last job may still hold the old one
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -245,11 +240,8 @@ class Cluster:
         """The current job's nodes when it finished (``Session.finish``): each of them must exit 0; a node the
         job lost or released before is not one. None: not finished (or the store does not answer); an empty
         set: finished, by a writer that did not name its nodes."""
-        from lightning_bamboo.membership.keys import FINISHED_KEY
-        from lightning_bamboo.membership.registry import job_prefix
-
         try:
-            kv = self.store.get(f"{job_prefix(self.job)}{FINISHED_KEY}")
+            kv = self.store.get(JobKeys(self.job).finished)
         except Exception:  # noqa: BLE001 - a store that does not answer: not known to be finished
             return None
         if kv is None:

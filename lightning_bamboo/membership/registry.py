@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.membership.keys import ABANDONED_KEY, check_name, job_prefix
+from lightning_bamboo.membership.keys import JobKeys, check_name, job_prefix
 from lightning_bamboo.membership.protocol import (
     Guard,
     KeyValue,
@@ -147,7 +147,7 @@ def abandon_job(store: Store, job: str, reason: str) -> None:
     """Mark ``job`` as ended by a fatal loss (``keys.ABANDONED_KEY``): its standby nodes stop waiting for an
     admission (``Session.wait_admission`` raises ``FatalLoss``) and may offer their process to the next job."""
     record = {"generation": -1, "order": [], "abandoned": reason}
-    store.put(f"{job_prefix(job)}{ABANDONED_KEY}", json.dumps(record))
+    store.put(JobKeys(job).abandoned, json.dumps(record))
 
 
 def wait_for_key(store: Store, key: str, timeout: float, abort: Callable[[], bool] = lambda: False) -> KeyValue | None:
@@ -243,7 +243,6 @@ class Registry:
             )
         self.store, self.job, self.ttl = store, job, float(ttl)
         self.node_id = check_name("node id", node_id)
-        self.base = job_prefix(job)
         self.info = NodeInfo(
             node_id=node_id,
             incarnation=uuid.uuid4().hex[:12],
@@ -265,8 +264,17 @@ class Registry:
         self._thread: threading.Thread | None = None
 
     # -- keys --
+    @property
+    def keys(self) -> JobKeys:
+        """The key schema of this registry's job (``job`` may be set again: a reporter that follows a new job)."""
+        return JobKeys(self.job)
+
+    @property
+    def base(self) -> str:
+        return job_prefix(self.job)
+
     def node_key(self, node_id: str) -> str:
-        return f"{self.base}nodes/{node_id}"
+        return self.keys.node(node_id)
 
     def guard(self) -> Guard | None:
         """This node's membership as a write guard (``Store``): its announcements land only while it is a
@@ -392,7 +400,7 @@ class Registry:
             kv = self.store.get(self.node_key(node_id), timeout=timeout)
             incarnation = json.loads(kv.value)["incarnation"] if kv else ""
         notice = LossNotice(node_id=node_id, incarnation=incarnation, reporter=self.node_id, reason=reason)
-        key = f"{self.base}lost/{node_id}"
+        key = self.keys.lost(node_id)
         won, kv = self.store.put_if_absent(key, self._info_json(notice), timeout=timeout, guard=self.guard())
         if not won and json.loads(kv.value).get("incarnation") != incarnation:
             # A notice about an older incarnation: replace it with ours (once, by CAS).
@@ -403,7 +411,7 @@ class Registry:
 
     def clear_loss(self, node_id: str, *, timeout: float | None = None) -> bool:
         """Remove ``lost/<node_id>`` once the reconfiguration that handles it is done."""
-        return self.store.delete(f"{self.base}lost/{node_id}", timeout=timeout, guard=self.guard())
+        return self.store.delete(self.keys.lost(node_id), timeout=timeout, guard=self.guard())
 
     def announce_leaving(
         self, grace: float, reason: str = "preemption notice", *, timeout: float | None = None
@@ -411,7 +419,7 @@ class Registry:
         """Say that this node will be gone within ``grace`` s (SIGTERM with notice). Attached to our lease."""
         notice = LeaveNotice(self.node_id, self.info.incarnation, time.time() + grace, reason)
         self.store.put(
-            f"{self.base}leaving/{self.node_id}",
+            self.keys.leaving(self.node_id),
             self._info_json(notice),
             lease=self.lease_id,
             timeout=timeout,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,12 +14,13 @@ from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_o
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class BambooConfig:
     """What ``BambooStrategy(...)`` takes (see its docstring for each option), checked on construction.
 
-    ``stages`` may be set later by a tuner (``HydrozoaTuner``) or an admission; everything else
-    stays as given.
+    Frozen: a change is a new config, checked again (:meth:`replace`; the strategy's option setters,
+    which ``HydrozoaTuner`` uses, go through it before the engine is built). ``stages`` is the depth
+    asked for (``None``: the launcher's node count); the depth a running job has is its layout's.
     """
 
     stages: int | None = None
@@ -46,7 +48,7 @@ class BambooConfig:
             raise BambooConfigError(f"micro_batch_size must be a positive integer (micro_batch_size: {micro!r})")
         check_partition_option(self.partition, stages)
         if not isinstance(self.partition, str):
-            self.partition = list(self.partition)
+            object.__setattr__(self, "partition", list(self.partition))
         if self.redundancy not in REDUNDANCY_MODES:
             raise BambooConfigError(f"redundancy must be one of {REDUNDANCY_MODES} (redundancy: {self.redundancy!r})")
         if self.redundancy != "off" and stages == 1:
@@ -56,8 +58,8 @@ class BambooConfig:
             )
         if not self.timeout or self.timeout <= 0:
             raise BambooConfigError(f"timeout must be a positive number of seconds (timeout: {self.timeout!r})")
-        self.timeout = float(self.timeout)
-        self.rf_costs = check_rf_costs(self.rf_costs)
+        object.__setattr__(self, "timeout", float(self.timeout))
+        object.__setattr__(self, "rf_costs", check_rf_costs(self.rf_costs))
         if not isinstance(self.audit_replicas, bool):
             raise BambooConfigError(f"audit_replicas must be True or False (audit_replicas: {self.audit_replicas!r})")
         check_placement(self.replica_placement, self.replica_memory_budget)
@@ -65,13 +67,21 @@ class BambooConfig:
             raise BambooConfigError(
                 f"detection_timeout must be a positive number of seconds (got {self.detection_timeout!r})"
             )
-        self.detection_timeout = float(self.detection_timeout)
-        self.deepspeed = dict(self.deepspeed or {})
+        object.__setattr__(self, "detection_timeout", float(self.detection_timeout))
+        object.__setattr__(self, "deepspeed", dict(self.deepspeed or {}))
         resolve(self.precision, self.deepspeed, None)  # refuses what cannot run exactly, before anything starts
         every = self.activation_checkpointing
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise BambooConfigError(f"activation_checkpointing is the layers per checkpointed segment, an integer >= 0 "
                                     f"(activation_checkpointing: {every!r}); 0 turns it off, 1 checkpoints every layer")
+
+    def replace(self, **changes: Any) -> BambooConfig:
+        """This config with ``changes``, checked again as on construction (``BambooConfigError`` names the rule)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise BambooConfigError(f"BambooConfig has no option {unknown}; the options are "
+                                    f"{[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **changes)
 
     @property
     def redundant(self) -> bool:

@@ -7,8 +7,7 @@ import logging
 import time
 from typing import Any
 
-from lightning_bamboo.engine.pipe import PeerLost
-from lightning_bamboo.errors import BambooError, FatalLoss
+from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.testing import faults

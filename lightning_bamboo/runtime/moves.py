@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.engine.build import ensure_deepspeed_comm
 from lightning_bamboo.engine.exchange import exchange_objects
-from lightning_bamboo.engine.pipe import PeerLost
 from lightning_bamboo.engine.reconfigure import move_layers
-from lightning_bamboo.errors import BambooConfigError, FatalLoss
+from lightning_bamboo.errors import BambooConfigError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
+from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import Layout
 from lightning_bamboo.topology.transfer import transfer_plan
@@ -54,9 +55,9 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
     step = runner.host.global_step()
     joiners = [n for n in order if n not in old_order]
     sender = next(n for n in order if n in old_order)
-    record = {"generation": session.generation + 1, "order": order, "parts": list(parts), "old_order": old_order,
-              "old_parts": list(old_parts), "sender": sender, "tag": "reconf", "step": step, "reason": reason,
-              "pipelines": pipelines, "old_pipelines": layout.pipelines}
+    record = Reconfiguration(generation=session.generation + 1, order=tuple(order), parts=parts,
+                             old_order=tuple(old_order), old_parts=old_parts, sender=sender, tag="reconf", step=step,
+                             reason=reason, pipelines=pipelines, old_pipelines=layout.pipelines)
     if joiners and session.node == old_order[0]:
         session.admit(record)
     meta = runner.host.training_state() if joiners and session.node == sender else None
@@ -82,12 +83,12 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
         raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
                         "the run must restore its last checkpoint") from err
     seconds = time.monotonic() - started
-    session.record_reconfiguration({**record, "seconds": seconds})
+    session.record_reconfiguration(dataclasses.replace(record, seconds=seconds))
     log.warning("%s: reconfigured in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
     return seconds
 
 
-def start_admitted(runner: NodeStage, model: PipelineModel, record: dict[str, Any], rank: int,
+def start_admitted(runner: NodeStage, model: PipelineModel, record: Reconfiguration, rank: int,
                    gradient_clipping: float = 0.0) -> dict[str, Any]:
     """A joining node's start: its layers come from the running nodes (the admission ``record`` says
     which), and so does the training state it returns (the host's ``training_state`` of the sender)."""
@@ -95,17 +96,17 @@ def start_admitted(runner: NodeStage, model: PipelineModel, record: dict[str, An
     runner.probe(model)
     runner.gradient_clipping = gradient_clipping
     ensure_deepspeed_comm(runner.backend)
-    order = list(record["order"])
+    order = list(record.order)
 
     def receive() -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-        moves = transfer_plan(record["old_order"], record["old_parts"], order, record["parts"],
-                              record.get("old_pipelines", 1), record.get("pipelines", 1))
+        moves = transfer_plan(list(record.old_order), record.old_parts, order, record.parts, record.old_pipelines,
+                              record.pipelines)
         held = move_layers(moves, session.node, order, {})
-        return held, exchange_objects(None, send_to=None, recv_from=order.index(record["sender"]))
+        return held, exchange_objects(None, send_to=None, recv_from=order.index(record.sender))
 
     held, meta = session.guard().run(receive)
     runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the running nodes' loss scale
-    pipelines = int(record.get("pipelines", 1))
-    layout = Layout(len(order) // pipelines, pipelines, tuple(record["parts"]))
+    pipelines = record.pipelines
+    layout = Layout(len(order) // pipelines, pipelines, record.parts)
     runner.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
     return meta

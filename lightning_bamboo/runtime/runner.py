@@ -13,13 +13,13 @@ import torch
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import BACKEND
-from lightning_bamboo.engine.pipe import PeerLost
-from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, batch_form_error
+from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, PeerLost, batch_form_error
+from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
-from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo
+from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage, States
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
@@ -59,11 +59,10 @@ class PipelineRunner(NodeStage):
     def open_session(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Session | None:
         """Under the Bamboo launcher: register this node and pass the job's start rendezvous (else None)."""
         if self.session is None and launched_by_bamboo():
-            self.session = Session(self.config.detection_timeout, self.config.timeout, leave_requested)
-            self.session.backend = self.backend
+            self.session = start_session(self.config.detection_timeout, self.config.timeout, self.backend, leave_requested)
         return self.session
 
-    def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> dict[str, Any] | None:
+    def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Reconfiguration | None:
         """A node joining a running job: standby until a reconfiguration admits it (its record), or the job
         finishes (None)."""
         session = self.open_session(leave_requested)
@@ -78,12 +77,12 @@ class PipelineRunner(NodeStage):
             session.stop()
         return record
 
-    def enter(self, record: dict[str, Any]) -> tuple[int, int]:
+    def enter(self, record: Reconfiguration) -> tuple[int, int]:
         """Join the job's process group as its admission ``record`` says; returns (rank, world size)."""
         self.rank, world = self._session().enter(record)
-        self.config.stages = world // int(record.get("pipelines", 1))
+        self.depth = world // record.pipelines
         self.catching_up = True  # until its first step (see ``catching_up``)
-        log.warning("%s: admitted as rank %d of %d at step %d", self.node, self.rank, world, record["step"])
+        log.warning("%s: admitted as rank %d of %d at step %d", self.node, self.rank, world, record.step)
         return self.rank, world
 
     def start_without_lost(self) -> tuple[int, int]:
@@ -95,12 +94,12 @@ class PipelineRunner(NodeStage):
         ``FatalLoss``: the launcher starts it again with the nodes that are up. Returns (rank, world).
         """
         session = self._session()
-        stages = self.config.stages
+        stages = self.depth
         if stages is not None and stages != len(session.nodes):
             raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; a job of {len(session.nodes)} "
                             f"nodes in {stages}-stage pipelines starts again with the nodes that are up")
         assigned = session.start_without(min_nodes=2 if self.config.redundant else 1)
-        self.config.stages = assigned[1]
+        self.depth = assigned[1]
         return assigned
 
     def before_step(self, hook: Callable[[PipelineRunner, int], None]) -> Callable[[], None]:
@@ -140,12 +139,12 @@ class PipelineRunner(NodeStage):
         """Put ``value`` as this node's entry of ``topic`` in the job's store (``<job>/<topic>/<node>``), for
         whoever watches the job (the demo's controller reads ``progress``); nothing without membership."""
         if self.session is not None:
-            self.session.store.put(f"{self.session.base}{topic}/{self.session.node}", value)
+            self.session.store.put(self.session.keys.topic(topic, self.session.node), value)
 
     def agree(self, topic: str, step: int, proposal: dict[str, Any]) -> dict[str, Any]:
         """One value for ``topic`` at ``step`` on every node: the first proposal put in the store wins."""
         session = self._session()
-        _, kv = session.store.put_if_absent(f"{session.base}{topic}/{session.generation}/{step}", json.dumps(proposal))
+        _, kv = session.store.put_if_absent(session.keys.agreement(topic, session.generation, step), json.dumps(proposal))
         return dict(json.loads(kv.value))
 
     # ------------------------------------------------------------------ steps
@@ -218,7 +217,7 @@ class PipelineRunner(NodeStage):
         (see ``runtime.failover.fail_over``)."""
         return fail_over(self, err, step, in_flight)
 
-    def start_admitted(self, model: PipelineModel, record: dict[str, Any], gradient_clipping: float = 0.0) -> dict[str, Any]:
+    def start_admitted(self, model: PipelineModel, record: Reconfiguration, gradient_clipping: float = 0.0) -> dict[str, Any]:
         """A joining node's stage, from the running nodes (see ``runtime.moves.start_admitted``); returns the
         training state the sender's host gave."""
         return start_admitted(self, model, record, self.rank, gradient_clipping)
@@ -330,7 +329,7 @@ class PipelineRunner(NodeStage):
         keep = []
         if self.session is not None:
             self.session.stop()
-            keep.append(getattr(self.session, "_tcp_store", None))
+            keep.append(getattr(self.session.groups, "tcp_store", None))
             self.session = None
         self.engine = None
         return keep

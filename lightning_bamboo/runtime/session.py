@@ -1,26 +1,27 @@
-"""``Session``: one node's membership in a job run by the Bamboo launcher: commits, failover agreement, admission."""
+"""The runtime's membership: ``membership.session.Session`` with torch's process groups and the step guard.
+
+The protocol (commits, the lost-set agreement, admission, collectives) is ``membership/session.py``'s and
+imports no torch; here is what it needs of torch: ``TorchGroups`` forms and aborts the process groups
+(``engine.groups``, ``engine.comm_process``), and ``Session.guard`` runs a step that a loss ends at once.
+"""
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from lightning_bamboo.engine.comm_process import BACKEND, abort_generation
 from lightning_bamboo.engine.groups import reform_process_group
-from lightning_bamboo.engine.pipe import PeerLost, StepGuard
-from lightning_bamboo.errors import BambooError, FatalLoss
-from lightning_bamboo.membership.fence import Fenced, FencedStore
-from lightning_bamboo.membership.keys import FINISHED_KEY
-from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
-from lightning_bamboo.membership.protocol import wait_riding_out
-from lightning_bamboo.testing import faults
+from lightning_bamboo.engine.guard import StepGuard
+from lightning_bamboo.errors import PeerLost
+from lightning_bamboo.membership import session as membership
+from lightning_bamboo.membership.protocol import Store
+from lightning_bamboo.membership.records import Reconfiguration
+from lightning_bamboo.membership.session import GroupFormer, joining, launched_by_bamboo
 
-log = logging.getLogger(__name__)
+__all__ = ["LEAVE", "GroupFormer", "PeerLost", "Reconfiguration", "Session", "TorchGroups", "joining", "launched_by_bamboo",
+           "start_session", "request_leave"]
 
 #: set (from a signal handler, a notice poller, anywhere) to leave the job at the end of the step
 LEAVE = threading.Event()
@@ -31,394 +32,37 @@ def request_leave() -> None:
     LEAVE.set()
 
 
-def launched_by_bamboo() -> bool:
-    return STORE_ENV in os.environ
+class TorchGroups:
+    """The ``GroupFormer`` of a worker: ``torch.distributed`` process groups on ``backend`` (the abortable
+    ``"bamboo"`` one unless the user chose), re-formed through the membership store (``reform_process_group``)."""
+
+    def __init__(self, backend: str = BACKEND) -> None:
+        self.backend = backend
+        #: the new rank 0's TCPStore, kept alive while its group lives
+        self.tcp_store: Any = None
+
+    def reform(self, store: Store, job: str, generation: int, order: Sequence[str], me: str, *, timeout: float,
+               tag: str, gone: Callable[[], Collection[str]]) -> tuple[int, int]:
+        rank, world, self.tcp_store = reform_process_group(store, job, generation, order, me, timeout, tag=tag,
+                                                           gone=gone, backend=self.backend)
+        return rank, world
+
+    def abort(self) -> None:
+        abort_generation()
 
 
-def joining() -> bool:
-    """This process is a node joining a running job (it waits as standby until admitted)."""
-    return launched_by_bamboo() and os.environ.get(JOIN_ENV) == "1"
-
-
-class Session:
-    """One node's view of the job: registered under a lease, watching its peers, deciding steps once.
-
-    A step commits when every node of the pipeline has put ``commit/<generation>/<step>/<node>``
-    (each puts it after its gradients, including the replica's, are exchanged). A node applies
-    its update only after seeing all of them, so after a loss either every survivor has the
-    gradients of a committed step (and applies them) or no one applies anything and the step
-    is redone in the new layout: a step is never half applied.
-    """
-
-    def __init__(
-        self, detection_timeout: float, rendezvous_timeout: float, leave_requested: Callable[[], bool] = LEAVE.is_set
-    ) -> None:
-        from lightning_bamboo.membership import connect
-        from lightning_bamboo.membership.registry import LossDetector, Registry, job_prefix
-
-        self.url = os.environ[STORE_ENV]
-        self.job = os.environ.get(JOB_ENV, "bamboo")
-        self.node = os.environ[NODE_ENV]
-        self.nodes = [n for n in os.environ.get(NODES_ENV, self.node).split(",") if n]
-        self.detection_timeout = detection_timeout
-        self.rendezvous_timeout = rendezvous_timeout
-        #: whether this node was told to leave (a notice): read at every commit
-        self.leave_requested = leave_requested
-        self.generation = 0
-        self.base = job_prefix(self.job)
-        self.store = connect(self.url)
-        self.registry = Registry(self.store, self.job, self.node, ttl=max(1.0, detection_timeout * 0.8))
-        self.registry.join()
-        self.store = FencedStore(self.store, self.registry)  # nothing written once this node may be declared lost
-        self._detector_cls = LossDetector
-        if joining():
-            self.nodes = []  # not in any pipeline until admitted (see wait_admission)
-            self.store.put(f"{self.base}standby/{self.node}", "1")
-        else:
-            faults.reached(self.node, "start")  # tests: a node that dies while the job starts
-            try:
-                self._start_rendezvous(rendezvous_timeout)
-            except BaseException:
-                self.registry.stop_heartbeat()  # this node never joined the job: leave nothing running
-                self.store.close()
-                raise
-        self.detector = self._watch(self.nodes)
-        self.failovers: list[dict[str, Any]] = []
-        self.leaving = False  # this node announced it leaves after the step in flight
-        self.leavers: set[str] = set()  # peers that announced they leave (seen at a commit)
-        self.admitting = False  # set by RebalanceCallback: standby nodes are reported at every commit
-        self.joiners: list[str] = []  # standby nodes seen at the last commit (the same list on every node)
-        self._collectives: dict[int, int] = {}  # generation -> collectives begun (see gather)
-        self._collectives_dropped = 0  # generations below this have no collective keys left
-
-    #: nodes that died while the job started (see ``start_without``); empty when all came up
-    start_lost: frozenset[str] = frozenset()
-
-    @property
-    def _passed_prefix(self) -> str:
-        return f"{self.base}rdzv/0-passed/"
-
-    def _start_rendezvous(self, timeout: float) -> None:
-        """Wait for every node of the job to come up; a node announced dead meanwhile ends the wait at once.
-
-        (Before any process group exists: a TCPStore rendezvous would wait its whole timeout for it.)
-        A node lost before the process group formed leaves ``start_lost`` set, once every other node
-        is up: the strategy then starts without it (``start_without``) instead of restarting the job.
-        """
-        from lightning_bamboo.membership.collectives import BarrierTimeoutError, barrier
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                barrier(self.store, f"{self.base}rdzv/0", self.node, self.nodes, timeout=0.5)
-            except BarrierTimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-            else:
-                # Past the rendezvous this node waits in the process group's own, which cannot see a
-                # loss: say so before looking (a node that sees a loss later also sees this key, and
-                # ``start_without`` gives up on a start it cannot finish without us).
-                self.store.put(self._passed_prefix + self.node, "1")
-                if not set(self.nodes) & set(self.registry.members().lost):
-                    return
-                self.store.delete(self._passed_prefix + self.node)
-            members = self.registry.members()
-            gone = set(self.nodes) & set(members.lost)
-            if gone and set(self.nodes) - gone <= set(members.live):
-                self.start_lost = frozenset(gone)
-                return
-            if time.monotonic() > deadline:
-                raise BarrierTimeoutError(f"the job's nodes {self.nodes} did not all come up within {timeout} s "
-                                          f"(lost: {sorted(gone)}, live: {sorted(members.live)})")
-
-    def start_without(self, min_nodes: int) -> tuple[int, int]:
-        """After a loss during the start (``start_lost``): form the job's process group of the nodes
-        that are up (in the launch order), agreed through the store like a failover; returns
-        (rank, world size). Nothing has trained yet, so nothing is lost but the dead nodes' places.
-        Fewer than ``min_nodes`` left: ``FatalLoss`` (the job starts again when more are up).
-        """
-        from lightning_bamboo.engine.pipe import PeerLost
-        from lightning_bamboo.errors import FatalLoss
-        from lightning_bamboo.membership.collectives import BarrierTimeoutError
-
-        launched, suspected = list(self.nodes), set(self.start_lost)
-        for _attempt in range(len(launched)):
-            lost = self.decide_lost(tuple(suspected), launched)
-            order = [n for n in launched if n not in lost]
-            passed = {kv.key[len(self._passed_prefix):] for kv in self.store.get_prefix(self._passed_prefix).kvs}
-            if passed & set(order):
-                raise FatalLoss(f"{sorted(lost)} died while the job started, after {sorted(passed & set(order))} had "
-                                "passed the start rendezvous; start again with the nodes that are up")
-            if self.node not in order:
-                raise FatalLoss(f"the others count this node as lost while the job started (lost: {sorted(lost)}); "
-                                "it stops, and starts again with the job")
-            if len(order) < min_nodes:
-                raise FatalLoss(f"{sorted(lost)} died while the job started, leaving {len(order)} of {len(launched)} "
-                                f"nodes (at least {min_nodes} needed); start again with the nodes that are up")
-            try:
-                rank, world = self.reform(order, tag="start-" + "-".join(sorted(lost)))
-            except (PeerLost, BarrierTimeoutError) as again:
-                suspected |= set(getattr(again, "lost", ())) | self.detector.lost
-                continue
-            log.warning("%s: %s died while the job started; starting with %d nodes", self.node, sorted(lost), world)
-            self.start_lost = frozenset()
-            return rank, world
-        raise FatalLoss(f"the start without lost nodes did not converge after {len(launched)} attempts")
-
-    def _watch(self, nodes: list[str]) -> Any:
-        peers = [n for n in nodes if n != self.node]
-        # A preemption notice is not a loss: the leaver finishes and commits its step, and the others
-        # switch at the next step start (``leavers``). Counting it here would abort a step whose commit
-        # the leaver is about to complete, and the nodes would disagree on whether it committed.
-        return self._detector_cls(self.store, self.job, peers, poll=0.2, notice_counts=False).start()
+class Session(membership.Session):
+    """A node's membership session (``membership.session.Session``) plus the guard its steps run under."""
 
     def guard(self) -> StepGuard:
-        return StepGuard(self.detector.event, lambda: tuple(sorted(self.detector.lost)), self.detection_timeout)
+        """A ``StepGuard`` watching this session's peers: a loss ends the guarded step at once (``PeerLost``)."""
+        return StepGuard(self.detector.event, self.lost_peers, self.detection_timeout)
 
-    # ------------------------------------------------------------------ commits
-    def _commit_prefix(self, step: int, generation: int | None = None) -> str:
-        return f"{self.base}commit/{self.generation if generation is None else generation}/{step}/"
 
-    def commit(self, step: int) -> None:
-        """Say our part of ``step`` is ready and wait (bounded, abortable) until everyone's is."""
-        prefix = self._commit_prefix(step)
-        joiners_key = f"{self.base}joiners/{self.generation}/{step}"
-        if self.admitting and self.nodes[0] == self.node:
-            # Put before our commit key: whoever sees the step commit sees the same standby list.
-            if standby := self.standby():
-                self.store.put(joiners_key, json.dumps(standby))
-        if not self.leaving and self.leave_requested():
-            # Announce before our commit key: whoever sees the step commit also sees that we leave,
-            # so the neighbours switch at the next step boundary and no work is lost.
-            self.registry.announce_leaving(grace=self.detection_timeout)
-            self.leaving = True
-        self.store.put(prefix + self.node, "1")
-        deadline = time.monotonic() + self.rendezvous_timeout
-        revision = 0
-        while True:
-            snap = self.store.get_prefix(prefix)
-            if {kv.key[len(prefix):] for kv in snap.kvs} >= set(self.nodes):
-                leaving = self.store.get_prefix(f"{self.base}leaving/")
-                self.leavers = {kv.key.rsplit("/", 1)[1] for kv in leaving.kvs} & set(self.nodes) - {self.node}
-                if self.admitting:
-                    kv = self.store.get(joiners_key)
-                    self.joiners = json.loads(kv.value) if kv is not None else []
-                return
-            if self.detector.event.is_set():
-                raise PeerLost(f"lost {sorted(self.detector.lost)} before step {step} committed", self.detector.lost)
-            if time.monotonic() > deadline:
-                missing = sorted(set(self.nodes) - {kv.key[len(prefix):] for kv in snap.kvs})
-                live = set(self.registry.members().live)
-                raise BambooError(
-                    f"step {step} did not commit within {self.rendezvous_timeout} s ({prefix}): no commit from "
-                    f"{missing} ({', '.join(f'{n} live' if n in live else f'{n} not registered' for n in missing)}); "
-                    "a live node that does not commit is stuck: its log says where"
-                )
-            # an etcd restart is ridden out here: the commit's own deadline bounds the wait
-            change = wait_riding_out(self.store, prefix, max(revision, snap.revision), 0.2, deadline)
-            revision = change.revision
-
-    # ------------------------------------------------------------------ standby nodes and admission
-    def standby(self) -> list[str]:
-        """Live nodes waiting to join (registered as standby, not in the pipeline), sorted.
-
-        Called at every commit on the first node: the membership is read only when a standby key exists.
-        """
-        waiting = [n for n in (kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(f"{self.base}standby/").kvs)
-                   if n not in self.nodes]
-        if not waiting:
-            return []
-        live = set(self.registry.members().live)
-        return sorted(n for n in waiting if n in live)
-
-    def admit(self, record: dict[str, Any]) -> None:
-        """Publish a reconfiguration (generation, order, parts...) so that the standby nodes in it join."""
-        self.store.put(f"{self.base}admit/{record['generation']}", json.dumps(record))
-
-    def wait_admission(self, poll: float = 1.0) -> dict[str, Any] | None:
-        """Standby until a reconfiguration names this node (its record) or the job finishes (None).
-
-        A standby node is live (its lease is kept) and costs nothing; it waits as long as the job runs.
-        A job abandoned after a fatal loss (``registry.abandon_job``) ends the wait with ``FatalLoss``, as it
-        ends the survivors' ``fit()``: the process may then serve the restarted job (``offer_process``).
-        """
-        prefix = f"{self.base}admit/"
-        revision = 0
-        while True:
-            snap = self.store.get_prefix(prefix)
-            records = sorted((json.loads(kv.value) for kv in snap.kvs), key=lambda r: r["generation"])
-            mine = [r for r in records if self.node in r["order"]]
-            if mine:
-                return mine[-1]
-            abandoned = [r["abandoned"] for r in records if r.get("abandoned")]
-            if abandoned:
-                raise FatalLoss(f"the job this standby node waited to join ended before admitting it: {abandoned[0]}")
-            if self.store.get(f"{self.base}{FINISHED_KEY}") is not None:
-                return None
-            change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
-            revision = change.revision
-
-    def enter(self, record: dict[str, Any]) -> tuple[int, int]:
-        """Join the process group of an admission record (as a standby node); returns (rank, world size)."""
-        self.generation = int(record["generation"]) - 1
-        rank, world = self.reform(list(record["order"]), tag=record["tag"])
-        self.store.delete(f"{self.base}standby/{self.node}")
-        return rank, world
-
-    def finish(self) -> None:
-        """The job is over: standby nodes that were never admitted stop waiting. The value names the
-        pipeline's nodes at the end (the launcher holds each of them to exit 0; a node the job lost or
-        released before it finished is not one of them)."""
-        self.store.put(f"{self.base}{FINISHED_KEY}", json.dumps(list(self.nodes)))
-
-    def record_reconfiguration(self, record: dict[str, Any]) -> None:
-        """The sender (the first node of the new order that ran before it; a joining node at rank 0 does not
-        call this) keeps the record in the store, for reports (``reconfigurations/<generation>``)."""
-        if record.get("sender") == self.node:
-            self.store.put(f"{self.base}reconfigurations/{self.generation}", json.dumps(record))
-
-    def committed(self, step: int) -> bool:
-        prefix = self._commit_prefix(step)
-        return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs} >= set(self.nodes)
-
-    # ------------------------------------------------------------------ collectives between steps
-    def gather(self, value: str) -> list[str]:
-        """One collective of the pipeline's nodes through the store: every node's ``value``, in rank order.
-
-        Lightning's collectives between steps (barriers, broadcasts, reductions, checkpoint saves)
-        go here, not through gloo: a loss fails the same collective on every survivor (see
-        ``registry.gather``), so after the failover they all retry the same operation. Collectives
-        are numbered per generation; the numbering restarts with each new process group.
-        """
-        from lightning_bamboo.membership.collectives import GatherFailed, gather
-
-        generation, nodes = self.generation, list(self.nodes)
-        seq = self._collectives.get(generation, 0)
-        self._collectives[generation] = seq + 1
-        try:
-            # a peer that announced at the last commit that it leaves is gone by now: waiting for its part
-            # would last until its lease ends (the failover that serves it comes at once instead)
-            parts = gather(self.store, f"{self.base}coll/{generation}/{seq}", self.node, nodes, value,
-                           self.rendezvous_timeout, lambda: self.detector.lost | self.leavers)
-        except GatherFailed as err:
-            raise PeerLost(str(err), set(err.lost) | self.detector.lost | self.leavers) from err
-        if nodes[0] == self.node:  # everyone has put this one, so everyone is done with the ones before
-            if seq:
-                self.store.delete_prefix(f"{self.base}coll/{generation}/{seq - 1}/")
-            for old in range(self._collectives_dropped, generation):
-                self.store.delete_prefix(f"{self.base}coll/{old}/")
-            self._collectives_dropped = generation
-        return parts
-
-    # ------------------------------------------------------------------ failover
-    def decide_lost(self, suspected: tuple[str, ...], nodes: list[str]) -> set[str]:
-        """The lost nodes for the next generation: a set in the store that only grows, so all agree.
-
-        Each survivor adds what it knows (its suspicions, the detector, dead leases) with a
-        compare-and-swap; a loss seen later by anyone makes everyone retry with the larger set.
-        """
-        key = f"{self.base}decision/{self.generation + 1}"
-        members = self.registry.members()
-        mine = (set(suspected) | self.detector.lost | (set(nodes) - set(members.live))) & set(nodes)
-        mine.discard(self.node)
-        while True:
-            kv = self.store.get(key)
-            current = set(json.loads(kv.value)) if kv else set()
-            merged = current | mine
-            if self.node in current:  # declared lost itself: it follows the decision, never adds to it
-                return current
-            if kv is not None and merged == current:
-                return current
-            swapped, _ = self.store.compare_and_put(key, json.dumps(sorted(merged)), expected_revision=kv.mod_revision if kv else 0)
-            if swapped:
-                return merged
-
-    def reform(self, order: list[str], tag: str = "") -> tuple[int, int]:
-        """Join the process group of ``order`` for the next generation; returns (rank, world size).
-
-        The rendezvous waits in short slices and gives up at once (``PeerLost``) when a node it
-        waits for is lost, so a failover never waits on a dead node.
-        """
-        from lightning_bamboo.membership.collectives import BarrierTimeoutError, barrier
-
-        generation = self.generation + 1
-        prefix = f"{self.base}rdzv/{generation}/{tag}"
-        if set(order) - set(self.nodes) - {self.node}:
-            self.detector.watch([n for n in order if n != self.node])  # newcomers too: none may be waited on dead
-        deadline = time.monotonic() + self.rendezvous_timeout
-        while True:
-            gone = self.detector.lost & set(order)
-            if gone:
-                raise PeerLost(f"{sorted(gone)} lost while re-forming the pipeline", gone)
-            try:
-                barrier(self.store, prefix, self.node, order, timeout=0.5)
-                break
-            except BarrierTimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-        rank, world, self._tcp_store = reform_process_group(
-            self.store, self.job, generation, order, self.node, self.rendezvous_timeout, tag=tag,
-            gone=lambda: self.detector.lost & set(order), backend=self.backend,
-        )
-        self.generation = generation
-        self.nodes = list(order)
-        self.detector.stop()
-        self.detector = self._watch(self.nodes)
-        return rank, world
-
-    def confirm_member(self, what: str) -> None:
-        """Raise ``Fenced`` unless the store still counts this node as a member (a guarded write to
-        ``confirmed/<node>``): asked before an act the store does not see, a checkpoint commit.
-
-        Once the session has stopped (the job is over, nobody fails this node over any more) it
-        answers from how it stopped: refused if its lease may have ended by then."""
-        if not self.active:
-            if self.ended_fenced:
-                raise Fenced(f"{self.node} refuses to {what}: its membership ended while its lease may have "
-                             "lapsed, so its peers may have declared it lost")
-            return
-        assert isinstance(self.store, FencedStore)
-        self.store.confirm(f"{self.base}confirmed/{self.node}", what)
-
-    def release(self) -> None:
-        """Say that this node leaves the layout of the next generation released, not lost (see ``released``)."""
-        self.store.put(f"{self.base}released/{self.generation + 1}/{self.node}", "1")
-
-    def released(self) -> set[str]:
-        """The nodes released from the layout of the current generation (read after the failover that formed it)."""
-        prefix = f"{self.base}released/{self.generation}/"
-        return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs}
-
-    def record_failover(self, record: dict[str, Any]) -> None:
-        self.failovers.append(record)
-        if self.nodes and self.nodes[0] == self.node:
-            self.store.put(f"{self.base}failovers/{self.generation}", json.dumps(record))
-
-    def depart(self) -> None:
-        """Leave the job now (after our last step committed): the others serve our stage from its replica.
-
-        The generation's communication is aborted (nothing of this node may still be in flight with
-        them) and the process exits with status 0 through ``SystemExit``: the framework's teardown
-        finds every collective ended at once instead of waiting on the others."""
-        log.warning("%s: leaving after a preemption notice", self.node)
-        self.stop()
-        abort_generation()
-        raise SystemExit(0)
-
-    #: the ``torch.distributed`` backend of the groups this session forms (the abortable one unless the user chose)
-    backend = BACKEND
-    #: False once ``stop`` closed the store (after fit: collectives go through the process group again)
-    active = True
-    #: whether this node's lease may have lapsed when ``stop`` ran (``confirm_member`` refuses from then on)
-    ended_fenced = False
-
-    def stop(self) -> None:
-        if self.active:  # the first stop says how it ended
-            self.ended_fenced = bool(getattr(self.store, "fenced", False))
-        self.active = False
-        try:
-            self.detector.stop()
-            self.registry.stop_heartbeat()
-            self.store.close()
-        except Exception as err:  # noqa: BLE001 - best effort at exit
-            log.debug("membership stop: %s", err)
+def start_session(detection_timeout: float, rendezvous_timeout: float, backend: str = BACKEND,
+                 leave_requested: Callable[[], bool] = LEAVE.is_set) -> Session:
+    """The session of a worker the Bamboo launcher started: registered, past the start rendezvous (or standing by,
+    when it joins a running job), forming its groups on ``backend``."""
+    session = Session.from_environment(detection_timeout, rendezvous_timeout, TorchGroups(backend), leave_requested)
+    assert isinstance(session, Session)
+    return session

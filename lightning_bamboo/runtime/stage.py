@@ -52,6 +52,9 @@ class NodeStage:
     def __init__(self, config: BambooConfig, host: RunnerHost, device: torch.device | str = "cpu",
                  backend: str = BACKEND) -> None:
         self.config = config
+        #: the depth the next fresh layout takes: the config's, until an admission or a smaller start decides it;
+        #: a running job's depth is its layout's (``layout.stages``), which a reconfiguration carries here
+        self.depth: int | None = config.stages
         self.host = host
         self.device = torch.device(device)
         self.backend = backend
@@ -71,6 +74,17 @@ class NodeStage:
     @property
     def node(self) -> str:
         return self.session.node if self.session is not None else f"rank {self.rank}"
+
+    def configure(self, config: BambooConfig) -> None:
+        """Run with ``config`` instead (a tuner's layout options, Lightning's precision), before the stage is built."""
+        if self.engine is not None:
+            raise BambooConfigError(
+                "the strategy's options are fixed once its engine is built (at trainer.fit's setup); set them before, "
+                "e.g. in BambooStrategy(...) or from a callback's setup hook, as HydrozoaTuner does"
+            )
+        if config.stages != self.config.stages:
+            self.depth = config.stages
+        self.config = config
 
     def _session(self) -> Session:
         if self.session is None:
@@ -101,7 +115,7 @@ class NodeStage:
 
     def start(self, model: PipelineModel, world: int, rank: int, fitting: bool, gradient_clipping: float = 0.0) -> None:
         """Build this process's stage of a fresh layout (``world`` processes), its engine and its replica."""
-        stages, pipelines = resolve_stages(world, self.config.stages)
+        stages, pipelines = resolve_stages(world, self.depth)
         probe = self.probe(model)
         parts = compute_parts(self.config.partition, stages, probe.param_counts, probe.names)
         self.layout, self.rank, self.gradient_clipping = Layout(stages, pipelines, parts), rank, gradient_clipping
@@ -285,7 +299,7 @@ class NodeStage:
         if missing:
             raise BambooError(f"the new layout gives {session.node} layers {missing} it does not hold")
         stage_states = {i: held[i] for i in mine}
-        self.config.stages, self.layout, self.rank = layout.stages, layout, rank
+        self.depth, self.layout, self.rank = layout.stages, layout, rank
         prebuilt: dict[int, torch.nn.Module] = {}
         splice = None
         if reuse is not None:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import DDPStrategy as _Lightning
 
     from lightning_bamboo.engine.pipe import BambooPipelineEngine
-    from lightning_bamboo.runtime.session import Session
+    from lightning_bamboo.runtime.session import Reconfiguration, Session
     from lightning_bamboo.topology.layout import Layout
 
 else:
@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 
 class _Option:
-    """A strategy attribute that is a field of its ``BambooConfig`` (read and written there)."""
+    """A strategy attribute that is a field of its ``BambooConfig``: read there; a write makes a new config, checked
+    again (``BambooConfig.replace``), which the runner takes (before the engine is built)."""
 
     def __init__(self, field: str) -> None:
         self.field = field
@@ -63,8 +64,7 @@ class _Option:
         return self if strategy is None else getattr(strategy.options, self.field)
 
     def __set__(self, strategy: Any, value: Any) -> None:
-        setattr(strategy.options, self.field, list(value) if self.field == "partition" and not isinstance(value, str)
-                else value)
+        strategy.update_options(**{self.field: value})
 
 
 class _BambooStrategyMixin(CheckpointHooks):
@@ -154,12 +154,24 @@ class _BambooStrategyMixin(CheckpointHooks):
         self._admitted_checkpoint: dict[str, Any] | None = None  # a joining node's state, from a running node
         self._resume_rng: dict[str, Any] | None = None  # this process's RNG states from the checkpoint, until on_train_start
         self._inject_sampler: bool | None = None  # the Trainer's use_distributed_sampler, before we take it over
-        self._admission: dict[str, Any] | None = None  # the reconfiguration record that admitted this (joining) node
+        self._admission: Reconfiguration | None = None  # the reconfiguration record that admitted this (joining) node
         #: (rank, world size) of a process group formed by lightning_bamboo before Lightning's setup (an
         #: admission, or a start without nodes that died), not the launch environment's
         self._assigned: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ options and runner state
+    def update_options(self, **changes: Any) -> None:
+        """Change options together (``stages=4, partition=[...]``), checked as on construction, before the engine is
+        built (``HydrozoaTuner`` sets its plan so); a ``BambooConfigError`` names the rule and leaves them as they were."""
+        self._set_options(self.options.replace(**changes))
+
+    def _set_options(self, options: BambooConfig) -> None:
+        """Take ``options`` (a checked ``BambooConfig``) here and in the runner; refused once the engine is built."""
+        if options is self.options:
+            return
+        self.runner.configure(options)
+        self.options = options
+
     stages = _Option("stages")
     micro_batch_size = _Option("micro_batch_size")
     partition = _Option("partition")
@@ -224,7 +236,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         its ``setup``, inside the processes: then only the model's hooks are checked here.
         """
         if trainer is not None:  # precision, clipping and accumulation: the Trainer's options, known already
-            check_trainer(trainer, self.options, getattr(self.precision_plugin, "precision", "32-true"))
+            self._set_options(check_trainer(trainer, self.options, getattr(self.precision_plugin, "precision", "32-true")))
         if joining() or any(getattr(cb, "sets_bamboo_layout", False) for cb in getattr(trainer, "callbacks", None) or ()):
             if model is not None:
                 self._check_model(model)
@@ -408,7 +420,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         from lightning_bamboo.callbacks.failover_metrics import add_failover_metrics
 
         with refused_quietly():
-            check_trainer(trainer, self.options, getattr(self.precision_plugin, "precision", "32-true"))
+            self._set_options(check_trainer(trainer, self.options, getattr(self.precision_plugin, "precision", "32-true")))
             self._take_over_sampler_injection(trainer)
             if not (getattr(self, "_data_checked", False) or joining()):  # before the engine is built
                 check_batches(trainer, self.micro_batch_size, self.pipelines)

@@ -28,12 +28,12 @@ def speaks() -> bool:
     """This worker says what the whole job would say: the first of its workers to refuse (a key in the membership
     store, created once), or any that cannot reach the store."""
     from lightning_bamboo.membership import connect
-    from lightning_bamboo.membership.keys import job_prefix
+    from lightning_bamboo.membership.keys import JobKeys
 
     try:
         store = connect(os.environ[STORE_ENV], timeout=2.0)
         try:
-            won, _ = store.put_if_absent(f"{job_prefix(os.environ.get(JOB_ENV, 'bamboo'))}refused",
+            won, _ = store.put_if_absent(JobKeys(os.environ.get(JOB_ENV, "bamboo")).refused,
                                          os.environ.get(NODE_ENV, ""), timeout=2.0)
             return won
         finally:
@@ -85,9 +85,9 @@ def _first_batch(loader: Any) -> Any:
         return None
 
 
-def check_trainer(trainer: Any, options: Any, precision_flag: Any) -> None:
-    """The Trainer's options that the pipeline engine takes over: gradient accumulation, clipping and precision
-    (``options.precision`` is set from Lightning's flag; it must agree with the DeepSpeed config's)."""
+def check_trainer(trainer: Any, options: Any, precision_flag: Any) -> Any:
+    """The Trainer's options that the pipeline engine takes over: gradient accumulation, clipping and precision.
+    Returns ``options`` with the precision of Lightning's flag (which must agree with the DeepSpeed config's)."""
     from lightning_bamboo.engine.precision import from_lightning, resolve
 
     if trainer.accumulate_grad_batches != 1:
@@ -103,8 +103,7 @@ def check_trainer(trainer: Any, options: Any, precision_flag: Any) -> None:
         )
     name = from_lightning(precision_flag)
     resolve(name, options.deepspeed, trainer.gradient_clip_val)  # Lightning's flags against the DeepSpeed config
-    if name != "32":
-        options.precision = name
+    return options.replace(precision=name) if name != "32" and name != options.precision else options
 
 
 def check_batches(trainer: Any, micro_batch_size: int, pipelines: int, early: bool = False) -> bool:

@@ -1,0 +1,319 @@
+"""The membership session's protocol, in one process: several ``Session`` objects on threads, one embedded store.
+
+What the runtime relies on, each as a test: a step commits when every node committed, and a loss during
+a commit fails it on every survivor (naming the lost node); two deciders with different suspicions end on
+the union; a collective with a lost node fails on every survivor; a standby node is admitted by a record, or
+released by the job's end; a node whose lease lapsed writes nothing. No torch: process groups are formed by
+``Groups`` below, which only records what it was asked.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
+from lightning_bamboo.membership import EmbeddedServer, Store, connect
+from lightning_bamboo.membership.fence import Fenced
+from lightning_bamboo.membership.keys import JobKeys
+from lightning_bamboo.membership.records import Reconfiguration
+from lightning_bamboo.membership.registry import abandon_job
+from lightning_bamboo.membership.session import Session
+
+pytestmark = [pytest.mark.timeout(60)]
+
+#: a lease of 1 s (the registry's least): a node that stops its heartbeat is lost about a second later
+DETECTION = 1.0
+#: bounds every wait of a session in these tests; nothing here should come near it
+RENDEZVOUS = 20.0
+#: how long a test waits for its threads
+JOIN = 30.0
+#: two stages of three layers each become three of two, on a standby node n9
+ADMIT_N9 = Reconfiguration(generation=1, order=("n0", "n1", "n9"), parts=(0, 2, 4, 6), old_order=("n0", "n1"),
+                           old_parts=(0, 3, 6), sender="n0", tag="reconf", step=1, reason="admit n9")
+
+
+class Groups:
+    """A ``GroupFormer`` with no process group: rank = position in the order; it records every call."""
+
+    def __init__(self) -> None:
+        self.formed: list[tuple[int, tuple[str, ...], str]] = []
+        self.aborts = 0
+
+    def reform(self, store: Store, job: str, generation: int, order: Sequence[str], me: str, *, timeout: float,
+               tag: str, gone: Callable[[], Collection[str]]) -> tuple[int, int]:
+        if lost := set(gone()):
+            raise PeerLost(f"{sorted(lost)} lost before the group formed", lost)
+        self.formed.append((generation, tuple(order), tag))
+        return list(order).index(me), len(order)
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def session(server: EmbeddedServer, job: str, node: str, nodes: Sequence[str], **kwargs: Any) -> Session:
+    return Session(connect(server.url), job, node, nodes, groups=Groups(), detection_timeout=DETECTION,
+                   rendezvous_timeout=kwargs.pop("rendezvous_timeout", RENDEZVOUS), **kwargs)
+
+
+def on_threads(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run every call on a thread of its own, at once; name -> what it returned, or the exception it raised."""
+    results: dict[str, Any] = {}
+    start = threading.Barrier(len(calls))
+
+    def run(name: str, call: Callable[[], Any]) -> None:
+        start.wait(JOIN)
+        try:
+            results[name] = call()
+        except BaseException as err:  # noqa: BLE001 - the test looks at it
+            results[name] = err
+
+    threads = [threading.Thread(target=run, args=item, name=f"session-{item[0]}", daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN)
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    assert not stuck, f"threads still running after {JOIN} s: {stuck}"
+    return results
+
+
+@contextmanager
+def job(server: EmbeddedServer, name: str, nodes: Sequence[str], **kwargs: Any) -> Iterator[dict[str, Session]]:
+    """The sessions of ``nodes``, opened together (the start rendezvous needs them all); stopped at the end."""
+    sessions = {node: session(server, name, node, nodes, **kwargs) for node in nodes}
+    try:
+        opened = on_threads({node: s.open for node, s in sessions.items()})
+        assert all(isinstance(result, Session) for result in opened.values()), opened
+        yield sessions
+    finally:
+        for s in sessions.values():
+            s.stop()
+
+
+def lose(s: Session) -> None:
+    """``s``'s node freezes: its heartbeat stops (its lease ends one TTL later) and it watches nothing."""
+    s.registry.stop_heartbeat()
+    s.detector.stop()
+
+
+def wait_until(store: Store, prefix: str, holds: Callable[[set[str]], bool]) -> None:
+    """Wait (bounded) until the keys under ``prefix`` satisfy ``holds``."""
+    revision = 0
+    for _ in range(200):
+        snap = store.get_prefix(prefix)
+        if holds({kv.key[len(prefix):] for kv in snap.kvs}):
+            return
+        revision = store.wait_for_change(prefix, max(revision, snap.revision), 0.5).revision
+    raise AssertionError(f"{prefix} never held what was waited for")
+
+
+def test_a_step_commits_when_every_node_committed(server):
+    with job(server, "commit", ["n0", "n1", "n2"]) as s:
+        assert not any(x.committed(0) for x in s.values())
+        assert on_threads({n: (lambda x=x: x.commit(0)) for n, x in s.items()}) == dict.fromkeys(s)
+        assert all(x.committed(0) for x in s.values())
+        assert all(not x.leavers for x in s.values())
+
+
+def test_a_step_a_live_node_never_commits_times_out_naming_it(server):
+    with job(server, "stuck", ["n0", "n1"]) as s:
+        s["n0"].rendezvous_timeout = 1.0
+        with pytest.raises(BambooError, match=r"step 3 did not commit within 1.0 s .* no commit from \['n1'\] \(n1 live\)"):
+            s["n0"].commit(3)
+
+
+def test_a_node_lost_during_a_commit_fails_the_commit_on_every_survivor(server):
+    with job(server, "lost", ["n0", "n1", "n2"]) as s:
+        prefix = s["n0"].keys.commit(0, 0)
+        results: dict[str, Any] = {}
+        survivors = threading.Thread(target=lambda: results.update(
+            on_threads({n: (lambda x=s[n]: x.commit(0)) for n in ("n0", "n1")})), daemon=True)
+        survivors.start()
+        wait_until(s["n0"].store, prefix, lambda got: got == {"n0", "n1"})  # both wait in the commit now
+        lose(s["n2"])
+        survivors.join(JOIN)
+        assert not survivors.is_alive()
+        for node in ("n0", "n1"):
+            assert isinstance(results[node], PeerLost), results
+            assert results[node].lost == ("n2",)
+            assert "lost ['n2'] before step 0 committed" in str(results[node])
+            assert not s[node].committed(0)
+        # the survivors then agree on the loss
+        assert on_threads({n: (lambda x=s[n]: x.decide_lost((), ["n0", "n1", "n2"])) for n in ("n0", "n1")}) == \
+            {"n0": {"n2"}, "n1": {"n2"}}
+
+
+def test_a_commit_put_by_a_node_lost_right_after_still_counts(server):
+    with job(server, "late", ["n0", "n1", "n2"]) as s:
+        s["n2"].store.put(s["n2"].keys.commit(0, 0, "n2"), "1")  # its part of the step is in
+        lose(s["n2"])
+        assert on_threads({n: (lambda x=s[n]: x.commit(0)) for n in ("n0", "n1")}) == {"n0": None, "n1": None}
+
+
+def test_two_deciders_with_different_suspicions_end_on_the_union(server):
+    nodes = ["n0", "n1", "n2", "n3"]
+    with job(server, "decide", nodes) as s:
+        for generation in range(8):  # eight races: whoever swaps first, the decision only grows
+            for x in s.values():
+                x.generation = generation
+            first = on_threads({"n0": lambda: s["n0"].decide_lost(("n2",), nodes),
+                                "n1": lambda: s["n1"].decide_lost(("n3",), nodes)})
+            assert first["n0"] >= {"n2"} and first["n1"] >= {"n3"}
+            assert first["n0"] <= {"n2", "n3"} and first["n1"] <= {"n2", "n3"}
+            stored = s["n0"].store.get(s["n0"].keys.decision(generation + 1))
+            assert set(json.loads(stored.value)) == {"n2", "n3"}
+            # a decider that got less than the union (it swapped first) gets the union at its next attempt
+            again = on_threads({"n0": lambda: s["n0"].decide_lost(("n2",), nodes),
+                                "n1": lambda: s["n1"].decide_lost(("n3",), nodes)})
+            assert again == {"n0": {"n2", "n3"}, "n1": {"n2", "n3"}}
+        # a node the decision names follows it and never adds to it
+        assert s["n2"].decide_lost(("n0",), nodes) == {"n2", "n3"}
+        assert set(json.loads(s["n0"].store.get(s["n0"].keys.decision(8)).value)) == {"n2", "n3"}
+
+
+def test_a_gather_with_a_lost_node_fails_on_every_survivor_and_works_after_the_reform(server):
+    nodes = ["n0", "n1", "n2"]
+    with job(server, "gather", nodes) as s:
+        parts = on_threads({n: (lambda x=s[n], n=n: x.gather(f"from {n}")) for n in nodes})
+        assert parts == dict.fromkeys(nodes, ["from n0", "from n1", "from n2"])  # rank order on every node
+        lose(s["n2"])
+        failed = on_threads({n: (lambda x=s[n]: x.gather("second")) for n in ("n0", "n1")})
+        for node in ("n0", "n1"):
+            assert isinstance(failed[node], PeerLost), failed
+            assert "n2" in failed[node].lost
+        # the failover in the store: agree on the lost set, re-form without it, and the same collective again
+        lost = on_threads({n: (lambda x=s[n]: x.decide_lost((), nodes)) for n in ("n0", "n1")})
+        assert lost == {"n0": {"n2"}, "n1": {"n2"}}
+        formed = on_threads({n: (lambda x=s[n]: x.reform(["n0", "n1"], tag="without-n2")) for n in ("n0", "n1")})
+        assert formed == {"n0": (0, 2), "n1": (1, 2)}
+        assert [s[n].groups.formed for n in ("n0", "n1")] == [[(1, ("n0", "n1"), "without-n2")]] * 2
+        assert all(s[n].generation == 1 and s[n].nodes == ["n0", "n1"] for n in ("n0", "n1"))
+        again = on_threads({n: (lambda x=s[n]: x.gather("second")) for n in ("n0", "n1")})
+        assert again == dict.fromkeys(("n0", "n1"), ["second", "second"])
+
+
+def test_a_standby_node_is_admitted_by_a_record_and_enters_the_next_generation(server):
+    with job(server, "admit", ["n0", "n1"]) as s:
+        spare = session(server, "admit", "n9", [], joining=True).open()
+        try:
+            assert spare.nodes == [] and s["n0"].standby() == ["n9"]
+            for x in s.values():  # every node reports standby nodes at each commit: the same list on all
+                x.admitting = True
+            assert on_threads({n: (lambda x=x: x.commit(0)) for n, x in s.items()}) == dict.fromkeys(s)
+            assert [x.joiners for x in s.values()] == [["n9"], ["n9"]]
+            record = ADMIT_N9
+            s["n0"].admit(record)
+            assert spare.wait_admission(poll=0.2) == record
+            entered = on_threads({"n0": lambda: s["n0"].reform(list(record.order), tag=record.tag),
+                                  "n1": lambda: s["n1"].reform(list(record.order), tag=record.tag),
+                                  "n9": lambda: spare.enter(record)})
+            assert entered == {"n0": (0, 3), "n1": (1, 3), "n9": (2, 3)}
+            assert all(x.generation == 1 and x.nodes == list(record.order) for x in (*s.values(), spare))
+            assert s["n0"].standby() == [] and spare.store.get(spare.keys.standby("n9")) is None
+        finally:
+            spare.stop()
+
+
+def test_a_standby_node_stops_waiting_when_the_job_finishes_or_is_abandoned(server):
+    with job(server, "end", ["n0"]) as s:
+        spare = session(server, "end", "n8", [], joining=True).open()
+        try:
+            waited = on_threads({"n8": lambda: spare.wait_admission(poll=0.2), "n0": s["n0"].finish})
+            assert waited == {"n8": None, "n0": None}
+            assert json.loads(s["n0"].store.get(JobKeys("end").finished).value) == ["n0"]
+        finally:
+            spare.stop()
+    with job(server, "abandoned", ["n0"]) as s:
+        spare = session(server, "abandoned", "n8", [], joining=True).open()
+        try:
+            abandon_job(s["n0"].store, "abandoned", "n1 and its replica holder were lost together")
+            with pytest.raises(FatalLoss, match="ended before admitting it: n1 and its replica holder"):
+                spare.wait_admission(poll=0.2)
+        finally:
+            spare.stop()
+
+
+def test_a_node_whose_lease_lapsed_writes_nothing(server):
+    nodes = ["n0", "n1"]
+    with job(server, "fenced", nodes) as s:
+        cut_off = s["n1"]
+        lose(cut_off)
+        lapsed = threading.Event()
+        while not lapsed.wait(0.05):  # bounded by the test's timeout: one TTL after its last keep-alive
+            if cut_off.registry.lease_may_have_expired():
+                lapsed.set()
+        for write in (lambda: cut_off.commit(0), lambda: cut_off.decide_lost(("n0",), nodes),
+                      lambda: cut_off.gather("late"), lambda: cut_off.confirm_member("commit a checkpoint")):
+            with pytest.raises(Fenced, match="n1 refuses to .* its lease may have expired"):
+                write()
+        keys = s["n0"].keys
+        assert s["n0"].store.get(keys.commit(0, 0, "n1")) is None
+        assert s["n0"].store.get(keys.decision(1)) is None
+        # what it could not write, the live node decides: n1 is lost
+        assert s["n0"].decide_lost((), nodes) == {"n1"}
+        cut_off.stop()
+        assert cut_off.ended_fenced
+        with pytest.raises(Fenced, match="membership ended while its lease may have lapsed"):
+            cut_off.confirm_member("commit a checkpoint")
+
+
+def test_a_leaver_announces_at_its_commit_and_departs_through_its_group_former(server):
+    nodes = ["n0", "n1"]
+    with job(server, "leave", nodes) as s:
+        s["n1"].leave_requested = lambda: True  # a notice: n1 leaves after this step
+        assert on_threads({n: (lambda x=x: x.commit(0)) for n, x in s.items()}) == dict.fromkeys(nodes)
+        assert s["n1"].leaving and s["n0"].leavers == {"n1"} and s["n1"].leavers == set()
+        with pytest.raises(SystemExit) as exit_status:
+            s["n1"].depart()
+        assert exit_status.value.code == 0 and s["n1"].groups.aborts == 1 and not s["n1"].active
+
+
+def test_the_key_schema_reads_like_the_layout_in_the_docs():
+    keys = JobKeys("demo")
+    assert [keys.commit(2, 7), keys.commit(2, 7, "n1"), keys.joiners(2, 7), keys.decision(3), keys.admit(),
+            keys.admit(3), keys.abandoned, keys.standby("n9"), keys.rdzv(0), keys.rdzv(3, "a-b"),
+            keys.start_passed("n1"), keys.process_group(3, "a-b"), keys.released(3), keys.coll(2), keys.coll(2, 5),
+            keys.failovers(3), keys.reconfigurations(), keys.confirmed("n1"), keys.finished, keys.progress("n1"),
+            keys.agreement("rebalance", 2, 7), keys.node("n1"), keys.lost(), keys.leaving("n1"), keys.offer("n1"),
+            keys.assign("n1"), keys.master, keys.refused] == [
+        "/bamboo/demo/commit/2/7/", "/bamboo/demo/commit/2/7/n1", "/bamboo/demo/joiners/2/7",
+        "/bamboo/demo/decision/3", "/bamboo/demo/admit/", "/bamboo/demo/admit/3", "/bamboo/demo/admit/abandoned",
+        "/bamboo/demo/standby/n9", "/bamboo/demo/rdzv/0/", "/bamboo/demo/rdzv/3/a-b",
+        "/bamboo/demo/rdzv/0-passed/n1", "/bamboo/demo/pg/3/a-b", "/bamboo/demo/released/3/",
+        "/bamboo/demo/coll/2/", "/bamboo/demo/coll/2/5", "/bamboo/demo/failovers/3",
+        "/bamboo/demo/reconfigurations/", "/bamboo/demo/confirmed/n1", "/bamboo/demo/finished",
+        "/bamboo/demo/progress/n1", "/bamboo/demo/rebalance/2/7", "/bamboo/demo/nodes/n1", "/bamboo/demo/lost/",
+        "/bamboo/demo/leaving/n1", "/bamboo/demo/offer/n1", "/bamboo/demo/assign/n1", "/bamboo/demo/master",
+        "/bamboo/demo/refused",
+    ]
+    with pytest.raises(BambooError, match="a job name must be a non-empty printable name without '/'"):
+        JobKeys("a/b")
+
+
+def test_a_reconfiguration_record_keeps_its_json_and_checks_its_sender():
+    stored = json.loads(ADMIT_N9.to_json())
+    assert stored == {"generation": 1, "order": ["n0", "n1", "n9"], "parts": [0, 2, 4, 6], "old_order": ["n0", "n1"],
+                      "old_parts": [0, 3, 6], "sender": "n0", "tag": "reconf", "step": 1, "reason": "admit n9",
+                      "pipelines": 1, "old_pipelines": 1}
+    assert Reconfiguration.from_json(ADMIT_N9.to_json()) == ADMIT_N9 and ADMIT_N9.joiners == ("n9",)
+    timed = Reconfiguration.from_json({**stored, "seconds": 0.5})
+    assert json.loads(timed.to_json())["seconds"] == 0.5
+    with pytest.raises(BambooError, match=r"sender must run before and after it \(sender 'n9'"):
+        Reconfiguration.from_json({**stored, "sender": "n9"})
+    with pytest.raises(BambooError, match="order of 3 nodes does not split into 2 pipeline"):
+        Reconfiguration.from_json({**stored, "pipelines": 2})
