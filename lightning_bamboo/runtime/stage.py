@@ -67,6 +67,7 @@ class NodeStage:
         self.param_counts: list[int] = []  # trainable parameters per layer, measured by probe()
         self.layer_names: list[str] = []  # each layer's class name, measured by probe()
         self.audits = 0  # replica audits passed by this process
+        self._census: tuple[PipelineModel, int, LayerCensus] | None = None  # probe()'s, for its model and seed
 
     @property
     def node(self) -> str:
@@ -93,9 +94,12 @@ class NodeStage:
         return self.session is not None and self.session.active and self.engine is not None
 
     def probe(self, model: PipelineModel) -> LayerCensus:
-        """The model's layers' parameter counts and names, none kept (``LayerSpec``s counted on the meta device)."""
+        """The model's layers' parameter counts and names, none kept (``LayerSpec``s counted on the meta device);
+        taken once per model and seed (the strategy's early checks and ``start`` ask both)."""
+        if self._census is None or self._census[0] is not model or self._census[1] != self.seed:
+            self._census = (model, self.seed, census_layers(model.configure_pipeline, self.seed))
         self.model = model
-        census = census_layers(model.configure_pipeline, self.seed)
+        census = self._census[2]
         self.param_counts, self.layer_names = census.param_counts, census.names
         return census
 
