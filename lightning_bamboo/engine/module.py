@@ -104,12 +104,14 @@ def _layer_list(factory: Callable[[], Sequence[Any]]) -> list[Any]:
     specs = list(factory())
     if not specs:
         raise BambooConfigError("configure_pipeline() returned no layers; return a list of nn.Module layers or LayerSpecs")
-    for index, spec in enumerate(specs):
-        if isinstance(spec, TiedLayerSpec):
-            raise BambooConfigError(
-                f"layer {index} is a TiedLayerSpec, which lightning_bamboo does not support yet; "
-                f"share the weight explicitly (e.g. copy it after the step) or untie it"
-            )
+    tied = [index for index, spec in enumerate(specs) if isinstance(spec, TiedLayerSpec)]
+    if tied:
+        keys = sorted({str(specs[index].key) for index in tied})
+        raise BambooConfigError(
+            f"layer {tied[0]} is a TiedLayerSpec (tied layers: {tied}, keys: {keys}), which lightning_bamboo does not "
+            f"support yet: a replica and a failover would have to keep the tied copies equal; untie them (a LayerSpec "
+            f"of each layer with its own weight)"
+        )
     return specs
 
 
