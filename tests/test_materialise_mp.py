@@ -21,11 +21,12 @@ STEPS = 8
 JOB = [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON,
        str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--devices", "4", "--stages", "4", "--partition", "uniform",
        "--batch-size", "8", "--micro-batch-size", "2", "--steps", str(STEPS),
-       "--redundancy", "lazy", "--layer-specs"]
+       "--layer-specs"]
 
 
-def _job(out, kill=None):
-    proc = run([*JOB, "--out", str(out)], timeout=240, env=faults.environment([kill]) if kill else None)
+def _job(out, mode="lazy", kill=None):
+    proc = run([*JOB, "--redundancy", mode, "--out", str(out)], timeout=240,
+               env=faults.environment([kill]) if kill else None)
     assert proc.returncode == 0, proc.stdout[-4000:]
     victim = kill.split("@")[0] if kill else None
     assert launcher_exit_codes(proc.stdout) == {f"node{i}": (-9 if f"node{i}" == victim else 0) for i in range(4)}
@@ -55,12 +56,18 @@ def test_the_whole_model_build_equals_the_layer_wise_one(plain):
                         helpers.reference_weights(0, 8, 1, 2)) > 0  # the contract is not the sequential one
 
 
-def test_a_failover_builds_only_the_layers_that_arrive_and_ends_bit_exact(tmp_path, plain):
-    builds, _ = _job(tmp_path, kill="node2@5")
-    # after node2 is lost: node1 serves layers 1-2 with the replica of node3's layer 3, node0 the replica of 1-2,
-    # node3 keeps layer 3 and the replica of node0's layer 0; node2's own first build was [2, 3]
-    after = {node: got[2:] for node, got in builds.items() if node != "node2"}
-    assert after == {"node0": [0, 1, 2], "node1": [1, 2, 3], "node3": [3, 0]}, builds
-    assert all(sorted(set(got)) != [0, 1, 2, 3] for got in after.values())
+@pytest.mark.parametrize("mode, kill, rebuilt", [
+    # lazy, node2 lost: node1 serves layers 1-2 (both built, their states loaded) with the replica of node3's layer 3,
+    # node0 now keeps the replica of 1-2, node3 keeps layer 3 and the replica of node0's layer 0
+    ("lazy", "node2@5", {"node0": [0, 1, 2], "node1": [1, 2, 3], "node3": [3, 0]}),
+    # eager, node1 lost mid-step: node0 serves layers 0-1, taking layer 1 over from its replica (not built again),
+    # with the replica of node2's layer 2; node3's replica is now of 0-1
+    ("eager", "node1@5:6", {"node0": [0, 2], "node2": [2, 3], "node3": [3, 0, 1]}),
+], ids=["lazy", "eager-mid-step"])
+def test_a_failover_builds_only_the_layers_that_arrive_and_ends_bit_exact(tmp_path, plain, mode, kill, rebuilt):
+    builds, _ = _job(tmp_path, mode, kill)
+    victim = kill.split("@")[0]
+    after = {node: got[2:] for node, got in builds.items() if node != victim}  # each node's first two: stage, replica
+    assert after == rebuilt, builds
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(plain / "final.pt")) == 0.0
     assert max_abs_diff(optimizer_states(tmp_path / "final.ckpt"), optimizer_states(plain / "final.ckpt")) == 0.0
