@@ -41,15 +41,22 @@ class TokenData(torch.utils.data.Dataset):
 
 def reference_weights(
     steps: int, batch_size: int, pipelines: int, micro_batch_size: int, optimizer: str = "sgd", seed: int = 1234,
-    clip: float = 0.0, dtype: torch.dtype | None = None,
+    clip: float = 0.0, dtype: torch.dtype | None = None, layer_specs: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Single-process run of the same layers, micro-batching (gradient accumulation) and data order; ``clip``: by the
-    global norm (torch's ``clip_grad_norm_``), ``dtype``: the layers and the loss under CPU autocast to it."""
+    global norm (torch's ``clip_grad_norm_``), ``dtype``: the layers and the loss under CPU autocast to it;
+    ``layer_specs``: the model as ``gpt_layer_specs``, every layer built by ``build_layers`` (the whole-model build)."""
     import contextlib
 
     cfg = make_config()
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*gpt_layers(cfg))
+    if layer_specs:
+        from lightning_bamboo.engine.module import build_layers
+        from lightning_bamboo.models.gpt import gpt_layer_specs
+
+        model = torch.nn.Sequential(*build_layers(lambda: gpt_layer_specs(cfg), seed).layers)
+    else:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(*gpt_layers(cfg))
     if optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     elif optimizer == "adamw":

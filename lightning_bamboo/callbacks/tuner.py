@@ -74,10 +74,9 @@ def _build_layers(pl_module: Any, seed: int) -> list[nn.Module]:
             f"HydrozoaTuner profiles configure_pipeline(), which {type(pl_module).__name__} does not define; "
             f"add `def configure_pipeline(self)` returning the layers in order"
         )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        specs = list(pl_module.configure_pipeline())
-        return [spec if isinstance(spec, nn.Module) else spec.build() for spec in specs]
+    from lightning_bamboo.engine.module import build_layers
+
+    return list(build_layers(pl_module.configure_pipeline, seed).layers)
 
 
 def _strategy_seed(strategy: Any) -> int:

@@ -4,8 +4,10 @@
 for ``"redundancy": "lazy"`` or ``"eager"``. It speaks DeepSpeed's pipeline engine's language
 (``train_batch(data_iter)``, ``save_checkpoint``, ``load_checkpoint``, ``global_steps``, ...) and runs the same
 ``PipelineRunner`` as ``BambooStrategy``: every node builds its stage of the model from the ``PipelineModule``'s
-layer list (under its ``base_seed``), keeps a replica of its successor's stage, and redoes a step a lost node was
-in, from the step's micro-batches that it kept.
+layer list, keeps a replica of its successor's stage, and redoes a step a lost node was in, from the step's
+micro-batches that it kept. A ``LayerSpec`` is built only by the nodes that hold it, under ``base_seed + index``
+(DeepSpeed's ``seed_layers=True`` rule, whatever the module's ``seed_layers``; a ``seed_fn`` is not called), so
+its weights equal DeepSpeed's own ``PipelineModule(seed_layers=True)`` build in any layout and through failovers.
 
 The data contract is the Lightning path's: every node draws the same **global** batch, ``gradient_accumulation_steps``
 micro-batches per pipeline of the job's start, from its own iterator (the same sequence on every node), so a lost
@@ -41,7 +43,8 @@ _TAKEN = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_
 
 
 class _Model:
-    """The ``PipelineModule``'s layers and loss, as the runner reads a model (``runtime.host.PipelineModel``)."""
+    """The ``PipelineModule``'s layers and loss, as the runner reads a model (``runtime.host.PipelineModel``): its
+    ``LayerSpec``s as specs (each built only where held, ``engine.module.build_layers``)."""
 
     def __init__(self, module: Any) -> None:
         self.specs, self.loss_fn = list(module._layer_specs), module.loss_fn

@@ -1,66 +1,159 @@
-"""Building the layers of a pipeline under a fixed seed, and a PipelineModule cut at given boundaries."""
+"""Building the layers of a pipeline, each process only its own, and a PipelineModule cut at given boundaries."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+import random
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 
 from lightning_bamboo.engine.layer_rng import StepKeys, run_layers, run_layers_checkpointed
 from lightning_bamboo.engine.precision import Precision
 from lightning_bamboo.errors import BambooConfigError
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class BuiltLayers:
-    """The layers of a model built in order under one seed; those not kept are ``None``."""
+    """The layers a process built (``None`` where a layer lives elsewhere) and every layer's class name."""
 
-    layers: list[Any]  # nn.Module, a plain callable, or None where the layer lives elsewhere
-    param_counts: list[int]  # trainable parameters per layer (DeepSpeed's "parameters" weights)
+    layers: list[Any]  # nn.Module, a plain callable, or None where the layer is not kept
     names: list[str]  # class name per layer (DeepSpeed's "type:REGEX" partitioning)
+
+
+@dataclass(frozen=True)
+class LayerCensus:
+    """What the partition needs of every layer without holding any: its trainable parameters and class name."""
+
+    param_counts: list[int]  # trainable parameters per layer (DeepSpeed's "parameters" weights)
+    names: list[str]
+
+
+def layer_init_seed(seed: int, index: int) -> int:
+    """The seed the ``LayerSpec`` at global ``index`` is built under: DeepSpeed's ``seed_layers`` rule, ``seed + index``.
+
+    It depends on the layer alone, never on which process builds it or in which layout, so a stage, a replica, a
+    failover's or an admission's rebuild all build equal weights for it (and equal DeepSpeed's own
+    ``PipelineModule(seed_layers=True, base_seed=seed)``, which seeds through ``deepspeed.runtime.utils.set_random_seed``
+    too).
+    """
+    return seed + index
 
 
 def build_layers(
     factory: Callable[[], Sequence[Any]], seed: int, keep: Callable[[int], bool] = lambda i: True
 ) -> BuiltLayers:
-    """Call ``factory`` under ``torch.manual_seed(seed)`` and build its LayerSpecs in order.
+    """Build the layers ``keep(index)`` selects, under the layer-wise initialisation contract.
 
-    The weights equal ``torch.manual_seed(seed); nn.Sequential(*factory())`` whatever is kept,
-    because every layer is built in the same order on every process. Layers for which
-    ``keep(index)`` is false are dropped as soon as they are counted. The caller's RNG state
-    is left as it was.
+    ``factory`` (``configure_pipeline``) is called under ``torch.manual_seed(seed)``: layers it returns already built
+    (``nn.Module``s, callables) are what they are today, ``torch.manual_seed(seed); factory()``, and every process
+    pays for all of them. A ``LayerSpec`` is built only where it is kept, under its own seed
+    (:func:`layer_init_seed`), so a process materialises only its layers and each layer gets the same values whatever
+    else is built. A ``LayerSpec`` not kept is never built. The caller's random streams (torch's, numpy's, Python's)
+    are left as they were.
     """
-    with torch.random.fork_rng(devices=[]):
+    with _own_streams():
         torch.manual_seed(seed)
-        specs = list(factory())
-        if not specs:
-            raise BambooConfigError("configure_pipeline() returned no layers; return a list of nn.Module layers")
+        specs = _layer_list(factory)
         layers: list[Any] = []
-        counts: list[int] = []
         names: list[str] = []
         for index, spec in enumerate(specs):
-            if isinstance(spec, TiedLayerSpec):
-                raise BambooConfigError(
-                    f"layer {index} is a TiedLayerSpec, which lightning_bamboo does not support yet; "
-                    f"share the weight explicitly (e.g. copy it after the step) or untie it"
-                )
-            layer = spec.build() if isinstance(spec, LayerSpec) else spec
-            specs[index] = None  # let a LayerSpec-built layer that is not kept be freed
-            if not isinstance(layer, nn.Module) and not callable(layer):
-                raise BambooConfigError(
-                    f"configure_pipeline() must return nn.Module layers, LayerSpecs or callables; "
-                    f"layer {index} is a {type(layer).__name__}"
-                )
-            counts.append(
-                sum(p.numel() for p in layer.parameters() if p.requires_grad) if isinstance(layer, nn.Module) else 0
-            )
-            names.append(type(layer).__name__ if isinstance(layer, nn.Module) else getattr(layer, "__name__", "fn"))
-            layers.append(layer if keep(index) else None)
-    return BuiltLayers(layers, counts, names)
+            specs[index] = None  # let a layer that is not kept be freed
+            if isinstance(spec, LayerSpec):
+                names.append(spec.typename.__name__)
+                layers.append(_build_spec(spec, seed, index) if keep(index) else None)
+            else:
+                names.append(_name(index, spec))
+                layers.append(spec if keep(index) else None)
+    return BuiltLayers(layers, names)
+
+
+def census_layers(factory: Callable[[], Sequence[Any]], seed: int) -> LayerCensus:
+    """Every layer's trainable parameters and class name, none kept.
+
+    A ``LayerSpec`` is built on the meta device (shapes, no storage, no values: nothing of its weights is
+    materialised; a constructor that cannot run there is built on the CPU and dropped). Layers the factory returns
+    built are counted as they are.
+    """
+    counts: list[int] = []
+    names: list[str] = []
+    with _own_streams():
+        torch.manual_seed(seed)
+        specs = _layer_list(factory)
+        for index, spec in enumerate(specs):
+            specs[index] = None
+            if isinstance(spec, LayerSpec):
+                names.append(spec.typename.__name__)
+                counts.append(_trainable(_shape_of(spec, seed, index)))
+            else:
+                names.append(_name(index, spec))
+                counts.append(_trainable(spec) if isinstance(spec, nn.Module) else 0)
+    return LayerCensus(counts, names)
+
+
+def _layer_list(factory: Callable[[], Sequence[Any]]) -> list[Any]:
+    specs = list(factory())
+    if not specs:
+        raise BambooConfigError("configure_pipeline() returned no layers; return a list of nn.Module layers or LayerSpecs")
+    tied = [index for index, spec in enumerate(specs) if isinstance(spec, TiedLayerSpec)]
+    if tied:
+        keys = sorted({str(specs[index].key) for index in tied})
+        raise BambooConfigError(
+            f"layer {tied[0]} is a TiedLayerSpec (tied layers: {tied}, keys: {keys}), which lightning_bamboo does not "
+            f"support yet: a replica and a failover would have to keep the tied copies equal; untie them (a LayerSpec "
+            f"of each layer with its own weight)"
+        )
+    return specs
+
+
+def _name(index: int, layer: Any) -> str:
+    if not isinstance(layer, nn.Module) and not callable(layer):
+        raise BambooConfigError(
+            f"configure_pipeline() must return nn.Module layers, LayerSpecs or callables; "
+            f"layer {index} is a {type(layer).__name__}"
+        )
+    return type(layer).__name__ if isinstance(layer, nn.Module) else getattr(layer, "__name__", "fn")
+
+
+def _trainable(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters() if p.requires_grad)
+
+
+def _build_spec(spec: LayerSpec, seed: int, index: int) -> nn.Module:
+    set_random_seed(layer_init_seed(seed, index))  # DeepSpeed's own seeding: Python's, numpy's and torch's streams
+    return spec.build()
+
+
+def _shape_of(spec: LayerSpec, seed: int, index: int) -> nn.Module:
+    try:
+        with torch.device("meta"):
+            return _build_spec(spec, seed, index)
+    except Exception as err:  # noqa: BLE001 - any constructor that needs real tensors
+        log.debug("LayerSpec %d (%s) cannot be built on the meta device (%s): counted on the CPU", index,
+                  spec.typename.__name__, err)
+        return _build_spec(spec, seed, index)
+
+
+@contextmanager
+def _own_streams() -> Iterator[None]:
+    """Torch's CPU stream (and the GPUs' once CUDA is up), numpy's and Python's, restored on exit."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    python_state, numpy_state = random.getstate(), numpy.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
 
 
 class Splice:

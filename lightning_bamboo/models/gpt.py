@@ -8,6 +8,7 @@ Each layer takes one tensor and returns one tensor: that is all a pipeline stage
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,6 +85,17 @@ class Head(nn.Module):
 def gpt_layers(cfg: GPTConfig) -> list[nn.Module]:
     """The model as pipeline layers, built in order (so a fixed seed gives fixed weights)."""
     return [Embedding(cfg), *(Block(cfg) for _ in range(cfg.n_layer)), Head(cfg)]
+
+
+def gpt_layer_specs(cfg: GPTConfig) -> list[Any]:
+    """The model as DeepSpeed ``LayerSpec``s: each process of a pipeline builds only the layers it holds.
+
+    Under ``strategy="bamboo"`` (and ``lightning_bamboo.initialize``) layer ``i`` is built under ``seed + i``, so
+    its weights do not depend on the layout; they differ from ``gpt_layers``' (built in order under one seed).
+    """
+    from deepspeed.pipe import LayerSpec
+
+    return [LayerSpec(Embedding, cfg), *(LayerSpec(Block, cfg) for _ in range(cfg.n_layer)), LayerSpec(Head, cfg)]
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ class PipelineModel(Protocol):
     """The model the runner cuts into stages (a LightningModule of ``strategy="bamboo"`` is one)."""
 
     def configure_pipeline(self) -> Sequence[Any]:
-        """The layers, in order (modules or callables)."""
+        """The layers, in order: ``LayerSpec``s (built only where held), modules or callables."""
 
     def pipeline_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The loss of the last stage's outputs."""

@@ -23,7 +23,7 @@ from lightning_bamboo.engine.build import (
 )
 from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.exchange import exchange_objects
-from lightning_bamboo.engine.module import BuiltLayers, Splice, build_layers
+from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, Wiring
 from lightning_bamboo.engine.placement import replica_device
@@ -70,6 +70,7 @@ class NodeStage:
         self.param_counts: list[int] = []  # trainable parameters per layer, measured by probe()
         self.layer_names: list[str] = []  # each layer's class name, measured by probe()
         self.audits = 0  # replica audits passed by this process
+        self._census: tuple[PipelineModel, int, LayerCensus] | None = None  # probe()'s, for its model and seed
 
     @property
     def node(self) -> str:
@@ -106,12 +107,15 @@ class NodeStage:
         """
         return self.session is not None and self.session.active and self.engine is not None
 
-    def probe(self, model: PipelineModel) -> BuiltLayers:
-        """The model's layers as the seed builds them, none kept: their parameter counts and names."""
+    def probe(self, model: PipelineModel) -> LayerCensus:
+        """The model's layers' parameter counts and names, none kept (``LayerSpec``s counted on the meta device);
+        taken once per model and seed (the strategy's early checks and ``start`` ask both)."""
+        if self._census is None or self._census[0] is not model or self._census[1] != self.seed:
+            self._census = (model, self.seed, census_layers(model.configure_pipeline, self.seed))
         self.model = model
-        probe = self._build(keep=lambda i: False)
-        self.param_counts, self.layer_names = probe.param_counts, probe.names
-        return probe
+        census = self._census[2]
+        self.param_counts, self.layer_names = census.param_counts, census.names
+        return census
 
     def start(self, model: PipelineModel, world: int, rank: int, fitting: bool, gradient_clipping: float = 0.0) -> None:
         """Build this process's stage of a fresh layout (``world`` processes), its engine and its replica."""
@@ -148,6 +152,8 @@ class NodeStage:
                 **({"loss_scale": state.as_dict()} if state is not None else {})}
 
     def _build(self, keep: Callable[[int], bool]) -> BuiltLayers:
+        """The layers ``keep`` selects (a stage's, a replica's), built under the layer-wise contract
+        (``engine.module.build_layers``): a ``LayerSpec`` not kept is never built."""
         assert self.model is not None, "probe() or start() names the model first"
         return build_layers(self.model.configure_pipeline, self.seed, keep)
 

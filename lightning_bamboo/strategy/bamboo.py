@@ -73,6 +73,11 @@ class _BambooStrategyMixin(CheckpointHooks):
     The module defines ``configure_pipeline()`` (the layers, in order), ``pipeline_loss(outputs,
     targets)`` and ``configure_optimizers()``; each batch ``(inputs, targets)`` is split into
     micro-batches of ``micro_batch_size`` and run by the engine's 1F1B schedule.
+
+    Layers returned as DeepSpeed ``LayerSpec``s are built only by the processes that hold them (their stage
+    and the replica of it), each under ``seed + index``: a process materialises only its layers, at start and
+    at every failover, move and admission. Layers returned already built (``nn.Module``s) are built by
+    ``configure_pipeline()`` itself, under ``seed``, on every process (``engine.module.build_layers``).
     """
 
     strategy_name = "bamboo"
@@ -105,7 +110,8 @@ class _BambooStrategyMixin(CheckpointHooks):
                 trainable parameters), ``"uniform"`` (balance layer counts), ``"type:REGEX"``
                 (balance layers whose class matches), or ``stages + 1`` explicit boundaries
                 such as ``[0, 3, 6]``.
-            seed: seed the layers are built under (default: the ``seed_everything`` seed, else 0).
+            seed: seed the layers are built under (default: the ``seed_everything`` seed, else 0): a
+                ``LayerSpec`` at index ``i`` under ``seed + i``, ``configure_pipeline()`` itself under ``seed``.
             redundancy: ``"off"``: a plain pipeline. ``"lazy"``: every node keeps an exact replica of
                 its successor's stage (host memory) and takes over when the successor is lost.
                 ``"eager"``: lazy, plus the successor's forward run redundantly in the pipeline

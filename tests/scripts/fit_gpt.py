@@ -19,9 +19,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import TokenData, make_config  # noqa: E402
 
 import lightning_bamboo  # noqa: E402
-from lightning_bamboo.models.gpt import gpt_layers, gpt_loss  # noqa: E402
+from lightning_bamboo.models.gpt import gpt_layer_specs, gpt_layers, gpt_loss  # noqa: E402
 
 STAGE_DEVICE: dict[str, str] = {}
+
+
+def logged_specs(cfg):
+    """``gpt_layer_specs`` whose builds print ``{"built": index, "node": ..., "meta": ...}`` (a test counts them)."""
+    from deepspeed.pipe import LayerSpec
+
+    class Logged(LayerSpec):
+        def __init__(self, index, spec):
+            super().__init__(spec.typename, *spec.module_args, **spec.module_kwargs)
+            self.index = index
+
+        def build(self, log=False):
+            layer = super().build(log)
+            print(json.dumps({"built": self.index, "node": os.environ.get("BAMBOO_NODE"),
+                              "meta": next(layer.parameters()).is_meta}), flush=True)
+            return layer
+
+    return [Logged(i, spec) for i, spec in enumerate(gpt_layer_specs(cfg))]
 
 
 def StageDevice(pl):  # noqa: N802 - a Callback class for the namespace in use
@@ -116,6 +134,8 @@ def main() -> None:
                    help="BambooStrategy(activation_checkpointing=...): layers per checkpointed segment")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     p.add_argument("--ds-config", default="{}", help="BambooStrategy(config=...): extra DeepSpeed config, as JSON")
+    p.add_argument("--layer-specs", action="store_true",
+                   help="configure_pipeline() returns LayerSpecs (each process builds only its layers; builds printed)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -124,7 +144,7 @@ def main() -> None:
 
     class GPT(pl.LightningModule):
         def configure_pipeline(self):
-            return gpt_layers(cfg)
+            return logged_specs(cfg) if args.layer_specs else gpt_layers(cfg)
 
         def pipeline_loss(self, outputs, targets):
             return gpt_loss(outputs, targets)
