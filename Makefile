@@ -38,7 +38,9 @@ check: install
 
 # The prepared GPU check, on a machine with a CUDA GPU and the packages installed (PY=python3 to use them
 # outside .venv): the CUDA tests, then benchmarks/gpu.py (NCCL aborts, a GPT sharing the GPU through a kill
-# and a freeze), raw output with the commit in benchmarks/results/gpu_tests.txt and gpu.txt.
+# and a freeze), raw output with the commit in benchmarks/results/gpu_tests.txt and gpu.txt. Without CUDA its
+# first command says so and stops make (non-zero); tests/test_gpu_check.py checks that, the arguments and the
+# report format of benchmarks/gpu.py on CPU, in `make test`.
 GPU_TESTS := tests/test_comm_process.py tests/test_placement.py tests/test_profile.py tests/test_strategy_mp.py \
 	tests/test_runner.py
 
