@@ -166,12 +166,13 @@ def test_the_strategy_warns_at_start_where_a_replica_holder_shares_its_machine(m
 
     monkeypatch.setenv("BAMBOO_STORE", "etcd://127.0.0.1:1")
     monkeypatch.setenv("BAMBOO_NODES", ",".join(interleaved(fleet(3), 2)))
-    assert warn_if_replicas_share_machines("lazy", 3) is None  # 2 pipelines of 3: all holders elsewhere
-    assert warn_if_replicas_share_machines("off", 2) is None  # no replicas, nothing to say
+    assert warn_if_replicas_share_machines("lazy", 3, 6) is None  # 2 pipelines of 3: all holders elsewhere
+    assert warn_if_replicas_share_machines("off", 2, 6) is None  # no replicas, nothing to say
     with caplog.at_level("WARNING", logger="lightning_bamboo.strategy"):
-        message = warn_if_replicas_share_machines("lazy", 2)
+        message = warn_if_replicas_share_machines("lazy", 2, 6)
     assert message is not None and "6 of 6 replica holders share the machine" in message
     assert "--stages 2" in message and message in caplog.text
+    assert warn_if_replicas_share_machines("lazy", 2, 4) is None  # started without 2 of its nodes: another layout
     check_local_rank(1, 2)
     with pytest.raises(BambooConfigError, match=r"LOCAL_RANK 2.*devices=2.*LOCAL_WORLD_SIZE"):
         check_local_rank(2, 2)

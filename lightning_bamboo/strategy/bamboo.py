@@ -420,7 +420,8 @@ class _BambooStrategyMixin(CheckpointHooks):
         if self.global_rank == 0:
             warn_if_replicas_cannot_help(self.redundancy)
             if not joining():
-                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.stages)[0])
+                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.stages)[0],
+                                                self.world_size)
         patches.no_sigterm_broadcast_under_membership(trainer)
         add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
         assert self.accelerator is not None

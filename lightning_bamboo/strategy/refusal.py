@@ -86,15 +86,16 @@ def check_local_rank(local_rank: int, devices: int) -> None:
             f"workers (GPUs) of one machine, not the job's; pass devices=int(os.environ['LOCAL_WORLD_SIZE'])")
 
 
-def warn_if_replicas_share_machines(redundancy: str, stages: int) -> str | None:
+def warn_if_replicas_share_machines(redundancy: str, stages: int, world: int) -> str | None:
     """Once (the caller's rank 0), under the Bamboo launcher: a stage whose replica holder runs on its own machine
     (``--workers K``) is lost with its replica when that machine is preempted. A warning, not a refusal: one machine
-    (a test, a workstation) still trains, and the checkpoint covers such a loss. Returns the message, if any."""
+    (a test, a workstation) still trains, and the checkpoint covers such a loss. Only for a job that starts with all
+    its initial nodes (``world``). Returns the message, if any."""
     from lightning_bamboo.membership.node import NODES_ENV
     from lightning_bamboo.topology.machines import replica_conflicts, replica_placement_report
 
     nodes = [n for n in os.environ.get(NODES_ENV, "").split(",") if n]
-    if redundancy == "off" or not launched_by_bamboo() or len(nodes) < 2 or len(nodes) % stages:
+    if redundancy == "off" or not launched_by_bamboo() or len(nodes) != world or world < 2 or world % stages:
         return None
     if not replica_conflicts(nodes, stages):
         return None
