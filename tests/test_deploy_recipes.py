@@ -94,8 +94,12 @@ def train_parser():
 
 
 def job_nodes(prefix: str, machines: int, workers: int) -> list[str]:
-    """The job's nodes in rank order, as the launcher's --workers names and interleaves them."""
-    return [f"{prefix}{i}.{w}" for w in range(workers) for i in range(machines)]
+    """The job's nodes in rank order, as the launcher's --workers names and orders them (every replica holder on
+    another machine at every depth, where one order does it: 4 machines x 2 workers)."""
+    from lightning_bamboo.topology.machines import machine_order
+
+    names = [f"{prefix}{i}" for i in range(machines)]
+    return machine_order(names, workers)
 
 
 def check_training_command(command: list[str], train_parser) -> None:

@@ -80,6 +80,9 @@ def test_a_local_launch_names_each_workers_pid_rank_and_device_and_keeps_pid_fil
         given = {k for k in env if os.environ.get(k) != env[k]} - {"PYTHONUNBUFFERED", "DS_ACCELERATOR"}
         assert given <= documented, sorted(given - documented)
         assert {"BAMBOO_NODE", "BAMBOO_NODES", "BAMBOO_STORE", "BAMBOO_JOB", "RANK", "WORLD_SIZE"} <= given
+    # one machine: worker i is LOCAL_RANK i of LOCAL_WORLD_SIZE 2 (GPU i on a machine with GPUs)
+    assert {n: (r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for n, r in reports.items()} == {
+        "node0": ("0", "2"), "node1": ("1", "2")}
 
 
 def test_a_supervisors_workers_and_standby_nodes_get_start_lines_and_pid_files(tmp_path):
@@ -90,6 +93,9 @@ def test_a_supervisors_workers_and_standby_nodes_get_start_lines_and_pid_files(t
                                   tmp_path / "peers")
         _check_start_lines(output, reports, {"m0.0": "rank 0 of 2", "m0.1": "rank 1 of 2"})
         assert all(r["env"]["BAMBOO_MACHINE"] == "m0" for r in reports.values())
+        # --workers 2: each worker's index on its machine, the device Lightning's parallel_devices[LOCAL_RANK] takes
+        assert {n: (r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for n, r in reports.items()} == {
+            "m0.0": ("0", "2"), "m0.1": ("1", "2")}
         output, reports = _launch(["--store", url, "--job", "report", "--node", "m1", "--join"], tmp_path / "join")
         _check_start_lines(output, reports, {"m1": "standby (joins the running job)"})
         assert reports["m1"]["env"]["BAMBOO_JOIN"] == "1"

@@ -179,9 +179,36 @@ class NodePlan:
     #: --min-nodes / --max-nodes: the job's nodes are known only once enough machines registered
     min_nodes: int | None = None
     max_nodes: int | None = None
+    #: --stages: the pipeline depth the nodes are ordered for (None: every depth where one order serves them all)
+    stages: int | None = None
 
     def rank(self, worker: str) -> int | None:
         return self.nodes.index(worker) if worker in self.nodes else None
+
+    def local_rank(self, worker: str) -> int:
+        """The worker's index on this machine: its ``LOCAL_RANK``, hence its GPU (``cuda:i`` for ``NAME.i``)."""
+        return self.workers.index(worker)
+
+    def worker_env(self, worker: str) -> dict[str, str]:
+        """What the launcher sets for ``worker`` besides the job's store and name: ``RANK``/``WORLD_SIZE`` global (a
+        standby node: 0 and 1), ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` of this machine (``Cluster`` sets the same)."""
+        rank = self.rank(worker)
+        return {**self.env, "RANK": str(rank or 0), "WORLD_SIZE": str(len(self.nodes) if rank is not None else 1),
+                "LOCAL_RANK": str(self.local_rank(worker)), "LOCAL_WORLD_SIZE": str(len(self.workers))}
+
+    def placement(self) -> str:
+        """Where the replica holders sit relative to the machines (the machine is one failure domain)."""
+        from lightning_bamboo.topology.machines import depths, replica_conflicts, replica_placement_report
+
+        if len(self.workers) < 2 or not self.nodes:
+            return "replicas: one worker per machine, every replica holder on another machine"
+        if self.stages is not None:
+            return "replicas at " + replica_placement_report(self.nodes, self.stages)
+        safe = [s for s in depths(len(self.nodes)) if not replica_conflicts(self.nodes, s)]
+        unsafe = [s for s in depths(len(self.nodes)) if s not in safe]
+        return (f"replicas: every holder on another machine at depth {','.join(map(str, safe)) or 'none'}"
+                + (f"; not at depth {','.join(map(str, unsafe))} (pass --stages D to order the nodes for depth D)"
+                   if unsafe else ""))
 
     def describe(self) -> str:
         lines = [f"machine {self.machine}: {len(self.workers)} worker(s) bound to {self.env['GLOO_SOCKET_IFNAME']} "
@@ -197,21 +224,43 @@ class NodePlan:
             rank = self.rank(worker)
             role = ("rank decided at the rendezvous" if self.min_nodes is not None else "standby (joins a running job)"
                     if rank is None else f"rank {rank} of {len(self.nodes)}")
-            lines.append(f"  {worker}: {role}, local worker {local}")
+            lines.append(f"  {worker}: {role}, LOCAL_RANK {local} (GPU {local} on a GPU machine)")
+        if self.min_nodes is None:
+            lines.append(self.placement())
         lines.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
         lines.append("command: " + shlex.join(self.command))
         return "\n".join(lines)
 
 
-def job_nodes(machines: Sequence[str], workers: int | None) -> list[str]:
-    """The job's nodes in rank order: each machine's first worker, then each one's second, ...
+def job_nodes(machines: Sequence[str], workers: int | None, stages: int | None = None) -> list[str]:
+    """The job's nodes in rank order, each stage's replica holder on another machine where any order can do it.
 
-    Machine-interleaved, so that neighbouring ranks (a stage and its replica holder, in a
-    pipeline of consecutive ranks) sit on different machines whenever there are two or more.
+    ``stages``: the depth the job runs (``--stages``); without it, an order right at every depth where one
+    exists, else machine-interleaved (``m0.0 m1.0 .. m0.1 m1.1 ..``): see ``topology.machines.machine_order``.
     """
     if workers is None:
         return list(machines)
-    return [f"{machine}.{i}" for i in range(workers) for machine in machines]
+    from lightning_bamboo.topology.machines import machine_order
+
+    return machine_order(machines, workers, stages)
+
+
+def resolve_workers(value: str | int | None, gpus: int) -> int | None:
+    """``--workers``: a number, or ``auto``: this machine's GPU count (``gpus``, ``torch.cuda.device_count()``).
+    ``auto`` on a machine without a GPU is refused: one worker there would hide a driver that is not loaded."""
+    if value is None or isinstance(value, int):
+        return value
+    if value == "auto":
+        if gpus < 1:
+            raise BambooConfigError(
+                "--workers auto starts one worker per GPU, and this machine has none (torch.cuda.device_count() is "
+                "0: no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them); pass --workers K (e.g. the number of "
+                "core groups) on a CPU machine")
+        return gpus
+    try:
+        return int(value)
+    except ValueError:
+        raise BambooConfigError(f"--workers takes a number or 'auto' (one worker per GPU), not {value!r}") from None
 
 
 def plan_node(
@@ -226,6 +275,7 @@ def plan_node(
     job: str = "bamboo",
     min_nodes: int | None = None,
     max_nodes: int | None = None,
+    stages: int | None = None,
 ) -> NodePlan:
     """Check a supervisor's arguments and work out what it runs (``supervise`` runs it)."""
     from lightning_bamboo.membership import parse_store_url
@@ -263,12 +313,14 @@ def plan_node(
     if addr == "auto":
         _, host, port = parse_store_url(store)
         addr = source_address(host, port)
-    mine = job_nodes([node], workers)
-    nodes = job_nodes(peers, workers)
+    if stages is not None and stages < 1:
+        raise BambooConfigError(f"--stages must be at least 1 (got {stages}); it is the job's pipeline depth")
+    mine = [f"{node}.{i}" for i in range(workers)] if workers is not None else [node]
+    nodes = job_nodes(peers, workers, stages)
     env = {ADDR_ENV: addr, **bind_env(addr), MACHINE_ENV: node}
     return NodePlan(machine=node, workers=tuple(mine), nodes=tuple(nodes), addr=addr, env=env,
                     command=tuple(command), publisher=nodes[0] if nodes else None,
-                    min_nodes=min_nodes, max_nodes=max_nodes)
+                    min_nodes=min_nodes, max_nodes=max_nodes, stages=stages)
 
 
 def supervise(
@@ -288,6 +340,7 @@ def supervise(
     stop_grace: float = STOP_GRACE_SECONDS,
     report: bool = False,
     pid_dir: str | None = None,
+    stages: int | None = None,
 ) -> int:
     """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
@@ -300,11 +353,11 @@ def supervise(
     from lightning_bamboo.membership.keys import JobKeys, job_prefix
 
     plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job,
-                     min_nodes=min_nodes, max_nodes=max_nodes)
+                     min_nodes=min_nodes, max_nodes=max_nodes, stages=stages)
     chosen = {k: os.environ[k] for k in INTERFACE_VARS if k in os.environ}  # the user's choice wins over ours
     cluster = Cluster(store, job, {**plan.env, **chosen, **(env or {})},
                       local_workers=len(plan.workers) if len(plan.workers) > 1 else None, report=report,
-                      pid_dir=pid_dir)
+                      pid_dir=pid_dir, local_ranks={w: plan.local_rank(w) for w in plan.workers})
     try:
         with stopping(cluster, stop_grace) as stop:
             if min_nodes is not None:
@@ -314,7 +367,7 @@ def supervise(
                                           timeout)
                 join = roster is None
                 plan = plan_node(command, node, store=store, peers=roster or (), addr=addr, join=join, workers=workers,
-                                 job=job)
+                                 job=job, stages=stages)
                 print(f"[launcher] {node}: " + ("the job formed without this machine: standby" if join else
                                                 f"the job formed of {','.join(plan.nodes)}"), file=sys.stderr)
             if join:
@@ -328,6 +381,8 @@ def supervise(
                 else:
                     master = _wait_for_key(cluster.store, key, timeout, f"the first node {plan.publisher!r} to publish its address")
                 cluster.env.update({"MASTER_ADDR": str(master["host"]), "MASTER_PORT": str(master["port"])})
+                if report and plan.publisher in plan.workers:
+                    print(f"[launcher] {plan.placement()}", file=sys.stderr, flush=True)
                 for worker in plan.workers:
                     cluster.spawn(worker, command, plan.nodes.index(worker), plan.nodes)
             _wait_for_workers(cluster, stop, announce_always=True)
@@ -348,13 +403,22 @@ def _wait_for_key(store: Any, key: str, timeout: float, what: str) -> dict[str, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_bamboo.launcher", description=__doc__.splitlines()[0],
-                                     epilog=worker_env_help() + "\n\nAt each worker's start the launcher prints "
-                                     "one line on stderr: '[launcher] NODE: pid PID, rank R of N, device DEVICE'.",
+                                     epilog=worker_env_help() + "\n\nOne worker per GPU: --workers K (or auto) gives "
+                                     "worker NAME.i LOCAL_RANK i, so it trains on cuda:i; pass Trainer(devices=K) "
+                                     "(or LOCAL_WORLD_SIZE), the GPUs per machine, as everywhere in Lightning.\n"
+                                     "At each worker's start the launcher prints one line on stderr: '[launcher] "
+                                     "NODE: pid PID, rank R of N, device DEVICE'.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=None, help="run this many nodes here (one machine)")
     parser.add_argument("--node", default=None, help="run this machine's node(s) here (one supervisor per machine)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="with --node: run K workers here, nodes NAME.0 .. NAME.K-1 (the machine is one failure domain)")
+    parser.add_argument("--workers", default=None, metavar="K|auto",
+                        help="with --node: run K workers here, nodes NAME.0 .. NAME.K-1 (the machine is one failure "
+                             "domain); worker NAME.i gets LOCAL_RANK i, GPU i on a GPU machine. 'auto': one per GPU "
+                             "(torch.cuda.device_count()); refused on a machine without GPUs")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="with --node: the pipeline depth the job runs, so that the nodes are ordered with every "
+                             "stage's replica holder on another machine at that depth (default: an order that does it "
+                             "at every depth where one exists; --dry-run says which)")
     parser.add_argument("--peers", default="", help="with --node: the initial pipeline's machines, in order, comma-separated")
     parser.add_argument("--min-nodes", type=int, default=None,
                         help="with --node, instead of --peers: the job forms of the machines registered first, once they "
@@ -383,18 +447,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give --nodes N (all nodes on this machine) or --node NAME (one machine of a larger job)")
     if args.node is not None:
         peers = [p for p in args.peers.split(",") if p]
+        args.workers = resolve_workers(args.workers, visible_gpus() if args.workers == "auto" else 0)
         if args.dry_run:
             plan = plan_node(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
-                             workers=args.workers, job=args.job, min_nodes=args.min_nodes, max_nodes=args.max_nodes)
+                             workers=args.workers, job=args.job, min_nodes=args.min_nodes, max_nodes=args.max_nodes,
+                             stages=args.stages)
             print(plan.describe())
             return 0
         code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
                          workers=args.workers, job=args.job, timeout=args.timeout, min_nodes=args.min_nodes,
-                         max_nodes=args.max_nodes, stop_grace=args.stop_grace, report=True, pid_dir=args.pid_dir)
+                         max_nodes=args.max_nodes, stop_grace=args.stop_grace, report=True, pid_dir=args.pid_dir,
+                         stages=args.stages)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
         return 0 if code == 0 else 1
-    if args.workers is not None:
-        parser.error("--workers goes with --node (a machine of a larger job); on one machine use --nodes N")
+    if args.workers is not None or args.stages is not None:
+        parser.error("--workers and --stages go with --node (a machine of a larger job); on one machine use --nodes N "
+                     "(worker i gets LOCAL_RANK i, GPU i on a GPU machine)")
     if args.dry_run:
         print(f"{args.nodes} node(s) here: {','.join(node_names(args.nodes))}; store {args.store}")
         print("command: " + shlex.join(command))

@@ -60,8 +60,10 @@ WORKER_ENV: tuple[tuple[str, str], ...] = (
     (ADDR_ENV, "with --node: the address the machine's peers reach it at (--addr)"),
     ("RANK", "the worker's rank in the initial job (a standby node: 0)"),
     ("WORLD_SIZE", "the number of nodes in the initial job (a standby node: 1)"),
-    ("LOCAL_RANK", "the same as RANK (a standby node: 0); on a GPU machine, the GPU the worker uses"),
-    ("NODE_RANK", "0: to Lightning the job is one node whose LOCAL_RANK is the global rank"),
+    ("LOCAL_RANK", "the worker's index on its machine: i for NAME.i (--workers K), the rank (--nodes N); on a GPU "
+                   "machine the GPU it uses, cuda:LOCAL_RANK of those CUDA_VISIBLE_DEVICES shows"),
+    ("LOCAL_WORLD_SIZE", "the workers on this machine: K (--workers K), N (--nodes N), 1 (--node alone)"),
+    ("NODE_RANK", "0: unused, BambooStrategy takes RANK and WORLD_SIZE as they are (devices = workers per machine)"),
     ("MASTER_ADDR", "where the initial process group meets (with --node: the first node's --addr)"),
     ("MASTER_PORT", "the initial process group's port (a free one, chosen by the launcher)"),
     ("OMP_NUM_THREADS", "this machine's cores divided among its workers, when several share it, unless set"),
@@ -103,9 +105,12 @@ class Cluster:
     """
 
     def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None,
-                 local_workers: int | None = None, *, report: bool = False, pid_dir: str | None = None) -> None:
+                 local_workers: int | None = None, *, report: bool = False, pid_dir: str | None = None,
+                 local_ranks: Mapping[str, int] | None = None) -> None:
         """``report``: print one line per worker it starts on stderr (node, pid, rank, device); ``pid_dir``: keep
-        ``<node>.pid`` there for each running worker (written atomically at its start, removed once it exited)."""
+        ``<node>.pid`` there for each running worker (written atomically at its start, removed once it exited).
+        ``local_ranks``: each worker's index on this machine (its ``LOCAL_RANK``, the GPU it uses); a worker not
+        named there gets its rank (one machine runs the whole job), a standby node 0."""
         from lightning_bamboo.membership import connect, resolve_store
         from lightning_bamboo.membership.address import bind_env
         from lightning_bamboo.membership.registry import Registry
@@ -121,6 +126,8 @@ class Cluster:
             # ``local_workers`` processes share this machine's cores: split them (as torchrun and Lightning's
             # launchers do for the processes they start) instead of each using them all
             self.env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // local_workers))
+        self.local_ranks = dict(local_ranks or {})
+        self.env["LOCAL_WORLD_SIZE"] = str(len(self.local_ranks) or local_workers or 1)
         self.procs: dict[str, subprocess.Popen] = {}
         self.codes: dict[str, int] = {}
         self.report, self.pid_dir = report, pid_dir
@@ -137,7 +144,7 @@ class Cluster:
 
     def _rank_env(self, name: str, rank: int, world: Sequence[str]) -> dict[str, str]:
         return {JOB_ENV: self.job, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
-                "LOCAL_RANK": str(rank), NODE_ENV: name, "MASTER_ADDR": self.env["MASTER_ADDR"],
+                "LOCAL_RANK": str(self.local_ranks.get(name, rank)), NODE_ENV: name, "MASTER_ADDR": self.env["MASTER_ADDR"],
                 "MASTER_PORT": self.env["MASTER_PORT"]}
 
     def offered(self, job: str) -> set[str]:
@@ -156,7 +163,7 @@ class Cluster:
         admitted, as ``spawn_joiner`` starts one). ``log``: the file its output goes to from now on."""
         env = self._rank_env(name, rank, world) if rank is not None else {
             JOB_ENV: self.job, "MASTER_ADDR": self.env["MASTER_ADDR"], "MASTER_PORT": self.env["MASTER_PORT"],
-            **joiner_env(name)}
+            **self._joiner_env(name)}
         assignment = {"env": env, "args": list(args), "log": log}
         self.store.put(JobKeys(offered_in).assign(process or name), json.dumps(assignment))
 
@@ -173,7 +180,7 @@ class Cluster:
         ``idle_priority_supported``); it returns to normal priority when admitted. For nodes that
         share the running nodes' cores (a local cluster): their start-up and wait then take only
         the cycles training leaves, as a separate machine's would take none."""
-        env = {**self.env, JOB_ENV: self.job, **joiner_env(name)}
+        env = {**self.env, JOB_ENV: self.job, **self._joiner_env(name)}
         self._start(name, command, env, popen)
         if idle and idle_priority_supported():
             # before the new interpreter starts a thread (its threads inherit the policy); no preexec_fn,
@@ -182,6 +189,10 @@ class Cluster:
                 os.sched_setscheduler(self.procs[name].pid, os.SCHED_IDLE, os.sched_param(0))
             except ProcessLookupError:  # it died at once; poll() reports it
                 pass
+
+    def _joiner_env(self, name: str) -> dict[str, str]:
+        """A standby node's environment: a job of its own (rank 0 of 1), on its own GPU of this machine."""
+        return {**joiner_env(name), "LOCAL_RANK": str(self.local_ranks.get(name, 0))}
 
     def _start(self, name: str, command: Sequence[str], env: dict[str, str], popen: Mapping[str, object]) -> None:
         self.codes.pop(name, None)

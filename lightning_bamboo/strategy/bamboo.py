@@ -35,8 +35,10 @@ from lightning_bamboo.strategy.loading import PipelineData
 from lightning_bamboo.strategy.refusal import (
     check_batches,
     check_trainer,
+    launched_ranks,
     refused_quietly,
     warn_if_replicas_cannot_help,
+    warn_if_replicas_share_machines,
 )
 from lightning_bamboo.topology.layout import resolve_stages
 
@@ -359,9 +361,12 @@ class _BambooStrategyMixin(CheckpointHooks):
 
     @override
     def set_world_ranks(self) -> None:
+        """Under the Bamboo launcher ``RANK``/``WORLD_SIZE`` as it set them (its machine-aware order, not Lightning's
+        ``node_rank x devices + local_rank``); ``LOCAL_RANK`` is the index on the machine, ``devices`` per machine."""
         super().set_world_ranks()
-        if self._assigned is not None:
-            self.enter_group(*self._assigned)
+        ranks = self._assigned or launched_ranks(self.local_rank, self.num_processes)
+        if ranks is not None:
+            self.enter_group(*ranks)
 
     def enter_group(self, rank: int, world: int) -> None:
         """Lightning's view of this process: ``rank`` of ``world`` (the runner formed the group)."""
@@ -432,6 +437,9 @@ class _BambooStrategyMixin(CheckpointHooks):
                 check_batches(trainer, self.micro_batch_size, self.pipelines)
         if self.global_rank == 0:
             warn_if_replicas_cannot_help(self.redundancy)
+            if not joining():
+                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.stages)[0],
+                                                self.world_size)
         patches.no_sigterm_broadcast_under_membership(trainer)
         add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
         assert self.accelerator is not None

@@ -67,6 +67,43 @@ def warn_if_replicas_cannot_help(redundancy: str) -> None:
             "python SCRIPT.py` (or `--node NAME --workers K` on each machine), else set redundancy='off'", redundancy)
 
 
+def launched_ranks(local_rank: int, devices: int) -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` as the Bamboo launcher set them (None outside it), once this worker's ``local_rank``
+    is checked against Lightning's ``devices`` (:func:`check_local_rank`)."""
+    if not launched_by_bamboo() or not {"RANK", "WORLD_SIZE"} <= set(os.environ):
+        return None
+    check_local_rank(local_rank, devices)
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def check_local_rank(local_rank: int, devices: int) -> None:
+    """Under the Bamboo launcher a worker's ``LOCAL_RANK`` is its index on its machine; Lightning picks its device as
+    ``parallel_devices[LOCAL_RANK]``, so ``devices`` must count the workers of one machine."""
+    if not 0 <= local_rank < devices:
+        raise BambooConfigError(
+            f"this worker is number {local_rank} on its machine (LOCAL_RANK {local_rank}, of LOCAL_WORLD_SIZE "
+            f"{os.environ.get('LOCAL_WORLD_SIZE', '?')}) and the Trainer has devices={devices}: devices counts the "
+            f"workers (GPUs) of one machine, not the job's; pass devices=int(os.environ['LOCAL_WORLD_SIZE'])")
+
+
+def warn_if_replicas_share_machines(redundancy: str, stages: int, world: int) -> str | None:
+    """Once (the caller's rank 0), under the Bamboo launcher: a stage whose replica holder runs on its own machine
+    (``--workers K``) is lost with its replica when that machine is preempted. A warning, not a refusal: one machine
+    (a test, a workstation) still trains, and the checkpoint covers such a loss. Only for a job that starts with all
+    its initial nodes (``world``). Returns the message, if any."""
+    from lightning_bamboo.membership.node import NODES_ENV
+    from lightning_bamboo.topology.machines import replica_conflicts, replica_placement_report
+
+    nodes = [n for n in os.environ.get(NODES_ENV, "").split(",") if n]
+    if redundancy == "off" or not launched_by_bamboo() or len(nodes) != world or world < 2 or world % stages:
+        return None
+    if not replica_conflicts(nodes, stages):
+        return None
+    message = "machines as failure domains: " + replica_placement_report(nodes, stages)
+    logging.getLogger("lightning_bamboo.strategy").warning("%s", message)
+    return message
+
+
 def _first_batch(loader: Any) -> Any:
     """What the loader's batches look like, from the dataset's first sample through its collate_fn; None where
     that cannot be told without iterating (an iterable dataset, an empty one, one that fails on index 0)."""

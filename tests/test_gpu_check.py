@@ -1,0 +1,89 @@
+"""`make gpu-check`'s CPU-safe parts: benchmarks/gpu.py's arguments and report, and the target's refusal without CUDA.
+
+The measurements need a GPU; what they are turned into does not. The report is a pure function of the
+measured numbers, so its form is checked here against numbers made up for the purpose.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+
+SPEC = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "gpu.py")
+assert SPEC is not None and SPEC.loader is not None
+gpu = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(gpu)
+
+MEASURED = {
+    "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "nccl": "2.27.3",
+    "host_round_trip_4mib_ms": 1.234, "nccl_layer_allreduce_64mib_ms": 0.6412, "nccl_native_allreduce_64mib_ms": 0.021,
+    "nccl_layer_over_native": 30.533, "host_abort_s": 0.0123, "nccl_abort_s": 0.0456, "nccl_blocked_before_abort": True,
+    "nccl_next_generation_s": 1.5, "step_off_ms": 101.25, "step_lazy_ms": 123.5, "lazy_over_off": 1.2198,
+    "kill_codes": {"node0": 0, "node1": -9}, "kill_failovers": [(12, ["node1"])], "kill_step_s": 0.75,
+    "exact_after_kill": True, "freeze_codes": {"node0": 0, "node1": -9}, "freeze_failovers": [(12, ["node1"])],
+    "freeze_step_s": 3.5, "exact_after_freeze": True,
+}
+
+
+def test_arguments_default_to_30_steps_and_a_loss_at_step_12():
+    args = gpu.parse_args([])
+    assert (args.steps, args.kill_at, args.skip_pipeline) == (30, 12, False)
+    args = gpu.parse_args(["--steps", "8", "--kill-at", "3", "--skip-pipeline"])
+    assert (args.steps, args.kill_at, args.skip_pipeline) == (8, 3, True)
+
+
+def test_a_loss_outside_the_run_is_refused_with_the_rule(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu.parse_args(["--steps", "10", "--kill-at", "12"])
+    assert exit_.value.code == 2
+    assert "0 <= kill-at < steps (kill-at: 12, steps: 10)" in capsys.readouterr().err
+
+
+def test_the_report_reads_the_measured_numbers():
+    assert gpu.report(MEASURED, 12, skip_pipeline=False) == [
+        "GPU: NVIDIA H100 80GB HBM3, torch 2.13.0, NCCL 2.27.3",
+        "host transport, 4 MiB round trip between two processes on the GPU: 1.23 ms",
+        "NCCL transport, 64 MiB all-reduce (one rank): 0.641 ms through the layer, 0.021 ms native (30.53x)",
+        "abort: host transport receive on a frozen peer 0.012 s, NCCL all-reduce without its peer 0.046 s (blocked "
+        "before: True); next NCCL generation's first all-reduce 1.50 s",
+        "pipeline, 2 stages sharing the GPU: step off 101.2 ms, lazy 123.5 ms (1.220x)",
+        "node1 SIGKILLed at step 12: exit codes {'node0': 0, 'node1': -9}, failovers [(12, ['node1'])], that step "
+        "0.75 s, final weights and AdamW state equal to the clean lazy run: True",
+        "node1 frozen (SIGSTOP; detection timeout 3 s) at step 12: exit codes {'node0': 0, 'node1': -9}, failovers "
+        "[(12, ['node1'])], that step 3.50 s, final weights and AdamW state equal to the clean lazy run: True",
+    ]
+    assert gpu.passed(MEASURED, skip_pipeline=False)
+
+
+def test_a_number_not_measured_reads_nan_and_fails_the_check():
+    partial = {k: v for k, v in MEASURED.items() if k not in ("nccl_abort_s", "exact_after_freeze")}
+    lines = gpu.report(partial, 12, skip_pipeline=True)
+    assert len(lines) == 4 and "NCCL all-reduce without its peer nan s" in lines[3]
+    assert not gpu.passed(partial, skip_pipeline=True)  # an abort that was not timed did not pass
+    assert not gpu.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=False)
+    assert gpu.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_cuda_the_script_and_make_gpu_check_say_so_and_fail():
+    with pytest.raises(SystemExit) as exit_:
+        gpu.main(["--skip-pipeline"])
+    assert "needs a CUDA GPU" in str(exit_.value.code)
+    # the target's first command stops make before any test or benchmark runs (nothing is installed: no prerequisite)
+    planned = subprocess.run(["make", "-n", "gpu-check", f"PY={sys.executable}"], cwd=REPO, capture_output=True,
+                             text=True, timeout=60)
+    assert planned.returncode == 0 and planned.stdout.splitlines()[0].startswith(f"{sys.executable} -c"), planned
+    assert "pip" not in planned.stdout
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(["make", "gpu-check", f"PY={sys.executable}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode != 0, done.stdout
+    assert "make gpu-check needs a CUDA GPU (torch sees none)" in done.stderr, done.stderr
+    assert "record.py" not in done.stdout.split("\n", 1)[1]  # nothing after the check ran
