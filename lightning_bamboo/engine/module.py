@@ -53,9 +53,9 @@ def build_layers(
 ) -> BuiltLayers:
     """Build the layers ``keep(index)`` selects, under the layer-wise initialisation contract.
 
-    ``factory`` (``configure_pipeline``) is called under ``torch.manual_seed(seed)``: layers it returns already built
-    (``nn.Module``s, callables) are what they are today, ``torch.manual_seed(seed); factory()``, and every process
-    pays for all of them. A ``LayerSpec`` is built only where it is kept, under its own seed
+    ``factory`` (``configure_pipeline``) is called with torch's stream seeded with ``seed`` (the CPU's; the GPUs'
+    too once CUDA has started): layers it returns already built (``nn.Module``s, callables) are
+    ``torch.manual_seed(seed); factory()``'s, as before, and every process pays for all of them. A ``LayerSpec`` is built only where it is kept, under its own seed
     (:func:`layer_init_seed`), so a process materialises only its layers and each layer gets the same values whatever
     else is built. A ``LayerSpec`` not kept is never built. The caller's random streams (torch's, numpy's, Python's)
     are left as they were.
