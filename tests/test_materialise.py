@@ -137,6 +137,20 @@ def test_the_callers_random_streams_are_left_alone():
     assert numpy.array_equal(numpy.random.get_state()[1], saved[1]) and random.getstate() == saved[2]
 
 
+def test_a_cuda_not_started_is_not_seeded():
+    """torch queues a seed for a CUDA not yet initialised and applies it to the process's GPU streams when CUDA
+    starts: a build must queue none (each process would start CUDA under the seed of the last layer it built)."""
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is already initialised in this process")
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    assert tracker is not None, "torch.cuda._lazy_seed_tracker moved: find where torch queues seeds for a lazy CUDA"
+    before = tracker.manual_seed_all_cb, tracker.manual_seed_cb
+    build_layers(_specs, SEED, keep=lambda i: i in (0, 1))
+    build_layers(lambda: gpt_layers(CFG), SEED, keep=lambda i: i == 0)
+    census_layers(_specs, SEED)
+    assert (tracker.manual_seed_all_cb, tracker.manual_seed_cb) == before
+
+
 def test_tied_layer_specs_are_still_refused():
     specs = [TiedLayerSpec("embed", nn.Embedding, 8, 4), LayerSpec(nn.Linear, 4, 4)]
     with pytest.raises(BambooConfigError, match=r"layer 0 is a TiedLayerSpec \(tied layers: \[0\], keys: \['embed'\]\).*untie"):

@@ -12,7 +12,6 @@ from typing import Any
 import numpy
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 
 from lightning_bamboo.engine.layer_rng import StepKeys, run_layers, run_layers_checkpointed
@@ -43,8 +42,8 @@ def layer_init_seed(seed: int, index: int) -> int:
 
     It depends on the layer alone, never on which process builds it or in which layout, so a stage, a replica, a
     failover's or an admission's rebuild all build equal weights for it (and equal DeepSpeed's own
-    ``PipelineModule(seed_layers=True, base_seed=seed)``, which seeds through ``deepspeed.runtime.utils.set_random_seed``
-    too).
+    ``PipelineModule(seed_layers=True, base_seed=seed)``: Python's, numpy's and torch's streams are seeded as its
+    ``deepspeed.runtime.utils.set_random_seed`` seeds them).
     """
     return seed + index
 
@@ -54,15 +53,15 @@ def build_layers(
 ) -> BuiltLayers:
     """Build the layers ``keep(index)`` selects, under the layer-wise initialisation contract.
 
-    ``factory`` (``configure_pipeline``) is called under ``torch.manual_seed(seed)``: layers it returns already built
-    (``nn.Module``s, callables) are what they are today, ``torch.manual_seed(seed); factory()``, and every process
-    pays for all of them. A ``LayerSpec`` is built only where it is kept, under its own seed
+    ``factory`` (``configure_pipeline``) is called with torch's stream seeded with ``seed`` (the CPU's; the GPUs'
+    too once CUDA has started): layers it returns already built (``nn.Module``s, callables) are
+    ``torch.manual_seed(seed); factory()``'s, as before, and every process pays for all of them. A ``LayerSpec`` is built only where it is kept, under its own seed
     (:func:`layer_init_seed`), so a process materialises only its layers and each layer gets the same values whatever
     else is built. A ``LayerSpec`` not kept is never built. The caller's random streams (torch's, numpy's, Python's)
     are left as they were.
     """
     with _own_streams():
-        torch.manual_seed(seed)
+        _seed_torch(seed)
         specs = _layer_list(factory)
         layers: list[Any] = []
         names: list[str] = []
@@ -87,7 +86,7 @@ def census_layers(factory: Callable[[], Sequence[Any]], seed: int) -> LayerCensu
     counts: list[int] = []
     names: list[str] = []
     with _own_streams():
-        torch.manual_seed(seed)
+        _seed_torch(seed)
         specs = _layer_list(factory)
         for index, spec in enumerate(specs):
             specs[index] = None
@@ -129,8 +128,19 @@ def _trainable(layer: nn.Module) -> int:
 
 
 def _build_spec(spec: LayerSpec, seed: int, index: int) -> nn.Module:
-    set_random_seed(layer_init_seed(seed, index))  # DeepSpeed's own seeding: Python's, numpy's and torch's streams
+    # DeepSpeed's set_random_seed (Python's, numpy's and torch's streams), except that a CUDA not initialised yet is
+    # left alone: torch would queue the seed and apply it to the process's own GPU streams when CUDA starts
+    layer_seed = layer_init_seed(seed, index)
+    random.seed(layer_seed)
+    numpy.random.seed(layer_seed % 2**32)
+    _seed_torch(layer_seed % 2**63)
     return spec.build()
+
+
+def _seed_torch(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 def _shape_of(spec: LayerSpec, seed: int, index: int) -> nn.Module:

@@ -377,7 +377,7 @@ class _BambooStrategyMixin(CheckpointHooks):
 
     @property
     def pipelines(self) -> int:
-        return resolve_stages(self.world_size, self.stages)[1]
+        return resolve_stages(self.world_size, self.runner.depth)[1]  # the running layout's depth, not the option
 
     @property
     def pipeline_rank(self) -> int:
