@@ -289,7 +289,7 @@ class _BambooStrategyMixin(CheckpointHooks):
             leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
             self._assigned = runner.enter(record)
             self.set_world_ranks()
-        resolve_stages(self.world_size, self.stages)  # fail before joining a group
+        resolve_stages(self.world_size, self.runner.depth)  # fail before joining a group (an admission set the depth)
         if runner.session is None and runner.open_session(_leave_requested) is not None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
             if runner.session is not None and runner.session.start_lost:
@@ -438,7 +438,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         if self.global_rank == 0:
             warn_if_replicas_cannot_help(self.redundancy)
             if not joining():
-                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.stages)[0],
+                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.runner.depth)[0],
                                                 self.world_size)
         patches.no_sigterm_broadcast_under_membership(trainer)
         add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
