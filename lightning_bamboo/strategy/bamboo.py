@@ -362,9 +362,10 @@ class _BambooStrategyMixin(CheckpointHooks):
     @override
     def set_world_ranks(self) -> None:
         """Under the Bamboo launcher ``RANK``/``WORLD_SIZE`` as it set them (its machine-aware order, not Lightning's
-        ``node_rank x devices + local_rank``); ``LOCAL_RANK`` is the index on the machine, ``devices`` per machine."""
+        ``node_rank x devices + local_rank``; a standby node's come with its admission); ``LOCAL_RANK`` is the index
+        on the machine, ``devices`` per machine."""
         super().set_world_ranks()
-        ranks = self._assigned or launched_ranks(self.local_rank, self.num_processes)
+        ranks = self._assigned or (None if joining() else launched_ranks(self.local_rank, self.num_processes))
         if ranks is not None:
             self.enter_group(*ranks)
 
