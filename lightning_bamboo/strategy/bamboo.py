@@ -32,6 +32,7 @@ from lightning_bamboo.strategy import patches
 from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_bamboo.strategy.lightning_host import LightningHost
 from lightning_bamboo.strategy.loading import PipelineData
+from lightning_bamboo.strategy.options import StrategyOptions
 from lightning_bamboo.strategy.refusal import (
     check_batches,
     check_trainer,
@@ -55,21 +56,7 @@ else:
 log = logging.getLogger(__name__)
 
 
-class _Option:
-    """A strategy attribute that is a field of its ``BambooConfig``: read there; a write makes a new config, checked
-    again (``BambooConfig.replace``), which the runner takes (before the engine is built)."""
-
-    def __init__(self, field: str) -> None:
-        self.field = field
-
-    def __get__(self, strategy: Any, owner: Any = None) -> Any:
-        return self if strategy is None else getattr(strategy.options, self.field)
-
-    def __set__(self, strategy: Any, value: Any) -> None:
-        strategy.update_options(**{self.field: value})
-
-
-class _BambooStrategyMixin(CheckpointHooks):
+class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
     """Train a LightningModule as a DeepSpeed pipeline: ``stages`` deep, ``devices // stages`` pipelines wide.
 
     The module defines ``configure_pipeline()`` (the layers, in order), ``pipeline_loss(outputs,
@@ -167,28 +154,7 @@ class _BambooStrategyMixin(CheckpointHooks):
         #: admission, or a start without nodes that died), not the launch environment's
         self._assigned: tuple[int, int] | None = None
 
-    # ------------------------------------------------------------------ options and runner state
-    def update_options(self, **changes: Any) -> None:
-        """Change options together (``stages=4, partition=[...]``), checked as on construction, before the engine is
-        built (``HydrozoaTuner`` sets its plan so); a ``BambooConfigError`` names the rule and leaves them as they were."""
-        self._set_options(self.options.replace(**changes))
-
-    def _set_options(self, options: BambooConfig) -> None:
-        """Take ``options`` (a checked ``BambooConfig``) here and in the runner; refused once the engine is built."""
-        if options is self.options:
-            return
-        self.runner.configure(options)
-        self.options = options
-
-    stages = _Option("stages")
-    micro_batch_size = _Option("micro_batch_size")
-    partition = _Option("partition")
-    seed = _Option("seed")
-    redundancy = _Option("redundancy")
-    audit_replicas = _Option("audit_replicas")
-    rf_costs = _Option("rf_costs")
-    timeout_seconds = _Option("timeout")
-    detection_timeout = _Option("detection_timeout")
+    # ------------------------------------------------------------------ runner state
 
     @property
     def engine(self) -> BambooPipelineEngine | None:
