@@ -6,11 +6,11 @@ worker, ``engine.save_checkpoint`` every ``--save-every`` steps and ``engine.loa
 
     torchrun --nnodes=1:6 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=peer \\
-        --rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3 \\
+        --rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=5,keep_alive_max_attempt=3 \\
         benchmarks/peer_train.py --steps 300 --save-dir ckpt --save-every K --events events.jsonl
 
 (``is_host=false``: the rendezvous store runs on a machine that is not preempted; the rest: a restart
-waits 2 s for late agents instead of torch's 30, and a lost agent is dropped after 6 s instead of 15.)
+waits 2 s for late agents instead of torch's 30; the heartbeat is torch's: a lost agent is dropped after 15 s.)
 
 It trains what the demo trains (``lightning_bamboo/demo/worker.py``): the GPT of ``CONFIG`` (8 pipeline
 layers), SGD (lr 0.05, momentum 0.9), one pipeline, 8 samples per step in 4 micro-batches of 2, layers
