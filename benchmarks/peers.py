@@ -168,7 +168,7 @@ def run_demo(label: str, args: argparse.Namespace, trace: Path, every: int, work
     report = workdir / f"{label}.json"
     cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(args.nodes), "--steps", str(args.steps),
            "--trace", str(trace), "--time-scale", str(args.time_scale), "--checkpoint-every", str(every),
-           "--quiet", "--report", str(report), *extra]
+           "--quiet", "--report", str(report), "--workdir", str(workdir / "demo"), *extra]
     log = workdir / f"{label}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -187,6 +187,9 @@ def run_demo(label: str, args: argparse.Namespace, trace: Path, every: int, work
                     proc.wait(timeout=10)
     if code != 0 or not report.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        workers = sorted((workdir / "demo").glob("run*/workers.log"))
+        if workers:  # why its workers failed
+            tail += f"{workers[-1]} ends:\n" + "".join(workers[-1].read_text(errors="replace").splitlines(keepends=True)[-25:])
         why = f"timed out after {args.run_timeout:.0f} s" if code is None else f"exit status {code}"
         return {"failed": f"{label}: {why}; its output ends:\n{tail}"}
     result = json.loads(report.read_text())
@@ -475,10 +478,15 @@ def main(argv: list[str] | None = None) -> int:
             if key not in args.only:
                 continue
             (work / label).mkdir()
-            if key == "a":
-                results[label] = run_demo(label, args, trace, every, work / label)
-            elif key == "c":
-                results[label] = run_demo(label, args, trace, every, work / label, "--no-redundancy")
+            if key in "ac":
+                extra = ("--no-redundancy",) if key == "c" else ()
+                results[label] = run_demo(label, args, trace, every, work / label, *extra)
+                if "before their first step" in results[label].get("failed", ""):  # it never started: once more
+                    print(f"{label}: the demo's workers failed before their first step; started again. "
+                          f"{results[label]['failed']}", flush=True)
+                    shutil.rmtree(work / label)
+                    (work / label).mkdir()
+                    results[label] = run_demo(label, args, trace, every, work / label, *extra)
             else:
                 results[label] = PeerRun(args, events, nodes, work / label, every).run()
                 print(f"peer command (per machine): {args.peer_command}", flush=True)
