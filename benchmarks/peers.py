@@ -16,6 +16,8 @@ start; a removal is a SIGKILL of that machine, a later node joins), on this mach
   (the demo's store lives in its controller too), and an agent that fails on a machine still there (its
   rendezvous timed out) is started again, as a supervisor would. The rendezvous waits 2 s for late agents
   (``last_call_timeout``; torch's 30 s would add 28 s to every restart) and keeps torch's heartbeat (5 s);
+  each round's workers get a fresh store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the shared default
+  breaks when rank 0 moves to another machine, pytorch/pytorch#135712; see peer_train.py);
 - **(c) demo --no-redundancy**: our emulation of checkpoint-restart, to see how close it comes to (b).
 
 K is Young/Daly's interval: K = sqrt(2 × save time × MTBF) / step time, save and step time measured
@@ -225,6 +227,8 @@ class PeerRun:
 
     def start(self, node: str, cmd: list[str]) -> None:
         env = {**os.environ, "PEER_NODE": node, "PYTHONUNBUFFERED": "1",
+               # a fresh store per rendezvous round (see peer_train.py: the shared one breaks when rank 0 moves)
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                # the demo launcher's rule for workers sharing this machine's cores (launcher.cluster)
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
                                                  str(max(1, len(os.sched_getaffinity(0)) // (self.args.nodes + 1))))}
