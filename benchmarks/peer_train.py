@@ -6,11 +6,17 @@ worker, ``engine.save_checkpoint`` every ``--save-every`` steps and ``engine.loa
 
     torchrun --nnodes=1:6 --nproc-per-node=1 --max-restarts=100 --rdzv-backend=c10d \\
         --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=peer \\
-        --rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=3 \\
+        --rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=5,keep_alive_max_attempt=3 \\
         benchmarks/peer_train.py --steps 300 --save-dir ckpt --save-every K --events events.jsonl
 
-(``is_host=false``: the rendezvous store runs on a machine that is not preempted; the rest: a restart
-waits 2 s for late agents instead of torch's 30, and a lost agent is dropped after 6 s instead of 15.)
+with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in each agent's environment. ``is_host=false``: the
+rendezvous store runs on a machine that is not preempted; a restart waits 2 s for late agents instead of
+torch's 30; the heartbeat is torch's (a lost agent is dropped after 15 s). The variable: by default
+torchrun's workers share a store hosted by the agent of rank 0 of the *first* round, whose address the
+other agents keep (torch 2.13 reads it once); when a later round has another rank 0 (its old host was
+preempted, a new machine joined), the workers of one job meet in different stores, or in a dead one, and
+``init_process_group`` waits until its timeout, every restart again (seen on the g4dn slice: no step for
+7 minutes). pytorch/pytorch#135712 names the flag as the way out: each round's rank 0 then starts a fresh store.
 
 It trains what the demo trains (``lightning_bamboo/demo/worker.py``): the GPT of ``CONFIG`` (8 pipeline
 layers), SGD (lr 0.05, momentum 0.9), one pipeline, 8 samples per step in 4 micro-batches of 2, layers
@@ -111,7 +117,9 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=25, help="steps between checkpoints (K)")
     parser.add_argument("--keep", type=int, default=2, help="checkpoints kept (older ones are removed)")
     parser.add_argument("--events", default=None, help="append JSON event lines here")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may block")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds a collective or the process group's start may block (default 120: a restart's "
+                        "workers import torch and DeepSpeed at once on shared cores; 0: DeepSpeed's 10 minutes)")
     args = parser.parse_args()
     log = Events(args.events)
     log("start", at=STARTED)
@@ -125,7 +133,10 @@ def main() -> int:
 
 def train(args: argparse.Namespace, log: Events) -> int:
     save_dir = Path(args.save_dir)
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    if args.timeout:
+        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    else:
+        deepspeed.init_distributed(dist_backend="gloo")
     world = torch.distributed.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every node and at every depth
     model = PipelineModule(layers=gpt_layers(CONFIG), loss_fn=gpt_loss, num_stages=world,

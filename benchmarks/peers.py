@@ -13,7 +13,11 @@ start; a removal is a SIGKILL of that machine, a later node joins), on this mach
   node beyond them waits and replaces the next one preempted, as the demo's standby nodes do). The
   script saves a DeepSpeed checkpoint every K steps and loads the latest at every (re)start, its depth
   the live world size; the rendezvous store runs here, in this process, as on a machine no one preempts
-  (the demo's store lives in its controller too);
+  (the demo's store lives in its controller too), and an agent that fails on a machine still there (its
+  rendezvous timed out) is started again, as a supervisor would. The rendezvous waits 2 s for late agents
+  (``last_call_timeout``; torch's 30 s would add 28 s to every restart) and keeps torch's heartbeat (5 s);
+  each round's workers get a fresh store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: the shared default
+  breaks when rank 0 moves to another machine, pytorch/pytorch#135712; see peer_train.py);
 - **(c) demo --no-redundancy**: our emulation of checkpoint-restart, to see how close it comes to (b).
 
 K is Young/Daly's interval: K = sqrt(2 × save time × MTBF) / step time, save and step time measured
@@ -38,6 +42,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -54,8 +59,10 @@ PEER_SCRIPT = Path(__file__).resolve().parent / "peer_train.py"
 GLOBAL_BATCH = 8  # lightning_bamboo.demo.plan.GLOBAL_BATCH; peer_train.GLOBAL_BATCH
 #: torchrun's rendezvous: the store is external (here); a restart's last call for late agents, in seconds
 LAST_CALL_SECONDS = 2
-#: ... and the interval of its heartbeats: an agent that missed 3 is dropped from the next round
-KEEP_ALIVE_SECONDS = 2
+#: ... and the interval of its heartbeats (torch's default): an agent that missed 3 is dropped from the next round.
+#: 1 or 2 s would drop a lost agent sooner, but on this shared, loaded machine they dropped live agents too and the
+#: job's start failed (its agents waited on one another's rendezvous keys until they timed out)
+KEEP_ALIVE_SECONDS = 5
 #: seconds the agents get to exit once the job trained its last step (torchrun's exit barrier)
 EXIT_GRACE_SECONDS = 30.0
 
@@ -163,7 +170,7 @@ def run_demo(label: str, args: argparse.Namespace, trace: Path, every: int, work
     report = workdir / f"{label}.json"
     cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(args.nodes), "--steps", str(args.steps),
            "--trace", str(trace), "--time-scale", str(args.time_scale), "--checkpoint-every", str(every),
-           "--quiet", "--report", str(report), *extra]
+           "--quiet", "--report", str(report), "--workdir", str(workdir / "demo"), *extra]
     log = workdir / f"{label}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -182,6 +189,9 @@ def run_demo(label: str, args: argparse.Namespace, trace: Path, every: int, work
                     proc.wait(timeout=10)
     if code != 0 or not report.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        workers = sorted((workdir / "demo").glob("run*/workers.log"))
+        if workers:  # why its workers failed
+            tail += f"{workers[-1]} ends:\n" + "".join(workers[-1].read_text(errors="replace").splitlines(keepends=True)[-25:])
         why = f"timed out after {args.run_timeout:.0f} s" if code is None else f"exit status {code}"
         return {"failed": f"{label}: {why}; its output ends:\n{tail}"}
     result = json.loads(report.read_text())
@@ -203,6 +213,7 @@ class PeerRun:
     alive: list[str] = field(default_factory=list)  # nodes on the market: running an agent or waiting for a place
     kills: list[tuple[float, str]] = field(default_factory=list)  # (time, node)
     joins: int = 0
+    agent_restarts: int = 0  # agents that exited with an error on a machine not preempted, started again
     codes: dict[str, int | None] = field(default_factory=dict)
 
     def command(self, port: int) -> list[str]:
@@ -216,6 +227,8 @@ class PeerRun:
 
     def start(self, node: str, cmd: list[str]) -> None:
         env = {**os.environ, "PEER_NODE": node, "PYTHONUNBUFFERED": "1",
+               # a fresh store per rendezvous round (see peer_train.py: the shared one breaks when rank 0 moves)
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                # the demo launcher's rule for workers sharing this machine's cores (launcher.cluster)
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
                                                  str(max(1, len(os.sched_getaffinity(0)) // (self.args.nodes + 1))))}
@@ -255,9 +268,15 @@ class PeerRun:
                     elapsed = time.time() - first_step
                     while pending and pending[0].at_seconds <= elapsed:
                         self.fire(pending.pop(0), cmd)
-                for node, proc in self.agents.items():
+                for node, proc in list(self.agents.items()):
                     if proc.poll() is not None and node not in self.codes:
                         self.codes[node] = proc.returncode
+                        if proc.returncode != 0 and node in self.alive and not finished:
+                            # an agent that failed on a machine still there (its rendezvous timed out) is started
+                            # again, as a supervisor (systemd, a Kubernetes pod) would
+                            self.agent_restarts += 1
+                            del self.codes[node]
+                            self.start(node, cmd)
                 running = [n for n, p in self.agents.items() if p.poll() is None]
                 if not running:
                     break
@@ -279,7 +298,8 @@ class PeerRun:
                         os.killpg(pid, signal.SIGKILL)
             del store
         result = summarize_peer(lines, self.kills, self.args.steps)
-        result.update(wall=time.monotonic() - began, joins=self.joins, codes=dict(self.codes))
+        result.update(wall=time.monotonic() - began, joins=self.joins, codes=dict(self.codes),
+                      agent_restarts=self.agent_restarts)
         return result
 
     def dump_workers(self) -> str:
@@ -333,8 +353,10 @@ def summarize_peer(lines: list[dict], kills: list[tuple[float, str]], steps: int
         # detected once every survivor's worker failed: the errors before the first new worker started
         first_start = min((start_of[e["pid"]] for e in new), default=end)
         errors = [e["t"] for e in lines if e["event"] == "error" and at < e["t"] < first_start]
-        loading = [e["t"] for e in new if e["event"] in ("loading", "loaded")]
-        loaded = [e for e in new if e["event"] == "loaded"]
+        # the job that recovered started with its rank 0 (a job that failed before it is part of the restart)
+        began = start_of[recovered["pid"]] - 1.0
+        loading = [e["t"] for e in new if e["event"] in ("loading", "loaded") and e["t"] >= began]
+        loaded = [e for e in new if e["event"] == "loaded" and e["t"] >= began]
         detected = max(errors) if errors else float("nan")
         load_start = min(loading) if loading else float("nan")
         load_end = max(e["t"] for e in loaded) if loaded else float("nan")
@@ -368,7 +390,14 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> dict:
     saved = args.steps
     args.steps = steps
     try:
-        run = PeerRun(args, [], [f"node{i}" for i in range(args.nodes)], workdir, save_every=2).run()
+        for attempt in (1, 2):  # a job whose start fails is started again, as its user would
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir()
+            run = PeerRun(args, [], [f"node{i}" for i in range(args.nodes)], workdir, save_every=2).run()
+            if "failed" not in run and run["steps_completed"] == steps:
+                break
+            why = run.get("failed") or f"exit codes {run['codes']}"
+            print(f"calibration attempt {attempt}: the torchrun job did not train its {steps} steps ({why})", flush=True)
     finally:
         args.steps = saved
     if "failed" in run or run["steps_completed"] != steps:
@@ -419,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torchrun's rendezvous last_call_timeout in seconds (default %(default)s; torch's is 30)")
     parser.add_argument("--keep-alive", type=int, default=KEEP_ALIVE_SECONDS,
                         help="torchrun's rendezvous keep_alive_interval in seconds: a lost agent leaves the "
-                        "rendezvous after 3 of them (default %(default)s; torch's is 5)")
+                        "rendezvous after 3 of them (default %(default)s, torch's)")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds any one run may take")
     parser.add_argument("--workdir", default=None, help="keep every run's logs, events and checkpoints here (a new "
                         "directory; default: a temporary one, removed)")
@@ -453,10 +482,15 @@ def main(argv: list[str] | None = None) -> int:
             if key not in args.only:
                 continue
             (work / label).mkdir()
-            if key == "a":
-                results[label] = run_demo(label, args, trace, every, work / label)
-            elif key == "c":
-                results[label] = run_demo(label, args, trace, every, work / label, "--no-redundancy")
+            if key in "ac":
+                extra = ("--no-redundancy",) if key == "c" else ()
+                results[label] = run_demo(label, args, trace, every, work / label, *extra)
+                if "before their first step" in results[label].get("failed", ""):  # it never started: once more
+                    print(f"{label}: the demo's workers failed before their first step; started again. "
+                          f"{results[label]['failed']}", flush=True)
+                    shutil.rmtree(work / label)
+                    (work / label).mkdir()
+                    results[label] = run_demo(label, args, trace, every, work / label, *extra)
             else:
                 results[label] = PeerRun(args, events, nodes, work / label, every).run()
                 print(f"peer command (per machine): {args.peer_command}", flush=True)
@@ -493,7 +527,8 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> int:
                   f"{k['first_step']:5.2f}; then {k['redone']} steps redone ({k['redone'] * clean:.2f} s), "
                   f"resumed at step {k['resumed_at']} with optimizer state {'/'.join(k['optimizer'])}")
         print(f"  restarts {peer['restarts']} (joins {peer['joins']}), depths {peer['depths']}, optimizer state "
-              f"reset at {peer['optimizer_resets']} (the depth changed), agent exit codes {peer['codes']}")
+              f"reset at {peer['optimizer_resets']} (the depth changed); agents that failed on a machine still there "
+              f"and were started again: {peer['agent_restarts']}; last exit codes {peer['codes']}")
     for name, v in results.items():
         if "failed" in v:
             print(f"{name}: FAILED ({v['failed'].splitlines()[0]})")

@@ -261,6 +261,11 @@ def test_mtbf_sweep_gives_each_policy_its_ettr_against_on_demand(tmp_path, capsy
 def test_mtbf_sweep_refuses_a_trace_and_bad_durations(capsys):
     assert call(["--trace", "p3", "--sweep", "mtbf=5m:1h:3"]) == 2
     assert "drop --trace" in capsys.readouterr().err
+    # a scenario gives its inputs (its 8 stages of 48 layers, 3.08 s steps), not its trace
+    assert call(["--scenario", "bamboo-paper", "--sweep", "mtbf=10m,1h", "--spot", "nodes=24", "--spot", "hours=2",
+                 "--policies", "bamboo"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [r.split()[0] for r in rows[1:3]] == ["10m", "1h"] and "ETTR bamboo" in rows[0]
     assert call(["--sweep", "mtbf=5m:1h:3", "--spot", "preemption_rate=1"]) == 2
     assert "drop --spot preemption_rate" in capsys.readouterr().err
     assert call(["--sweep", "mtbf=0:1h:3"]) == 2

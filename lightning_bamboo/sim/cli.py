@@ -115,10 +115,10 @@ def _trace(args: argparse.Namespace, spot: dict[str, float] | None = None) -> tu
 def run(args: argparse.Namespace) -> int:
     try:
         if args.sweep and args.sweep.partition("=")[0] == MTBF:
-            if args.trace or args.scenario:
+            if args.trace:
                 raise BambooConfigError(
-                    "--sweep mtbf draws one synthetic trace per failure rate; drop --trace/--scenario "
-                    "(the cluster is --spot nodes=N, its other fields apply too)"
+                    "--sweep mtbf draws one synthetic trace per failure rate; drop --trace (the cluster is "
+                    "--spot nodes=N, its other fields apply too; a --scenario gives its inputs, not its trace)"
                 )
             if any(item.partition("=")[0] == "preemption_rate" for item in args.spot):
                 raise BambooConfigError("--sweep mtbf sets the preemption rate; drop --spot preemption_rate")
