@@ -49,9 +49,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lightning_bamboo.demo.cli import exit_on_stop_signals
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "lightning_bamboo" / "data"
@@ -148,20 +149,6 @@ def kill_machine(proc: subprocess.Popen) -> None:
             os.killpg(group, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def stop_signals_raise() -> Iterator[None]:
-    """SIGTERM and SIGHUP end this script through its ``finally`` blocks, which kill what it started."""
-    def stop(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 # ---------------------------------------------------------------------------------------------- (a), (c)
@@ -457,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = trace_path(args.trace)
     nodes = [f"node{i}" for i in range(args.nodes)]
     events = slice_events(trace, nodes, args.time_scale)
-    with stop_signals_raise(), contextlib.ExitStack() as stack:
+    with exit_on_stop_signals(), contextlib.ExitStack() as stack:
         work = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bamboo-peers-")))
         work.mkdir(parents=True, exist_ok=True)
         print(f"trace {trace.name}: first {args.nodes} nodes start, {args.steps} steps of {GLOBAL_BATCH} samples "

@@ -104,10 +104,10 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
 
 
 @contextlib.contextmanager
-def _exit_on_stop_signals() -> Iterator[None]:
-    """SIGTERM or SIGHUP end the demo as Ctrl-C does: through its ``finally`` blocks, which kill every
-    worker and standby process it started and remove its temporary folder (the default action would
-    leave them running)."""
+def exit_on_stop_signals() -> Iterator[None]:
+    """SIGTERM or SIGHUP end the demo (or a benchmark that runs demos, ``benchmarks/peers.py``) as Ctrl-C does:
+    through its ``finally`` blocks, which kill every worker and standby process it started and remove its
+    temporary folder (the default action would leave them running)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -124,7 +124,7 @@ def _exit_on_stop_signals() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    with _exit_on_stop_signals():
+    with exit_on_stop_signals():
         return _run(args)
 
 
