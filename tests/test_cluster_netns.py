@@ -42,6 +42,14 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def start_logged(net: NetnsCluster, machine: str, cmd: list[str], env: dict[str, str], tmp_path, logs: dict,
+                 procs: dict) -> None:
+    """Start ``cmd`` on ``machine`` with its output in ``tmp_path/<machine>.log`` (kept in ``logs`` and ``procs``)."""
+    logs[machine] = tmp_path / f"{machine}.log"
+    with open(logs[machine], "w") as log:
+        procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
 def wait_for_line(proc: subprocess.Popen, wanted: str, timeout: float) -> str:
     """Read ``proc``'s output until a line contains ``wanted`` (bounded by ``timeout`` seconds)."""
     deadline, seen = time.monotonic() + timeout, []
@@ -83,9 +91,7 @@ def run_and_kill(tmp_path, machines: list[str], workers: int | None, victim: str
                    PYTHON, str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--batch-size", str(BATCH),
                    "--micro-batch-size", str(MICRO), "--devices", str(nodes), "--stages", str(stages),
                    "--steps", str(STEPS), "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy", "--out", str(tmp_path)]
-            logs[machine] = tmp_path / f"{machine}.log"
-            with open(logs[machine], "w") as log:
-                procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            start_logged(net, machine, cmd, env, tmp_path, logs, procs)
         wait_for_line(watch, f"/commit/0/2/{first_node}", timeout=240)
         assert net.kill_machine(victim) >= 1 + (workers or 1)  # its supervisor and every worker
         survivors = [m for m in machines if m != victim]
@@ -145,9 +151,7 @@ def test_machines_of_two_workers_started_ten_seconds_apart_form_one_job_by_count
                    "--micro-batch-size", str(MICRO), "--devices", "6", "--stages", "3", "--steps", str(steps),
                    "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy",
                    "--out", str(tmp_path)]
-            logs[machine] = tmp_path / f"{machine}.log"
-            with open(logs[machine], "w") as log:
-                procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            start_logged(net, machine, cmd, env, tmp_path, logs, procs)
         codes = {m: procs[m].wait(timeout=300) for m in order}
         outputs = {m: logs[m].read_text() for m in order}
     assert codes == dict.fromkeys(order, 0), {m: outputs[m][-3000:] for m in order}
@@ -238,9 +242,7 @@ def test_a_partitioned_machine_of_two_workers_is_failed_over_and_writes_nothing_
                    "--micro-batch-size", str(MICRO), "--devices", "6", "--stages", "3", "--steps", str(STEPS),
                    "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy",
                    "--out", str(tmp_path)]
-            logs[machine] = tmp_path / f"{machine}.log"
-            with open(logs[machine], "w") as out:
-                procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+            start_logged(net, machine, cmd, env, tmp_path, logs, procs)
         log.wait(lambda e: e[2].endswith("/commit/0/2/m1.0"), timeout=300)
         net.partition("m1")  # its cable: its processes run on, and reach no one
         # both workers' leases end (one decision each, or one for both); healed before the second lease ended,
@@ -285,9 +287,7 @@ def test_two_machines_of_two_workers_give_each_worker_its_own_local_index(tmp_pa
             cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "local", "--node", machine,
                    "--workers", "2", "--stages", "2", "--peers", ",".join(machines), "--addr", net.addrs[machine],
                    "--", PYTHON, str(REPO / "tests" / "scripts" / "local_rank_probe.py")]
-            logs[machine] = tmp_path / f"{machine}.log"
-            with open(logs[machine], "w") as log:
-                procs[machine] = net.popen(machine, cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            start_logged(net, machine, cmd, env, tmp_path, logs, procs)
         codes = {m: procs[m].wait(timeout=180) for m in machines}
         outputs = {m: logs[m].read_text() for m in machines}
     assert codes == dict.fromkeys(machines, 0), {m: outputs[m][-3000:] for m in machines}
