@@ -27,6 +27,10 @@ class FakeStrategy:
     from_rank0: Any = None  # what a broadcast delivers on ranks > 0
     broadcasts: list = field(default_factory=list)
 
+    def update_options(self, **changes: Any) -> None:
+        for name, value in changes.items():
+            setattr(self, name, value)
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         self.broadcasts.append(src)
         return obj if self.global_rank == src else self.from_rank0

@@ -20,7 +20,7 @@ from lightning_bamboo.planner.plan import Plan, PlanTable, plan_table
 log = logging.getLogger(__name__)
 _lightning_log = logging.getLogger("lightning.pytorch.callbacks.hydrozoa_tuner")
 
-_STRATEGY_OPTIONS = ("stages", "micro_batch_size", "partition")
+_STRATEGY_OPTIONS = ("stages", "micro_batch_size", "partition", "update_options")
 
 
 def _holds_replica(strategy: Any) -> bool:
@@ -49,12 +49,8 @@ def apply_plan(strategy: Any, plan: Plan) -> None:
             f"{plan.stages * plan.pipelines} workers does not match the world size {world_size}; "
             f"look up the plan for {world_size} workers (HydrozoaTuner.plan_for({world_size}))"
         )
-    changes = {"stages": plan.stages, "micro_batch_size": plan.micro_batch_size, "partition": list(plan.partition)}
-    if hasattr(strategy, "update_options"):
-        strategy.update_options(**changes)  # checked together: a partition fits its stage count
-    else:
-        for name, value in changes.items():
-            setattr(strategy, name, value)
+    # checked together: a partition fits its stage count
+    strategy.update_options(stages=plan.stages, micro_batch_size=plan.micro_batch_size, partition=list(plan.partition))
 
 
 def describe(plan: Plan) -> str:
