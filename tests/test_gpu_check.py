@@ -77,13 +77,15 @@ def test_without_cuda_the_script_and_make_gpu_check_say_so_and_fail():
         gpu.main(["--skip-pipeline"])
     assert "needs a CUDA GPU" in str(exit_.value.code)
     # the target's first command stops make before any test or benchmark runs (nothing is installed: no prerequisite)
-    planned = subprocess.run(["make", "-n", "gpu-check", f"PY={sys.executable}"], cwd=REPO, capture_output=True,
-                             text=True, timeout=60)
+    # a make of its own, also under `make test` (whose MAKEFLAGS/MAKELEVEL would make it print its directory)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    env["PYTHONPATH"] = str(REPO)
+    planned = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", f"PY={sys.executable}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60, env=env)
     assert planned.returncode == 0 and planned.stdout.splitlines()[0].startswith(f"{sys.executable} -c"), planned
     assert "pip" not in planned.stdout
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(["make", "gpu-check", f"PY={sys.executable}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PY={sys.executable}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0, done.stdout
     assert "make gpu-check needs a CUDA GPU (torch sees none)" in done.stderr, done.stderr
     assert "record.py" not in done.stdout.split("\n", 1)[1]  # nothing after the check ran
