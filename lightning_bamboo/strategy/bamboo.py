@@ -38,6 +38,7 @@ from lightning_bamboo.strategy.refusal import (
     check_trainer,
     launched_ranks,
     refused_quietly,
+    report_config_errors_briefly,
     warn_if_replicas_cannot_help,
     warn_if_replicas_share_machines,
 )
@@ -134,6 +135,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
                 a GPU (one GPU per process) and gloo on CPU. Any other backend (``"gloo"``) is used
                 as it is and cannot be aborted: a failover then waits for a blocked step to return.
         """
+        report_config_errors_briefly()
         self.options = BambooConfig(
             stages=stages, micro_batch_size=micro_batch_size, partition=partition, seed=seed, redundancy=redundancy,
             timeout=timeout, detection_timeout=detection_timeout, deepspeed=dict(config or {}), rf_costs=rf_costs,

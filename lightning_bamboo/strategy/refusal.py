@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -56,6 +57,43 @@ def refused_quietly() -> Iterator[None]:
             print(f"lightning_bamboo: the job was refused before it trained: {err}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         raise SystemExit(CONFIG_EXIT_CODE) from None
+
+
+#: set to 1 to see the whole traceback of a refused configuration
+TRACEBACK_ENV = "BAMBOO_TRACEBACK"
+
+
+def report_config_errors_briefly() -> None:
+    """From now on a ``BambooConfigError`` that ends the program is printed as its rule and the line of the user's
+    code that met it, without Python's traceback (``BAMBOO_TRACEBACK=1`` keeps it); any other exception is
+    printed as before. The error itself is raised unchanged, so ``except``/``pytest.raises`` and notebooks see it
+    as they would; this changes only what an uncaught one prints (under Lightning's own launcher the options are
+    refused in the launching process, through here). Installed once, in front of whatever hook was there."""
+    if getattr(sys.excepthook, "_bamboo_brief", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not isinstance(value, BambooConfigError) or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            previous(kind, value, tb)
+            return
+        print(f"lightning_bamboo: the job was refused before it trained: {value}", file=sys.stderr)
+        here = _user_frame(tb)
+        if here is not None:
+            print(f"  (met at {here.filename}:{here.lineno}: {here.line}; {TRACEBACK_ENV}=1 prints the traceback)",
+                  file=sys.stderr)
+        sys.stderr.flush()
+
+    hook._bamboo_brief = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _user_frame(tb: Any) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback in the user's code: outside this package and outside installed ones."""
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(tb) if not os.path.abspath(f.filename).startswith(ours + os.sep)
+              and "-packages" + os.sep not in f.filename and not f.filename.startswith("<")]
+    return frames[-1] if frames else None
 
 
 def warn_if_replicas_cannot_help(redundancy: str) -> None:
