@@ -20,6 +20,8 @@ from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.membership.keys import JobKeys
 
 EXIT_FATAL = 75  # lightning_bamboo.errors.FATAL_EXIT_CODE
+#: the module every node's process runs (``python -m``)
+WORKER_MODULE = "lightning_bamboo.demo.worker"
 #: seconds the controller waits for a store that stopped answering (an etcd restart) before it gives up
 STORE_PATIENCE = 60.0
 EXIT_AUDIT = 76  # lightning_bamboo.demo.worker.EXIT_AUDIT: the replica audit found a difference
@@ -77,6 +79,7 @@ def drive(args: argparse.Namespace, stages: int, nodes: list[str], events: list[
     finally:
         run.pool.close()
         run.cluster.close()
+        run.preload_log.close()
     return run.report(final)
 
 
@@ -121,11 +124,15 @@ class _Run:
         self.last_step_at: float | None = None
         self.notices: dict[str, float] = {}
         self.frozen: set[str] = set()  # nodes stopped by --freeze: their processes never exit by themselves
-        self.cluster = Cluster(args.store, job=f"{prefix}{self.generation}", local_workers=self.width + STANDBY_PROCESSES)
+        # every node's process is a fork of one interpreter that imported the worker's modules once (4-5 s of a core
+        # each on these shared cores otherwise): a local cluster's machines come up as booted ones would
+        self.preload_log = open(workdir / "preload.log", "ab")  # noqa: SIM115 - closed with the cluster
+        self.cluster = Cluster(args.store, job=f"{prefix}{self.generation}", local_workers=self.width + STANDBY_PROCESSES,
+                               preload=[WORKER_MODULE], preload_log=self.preload_log)
         self.cluster.store = PatientStore(self.cluster.store, STORE_PATIENCE)  # an etcd restarted under the demo is waited for
         # joined nodes, and restarts that find no process ready, take a started process (no imports to wait for)
         self.pool = WarmPool(self.cluster, 0 if self.no_redundancy or not events else args.warm_pool,
-                             [sys.executable, "-m", "lightning_bamboo.demo.worker"], f"{prefix}pool", workdir / "pool.log")
+                             [sys.executable, "-m", WORKER_MODULE], f"{prefix}pool", workdir / "pool.log")
         self.shown: set[str] = set()  # failover and reconfiguration records already shown
         self.kept: set[str] = set()  # processes of the last job that run the next one (a restart in place)
         self.cold = False  # the last job's loss found no process ready: the restart waited for one to start
@@ -151,7 +158,7 @@ class _Run:
         self.grows = not self.no_redundancy and count == 1 and bool(self.kept)
         self.waiting = [n for n in self.alive if n not in running] if not self.no_redundancy and (count > 1 or self.grows) else []
         self.worker_args = worker_args = self._worker_args(count)
-        self.command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *worker_args]
+        self.command = [sys.executable, "-m", WORKER_MODULE, *worker_args]
         log = self.out / "workers.log"
         log.write_text("")
         # appended to by every process of the job: those it starts, and those it is given (kept, pooled)

@@ -37,7 +37,7 @@ class WarmPool:
 
     def __init__(self, cluster: Any, size: int, command: Sequence[str], job: str, log: Path) -> None:
         self.cluster, self.size, self.command, self.job, self.log = cluster, size, [*command, POOLED], job, log
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Any] = {}
         self.started = 0
         # the first ones start beside the job's processes, at their priority: ready by the time it trains
         self.fill(idle=False)
@@ -61,7 +61,7 @@ class WarmPool:
             env = {**self.cluster.env, JOB_ENV: self.job, NODE_ENV: name, NODES_ENV: name}
             env.pop(JOIN_ENV, None)  # what it runs as comes with its assignment
             with open(self.log, "ab") as log:
-                proc = self.procs[name] = subprocess.Popen(self.command, env=env, stdout=log, stderr=log)
+                proc = self.procs[name] = self.cluster.start_process(self.command, env, stdout=log, stderr=log)
             if idle and idle_priority_supported():  # as Cluster.spawn_joiner starts standby nodes: before it starts a thread
                 with contextlib.suppress(ProcessLookupError):
                     os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))

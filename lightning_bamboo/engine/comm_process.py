@@ -16,15 +16,16 @@ Lightning's collectives and ``new_group`` all use it unchanged. A failover calls
 :func:`abort_generation`: every operation of the old generation ends within milliseconds, however
 it was blocked, and no thread of it is left.
 
-A child is forked from the worker's *zygote*: a plain ``python`` process that imported torch once
-and does nothing else (never a fork of the worker, which runs gloo and store threads, and never a
-re-import of the user's main module, which ``multiprocessing`` would do). Importing torch costs about
-2 s on 2 cores; a fork of the zygote costs milliseconds, so a failover's new generation does not wait
-for imports, and nothing imports in the background while the job trains.
+A child is forked from the worker's *zygote*, which imported torch and does nothing else: a fork of the
+worker taken by :func:`prepare` while it is one thread without CUDA (milliseconds), else a fresh ``python``
+importing torch (2 s of a core). Never a fork of a worker running gloo or store threads, never a re-import
+of the user's main module (``multiprocessing``'s way). A fork of the zygote costs milliseconds, so a
+failover's new generation waits for no import, and nothing imports in the background while the job trains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -356,12 +357,58 @@ def prepare() -> None:
         _start_zygote()
 
 
-def _start_zygote() -> tuple[subprocess.Popen, socket.socket, Connection, list[bool]]:
+class _ForkedZygote:
+    """The zygote as a fork of this process (its child: waited for here), with the ``Popen`` calls used on it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: gone all the same
+                self.returncode = -1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int | None:
+        while self.poll() is None:
+            time.sleep(0.01)
+        return self.returncode
+
+
+def may_fork_zygote() -> bool:
+    """Whether a fork of this process can be the zygote now: one thread (no lock held by another is copied; gloo
+    and store threads come later) and no CUDA context (a child forked from the zygote may need its own)."""
+    return threading.active_count() == 1 and not torch.cuda.is_initialized()
+
+
+def _start_zygote() -> tuple[subprocess.Popen | _ForkedZygote, socket.socket, Connection, list[bool]]:
     zygote = _ZYGOTE["proc"]
     if zygote is None or zygote[0].poll() is not None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        code = f"from lightning_bamboo.engine.comm_child import zygote_main; zygote_main({theirs.fileno()})"
-        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), close_fds=True)
+        proc: subprocess.Popen | _ForkedZygote
+        if may_fork_zygote():
+            from lightning_bamboo.engine.comm_child import forked_zygote_main
+
+            sys.stdout.flush()  # nothing buffered here is printed twice
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                mine.close()
+                forked_zygote_main(theirs.fileno())  # never returns
+            proc = _ForkedZygote(pid)
+        else:
+            code = f"from lightning_bamboo.engine.comm_child import zygote_main; zygote_main({theirs.fileno()})"
+            proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), close_fds=True)
         theirs.close()
         zygote = _ZYGOTE["proc"] = (proc, mine, Connection(os.dup(mine.fileno())), [False])
     return zygote

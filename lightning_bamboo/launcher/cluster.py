@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 from lightning_bamboo.engine.groups import free_port
 from lightning_bamboo.errors import CONFIG_EXIT_CODE
@@ -29,6 +30,12 @@ from lightning_bamboo.membership.node import (
     idle_priority_supported,
     joiner_env,
 )
+
+if TYPE_CHECKING:
+    from lightning_bamboo.launcher.forks import ForkServer, ForkedProcess
+
+#: a worker's process: started as its own ``python``, or forked from the preloaded one
+Worker = Union[subprocess.Popen, "ForkedProcess"]
 
 #: keys of a restart in the same processes, under the failed job's prefix: ``offer/<node>`` (the worker
 #: waits to be given the next job), ``assign/<node>`` (its rank environment and arguments there); built by
@@ -106,11 +113,14 @@ class Cluster:
 
     def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None,
                  local_workers: int | None = None, *, report: bool = False, pid_dir: str | None = None,
-                 local_ranks: Mapping[str, int] | None = None) -> None:
+                 local_ranks: Mapping[str, int] | None = None, preload: Sequence[str] = (),
+                 preload_log: Any = subprocess.DEVNULL) -> None:
         """``report``: print one line per worker it starts on stderr (node, pid, rank, device); ``pid_dir``: keep
         ``<node>.pid`` there for each running worker (written atomically at its start, removed once it exited).
         ``local_ranks``: each worker's index on this machine (its ``LOCAL_RANK``, the GPU it uses); a worker not
-        named there gets its rank (one machine runs the whole job), a standby node 0."""
+        named there gets its rank (one machine runs the whole job), a standby node 0. ``preload``: modules whose
+        workers (``python -m MODULE``) start as forks of an interpreter that imported them once
+        (``launcher.forks``), its own output to ``preload_log``; other commands start as they are."""
         from lightning_bamboo.membership import connect, resolve_store
         from lightning_bamboo.membership.address import bind_env
         from lightning_bamboo.membership.registry import Registry
@@ -128,7 +138,7 @@ class Cluster:
             self.env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // local_workers))
         self.local_ranks = dict(local_ranks or {})
         self.env["LOCAL_WORLD_SIZE"] = str(len(self.local_ranks) or local_workers or 1)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Worker] = {}
         self.codes: dict[str, int] = {}
         self.report, self.pid_dir = report, pid_dir
         self._gpus = visible_gpus() if report else 0
@@ -136,6 +146,18 @@ class Cluster:
             os.makedirs(pid_dir, exist_ok=True)
         self.store = connect(self.url)
         self._reporter = Registry(self.store, job, "launcher")
+        self.forks: ForkServer | None = None
+        if preload:
+            from lightning_bamboo.launcher.forks import ForkServer
+
+            self.forks = ForkServer(preload, self.env, log=preload_log)
+
+    def start_process(self, command: Sequence[str], env: Mapping[str, str], **popen: Any) -> Worker:
+        """A process of ``command`` with ``env``: forked from the preloaded interpreter where it runs one of its
+        modules and ``popen`` asks only for output files, else a new one (``subprocess.Popen``)."""
+        if self.forks is not None and self.forks.accepts(command) and set(popen) <= {"stdout", "stderr"}:
+            return self.forks.start(command, env, **popen)
+        return subprocess.Popen(list(command), env=dict(env), **popen)
 
     def spawn(self, name: str, command: Sequence[str], rank: int, world: Sequence[str], **popen: object) -> None:
         env = {**self.env, **self._rank_env(name, rank, world)}
@@ -167,7 +189,7 @@ class Cluster:
         assignment = {"env": env, "args": list(args), "log": log}
         self.store.put(JobKeys(offered_in).assign(process or name), json.dumps(assignment))
 
-    def adopt(self, name: str, proc: subprocess.Popen) -> None:
+    def adopt(self, name: str, proc: Worker) -> None:
         """Worker ``name`` runs in ``proc``, a process started elsewhere (a warm pool's, given its assignment)."""
         self.codes.pop(name, None)
         self.procs[name] = proc
@@ -196,7 +218,7 @@ class Cluster:
 
     def _start(self, name: str, command: Sequence[str], env: dict[str, str], popen: Mapping[str, object]) -> None:
         self.codes.pop(name, None)
-        proc = self.procs[name] = subprocess.Popen(list(command), env=env, **popen)  # type: ignore[call-overload]
+        proc = self.procs[name] = self.start_process(command, env, **popen)
         self._write_pid(name, proc.pid)
         if self.report:
             role = ("standby (joins the running job)" if env.get(JOIN_ENV) == "1"
@@ -289,6 +311,8 @@ class Cluster:
                 proc.wait()
             self._remove_pid(name)
         self.store.close()
+        if self.forks is not None:
+            self.forks.close()
         if self._server is not None:
             self._server.stop()
 

@@ -1,0 +1,282 @@
+"""Workers started as forks of a preloaded interpreter: a node's process in milliseconds instead of seconds.
+
+A worker that starts as ``python -m MODULE`` spends 4-5 s of a core importing torch, DeepSpeed and Lightning
+before it runs a line of its own; on a machine whose cores the running nodes share (the demo's local cluster,
+a test) every start, every warm process and every replacement costs that again. A :class:`ForkServer` is a
+``python`` that imported those modules once, at start, and then only forks: each child becomes the worker,
+a process of its own (its own pid, its own output, killed by a real signal like any other), with the
+environment, arguments and output files it was given, and runs ``MODULE`` as ``__main__``.
+
+The server is single-threaded (a fork copies no lock held by a thread that is not there) and never
+initialises CUDA, so a worker may. A child leaves nothing of the server behind: its signal handlers are the
+defaults, it holds only standard input, its own output and what it opens itself, and its Python random state
+is fresh. Its exit is the interpreter's own (``SystemExit`` out of the server's loop: the worker's ``atexit``
+handlers run, as in a ``python`` of its own). The server reaps its children and reports each exit status
+to the process that asked for the fork, where :class:`ForkedProcess` stands for the child with the
+``subprocess.Popen`` calls the launcher makes on a worker.
+
+The server dies with the process that started it (``PR_SET_DEATHSIG``); a child whose server is gone is
+reported as killed once it has ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recvfds, sendfds
+from typing import IO, Any
+
+
+class ForkedProcess:
+    """A worker forked by a :class:`ForkServer`: not this process's child, so its exit status comes from the server."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str]) -> None:
+        self.server, self.pid, self.args = server, pid, args
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.server.lost and not _exists(self.pid):
+            self._exited(-signal.SIGKILL)  # its server is gone, so is it: how it ended is not known
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._ended.wait(0.1 if left is None else min(0.1, left))
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class ForkServer:
+    """A ``python`` that imported ``modules`` and forks the workers of ``python -m MODULE`` for each MODULE of ``runs``
+    (default: ``modules``, which must then do nothing but define things when imported, as a ``__main__`` guard
+    makes sure).
+
+    ``env``: the server's environment (what the modules read when imported, such as ``DS_ACCELERATOR``); each
+    worker gets its own. ``accepts(command)`` says whether a command can be forked here; ``start`` forks it.
+    """
+
+    def __init__(self, modules: Sequence[str], env: Mapping[str, str], log: int | IO[Any] = subprocess.DEVNULL,
+                 runs: Sequence[str] | None = None) -> None:
+        """``log``: where the server's own output goes (what the modules print when imported)."""
+        self.modules = tuple(modules)
+        self.runs = tuple(self.modules if runs is None else runs)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        code = f"from lightning_bamboo.launcher.forks import serve; serve({theirs.fileno()}, {list(self.modules)!r})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=dict(env), pass_fds=(theirs.fileno(),),
+                                     close_fds=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        theirs.close()
+        self._sock, self._conn = mine, Connection(os.dup(mine.fileno()))
+        self._lock = threading.Lock()  # one fork request at a time: its pid answers it
+        self._exits = threading.Lock()  # the children and the exits that came before their pid was read
+        self._children: dict[int, ForkedProcess] = {}
+        self._early: dict[int, int] = {}  # exits reported before the request's answer was read
+        self._pids: Any = None
+        self.lost = False
+        self._reader = threading.Thread(target=self._read, name="fork-server reader", daemon=True)
+        self._reader.start()
+
+    def accepts(self, command: Sequence[str]) -> bool:
+        return (len(command) >= 3 and command[1] == "-m" and command[2] in self.runs
+                and os.path.realpath(command[0]) == os.path.realpath(sys.executable))
+
+    def start(self, command: Sequence[str], env: Mapping[str, str], stdout: int | IO[Any] | None = None,
+              stderr: int | IO[Any] | None = None, cwd: str | os.PathLike[str] | None = None) -> ForkedProcess:
+        """Fork ``command`` (``python -m MODULE ARGS``) with ``env``; its output to ``stdout``/``stderr`` (files
+        or descriptors; ``None``: this process's own, ``subprocess.STDOUT`` for stderr: with stdout)."""
+        out = sys.stdout.fileno() if stdout is None else _fileno(stdout)
+        err = out if stderr == subprocess.STDOUT else (sys.stderr.fileno() if stderr is None else _fileno(stderr))
+        request = {"module": command[2], "argv": list(command[3:]), "env": dict(env),
+                   "cwd": os.fspath(cwd) if cwd is not None else os.getcwd()}
+        with self._lock:
+            if self.lost:
+                raise OSError("the fork server has ended")
+            self._pids = waiting = _Answer()
+            self._conn.send_bytes(json.dumps(request).encode())
+            sendfds(self._sock, [out, err])
+            pid = waiting.get()
+            if pid is None:
+                raise OSError("the fork server ended before it forked the worker")
+            proc = ForkedProcess(self, pid, list(command))
+            with self._exits:
+                if pid in self._early:
+                    proc._exited(self._early.pop(pid))
+                else:
+                    self._children[pid] = proc
+        return proc
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, pid, code = json.loads(self._conn.recv_bytes())
+                if kind == "pid":
+                    self._pids.put(pid)
+                    continue
+                with self._exits:
+                    proc = self._children.pop(pid, None)
+                    if proc is None:
+                        self._early[pid] = code
+                if proc is not None:
+                    proc._exited(code)
+        except (EOFError, OSError, ValueError):
+            self.lost = True
+            if self._pids is not None:
+                self._pids.put(None)
+
+    def close(self) -> None:
+        """End the server (its children run on, as a ``python`` started by this process would)."""
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._reader.join(5.0)
+
+
+class _Answer:
+    def __init__(self) -> None:
+        self._event, self._value = threading.Event(), None
+
+    def put(self, value: Any) -> None:
+        self._value = value
+        self._event.set()
+
+    def get(self) -> Any:
+        self._event.wait()
+        return self._value
+
+
+def _fileno(stream: int | IO[Any]) -> int:
+    return stream if isinstance(stream, int) else stream.fileno()
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+# ---------------------------------------------------------------------------------------------
+
+def serve(fd: int, modules: Sequence[str]) -> None:
+    """The server's loop: import ``modules``, then fork a worker per request and report each one's exit."""
+    import gc
+    import importlib
+
+    _die_with_parent()
+    for module in modules:
+        importlib.import_module(module)
+    gc.freeze()  # the imports are kept for the server's life: no collection walks them, in it or in a child
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    while True:
+        ready, _, _ = select.select([conn], [], [], 0.05)
+        _reap(conn)
+        if not ready:
+            continue
+        try:
+            request = json.loads(conn.recv_bytes())
+            out, err = recvfds(sock, 2)
+        except (EOFError, OSError):
+            return  # the process that started it closed its end (or ended): no more workers to start
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            conn.close()
+            _become_worker(request, out, err)  # raises SystemExit: the interpreter ends as the worker's
+        os.close(out)
+        os.close(err)
+        try:
+            conn.send_bytes(json.dumps(["pid", pid, None]).encode())
+        except OSError:
+            return
+
+
+def _reap(conn: Connection) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        with contextlib.suppress(OSError):
+            conn.send_bytes(json.dumps(["exit", pid, os.waitstatus_to_exitcode(status)]).encode())
+
+
+def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
+    import random
+    import runpy
+
+    for number in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if number not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
+    _die_with_parent(off=True)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.closerange(3, max(os.sysconf("SC_OPEN_MAX"), 1024))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()  # a fresh interpreter's own: never its siblings'
+    sys.argv = ["-m", *request["argv"]]
+    # the command line it stands for (a released node starts it again with it: membership.node.rejoin_as_standby)
+    sys.orig_argv = [sys.executable, "-m", request["module"], *request["argv"]]
+    sys.modules.pop(request["module"], None)  # preloaded as a module; it runs as __main__, as under ``python -m``
+    code: Any = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as end:
+        code = end.code
+    except BaseException:  # noqa: BLE001 - printed as a python of its own prints it, and its status is 1
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    raise SystemExit(code)
+
+
+def _die_with_parent(off: bool = False) -> None:
+    """SIGKILL when the parent ends (the server, when the process that started it does); ``off``: not any more."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, 0 if off else int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return

@@ -1,0 +1,80 @@
+"""launcher.forks: workers forked from a preloaded interpreter behave as a ``python -m MODULE`` of their own would:
+their own environment, arguments, output, random state and exit status, real signals, nothing of the server's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lightning_bamboo.launcher.forks import ForkServer
+from tests.helpers import REPO
+
+PROBE = "tests.scripts.fork_probe"
+
+
+@pytest.fixture
+def server():
+    # the server's own environment differs from every worker's: a worker must see only its own
+    forks = ForkServer(["json", "tests.helpers"], {**os.environ, "PYTHONPATH": str(REPO), "PROBE_SERVER": "1"},
+                       runs=[PROBE])
+    yield forks
+    forks.close()
+
+
+def _probe(server: ForkServer, tmp_path, how: str, **env: str) -> tuple[object, dict, str]:
+    out = tmp_path / f"out-{how}-{len(list(tmp_path.iterdir()))}.log"
+    with open(out, "wb") as log:
+        proc = server.start([sys.executable, "-m", PROBE, how], {"PYTHONPATH": str(REPO), **env}, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=tmp_path)
+    return proc, out
+
+
+def _report(out) -> dict:
+    return json.loads(out.read_text().splitlines()[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_worker_gets_its_own_environment_arguments_output_and_status(server, tmp_path):
+    assert server.accepts([sys.executable, "-m", PROBE, "0"]) and not server.accepts([sys.executable, "x.py"])
+    assert not server.accepts([sys.executable, "-m", "json"])  # preloaded, not one it runs
+    first, first_out = _probe(server, tmp_path, "3", PROBE_NAME="a")
+    second, second_out = _probe(server, tmp_path, "0", PROBE_NAME="b")
+    assert first.wait(60) == 3 and second.wait(60) == 0
+    a, b = _report(first_out), _report(second_out)
+    assert a["pid"] == first.pid and b["pid"] == second.pid and first.pid != second.pid
+    assert a["env"] == {"PROBE_NAME": "a"} and b["env"] == {"PROBE_NAME": "b"}  # not the server's PROBE_SERVER
+    assert a["argv"] == ["3"] and a["orig_argv"] == [sys.executable, "-m", PROBE, "3"]
+    assert a["cwd"] == str(tmp_path) and a["main"] == "__main__" and a["file"] == "fork_probe.py"
+    assert a["random"] != b["random"]  # each a fresh random state, as interpreters of their own
+    assert a["sigterm_default"] and a["fds"] == [0, 1, 2, 3]  # 3: its listing of /proc/self/fd; nothing inherited
+    assert not a["preloaded"]  # run as __main__ only, as under python -m
+    assert first_out.read_text().splitlines()[-1] == "atexit ran"  # the interpreter's own exit
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_worker_that_raises_or_is_killed_reports_it(server, tmp_path):
+    failing, failing_out = _probe(server, tmp_path, "raise")
+    assert failing.wait(60) == 1
+    assert "RuntimeError: the probe fails" in failing_out.read_text() and "Traceback" in failing_out.read_text()
+    sleeping, sleeping_out = _probe(server, tmp_path, "sleep")
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeping.wait(0.5)
+    assert sleeping.poll() is None
+    sleeping.send_signal(signal.SIGKILL)
+    assert sleeping.wait(60) == -signal.SIGKILL and sleeping.returncode == -signal.SIGKILL
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_outlives_its_ended_server_and_is_reported_once_gone(server, tmp_path):
+    sleeping, _ = _probe(server, tmp_path, "sleep")
+    server.close()  # the server is killed: its children run on, as processes of their own
+    assert server.lost and sleeping.poll() is None
+    os.kill(sleeping.pid, signal.SIGKILL)
+    assert sleeping.wait(60) == -signal.SIGKILL  # known only to be gone
+    with pytest.raises(OSError, match="has ended"):
+        _probe(server, tmp_path, "0")
