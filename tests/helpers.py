@@ -94,9 +94,18 @@ def optimizer_states(path: Path) -> dict[str, torch.Tensor]:
             for key, value in saved["state"].items()}
 
 
+#: what a launcher started by :func:`run` preloads (``--preload``): its workers are forks of one interpreter that
+#: imported these, so that a test pays for the imports once per job, not once per worker (4-5 s of a core each on
+#: 2 cores). A test of the plain start (a worker's own interpreter, as on a GPU machine) passes
+#: ``env={PRELOAD_ENV: ""}``; the namespace cluster's launchers and in-process ``launch`` calls start plainly.
+PRELOAD = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
+
+
 def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout kill the whole process group (children included)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
+    from lightning_bamboo.launcher import PRELOAD_ENV
+
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", PRELOAD_ENV: PRELOAD, **(env or {})}
     full_env.pop("LOCAL_RANK", None)
     proc = subprocess.Popen(
         list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lightning_bamboo import launcher
-from lightning_bamboo.launcher import Cluster, launch
+from lightning_bamboo.launcher import PRELOAD_ENV, Cluster, launch
 from lightning_bamboo.membership.node import idle_priority_supported
 from lightning_bamboo.testing import faults
 from tests.helpers import PYTHON, REPO, json_reports, launcher_exit_codes, run
@@ -123,7 +123,7 @@ def test_a_finished_job_ends_on_every_node_soon_after_its_last_step(redundancy, 
     cores at once); the launcher killed them as hung and reported -9 for every node (once 0, a status that
     lied). Every node still in the job exits 0, one killed mid-run is -9, the launcher's status is 0, and
     every process has ended within 15 s of the last step (the bound of a hang, not a speed target)."""
-    env = faults.environment([kill] if kill else [])
+    env = {**faults.environment([kill] if kill else []), PRELOAD_ENV: ""}  # each worker its own interpreter, as on GPUs
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", *SLOW_MLP, "--redundancy", redundancy],
                timeout=200, env=env)
     ended = time.time()  # the launcher returns once every worker has exited

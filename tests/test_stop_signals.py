@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_bamboo.membership.node import descendants
 from tests.helpers import REPO
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -143,20 +144,13 @@ def test_a_demo_stopped_with_sigterm_leaves_no_worker_running(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def workers() -> list[int]:
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != proc.pid:
-                try:
-                    cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-                except OSError:
-                    continue
-                if str(workdir) in cmdline and _alive(int(entry.name)):
-                    out.append(int(entry.name))
-        return out
+        """The demo's processes: its nodes (forks of its preloaded interpreter, which is one too), their
+        communication processes, its store's."""
+        return [pid for pid in descendants(proc.pid) if _alive(pid)]
 
     try:
         deadline = time.monotonic() + 120
-        while not (workdir / "checkpoints").exists() or len(workers()) < 2:  # training has started
+        while not (workdir / "checkpoints").exists() or len(workers()) < 3:  # training has started
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "the demo's workers did not start within 120 s"
             time.sleep(0.2)
@@ -170,4 +164,3 @@ def test_a_demo_stopped_with_sigterm_leaves_no_worker_running(tmp_path):
     while any(_alive(pid) for pid in running) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in running), "a worker outlived the demo"
-    assert not workers()

@@ -133,15 +133,18 @@ def run_job(
     stop_grace: float = STOP_GRACE_SECONDS,
     report: bool = False,
     pid_dir: str | None = None,
+    preload: Sequence[str] = (),
 ) -> JobResult:
     """Run ``command`` as ``nodes`` workers on this machine; returns how each ended (``launch`` for the codes).
 
     ``report``: one line per worker on stderr as it starts (node, pid, rank, device); ``pid_dir``: ``<node>.pid``
-    there while each worker runs."""
+    there while each worker runs; ``preload``: see :func:`check_preload`."""
     if nodes < 1:
         raise BambooConfigError(f"a job needs at least one node (nodes: {nodes})")
+    check_preload(preload)
     names = node_names(nodes)
-    cluster = Cluster(store, job, env, local_workers=nodes, report=report, pid_dir=pid_dir)
+    cluster = Cluster(store, job, env, local_workers=nodes, report=report, pid_dir=pid_dir, preload=preload,
+                      preload_runs=("*",))
     try:
         with stopping(cluster, stop_grace) as stop:
             for rank, name in enumerate(names):
@@ -151,6 +154,32 @@ def run_job(
         return JobResult(dict(cluster.codes), frozenset(hung), cluster.finished_nodes())
     finally:
         cluster.close()
+
+
+#: the environment variable that gives ``--preload`` its default (a comma-separated list of modules)
+PRELOAD_ENV = "BAMBOO_PRELOAD"
+
+
+def check_preload(modules: Sequence[str]) -> None:
+    """``preload``: modules (``torch,lightning,deepspeed``) that one interpreter imports once; each worker whose
+    command is ``python SCRIPT.py`` or ``python -m MODULE`` (this python) starts as a fork of it instead of
+    importing them again (4-5 s of a core per worker, per restart in a process of its own). For machines without
+    GPUs: refused where CUDA devices are visible, since the import may initialise the CUDA driver, which a forked
+    worker then cannot use; refused for a module this python cannot find."""
+    if not modules:
+        return
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m.split(".")[0]) is None]
+    if missing:
+        raise BambooConfigError(f"--preload names {', '.join(missing)}, which this python ({sys.executable}) cannot "
+                                f"import; install it or leave it out of --preload")
+    gpus = visible_gpus()
+    if gpus:
+        raise BambooConfigError(f"--preload forks every worker from one interpreter that imported "
+                                f"{', '.join(modules)}, which on a machine with GPUs ({gpus} visible) may initialise "
+                                f"the CUDA driver, which a forked worker cannot use; start the workers without "
+                                f"--preload (and unset {PRELOAD_ENV}) here")
 
 
 def launch(command: Sequence[str], nodes: int, **options: Any) -> dict[str, int]:
@@ -341,6 +370,7 @@ def supervise(
     report: bool = False,
     pid_dir: str | None = None,
     stages: int | None = None,
+    preload: Sequence[str] = (),
 ) -> int:
     """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
@@ -348,16 +378,18 @@ def supervise(
     the first node publishes the address of the initial process group in the store (``addr``
     and a free port there); the others wait for it (at most ``timeout`` s). A worker that dies is
     announced in the store at once, so its peers fail over in milliseconds. Every process group
-    binds to the interface that owns ``addr``. ``report`` and ``pid_dir`` as for ``run_job``.
+    binds to the interface that owns ``addr``. ``report``, ``pid_dir`` and ``preload`` as for ``run_job``.
     """
     from lightning_bamboo.membership.keys import JobKeys, job_prefix
 
     plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job,
                      min_nodes=min_nodes, max_nodes=max_nodes, stages=stages)
+    check_preload(preload)
     chosen = {k: os.environ[k] for k in INTERFACE_VARS if k in os.environ}  # the user's choice wins over ours
     cluster = Cluster(store, job, {**plan.env, **chosen, **(env or {})},
                       local_workers=len(plan.workers) if len(plan.workers) > 1 else None, report=report,
-                      pid_dir=pid_dir, local_ranks={w: plan.local_rank(w) for w in plan.workers})
+                      pid_dir=pid_dir, local_ranks={w: plan.local_rank(w) for w in plan.workers}, preload=preload,
+                      preload_runs=("*",))
     try:
         with stopping(cluster, stop_grace) as stop:
             if min_nodes is not None:
@@ -437,9 +469,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pid-dir", default=None, metavar="DIR",
                         help="write DIR/NODE.pid (the worker's process id) for each worker while it runs: written "
                              "whole when it starts, removed once it exited (kill -9 $(cat DIR/node2.pid) preempts node2)")
+    parser.add_argument("--preload", default=os.environ.get(PRELOAD_ENV, ""), metavar="MODULES",
+                        help="comma-separated modules (e.g. torch,lightning,deepspeed) imported once by one interpreter "
+                             "whose forks are the workers (python SCRIPT.py or python -m MODULE): each starts in "
+                             f"milliseconds instead of seconds of imports. Machines without GPUs only. Default: ${PRELOAD_ENV}")
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print what would run, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     args = parser.parse_args(argv)
+    preload = [m.strip() for m in args.preload.split(",") if m.strip()]
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the worker command after --")
@@ -457,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
                          workers=args.workers, job=args.job, timeout=args.timeout, min_nodes=args.min_nodes,
                          max_nodes=args.max_nodes, stop_grace=args.stop_grace, report=True, pid_dir=args.pid_dir,
-                         stages=args.stages)
+                         stages=args.stages, preload=preload)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
         return 0 if code == 0 else 1
     if args.workers is not None or args.stages is not None:
@@ -468,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("command: " + shlex.join(command))
         return 0
     result = run_job(command, args.nodes, store=args.store, job=args.job, stop_grace=args.stop_grace, report=True,
-                     pid_dir=args.pid_dir)
+                     pid_dir=args.pid_dir, preload=preload)
     print("[launcher] exit codes: " + ", ".join(f"{n}={c}" for n, c in result.codes.items()), file=sys.stderr)
     if CONFIG_EXIT_CODE in result.codes.values():
         return CONFIG_EXIT_CODE  # refused before it trained: the status of a wrong input, not of a failed run

@@ -114,13 +114,14 @@ class Cluster:
     def __init__(self, store: str = "embedded", job: str = "bamboo", env: Mapping[str, str] | None = None,
                  local_workers: int | None = None, *, report: bool = False, pid_dir: str | None = None,
                  local_ranks: Mapping[str, int] | None = None, preload: Sequence[str] = (),
-                 preload_log: Any = subprocess.DEVNULL) -> None:
+                 preload_log: Any = subprocess.DEVNULL, preload_runs: Sequence[str] | None = None) -> None:
         """``report``: print one line per worker it starts on stderr (node, pid, rank, device); ``pid_dir``: keep
         ``<node>.pid`` there for each running worker (written atomically at its start, removed once it exited).
         ``local_ranks``: each worker's index on this machine (its ``LOCAL_RANK``, the GPU it uses); a worker not
-        named there gets its rank (one machine runs the whole job), a standby node 0. ``preload``: modules whose
-        workers (``python -m MODULE``) start as forks of an interpreter that imported them once
-        (``launcher.forks``), its own output to ``preload_log``; other commands start as they are."""
+        named there gets its rank (one machine runs the whole job), a standby node 0. ``preload``: modules that an
+        interpreter imports once, whose forks are the workers (``launcher.forks``), its own output to ``preload_log``:
+        those of ``python -m MODULE`` for each module of ``preload_runs`` (default: ``preload``; ``("*",)``: any
+        module, and ``python SCRIPT.py`` too); other commands start as they are."""
         from lightning_bamboo.membership import connect, resolve_store
         from lightning_bamboo.membership.address import bind_env
         from lightning_bamboo.membership.registry import Registry
@@ -150,7 +151,8 @@ class Cluster:
         if preload:
             from lightning_bamboo.launcher.forks import ForkServer
 
-            self.forks = ForkServer(preload, self.env, log=preload_log)
+            self.forks = ForkServer(preload, self.env, log=preload_log, runs=preload_runs,
+                                    scripts=preload_runs is not None and "*" in preload_runs)
 
     def start_process(self, command: Sequence[str], env: Mapping[str, str], **popen: Any) -> Worker:
         """A process of ``command`` with ``env``: forked from the preloaded interpreter where it runs one of its

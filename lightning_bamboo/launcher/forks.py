@@ -93,10 +93,13 @@ class ForkServer:
     """
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str], log: int | IO[Any] = subprocess.DEVNULL,
-                 runs: Sequence[str] | None = None) -> None:
-        """``log``: where the server's own output goes (what the modules print when imported)."""
+                 runs: Sequence[str] | None = None, scripts: bool = False) -> None:
+        """``log``: where the server's own output goes (what the modules print when imported); ``runs``: the
+        modules it runs (``("*",)``: any); ``scripts``: it also forks ``python SCRIPT.py ARGS`` (the script run as
+        ``__main__``, its directory first on ``sys.path``)."""
         self.modules = tuple(modules)
         self.runs = tuple(self.modules if runs is None else runs)
+        self.scripts = scripts
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         code = f"from lightning_bamboo.launcher.forks import serve; serve({theirs.fileno()}, {list(self.modules)!r})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], env=dict(env), pass_fds=(theirs.fileno(),),
@@ -113,16 +116,21 @@ class ForkServer:
         self._reader.start()
 
     def accepts(self, command: Sequence[str]) -> bool:
-        return (len(command) >= 3 and command[1] == "-m" and command[2] in self.runs
-                and os.path.realpath(command[0]) == os.path.realpath(sys.executable))
+        if len(command) < 2 or os.path.realpath(command[0]) != os.path.realpath(sys.executable):
+            return False
+        if command[1] == "-m":
+            return len(command) >= 3 and (command[2] in self.runs or "*" in self.runs)
+        return self.scripts and command[1].endswith(".py") and not command[1].startswith("-")
 
     def start(self, command: Sequence[str], env: Mapping[str, str], stdout: int | IO[Any] | None = None,
               stderr: int | IO[Any] | None = None, cwd: str | os.PathLike[str] | None = None) -> ForkedProcess:
-        """Fork ``command`` (``python -m MODULE ARGS``) with ``env``; its output to ``stdout``/``stderr`` (files
+        """Fork ``command`` (``python -m MODULE ARGS`` or ``python SCRIPT.py ARGS``) with ``env``; its output to ``stdout``/``stderr`` (files
         or descriptors; ``None``: this process's own, ``subprocess.STDOUT`` for stderr: with stdout)."""
         out = sys.stdout.fileno() if stdout is None else _fileno(stdout)
         err = out if stderr == subprocess.STDOUT else (sys.stderr.fileno() if stderr is None else _fileno(stderr))
-        request = {"module": command[2], "argv": list(command[3:]), "env": dict(env),
+        module = command[1] == "-m"
+        request = {"module": command[2] if module else None, "script": None if module else command[1],
+                   "argv": list(command[3:] if module else command[2:]), "env": dict(env),
                    "cwd": os.fspath(cwd) if cwd is not None else os.getcwd()}
         with self._lock:
             if self.lost:
@@ -132,7 +140,8 @@ class ForkServer:
             sendfds(self._sock, [out, err])
             pid = waiting.get()
             if pid is None:
-                raise OSError("the fork server ended before it forked the worker")
+                raise OSError(f"the fork server ended before it forked the worker: did an import of {', '.join(self.modules)} "
+                              f"fail? (python -c 'import {', '.join(self.modules)}' says why)")
             proc = ForkedProcess(self, pid, list(command))
             with self._exits:
                 if pid in self._early:
@@ -257,13 +266,20 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh interpreter's own: never its siblings'
-    sys.argv = ["-m", *request["argv"]]
+    module, script = request["module"], request["script"]
     # the command line it stands for (a released node starts it again with it: membership.node.rejoin_as_standby)
-    sys.orig_argv = [sys.executable, "-m", request["module"], *request["argv"]]
-    sys.modules.pop(request["module"], None)  # preloaded as a module; it runs as __main__, as under ``python -m``
+    sys.orig_argv = [sys.executable, *(["-m", module] if module else [script]), *request["argv"]]
+    # sys.path[0] as python sets it: the script's directory, or the working directory for -m
+    sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
     code: Any = 0
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if module:
+            sys.argv = ["-m", *request["argv"]]
+            sys.modules.pop(module, None)  # preloaded as a module; it runs as __main__, as under ``python -m``
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *request["argv"]]
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as end:
         code = end.code
     except BaseException:  # noqa: BLE001 - printed as a python of its own prints it, and its status is 1
