@@ -78,3 +78,37 @@ def test_a_worker_outlives_its_ended_server_and_is_reported_once_gone(server, tm
     assert sleeping.wait(60) == -signal.SIGKILL  # known only to be gone
     with pytest.raises(OSError, match="has ended"):
         _probe(server, tmp_path, "0")
+
+
+@pytest.mark.timeout(120)
+def test_a_script_is_forked_as_python_would_run_it(tmp_path):
+    """``python SCRIPT.py ARGS`` (what the launcher's --preload forks): the script as ``__main__``, its own
+    arguments, and its command line kept for a worker that starts itself again."""
+    script = str(REPO / "tests" / "scripts" / "fork_probe.py")
+    forks = ForkServer(["json"], {**os.environ, "PYTHONPATH": str(REPO)}, runs=("*",), scripts=True)
+    try:
+        assert forks.accepts([sys.executable, script, "0"]) and forks.accepts([sys.executable, "-m", "any.module"])
+        assert not forks.accepts(["/bin/sh", script]) and not forks.accepts([sys.executable, "-c", "pass"])
+        out = tmp_path / "out.log"
+        with open(out, "wb") as log:
+            proc = forks.start([sys.executable, script, "5"], {"PYTHONPATH": str(REPO)}, stdout=log, stderr=log)
+        assert proc.wait(60) == 5
+        report = _report(out)
+        assert report["argv"] == ["5"] and report["orig_argv"] == [sys.executable, script, "5"]
+        assert report["main"] == "__main__" and report["fds"] == [0, 1, 2, 3]
+    finally:
+        forks.close()
+
+
+def test_preload_is_refused_for_a_module_it_cannot_import_and_on_a_machine_with_gpus(monkeypatch):
+    from lightning_bamboo import launcher
+    from lightning_bamboo.errors import BambooConfigError
+
+    launcher.check_preload([])  # nothing to preload: nothing to check
+    launcher.check_preload(["torch", "lightning.pytorch"])  # importable here, no GPU here
+    with pytest.raises(BambooConfigError, match="--preload names no_such_module_here, which this python"):
+        launcher.check_preload(["torch", "no_such_module_here"])
+    # a machine with GPUs (none here: the count the launcher reads is set to 2)
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 2)
+    with pytest.raises(BambooConfigError, match=r"machine with GPUs \(2 visible\) may initialise the CUDA driver"):
+        launcher.check_preload(["torch"])
