@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tests.etcd_server import etcd_binary
-from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights
+from lightning_bamboo.launcher import PRELOAD_ENV
+from tests.helpers import PRELOAD, PYTHON, REPO, max_abs_diff, reference_weights
 from tests.netns import ETCD, NetnsCluster
 
 pytestmark = [pytest.mark.timeout(420)]
@@ -35,8 +36,11 @@ STEPS, BATCH, MICRO = 10, 8, 2
 DETECTION = "15"
 
 
-def worker_env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+def worker_env(preload: bool = True) -> dict[str, str]:
+    """A launcher's environment here; ``preload``: its workers are forks of one interpreter per machine that imported
+    torch, DeepSpeed and Lightning (``--preload``, these machines have no GPU), else each its own interpreter."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO),
+           PRELOAD_ENV: PRELOAD if preload else ""}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the launcher must find the interface and the address itself
     return env
@@ -282,7 +286,7 @@ def test_two_machines_of_two_workers_give_each_worker_its_own_local_index(tmp_pa
     machines = ["m0", "m1"]
     with NetnsCluster(machines) as net:
         url = net.start_etcd()
-        env, logs, procs = worker_env(), {}, {}
+        env, logs, procs = worker_env(preload=False), {}, {}  # each worker its own interpreter
         for machine in machines:
             cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "local", "--node", machine,
                    "--workers", "2", "--stages", "2", "--peers", ",".join(machines), "--addr", net.addrs[machine],
