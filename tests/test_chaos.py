@@ -58,7 +58,7 @@ BF16_CLIPPED = ["--precision", "bf16", "--clip", "0.5"]
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("numerics", [[], BF16_CLIPPED], ids=["fp32", "bf16_clip0.5"])
+@pytest.mark.parametrize("numerics", [BF16_CLIPPED], ids=["bf16_clip0.5"])
 def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and_samples(tmp_path, numerics):
     """Seed 71, 13 changes on a real etcd server: a notice, joins, a frozen node (SIGSTOP), a node and its replica
     holder at once (a restart from the checkpoint, then a kill right after it), a node killed inside a live
@@ -66,8 +66,10 @@ def test_a_seeded_chaos_run_ends_with_the_clean_runs_weights_optimizer_state_and
     on and dropout in every layer: the weights and every AdamW state tensor equal the clean run's, every step trained on the clean run's
     samples, and every step finished. Recovery times are the benchmark's to judge (``benchmarks/chaos.py``
     without ``--no-bounds``): this test checks exactness, order and exit status, which a loaded machine must keep
-    however late it recovers. Also in bf16 with fp32 master weights and clipping by the global norm (the clean run
-    too): still bit-exact against it."""
+    however late it recovers. In bf16 with fp32 master weights and clipping by the global norm (the clean run
+    too): every mechanism of an fp32 run (replicas, failover, restarts, admission, the audit) and the precision
+    path on top, still bit-exact against the clean run. The same schedules in fp32 are the benchmark's
+    (``chaos.txt``: 10 seeds, 300 changes), and every demo test is an fp32 run against its clean run."""
     proc = run([PYTHON, str(REPO / "benchmarks" / "chaos.py"), "--seeds", "1", "--first-seed", "71", "--changes", "10",
                 "--no-bounds", "--json", "--keep", str(tmp_path), *numerics], timeout=400)
     rows = [json.loads(line)["chaos_run"] for line in proc.stdout.splitlines() if line.startswith('{"chaos_run"')]

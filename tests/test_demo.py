@@ -82,7 +82,7 @@ def test_adjacent_nodes_killed_fall_back_to_the_checkpoint(clean, tmp_path):
     the others committed a later step, and stall the job for the 60 s commit timeout)."""
     clean_dir, clean_weights = clean
     report, weights = demo(tmp_path, "--preempt", "node1@10,node2@10,node3@10", "--join", "spare1@12,spare2@12",
-                           "--step-delay", "1.0")
+                           "--step-delay", "0.5")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 3 and report["joins"] == 2
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0}
     assert report["processes_kept"] == 1  # node0 ran the restarted job in its own process
@@ -102,7 +102,7 @@ def test_every_running_node_lost_the_standby_node_restarts_the_job_in_its_proces
     15-25 s on 2 cores, in the chaos runs)."""
     clean_dir, clean_weights = clean
     report, weights = demo(tmp_path, "--preempt", "node0@14,node1@14,node2@14,node3@14", "--join", "spare1@2",
-                           "--step-delay", "1.0")
+                           "--step-delay", "0.5")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 4 and report["joins"] == 1
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 1, "restart": 0}
     assert report["processes_kept"] == 1  # spare1's standby process
@@ -119,7 +119,7 @@ def test_a_node_that_joins_runs_in_a_warm_process_so_losing_every_ready_one_wait
     chaos runs such restarts waited 10-18 s for one.)"""
     clean_dir, clean_weights = clean
     report, weights = demo(tmp_path, "--preempt", "node0@3,node1@3,node2@3,node3@3", "--join", "spare1@2",
-                           "--step-delay", "1.0")
+                           "--step-delay", "0.5")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 4 and report["joins"] == 1
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 0, "restart": 1}  # no checkpoint before step 8
     assert report["processes_pooled"] >= 1
@@ -154,7 +154,7 @@ def test_two_pipelines_drop_the_damaged_one_and_grow_back(clean, tmp_path):
     stages copied from the running one. Same weights and sample order as the clean 4-stage run."""
     clean_dir, clean_weights = clean
     report, weights = demo(tmp_path, "--stages", "2", "--preempt", "node2@7", "--join", "spare1@9",
-                           "--step-delay", "1.0")
+                           "--step-delay", "0.5")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 1 and report["joins"] == 1
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
     (drop,) = report["failovers"]
@@ -175,7 +175,7 @@ def test_two_pipelines_that_each_lose_a_node_keep_one_failing_over(clean, tmp_pa
     whole, so node0 serves node2's stage from its replica alone (Bamboo's failover, one pipeline of one
     node) and node3 is released; back as a standby node it takes the second stage over (rebalance)."""
     _, clean_weights = clean
-    report, weights = demo(tmp_path, "--stages", "2", "--preempt", "node2@7,node1@7", "--step-delay", "1.0")
+    report, weights = demo(tmp_path, "--stages", "2", "--preempt", "node2@7,node1@7", "--step-delay", "0.5")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 2
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
     (failover,) = report["failovers"]
@@ -266,7 +266,7 @@ def test_node_added_mid_run_joins_the_pipeline_live(clean, tmp_path):
     spare1 starts at step 1, registers as standby once up, and is admitted at a step boundary: the
     pipeline is 4 deep again. Same weights and sample order as the clean run; no restart."""
     clean_dir, clean_weights = clean
-    report, weights = demo(tmp_path, "--preempt", "node2@3", "--join", "spare1@1", "--step-delay", "1.0")
+    report, weights = demo(tmp_path, "--preempt", "node2@3", "--join", "spare1@1", "--step-delay", "0.5")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 1 and report["joins"] == 1
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
     # Either spare1 is up before the next step (the policy's "rebalance": it takes the lost node's
@@ -292,7 +292,7 @@ def test_a_node_lost_while_the_pipeline_is_reconfigured_restarts_in_place(clean,
     loss: the others restart from the step-8 checkpoint. (In new processes: the abandoned connect is
     still blocked in the old process group, so the survivors' processes cannot be freed for reuse.)"""
     clean_dir, clean_weights = clean
-    report, weights = demo(tmp_path, "--preempt", "node2@9", "--join", "spare1@9", "--step-delay", "1.0",
+    report, weights = demo(tmp_path, "--preempt", "node2@9", "--join", "spare1@9", "--step-delay", "0.5",
                            env=faults.environment(["node1@reconfigure"]))
     assert report["steps_completed"] == STEPS and report["preemptions"] == 1
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 1, "restart": 0}
