@@ -9,6 +9,7 @@ import of the module's own.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -204,6 +205,22 @@ def test_membership_imports_no_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"importing lightning_bamboo.membership's modules loaded {proc.stdout.strip()}\n{proc.stderr}"
+
+
+def test_the_launcher_starts_without_torch_on_a_machine_without_gpus(tmp_path):
+    """The launcher supervises processes and talks to the store: it imports no heavy package (1.5 s of its start on
+    2 cores was torch's import), also through a whole job of a worker that imports none (here, no GPU driver)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import sys; sys.exit('torch' in sys.modules)\n")
+    code = (
+        "import sys; from lightning_bamboo.launcher import launch; "
+        f"codes = launch([sys.executable, {str(worker)!r}], 2, timeout=60); "
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'lightning', 'numpy') if m in sys.modules); "
+        "print(codes, heavy); sys.exit(bool(heavy) or set(codes.values()) != {0})"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, f"the launcher loaded {proc.stdout.strip()}\n{proc.stderr[-2000:]}"
 
 
 def test_the_layer_table_covers_every_module():

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
 from lightning_bamboo.engine.comm_process import BACKEND, CommAborted, abort_generation, open_generation
 from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import node_address
 from lightning_bamboo.membership.registry import wait_for_key
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def reset_group_names() -> None:

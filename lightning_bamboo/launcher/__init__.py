@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_bamboo.engine.groups import free_port
+from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.errors import CONFIG_EXIT_CODE, BambooConfigError
 from lightning_bamboo.launcher.cluster import (  # noqa: F401 - the launcher's API, as before
     ASSIGN_KEY,

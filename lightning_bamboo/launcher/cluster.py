@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
-from lightning_bamboo.engine.groups import free_port
+from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.errors import CONFIG_EXIT_CODE
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import (
@@ -86,9 +86,16 @@ def worker_env_help() -> str:
     return "\n".join(["environment of each worker (besides the launcher's own):", *lines])
 
 
+#: files that exist where a GPU kernel driver is loaded (NVIDIA's, AMD's for ROCm): without any, no GPU is visible
+GPU_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
 def visible_gpus() -> int:
     """The GPUs a worker started here sees (``CUDA_VISIBLE_DEVICES`` applied); 0 on a machine without CUDA.
-    torch is loaded already (the package's import brings it); counting GPUs creates no CUDA context."""
+    Counting them creates no CUDA context; on a machine without a GPU driver it does not even load torch (1.5 s of
+    the launcher's start on 2 cores)."""
+    if not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return 0
     import torch
 
     return int(torch.cuda.device_count())

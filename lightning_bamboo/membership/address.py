@@ -12,6 +12,13 @@ class AddressError(BambooConfigError):
     """``--addr`` is not an IP address this machine owns."""
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's pick for a bind to port 0)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def local_addresses() -> dict[str, list[str]]:
     """Every IPv4/IPv6 address of this machine, by interface (link-local scopes dropped)."""
     import psutil
