@@ -21,8 +21,8 @@ import time
 import pytest
 import torch
 
-from tests.etcd_server import etcd_binary
 from lightning_bamboo.launcher import PRELOAD_ENV
+from tests.etcd_server import etcd_binary
 from tests.helpers import PRELOAD, PYTHON, REPO, max_abs_diff, reference_weights
 from tests.netns import ETCD, NetnsCluster
 

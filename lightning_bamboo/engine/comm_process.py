@@ -361,7 +361,8 @@ class _ForkedZygote:
     """The zygote as a fork of this process (its child: waited for here), with the ``Popen`` calls used on it."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.returncode = pid, None
+        self.pid = pid
+        self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -370,8 +371,7 @@ class _ForkedZygote:
             except ChildProcessError:  # reaped by someone else: gone all the same
                 self.returncode = -1
             else:
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
+                self.returncode = os.waitstatus_to_exitcode(status) if pid else None
         return self.returncode
 
     def kill(self) -> None:

@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.errors import CONFIG_EXIT_CODE, BambooConfigError
 from lightning_bamboo.launcher.cluster import (  # noqa: F401 - the launcher's API, as before
     ASSIGN_KEY,
@@ -55,6 +54,7 @@ from lightning_bamboo.launcher.cluster import (  # noqa: F401 - the launcher's A
     worker_device,
     worker_env_help,
 )
+from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.membership.node import (
     ADDR_ENV,
     JOB_ENV,

@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
-from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.errors import CONFIG_EXIT_CODE
+from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import (
     ADDR_ENV,
@@ -32,7 +32,7 @@ from lightning_bamboo.membership.node import (
 )
 
 if TYPE_CHECKING:
-    from lightning_bamboo.launcher.forks import ForkServer, ForkedProcess
+    from lightning_bamboo.launcher.forks import ForkedProcess, ForkServer
 
 #: a worker's process: started as its own ``python``, or forked from the preloaded one
 Worker = Union[subprocess.Popen, "ForkedProcess"]
@@ -302,13 +302,14 @@ class Cluster:
         """
         exited = {}
         for name, proc in self.procs.items():
-            if name in self.codes or proc.poll() is None:
+            code = None if name in self.codes else proc.poll()
+            if code is None:
                 continue
-            self.codes[name] = exited[name] = proc.returncode
+            self.codes[name] = exited[name] = code
             self._remove_pid(name)
-            if proc.returncode not in (0, CONFIG_EXIT_CODE) and (announce_always or self.running):
+            if code not in (0, CONFIG_EXIT_CODE) and (announce_always or self.running):
                 try:  # tell the survivors now; the lease would take its TTL
-                    self._reporter.announce_loss(name, f"process exited with {proc.returncode}", timeout=2.0)
+                    self._reporter.announce_loss(name, f"process exited with {code}", timeout=2.0)
                 except Exception as err:  # noqa: BLE001 - the lease is the backstop
                     print(f"[launcher] could not announce the loss of {name}: {err}", file=sys.stderr)
         return exited
