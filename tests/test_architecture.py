@@ -238,19 +238,8 @@ def test_no_module_is_longer_than_600_lines():
     assert not OVER_600, f"modules over {MAX_LINES} lines; split them by concept:\n" + "\n".join(OVER_600)
 
 
-#: where ``os._exit`` is the only right exit: a fork taken in the middle of a worker's stack (the communication
-#: zygote, ``comm_process.prepare``, and the children it forks) must not unwind the worker's frames (Lightning's
-#: teardown, the user's ``finally``) nor run its ``atexit`` handlers; no one reads its status
-FORKED_MID_STACK = {"lightning_bamboo/engine/comm_child.py"}
-
-
 def test_no_module_leaves_with_os_exit():
     """A process's exit status is its real one: nothing in the package skips the interpreter's exit
-    (a step blocked on a lost peer is aborted, not left behind, so a normal exit is safe), except a fork of a
-    worker's running stack, which must not finish the worker's work a second time."""
+    (a step blocked on a lost peer is aborted, not left behind, so a normal exit is safe)."""
     offenders = sorted(str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py") if "os._exit(" in path.read_text())
-    assert set(offenders) <= FORKED_MID_STACK, offenders
-    for path in FORKED_MID_STACK:  # and there only in the forked processes' own functions
-        text = (REPO / path).read_text()
-        uses = [block.split("(", 1)[0] for block in text.split("\ndef ")[1:] if "os._exit(" in block]
-        assert set(uses) <= {"forked_zygote_main", "zygote_main"}, uses
+    assert not offenders, offenders

@@ -7,7 +7,6 @@ worker sends it (see ``comm_process``). The zygote never initialises CUDA, so a 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import math
@@ -55,55 +54,13 @@ def zygote_main(fd: int) -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             sock.close()
             conn.close()
-            code = 1
-            try:
-                _child_main(child_fd)
-                code = 0
-            except SystemExit as end:
-                code = end.code if isinstance(end.code, int) else 1
-            finally:
-                # no atexit handler, finaliser or C++ destructor of the process it was forked from runs here (a
-                # zygote forked from a worker carries the worker's); torch's threads end with it
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:  # noqa: BLE001, S110 - a closed stream: nothing to lose
-                        pass
-                os._exit(code)
+            _child_main(child_fd)
+            sys.exit(0)
         os.close(child_fd)
         try:
             conn.send(pid)
         except OSError:
             return
-
-
-def forked_zygote_main(fd: int) -> None:
-    """The zygote as a fork of the worker (``comm_process.prepare``): shed what it carries of the worker, then
-    serve as :func:`zygote_main`; never returns, never runs the worker's exit handlers.
-
-    It keeps standard input and output, as a zygote started as its own ``python`` does, and closes every other
-    descriptor it inherited (a store connection, a log, a pipe whose reader waits for its end of file must not
-    live on in it). Signals the worker handles in Python go back to their defaults: a notice sent to the worker's
-    process group must not run the worker's handler in here."""
-    code = 0
-    try:
-        for number in signal.valid_signals():
-            try:
-                handler = signal.getsignal(number)
-            except (OSError, ValueError):
-                continue
-            if callable(handler) and number != signal.SIGINT:
-                signal.signal(number, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(-1)
-        os.closerange(3, fd)
-        os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 65536)
-        zygote_main(fd)
-    except BaseException:  # noqa: BLE001 - a zygote that fails is seen by the worker (its socket closes)
-        code = 1
-    finally:
-        os._exit(code)
 
 
 def _child_main(fd: int) -> None:

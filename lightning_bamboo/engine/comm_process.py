@@ -16,11 +16,12 @@ Lightning's collectives and ``new_group`` all use it unchanged. A failover calls
 :func:`abort_generation`: every operation of the old generation ends within milliseconds, however
 it was blocked, and no thread of it is left.
 
-A child is forked from the worker's *zygote*, which imported torch and does nothing else: a fork of the
-worker taken by :func:`prepare` while it is one thread without CUDA (milliseconds), else a fresh ``python``
-importing torch (2 s of a core). Never a fork of a worker running gloo or store threads, never a re-import
-of the user's main module (``multiprocessing``'s way). A fork of the zygote costs milliseconds, so a
-failover's new generation waits for no import, and nothing imports in the background while the job trains.
+A child is forked from the worker's *zygote*, which imported torch and does nothing else: a plain ``python``
+(2 s of a core to import torch), or, for a worker forked from a preloaded interpreter (``launcher.forks``), a
+fork of that worker taken before it runs anything (milliseconds). Never a fork of a worker running gloo or
+store threads, never a re-import of the user's main module (``multiprocessing``'s way). A fork of the zygote
+costs milliseconds, so a failover's new generation waits for no import, and nothing imports in the background
+while the job trains.
 """
 
 from __future__ import annotations
@@ -351,10 +352,14 @@ _ZYGOTE: dict[str, Any] = {"proc": None}
 _ZYGOTE_LOCK = threading.Lock()
 
 
-def prepare() -> None:
-    """Start this worker's zygote now (its torch import takes seconds), so the first generation need not wait."""
+def prepare(fork: bool = False) -> None:
+    """Start this worker's zygote now (its torch import takes seconds), so the first generation need not wait.
+
+    ``fork``: as a fork of this process, for a caller at the top of a new worker (``launcher.forks``): one thread,
+    no CUDA, nothing opened yet, and a stack whose unwinding ends the process, so the zygote and the children it
+    forks leave through ``SystemExit`` without running any worker's code on the way."""
     with _ZYGOTE_LOCK:
-        _start_zygote()
+        _start_zygote(fork)
 
 
 class _ForkedZygote:
@@ -385,26 +390,19 @@ class _ForkedZygote:
         return self.returncode
 
 
-def may_fork_zygote() -> bool:
-    """Whether a fork of this process can be the zygote now: one thread (no lock held by another is copied; gloo
-    and store threads come later) and no CUDA context (a child forked from the zygote may need its own)."""
-    return threading.active_count() == 1 and not torch.cuda.is_initialized()
-
-
-def _start_zygote() -> tuple[subprocess.Popen | _ForkedZygote, socket.socket, Connection, list[bool]]:
+def _start_zygote(fork: bool = False) -> tuple[subprocess.Popen | _ForkedZygote, socket.socket, Connection, list[bool]]:
     zygote = _ZYGOTE["proc"]
     if zygote is None or zygote[0].poll() is not None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         proc: subprocess.Popen | _ForkedZygote
-        if may_fork_zygote():
-            from lightning_bamboo.engine.comm_child import forked_zygote_main
+        if fork:
+            from lightning_bamboo.engine.comm_child import zygote_main
 
-            sys.stdout.flush()  # nothing buffered here is printed twice
-            sys.stderr.flush()
             pid = os.fork()
-            if pid == 0:
+            if pid == 0:  # the zygote: it leaves through SystemExit, up the caller's stack (see ``prepare``)
                 mine.close()
-                forked_zygote_main(theirs.fileno())  # never returns
+                zygote_main(theirs.fileno())
+                sys.exit(0)
             proc = _ForkedZygote(pid)
         else:
             code = f"from lightning_bamboo.engine.comm_child import zygote_main; zygote_main({theirs.fileno()})"
