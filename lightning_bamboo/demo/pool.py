@@ -91,24 +91,9 @@ class WarmPool:
 
     def close(self) -> None:
         """Stop every pooled process (they wait for an assignment that will not come)."""
+        from lightning_bamboo.launcher.cluster import signal_worker
+
         for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+            signal_worker(proc, signal.SIGKILL, wait=True)
         self.procs.clear()
-
-
-def die_with_parent(on: bool) -> None:
-    """While ``on``, this process is SIGKILLed when the process that started it (the demo's controller) ends:
-    a pooled process left waiting for an assignment by a controller that was killed would wait for a day.
-    A process given a node turns it off, as every node's process runs on by itself. Linux only (``prctl``)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL) if on else 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the controller's close() is all there is
-        return
-    if on and os.getppid() == 1:  # the controller ended before the call
-        os.kill(os.getpid(), signal.SIGKILL)
 

@@ -172,8 +172,8 @@ def main() -> int:
     # milliseconds instead of a fifth of a second each.
     gc.freeze()
     if pooled:
-        from lightning_bamboo.demo.pool import die_with_parent
         from lightning_bamboo.launcher import offer_process
+        from lightning_bamboo.membership.node import die_with_parent
 
         die_with_parent(True)
         assignment = offer_process(timeout=POOL_WAIT_SECONDS)

@@ -334,12 +334,9 @@ class _Child:
         self.pid = pid
 
     def alive(self) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            return False
-        return state not in ("Z", "X")
+        from lightning_bamboo.membership.node import process_alive
+
+        return process_alive(self.pid)
 
     def kill(self) -> None:
         try:

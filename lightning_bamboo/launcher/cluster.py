@@ -263,12 +263,8 @@ class Cluster:
         """Send ``sig`` to worker ``name``; SIGKILL and SIGSTOP reach its own child processes too (its
         communication processes): a machine that vanishes or hangs takes all of them with it."""
         proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            family = descendants(proc.pid) if sig in (signal.SIGKILL, signal.SIGSTOP) else []
-            proc.send_signal(sig)
-            for pid in family:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
+        if proc is not None:
+            signal_worker(proc, sig)
 
     @property
     def running(self) -> list[str]:
@@ -316,15 +312,28 @@ class Cluster:
 
     def close(self) -> None:
         for name, proc in self.procs.items():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+            signal_worker(proc, signal.SIGKILL, wait=True)
             self._remove_pid(name)
         self.store.close()
         if self.forks is not None:
             self.forks.close()
         if self._server is not None:
             self._server.stop()
+
+
+def signal_worker(proc: Worker, sig: int, wait: bool = False) -> None:
+    """Send ``sig`` to a running worker; SIGKILL and SIGSTOP reach the processes it started too (its communication
+    zygote and processes: a machine that vanishes or hangs takes all of them with it, and a worker that is
+    ended leaves none behind). ``wait``: until it has exited."""
+    if proc.poll() is not None:
+        return
+    family = descendants(proc.pid) if sig in (signal.SIGKILL, signal.SIGSTOP) else []
+    proc.send_signal(sig)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    if wait:
+        proc.wait()
 
 
 class _Stop:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import select
 import signal
 import socket
@@ -35,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
 from typing import IO, Any
+
+from lightning_bamboo.membership.node import die_with_parent, process_alive
 
 
 class ForkedProcess:
@@ -50,7 +53,7 @@ class ForkedProcess:
         self._ended.set()
 
     def poll(self) -> int | None:
-        if self.returncode is None and self.server.lost and not _exists(self.pid):
+        if self.returncode is None and self.server.lost and not process_alive(self.pid):
             self._exited(-signal.SIGKILL)  # its server is gone, so is it: how it ended is not known
         return self.returncode
 
@@ -73,14 +76,6 @@ class ForkedProcess:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 class ForkServer:
@@ -110,7 +105,7 @@ class ForkServer:
         self._exits = threading.Lock()  # the children and the exits that came before their pid was read
         self._children: dict[int, ForkedProcess] = {}
         self._early: dict[int, int] = {}  # exits reported before the request's answer was read
-        self._pids: Any = None
+        self._pids: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # the pid of each fork, in order; None: lost
         self.lost = False
         self._reader = threading.Thread(target=self._read, name="fork-server reader", daemon=True)
         self._reader.start()
@@ -135,10 +130,9 @@ class ForkServer:
         with self._lock:
             if self.lost:
                 raise OSError("the fork server has ended")
-            self._pids = waiting = _Answer()
             self._conn.send_bytes(json.dumps(request).encode())
             sendfds(self._sock, [out, err])
-            pid = waiting.get()
+            pid = self._pids.get()
             if pid is None:
                 raise OSError(f"the fork server ended before it forked the worker: did an import of {', '.join(self.modules)} "
                               f"fail? (python -c 'import {', '.join(self.modules)}' says why)")
@@ -165,8 +159,7 @@ class ForkServer:
                     proc._exited(code)
         except (EOFError, OSError, ValueError):
             self.lost = True
-            if self._pids is not None:
-                self._pids.put(None)
+            self._pids.put(None)
 
     def close(self) -> None:
         """End the server (its children run on, as a ``python`` started by this process would)."""
@@ -178,19 +171,6 @@ class ForkServer:
             self.proc.kill()
         self.proc.wait()
         self._reader.join(5.0)
-
-
-class _Answer:
-    def __init__(self) -> None:
-        self._event, self._value = threading.Event(), None
-
-    def put(self, value: Any) -> None:
-        self._value = value
-        self._event.set()
-
-    def get(self) -> Any:
-        self._event.wait()
-        return self._value
 
 
 def _fileno(stream: int | IO[Any]) -> int:
@@ -206,7 +186,7 @@ def serve(fd: int, modules: Sequence[str]) -> None:
     import gc
     import importlib
 
-    _die_with_parent()
+    die_with_parent(True)  # a server whose launcher (or demo) was killed waits for no more requests
     for module in modules:
         importlib.import_module(module)
     gc.freeze()  # the imports are kept for the server's life: no collection walks them, in it or in a child
@@ -255,7 +235,6 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
         with contextlib.suppress(OSError, ValueError):
             if number not in (signal.SIGKILL, signal.SIGSTOP):
                 signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
-    _die_with_parent(off=True)
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.closerange(3, max(os.sysconf("SC_OPEN_MAX"), 1024))
@@ -290,12 +269,3 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
         code = 1
     raise SystemExit(code)
 
-
-def _die_with_parent(off: bool = False) -> None:
-    """SIGKILL when the parent ends (the server, when the process that started it does); ``off``: not any more."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, 0 if off else int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return

@@ -63,6 +63,33 @@ def descendants(pid: int) -> list[int]:
 
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is neither a zombie nor dead), from ``/proc``: also for a process
+    that is not this one's child."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def die_with_parent(on: bool) -> None:
+    """While ``on``, this process is SIGKILLed when the process that started it ends (a demo's pooled process
+    whose controller was killed would wait a day for an assignment; a fork server whose launcher was killed
+    would wait for requests). A process given a node turns it off, as every node's process runs on by itself.
+    Linux only (``prctl``)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL) if on else 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's own clean-up is all there is
+        return
+    if on and os.getppid() == 1:  # the parent ended before the call
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def joiner_env(name: str) -> dict[str, str]:
     """The environment that makes worker ``name`` join a running job as a standby node (with the store and
     job variables of the job it joins)."""
