@@ -4,9 +4,12 @@ Each bad input of ``tests/scripts/bad_input.py`` (batches without targets, a bat
 multiple of the micro-batch size, a precision the engine does not run) is started two ways:
 
 * under the Bamboo launcher, ``python -m lightning_bamboo.launcher --nodes N -- python bad_input.py MISTAKE``:
-  the launcher does not import the user's script, so the first processes that can see the module are the
-  workers; each refuses before it registers, rendezvouses or builds anything, one of them prints the
-  rule once and the launcher stops the job with exit status 2;
+  the launcher does not import the user's script; it starts the first worker alone and the others only once
+  that one is past its checks, so the first worker refuses before the others start (it prints the rule
+  once, and the launcher exits with status 2); once as it starts on a GPU machine, with each worker's own
+  interpreter, and once with ``--preload torch,lightning,deepspeed`` (forks of one preloaded interpreter);
+* the DeepSpeed door's bad ``"bamboo"`` section (``tests/scripts/bad_door.py``) under the Bamboo launcher: it
+  is read in ``lightning_bamboo.initialize``, after the job's rendezvous, so every worker has started;
 * as a plain script (``python bad_input.py MISTAKE``, ``devices=2``: Lightning's own launcher), where the
   Trainer's options are refused in the launching process before any child starts (only the precision is a
   Trainer option; the other two need the DataLoader, which Lightning builds in the children).
@@ -31,23 +34,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "bad_input.py"
+DOOR_SCRIPT = ROOT / "tests" / "scripts" / "bad_door.py"
 RULES = {
     "form": "needs batches of the form (inputs, targets)",
     "divisibility": "is not a multiple of micro_batch_size 2",
     "precision": "strategy='bamboo' runs precision '32-true', 'bf16-mixed' or '16-mixed'",
+    "bamboo section": '"bamboo.redundancy" must be one of',
 }
+PRELOAD = "torch,lightning,deepspeed"
+#: what DeepSpeed's PipelineModule prints when it is built (rank 0): a plain DeepSpeed run prints it too
+PIPELINE_MODULE = re.compile(r"SEED_LAYERS=|Using topology:|stage=\d+ layers=|\s+\d+: |\s+loss: ")
 BANNER = ("GPU available:", "TPU available:", "💡 Tip:", "HPU available:")
 SECONDS_BOUND, LINES_BOUND = 10.0, 5
 
 
 def run(cmd: list[str]) -> tuple[int, float, list[str]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    env = {k: v for k, v in os.environ.items() if k != "BAMBOO_PRELOAD"}
+    env.update({"PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"})
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           start_new_session=True)
     seconds = time.perf_counter() - start
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()
-             and not re.match(r"\[launcher\] node\d+: pid", line) and not line.startswith(BANNER)]
+             and not re.match(r"\[launcher\] node\d+: pid", line) and not line.startswith(BANNER)
+             and not PIPELINE_MODULE.match(line)]
     return proc.returncode, seconds, lines
 
 
@@ -56,11 +66,14 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="runs per case (the median time is printed)")
     args = parser.parse_args()
-    cases = [(f"Bamboo launcher, {args.nodes} nodes", mistake,
-              [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(args.nodes), "--",
-               sys.executable, str(SCRIPT), mistake, "--stages", str(args.nodes)]) for mistake in RULES]
+    launcher = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(args.nodes)]
+    cases = [(f"Bamboo launcher, {args.nodes} nodes{', preloaded' if preload else ''}", mistake,
+              [*launcher, *(["--preload", PRELOAD] if preload else []), "--", sys.executable, str(SCRIPT), mistake,
+               "--stages", str(args.nodes)]) for preload in (False, True) for mistake in ("form", "divisibility", "precision")]
+    cases.append((f"DeepSpeed door, {2} nodes", "bamboo section", [*launcher[:-1], "2", "--", sys.executable,
+                                                                  str(DOOR_SCRIPT)]))
     cases.append(("plain script, Lightning's launcher", "precision", [sys.executable, str(SCRIPT), "precision"]))
-    print(f"{'how it is started':<36} {'mistake':<13} {'status':>6} {'seconds':>8} {'lines':>6}  rule printed")
+    print(f"{'how it is started':<40} {'mistake':<15} {'status':>6} {'seconds':>8} {'lines':>6}  rule printed")
     wrong = []
     for how, mistake, cmd in cases:
         results = [run(cmd) for _ in range(args.repeats)]
@@ -68,7 +81,7 @@ def main() -> None:
         seconds = statistics.median(s for _, s, _ in results)
         lines = max(len(said) for _, _, said in results)
         ruled = all(RULES[mistake] in "\n".join(said) for _, _, said in results)
-        print(f"{how:<36} {mistake:<13} {'/'.join(map(str, sorted(codes))):>6} {seconds:>8.2f} {lines:>6}  "
+        print(f"{how:<40} {mistake:<15} {'/'.join(map(str, sorted(codes))):>6} {seconds:>8.2f} {lines:>6}  "
               f"{'yes' if ruled else 'NO'}")
         if 0 in codes or not ruled:
             wrong.append((how, mistake, results[-1][2][-20:]))

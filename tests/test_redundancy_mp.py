@@ -93,17 +93,19 @@ def test_sigkill_is_taken_over_and_weights_equal_the_run_without_it(tmp_path, ki
         assert f"and ran {n} lazy backwards through them" in proc.stdout
 
 
-def test_a_node_lost_while_the_job_starts_is_started_without(tmp_path):
-    """node2 registers and is SIGKILLed before the first rendezvous: the three others start a 3-stage
+@pytest.mark.parametrize("lost", ["node2", "node0"])
+def test_a_node_lost_while_the_job_starts_is_started_without(tmp_path, lost):
+    """``lost`` registers and is SIGKILLed before the first rendezvous: the three others start a 3-stage
     pipeline at once (no restart, no wait for a timeout) and train to the end; nothing had trained, so
-    the weights equal the clean run's."""
+    the weights equal the clean run's. node0 is the worker the launcher starts first, alone until it is past its
+    checks: killed then, the launcher starts the others without it."""
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, *FIT, "--devices", "4",
                 "--stages", "4", "--steps", "6", "--partition", "uniform", "--redundancy", "lazy", "--out", str(tmp_path)],
-               timeout=240, env=faults.environment(["node2@start"]))
+               timeout=240, env=faults.environment([f"{lost}@start"]))
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "node2=-9" in proc.stdout and "injected SIGKILL at step start" in proc.stdout
-    for node in ("node0", "node1", "node3"):
-        assert f"{node}: ['node2'] died while the job started; starting with 3 nodes" in proc.stdout
+    assert f"{lost}=-9" in proc.stdout and "injected SIGKILL at step start" in proc.stdout
+    for node in sorted({"node0", "node1", "node2", "node3"} - {lost}):
+        assert f"{node}: ['{lost}'] died while the job started; starting with 3 nodes" in proc.stdout
     summary = _lines(proc.stdout, "global_step")[-1]
     assert summary["global_step"] == 6 and summary["world_size"] == 3 and summary["failovers"] == []
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), reference_weights(6, 8, 1, 2)) <= 1e-5

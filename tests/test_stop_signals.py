@@ -21,12 +21,18 @@ from tests.helpers import REPO
 pytestmark = [pytest.mark.timeout(180)]
 
 # a worker: says it runs, then on SIGTERM writes the file <out>/<node> and exits 0 (a handover);
-# with IGNORE set it ignores SIGTERM (a worker stuck in a collective)
+# with IGNORE set it ignores SIGTERM (a worker stuck in a collective). It tells the launcher it reached its job, as
+# a worker's session does, so that the launcher starts the next one at once.
 WORKER = """
 import os, signal, sys, time
 from pathlib import Path
+from lightning_bamboo.membership import connect
+from lightning_bamboo.membership.keys import JobKeys
 out = Path(sys.argv[1])
 node = os.environ["BAMBOO_NODE"]
+store = connect(os.environ["BAMBOO_STORE"])
+store.put(JobKeys(os.environ["BAMBOO_JOB"]).reached(node), "1")
+store.close()
 def leave(signum, frame):
     (out / node).write_text("notice")
     sys.exit(0)

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly
 from lightning_bamboo.topology.layout import REDUNDANCY_MODES
 
 BAMBOO_KEY = "bamboo"
 BAMBOO_DEFAULTS: dict[str, Any] = {"redundancy": "off", "timeout": 300.0, "detection_timeout": 10.0,
                                    "audit_replicas": False}
 _TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+
+def _refused_once(door: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``BambooConfigError`` from ``door``: under the Bamboo launcher one message for the job (the first worker's)
+    and exit status 2, as the Lightning door does; elsewhere the rule and the user's line, without a traceback
+    (``BAMBOO_TRACEBACK=1`` keeps it). The error is raised unchanged for a caller that catches it."""
+
+    @functools.wraps(door)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        report_config_errors_briefly()
+        with refused_quietly():
+            return door(*args, **kwargs)
+
+    return checked
 
 
 def bamboo_options(config: dict[str, Any]) -> dict[str, Any]:
@@ -37,6 +53,7 @@ def bamboo_options(config: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+@_refused_once
 def init_distributed(timeout: float = BAMBOO_DEFAULTS["timeout"], dist_backend: str | None = None,
                      detection_timeout: float = BAMBOO_DEFAULTS["detection_timeout"], **kwargs: Any) -> None:
     """``deepspeed.init_distributed`` with ``timeout`` for the default group *and* every group made later.
@@ -70,6 +87,7 @@ def init_distributed(timeout: float = BAMBOO_DEFAULTS["timeout"], dist_backend: 
     init_deepspeed_comm(dist_backend=dist_backend, timeout=delta, **kwargs)
 
 
+@_refused_once
 def initialize(
     args: Any = None,
     model: Any = None,

@@ -5,7 +5,9 @@ what a spot cluster must not do. This one starts ``nodes`` copies of a command w
 environment of a one-process-per-node cluster (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``, the
 store URL and the node names), announces a worker that dies in the membership store at once
 (so the survivors learn of it in milliseconds, not after a lease expires), and returns when
-every worker has exited::
+every worker has exited. It starts the first worker alone and the others once that one is past its
+script's checks (at the job's start rendezvous), so a refused configuration or a script that fails before its
+job is met by one process, not by every node::
 
     python -m lightning_bamboo.launcher --nodes 4 -- python train.py --stages 4
 
@@ -49,6 +51,7 @@ from lightning_bamboo.launcher.cluster import (  # noqa: F401 - the launcher's A
     _Stop,
     _wait_for_workers,
     node_names,
+    spawn_after_first,
     stopping,
     visible_gpus,
     worker_device,
@@ -147,8 +150,8 @@ def run_job(
                       preload_runs=("*",))
     try:
         with stopping(cluster, stop_grace) as stop:
-            for rank, name in enumerate(names):
-                cluster.spawn(name, command, rank, names)
+            spawn_after_first(cluster, stop, names[0], lambda name: cluster.spawn(name, command, names.index(name), names),
+                              names[1:])
             hung = _wait_for_workers(cluster, stop, None if timeout is None else time.monotonic() + timeout,
                                      kill_hung=True)
         return JobResult(dict(cluster.codes), frozenset(hung), cluster.finished_nodes())
@@ -415,8 +418,9 @@ def supervise(
                 cluster.env.update({"MASTER_ADDR": str(master["host"]), "MASTER_PORT": str(master["port"])})
                 if report and plan.publisher in plan.workers:
                     print(f"[launcher] {plan.placement()}", file=sys.stderr, flush=True)
-                for worker in plan.workers:
-                    cluster.spawn(worker, command, plan.nodes.index(worker), plan.nodes)
+                spawn_after_first(cluster, stop, plan.workers[0],
+                                  lambda worker: cluster.spawn(worker, command, plan.nodes.index(worker), plan.nodes),
+                                  plan.workers[1:])
             _wait_for_workers(cluster, stop, announce_always=True)
         failed = [cluster.codes[w] for w in plan.workers if cluster.codes[w] != 0]
         return failed[0] if failed else 0
@@ -496,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_nodes=args.max_nodes, stop_grace=args.stop_grace, report=True, pid_dir=args.pid_dir,
                          stages=args.stages, preload=preload)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
-        return 0 if code == 0 else 1
+        return code if code in (0, CONFIG_EXIT_CODE) else 1
     if args.workers is not None or args.stages is not None:
         parser.error("--workers and --stages go with --node (a machine of a larger job); on one machine use --nodes N "
                      "(worker i gets LOCAL_RANK i, GPU i on a GPU machine)")

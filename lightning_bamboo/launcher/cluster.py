@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 from lightning_bamboo.errors import CONFIG_EXIT_CODE
@@ -304,11 +304,15 @@ class Cluster:
             self.codes[name] = exited[name] = code
             self._remove_pid(name)
             if code not in (0, CONFIG_EXIT_CODE) and (announce_always or self.running):
-                try:  # tell the survivors now; the lease would take its TTL
-                    self._reporter.announce_loss(name, f"process exited with {code}", timeout=2.0)
-                except Exception as err:  # noqa: BLE001 - the lease is the backstop
-                    print(f"[launcher] could not announce the loss of {name}: {err}", file=sys.stderr)
+                self.announce_loss(name, f"process exited with {code}")
         return exited
+
+    def announce_loss(self, name: str, reason: str) -> None:
+        """Tell the job's nodes now that worker ``name`` is gone (its lease would take its TTL)."""
+        try:
+            self._reporter.announce_loss(name, reason, timeout=2.0)
+        except Exception as err:  # noqa: BLE001 - the lease is the backstop
+            print(f"[launcher] could not announce the loss of {name}: {err}", file=sys.stderr)
 
     def close(self) -> None:
         for name, proc in self.procs.items():
@@ -334,6 +338,57 @@ def signal_worker(proc: Worker, sig: int, wait: bool = False) -> None:
             os.kill(pid, sig)
     if wait:
         proc.wait()
+
+
+#: seconds the launcher waits for a machine's first worker to reach the job's start before it starts the others anyway
+FIRST_WORKER_SECONDS = 30.0
+
+
+def spawn_after_first(cluster: Cluster, stop: _Stop, first: str, start: Callable[[str], None], others: Sequence[str],
+                      limit: float = FIRST_WORKER_SECONDS) -> bool:
+    """Start ``first``, and the ``others`` once it got past its script's checks to the job's start rendezvous
+    (``JobKeys.reached``): a configuration the script refuses is then refused by one process, before the others
+    start (on a GPU machine each costs seconds of imports), and a script that fails before its job fails once.
+    After ``limit`` seconds without a word from it (a script that does long work first) the others start anyway.
+    Returns False, starting none of them, where ``first`` failed before (refused: exit ``CONFIG_EXIT_CODE``; any
+    other error: a script that fails before its job fails once) or the launcher was stopped. A ``first`` that
+    exited 0 (a script that ends without a job) does not hold the others back; one SIGKILLed meanwhile (preempted,
+    as any node may be) is announced lost, and the job starts without it."""
+    key = JobKeys(cluster.job).reached(first)
+    with contextlib.suppress(Exception):  # a key left by an earlier job of this name (etcd) must not open the gate
+        cluster.store.delete(key)
+    start(first)
+    if not others:
+        return True
+    deadline = time.monotonic() + limit
+    while True:
+        cluster.poll()
+        code = cluster.codes.get(first)
+        if code == -signal.SIGKILL:  # preempted while it started, as any node can be: the job starts without it
+            print(f"[launcher] {first} was killed before it reached the job's start: starting {', '.join(others)} "
+                  "without it", file=sys.stderr, flush=True)
+            cluster.announce_loss(first, "killed while the job started")
+            break
+        if code == 0:  # a script that ends without a job (``--help``, nothing left to train): the others run it too
+            break
+        if code is not None:
+            if code != CONFIG_EXIT_CODE:  # a refusal says why itself
+                print(f"[launcher] {first} ended with exit code {code} before it reached the job's start: "
+                      f"{', '.join(others)} not started", file=sys.stderr, flush=True)
+            return False
+        if stop.signum is not None:
+            return False
+        with contextlib.suppress(Exception):  # a store that does not answer now: asked again
+            if cluster.store.get(key) is not None:
+                break
+        if time.monotonic() > deadline:
+            print(f"[launcher] {first} has not reached the job's start in {limit:g} s: starting {', '.join(others)}",
+                  file=sys.stderr, flush=True)
+            break
+        time.sleep(0.05)
+    for name in others:
+        start(name)
+    return True
 
 
 class _Stop:

@@ -159,6 +159,11 @@ class JobKeys:
         """``refused``: the first worker's refusal of the job's configuration."""
         return self.base + "refused"
 
+    def reached(self, node: str | None = None) -> str:
+        """``reached/<node>``: the node's script got past its checks to the job's start rendezvous (the launcher
+        starts a machine's other workers once its first one has)."""
+        return self._under("reached", node)
+
     def offer(self, process: str | None = None) -> str:
         """``offer/<process>``: a process that offers itself to a job (``launcher.offer_process``)."""
         return self._under("offer", process)

@@ -1,6 +1,6 @@
 """A job with one bad input, under the Bamboo launcher: ``form`` (batches of inputs only), ``divisibility``
 (a batch size of 7 with micro-batches of 2) or ``precision`` (``precision="64-true"``, which the pipeline engine
-does not run). Used by tests/test_refusal.py."""
+does not run); or ``bug``, a script that fails before it starts its job. Used by tests/test_refusal.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class InputsOnly(MLP):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mistake", choices=("form", "divisibility", "precision"))
+    p.add_argument("mistake", choices=("form", "divisibility", "precision", "bug"))
     p.add_argument("--stages", type=int, default=2)
     args = p.parse_args()
     model = InputsOnly(4, 8, 4, 8) if args.mistake == "form" else MLP(4, 8, 4, 7)
@@ -33,6 +33,8 @@ def main() -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, precision="64-true" if args.mistake == "precision" else "32-true")
+    if args.mistake == "bug":
+        raise ValueError("a bug in the user's script, before trainer.fit")
     trainer.fit(model)
     print("trained", flush=True)  # never reached
 
