@@ -11,8 +11,8 @@ multiple of the micro-batch size, a precision the engine does not run) is starte
 * the DeepSpeed door's bad ``"bamboo"`` section (``tests/scripts/bad_door.py``) under the Bamboo launcher: it
   is read in ``lightning_bamboo.initialize``, after the job's rendezvous, so every worker has started;
 * as a plain script (``python bad_input.py MISTAKE``, ``devices=2``: Lightning's own launcher), where the
-  Trainer's options are refused in the launching process before any child starts (only the precision is a
-  Trainer option; the other two need the DataLoader, which Lightning builds in the children).
+  Trainer's options and the training data (the module's ``train_dataloader()``) are refused in the launching
+  process before any child starts.
 
 Prints, per case: the exit status, the seconds from start to exit, the lines printed (without the
 launcher's own pid lines and Lightning's "GPU available" banner, which every run prints), and whether the
@@ -72,7 +72,8 @@ def main() -> None:
                "--stages", str(args.nodes)]) for preload in (False, True) for mistake in ("form", "divisibility", "precision")]
     cases.append((f"DeepSpeed door, {2} nodes", "bamboo section", [*launcher[:-1], "2", "--", sys.executable,
                                                                   str(DOOR_SCRIPT)]))
-    cases.append(("plain script, Lightning's launcher", "precision", [sys.executable, str(SCRIPT), "precision"]))
+    cases += [("plain script, Lightning's launcher", mistake, [sys.executable, str(SCRIPT), mistake])
+              for mistake in ("form", "divisibility", "precision")]
     print(f"{'how it is started':<40} {'mistake':<15} {'status':>6} {'seconds':>8} {'lines':>6}  rule printed")
     wrong = []
     for how, mistake, cmd in cases:

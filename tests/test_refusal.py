@@ -65,17 +65,23 @@ def test_a_script_that_fails_before_its_job_fails_once():
 
 
 @pytest.mark.timeout(200)
-def test_under_lightnings_own_launcher_a_bad_precision_is_refused_before_any_child_starts():
-    """``python script.py`` with devices=2: Lightning's launcher would start a second process; the precision is
-    refused in the launching process first (one message, no child's), as the rule and the user's line that met it,
-    without Python's traceback unless BAMBOO_TRACEBACK=1 asks for it."""
-    proc = run([PYTHON, "tests/scripts/bad_input.py", "precision"], timeout=180)
+@pytest.mark.parametrize(("mistake", "rule"), [
+    ("form", "needs batches of the form (inputs, targets), got a list of length 1"),
+    ("divisibility", "is not a multiple of micro_batch_size 2"),
+    ("precision", "strategy='bamboo' runs precision '32-true', 'bf16-mixed' or '16-mixed'"),
+])
+def test_under_lightnings_own_launcher_a_bad_input_is_refused_before_any_child_starts(mistake, rule):
+    """``python script.py`` with devices=2: Lightning's launcher would start a second process; the options and the
+    training data are refused in the launching process first (one message, no child's), as the rule and the user's
+    line that met it, without Python's traceback unless BAMBOO_TRACEBACK=1 asks for it."""
+    proc = run([PYTHON, "tests/scripts/bad_input.py", mistake], timeout=180)
     assert proc.returncode != 0, proc.stdout[-3000:]
-    assert "strategy='bamboo' runs precision '32-true', 'bf16-mixed' or '16-mixed'" in proc.stdout
-    assert "64-true" in proc.stdout and "trained\n" not in proc.stdout
+    assert rule in proc.stdout and "trained\n" not in proc.stdout
+    assert proc.stdout.count("the job was refused before it trained") == 1, proc.stdout[-3000:]
     assert "Initializing distributed" not in proc.stdout, proc.stdout[-3000:]  # no process group, so no child
     assert "Traceback" not in proc.stdout and re.search(r"bad_input\.py:\d+: trainer\.fit\(model\)", proc.stdout), proc.stdout[-3000:]
     said = [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith(LIGHTNING_TRAINER_LINES)]
     assert len(said) <= 5, "\n".join(said)
-    full = run([PYTHON, "tests/scripts/bad_input.py", "precision"], timeout=180, env={"BAMBOO_TRACEBACK": "1"})
-    assert full.returncode != 0 and "Traceback" in full.stdout and "raise BambooConfigError" in full.stdout, full.stdout[-3000:]
+    if mistake == "precision":
+        full = run([PYTHON, "tests/scripts/bad_input.py", mistake], timeout=180, env={"BAMBOO_TRACEBACK": "1"})
+        assert full.returncode != 0 and "Traceback" in full.stdout and "raise BambooConfigError" in full.stdout, full.stdout[-3000:]

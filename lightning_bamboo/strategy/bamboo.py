@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from lightning_bamboo.strategy.loading import PipelineData
 from lightning_bamboo.strategy.options import StrategyOptions
 from lightning_bamboo.strategy.refusal import (
     check_batches,
+    check_fit_data_before_launch,
     check_trainer,
     launched_ranks,
     refused_quietly,
@@ -205,8 +206,10 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
             )
             self._launcher._bamboo_strategy = self  # type: ignore[union-attr]
 
-    def check_before_launch(self, model: Any, trainer: Any = None) -> None:
+    def check_before_launch(self, model: Any, trainer: Any = None, fit_args: Sequence[Any] = ()) -> None:
         """Checks that need no process group: run once in the launching process, before any child exists.
+        ``fit_args``: ``trainer.fit``'s arguments under Lightning's own launcher, whose training data is then
+        checked here too (under the Bamboo launcher the strategy checks it when the model is connected).
 
         A callback with ``sets_bamboo_layout = True`` (HydrozoaTuner) chooses stages and partition in
         its ``setup``, inside the processes: then only the model's hooks are checked here.
@@ -217,11 +220,12 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
             if model is not None:
                 self._check_model(model)
             return
-        stages, _ = resolve_stages(self.world_size, self.stages)
+        stages, pipelines = resolve_stages(self.world_size, self.stages)
         if model is not None:
             self._check_model(model)
             probe = self.runner.probe(model)
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
+        check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
 
     def _check_model(self, model: Any) -> None:
         for hook in ("configure_pipeline", "pipeline_loss"):

@@ -88,7 +88,8 @@ def fit_without_val_data(model: Any) -> bool:
 
 # ------------------------------------------------------------------ the launcher
 class _PreflightLauncherMixin:
-    """Runs the strategy's model checks in the launching process before any child process starts."""
+    """Runs the strategy's checks (options, model, training data) in the launching process before any child
+    process starts."""
 
     _bamboo_strategy: Any
     cluster_environment: Any
@@ -96,7 +97,7 @@ class _PreflightLauncherMixin:
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         model = args[0] if args and hasattr(args[0], "configure_optimizers") else None
         if not self.cluster_environment.creates_processes_externally and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            self._bamboo_strategy.check_before_launch(model, trainer)
+            self._bamboo_strategy.check_before_launch(model, trainer, args)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 

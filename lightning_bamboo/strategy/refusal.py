@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError, batch_form_error
@@ -116,7 +117,6 @@ def check_batches(trainer: Any, micro_batch_size: int, pipelines: int, early: bo
     ``early``: when the model is connected, before the membership rendezvous. A LightningDataModule's loader
     needs its ``setup`` first, and a module's loader may too: those are checked later (False: not checked).
     The loader's hook runs once more for this check."""
-    import torch
 
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     if source is None or not source.is_defined() or getattr(trainer.state, "fn", None) != "fit":  # TrainerFn.FITTING
@@ -129,6 +129,14 @@ def check_batches(trainer: Any, micro_batch_size: int, pipelines: int, early: bo
         if early:
             return False
         raise
+    check_loader(loader, micro_batch_size, pipelines)
+    return True
+
+
+def check_loader(loader: Any, micro_batch_size: int, pipelines: int) -> None:
+    """:func:`check_batches` for one training DataLoader: the form of its batches and its batch size."""
+    import torch
+
     batch = _first_batch(loader)
     if batch is not None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise batch_form_error(batch)
@@ -139,4 +147,24 @@ def check_batches(trainer: Any, micro_batch_size: int, pipelines: int, early: bo
             pipeline_share(size * pipelines, micro_batch_size, pipelines, 0)
         else:
             micro_batches(size, micro_batch_size, pipelines)
-    return True
+
+
+def check_fit_data_before_launch(fit_args: Sequence[Any], trainer: Any, micro_batch_size: int, pipelines: int) -> None:
+    """Under Lightning's own launcher, in the launching process before any child starts: the training data of
+    ``trainer.fit(model, train_dataloaders, val_dataloaders, datamodule)`` (``fit_args``), where it is a
+    DataLoader given to ``fit`` or the module's ``train_dataloader()``. A LightningDataModule's, or a module's
+    loader that needs its ``setup`` first, is checked in the processes (:func:`check_batches`)."""
+    import torch
+
+    if getattr(getattr(trainer, "state", None), "fn", None) != "fit":  # TrainerFn.FITTING
+        return
+    model, loaders, _, datamodule = (list(fit_args) + [None] * 4)[:4]
+    if datamodule is not None or any(c.__name__ == "LightningDataModule" for c in type(loaders).__mro__):
+        return
+    if loaders is None and callable(getattr(model, "train_dataloader", None)):
+        try:
+            loaders = model.train_dataloader()
+        except Exception:  # noqa: BLE001 - it needs a setup that has not run yet: checked in the processes
+            return
+    if isinstance(loaders, torch.utils.data.DataLoader):
+        check_loader(loaders, micro_batch_size, pipelines)
