@@ -6,6 +6,7 @@ notice, SIGKILLs those that do not leave within its grace, and the demo ends thr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -72,6 +73,14 @@ def _wait_for_pids(tmp_path: Path, nodes: int, proc: subprocess.Popen) -> list[i
     return [int(p.read_text()) for p in pids]
 
 
+def _kill_all(proc: subprocess.Popen, tmp_path: Path) -> None:
+    """A test's cleanup, passed or failed: the launcher and every worker that wrote its pid."""
+    proc.kill()
+    for path in tmp_path.glob("*.pid"):
+        with contextlib.suppress(ValueError, ProcessLookupError):
+            os.kill(int(path.read_text()), signal.SIGKILL)
+
+
 def test_a_stopped_launcher_gives_its_workers_notice_and_leaves_none_behind(tmp_path):
     proc = _launch(tmp_path, 2)
     try:
@@ -79,7 +88,7 @@ def test_a_stopped_launcher_gives_its_workers_notice_and_leaves_none_behind(tmp_
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
-        proc.kill()
+        _kill_all(proc, tmp_path)
     assert "SIGTERM: workers notified" in err
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".pid")) == ["node0", "node1"]
     assert not any(_alive(pid) for pid in pids)
@@ -94,7 +103,7 @@ def test_workers_that_ignore_the_notice_are_killed_after_the_grace(tmp_path):
         _, err = proc.communicate(timeout=60)
         waited = time.monotonic() - sent
     finally:
-        proc.kill()
+        _kill_all(proc, tmp_path)
     assert not any(_alive(pid) for pid in pids)
     assert waited >= 2.0, f"the launcher killed them after {waited:.1f} s, before its grace of 2 s"  # (no speed bound)
     assert "node0=-9" in err and "node1=-9" in err  # the true status: killed
