@@ -117,6 +117,7 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=25, help="steps between checkpoints (K)")
     parser.add_argument("--keep", type=int, default=2, help="checkpoints kept (older ones are removed)")
     parser.add_argument("--events", default=None, help="append JSON event lines here")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds every node pauses after each step")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds a collective or the process group's start may block (default 120: a restart's "
                         "workers import torch and DeepSpeed at once on shared cores; 0: DeepSpeed's 10 minutes)")
@@ -169,6 +170,8 @@ def train(args: argparse.Namespace, log: Events) -> int:
         loss = engine.train_batch(data_iter=data)
         if engine.global_rank == 0:
             log("step", step=engine.global_steps, loss=float(loss))
+        if args.step_delay:
+            time.sleep(args.step_delay)  # as the demo's --step-delay: a longer step, the same on every node
         if args.save_every and engine.global_steps % args.save_every == 0 and engine.global_steps < args.steps:
             began = time.time()
             engine.save_checkpoint(str(save_dir))

@@ -106,6 +106,16 @@ def kills_of_running(events: list, nodes: list[str], width: int, horizon: float)
     return kills
 
 
+def progress_at(step_times: list, seconds: float) -> int:
+    """The most steps a run had finished ``seconds`` after its first step (``[progress, seconds]`` pairs)."""
+    return max((int(step) for step, t in step_times if t <= seconds), default=0)
+
+
+def steps_for(wall: float, step_seconds: float) -> int:
+    """Steps that keep an undisturbed run going for longer than ``wall`` seconds (a fifth more)."""
+    return max(1, math.ceil(1.2 * wall / step_seconds))
+
+
 def young_daly(save_seconds: float, mtbf: float, step_seconds: float) -> int:
     """Young/Daly's checkpoint interval in steps: sqrt(2 × save time × MTBF) / step time, at least 1."""
     return max(1, round(math.sqrt(2.0 * save_seconds * mtbf) / step_seconds))
@@ -152,12 +162,15 @@ def kill_machine(proc: subprocess.Popen) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- (a), (c)
-def run_demo(label: str, args: argparse.Namespace, trace: Path, every: int, workdir: Path, *extra: str) -> dict:
-    """``lightning-bamboo demo`` on the slice; its report (``--report``), with ``"wall"`` added."""
+def run_demo(label: str, args: argparse.Namespace, trace: Path | None, every: int, workdir: Path, *extra: str,
+             steps: int | None = None) -> dict:
+    """``lightning-bamboo demo`` on the slice (None: no preemption); its report (``--report``), with ``"wall"``."""
     report = workdir / f"{label}.json"
-    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(args.nodes), "--steps", str(args.steps),
-           "--trace", str(trace), "--time-scale", str(args.time_scale), "--checkpoint-every", str(every),
-           "--quiet", "--report", str(report), "--workdir", str(workdir / "demo"), *extra]
+    events = ["--trace", str(trace), "--time-scale", str(args.time_scale)] if trace is not None else ["--preempt", ""]
+    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(args.nodes),
+           "--steps", str(steps or args.steps), *events, "--checkpoint-every", str(every),
+           "--step-delay", str(args.step_delay), "--quiet", "--report", str(report), "--workdir", str(workdir / "demo"),
+           *extra]
     log = workdir / f"{label}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -202,6 +215,7 @@ class PeerRun:
     joins: int = 0
     agent_restarts: int = 0  # agents that exited with an error on a machine not preempted, started again
     codes: dict[str, int | None] = field(default_factory=dict)
+    steps: int = 0  # the steps it trains (0: args.steps)
 
     def command(self, port: int) -> list[str]:
         a = self.args
@@ -209,8 +223,9 @@ class PeerRun:
                 f"--max-restarts={a.max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                 f"--rdzv-id=peer{port}", f"--rdzv-conf=is_host=false,last_call_timeout={a.last_call},"
                 f"keep_alive_interval={a.keep_alive},keep_alive_max_attempt=3",
-                str(PEER_SCRIPT), "--steps", str(a.steps), "--save-dir", str(self.workdir / "ckpt"),
-                "--save-every", str(self.save_every), "--events", str(self.workdir / "events.jsonl")]
+                str(PEER_SCRIPT), "--steps", str(self.steps or a.steps), "--save-dir", str(self.workdir / "ckpt"),
+                "--save-every", str(self.save_every), "--events", str(self.workdir / "events.jsonl"),
+                "--step-delay", str(a.step_delay)]
 
     def start(self, node: str, cmd: list[str]) -> None:
         env = {**os.environ, "PEER_NODE": node, "PYTHONUNBUFFERED": "1",
@@ -284,7 +299,7 @@ class PeerRun:
                     if str(PEER_SCRIPT) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
                         os.killpg(pid, signal.SIGKILL)
             del store
-        result = summarize_peer(lines, self.kills, self.args.steps)
+        result = summarize_peer(lines, self.kills, self.steps or self.args.steps)
         result.update(wall=time.monotonic() - began, joins=self.joins, codes=dict(self.codes),
                       agent_restarts=self.agent_restarts)
         return result
@@ -355,7 +370,13 @@ def summarize_peer(lines: list[dict], kills: list[tuple[float, str]], steps: int
             "redone": max(0, progress - resumed), "optimizer": sorted({e["optimizer"] for e in loaded}),
         })
     generations = [e for e in lines if e["event"] == "loaded" and e["rank"] == 0]
+    reached, step_times = 0, []  # [progress, seconds since the first step] whenever the progress grew: the demo's
+    for e in sorted(step_events, key=lambda e: e["t"]):
+        if e["step"] > reached:
+            reached = e["step"]
+            step_times.append([reached, e["t"] - times[0]])
     return {
+        "step_times": step_times,
         "steps_completed": final,
         "samples_per_second": max(0, final - 1) * GLOBAL_BATCH / span if span > 0 else 0.0,
         "span": span,
@@ -419,7 +440,7 @@ def demo_view(r: dict) -> dict:
             "step_seconds": p50(intervals), "preemptions": r["preemptions"],
             "restarts": rec["checkpoint"] + rec["restart"], "failovers": rec["redundant"],
             "recomputed_steps": r["recomputed_steps"], "recovery_seconds": r["recovery_seconds"],
-            "joins": r["joins"], "wall": r["wall"]}
+            "joins": r["joins"], "wall": r["wall"], "step_times": times}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,22 +461,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="keep every run's logs, events and checkpoints here (a new "
                         "directory; default: a temporary one, removed)")
     parser.add_argument("--only", default="abc", help="which runs: any of a, b, c (default abc)")
+    parser.add_argument("--wall", type=float, default=0.0,
+                        help="equal wall time: compare the samples each run trained in its first WALL seconds from "
+                        "its first step, each run given the steps its own undisturbed step time needs for longer "
+                        "(default 0: every run trains --steps steps)")
+    parser.add_argument("--step-delay", type=float, default=0.0,
+                        help="seconds every node pauses after each step, in (a), (b) and (c) alike: a step as long as "
+                        "a GPU's, whose compute hides a per-step fixed cost (default 0)")
     args = parser.parse_args(argv)
+    args.run_steps = {}
     trace = trace_path(args.trace)
     nodes = [f"node{i}" for i in range(args.nodes)]
     events = slice_events(trace, nodes, args.time_scale)
     with exit_on_stop_signals(), contextlib.ExitStack() as stack:
         work = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bamboo-peers-")))
         work.mkdir(parents=True, exist_ok=True)
-        print(f"trace {trace.name}: first {args.nodes} nodes start, {args.steps} steps of {GLOBAL_BATCH} samples "
+        length = (f"the samples of the first {args.wall:g} s after each run's first step" if args.wall else
+                  f"{args.steps} steps")
+        print(f"trace {trace.name}: first {args.nodes} nodes start, {length}, steps of {GLOBAL_BATCH} samples "
               f"(4 micro-batches of 2), one pipeline as deep as the live nodes (at most {args.nodes}), "
-              f"1 trace second = {1 / args.time_scale:.4f} s; {os.cpu_count()} CPU cores, gloo", flush=True)
+              f"1 trace second = {1 / args.time_scale:.4f} s, a pause of {args.step_delay:g} s after each step; "
+              f"{os.cpu_count()} CPU cores, gloo", flush=True)
+        if args.wall:
+            (work / "calibrate").mkdir()
+            cal = calibrate(args, work / "calibrate")
+            (work / "calibrate-demo").mkdir()
+            clean = run_demo("calibrate-demo", args, None, 1000, work / "calibrate-demo", steps=3 * args.calibration_steps)
+            if "failed" in clean:
+                raise SystemExit(f"the calibration run of the demo failed: {clean['failed']}")
+            demo_step = demo_view(clean)["step_seconds"]
+            args.run_steps = {"bamboo": steps_for(args.wall, demo_step), "demo-restart": steps_for(args.wall, demo_step),
+                              "torchrun": steps_for(args.wall, cal["step_seconds"])}
+            print(f"undisturbed steps: demo {demo_step:.3f} s, torchrun {cal['step_seconds']:.3f} s; steps given "
+                  f"(1.2 x {args.wall:g} s of them): " + ", ".join(f"{k} {v}" for k, v in args.run_steps.items()),
+                  flush=True)
         if args.save_every:
             every = args.save_every
             print(f"K = {every} steps (--save-every)", flush=True)
         else:
-            (work / "calibrate").mkdir()
-            cal = calibrate(args, work / "calibrate")
+            if not args.wall:
+                (work / "calibrate").mkdir()
+                cal = calibrate(args, work / "calibrate")
             horizon = max(e.at_seconds for e in events)  # the whole slice: the trace's own rate of losses
             kills = kills_of_running(events, nodes, args.nodes, horizon)
             mtbf = horizon / kills if kills else float("inf")
@@ -471,15 +517,17 @@ def main(argv: list[str] | None = None) -> int:
             (work / label).mkdir()
             if key in "ac":
                 extra = ("--no-redundancy",) if key == "c" else ()
-                results[label] = run_demo(label, args, trace, every, work / label, *extra)
+                steps = args.run_steps.get(label)
+                results[label] = run_demo(label, args, trace, every, work / label, *extra, steps=steps)
                 if "before their first step" in results[label].get("failed", ""):  # it never started: once more
                     print(f"{label}: the demo's workers failed before their first step; started again. "
                           f"{results[label]['failed']}", flush=True)
                     shutil.rmtree(work / label)
                     (work / label).mkdir()
-                    results[label] = run_demo(label, args, trace, every, work / label, *extra)
+                    results[label] = run_demo(label, args, trace, every, work / label, *extra, steps=steps)
             else:
-                results[label] = PeerRun(args, events, nodes, work / label, every).run()
+                results[label] = PeerRun(args, events, nodes, work / label, every,
+                                         steps=args.run_steps.get(label, 0)).run()
                 print(f"peer command (per machine): {args.peer_command}", flush=True)
             if "failed" in results[label]:
                 print(f"{label} FAILED: {results[label]['failed']}", flush=True)
@@ -491,16 +539,23 @@ def main(argv: list[str] | None = None) -> int:
 def report(args: argparse.Namespace, results: dict[str, dict]) -> int:
     views = {k: (demo_view(v) if k != "torchrun" else v) for k, v in results.items() if "failed" not in v}
     clean = min((v["step_seconds"] for v in views.values() if v["step_seconds"] == v["step_seconds"]), default=float("nan"))
+    if args.wall:  # equal wall time: the samples of the first WALL seconds after each run's first step
+        for v in views.values():
+            v["samples_per_second"] = progress_at(v["step_times"], args.wall) * GLOBAL_BATCH / args.wall
     print(f"\n{'run':<14}{'steps':>6}{'samples/s':>10}{'preempt':>8}{'restarts':>9}{'failovers':>10}{'redone':>7}"
           f"{'p50 rec s':>10}{'max rec s':>10}{'lost s/preempt':>15}{'step s':>8}")
     for name, v in views.items():
         rec = v["recovery_seconds"]
+        steps = args.run_steps.get(name, args.steps)
         print(f"{name:<14}{v['steps_completed']:>6}{v['samples_per_second']:>10.2f}{v['preemptions']:>8}"
               f"{v['restarts']:>9}{v.get('failovers', 0):>10}{v['recomputed_steps']:>7}{p50(rec):>10.2f}"
-              f"{max(rec, default=float('nan')):>10.2f}{lost_per_preemption(v, args.steps, clean):>15.2f}"
+              f"{max(rec, default=float('nan')):>10.2f}{lost_per_preemption(v, steps, v['step_seconds']):>15.2f}"
               f"{v['step_seconds']:>8.3f}")
-    print(f"(lost s/preempt: (first to last step) - (steps - 1) x {clean:.3f} s, the fastest run's median step, "
-          f"over the preemptions; restarts to take in joining nodes count in it)")
+    if args.wall:
+        print(f"(samples/s: the most steps finished {args.wall:g} s after the run's first step x {GLOBAL_BATCH} / "
+              f"{args.wall:g} s; steps: all it finished, preemptions included after those {args.wall:g} s)")
+    print("(lost s/preempt: (first to last step) - (steps - 1) x the run's own median step, over the preemptions; "
+          "restarts to take in joining nodes count in it)")
     peer = views.get("torchrun")
     if peer:
         print("\ntorchrun, each preemption: detection (kill -> the last survivor's worker failed), restart (-> the "
@@ -530,9 +585,9 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> int:
               f"{a['samples_per_second'] / c['samples_per_second']:.2f}x")
     if b and c:
         print(f"the emulation against the peer, c/b: {c['samples_per_second'] / b['samples_per_second']:.2f}x")
-    unfinished = [name for name, v in views.items() if v["steps_completed"] < args.steps]
+    unfinished = [name for name, v in views.items() if v["steps_completed"] < args.run_steps.get(name, args.steps)]
     if unfinished:
-        print(f"did not train all {args.steps} steps: {', '.join(unfinished)}")
+        print(f"did not train all their steps: {', '.join(unfinished)}")
     failed = any("failed" in v for v in results.values()) or bool(unfinished)
     return 0 if ok and not failed else 1
 

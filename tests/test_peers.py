@@ -42,6 +42,18 @@ def test_kills_of_running_nodes_only():
     assert peers.kills_of_running(events, nodes, width=2, horizon=10.0) == 3
 
 
+def test_equal_wall_time_counts_the_most_steps_finished_within_it():
+    # a run that reached step 5, lost 2 steps to a restart and reached 7 later: at 3.0 s it had finished 5 steps
+    lines = [{"event": "step", "step": s, "t": 100.0 + t, "pid": 1, "rank": 0}
+             for s, t in ((1, 0.0), (2, 0.5), (3, 1.0), (4, 1.5), (5, 2.0))]
+    lines += [{"event": "step", "step": s, "t": 100.0 + t, "pid": 2, "rank": 0} for s, t in ((4, 3.5), (5, 4.0), (6, 4.5), (7, 5.0))]
+    times = peers.summarize_peer(lines, [], 7)["step_times"]
+    assert times == [[1, 0.0], [2, 0.5], [3, 1.0], [4, 1.5], [5, 2.0], [6, 4.5], [7, 5.0]]
+    assert peers.progress_at(times, 3.0) == 5 and peers.progress_at(times, 4.6) == 6 and peers.progress_at(times, 99) == 7
+    assert peers.progress_at([], 3.0) == 0
+    assert peers.steps_for(10.0, 0.5) == 24 and peers.steps_for(0.1, 10.0) == 1  # a fifth more than the wall needs
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
