@@ -284,6 +284,8 @@ class PeerRun:
                     break
                 if finished_at is not None and time.monotonic() > finished_at + EXIT_GRACE_SECONDS:
                     break  # the agents' exit barrier waits for agents that are gone; the finally kills them
+                if self.args.wall and first_step is not None and time.time() - first_step > self.args.wall + 1.0:
+                    break  # equal wall time: what it trained later is not counted; the finally kills the agents
                 if time.monotonic() > deadline:
                     where = self.dump_workers()
                     return {"failed": f"torchrun: not finished after {self.args.run_timeout:.0f} s ({where})", "lines": lines}
@@ -585,7 +587,7 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> int:
               f"{a['samples_per_second'] / c['samples_per_second']:.2f}x")
     if b and c:
         print(f"the emulation against the peer, c/b: {c['samples_per_second'] / b['samples_per_second']:.2f}x")
-    unfinished = [name for name, v in views.items() if v["steps_completed"] < args.run_steps.get(name, args.steps)]
+    unfinished = [] if args.wall else [name for name, v in views.items() if v["steps_completed"] < args.steps]
     if unfinished:
         print(f"did not train all their steps: {', '.join(unfinished)}")
     failed = any("failed" in v for v in results.values()) or bool(unfinished)
