@@ -243,3 +243,55 @@ def test_no_module_leaves_with_os_exit():
     (a step blocked on a lost peer is aborted, not left behind, so a normal exit is safe)."""
     offenders = sorted(str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py") if "os._exit(" in path.read_text())
     assert not offenders, offenders
+
+
+#: private names defined in this package that are also private attributes of the packages it extends: read on
+#: their objects, they are the price of subclassing DeepSpeed, torch and Lightning, not another module's privates
+THEIRS = {
+    "_layer_specs": "DeepSpeed's PipelineModule",
+    "_allgather_base": "torch's ProcessGroup",
+    "_world": "torch.distributed.distributed_c10d",
+    "_trainer": "Lightning's LightningModule",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions and methods, the attributes it assigns, class fields."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                targets = item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(item, ast.AnnAssign) else []
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {n for n in names if _private(n)}
+
+
+def test_no_module_reads_another_modules_private_attribute():
+    """A leading underscore keeps a name to its module: another module goes through a public operation. The
+    owner's ``self._x``, a parent's ``super()._x`` and the privates of DeepSpeed, torch and Lightning objects
+    (``THEIRS``, and any name this package does not define) are not counted."""
+    trees = {module: ast.parse(path.read_text()) for module, path in MODULES.items()}
+    owners: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        for name in _defined_privates(tree):
+            owners.setdefault(name, set()).add(module)
+    found = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _private(node.attr)):
+                continue
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
+                    isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"):
+                continue
+            if node.attr in owners and module not in owners[node.attr] and node.attr not in THEIRS:
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)} (defined in {', '.join(sorted(owners[node.attr]))})")
+    assert not found, "reads of another module's private attribute; make it public or add an operation:\n" + "\n".join(found)

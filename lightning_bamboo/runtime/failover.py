@@ -27,11 +27,11 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
     loss) with the union of the losses seen so far, so a node lost *during* a failover only
     makes the survivors agree on a larger set and try again; no wait is unbounded.
     """
-    session = node._session()
+    session = node.require_session()
     started = time.monotonic()
     if not node.config.redundant:
         raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
-    old, layout = node._ready()
+    old, layout = node.require_stage()
     log.info("%s: failover starts", session.node)
     committed = session.committed(step)
     if committed and old.phase != "idle":
@@ -79,11 +79,11 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
     })
     log.warning("%s: failover done in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
     if committed:
-        node._ready()[0].last_loss = base["last_loss"]
+        node.require_stage()[0].last_loss = base["last_loss"]
     return committed
 
 def _fail_over_once(node: NodeStage, base: _Captured, suspected: set[str], step: int) -> tuple[Any, int, int]:
-    session = node._session()
+    session = node.require_session()
     lost = session.decide_lost(tuple(suspected), base["nodes"])
     plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=node.config.redundant)
     log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", session.node, sorted(lost),
@@ -106,7 +106,7 @@ def _release(node: NodeStage, step: int) -> None:
     """Leave the layout (this node's pipeline was dropped) and come back as a standby node, in a fresh process."""
     from lightning_bamboo.membership.node import rejoin_as_standby
 
-    session = node._session()
+    session = node.require_session()
     log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); joining again "
                 "as a standby node", session.node, step)
     try:

@@ -92,7 +92,7 @@ def start_admitted(runner: NodeStage, model: PipelineModel, record: Reconfigurat
                    gradient_clipping: float = 0.0) -> dict[str, Any]:
     """A joining node's start: its layers come from the running nodes (the admission ``record`` says
     which), and so does the training state it returns (the host's ``training_state`` of the sender)."""
-    session = runner._session()
+    session = runner.require_session()
     runner.probe(model)
     runner.gradient_clipping = gradient_clipping
     ensure_deepspeed_comm(runner.backend)

@@ -79,7 +79,7 @@ class PipelineRunner(NodeStage):
 
     def enter(self, record: Reconfiguration) -> tuple[int, int]:
         """Join the job's process group as its admission ``record`` says; returns (rank, world size)."""
-        self.rank, world = self._session().enter(record)
+        self.rank, world = self.require_session().enter(record)
         self.depth = world // record.pipelines
         self.catching_up = True  # until its first step (see ``catching_up``)
         log.warning("%s: admitted as rank %d of %d at step %d", self.node, self.rank, world, record.step)
@@ -93,7 +93,7 @@ class PipelineRunner(NodeStage):
         if any, loads into any layout). A data-parallel job, or too few nodes left, stops with
         ``FatalLoss``: the launcher starts it again with the nodes that are up. Returns (rank, world).
         """
-        session = self._session()
+        session = self.require_session()
         stages = self.depth
         if stages is not None and stages != len(session.nodes):
             raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; a job of {len(session.nodes)} "
@@ -143,7 +143,7 @@ class PipelineRunner(NodeStage):
 
     def agree(self, topic: str, step: int, proposal: dict[str, Any]) -> dict[str, Any]:
         """One value for ``topic`` at ``step`` on every node: the first proposal put in the store wins."""
-        session = self._session()
+        session = self.require_session()
         _, kv = session.store.put_if_absent(session.keys.agreement(topic, session.generation, step), json.dumps(proposal))
         return dict(json.loads(kv.value))
 
@@ -181,7 +181,7 @@ class PipelineRunner(NodeStage):
             for hook in list(self._before_step):
                 hook(self, step)
         for _ in range(len(session.nodes) if session is not None else 1):
-            engine, _layout = self._ready()
+            engine, _layout = self.require_stage()
             chunks, share, first = self.split(batch, global_batch=self.global_micro_batches is not None)
             engine.set_micro_batches(len(chunks))
             if session is not None:
@@ -197,17 +197,17 @@ class PipelineRunner(NodeStage):
                 if session is None:
                     raise
                 if self.fail_over(err, step):
-                    kept = self._ready()[0].last_loss  # the committed step's, kept by the failover
+                    kept = self.require_stage()[0].last_loss  # the committed step's, kept by the failover
                     assert kept is not None
                     return kept
             finally:
                 if session is not None:
                     faulthandler.cancel_dump_traceback_later()
-        raise BambooConfigError(f"step {step} failed over {len(self._session().nodes)} times; giving up")
+        raise BambooConfigError(f"step {step} failed over {len(self.require_session().nodes)} times; giving up")
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (this pipeline's share), with no update."""
-        engine, _ = self._ready()
+        engine, _ = self.require_stage()
         chunks, _, _ = self.split(batch)
         engine.set_micro_batches(len(chunks))
         return engine.eval_batch(data_iter=iter(chunks), num_micro_batches=len(chunks))
@@ -253,7 +253,7 @@ class PipelineRunner(NodeStage):
     def checkpoint_shard(self, meta: Callable[[], dict[str, Any]] | None, with_optimizer: bool,
                          reuse: ckpt.Shard | None = None) -> ckpt.Shard:
         """This process's part of a checkpoint, copied to host memory (no collective; see ``AsyncCheckpoint``)."""
-        engine, _ = self._ready()
+        engine, _ = self.require_stage()
         shard = ckpt.take_shard(self.rank, engine.module, engine.optimizer if with_optimizer else None,
                                 engine.layer_range, writes_layers=self.pipeline_rank == 0, meta=meta, reuse=reuse)
         if shard.meta is not None and self.session is not None:
@@ -263,7 +263,7 @@ class PipelineRunner(NodeStage):
     def save(self, path: Any, meta: Callable[[], dict[str, Any]], with_optimizer: bool, is_global_zero: bool,
              barrier: Callable[[str], None], step: int | None = None) -> None:
         """Every process writes its layers (one pipeline per stage), rank 0 the manifest; then swap in."""
-        engine, _ = self._ready()
+        engine, _ = self.require_stage()
 
         def barrier_between(name: str) -> None:
             if self.session is not None and name == "bamboo_checkpoint_layers":
@@ -300,7 +300,7 @@ class PipelineRunner(NodeStage):
     def load_weights(self, strict: bool = True) -> None:
         """The stage's weights from the checkpoint, and the replica's too: a replica is the successor's state
         as saved, never the seed's (a failover after a resume trains on it)."""
-        engine, _ = self._ready()
+        engine, _ = self.require_stage()
         ckpt.load_weights(engine.module, self._saved_states(engine.layer_range), strict=strict)
         if engine.replica is not None:
             ckpt.load_weights(engine.replica.module, self._saved_states(engine.replica.layers), strict=strict)
@@ -308,7 +308,7 @@ class PipelineRunner(NodeStage):
 
     def load_optimizer(self) -> None:
         """The stage's optimizer state (moments, step counts, hyperparameters) from the checkpoint, and the replica's."""
-        engine, _ = self._ready()
+        engine, _ = self.require_stage()
         assert self._resume is not None
         groups = self._resume[1]["bamboo"]["param_groups"]
         ckpt.load_optimizer(engine.module, engine.optimizer, self._saved_states(engine.layer_range), groups)

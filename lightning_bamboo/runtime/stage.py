@@ -87,12 +87,14 @@ class NodeStage:
             self.depth = config.stages
         self.config = config
 
-    def _session(self) -> Session:
+    def require_session(self) -> Session:
+        """The membership session; refused outside a job the Bamboo launcher started."""
         if self.session is None:
             raise BambooConfigError("this operation needs a job started by the Bamboo launcher (lightning-bamboo run)")
         return self.session
 
-    def _ready(self) -> tuple[BambooPipelineEngine, Layout]:
+    def require_stage(self) -> tuple[BambooPipelineEngine, Layout]:
+        """The engine and the layout of the built stage; refused before the stage is built."""
         if self.engine is None or self.layout is None:
             raise BambooConfigError("the runner has no stage yet: start() it first")
         return self.engine, self.layout
@@ -298,7 +300,7 @@ class NodeStage:
         the new stage ends with the replica's layers, it takes those layer objects over and the next
         step reuses the kept forwards (``engine.module.Splice``).
         """
-        session = self._session()
+        session = self.require_session()
         stage = layout.stage_of_rank(rank)
         mine = layout.layers_of_stage(stage)
         missing = [i for i in mine if i not in held]
@@ -370,7 +372,7 @@ class NodeStage:
 
     def gather(self, obj: Any, send: bool = True) -> list[Any]:
         """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""
-        return [None if not part else decode(part) for part in self._session().gather(encode(obj) if send else "")]
+        return [None if not part else decode(part) for part in self.require_session().gather(encode(obj) if send else "")]
 
 
 

@@ -191,7 +191,9 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         """The LightningModule (after ``connect``)."""
         return self.lightning_module
 
-    def _pl(self, module: str) -> types.ModuleType:
+    def pl_package(self, module: str) -> types.ModuleType:
+        """``module`` of the Lightning package this strategy was built for: ``lightning.pytorch.<module>`` or
+        ``pytorch_lightning.<module>``."""
         return importlib.import_module(f"{self._pl_name}.{module}")
 
     # ------------------------------------------------------------------ launching
@@ -199,7 +201,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         launcher = self._launcher
-        script_launcher = self._pl("strategies.launchers.subprocess_script")._SubprocessScriptLauncher
+        script_launcher = self.pl_package("strategies.launchers.subprocess_script")._SubprocessScriptLauncher
         if type(launcher) is script_launcher:
             self._launcher = patches.make_launcher_class(script_launcher)(
                 self.cluster_environment, self.num_processes, self.num_nodes
@@ -293,7 +295,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         if self._get_process_group_backend() != BACKEND:
             super().setup_distributed()
             return
-        ddp = self._pl("strategies.ddp")
+        ddp = self.pl_package("strategies.ddp")
         ddp.reset_seed()
         self.set_world_ranks()
         self._process_group_backend = BACKEND
@@ -346,7 +348,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         assert self.cluster_environment is not None
         self.cluster_environment.set_global_rank(rank)
         self.cluster_environment.set_world_size(world)
-        self._pl("utilities.rank_zero").rank_zero_only.rank = rank
+        self.pl_package("utilities.rank_zero").rank_zero_only.rank = rank
 
     @property
     def pipelines(self) -> int:
@@ -383,7 +385,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
                 self._data_checked = check_batches(model._trainer, self.micro_batch_size, self.pipelines, early=True)
             self._check_model(model)
         super().connect(model)
-        utils = self._pl("utilities.model_helpers")
+        utils = self.pl_package("utilities.model_helpers")
         for hook in ("training_step", "validation_step", "test_step"):
             if utils.is_overridden(hook, model):
                 if hook == "training_step":
@@ -421,7 +423,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         runner.device, runner.backend = self.root_device, self._get_process_group_backend()
         model: Any = self.lightning_module
         clipping = float(trainer.gradient_clip_val or 0.0)
-        fitting = trainer.state.fn == self._pl("trainer.states").TrainerFn.FITTING
+        fitting = trainer.state.fn == self.pl_package("trainer.states").TrainerFn.FITTING
         if self._admission is not None:
             if not fitting:
                 raise BambooConfigError("a node joins a running job only to train (trainer.fit)")
@@ -499,9 +501,9 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         sampler = getattr(dataloader, "sampler", None)
         if not self._inject_sampler or not isinstance(dataloader, torch.utils.data.DataLoader) or sampler is None:
             return dataloader
-        running = self._pl("trainer.states").RunningStage
+        running = self.pl_package("trainer.states").RunningStage
         training = self._module.trainer.state.stage == running.TRAINING
-        update = self._pl("utilities.data")._update_dataloader
+        update = self.pl_package("utilities.data")._update_dataloader
         return self.data.loader(dataloader, training, self.pipelines, self.pipeline_rank,
                                 lambda loader, sampler: update(loader, sampler, mode=running.TRAINING if training else None))
 

@@ -26,7 +26,7 @@ class LightningHost:
 
     def optimizer_for(self, module: torch.nn.Module) -> torch.optim.Optimizer:
         model = self.strategy.lightning_module
-        init = self.strategy._pl("core.optimizer")._init_optimizers_and_lr_schedulers
+        init = self.strategy.pl_package("core.optimizer")._init_optimizers_and_lr_schedulers
         previous = model._bamboo_stage
         model._bamboo_stage = module
         try:
