@@ -3,13 +3,20 @@ machines with a few changed lines) under the Bamboo launcher, real SIGKILLs, eve
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import http.server
+import json
+import re
 import shutil
+import threading
+import time
 
 import pytest
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo import consolidate_checkpoint
+from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.testing import faults
 from tests.helpers import PYTHON, REPO, launcher_exit_codes, max_abs_diff, optimizer_states, run
 
@@ -78,6 +85,71 @@ def test_a_sigkilled_node_is_taken_over_and_the_run_ends_bit_exact(tmp_path, cle
     # every step drew the same 4 micro-batches from the data, none skipped or drawn twice by the redone step
     assert meta["data_position"] == clean_meta["data_position"] == STEPS * 4
     assert meta["bamboo"]["global_steps"] == STEPS
+
+
+@contextlib.contextmanager
+def _aws_metadata_with_a_notice():
+    """A loopback stand-in for AWS's instance metadata service that has scheduled this machine's interruption
+    (IMDSv2: a token, then the instance action). Yields its URL."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            self._answer(b"token" if self.path == "/latest/api/token" else None)
+
+        def do_GET(self):
+            self._answer(json.dumps({"action": "terminate", "time": stamp}).encode()
+                         if self.path == "/latest/meta-data/spot/instance-action" else None)
+
+        def _answer(self, body):
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+def test_an_aws_notice_hands_the_stage_over_at_a_step_boundary_bit_exact(tmp_path, clean):
+    """``"bamboo": {"notices": ...}``: node2's AWS metadata says it will be interrupted; it leaves after the step in
+    flight commits and exits 0, its stage served from the replica: the clean run's weights and optimizer state."""
+    script = tmp_path / "spot.py"
+    section = ('{"redundancy": "lazy", "notice_interval": 0.2, **({"notices": {"aws": __import__("os").environ['
+               '"NOTICE_URL"]}} if __import__("os").environ["BAMBOO_NODE"] == "node2" else {})}')
+    script.write_text(SPOT.read_text().replace('{"redundancy": "lazy"}', section))
+    with _aws_metadata_with_a_notice() as url:
+        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, str(script),
+                    "--steps", str(STEPS), "--stages", "4", "--save-dir", str(tmp_path / "out")], timeout=240,
+                   env={"NOTICE_URL": url})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {f"node{i}": 0 for i in range(4)}, proc.stdout[-3000:]
+    assert "node2: leaving after a preemption notice" in proc.stdout and "Traceback" not in proc.stdout
+    assert re.search(r"lost \['node2'\] at step \d+", proc.stdout), proc.stdout[-3000:]  # taken over, not restarted
+    weights, states, meta = _final(tmp_path / "out")
+    clean_weights, clean_states, clean_meta = _final(clean)
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    assert meta["data_position"] == clean_meta["data_position"] == STEPS * 4
+
+
+def test_a_bad_notices_entry_is_refused_with_the_known_sources():
+    from lightning_bamboo.deepspeed_api import bamboo_options
+
+    with pytest.raises(BambooConfigError, match=r"names \['ec2'\]; the known notice sources are \['aws', 'azure', 'gcp'\]"):
+        bamboo_options({"bamboo": {"notices": ["ec2"]}})
+    with pytest.raises(BambooConfigError, match="notice_interval"):
+        bamboo_options({"bamboo": {"notices": ["aws"], "notice_interval": 0}})
+    assert bamboo_options({"bamboo": {"notices": {"aws": "http://127.0.0.1:1"}}})["notices"] == {"aws": "http://127.0.0.1:1"}
 
 
 def test_load_checkpoint_then_a_kill_ends_bit_exact_in_another_layout(tmp_path, clean):

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from lightning_bamboo.callbacks.async_checkpoint import AsyncCheckpoint, AsyncCheckpointError
-from lightning_bamboo.callbacks.notices import (
+from lightning_bamboo.callbacks.preemption import PreemptionCallback, preemption_pending
+from lightning_bamboo.callbacks.rebalance import RebalanceCallback
+from lightning_bamboo.callbacks.tuner import HydrozoaTuner
+from lightning_bamboo.runtime.notices import (
     AwsSpotPoller,
     AzureScheduledEventsPoller,
     GcpPreemptionPoller,
     Notice,
 )
-from lightning_bamboo.callbacks.preemption import PreemptionCallback, preemption_pending
-from lightning_bamboo.callbacks.rebalance import RebalanceCallback
-from lightning_bamboo.callbacks.tuner import HydrozoaTuner
 
 __all__ = [
     "AsyncCheckpoint",

@@ -17,15 +17,13 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_bamboo.callbacks.notices import (
-    AwsSpotPoller,
-    AzureScheduledEventsPoller,
-    GcpPreemptionPoller,
+from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.runtime.notices import (
+    SOURCES,
     Notice,
     NoticePoller,
     NoticeWatcher,
 )
-from lightning_bamboo.errors import BambooConfigError
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +31,7 @@ __all__ = ["PreemptionCallback", "SignalFlag", "preemption_pending"]
 
 OnNotice = Literal["auto", "checkpoint", "stop", "log"]
 _ACTIONS = ("auto", "checkpoint", "stop", "log")
-_SHORTHANDS: dict[str, Callable[[], NoticePoller]] = {
-    "aws": AwsSpotPoller,
-    "gcp": GcpPreemptionPoller,
-    "azure": AzureScheduledEventsPoller,
-}
+_SHORTHANDS: dict[str, Callable[..., NoticePoller]] = SOURCES
 
 # Flags of the installed callbacks; read by `preemption_pending()` from inside a step. A tuple replaced
 # whole (never mutated), so readers on any thread see a consistent value without a lock.

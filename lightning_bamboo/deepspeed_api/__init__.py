@@ -15,7 +15,7 @@ from lightning_bamboo.topology.layout import REDUNDANCY_MODES
 
 BAMBOO_KEY = "bamboo"
 BAMBOO_DEFAULTS: dict[str, Any] = {"redundancy": "off", "timeout": 300.0, "detection_timeout": 10.0,
-                                   "audit_replicas": False}
+                                   "audit_replicas": False, "notices": [], "notice_interval": 3.0}
 _TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 
@@ -50,6 +50,12 @@ def bamboo_options(config: dict[str, Any]) -> dict[str, Any]:
         )
     if not isinstance(options["timeout"], (int, float)) or options["timeout"] <= 0:
         raise BambooConfigError(f'"{BAMBOO_KEY}.timeout" must be a positive number of seconds (got {options["timeout"]!r})')
+    if not isinstance(options["notice_interval"], (int, float)) or options["notice_interval"] <= 0:
+        raise BambooConfigError(f'"{BAMBOO_KEY}.notice_interval" must be a positive number of seconds between polls '
+                                f'(got {options["notice_interval"]!r}); AWS gives two minutes of notice, 3 s is enough')
+    from lightning_bamboo.runtime.notices import pollers_from_config
+
+    pollers_from_config(options["notices"], f'"{BAMBOO_KEY}.notices"')  # checked now, polled under the launcher
     return options
 
 

@@ -194,6 +194,7 @@ class ResilientPipelineEngine:
         self._failed = False
         _watch_exit(self)
         _leave_on_sigterm()
+        self.notices = _watch_notices(options)
 
     # ------------------------------------------------------------------ DeepSpeed's surface
     def __getattr__(self, name: str) -> Any:
@@ -320,6 +321,9 @@ class ResilientPipelineEngine:
 
     def finish(self, completed: bool = True) -> None:
         """End this node's part in the job (called at exit: completed unless an exception left the script)."""
+        notices = self.__dict__.get("notices")
+        if notices is not None:
+            notices.stop()
         runner = self.__dict__.get("runner")
         if runner is None or runner.session is None:
             return
@@ -393,6 +397,21 @@ def _leave_on_sigterm() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda _signum, _frame: request_leave())
+
+
+def _watch_notices(options: dict[str, Any]) -> Any:
+    """The ``"bamboo"`` section's ``"notices"`` (``["aws"]``, ``{"aws": endpoint}``), polled every
+    ``"notice_interval"`` seconds on a thread: a notice is taken as SIGTERM is, the node leaving after the step in
+    flight commits. None without notice sources."""
+    from lightning_bamboo.runtime.notices import NoticeWatcher, pollers_from_config
+    from lightning_bamboo.runtime.session import request_leave
+
+    pollers = pollers_from_config(options["notices"], '"bamboo.notices"')
+    if not pollers:
+        return None
+    watcher = NoticeWatcher(pollers, lambda _notice: request_leave(), interval=float(options["notice_interval"]))
+    watcher.start()
+    return watcher
 
 
 def _watch_exit(engine: ResilientPipelineEngine) -> None:
