@@ -295,3 +295,36 @@ def test_no_module_reads_another_modules_private_attribute():
             if node.attr in owners and module not in owners[node.attr] and node.attr not in THEIRS:
                 found.append(f"{module}:{node.lineno}: {ast.unparse(node)} (defined in {', '.join(sorted(owners[node.attr]))})")
     assert not found, "reads of another module's private attribute; make it public or add an operation:\n" + "\n".join(found)
+
+
+#: ``PipelineRunner``'s public surface: the operations a host (the strategy, the DeepSpeed door, the demo worker,
+#: a user's loop) and the callbacks may use. A change to it is made here too, on purpose: the surface is meant to
+#: shrink (issue 43: a runner that composes a stage and a session), never to grow by accident.
+RUNNER_OPERATIONS = (
+    "admit_standby agree audit before_step before_step_hooks between_steps checkpoint_shard close configure enter "
+    "enter_group eval_step fail_over failovers finish gather layer_costs load_optimizer load_weights micro_batches "
+    "node nodes open_session pipeline_rank pipelines precision_meta probe publish rebuild reconfigure require_session "
+    "require_stage resilient resolve_precision resume_from resumed save seed split standby start start_admitted "
+    "start_without_lost train_step wait_admission"
+).split()
+#: ... and its public fields (assigned in ``__init__``)
+RUNNER_FIELDS = ("audits backend catching_up config depth device engine global_micro_batches gradient_clipping host "
+                 "layer_names layout model param_counts precision rank session").split()
+
+
+def test_the_runners_public_surface_is_the_listed_one():
+    from lightning_bamboo.runtime import PipelineRunner
+
+    operations = sorted(n for n in dir(PipelineRunner) if not n.startswith("_"))
+    fields = set()
+    for module in ("lightning_bamboo.runtime.stage", "lightning_bamboo.runtime.runner"):
+        for node in ast.walk(ast.parse(MODULES[module].read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                fields.update(t.attr for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                              and t.value.id == "self" and not t.attr.startswith("_"))
+    assert operations == sorted(RUNNER_OPERATIONS), (
+        f"new: {sorted(set(operations) - set(RUNNER_OPERATIONS))}, gone: {sorted(set(RUNNER_OPERATIONS) - set(operations))}")
+    assert sorted(fields) == sorted(RUNNER_FIELDS), (
+        f"new: {sorted(fields - set(RUNNER_FIELDS))}, gone: {sorted(set(RUNNER_FIELDS) - fields)}")
