@@ -4,22 +4,7 @@ DeepSpeed door polls them too (``"bamboo": {"notices": ["aws"]}``)."""
 
 from __future__ import annotations
 
-from lightning_bamboo.runtime.notices import (
-    AwsSpotPoller,
-    AzureScheduledEventsPoller,
-    GcpPreemptionPoller,
-    Notice,
-    NoticePoller,
-    NoticeSourceError,
-    NoticeWatcher,
-)
+from lightning_bamboo.runtime import notices as _notices
+from lightning_bamboo.runtime.notices import *  # noqa: F403 - the same names, re-exported
 
-__all__ = [
-    "AwsSpotPoller",
-    "AzureScheduledEventsPoller",
-    "GcpPreemptionPoller",
-    "Notice",
-    "NoticePoller",
-    "NoticeSourceError",
-    "NoticeWatcher",
-]
+__all__ = list(_notices.__all__)
