@@ -152,6 +152,21 @@ def test_a_bad_notices_entry_is_refused_with_the_known_sources():
     assert bamboo_options({"bamboo": {"notices": {"aws": "http://127.0.0.1:1"}}})["notices"] == {"aws": "http://127.0.0.1:1"}
 
 
+def test_notices_outside_the_bamboo_launcher_are_refused(monkeypatch):
+    """Without the launcher no one could take a leaving node's stage: refused before any process group forms."""
+    from deepspeed.pipe import PipelineModule
+
+    import lightning_bamboo
+    from lightning_bamboo.membership.node import STORE_ENV
+
+    monkeypatch.delenv(STORE_ENV, raising=False)
+    # a PipelineModule's construction needs a process group; isinstance is all initialize asks before this rule
+    module = PipelineModule.__new__(PipelineModule)
+    with pytest.raises(BambooConfigError, match=r'"bamboo.notices" = \[\'aws\'\]: .* needs the Bamboo launcher'):
+        lightning_bamboo.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
+                                                          "bamboo": {"notices": ["aws"]}})
+
+
 def test_load_checkpoint_then_a_kill_ends_bit_exact_in_another_layout(tmp_path, clean):
     """The clean run's checkpoint of step 6 (4 stages) loaded by ``engine.load_checkpoint`` on 3 nodes of 3 stages,
     node1 killed at step 9: the clean run's weights and optimizer state at step 12."""

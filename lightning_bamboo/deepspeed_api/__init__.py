@@ -154,6 +154,12 @@ def initialize(
             "finds a lost node: start the script with python -m lightning_bamboo.launcher --nodes N -- python SCRIPT "
             '(lightning_bamboo.init_distributed() then joins the job), or use "redundancy": "off"'
         )
+    if options["notices"]:
+        raise BambooConfigError(
+            f'"{BAMBOO_KEY}.notices" = {options["notices"]!r}: a node leaves at a notice and the others take its '
+            "stage, which needs the Bamboo launcher's membership; start the script with python -m "
+            'lightning_bamboo.launcher --nodes N -- python SCRIPT, or leave "notices" out'
+        )
 
     from deepspeed.accelerator import get_accelerator
 
