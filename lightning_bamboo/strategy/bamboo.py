@@ -26,6 +26,7 @@ from lightning_bamboo.engine.pipe import STEP_FINISH_SECONDS
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.runtime import collectives
 from lightning_bamboo.runtime.config import DEFAULT_TIMEOUT_SECONDS, BambooConfig
+from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly
 from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import LEAVE, joining, launched_by_bamboo
 from lightning_bamboo.strategy import patches
@@ -38,8 +39,6 @@ from lightning_bamboo.strategy.refusal import (
     check_fit_data_before_launch,
     check_trainer,
     launched_ranks,
-    refused_quietly,
-    report_config_errors_briefly,
     warn_if_replicas_cannot_help,
     warn_if_replicas_share_machines,
 )

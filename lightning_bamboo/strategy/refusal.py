@@ -14,12 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError, batch_form_error
-from lightning_bamboo.runtime.refusal import (  # noqa: F401 - the strategy's names for them
-    TRACEBACK_ENV,
-    refused_quietly,
-    report_config_errors_briefly,
-    speaks,
-)
 from lightning_bamboo.runtime.session import launched_by_bamboo
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
 
