@@ -11,7 +11,15 @@ import torch
 from lightning_bamboo import consolidate_checkpoint
 from lightning_bamboo.schedule import Costs, build_schedule
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, max_abs_diff, optimizer_states, reference_weights, run
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    launcher_exit_codes,
+    max_abs_diff,
+    optimizer_states,
+    reference_weights,
+    run,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,7 +111,8 @@ def test_a_node_lost_while_the_job_starts_is_started_without(tmp_path, lost):
                 "--stages", "4", "--steps", "6", "--partition", "uniform", "--redundancy", "lazy", "--out", str(tmp_path)],
                timeout=240, env=faults.environment([f"{lost}@start"]))
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert f"{lost}=-9" in proc.stdout and "injected SIGKILL at step start" in proc.stdout
+    assert launcher_exit_codes(proc.stdout) == {f"node{i}": -9 if f"node{i}" == lost else 0 for i in range(4)}
+    assert "injected SIGKILL at step start" in proc.stdout
     for node in sorted({"node0", "node1", "node2", "node3"} - {lost}):
         assert f"{node}: ['{lost}'] died while the job started; starting with 3 nodes" in proc.stdout
     summary = _lines(proc.stdout, "global_step")[-1]
