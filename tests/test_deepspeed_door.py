@@ -7,8 +7,11 @@ import contextlib
 import difflib
 import http.server
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
 import threading
 import time
 
@@ -167,6 +170,33 @@ def test_notices_outside_the_bamboo_launcher_are_refused(monkeypatch):
                                                           "bamboo": {"notices": ["aws"]}})
 
 
+def test_a_bad_rebalance_entry_is_refused_naming_the_rule():
+    from lightning_bamboo.deepspeed_api import bamboo_options, rebalancer_from_config
+
+    with pytest.raises(BambooConfigError, match=r'"bamboo.rebalance" must be true, false or a dict'):
+        bamboo_options({"bamboo": {"rebalance": "yes"}})
+    with pytest.raises(BambooConfigError, match=r"unknown keys in \"bamboo.rebalance\": \['depth'\]; known keys"):
+        bamboo_options({"bamboo": {"rebalance": {"depth": 4}}})
+    with pytest.raises(BambooConfigError, match=r"Rebalancer\(stages=0\): the preferred depth must be >= 1"):
+        bamboo_options({"bamboo": {"rebalance": {"stages": 0}}})
+    rebalancer = rebalancer_from_config({"stages": 4, "admit": False, "max_overloaded_fraction": 0.2})
+    assert (rebalancer.stages, rebalancer.admit, rebalancer.max_overloaded_fraction) == (4, False, 0.2)
+    assert rebalancer_from_config(False) is None and rebalancer_from_config(True).stages is None
+
+
+def test_rebalancing_outside_the_bamboo_launcher_is_refused(monkeypatch):
+    from deepspeed.pipe import PipelineModule
+
+    import lightning_bamboo
+    from lightning_bamboo.membership.node import STORE_ENV
+
+    monkeypatch.delenv(STORE_ENV, raising=False)
+    module = PipelineModule.__new__(PipelineModule)
+    with pytest.raises(BambooConfigError, match=r'"bamboo.rebalance" = True moves layers .* needs the Bamboo launcher'):
+        lightning_bamboo.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
+                                                          "bamboo": {"rebalance": True}})
+
+
 def test_load_checkpoint_then_a_kill_ends_bit_exact_in_another_layout(tmp_path, clean):
     """The clean run's checkpoint of step 6 (4 stages) loaded by ``engine.load_checkpoint`` on 3 nodes of 3 stages,
     node1 killed at step 9: the clean run's weights and optimizer state at step 12."""
@@ -191,3 +221,47 @@ def test_two_pipelines_with_a_kill_end_within_float_rounding(tmp_path):
     clean_weights, _, clean_meta = _final(tmp_path / "clean")
     assert max_abs_diff(weights, clean_weights) <= 1e-6
     assert meta["data_position"] == clean_meta["data_position"] == STEPS * 8
+
+
+def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_exact(tmp_path, clean):
+    """``"rebalance": true``: four nodes (a local launcher) and a fifth machine standing by (``--node node4 --join``,
+    another launcher on the same store). node2 is killed at step 5; node1 serves its stage from the replica, and at
+    the next step boundary the rebalancer admits node4 as the fourth stage: it builds its PipelineModule, gets its
+    layers, the step, the data position and the optimizer state from the running nodes, and trains to the end.
+    The weights and optimizer state end bit-equal to the clean run's, every step on the clean run's samples."""
+    from lightning_bamboo.membership import resolve_store
+
+    script = tmp_path / "spot.py"
+    script.write_text(SPOT.read_text().replace('"redundancy": "lazy"', '"redundancy": "lazy", "rebalance": True'))
+    url, server = resolve_store("embedded")  # one store for both launchers, as etcd would be
+    assert server is not None
+    command = ["--", PYTHON, str(script), "--steps", str(STEPS), "--stages", "4", "--save-dir", str(tmp_path / "out")]
+    standby = None
+    try:
+        standby = subprocess.Popen([PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "door",
+                                    "--node", "node4", "--join", *command], cwd=REPO, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"})
+        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--store", url, "--job", "door",
+                    *command], timeout=240, env=faults.environment(["node2@5"]))
+        joined, _ = standby.communicate(timeout=60)
+    finally:
+        if standby is not None and standby.poll() is None:
+            os.killpg(standby.pid, signal.SIGKILL)
+            standby.communicate()
+        server.stop()
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": 0, "node2": -9, "node3": 0}, proc.stdout[-3000:]
+    assert standby.returncode == 0, joined[-4000:]
+    assert "lost ['node2'] at step 5" in proc.stdout
+    assert re.search(r"Rebalancer: step \d+ rebalance \(1 standby nodes relieve 1 overloaded nodes\) -> "
+                     r"\['node0', 'node1', 'node4', 'node3'\]", proc.stdout), proc.stdout[-3000:]
+    found = re.search(r"node4: joined the running job at step (\d+) \((\d+) micro-batches", joined)
+    assert found, joined[-3000:]
+    step, drawn = int(found[1]), int(found[2])
+    assert 5 < step < STEPS and drawn == step * 4  # it draws the global batch from where the others are
+    assert "Traceback" not in joined and "Traceback" not in proc.stdout
+    weights, states, meta = _final(tmp_path / "out")
+    clean_weights, clean_states, _ = _final(clean)
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    assert meta["data_position"] == STEPS * 4 and meta["bamboo"]["global_steps"] == STEPS

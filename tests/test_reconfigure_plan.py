@@ -200,3 +200,46 @@ def test_callback_finds_the_tuner_among_the_trainers_callbacks():
     alone = RebalanceCallback()
     alone.setup(SimpleNamespace(strategy=strategy, callbacks=[alone]), object(), "fit")
     assert alone.split_for is None
+
+
+class _Runner:
+    """What ``Rebalancer.at_step_start`` reads of a runner, for a pipeline of ``nodes`` and no standby node; the
+    first proposal is agreed (one node), and a reconfiguration is recorded, not run."""
+
+    def __init__(self, nodes, parts, pipelines=1):
+        from lightning_bamboo.topology.layout import Layout
+
+        self.nodes, self.standby, self.failovers, self.node = list(nodes), [], [], nodes[0]
+        self.session, self.global_micro_batches = object(), 4
+        self.layout = Layout(len(nodes) // pipelines, pipelines, tuple(parts))
+        self.reconfigured = []
+
+    def agree(self, topic, step, proposal):
+        return proposal
+
+    def reconfigure(self, order, parts, reason="", pipelines=1):
+        self.reconfigured.append((order, parts))
+        return 0.0
+
+
+def test_a_preferred_depth_that_would_leave_running_nodes_idle_is_deferred_with_the_fix(caplog):
+    """stages=3 on two healthy pipelines of 2: the policy's layout of 3 stages has no place for one running node,
+    and a reconfiguration never drops one; nothing moves, and the warning names the rule and the fix (once)."""
+    from lightning_bamboo.runtime.rebalance import Rebalancer, runtime_placement
+
+    runner = _Runner(["a0", "b0", "a1", "b1"], [0, 4, 8], pipelines=2)
+    rebalancer = Rebalancer(stages=3)
+    rebalancer.begin(runtime_placement(runner, 4), None)
+    with caplog.at_level("WARNING"):
+        rebalancer.at_step_start(runner, 0)
+        rebalancer.at_step_start(runner, 1)
+    assert runner.reconfigured == [] and rebalancer.decisions == []
+    warnings = [r.getMessage() for r in caplog.records if "deferred" in r.getMessage()]
+    assert len(warnings) == 1 and "never drops a running node; choose stages (now 3) that divide" in warnings[0]
+    # the same rebalancer with a depth that fits moves the layers of a lost node's stage
+    runner = _Runner(["n0", "n1", "n3"], [0, 2, 6, 8])  # n1 serves n2's stage from its replica
+    fitting = Rebalancer(stages=4)
+    fitting.begin(runtime_placement(_Runner(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8]), 4), None)
+    fitting.at_step_start(runner, 5)
+    assert runner.reconfigured == [(["n0", "n1", "n3"], (0, 2, 5, 8))]
+    assert fitting.decisions[0]["action"] == "restore_redundancy"

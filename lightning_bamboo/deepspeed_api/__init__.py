@@ -15,7 +15,8 @@ from lightning_bamboo.topology.layout import REDUNDANCY_MODES
 
 BAMBOO_KEY = "bamboo"
 BAMBOO_DEFAULTS: dict[str, Any] = {"redundancy": "off", "timeout": 300.0, "detection_timeout": 10.0,
-                                   "audit_replicas": False, "notices": [], "notice_interval": 3.0}
+                                   "audit_replicas": False, "notices": [], "notice_interval": 3.0,
+                                   "rebalance": False}
 _TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 
@@ -56,7 +57,15 @@ def bamboo_options(config: dict[str, Any]) -> dict[str, Any]:
     from lightning_bamboo.runtime.notices import pollers_from_config
 
     pollers_from_config(options["notices"], f'"{BAMBOO_KEY}.notices"')  # checked now, polled under the launcher
+    rebalancer_from_config(options["rebalance"])  # checked now, run under the launcher
     return options
+
+
+def rebalancer_from_config(entry: Any) -> Any:
+    """The ``"bamboo.rebalance"`` entry as a ``Rebalancer`` (None for ``false``); see ``runtime.rebalance.from_config``."""
+    from lightning_bamboo.runtime.rebalance import from_config
+
+    return from_config(entry, f'"{BAMBOO_KEY}.rebalance"')
 
 
 @_refused_once
@@ -111,10 +120,11 @@ def initialize(
 ) -> tuple[Any, Any, Any, Any]:
     """Same signature and return value as ``deepspeed.initialize``, for a ``PipelineModule``.
 
-    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` where ``engine`` is a
-    :class:`~lightning_bamboo.engine.pipe.BambooPipelineEngine`. Bamboo's options live under
-    the config's ``"bamboo"`` key: ``{"redundancy": "off", "timeout": seconds}`` (``"lazy"`` and ``"eager"``
-    need ``BambooStrategy``, whose training loop runs the failover; they are refused here).
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` where ``engine`` is, under the Bamboo
+    launcher, a :class:`~lightning_bamboo.deepspeed_api.resilient.ResilientPipelineEngine` (replicas and failover),
+    elsewhere a :class:`~lightning_bamboo.engine.pipe.BambooPipelineEngine`. Bamboo's options live under
+    the config's ``"bamboo"`` key: ``{"redundancy": "off" | "lazy" | "eager", "timeout": seconds, "notices": [...],
+    "rebalance": true | {...}}``; replicas, notices and rebalancing need the Bamboo launcher (docs/deepspeed.md).
     """
     from deepspeed.pipe import PipelineModule
 
@@ -153,6 +163,12 @@ def initialize(
             f'"{BAMBOO_KEY}.redundancy" = {options["redundancy"]!r} needs the Bamboo launcher, whose membership store '
             "finds a lost node: start the script with python -m lightning_bamboo.launcher --nodes N -- python SCRIPT "
             '(lightning_bamboo.init_distributed() then joins the job), or use "redundancy": "off"'
+        )
+    if options["rebalance"]:
+        raise BambooConfigError(
+            f'"{BAMBOO_KEY}.rebalance" = {options["rebalance"]!r} moves layers between the nodes of a job and admits '
+            "standby nodes, which needs the Bamboo launcher's membership; start the script with python -m "
+            'lightning_bamboo.launcher --nodes N -- python SCRIPT, or leave "rebalance" out'
         )
     if options["notices"]:
         raise BambooConfigError(

@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.runtime.rebalance import from_config, runtime_placement
 
 log = logging.getLogger(__name__)
 
 #: the ``"bamboo"`` section's keys this engine reads besides ``redundancy`` and ``timeout``
-RESILIENT_KEYS = {"detection_timeout": 10.0, "audit_replicas": False}
+RESILIENT_KEYS = {"detection_timeout": 10.0, "audit_replicas": False, "rebalance": False}
 
 #: DeepSpeed's optimizer ``type`` names (lower case) -> a torch optimizer; "adam" is AdamW unless adam_w_mode is false
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
@@ -184,17 +185,47 @@ class ResilientPipelineEngine:
         device = torch.device("cpu")
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        self.runner = PipelineRunner(self.config, self.host, device=device)
-        self.runner.session = _SESSION.pop("session", None) or self.runner.open_session()
-        self.runner.global_micro_batches = accumulation * self.pipelines_at_start
-        self.runner.start(_Model(module), world, dist.get_rank(), fitting=True)
+        self.runner = runner = PipelineRunner(self.config, self.host, device=device)
+        runner.session = _SESSION.pop("session", None) or runner.open_session()
+        runner.global_micro_batches = accumulation * self.pipelines_at_start
+        self.rebalancer = from_config(options["rebalance"])
         self.training_dataloader = self._loader(training_data, collate_fn, micro) if training_data is not None else None
         self._data: Iterator[Any] | None = None
         self.drawn = 0  # micro-batches drawn from the data so far (a checkpoint keeps it: ``data_position``)
         self._failed = False
+        admission = _SESSION.pop("admission", None)
+        if admission is not None:
+            self._join(admission, module)
+        else:
+            runner.start(_Model(module), world, dist.get_rank(), fitting=True)
+            if dist.get_rank() == 0 and runner.session is not None:
+                runner.publish(_START_WORLD, str(world))  # a node admitted later builds its PipelineModule at this size
+        if self.rebalancer is not None and runner.session is not None:
+            self.rebalancer.attach(runner, micro)
+            self.rebalancer.begin(runtime_placement(runner, runner.global_micro_batches), runner.layer_costs())
         _watch_exit(self)
         _leave_on_sigterm()
         self.notices = _watch_notices(options)
+
+    def _join(self, record: Any, module: Any) -> None:
+        """A standby node admitted by ``record``: leave the standby world (``open_job``), enter the job's process group,
+        take the layers the record gives this node and the training state (step, data position, scheduler) from the
+        running nodes, as a resume from a checkpoint would."""
+        from lightning_bamboo.engine.build import ensure_deepspeed_comm
+
+        runner = self.runner
+        dist.destroy_process_group()
+        runner.enter(record)
+        ensure_deepspeed_comm(runner.backend)
+        meta = runner.start_admitted(_Model(module), record)
+        self.host.step = int(meta["bamboo"].get("global_steps", 0))
+        self.drawn = int(meta.get("data_position", 0))
+        if self.host.scheduler is not None and meta.get("lr_scheduler") is not None:
+            self.host.scheduler.load_state_dict(meta["lr_scheduler"])
+        if self.rebalancer is not None and meta.get("rebalance") is not None:
+            self.rebalancer.load_state_dict(meta["rebalance"])  # the running nodes' view and preferred depth
+        log.warning("%s: joined the running job at step %d (%d micro-batches drawn before it)", runner.node,
+                    self.host.step, self.drawn)
 
     # ------------------------------------------------------------------ DeepSpeed's surface
     def __getattr__(self, name: str) -> Any:
@@ -238,7 +269,6 @@ class ResilientPipelineEngine:
         it = data_iter if data_iter is not None else self._default_iterator()
         count = self.runner.global_micro_batches or self.micro_batches
         micro = [next(it) for _ in range(count)]
-        self.drawn += count
         batch = _concatenate(micro)
         if self.runner.engine is not None:  # DeepSpeed's own counter (its prints), in the engine of now
             self.runner.engine.global_steps = self.host.step
@@ -247,6 +277,8 @@ class ResilientPipelineEngine:
         except Exception:
             self._failed = True
             raise  # (a node leaving after a notice ends with SystemExit(0), after its last step committed)
+        # counted once the step is done: a node admitted at this step's start was told the position before it
+        self.drawn += count
         engine = self.runner.engine
         finished = engine.finished if engine is not None else None
         if self.host.scheduler is not None and not (finished is not None and finished.overflow):
@@ -266,6 +298,7 @@ class ResilientPipelineEngine:
         return {
             "client_state": dict(client_state or {}), "data_position": self.drawn,
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rebalance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
             "bamboo": ckpt.bamboo_meta(layout.num_layers, layout.parts, layout.pipelines, engine.optimizer,
                                        global_steps=self.host.step, seed=self.runner.seed,
                                        redundancy=self.config.redundancy, world_size=dist.get_world_size(),
@@ -316,6 +349,9 @@ class ResilientPipelineEngine:
             self.drawn, self._data = int(meta.get("data_position", 0)), None
             if load_lr_scheduler_states and self.host.scheduler is not None and meta.get("lr_scheduler") is not None:
                 self.host.scheduler.load_state_dict(meta["lr_scheduler"])
+            if self.rebalancer is not None and meta.get("rebalance") is not None:
+                self.rebalancer.load_state_dict(meta["rebalance"])
+                self.rebalancer.begin(runtime_placement(runner, runner.global_micro_batches), runner.layer_costs())
         runner.resilient(lambda: runner.audit("resumed before"))
         return str(path), {**meta.get("client_state", {}), "data_position": int(meta.get("data_position", 0))}
 
@@ -339,31 +375,59 @@ _SESSION: dict[str, Any] = {}
 
 
 def open_job(timeout: float, detection_timeout: float) -> None:
-    """Under the Bamboo launcher: join the job's membership and form its process group on the abortable backend."""
+    """Under the Bamboo launcher: join the job's membership and form its process group on the abortable backend.
+
+    A standby node (one released when its pipeline lost a node, or started to join) waits here until a rebalancing
+    node admits it (``"bamboo": {"rebalance": ...}``), or exits 0 when the job finishes first. Admitted, it returns
+    in a world of its own: the script builds its ``PipelineModule`` next, and DeepSpeed forms the module's process
+    groups there, collectives of the whole world that the running nodes, who are training, take no part in. That
+    world is torch's ``fake`` backend (no peer, nothing sent) at the job's start size, so the module's topology is
+    the one the script was written for; ``initialize`` leaves it for the job's process group.
+    """
     from lightning_bamboo.engine import comm_process
     from lightning_bamboo.engine.build import ensure_deepspeed_comm
     from lightning_bamboo.errors import FatalLoss
+    from lightning_bamboo.membership.node import leave_idle_priority
     from lightning_bamboo.runtime.session import joining, start_session
 
     comm_process.use_transport("gloo", torch.device("cpu"))
     comm_process.prepare()
     session = start_session(detection_timeout, timeout, comm_process.BACKEND)
     if joining():
-        # A standby node (one released when its pipeline lost a node, or started to join): this door does not
-        # admit nodes into a running job yet, so it waits for the job to finish and leaves with it.
-        record = session.wait_admission()
-        session.stop()
+        try:
+            record = session.wait_admission()
+        except FatalLoss:  # the job was abandoned after a fatal loss: this node leaves with it
+            session.stop()
+            raise
         if record is None:
+            session.stop()
             log.warning("%s: the job finished before this standby node was needed", session.node)
             raise SystemExit(0)
-        raise BambooConfigError(f"{session.node} was admitted into the running job, which lightning_bamboo.initialize "
-                                "cannot join yet; use BambooStrategy with RebalanceCallback to admit nodes")
+        leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
+        _SESSION["session"], _SESSION["admission"] = session, record
+        world = _start_world(session)
+        dist.init_process_group("fake", rank=world - 1, world_size=world)  # (rank 0 prints DeepSpeed's banners)
+        ensure_deepspeed_comm("fake")
+        return
     if session.start_lost:
         raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; start it again with the nodes "
                         "that are up")
     _SESSION["session"] = session
     dist.init_process_group(comm_process.BACKEND, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     ensure_deepspeed_comm(comm_process.BACKEND)
+
+
+#: the store topic where the job's first node puts the number of processes the job started with
+_START_WORLD = "door-start-world"
+
+
+def _start_world(session: Any) -> int:
+    """The number of processes the job started with (its first node put it in the store when it started)."""
+    snapshot = session.store.get_prefix(session.keys.topic(_START_WORLD))
+    if not snapshot.kvs:
+        raise BambooConfigError(f"{session.node} was admitted into a job that lightning_bamboo.initialize did not start "
+                                "(no start size in its store); a job's nodes must all run the same door")
+    return int(snapshot.kvs[0].value)
 
 
 def _repeat(loader: Any, skip: int) -> Iterator[Any]:

@@ -123,9 +123,13 @@ class Rebalancer:
             return
         new = layout_from_json(agreed["layout"])
         elastic = runner.global_micro_batches is not None
-        if new is None or (new.pipelines != runner.layout.pipelines and not elastic):
+        idle = sorted(set(runner.nodes) - set(new.nodes)) if new is not None else []
+        if new is None or idle or (new.pipelines != runner.layout.pipelines and not elastic):
             reason = f"{agreed['action']} deferred: " + (
                 "no layout (too few nodes)" if new is None else
+                f"{new.stages}-stage pipelines leave {idle} of the {len(runner.nodes)} running nodes without layers, "
+                f"and a reconfiguration never drops a running node; choose stages (now {self.stages}) that divide the "
+                "running nodes" if idle else
                 f"{new.pipelines} pipelines, but this job's sampler fixes the number of pipelines"
             )
             if reason != self._deferred:
@@ -195,6 +199,23 @@ class Rebalancer:
             self.layout = saved
         self.stages = state_dict.get("stages", self.stages)
         self.decisions = list(state_dict.get("decisions", []))
+
+
+def from_config(entry: Any, name: str = '"bamboo.rebalance"') -> Rebalancer | None:
+    """A config entry as a ``Rebalancer`` (None for ``false``): ``true`` for the defaults, or a dict of its arguments
+    (``stages``, ``min_stages``, ``max_overloaded_fraction``, ``admit``); ``name`` is the entry's, for the errors."""
+    if entry is False or entry is None:
+        return None
+    if entry is True:
+        return Rebalancer()
+    if not isinstance(entry, dict):
+        raise BambooConfigError(f"{name} must be true, false or a dict of stages, min_stages, max_overloaded_fraction "
+                                f'and admit (got {entry!r}); e.g. "rebalance": {{"stages": 4}}')
+    known = ("stages", "min_stages", "max_overloaded_fraction", "admit")
+    unknown = sorted(set(entry) - set(known))
+    if unknown:
+        raise BambooConfigError(f"unknown keys in {name}: {unknown}; known keys: {list(known)}")
+    return Rebalancer(**entry)
 
 
 def runtime_placement(runner: Any, global_micro_batches: int | None) -> Placement:
