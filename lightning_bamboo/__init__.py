@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_bamboo import _registration, logs
-from lightning_bamboo.errors import BambooConfigError, BambooError
+from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, JobRestarted
 
 _registration.install()
 logs.install()
@@ -39,6 +39,8 @@ __all__ = [
     "BambooConfigError",
     "BambooError",
     "BambooStrategy",
+    "FatalLoss",
+    "JobRestarted",
     "PTLBambooStrategy",
     "consolidate_checkpoint",
     "init_distributed",

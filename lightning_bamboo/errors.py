@@ -17,6 +17,16 @@ class FatalLoss(BambooError):
     """A lost stage has no live replica (a node and its replica holder were lost together)."""
 
 
+class JobRestarted(FatalLoss):
+    """After a fatal loss the job restarted from its last checkpoint in the running processes, and a data iterator
+    the caller owns must be rewound: the engine is at step ``step`` and the job's data at micro-batch
+    ``data_position`` (raised by ``ResilientPipelineEngine.train_batch(data_iter=...)``)."""
+
+    def __init__(self, message: str, step: int, data_position: int) -> None:
+        super().__init__(message)
+        self.step, self.data_position = step, data_position
+
+
 class PeerLost(BambooError):
     """A peer of this pipeline is gone; the step in flight did not commit here. ``lost``: the peers known lost."""
 

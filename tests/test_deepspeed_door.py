@@ -211,6 +211,36 @@ def test_load_checkpoint_then_a_kill_ends_bit_exact_in_another_layout(tmp_path, 
     assert meta["data_position"] == STEPS * 4
 
 
+def test_a_fatal_loss_restarts_from_the_last_checkpoint_in_the_running_processes_bit_exact(tmp_path, clean):
+    """node1 and node2 (node2's replica holder) killed at step 8: no replica of stage 2 is left. The survivors
+    node0 and node3 restart the job in their processes as 2 stages, from global_step6 (``save_dir/latest``), and the
+    loop goes on from step 6 by itself: the clean run's weights and optimizer state at step 12, bit for bit."""
+    stdout = _train(tmp_path / "out", kill=["node1@8", "node2@8"], extra=("--save-every", "6"))
+    assert re.search(r"fatal loss of \['node1', 'node2'\]; the job restarts in its running processes as 2 stage\(s\) "
+                     r"x 1 pipeline\(s\)", stdout), stdout[-3000:]
+    assert re.search(r"node0: restarted at step 6 from \S+global_step6 in", stdout), stdout[-3000:]
+    weights, states, meta = _final(tmp_path / "out")
+    clean_weights, clean_states, _ = _final(clean)
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    assert meta["data_position"] == STEPS * 4 and meta["bamboo"]["global_steps"] == STEPS
+    assert len(meta["bamboo"]["parts"]) == 3  # saved by the restarted job: 2 stages
+
+
+def test_without_replicas_a_kill_restarts_in_place_and_a_loop_with_its_own_iterator_rewinds_it(tmp_path, clean):
+    """``"redundancy": "off"``: every loss is fatal. node2 killed at step 8; node0, node1 and node3 restart in
+    their processes as 3 stages from global_step6; ``train_batch(data_iter=it)`` raises ``JobRestarted`` once, and
+    the loop rewinds its iterator to its ``data_position``: the clean run's weights at step 12, bit for bit."""
+    stdout = _train(tmp_path / "out", script=REPO / "tests" / "scripts" / "door_own_iterator.py", kill=["node2@8"],
+                    extra=("--save-every", "6"))
+    assert stdout.count("rewound to micro-batch 24 at step 6") == 3, stdout[-3000:]
+    assert re.search(r"the job restarts in its running processes as 3 stage\(s\) x 1 pipeline\(s\)", stdout)
+    assert "restarts 1" in stdout
+    weights, states, meta = _final(tmp_path / "out")
+    clean_weights, clean_states, _ = _final(clean)
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    assert meta["data_position"] == STEPS * 4
+
+
 def test_two_pipelines_with_a_kill_end_within_float_rounding(tmp_path):
     """2 pipelines of 2 stages; node1 killed at step 5: the whole pipeline redoes the step with the global batch (8
     micro-batches a step throughout), the released node waits as a standby and leaves with the job."""

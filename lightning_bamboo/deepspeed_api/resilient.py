@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.errors import BambooConfigError, FatalLoss, JobRestarted
 from lightning_bamboo.runtime.rebalance import from_config, runtime_placement
 
 log = logging.getLogger(__name__)
@@ -193,11 +193,15 @@ class ResilientPipelineEngine:
         self._data: Iterator[Any] | None = None
         self.drawn = 0  # micro-batches drawn from the data so far (a checkpoint keeps it: ``data_position``)
         self._failed = False
+        #: restarts from the last checkpoint after fatal losses, oldest first (see ``train_batch``)
+        self.restarts: list[dict[str, Any]] = []
+        self._checkpoints: Path | None = None  # the directory of the last save or load: a restart loads its latest
+        self._model = _Model(module)
         admission = _SESSION.pop("admission", None)
         if admission is not None:
             self._join(admission, module)
         else:
-            runner.start(_Model(module), world, dist.get_rank(), fitting=True)
+            runner.start(self._model, world, dist.get_rank(), fitting=True)
             if dist.get_rank() == 0 and runner.session is not None:
                 runner.publish(_START_WORLD, str(world))  # a node admitted later builds its PipelineModule at this size
         if self.rebalancer is not None and runner.session is not None:
@@ -217,7 +221,7 @@ class ResilientPipelineEngine:
         dist.destroy_process_group()
         runner.enter(record)
         ensure_deepspeed_comm(runner.backend)
-        meta = runner.start_admitted(_Model(module), record)
+        meta = runner.start_admitted(self._model, record)
         self.host.step = int(meta["bamboo"].get("global_steps", 0))
         self.drawn = int(meta.get("data_position", 0))
         if self.host.scheduler is not None and meta.get("lr_scheduler") is not None:
@@ -265,7 +269,51 @@ class ResilientPipelineEngine:
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """One step on the next global batch of ``data_iter`` (default: the training data's loader); on a loss, fail
-        over and redo it from the micro-batches drawn for it. Returns the step's loss, as DeepSpeed does."""
+        over and redo it from the micro-batches drawn for it. Returns the step's loss, as DeepSpeed does.
+
+        A fatal loss (a node lost with its replica holder) restarts the job in the running processes from the last
+        checkpoint this engine saved or loaded (``save_dir/latest``; the job's start if none): ``global_steps`` goes
+        back to its step, and ``restarts`` records it. With the training data's loader the step at that position is
+        then trained and its loss returned, so a ``while engine.global_steps < N`` loop goes on by itself. With a
+        ``data_iter`` of the caller's, ``JobRestarted`` (a ``FatalLoss``) is raised once the job has restarted: rewind
+        the iterator to its ``data_position`` micro-batches and go on."""
+        try:
+            return self._train_batch(data_iter)
+        except FatalLoss as err:
+            if isinstance(err, JobRestarted) or self.runner.session is None or not self.runner.session.active:
+                self._failed = True
+                raise
+            self._restart(err)
+        if data_iter is not None:
+            raise JobRestarted(f"the job restarted from step {self.host.step} after a fatal loss; rewind data_iter to "
+                               f"micro-batch {self.drawn} (engine.drawn) and call train_batch again", self.host.step,
+                               self.drawn)
+        return self.train_batch()
+
+    def _restart(self, err: FatalLoss) -> None:
+        """The survivors' layout and fresh stages (``runtime.restart``), then the last checkpoint loaded into them."""
+        import time
+
+        from lightning_bamboo.runtime.restart import restart_after_fatal_loss
+
+        started = time.monotonic()
+        step = self.host.step
+        record = restart_after_fatal_loss(self.runner, self._model, err)
+        if self.rebalancer is not None:
+            self.rebalancer.layout = None  # a new layout: no node in it is overloaded
+            self.rebalancer.begin(runtime_placement(self.runner, self.runner.global_micro_batches),
+                                  self.runner.layer_costs())
+        loaded = None
+        if self._checkpoints is not None and (self._checkpoints / "latest").exists():
+            loaded, _ = self.load_checkpoint(self._checkpoints)
+        else:  # no checkpoint yet: the job's start (the seed's weights), as a fresh run
+            self.host.step, self.drawn, self._data = 0, 0, None
+        self.restarts.append({**record, "at_step": step, "from_step": self.host.step, "checkpoint": loaded,
+                              "seconds": time.monotonic() - started})
+        log.warning("%s: restarted at step %d from %s in %.2f s", self.runner.node, self.host.step,
+                    loaded or "the job's start (no checkpoint)", time.monotonic() - started)
+
+    def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
         it = data_iter if data_iter is not None else self._default_iterator()
         count = self.runner.global_micro_batches or self.micro_batches
         micro = [next(it) for _ in range(count)]
@@ -274,6 +322,8 @@ class ResilientPipelineEngine:
             self.runner.engine.global_steps = self.host.step
         try:
             loss = self.runner.train_step(batch)
+        except FatalLoss:
+            raise  # train_batch restarts the job (or marks it failed)
         except Exception:
             self._failed = True
             raise  # (a node leaving after a notice ends with SystemExit(0), after its last step committed)
@@ -308,7 +358,8 @@ class ResilientPipelineEngine:
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's signature: ``save_dir/tag`` (default ``global_step<N>``) in the per-layer format (loads into any
-        layout), ``save_dir/latest`` names it. A loss during the save fails over and saves again."""
+        layout), ``save_dir/latest`` names it. A loss during the save fails over and saves again; a fatal loss
+        restarts the job from the last checkpoint (see ``train_batch``) and returns False, nothing saved."""
         if exclude_frozen_parameters:
             raise BambooConfigError("exclude_frozen_parameters is not supported: every layer file holds its weights")
         tag = str(tag) if tag is not None else f"global_step{self.host.step}"
@@ -316,11 +367,20 @@ class ResilientPipelineEngine:
         rank0 = dist.get_rank() == 0
         if rank0:
             Path(save_dir).mkdir(parents=True, exist_ok=True)
-        self.runner.resilient(lambda: self.runner.save(
-            path, lambda: self._meta(client_state), with_optimizer=True, is_global_zero=dist.get_rank() == 0,
-            barrier=lambda _name: dist.barrier(), step=self.host.step))
+        try:
+            self.runner.resilient(lambda: self.runner.save(
+                path, lambda: self._meta(client_state), with_optimizer=True, is_global_zero=dist.get_rank() == 0,
+                barrier=lambda _name: dist.barrier(), step=self.host.step))
+        except FatalLoss as err:
+            if self.runner.session is None or not self.runner.session.active:
+                self._failed = True
+                raise
+            self._restart(err)  # nothing of this save was committed; the job is back at the last checkpoint
+            return False
         if save_latest and dist.get_rank() == 0:
             ckpt.atomic_save(tag.encode(), Path(save_dir) / "latest")
+        if save_latest:
+            self._checkpoints = Path(save_dir)
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: Any = None, load_module_strict: bool = True,
@@ -337,6 +397,7 @@ class ResilientPipelineEngine:
             tag = latest.read_text().strip()
         path = Path(load_dir) / str(tag)
         meta = ckpt.read_meta(path)
+        self._checkpoints = Path(load_dir)
         runner = self.runner
         runner.resume_from(path, meta)
         runner.resolve_precision(meta["bamboo"].get("loss_scale"))
