@@ -138,7 +138,8 @@ def test_initialize_bamboo_options_are_checked(section, message):
     with pytest.raises(BambooConfigError, match=message):
         bamboo_options({"bamboo": section})
     assert bamboo_options({"bamboo": {"timeout": 60}}) == {"redundancy": "off", "timeout": 60, "detection_timeout": 10.0,
-                                                          "audit_replicas": False, "notices": [], "notice_interval": 3.0}
+                                                          "audit_replicas": False, "notices": [], "notice_interval": 3.0,
+                                                          "rebalance": False}
 
 
 def test_initialize_with_replicas_outside_the_bamboo_launcher_is_refused_with_how_to_start_it(tmp_path, monkeypatch):
