@@ -32,7 +32,7 @@ MICRO = 2
 def worker(args: argparse.Namespace) -> None:
     from common import token_dataset
     from deepspeed.pipe import PipelineModule
-    from rc_overhead import CONFIG
+    from rc_overhead import CONFIG, keep_exchange
 
     import lightning_bamboo
     from lightning_bamboo.models.gpt import gpt_layers, gpt_loss
@@ -52,6 +52,7 @@ def worker(args: argparse.Namespace) -> None:
         mode = "eager" if step < args.warmup else MODES[(step - args.warmup) % len(MODES)]
         # as rc_overhead.Rotate: an off step without replica and exchange, a lazy step without redundant forwards
         stage.replica, stage.replica_peers = (None, (None, None)) if mode == "off" else (replica, peers)
+        keep_exchange(stage, args, mode)
         stage.bamboo_options = {**options, "redundancy": "lazy" if mode == "off" else mode}
         started = time.perf_counter()
         engine.train_batch()

@@ -112,14 +112,32 @@ class Rotate(pl.Callback):
         # the warm-up is eager: its steps 1-3 measure the costs eager places its forwards with
         mode = "eager" if step < self.warmup else MODES[(step - self.warmup) % len(MODES)]
         if mode == "off":
-            # The exchange is left as it is (the same one serves the next redundant step, with the same replica
-            # and peers): its sends in flight, and a replica update still due with its "read" unanswered, carry
-            # over the off step to the next redundant step, as they would to the next step of a lazy run.
             engine.replica, engine.replica_peers = None, (None, None)
         else:
             engine.replica, engine.replica_peers = replica, peers
+        keep_exchange(engine, self, mode)
         engine.bamboo_options = {**options, "redundancy": "lazy" if mode == "off" else mode}
         self.modes.append(mode)
+
+
+def keep_exchange(engine, holder, mode: str) -> None:
+    """Keep the gradient exchange across an off step: the same one serves the next redundant step.
+
+    Its sends in flight, and a replica update still due with its "read" unanswered, carry over the off step to
+    the next redundant step, as they would to the next step of a lazy run. Under the Bamboo launcher an off step
+    still defers its update to the commit (a real "off" run there commits every step too), and the engine builds
+    an exchange without peers for it; without this, the next redundant step would build a fresh exchange (a new
+    shared-memory handshake, gradients over the process group meanwhile) that a run of that mode alone builds
+    once.
+    """
+    kept = getattr(holder, "kept_exchange", None)
+    if mode == "off":
+        key = engine.__dict__.get("_exchange_key")
+        if key is not None and key[0] is not None:
+            holder.kept_exchange = (engine.__dict__["_exchange"], key)
+    elif kept is not None:
+        engine._exchange, engine._exchange_key = kept
+        holder.kept_exchange = None
 
 
 def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
