@@ -357,3 +357,89 @@ def test_a_plan_with_replicas_goes_deeper_where_the_replica_would_not_fit() -> N
     held = plan(prof, hw, world_size=4, global_batch=8, replica=True)
     assert held.stages == 4 and max(held.stage_memory_bytes) <= hw.memory_bytes
     assert all("successor's replica" in r.reason for r in held.infeasible if r.stages == 2 and r.pipelines == 2)
+
+
+# --- the redundancy's time: replica update, gradient shipping, eager's redundant forwards ---------------------------
+
+
+def test_the_redundancys_work_fills_each_stages_bubbles_before_it_adds_to_the_step() -> None:
+    """Four equal stages (F 1, B 2, no transfers): each waits (p - 1)(F + B) = 9 per step. The replica's update
+    (0.1) and eager's 8 forwards of the successor (8) fit there; 16 forwards overflow by 7.1; an update of 10
+    overflows by 1."""
+    from lightning_bamboo.planner import redundancy_cost
+
+    prof = model(*[layer(1.0, 2.0, update=0.1) for _ in range(4)])
+    parts = [0, 1, 2, 3, 4]
+    est = estimate_step(prof, FAST, parts, 1, 8)
+    assert est.step_seconds == pytest.approx(7 * 3 + 12 + 0.1)
+    lazy = redundancy_cost(prof, FAST, est, 1, 8, "lazy")
+    assert lazy.idle_seconds == pytest.approx((9.0,) * 4) and lazy.work_seconds == pytest.approx((0.1,) * 4)
+    assert lazy.step_seconds == 0.0
+    assert redundancy_cost(prof, FAST, est, 1, 8, "eager").step_seconds == 0.0
+    est16 = estimate_step(prof, FAST, parts, 1, 16)
+    assert redundancy_cost(prof, FAST, est16, 1, 16, "eager").step_seconds == pytest.approx(16 + 0.1 - 9)
+    assert redundancy_cost(prof, FAST, est16, 1, 16, "off").step_seconds == 0.0
+    heavy = model(*[layer(1.0, 2.0, update=10.0) for _ in range(4)])
+    est_heavy = estimate_step(heavy, FAST, parts, 1, 8)
+    assert redundancy_cost(heavy, FAST, est_heavy, 1, 8, "lazy").step_seconds == pytest.approx(10 - 9)
+    one_stage = estimate_step(prof, FAST, [0, 4], 1, 8)
+    assert redundancy_cost(prof, FAST, one_stage, 1, 8, "eager").step_seconds == 0.0  # nothing to replicate
+
+
+def test_gradients_shipped_over_a_slow_link_add_what_the_link_cannot_carry_in_the_step() -> None:
+    """100 MB of gradients per stage at 1 MB/s take 100 s per step; the link carries no activations (outputs of 0
+    bytes), so the 33.1 s step hides 33.1 of them and the step grows by 66.9."""
+    from lightning_bamboo.planner import redundancy_cost
+
+    prof = model(*[layer(1.0, 2.0, params=100_000_000, update=0.1) for _ in range(4)])
+    slow = Hardware(memory_bytes=10**12, bandwidth_bytes_per_second=1e6, latency_seconds=0.0)
+    est = estimate_step(prof, slow, [0, 1, 2, 3, 4], 1, 8)
+    cost = redundancy_cost(prof, slow, est, 1, 8, "lazy")
+    assert cost.ship_seconds == pytest.approx((100.0,) * 4)
+    assert cost.step_seconds == pytest.approx(100 - est.step_seconds)
+    with pytest.raises(BambooConfigError, match=r"redundancy must be one of \['off', 'lazy', 'eager'\] \(got 'always'\)"):
+        redundancy_cost(prof, slow, est, 1, 8, "always")
+
+
+def test_a_plan_that_prices_the_redundancy_ranks_every_layout_with_it() -> None:
+    """Against brute force on random models: the plan's step is its split's estimate plus the redundancy's time,
+    no layout it considered does better with that time counted, and on some models eager's redundant forwards
+    change the layout chosen."""
+    from lightning_bamboo.planner import redundancy_cost
+
+    rng = random.Random(11)
+    changed = 0
+    for _ in range(40):
+        prof = random_profile(rng, rng.randint(3, 6), sizes=(1, 2))
+        hw = random_hardware(rng)
+        world, batch = rng.choice([2, 3, 4, 6]), rng.choice([4, 8, 12])
+        try:
+            off = plan(prof, hw, world, batch)
+            eager = plan(prof, hw, world, batch, redundancy="eager")
+        except NoFeasiblePlanError:
+            continue
+        assert eager.redundancy == "eager" and off.redundancy_seconds == 0.0
+        est = estimate_step(prof, hw, eager.partition, eager.micro_batch_size, eager.micro_batches, eager.pipelines)
+        extra = redundancy_cost(prof, hw, est, eager.micro_batch_size, eager.micro_batches, "eager").step_seconds
+        assert eager.redundancy_seconds == pytest.approx(extra)
+        assert eager.predicted_step_seconds == pytest.approx(est.step_seconds + extra)
+        assert all(alt.samples_per_second <= eager.samples_per_second * (1 + 1e-12) for alt in eager.alternatives)
+        changed += (eager.stages, eager.pipelines, eager.micro_batch_size) != (off.stages, off.pipelines,
+                                                                              off.micro_batch_size)
+    assert changed >= 1
+    with pytest.raises(BambooConfigError, match=r"redundancy must be one of"):
+        plan(prof, hw, 2, 4, redundancy="sometimes")
+
+
+def test_a_plan_shows_each_stages_memory_with_and_without_its_replica() -> None:
+    layers = [layer(1.0, 2.0, params=10 * MiB, update=0.1, sizes=(1,)) for _ in range(4)]
+    prof = model(*layers)
+    hw = Hardware(memory_bytes=100 * MiB, bandwidth_bytes_per_second=1e12, latency_seconds=0.0)
+    held = plan(prof, hw, world_size=4, global_batch=8, replica=True, redundancy="lazy")
+    replica = 4 * 10 * MiB  # the successor's one layer: parameters, gradients, two AdamW moments
+    assert [a - b for a, b in zip(held.stage_memory_bytes, held.stage_memory_without_replica_bytes, strict=True)] \
+        == [replica] * 4
+    assert Plan.from_json(held.to_json()) == held
+    text = plan_table(prof, hw, 4, 8, replica=True, redundancy="lazy").format()
+    assert "no-rep MiB" in text and "+rc s" in text
+    assert "no-rep MiB" not in plan_table(prof, replace(hw, memory_bytes=10**12), 4, 8).format()

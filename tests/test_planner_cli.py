@@ -35,6 +35,23 @@ def test_table_lists_every_world_size(capsys, tmp_path) -> None:
     assert [row[0] for row in rows] == ["1", "2", "3"]
 
 
+def test_eager_plans_count_the_replicas_and_price_the_redundant_forwards(capsys, tmp_path) -> None:
+    saved = tmp_path / "profile.json"
+    assert cli.run(parse("--world-size", "4", "--n-layer", "2", "--save-profile", str(saved), "--redundancy", "eager")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("workers"))
+    assert "max MiB" in header and "no-rep MiB" in header and "+rc s" in header
+    # 3 workers and a batch of 32: one pipeline of 3 stages, each holding its successor's stage besides its own;
+    # 32 redundant forwards per step are more than a 3-stage pipeline's bubbles hold
+    assert cli.run(parse("--world-size", "3", "--json", "--profile", str(saved), "--redundancy", "eager")) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["redundancy"] == "eager" and data["stages"] == 3 and data["redundancy_seconds"] > 0
+    assert all(a > b for a, b in zip(data["stage_memory_bytes"], data["stage_memory_without_replica_bytes"], strict=True))
+    assert cli.run(parse("--world-size", "3", "--json", "--profile", str(saved))) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert off["redundancy_seconds"] == 0 and off["stage_memory_bytes"] == off["stage_memory_without_replica_bytes"]
+
+
 def test_memory_too_small_is_a_clear_error(capsys) -> None:
     assert cli.run(parse("--world-size", "2", "--json", "--n-layer", "1", "--memory-gib", "0.0001")) == 2
     err = capsys.readouterr().err

@@ -210,8 +210,10 @@ class HydrozoaTuner(Callback):
         )
         self.profile, self.hardware = profile, hw
         self.replica = _holds_replica(strategy)
+        options = getattr(strategy, "options", None)
+        redundancy = getattr(options, "redundancy", "off") if options is not None else "off"
         return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch,
-                          replica=self.replica)
+                          replica=self.replica, redundancy=redundancy)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

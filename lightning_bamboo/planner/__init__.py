@@ -7,9 +7,11 @@ from lightning_bamboo.planner.costmodel import (
     LayerCost,
     LayerProfile,
     ModelProfile,
+    RedundancyCost,
     StageEstimate,
     StepEstimate,
     estimate_step,
+    redundancy_cost,
 )
 from lightning_bamboo.planner.plan import (
     Alternative,
@@ -35,11 +37,13 @@ __all__ = [
     "NoSplit",
     "Plan",
     "PlanTable",
+    "RedundancyCost",
     "Split",
     "StageEstimate",
     "StepEstimate",
     "estimate_step",
     "plan",
     "plan_table",
+    "redundancy_cost",
     "solve_split",
 ]

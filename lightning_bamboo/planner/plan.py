@@ -9,7 +9,13 @@ from itertools import pairwise
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.planner.costmodel import Hardware, ModelProfile, StageEstimate
+from lightning_bamboo.planner.costmodel import (
+    REDUNDANCY_MODES,
+    Hardware,
+    ModelProfile,
+    StageEstimate,
+    redundancy_cost,
+)
 from lightning_bamboo.planner.solver import NoSplit, SegmentTables, replica_bytes, solve_split
 
 
@@ -69,6 +75,11 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     infeasible: tuple[Infeasible, ...] = ()
     planning_seconds: float = 0.0
+    #: ``redundancy`` priced (``redundancy_cost``): "off", or "lazy"/"eager" with the replicas held and their time
+    redundancy: str = "off"
+    redundancy_seconds: float = 0.0  # of ``predicted_step_seconds``: what the redundancy adds to the step
+    #: per stage, without the successor's replica (equal to ``stage_memory_bytes`` when no replica is counted)
+    stage_memory_without_replica_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         parts = list(self.partition)
@@ -116,6 +127,7 @@ class Plan:
         raw["partition"] = tuple(raw["partition"])
         raw["stage_seconds"] = tuple(raw["stage_seconds"])
         raw["stage_memory_bytes"] = tuple(raw["stage_memory_bytes"])
+        raw["stage_memory_without_replica_bytes"] = tuple(raw.get("stage_memory_without_replica_bytes", ()))
         raw["stage_estimates"] = tuple(StageEstimate(**s) for s in raw.get("stage_estimates", ()))
         raw["alternatives"] = tuple(
             Alternative(**{**a, "partition": tuple(a["partition"])}) for a in raw.get("alternatives", ())
@@ -157,6 +169,7 @@ def plan(
     allow_idle: bool = False,
     alternatives: int = 5,
     replica: bool = False,
+    redundancy: str = "off",
     _tables: dict[int, SegmentTables] | None = None,
 ) -> Plan:
     """The layout with the most samples per second for ``world_size`` workers.
@@ -164,6 +177,12 @@ def plan(
     With ``replica`` (``redundancy`` lazy or eager) every worker also holds its successor's stage, weights,
     gradients and optimizer state, in the same memory: every layout the plan considers fits with it
     (``solve_split``), so where a replica would not fit a deeper pipeline (smaller stages) wins.
+
+    ``redundancy`` ("lazy" or "eager") prices the redundancy's time
+    (``costmodel.redundancy_cost``: the replica's update, the gradients shipped to the replica holder, eager's
+    redundant forwards, each beyond what the stage's bubbles and idle link absorb). Layouts are ranked with it;
+    each layout's split is the best one without it. Pass ``replica`` too unless the replicas live elsewhere
+    (in host memory while the stages run on GPUs).
 
     ``global_batch`` is fixed by default (samples per step over all pipelines). With
     ``scale_batch`` (Hydrozoa) it is the batch of one pipeline and the step's batch grows with
@@ -173,6 +192,9 @@ def plan(
         raise BambooConfigError(
             f"world_size and global_batch must be >= 1 (got {world_size}, {global_batch})"
         )
+    if redundancy not in REDUNDANCY_MODES:
+        raise BambooConfigError(f"redundancy must be one of {list(REDUNDANCY_MODES)} (got {redundancy!r}); "
+                                "\"off\" plans without replicas")
     started = time.perf_counter()
     _check_layers_fit(profile, hw)
     tables = _tables if _tables is not None else {}
@@ -200,11 +222,12 @@ def plan(
                 rejected.append(Infeasible(stages, pipelines, mbs, result.reason))
                 continue
             samples = per_pipeline * pipelines
-            step = result.estimate.step_seconds
+            extra = redundancy_cost(profile, hw, result.estimate, mbs, micro_batches, redundancy).step_seconds
+            step = result.estimate.step_seconds + extra
             alt = Alternative(stages, pipelines, mbs, micro_batches, result.partition, step, samples / step)
             # most samples/s; ties: fewer workers, fewer stages (fewer failure points), larger micro-batch
             key = (step / samples, stages * pipelines, stages, -mbs)
-            feasible.append((key, stages, pipelines, alt, result))
+            feasible.append((key, stages, pipelines, alt, (result, extra)))
     if not feasible:
         shown = "; ".join(f"{r.pipelines}x{r.stages} mb{r.micro_batch_size}: {r.reason}" for r in rejected[:6])
         more = f" (+{len(rejected) - 6} more)" if len(rejected) > 6 else ""
@@ -219,7 +242,7 @@ def plan(
             f"{_mib(hw.memory_bytes)} each and global batch {global_batch}: {shown}{more}. Fix: {hint}"
         )
     feasible.sort(key=lambda item: item[0])
-    _, _, _, best, result = feasible[0]
+    _, _, _, best, (result, extra) = feasible[0]
     est = result.estimate
     return Plan(
         world_size=world_size,
@@ -241,6 +264,9 @@ def plan(
         alternatives=tuple(item[3] for item in feasible[1 : 1 + alternatives]),
         infeasible=tuple(rejected),
         planning_seconds=time.perf_counter() - started,
+        redundancy=redundancy,
+        redundancy_seconds=extra,
+        stage_memory_without_replica_bytes=tuple(int(s.memory_bytes) for s in est.stages),
     )
 
 
@@ -287,7 +313,12 @@ class PlanTable:
 
     def format(self) -> str:
         """One row per world size, like a table in a README."""
-        header = f"{'workers':>7} {'stages':>6} {'pipes':>5} {'mb':>3} {'m':>4} {'batch':>6} {'step s':>9} {'samples/s':>10} {'max MiB':>8}  partition"
+        held = any(p is not None and p.stage_memory_without_replica_bytes and
+                   p.stage_memory_without_replica_bytes != p.stage_memory_bytes for p in self.plans)
+        priced = any(p is not None and p.redundancy != "off" for p in self.plans)
+        header = (f"{'workers':>7} {'stages':>6} {'pipes':>5} {'mb':>3} {'m':>4} {'batch':>6} {'step s':>9} "
+                  f"{'samples/s':>10} {'max MiB':>8}" + (f" {'no-rep MiB':>10}" if held else "")
+                  + (f" {'+rc s':>7}" if priced else "") + "  partition")
         rows = [header, "-" * len(header)]
         for w, p in enumerate(self.plans, start=1):
             if p is None:
@@ -296,7 +327,9 @@ class PlanTable:
             rows.append(
                 f"{w:>7} {p.stages:>6} {p.pipelines:>5} {p.micro_batch_size:>3} {p.micro_batches:>4} "
                 f"{p.global_batch:>6} {p.predicted_step_seconds:>9.4f} {p.samples_per_second:>10.1f} "
-                f"{max(p.stage_memory_bytes) / 2**20:>8.1f}  {list(p.partition)}"
+                f"{max(p.stage_memory_bytes) / 2**20:>8.1f}"
+                + (f" {max(p.stage_memory_without_replica_bytes or p.stage_memory_bytes) / 2**20:>10.1f}" if held else "")
+                + (f" {p.redundancy_seconds:>7.4f}" if priced else "") + f"  {list(p.partition)}"
             )
         return "\n".join(rows)
 
@@ -311,6 +344,7 @@ def plan_table(
     allow_idle: bool = False,
     alternatives: int = 5,
     replica: bool = False,
+    redundancy: str = "off",
 ) -> PlanTable:
     """Plans for world sizes 1..max_world_size; a size with no valid layout keeps its error message."""
     if max_world_size < 1:
@@ -323,7 +357,7 @@ def plan_table(
         try:
             plans.append(
                 plan(profile, hw, w, global_batch, scale_batch=scale_batch, allow_idle=allow_idle,
-                     alternatives=alternatives, replica=replica, _tables=tables)
+                     alternatives=alternatives, replica=replica, redundancy=redundancy, _tables=tables)
             )
             errors.append("")
         except NoFeasiblePlanError as err:
