@@ -62,6 +62,25 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({"times": times, "modes": modes}))
 
 
+def paired_runs(stages: int, micro_batches: int, steps: int, warmup: int, repeats: int) -> list[dict[str, float]]:
+    """``repeats`` runs of the paired worker under the Bamboo launcher: per run, the median step of each mode."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            out = Path(tmp, f"run{repeat}.json")
+            subprocess.run([sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--",
+                            sys.executable, __file__, "--role", "worker", "--stages", str(stages),
+                            "--micro-batches", str(micro_batches), "--steps", str(steps),
+                            "--warmup", str(warmup), "--out", str(out)],
+                           env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+            r = json.loads(out.read_text())
+            pairs = list(zip(r["times"], r["modes"], strict=True))[warmup:]
+            runs.append({mode: statistics.median(t for t, m in pairs if m == mode) for mode in MODES})
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default=None)
@@ -74,20 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            out = Path(tmp, f"run{repeat}.json")
-            subprocess.run([sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(args.stages), "--",
-                            sys.executable, __file__, "--role", "worker", "--stages", str(args.stages),
-                            "--micro-batches", str(args.micro_batches), "--steps", str(args.steps),
-                            "--warmup", str(args.warmup), "--out", str(out)],
-                           env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
-            r = json.loads(out.read_text())
-            pairs = list(zip(r["times"], r["modes"], strict=True))[args.warmup:]
-            runs.append({mode: statistics.median(t for t, m in pairs if m == mode) for mode in MODES})
+    runs = paired_runs(args.stages, args.micro_batches, args.steps, args.warmup, args.repeats)
     print(f"DeepSpeed door (lightning_bamboo.initialize + train_batch under the Bamboo launcher): GPT "
           f"{sum(p.numel() for layer in _layers() for p in layer.parameters()) / 1e6:.1f}M params, {args.stages} stages x "
           f"{args.micro_batches} micro-batches of {MICRO}, AdamW, CPU; off, lazy and eager alternating step by step, "

@@ -306,6 +306,7 @@ class RedundancyCost:
     idle_seconds: tuple[float, ...]  # per stage: the step's time that stage computes nothing (its bubbles)
     ship_seconds: tuple[float, ...]  # per stage: its gradients sent to the replica holder (its predecessor)
     link_idle_seconds: tuple[float, ...]  # per stage: the step's time its link to the predecessor carries nothing
+    forwards: tuple[int, ...]  # per stage, eager: the micro-batches whose successor forward fits its bubbles
     step_seconds: float  # added to the step: the most any stage's work or ship overflows its idle time
 
 
@@ -321,15 +322,18 @@ def redundancy_cost(
 
     Stage ``k`` holds the replica of its successor ``s = (k + 1) % p`` (the last stage holds stage 0's). Every
     step (``lazy`` and ``eager``) it applies the replica's optimizer update, ``update_s``, and sends its own
-    gradients to its predecessor, who holds its replica: ``ship_k = latency + grad_bytes_k / bandwidth``. Under
-    ``eager`` it also runs the successor's forward for every micro-batch, ``m F_s``. The engine places that work
-    where the stage waits (its bubbles, about ``(p - 1)(F + B)`` per step), and the gradients go out without
-    waiting, over the link to the predecessor while it carries no activations:
+    gradients to its predecessor, who holds its replica: ``ship_k = latency + grad_bytes_k / bandwidth``. The
+    engine runs the update where the stage waits (its bubbles) and sends the gradients without waiting, over
+    the link to the predecessor while it carries no activations:
 
-    - compute: ``idle_k = step - m busy_k - tail_k``; ``work_k = update_s (+ m F_s)``;
+    - compute: ``idle_k = step - m busy_k - tail_k`` (``(p - 1)(F + B)`` for equal stages);
     - link: ``link_idle_k = step - 2 m c(cut before k)`` (stage 0's predecessor is the last stage: no
       activations between them);
-    - the step grows by ``max_k max(work_k - idle_k, ship_k - link_idle_k, 0)``.
+    - the step grows by ``max_k max(update_s - idle_k, ship_k - link_idle_k, 0)``.
+
+    ``eager`` places the successor's forwards in what is left of the bubbles and nowhere else (the schedule's
+    ``rf_budget=None``): ``forwards_k = min(m, floor((idle_k - update_s) / F_s))`` of them; the others are
+    recomputed after a failure. Its step is priced as ``lazy``'s; what it buys is a shorter failover.
 
     A lower bound where the bubbles are not where the work is due (a replica update waits for the gradients
     it applies), an upper one where the stages' transfers overlap their compute. ``off``, or one stage: nothing.
@@ -339,21 +343,25 @@ def redundancy_cost(
     p = len(est.stages)
     if redundancy == "off" or p < 2:
         zeros = (0.0,) * p
-        return RedundancyCost(zeros, zeros, zeros, zeros, 0.0)
+        return RedundancyCost(zeros, zeros, zeros, zeros, (0,) * p, 0.0)
     costs = [layer.at(micro_batch_size) for layer in profile.layers]
-    work, idle, ship, link_idle = [], [], [], []
+    work, idle, ship, link_idle, forwards = [], [], [], [], []
     for k, stage in enumerate(est.stages):
         successor = est.stages[(k + 1) % p]
         layers = profile.layers[successor.first_layer:successor.end_layer]
-        extra = hw.compute_scale * sum(layer.update_seconds for layer in layers)
-        if redundancy == "eager":
-            extra += micro_batches * successor.forward_seconds
-        work.append(extra)
+        update = hw.compute_scale * sum(layer.update_seconds for layer in layers)
         idle.append(max(0.0, est.step_seconds - micro_batches * stage.busy_seconds - stage.tail_seconds))
+        count = 0
+        if redundancy == "eager":
+            left = max(0.0, idle[-1] - update)
+            count = micro_batches if successor.forward_seconds <= 0 else min(
+                micro_batches, int(left / successor.forward_seconds * (1 + 1e-12)))
+        forwards.append(count)
+        work.append(update + count * successor.forward_seconds)
         grads = sum(layer.grad_bytes for layer in profile.layers[stage.first_layer:stage.end_layer])
         ship.append(transfer_seconds(grads, hw) if grads else 0.0)
         a = stage.first_layer
         activations = 2 * micro_batches * transfer_seconds(costs[a - 1].output_bytes, hw) if a > 0 else 0.0
         link_idle.append(max(0.0, est.step_seconds - activations))
     added = max(max(w - i, s - li, 0.0) for w, i, s, li in zip(work, idle, ship, link_idle, strict=True))
-    return RedundancyCost(tuple(work), tuple(idle), tuple(ship), tuple(link_idle), added)
+    return RedundancyCost(tuple(work), tuple(idle), tuple(ship), tuple(link_idle), tuple(forwards), added)

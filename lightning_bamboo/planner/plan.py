@@ -80,6 +80,9 @@ class Plan:
     redundancy_seconds: float = 0.0  # of ``predicted_step_seconds``: what the redundancy adds to the step
     #: per stage, without the successor's replica (equal to ``stage_memory_bytes`` when no replica is counted)
     stage_memory_without_replica_bytes: tuple[int, ...] = ()
+    #: per stage under "eager": the micro-batches whose successor forward fits its bubbles (the rest are
+    #: recomputed after a failure); empty otherwise
+    redundant_forwards: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         parts = list(self.partition)
@@ -128,6 +131,7 @@ class Plan:
         raw["stage_seconds"] = tuple(raw["stage_seconds"])
         raw["stage_memory_bytes"] = tuple(raw["stage_memory_bytes"])
         raw["stage_memory_without_replica_bytes"] = tuple(raw.get("stage_memory_without_replica_bytes", ()))
+        raw["redundant_forwards"] = tuple(raw.get("redundant_forwards", ()))
         raw["stage_estimates"] = tuple(StageEstimate(**s) for s in raw.get("stage_estimates", ()))
         raw["alternatives"] = tuple(
             Alternative(**{**a, "partition": tuple(a["partition"])}) for a in raw.get("alternatives", ())
@@ -179,8 +183,9 @@ def plan(
     (``solve_split``), so where a replica would not fit a deeper pipeline (smaller stages) wins.
 
     ``redundancy`` ("lazy" or "eager") prices the redundancy's time
-    (``costmodel.redundancy_cost``: the replica's update, the gradients shipped to the replica holder, eager's
-    redundant forwards, each beyond what the stage's bubbles and idle link absorb). Layouts are ranked with it;
+    (``costmodel.redundancy_cost``: the replica's update and the gradients shipped to the replica holder, beyond
+    what the stage's bubbles and idle link absorb; eager's redundant forwards take only what the bubbles have
+    left, and ``redundant_forwards`` says how many fit). Layouts are ranked with it;
     each layout's split is the best one without it. Pass ``replica`` too unless the replicas live elsewhere
     (in host memory while the stages run on GPUs).
 
@@ -222,12 +227,12 @@ def plan(
                 rejected.append(Infeasible(stages, pipelines, mbs, result.reason))
                 continue
             samples = per_pipeline * pipelines
-            extra = redundancy_cost(profile, hw, result.estimate, mbs, micro_batches, redundancy).step_seconds
-            step = result.estimate.step_seconds + extra
+            priced = redundancy_cost(profile, hw, result.estimate, mbs, micro_batches, redundancy)
+            step = result.estimate.step_seconds + priced.step_seconds
             alt = Alternative(stages, pipelines, mbs, micro_batches, result.partition, step, samples / step)
             # most samples/s; ties: fewer workers, fewer stages (fewer failure points), larger micro-batch
             key = (step / samples, stages * pipelines, stages, -mbs)
-            feasible.append((key, stages, pipelines, alt, (result, extra)))
+            feasible.append((key, stages, pipelines, alt, (result, priced)))
     if not feasible:
         shown = "; ".join(f"{r.pipelines}x{r.stages} mb{r.micro_batch_size}: {r.reason}" for r in rejected[:6])
         more = f" (+{len(rejected) - 6} more)" if len(rejected) > 6 else ""
@@ -242,7 +247,7 @@ def plan(
             f"{_mib(hw.memory_bytes)} each and global batch {global_batch}: {shown}{more}. Fix: {hint}"
         )
     feasible.sort(key=lambda item: item[0])
-    _, _, _, best, (result, extra) = feasible[0]
+    _, _, _, best, (result, priced) = feasible[0]
     est = result.estimate
     return Plan(
         world_size=world_size,
@@ -265,7 +270,8 @@ def plan(
         infeasible=tuple(rejected),
         planning_seconds=time.perf_counter() - started,
         redundancy=redundancy,
-        redundancy_seconds=extra,
+        redundancy_seconds=priced.step_seconds,
+        redundant_forwards=priced.forwards if redundancy == "eager" else (),
         stage_memory_without_replica_bytes=tuple(int(s.memory_bytes) for s in est.stages),
     )
 
