@@ -23,17 +23,9 @@ from lightning_bamboo.topology.policy import Placement
 
 
 class RebalanceCallback(Rebalancer, Callback):
-    """Rebalance, re-deepen or grow the pipeline at step boundaries, as the reconfiguration policy decides.
-
-    Args:
-        stages: the preferred pipeline depth (default: the depth the job started with). When
-            fewer nodes remain the pipeline gets shallower; when standby nodes come back it gets
-            this deep again.
-        min_stages: the shallowest pipeline to run (default 2: a replica needs a second stage).
-        max_overloaded_fraction: Bamboo's risk rule: rebuild as soon as ``2 * overloaded / active``
-            exceeds this (default 0.05, i.e. any overloaded node in a small job).
-        admit: let standby nodes join (they are started with ``BAMBOO_JOIN=1``, see
-            ``Cluster.spawn_joiner``).
+    """Rebalance, re-deepen or grow the pipeline at step boundaries, as the reconfiguration policy decides:
+    :class:`~lightning_bamboo.runtime.rebalance.Rebalancer` (its arguments: ``stages``, ``min_stages``,
+    ``max_overloaded_fraction``, ``admit``) driven by the Trainer's hooks.
 
     With a ``HydrozoaTuner`` among the trainer's callbacks, a new layout's layer split is the
     planner's for that depth (``HydrozoaTuner.split_for``: its profile, cost model and memory

@@ -3,6 +3,7 @@ and rewinds it when a fatal loss restarted the job (``lightning_bamboo.JobRestar
 "bamboo" section's (``off``: every loss is fatal, and the job restarts from its last checkpoint in place)."""
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -17,12 +18,7 @@ from deepspeed_spot import Regression, layers  # noqa: E402
 
 def micro_batches(loader, skip):
     """The loader's micro-batches over and over, after the first ``skip`` of them."""
-    drawn = 0
-    while True:
-        for item in loader:
-            if drawn >= skip:
-                yield item
-            drawn += 1
+    return itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader)), skip, None)
 
 
 def main():
