@@ -142,8 +142,11 @@ def keep_exchange(engine, holder, mode: str) -> None:
 
 def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
                block_size: int = CONFIG.block_size, rotate: bool = False, warmup: int = 5, script: str = __file__,
-               backend: str = "", n_embd: int = CONFIG.n_embd) -> dict:
-    """Run ``script``'s worker (this one's, or one that wraps it) on a fresh set of processes; its result."""
+               backend: str = "", n_embd: int = CONFIG.n_embd, launcher: bool = False) -> dict:
+    """Run ``script``'s worker (this one's, or one that wraps it) on a fresh set of processes; its result.
+
+    ``launcher`` (always with a ``kill``): under the Bamboo launcher, with the membership failover needs (every
+    step commits, in every mode); without it Lightning spawns the workers and no step commits."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
     cmd = [sys.executable, script, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
@@ -156,6 +159,7 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
         cmd += ["--backend", backend]
     if kill:
         env.update(faults.environment([kill]))
+    if kill or launcher:
         cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--", *cmd]
     started = time.time()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
@@ -221,6 +225,9 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0, help="gradient_clip_val of every run (0: none)")
     parser.add_argument("--record", action="store_true",
                         help="write eager's measured overhead at 2 x 8 to the simulator's defaults (sim_params.json)")
+    parser.add_argument("--launcher", action="store_true",
+                        help="run every configuration under the Bamboo launcher (membership, a commit per step), as a "
+                             "job that can fail over runs; default: Lightning spawns the workers")
     parser.add_argument("--layer-cost", action="store_true",
                         help="also time redundancy 'off' on plain gloo against the default abortable backend")
     # 60: on a shared machine a step's time spreads by tens of percent within a run; the median of 30 steps
@@ -231,7 +238,8 @@ def main() -> None:
     if args.role == "worker":
         return worker(args)
     os.environ[PRECISION_ENV] = f"{args.precision}:{args.clip}"
-    print(f"precision {args.precision}, gradient clipping {args.clip or 'off'}")
+    print(f"precision {args.precision}, gradient clipping {args.clip or 'off'}"
+          + (", every run under the Bamboo launcher (a commit per step)" if args.launcher else ""))
 
     rows = {}
     costs: dict[tuple[int, int, str], dict[str, list[float]]] = {}
@@ -244,7 +252,8 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for mode in MODES:
                     r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}-{repeat}.json"),
-                                   block_size=args.block_size, warmup=args.warmup, n_embd=args.n_embd)
+                                   block_size=args.block_size, warmup=args.warmup, n_embd=args.n_embd,
+                                   launcher=args.launcher)
                     times = sorted(r["times"][args.warmup:])
                     medians[mode].append(times[len(times) // 2])
                     peaks[mode].append(max(r["peak_bytes"]))
@@ -259,7 +268,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 r = run_config(stages, m, "eager", args.warmup + len(MODES) * args.paired_steps,
                                Path(tmp, f"paired-{stages}-{m}-{repeat}.json"), block_size=args.block_size, rotate=True, warmup=args.warmup,
-                               n_embd=args.n_embd)
+                               n_embd=args.n_embd, launcher=args.launcher)
                 by_mode = {mode: sorted(t for t, md in list(zip(r["times"], r["modes"], strict=True))[args.warmup:] if md == mode)
                            for mode in MODES}
                 paired.setdefault((stages, m), []).append({mode: ts[len(ts) // 2] for mode, ts in by_mode.items()})
