@@ -23,6 +23,7 @@ from lightning_bamboo.planner import (
     estimate_step,
     plan,
     plan_table,
+    redundancy_cost,
     solve_split,
 )
 
@@ -366,8 +367,6 @@ def test_the_redundancys_work_fills_each_stages_bubbles_before_it_adds_to_the_st
     """Four equal stages (F 1, B 2, no transfers): each waits (p - 1)(F + B) = 9 per step. The replica's update
     (0.1) fits there, and eager places 8 of the successor's forwards in the 8.9 left (all 8 of 8; 8 of 16);
     neither adds to the step. An update of 10 overflows by 1, and leaves eager no room for a forward."""
-    from lightning_bamboo.planner import redundancy_cost
-
     prof = model(*[layer(1.0, 2.0, update=0.1) for _ in range(4)])
     parts = [0, 1, 2, 3, 4]
     est = estimate_step(prof, FAST, parts, 1, 8)
@@ -393,8 +392,6 @@ def test_the_redundancys_work_fills_each_stages_bubbles_before_it_adds_to_the_st
 def test_gradients_shipped_over_a_slow_link_add_what_the_link_cannot_carry_in_the_step() -> None:
     """100 MB of gradients per stage at 1 MB/s take 100 s per step; the link carries no activations (outputs of 0
     bytes), so the 33.1 s step hides 33.1 of them and the step grows by 66.9."""
-    from lightning_bamboo.planner import redundancy_cost
-
     prof = model(*[layer(1.0, 2.0, params=100_000_000, update=0.1) for _ in range(4)])
     slow = Hardware(memory_bytes=10**12, bandwidth_bytes_per_second=1e6, latency_seconds=0.0)
     est = estimate_step(prof, slow, [0, 1, 2, 3, 4], 1, 8)
@@ -408,8 +405,6 @@ def test_gradients_shipped_over_a_slow_link_add_what_the_link_cannot_carry_in_th
 def test_a_plan_that_prices_the_redundancy_ranks_every_layout_with_it() -> None:
     """On random models: the plan's step is its split's estimate plus the redundancy's time, and no layout it
     considered does better with that time counted."""
-    from lightning_bamboo.planner import redundancy_cost
-
     rng = random.Random(11)
     checked = 0
     for _ in range(60):
