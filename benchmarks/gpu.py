@@ -191,7 +191,7 @@ def node(out: Path, steps: int, redundancy: str) -> None:
         times.append(time.perf_counter() - start)
     assert runner.engine is not None
     torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
-    (out / f"{session.node}.json").write_text(json.dumps({"times": times, "failovers": runner.failovers}))
+    (out / f"{session.node}.json").write_text(json.dumps({"times": times, "failovers": [f.as_dict() for f in runner.failovers]}))
     runner.finish(completed=True)
     runner.close()
     dist.destroy_process_group()

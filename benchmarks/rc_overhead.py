@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({
             "times": timer.times, "ends": timer.ends, "peak_bytes": [g[0] for g in gathered],
             "replica_seconds": [g[1] for g in gathered],
-            "failovers": res.failovers if res is not None else [],
+            "failovers": [f.as_dict() for f in res.failovers] if res is not None else [],
             "modes": rotate.modes,
         }))
 

@@ -6,6 +6,7 @@ import pytest
 
 from lightning_bamboo.callbacks.rebalance import RebalanceCallback
 from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.records import failover_record
 from lightning_bamboo.topology import Move, Placement, transfer_plan
 from tests.helpers import callback_from_yaml
 
@@ -85,10 +86,18 @@ def test_callback_spreads_the_layers_of_a_lost_node_over_the_survivors():
     assert decision.layout.grid == (("n0", "n1", "n3"),) and decision.layout.parts == (0, 2, 5, 8)
 
 
+def _failover(lost, rows, parts, old_pipelines, released=(), old_parts=None):
+    """The record a failover at step 3 keeps (as ``runtime.failover`` makes it)."""
+    return failover_record({"step": 3, "lost": lost, "committed": False, "seconds": 0.5, "redone": True,
+                            "order": [n for row in zip(*rows, strict=True) for n in row], "parts": parts, "pipelines": len(rows),
+                            "released": list(released), "rows": rows, "old_parts": old_parts or parts,
+                            "old_pipelines": old_pipelines})
+
+
 def test_callback_follows_a_failover_that_dropped_a_pipeline_and_adds_one_back():
     cb = RebalanceCallback(stages=2)
     cb.layout, cb.stages = Placement((("a0", "a1"), ("b0", "b1")), (0, 4, 8), (2, 2)), 2
-    cb._follow_failovers([{"old_pipelines": 2, "rows": [["b0", "b1"]], "old_parts": [0, 4, 8]}])
+    cb._follow_failovers([_failover(lost=["a1"], rows=[["b0", "b1"]], parts=[0, 4, 8], old_pipelines=2, released=["a0"])])
     assert cb.layout == Placement((("b0", "b1"),), (0, 4, 8), (4,))  # the global batch stays: 4 micro-batches
     assert cb.decide(["b0", "b1"], ["a0"], 8).action == "keep"  # 3 nodes make one pipeline of 2
     decision = cb.decide(["b0", "b1"], ["a0", "s"], 8)
@@ -96,7 +105,8 @@ def test_callback_follows_a_failover_that_dropped_a_pipeline_and_adds_one_back()
     assert decision.layout.micro_batches == (2, 2)
     # a failover of one pipeline keeps the lost node in the view (its replica holder is overloaded)
     single = _callback(["n0", "n1", "n2", "n3"], [0, 2, 4, 6, 8])
-    single._follow_failovers([{"old_pipelines": 1, "rows": [["n0", "n1", "n2", "n3"]], "old_parts": [0, 2, 4, 6, 8]}])
+    single._follow_failovers([_failover(lost=["n2"], rows=[["n0", "n1", "n3"]], parts=[0, 2, 6, 8], old_pipelines=1,
+                                        old_parts=[0, 2, 4, 6, 8])])
     assert single.decide(["n0", "n1", "n3"], [], 8).action == "restore_redundancy"
 
 

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
+from lightning_bamboo.demo.controller import record_line
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership import EmbeddedServer, Store, connect
 from lightning_bamboo.membership.fence import Fenced
 from lightning_bamboo.membership.keys import JobKeys
-from lightning_bamboo.membership.records import Reconfiguration
+from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart, failover_record
 from lightning_bamboo.membership.registry import abandon_job
 from lightning_bamboo.membership.session import Session
 
@@ -317,3 +318,26 @@ def test_a_reconfiguration_record_keeps_its_json_and_checks_its_sender():
         Reconfiguration.from_json({**stored, "sender": "n9"})
     with pytest.raises(BambooError, match="order of 3 nodes does not split into 2 pipeline"):
         Reconfiguration.from_json({**stored, "pipelines": 2})
+
+
+def test_failover_and_restart_records_keep_their_json_and_the_layouts_first_node_stores_them(server):
+    failover = Failover(step=5, lost=("n2",), committed=False, seconds=0.8, redone=True, order=("n0", "n1", "n3"),
+                        parts=(0, 2, 6, 8), pipelines=1, released=(), rows=(("n0", "n1", "n3"),),
+                        old_parts=(0, 2, 4, 6, 8), old_pipelines=1)
+    restart = Restart(lost=("n1", "n2"), order=("n0", "n3"), stages=2, pipelines=1, seconds=3.0, reason="lost n1, n2")
+    assert json.loads(failover.to_json()) == {
+        "step": 5, "lost": ["n2"], "committed": False, "seconds": 0.8, "redone": True, "order": ["n0", "n1", "n3"],
+        "parts": [0, 2, 6, 8], "pipelines": 1, "released": [], "rows": [["n0", "n1", "n3"]],
+        "old_parts": [0, 2, 4, 6, 8], "old_pipelines": 1}
+    assert json.loads(restart.to_json()) == {"restart": True, "lost": ["n1", "n2"], "order": ["n0", "n3"],
+                                             "stages": 2, "pipelines": 1, "seconds": 3.0, "reason": "lost n1, n2"}
+    assert failover_record(failover.to_json()) == failover and failover_record(restart.to_json()) == restart
+    assert not failover.restart and restart.restart
+    with job(server, "records", ["n0", "n1"]) as s:
+        s["n0"].record_failover(failover)
+        s["n1"].record_failover(restart)  # kept, not stored: n1 is not the layout's first node
+        stored = s["n0"].store.get_prefix(JobKeys("records").failovers()).kvs
+        assert [failover_record(kv.value) for kv in stored] == [failover]
+        assert s["n0"].failovers == [failover] and s["n1"].failovers == [restart]
+    assert record_line(failover) == "step 5: failover in 0.80 s: lost n2; now n0 -> n1 -> n3; the step in flight is redone"
+    assert record_line(restart) == "restart in 3.00 s after a fatal loss of n1, n2; now n0 -> n3"

@@ -32,7 +32,7 @@ class FailoverMetrics(pl.Callback):
         self._last = (len(failovers), live)
         metrics = {"bamboo/failovers": float(len(failovers)), "bamboo/live_nodes": float(live)}
         if failovers:
-            metrics["bamboo/recovery_seconds"] = float(failovers[-1]["seconds"])
+            metrics["bamboo/recovery_seconds"] = float(failovers[-1].seconds)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)

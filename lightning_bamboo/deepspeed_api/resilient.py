@@ -308,7 +308,7 @@ class ResilientPipelineEngine:
             loaded, _ = self.load_checkpoint(self._checkpoints)
         else:  # no checkpoint yet: the job's start (the seed's weights), as a fresh run
             self.host.step, self.drawn, self._data = 0, 0, None
-        self.restarts.append({**record, "at_step": step, "from_step": self.host.step, "checkpoint": loaded,
+        self.restarts.append({**record.as_dict(), "at_step": step, "from_step": self.host.step, "checkpoint": loaded,
                               "seconds": time.monotonic() - started})
         log.warning("%s: restarted at step %d from %s in %.2f s", self.runner.node, self.host.step,
                     loaded or "the job's start (no checkpoint)", time.monotonic() - started)

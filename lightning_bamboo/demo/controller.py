@@ -18,6 +18,7 @@ from lightning_bamboo.demo.plan import STANDBY_PROCESSES, layout_for
 from lightning_bamboo.demo.recovery import RecoveryClock
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.membership.keys import JobKeys
+from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart, failover_record
 
 EXIT_FATAL = 75  # lightning_bamboo.errors.FATAL_EXIT_CODE
 #: the module every node's process runs (``python -m``)
@@ -46,7 +47,7 @@ class DemoState:
     recomputed_steps: int = 0
     processes_kept: int = 0  # worker processes that ran on after a fatal loss (restarts in place)
     processes_pooled: int = 0  # nodes that ran in a warm pool's process (demo.pool)
-    failovers: list[dict[str, Any]] = field(default_factory=list)
+    failovers: list[Failover | Restart] = field(default_factory=list)
     reconfigurations: list[dict[str, Any]] = field(default_factory=list)
     progress: int = 0
     log: list[str] = field(default_factory=list)
@@ -362,9 +363,9 @@ class _Run:
         cluster, state, keys, out = self.cluster, self.state, self.keys, self.out
         cluster.poll()
         _show_records(cluster.store, keys, state, self.shown)
-        # keyed by generation, which the store lists as text ("10" before "4"): in step order
-        failovers = sorted((json.loads(kv.value) for kv in cluster.store.get_prefix(keys.failovers()).kvs),
-                           key=lambda r: r["step"])
+        # keyed by generation, which the store lists as text ("10" before "4"): in the generations' order
+        failovers = [failover_record(kv.value) for kv in sorted(cluster.store.get_prefix(keys.failovers()).kvs,
+                                                                key=lambda kv: int(kv.key.rsplit("/", 1)[1]))]
         state.failovers += failovers
         state.recoveries["redundant"] += len(failovers)
         state.reconfigurations += sorted(
@@ -440,12 +441,12 @@ class _Run:
             "recoveries": state.recoveries,
             "processes_kept": state.processes_kept,
             "processes_pooled": state.processes_pooled,
-            "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if f["redone"]),
+            "recomputed_steps": state.recomputed_steps + sum(1 for f in state.failovers if isinstance(f, Failover) and f.redone),
             "recovery_seconds": [round(s, 3) for s in state.recovery.seconds],
             "recovery_kinds": state.recovery.kinds,
             "samples_per_second": max(0, final.get("steps_completed", 0) - 1) * state.global_batch / wall if wall > 0 else 0.0,
             "final_loss": final.get("final_loss"),
-            "failovers": state.failovers,
+            "failovers": [f.as_dict() for f in state.failovers],
             "reconfigurations": [{k: r.get(k) for k in ("step", "reason", "order", "parts", "seconds")} for r in state.reconfigurations],
             "events": state.log,
             "nodes_at_end": final.get("world_size"),
@@ -556,19 +557,23 @@ def _show_records(store: Any, keys: JobKeys, state: DemoState, shown: set[str]) 
     """Show the failovers and reconfigurations the workers recorded in the store since the last call."""
     if state.quiet:
         return
-    for kind, prefix in (("failovers", keys.failovers()), ("reconfigurations", keys.reconfigurations())):
+    for prefix in (keys.failovers(), keys.reconfigurations()):
         for kv in store.get_prefix(prefix).kvs:
-            if kv.key in shown:
-                continue
-            shown.add(kv.key)
-            r = json.loads(kv.value)
-            if kind == "failovers":
-                now = (" -> ".join(r["order"]) if r.get("pipelines", 1) == 1
-                       else f"{r['pipelines']} pipelines of {', '.join(r['order'])}")
-                state.event(f"step {r['step']}: failover in {r['seconds']:.2f} s: lost {', '.join(r['lost']) or '-'}; "
-                            f"now {now}"
-                            + ("; the step in flight is redone" if r.get("redone") else "")
-                            + (f"; released {', '.join(r['released'])}" if r.get("released") else ""))
-            else:
-                state.event(f"step {r['step']}: reconfigured in {r['seconds']:.2f} s ({str(r['reason']).split(':')[0]}): "
-                            f"{' -> '.join(r['order'])} layers {r['parts']}")
+            if kv.key not in shown:
+                shown.add(kv.key)
+                state.event(record_line(failover_record(kv.value) if prefix == keys.failovers()
+                                      else Reconfiguration.from_json(kv.value)))
+
+
+def record_line(record: Failover | Restart | Reconfiguration) -> str:
+    """One line of the demo's events for a failover, a restart or a reconfiguration."""
+    if isinstance(record, Reconfiguration):
+        return (f"step {record.step}: reconfigured in {record.seconds or 0.0:.2f} s ({record.reason.split(':')[0]}): "
+                f"{' -> '.join(record.order)} layers {list(record.parts)}")
+    now = (" -> ".join(record.order) if record.pipelines == 1
+           else f"{record.pipelines} pipelines of {', '.join(record.order)}")
+    if isinstance(record, Restart):
+        return f"restart in {record.seconds:.2f} s after a fatal loss of {', '.join(record.lost) or '-'}; now {now}"
+    return (f"step {record.step}: failover in {record.seconds:.2f} s: lost {', '.join(record.lost) or '-'}; now {now}"
+            + ("; the step in flight is redone" if record.redone else "")
+            + (f"; released {', '.join(record.released)}" if record.released else ""))

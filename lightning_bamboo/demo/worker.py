@@ -266,7 +266,7 @@ def train(args: argparse.Namespace) -> int:
         report = {
             "steps_completed": trainer.global_step,
             "final_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
-            "failovers": runner.failovers,
+            "failovers": [record.as_dict() for record in runner.failovers],
             "train_seconds": seconds,
             "resumed_from": args.resume,
             "world_size": trainer.world_size,

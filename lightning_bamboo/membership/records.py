@@ -1,10 +1,12 @@
-"""Typed records the session keeps in the store: a reconfiguration (which admits standby nodes), as frozen data."""
+"""Typed records the session keeps in the store, as frozen data: a reconfiguration (which admits standby nodes), a
+failover (the survivors of a loss took the lost layers over from their replicas) and a restart (a fatal loss: the
+survivors started again from a checkpoint in their running processes)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_bamboo.errors import BambooConfigError
 
@@ -66,3 +68,82 @@ class Reconfiguration:
             pipelines=int(d.get("pipelines", 1)), old_pipelines=int(d.get("old_pipelines", 1)),
             seconds=d.get("seconds"),
         )
+
+
+def _strs(values: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Failover:
+    """A failover, as every survivor records it (``Session.failovers``) and the layout's first node puts it at
+    ``failovers/<generation>`` (JSON of these fields, lists for the tuples).
+
+    ``step``: the step in flight when the loss was found; ``committed``: whether it had counted everywhere (else it
+    is ``redone``: run again in the new layout). ``lost``: the nodes gone; ``released``: the survivors that left the
+    layout (the rest of a dropped pipeline, now standby). ``order``/``parts``/``pipelines``: the new layout;
+    ``rows``: its pipelines' nodes; ``old_parts``/``old_pipelines``: the layout it left. ``seconds``: how long it took.
+    """
+
+    step: int
+    lost: tuple[str, ...]
+    committed: bool
+    seconds: float
+    redone: bool
+    order: tuple[str, ...]
+    parts: tuple[int, ...]
+    pipelines: int
+    released: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    old_parts: tuple[int, ...]
+    old_pipelines: int
+
+    restart: ClassVar[bool] = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as JSON's types (lists for tuples): what the store and the demo's report hold."""
+        return {"step": self.step, "lost": list(self.lost), "committed": self.committed, "seconds": self.seconds,
+                "redone": self.redone, "order": list(self.order), "parts": list(self.parts),
+                "pipelines": self.pipelines, "released": list(self.released), "rows": [list(r) for r in self.rows],
+                "old_parts": list(self.old_parts), "old_pipelines": self.old_pipelines}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict())
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A restart after a fatal loss in the running processes (``runtime.restart``): the survivors ``order`` form
+    ``stages`` x ``pipelines`` and load the last checkpoint. Kept with the failovers, in the same store keys; its
+    JSON says ``"restart": true``. ``reason``: the fatal loss's message."""
+
+    lost: tuple[str, ...]
+    order: tuple[str, ...]
+    stages: int
+    pipelines: int
+    seconds: float
+    reason: str = ""
+
+    restart: ClassVar[bool] = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"restart": True, "lost": list(self.lost), "order": list(self.order), "stages": self.stages,
+                "pipelines": self.pipelines, "seconds": self.seconds, "reason": self.reason}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict())
+
+
+def failover_record(text: str | dict[str, Any]) -> Failover | Restart:
+    """The record of ``text`` (JSON as ``Failover.to_json``/``Restart.to_json`` write it, or its parsed dict)."""
+    d = json.loads(text) if isinstance(text, str) else dict(text)
+    if d.get("restart"):
+        return Restart(lost=_strs(d["lost"]), order=_strs(d["order"]), stages=int(d["stages"]),
+                       pipelines=int(d["pipelines"]), seconds=float(d["seconds"]), reason=str(d.get("reason", "")))
+    return Failover(
+        step=int(d["step"]), lost=_strs(d["lost"]), committed=bool(d["committed"]), seconds=float(d["seconds"]),
+        redone=bool(d["redone"]), order=_strs(d["order"]), parts=tuple(int(p) for p in d["parts"]),
+        pipelines=int(d["pipelines"]), released=_strs(d.get("released", ())),
+        rows=tuple(_strs(r) for r in d.get("rows", ())), old_parts=tuple(int(p) for p in d["old_parts"]),
+        old_pipelines=int(d.get("old_pipelines", 1)),
+    )

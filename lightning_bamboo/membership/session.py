@@ -20,7 +20,7 @@ from lightning_bamboo.membership.fence import Fenced, FencedStore
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.protocol import Store, wait_riding_out
-from lightning_bamboo.membership.records import Reconfiguration
+from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
 from lightning_bamboo.membership.registry import LossDetector, Registry
 from lightning_bamboo.testing import faults
 
@@ -98,7 +98,7 @@ class Session:
         self.registry = Registry(store, job, node, ttl=max(1.0, detection_timeout * 0.8))
         #: every write goes through the fence: nothing is written once this node may be declared lost
         self.store: Any = FencedStore(store, self.registry)
-        self.failovers: list[dict[str, Any]] = []
+        self.failovers: list[Failover | Restart] = []
         self.leaving = False  # this node announced it leaves after the step in flight
         self.leavers: set[str] = set()  # peers that announced they leave (seen at a commit)
         self.admitting = False  # set by RebalanceCallback: standby nodes are reported at every commit
@@ -428,10 +428,11 @@ class Session:
         prefix = self.keys.released(self.generation)
         return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs}
 
-    def record_failover(self, record: dict[str, Any]) -> None:
+    def record_failover(self, record: Failover | Restart) -> None:
+        """Keep ``record``; the layout's first node also puts it in the store (``failovers/<generation>``)."""
         self.failovers.append(record)
         if self.nodes and self.nodes[0] == self.node:
-            self.store.put(self.keys.failovers(self.generation), json.dumps(record))
+            self.store.put(self.keys.failovers(self.generation), record.to_json())
 
     def depart(self) -> None:
         """Leave the job now (after our last step committed): the others serve our stage from its replica.

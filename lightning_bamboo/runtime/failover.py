@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
+from lightning_bamboo.membership.records import Failover
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.failover import layout_tag, plan_loss
@@ -71,12 +72,12 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
     seconds = time.monotonic() - started
     # a released node may have left before another survivor decided: the lost set then names it too
     released = set(plan.released) | session.released() if base["pipelines"] > 1 else set()
-    session.record_failover({
-        "step": step, "lost": sorted(set(base["nodes"]) - set(plan.order) - released), "committed": committed,
-        "seconds": seconds, "redone": in_flight and not committed, "order": list(plan.order),
-        "parts": list(plan.parts), "pipelines": plan.pipelines, "released": sorted(released),
-        "rows": [list(r) for r in plan.rows], "old_parts": list(base["parts"]), "old_pipelines": base["pipelines"],
-    })
+    session.record_failover(Failover(
+        step=step, lost=tuple(sorted(set(base["nodes"]) - set(plan.order) - released)), committed=committed,
+        seconds=seconds, redone=in_flight and not committed, order=tuple(plan.order), parts=tuple(plan.parts),
+        pipelines=plan.pipelines, released=tuple(sorted(released)), rows=tuple(tuple(r) for r in plan.rows),
+        old_parts=tuple(base["parts"]), old_pipelines=base["pipelines"],
+    ))
     log.warning("%s: failover done in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
     if committed:
         node.require_stage()[0].last_loss = base["last_loss"]

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.records import Failover, Restart
 from lightning_bamboo.topology.policy import (
     Decision,
     Placement,
@@ -148,7 +149,7 @@ class Rebalancer:
                     agreed["reason"], order, list(parts), seconds)
         self.on_decision(event)
 
-    def _follow_failovers(self, failovers: list[dict[str, Any]]) -> None:
+    def _follow_failovers(self, failovers: Sequence[Failover | Restart]) -> None:
         """After a failover of a data-parallel layout, reason about the pipelines it kept.
 
         A failover of one pipeline leaves its lost nodes in the policy's view (their replica holders
@@ -158,10 +159,9 @@ class Rebalancer:
         """
         assert self.layout is not None
         for record in failovers[self._failovers_seen:]:
-            if record.get("old_pipelines", 1) > 1 and record.get("rows"):
-                rows = tuple(tuple(r) for r in record["rows"])
+            if isinstance(record, Failover) and record.old_pipelines > 1 and record.rows:
                 total = sum(self.layout.micro_batches)
-                self.layout = Placement(rows, tuple(record["old_parts"]), split_micro_batches(total, len(rows)))
+                self.layout = Placement(record.rows, record.old_parts, split_micro_batches(total, len(record.rows)))
         self._failovers_seen = len(failovers)
 
     # ------------------------------------------------------------------ the decision (pure)

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
+from lightning_bamboo.membership.records import Restart
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.failover import layout_tag
 
@@ -31,12 +32,12 @@ def restart_depth(survivors: int, stages: int, redundant: bool) -> int:
     return stages if survivors % stages == 0 else survivors
 
 
-def restart_after_fatal_loss(node: NodeStage, model: Any, err: FatalLoss) -> dict[str, Any]:
+def restart_after_fatal_loss(node: NodeStage, model: Any, err: FatalLoss) -> Restart:
     """Form the survivors' layout and build this node's fresh stage (seed weights: load the checkpoint next).
 
     Call on every survivor after ``err`` ended a step or a collective. A node lost meanwhile makes the survivors
     agree on a larger set and try again; a node that the others declared lost ends with ``err``. Returns the
-    restart's record (also among the session's ``failovers``, with ``"restart": True``).
+    restart's record (also among the session's ``failovers``).
     """
     session = node.require_session()
     started = time.monotonic()
@@ -61,9 +62,9 @@ def restart_after_fatal_loss(node: NodeStage, model: Any, err: FatalLoss) -> dic
     node.enter_group(rank, world)
     node.depth = stages
     node.start(model, world, rank, fitting=True, gradient_clipping=node.gradient_clipping)
-    record = {"restart": True, "lost": sorted(set(before) - set(order)), "order": order, "stages": stages,
-              "pipelines": world // stages, "seconds": time.monotonic() - started, "reason": str(err)}
+    record = Restart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages,
+                     pipelines=world // stages, seconds=time.monotonic() - started, reason=str(err))
     session.record_failover(record)
     log.warning("%s: fatal loss of %s; the job restarts in its running processes as %d stage(s) x %d pipeline(s) "
-                "(rank %d of %d)", session.node, record["lost"], stages, world // stages, rank, world)
+                "(rank %d of %d)", session.node, list(record.lost), stages, world // stages, rank, world)
     return record

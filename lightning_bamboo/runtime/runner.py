@@ -14,7 +14,7 @@ import torch
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, PeerLost, batch_form_error
-from lightning_bamboo.membership.records import Reconfiguration
+from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
@@ -131,8 +131,8 @@ class PipelineRunner(NodeStage):
             self.session.admitting = True
 
     @property
-    def failovers(self) -> list[dict[str, Any]]:
-        """This node's failover records, oldest first."""
+    def failovers(self) -> list[Failover | Restart]:
+        """This node's failover records (and restarts after fatal losses), oldest first."""
         return self.session.failovers if self.session is not None else []
 
     def publish(self, topic: str, value: str) -> None:

@@ -211,7 +211,7 @@ def main() -> None:
         res = trainer.strategy.resilience
         print(json.dumps({
             "global_step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"]),
-            "failovers": res.failovers if res is not None else [], "world_size": trainer.world_size,
+            "failovers": [f.as_dict() for f in res.failovers] if res is not None else [], "world_size": trainer.world_size,
             "audits": trainer.strategy.audits,
             "grad_norm": float(trainer.callback_metrics.get("grad_norm", float("nan"))),
             "loss_scale": trainer.strategy.runner.precision_meta().get("loss_scale"),

@@ -89,7 +89,7 @@ def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu", redund
         runner.train_step(batch(step))
     assert runner.engine is not None and runner.layout is not None
     torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
-    report = {"failovers": runner.failovers, "parts": list(runner.layout.parts), "nodes": runner.nodes,
+    report = {"failovers": [f.as_dict() for f in runner.failovers], "parts": list(runner.layout.parts), "nodes": runner.nodes,
               "device": str(next(runner.engine.module.parameters()).device)}
     (out / f"{session.node}.json").write_text(json.dumps(report))
     runner.finish(completed=True)
