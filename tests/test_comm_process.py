@@ -40,7 +40,8 @@ pytestmark = [pytest.mark.timeout(180)]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
-# rank 1: sums a tensor with rank 0, echoes one message back doubled, then waits (to be frozen or killed)
+# rank 1: sums a tensor with rank 0, receives one message into a parameter (DeepSpeed broadcasts weights into its
+# parameters) and echoes it back doubled, then waits (to be frozen or killed)
 PEER = """
 import sys, time, torch
 from lightning_bamboo.engine.comm_process import CommProcess
@@ -49,10 +50,9 @@ comm = CommProcess("127.0.0.1", port, prefix)
 comm.world = comm.group(name, 1, 2)
 total = torch.full((4,), 2.0, device=device)
 comm.allreduce(total).wait(60)
-message = torch.zeros(1 << 18, device=device)
+message = torch.nn.Parameter(torch.zeros(1 << 18, device=device))  # received into a parameter, as weights are
 comm.recv(message, 0, tag=7).wait(60)
-message *= 2
-comm.send(message, 0, tag=8).wait(60)
+comm.send(message.detach() * 2, 0, tag=8).wait(60)
 print("peer done", float(total[0]), flush=True)
 if sys.argv[3] == "close":
     comm.close()

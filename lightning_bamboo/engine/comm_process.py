@@ -81,9 +81,13 @@ class CommWork:
 
     def _finish(self, error: str | None) -> None:
         if error is None:
-            for staged, target in self._outputs:
-                target.copy_(staged)
-            settle([t for pair in self._outputs for t in pair])  # copied before the buffers are lent again
+            try:
+                with torch.no_grad():  # a target may be a parameter (DeepSpeed broadcasts weights): data, not a graph
+                    for staged, target in self._outputs:
+                        target.copy_(staged)
+                settle([t for pair in self._outputs for t in pair])  # copied before the buffers are lent again
+            except Exception as err:  # noqa: BLE001 - the caller's wait raises it; the reader thread goes on
+                error = f"the result could not be copied into the caller's tensor: {err!r}"
         self.error = error
         self._owner._slabs.give(self._lent)
         with self._owner._lock:
