@@ -424,8 +424,13 @@ def save_sharded(
     barrier("bamboo_checkpoint_commit")
 
 
-def bamboo_meta(num_layers: int, parts: Sequence[int], pipelines: int, optimizer: torch.optim.Optimizer | None, **extra: Any) -> dict[str, Any]:
-    """The ``"bamboo"`` entry of ``meta.pt``: what a reader needs to load the layers into any layout."""
+def bamboo_meta(num_layers: int, parts: Sequence[int], pipelines: int, optimizer: torch.optim.Optimizer | None,
+                ties: Mapping[str, Sequence[int]] | None = None, **extra: Any) -> dict[str, Any]:
+    """The ``"bamboo"`` entry of ``meta.pt``: what a reader needs to load the layers into any layout.
+
+    ``ties``: the model's tied layers (``TiedLayerSpec`` key -> layer indices), each of which has a file of its
+    own copy; ``consolidate_checkpoint`` keeps the first.
+    """
     return {
         "format": FORMAT_VERSION,
         "num_layers": num_layers,
@@ -433,6 +438,7 @@ def bamboo_meta(num_layers: int, parts: Sequence[int], pipelines: int, optimizer
         "pipelines": pipelines,
         "parts": list(parts),
         "param_groups": param_group_hyperparameters(optimizer),
+        **({"ties": {str(key): [int(i) for i in layers] for key, layers in ties.items()}} if ties else {}),
         **extra,
     }
 
@@ -505,12 +511,14 @@ def load_optimizer(
 def consolidate_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """One fp32 ``state_dict`` of the whole model from a checkpoint saved with any layout.
 
-    Keys are those of ``nn.Sequential(*model.configure_pipeline()).state_dict()``.
+    Keys are those of ``nn.Sequential(*model.configure_pipeline()).state_dict()``. A tied module (``TiedLayerSpec``s
+    of one key) is there once, at its first layer (its copies at the later layers are equal to it).
     """
     meta = read_meta(path)
     num_layers = meta["bamboo"]["num_layers"]
+    copies = {i for layers in meta["bamboo"].get("ties", {}).values() for i in layers[1:]}
     out: dict[str, torch.Tensor] = {}
-    for layer, state in read_layers(path, range(num_layers)).items():
+    for layer, state in read_layers(path, [i for i in range(num_layers) if i not in copies]).items():
         for name, tensor in state["weights"].items():
             out[f"{layer}.{name}"] = tensor.float() if tensor.is_floating_point() else tensor
     return out

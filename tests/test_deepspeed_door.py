@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo import consolidate_checkpoint
@@ -295,3 +296,28 @@ def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_
     clean_weights, clean_states, _ = _final(clean)
     assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
     assert meta["data_position"] == STEPS * 4 and meta["bamboo"]["global_steps"] == STEPS
+
+
+def test_a_pipeline_module_with_tied_first_and_last_layers_ends_bit_exact_through_a_kill_of_the_first_stage(tmp_path):
+    """``TiedLayerSpec("io", ...)`` on layer 0 and on the last layer (its ``forward_fn`` uses the weight transposed):
+    DeepSpeed's own ``PipelineModule`` broadcasts the tied weight through the job's process group as it is built;
+    the door keeps one copy per stage, equal, and a kill of node0 (whose stage the last node takes over) ends as
+    the run without it, the tied module once in the consolidated weights."""
+    script = tmp_path / "spot.py"
+    text = SPOT.read_text()
+    for old, new in (("    specs = []\n", '    specs = [TiedLayerSpec("io", nn.Linear, WIDTH, WIDTH), LayerSpec(nn.Tanh)]\n'),
+                     ("    return specs + [LayerSpec(nn.Linear, WIDTH, WIDTH)]",
+                      '    return specs + [TiedLayerSpec("io", nn.Linear, WIDTH, WIDTH, forward_fn=lambda m, x: x @ m.weight)]'),
+                     ("from deepspeed.pipe import LayerSpec, PipelineModule", "from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec")):
+        assert old in text
+        text = text.replace(old, new)
+    script.write_text(text)
+    _train(tmp_path / "clean", script=script)
+    assert "lost ['node0'] at step 5" in _train(tmp_path / "kill", script=script, kill=["node0@5"])
+    weights, states, meta = _final(tmp_path / "kill")
+    clean_weights, clean_states, _ = _final(tmp_path / "clean")
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    last = meta["bamboo"]["num_layers"] - 1
+    assert meta["bamboo"]["ties"] == {"io": [0, last]} and not any(k.startswith(f"{last}.") for k in weights)
+    saved = ckpt.read_layers(tmp_path / "kill" / "final", [0, last])
+    assert all(torch.equal(saved[0]["weights"][k], saved[last]["weights"][k]) for k in ("weight", "bias"))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy
@@ -21,12 +22,17 @@ from lightning_bamboo.errors import BambooConfigError
 log = logging.getLogger(__name__)
 
 
+#: a ``TiedLayerSpec`` key -> the global indices of its layers, ascending (see :func:`build_layers`)
+Ties = dict[str, tuple[int, ...]]
+
+
 @dataclass
 class BuiltLayers:
     """The layers a process built (``None`` where a layer lives elsewhere) and every layer's class name."""
 
     layers: list[Any]  # nn.Module, a plain callable, or None where the layer is not kept
     names: list[str]  # class name per layer (DeepSpeed's "type:REGEX" partitioning)
+    ties: Ties = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class LayerCensus:
 
     param_counts: list[int]  # trainable parameters per layer (DeepSpeed's "parameters" weights)
     names: list[str]
+    ties: Ties = field(default_factory=dict)
 
 
 def layer_init_seed(seed: int, index: int) -> int:
@@ -59,21 +66,59 @@ def build_layers(
     (:func:`layer_init_seed`), so a process materialises only its layers and each layer gets the same values whatever
     else is built. A ``LayerSpec`` not kept is never built. The caller's random streams (torch's, numpy's, Python's)
     are left as they were.
+
+    Tied layers (``TiedLayerSpec``s of one key, e.g. GPT-2's token embedding and its output head): each process
+    builds its own copy of the tied module at every index it keeps, all under the seed of the key's first index, so
+    every copy starts equal (DeepSpeed builds it on the first stage and broadcasts it). A copy's ``forward`` is
+    the spec's ``forward_fn(module, x)`` where it has one. The engine sums the copies' gradients into every copy
+    (``engine.ties``), so the copies stay equal; every parameter of the module is tied (as within one DeepSpeed
+    stage), and the copies after the first are marked ``bamboo_tied_copy`` (a global norm counts them once).
     """
     with _own_streams():
         _seed_torch(seed)
         specs = _layer_list(factory)
+        ties = tied_layers(specs)
         layers: list[Any] = []
         names: list[str] = []
         for index, spec in enumerate(specs):
             specs[index] = None  # let a layer that is not kept be freed
-            if isinstance(spec, LayerSpec):
+            if isinstance(spec, TiedLayerSpec):
+                names.append(spec.typename.__name__)
+                layers.append(_build_tied(spec, seed, ties[str(spec.key)], index) if keep(index) else None)
+            elif isinstance(spec, LayerSpec):
                 names.append(spec.typename.__name__)
                 layers.append(_build_spec(spec, seed, index) if keep(index) else None)
             else:
                 names.append(_name(index, spec))
                 layers.append(spec if keep(index) else None)
-    return BuiltLayers(layers, names)
+    return BuiltLayers(layers, names, ties)
+
+
+def tied_layers(specs: Sequence[Any]) -> Ties:
+    """Every ``TiedLayerSpec`` key of ``specs`` with the indices of its layers."""
+    ties: dict[str, list[int]] = {}
+    for index, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            ties.setdefault(str(spec.key), []).append(index)
+    return {key: tuple(indices) for key, indices in sorted(ties.items())}
+
+
+def _build_tied(spec: TiedLayerSpec, seed: int, indices: tuple[int, ...], index: int) -> nn.Module:
+    """The copy of a tied module at ``index``: built as the key's first layer is, running ``forward_fn`` if any."""
+    module = _build_spec(spec, seed, indices[0])
+    if spec.forward_fn is not None:
+        # an instance attribute: the module keeps its own parameter names (``"<index>.<name>"``) and DeepSpeed,
+        # the replica and the checkpoints treat it as any other layer
+        module.forward = functools.partial(spec.forward_fn, module)
+    if index != indices[0]:
+        for param in module.parameters():
+            param.bamboo_tied_copy = True  # type: ignore[attr-defined]
+    return module
+
+
+def is_tied_copy(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to a tied module's copy after the first (its gradient is the first copy's)."""
+    return bool(getattr(param, "bamboo_tied_copy", False))
 
 
 def census_layers(factory: Callable[[], Sequence[Any]], seed: int) -> LayerCensus:
@@ -88,29 +133,35 @@ def census_layers(factory: Callable[[], Sequence[Any]], seed: int) -> LayerCensu
     with _own_streams():
         _seed_torch(seed)
         specs = _layer_list(factory)
+        ties = tied_layers(specs)
         for index, spec in enumerate(specs):
             specs[index] = None
-            if isinstance(spec, LayerSpec):
+            if isinstance(spec, LayerSpec):  # a tied layer's copy counts at every index: each holder keeps one
                 names.append(spec.typename.__name__)
                 counts.append(_trainable(_shape_of(spec, seed, index)))
             else:
                 names.append(_name(index, spec))
                 counts.append(_trainable(spec) if isinstance(spec, nn.Module) else 0)
-    return LayerCensus(counts, names)
+    return LayerCensus(counts, names, ties)
 
 
 def _layer_list(factory: Callable[[], Sequence[Any]]) -> list[Any]:
     specs = list(factory())
     if not specs:
         raise BambooConfigError("configure_pipeline() returned no layers; return a list of nn.Module layers or LayerSpecs")
-    tied = [index for index, spec in enumerate(specs) if isinstance(spec, TiedLayerSpec)]
-    if tied:
-        keys = sorted({str(specs[index].key) for index in tied})
-        raise BambooConfigError(
-            f"layer {tied[0]} is a TiedLayerSpec (tied layers: {tied}, keys: {keys}), which lightning_bamboo does not "
-            f"support yet: a replica and a failover would have to keep the tied copies equal; untie them (a LayerSpec "
-            f"of each layer with its own weight)"
-        )
+    first: dict[str, int] = {}
+    for index, spec in enumerate(specs):
+        if not isinstance(spec, TiedLayerSpec):
+            continue
+        key = str(spec.key)
+        other = specs[first.setdefault(key, index)]
+        if other.typename is not spec.typename:
+            raise BambooConfigError(
+                f"TiedLayerSpec {key!r} builds a {spec.typename.__name__} at layer {index} but a "
+                f"{other.typename.__name__} at layer {first[key]}: the layers of one key share one module (built as "
+                f"the first one is), so give them the same class and arguments, and a forward_fn where one of them "
+                f"uses the module differently"
+            )
     return specs
 
 
@@ -224,6 +275,9 @@ class BambooPipelineModule(PipelineModule):
     #: training forwards run in this step: the local index of the micro-batch the next one runs (1F1B runs a
     #: stage's forwards in micro-batch order); the engine sets it to 0 when a step begins
     forwards = 0
+    #: the model's tied layers (``TiedLayerSpec`` key -> layer indices; :func:`build_layers`), whichever this stage
+    #: holds: the engine sums their copies' gradients (``engine.ties``)
+    ties: Ties = {}  # noqa: RUF012 - never mutated: replaced whole
 
     def __init__(self, layers: Sequence[Any], parts: Sequence[int], **kwargs: Any) -> None:
         self._bamboo_parts = list(parts)

@@ -271,7 +271,8 @@ class BambooPipelineEngine(PipelineEngine):
         def meta() -> dict[str, Any]:
             extra = {"global_steps": self.global_steps}
             return {**(client_state or {}), "bamboo": ckpt.bamboo_meta(
-                self.module._num_layers, self.module.parts, self.grid.data_parallel_size, self.optimizer, **extra)}
+                self.module._num_layers, self.module.parts, self.grid.data_parallel_size, self.optimizer,
+                ties=self.module.ties, **extra)}
 
         ckpt.save_sharded(
             path, self.module, self.optimizer, self.layer_range, meta,
@@ -439,6 +440,19 @@ class BambooPipelineEngine(PipelineEngine):
         if self._gradients_received == self.micro_batches:
             self.exchange.write_ahead(self.module)
 
+    def _exec_reduce_tied_grads_bamboo(self) -> None:
+        """DeepSpeed's tied-gradient reduction (nothing: it sees no ``TiedLayerSpec``), then ours: every copy of a
+        tied module gets the sum of the copies' gradients in layer order (``engine.ties``), the same bit for bit
+        whichever stages hold them."""
+        PipelineEngine._exec_reduce_tied_grads(self)
+        ties = self.module.ties
+        if ties:
+            from lightning_bamboo.engine.ties import reduce_tied_gradients
+
+            pipeline = self.grid.data_parallel_id
+            reduce_tied_gradients(self.module, ties, lambda layer: self.grid.stage_to_global(
+                stage_id=self.module.stage_owner(layer), data=pipeline))
+
     def _exec_reduce_grads_weighted(self) -> None:
         """Average over samples, not over pipelines, when the pipelines ran different numbers of micro-batches.
 
@@ -456,6 +470,7 @@ class BambooPipelineEngine(PipelineEngine):
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads_bamboo,
         ds_schedule.ReduceGrads: _exec_reduce_grads_weighted,
         ds_schedule.RecvGrad: _exec_recv_grads_settling,
         ds_schedule.RecvActivation: _exec_recv_activations_settling,

@@ -271,10 +271,11 @@ def resolve(lightning_flag: Any, deepspeed: Mapping[str, Any], gradient_clip_val
 # ---------------------------------------------------------------------------------------------------- the step
 def layer_square_norms(module: nn.Module, layers: int, device: torch.device) -> torch.Tensor:
     """Each layer's squared gradient norm (fp64, summed over its parameters in order) at the layer's index of a
-    vector of ``layers`` entries; zeros for layers ``module`` does not hold. Children are named by layer index."""
+    vector of ``layers`` entries; zeros for layers ``module`` does not hold. Children are named by layer index.
+    A tied module counts once: at its first layer (its later copies hold the same gradients, ``engine.ties``)."""
     sums: dict[int, torch.Tensor] = {}
     for name, param in module.named_parameters():
-        if param.grad is None:
+        if param.grad is None or getattr(param, "bamboo_tied_copy", False):
             continue
         layer = int(name.partition(".")[0])
         value = param.grad.detach().double().square().sum()

@@ -82,20 +82,44 @@ class Head(nn.Module):
         return self.out(self.ln(x))
 
 
+class FinalNorm(nn.Module):
+    """The final layer norm of a GPT whose output projection is the token embedding (``tie_embeddings``)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x)
+
+
+def tied_logits(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The output head of a tied GPT: logits from the token embedding's weight (GPT-2's ``lm_head``)."""
+    return F.linear(x, embedding.tok.weight)
+
+
 def gpt_layers(cfg: GPTConfig) -> list[nn.Module]:
     """The model as pipeline layers, built in order (so a fixed seed gives fixed weights)."""
     return [Embedding(cfg), *(Block(cfg) for _ in range(cfg.n_layer)), Head(cfg)]
 
 
-def gpt_layer_specs(cfg: GPTConfig) -> list[Any]:
+def gpt_layer_specs(cfg: GPTConfig, tie_embeddings: bool = False) -> list[Any]:
     """The model as DeepSpeed ``LayerSpec``s: each process of a pipeline builds only the layers it holds.
 
     Under ``strategy="bamboo"`` (and ``lightning_bamboo.initialize``) layer ``i`` is built under ``seed + i``, so
     its weights do not depend on the layout; they differ from ``gpt_layers``' (built in order under one seed).
-    """
-    from deepspeed.pipe import LayerSpec
 
-    return [LayerSpec(Embedding, cfg), *(LayerSpec(Block, cfg) for _ in range(cfg.n_layer)), LayerSpec(Head, cfg)]
+    ``tie_embeddings``: GPT-2's layout, ``[embedding, blocks..., final norm, head]`` where the head projects with
+    the token embedding's weight: the first and the last layer are ``TiedLayerSpec("embed", ...)``, one module
+    whose copies on the first and the last stage are kept equal (n_layer + 3 layers).
+    """
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    blocks = [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)]
+    if tie_embeddings:
+        return [TiedLayerSpec("embed", Embedding, cfg), *blocks, LayerSpec(FinalNorm, cfg),
+                TiedLayerSpec("embed", Embedding, cfg, forward_fn=tied_logits, tied_weight_attr=["tok.weight"])]
+    return [LayerSpec(Embedding, cfg), *blocks, LayerSpec(Head, cfg)]
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

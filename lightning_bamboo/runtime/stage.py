@@ -182,6 +182,7 @@ class NodeStage:
         module.to(self.device)
         module.set_precision(self.precision, self.device)
         module.checkpoint_every = self.config.activation_checkpointing
+        module.ties = built.ties
         if states is not None:
             ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         self.host.adopt_stage(module)

@@ -136,14 +136,21 @@ def main() -> None:
     p.add_argument("--ds-config", default="{}", help="BambooStrategy(config=...): extra DeepSpeed config, as JSON")
     p.add_argument("--layer-specs", action="store_true",
                    help="configure_pipeline() returns LayerSpecs (each process builds only its layers; builds printed)")
+    p.add_argument("--tied", action="store_true",
+                   help="configure_pipeline() returns GPT-2's layout as LayerSpecs, the embedding tied to the head")
+    p.add_argument("--n-layer", type=int, default=None, help="transformer blocks (default: the tests' config)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     pl = importlib.import_module(args.namespace)
     cfg = dataclasses.replace(make_config(), dropout=args.dropout)
+    if args.n_layer is not None:
+        cfg = dataclasses.replace(cfg, n_layer=args.n_layer)
 
     class GPT(pl.LightningModule):
         def configure_pipeline(self):
+            if args.tied:
+                return gpt_layer_specs(cfg, tie_embeddings=True)
             return logged_specs(cfg) if args.layer_specs else gpt_layers(cfg)
 
         def pipeline_loss(self, outputs, targets):

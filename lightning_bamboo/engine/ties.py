@@ -1,0 +1,85 @@
+"""Tied layers' gradients: every copy of a tied module gets the sum of all copies' gradients, in layer order.
+
+A ``TiedLayerSpec`` key (GPT-2's token embedding, used again as the output head) has a copy of its module at each of
+its layers (``engine.module.build_layers``). After the backward passes of a step each copy holds the gradient of its
+own uses. ``reduce_tied_gradients`` gives every copy the same sum: each holder sends its copies' gradients to the
+holders of the others (point-to-point, in the pipeline's own process group) and adds all of them up itself, the
+first layer's copy first. The sum is the same bit for bit wherever the copies live: in two stages, or in one
+stage after a failover merged them (where DeepSpeed's one shared module would accumulate the uses of every
+micro-batch interleaved, and a run with a failover would end with other weights than the run without).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+#: the tag of the tied gradients' messages: DeepSpeed's activations and gradients use tag 0, the replica exchange
+#: ``exchange.REPLICA_TAG`` (0xB0) and the tags just below and above it
+TIE_TAG = 0xA0
+
+
+def held_layers(module: nn.Module) -> dict[int, nn.Module]:
+    """The layers of ``module`` by global index (a stage's children are named by it)."""
+    return {int(name): child for name, child in module.named_children() if name.isdigit()}
+
+
+def reduce_tied_gradients(module: nn.Module, ties: Mapping[str, tuple[int, ...]], rank_of_layer: Callable[[int], int],
+                          group: object = None) -> None:
+    """Set every gradient of every tied copy ``module`` holds to the sum over the key's copies, in layer order.
+
+    ``rank_of_layer(i)``: the rank (in ``group``, default the whole job) holding layer ``i`` in this pipeline. A
+    parameter without a gradient counts as zeros; after this call every tied parameter here has one.
+    """
+    held = held_layers(module)
+    for key in sorted(ties):
+        layers = ties[key]
+        local = [i for i in layers if i in held]
+        if not local:
+            continue
+        params = {i: list(held[i].parameters()) for i in local}
+        grads = {i: _flat_gradients(params[i]) for i in local}
+        remote = [i for i in layers if i not in held]
+        if remote:
+            grads.update(_exchange(grads, local, remote, rank_of_layer, group))
+        total = grads[layers[0]].clone()
+        for layer in layers[1:]:
+            total += grads[layer]
+        for layer in local:
+            _set_gradients(params[layer], total)
+
+
+def _flat_gradients(params: list[nn.Parameter]) -> torch.Tensor:
+    if not params:
+        return torch.zeros(0)
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params])
+
+
+def _exchange(grads: dict[int, torch.Tensor], local: list[int], remote: list[int],
+              rank_of_layer: Callable[[int], int], group: object) -> dict[int, torch.Tensor]:
+    """Send each local copy's gradients to every holder of a remote copy; receive the remote copies' (each holder
+    sends its copies in layer order, and the receives are posted in that order)."""
+    like = grads[local[0]]
+    received = {i: torch.empty_like(like) for i in remote}
+    requests = [dist.irecv(received[i], rank_of_layer(i), group=group, tag=TIE_TAG) for i in remote]  # type: ignore[arg-type]
+    for rank in sorted({rank_of_layer(i) for i in remote}):
+        requests += [dist.isend(grads[i], rank, group=group, tag=TIE_TAG) for i in local]  # type: ignore[arg-type]
+    for request in requests:
+        if request is not None:  # None only where this rank is not in ``group``, which a holder always is
+            request.wait()
+    return received
+
+
+def _set_gradients(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    offset = 0
+    for param in params:
+        n = param.numel()
+        value = flat[offset:offset + n].view_as(param)
+        if param.grad is None:
+            param.grad = value.clone()
+        else:
+            param.grad.copy_(value)  # in place: the gradient may live in the replica holder's shared memory
+        offset += n

@@ -1,0 +1,69 @@
+"""Tied weights through real failovers: a GPT-2-style model whose output head is its token embedding
+(``TiedLayerSpec``s on the first and the last stage) ends bit-equal to the run without a kill when the first
+stage's node is SIGKILLed (lazy: the last node takes stage 0 over from its replica) and when the last stage's is,
+mid-step, in a 2-stage job (eager: one node then holds both copies and reuses its kept forward). Real processes
+under the Bamboo launcher, every exit code checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.testing import faults
+from tests.helpers import PYTHON, REPO, launcher_exit_codes, max_abs_diff, optimizer_states, run
+
+pytestmark = pytest.mark.timeout(300)
+
+#: n_layer 1: [embedding, block, final norm, head tied to the embedding], one layer per stage on 4 nodes
+MODEL = ["--tied", "--n-layer", "1", "--partition", "uniform", "--batch-size", "8", "--micro-batch-size", "2",
+         "--optimizer", "adamw", "--steps", "8"]
+
+
+def _job(out, nodes, mode, kill=None):
+    command = [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", str(nodes), "--", PYTHON,
+               str(REPO / "tests" / "scripts" / "fit_gpt.py"), "--devices", str(nodes), "--stages", str(nodes),
+               *MODEL, "--redundancy", mode, "--out", str(out)]
+    proc = run(command, timeout=240, env=faults.environment([kill]) if kill else None)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    victim = kill.split("@")[0] if kill else None
+    assert launcher_exit_codes(proc.stdout) == {f"node{i}": (-9 if f"node{i}" == victim else 0) for i in range(nodes)}
+    return [json.JSONDecoder().raw_decode(line)[0] for line in proc.stdout.splitlines()
+            if line.startswith('{"global_step"')][-1]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain")
+    assert _job(out, 4, "lazy")["failovers"] == []
+    return out
+
+
+def _same_as(out, plain):
+    assert max_abs_diff(torch.load(out / "final.pt"), torch.load(plain / "final.pt")) == 0.0
+    assert max_abs_diff(optimizer_states(out / "final.ckpt"), optimizer_states(plain / "final.ckpt")) == 0.0
+    # the checkpoint keeps each copy (each layer has its file), equal; the consolidated weights hold it once
+    saved = ckpt.read_layers(out / "final.ckpt", [0, 3])
+    assert saved[0]["weights"].keys() == saved[3]["weights"].keys() == {"tok.weight", "pos.weight"}
+    assert all(torch.equal(saved[0]["weights"][k], saved[3]["weights"][k]) for k in saved[0]["weights"])
+    assert not any(k.startswith("3.") for k in torch.load(out / "final.pt"))
+
+
+def test_the_first_stage_killed_its_copy_taken_over_by_the_last_node_ends_bit_exact(tmp_path, plain):
+    summary = _job(tmp_path, 4, "lazy", kill="node0@5")
+    (failover,) = summary["failovers"]
+    # node3 runs stage 0 from its replica, node2 runs layers 2-3 (its own and node3's from its replica)
+    assert failover["lost"] == ["node0"] and failover["order"] == ["node3", "node1", "node2"]
+    assert failover["parts"] == [0, 1, 2, 4]
+    _same_as(tmp_path, plain)
+
+
+def test_the_last_stage_killed_mid_step_one_node_holding_both_copies_ends_bit_exact(tmp_path, plain):
+    """Two stages, eager: node1 (layers 2-3) is lost mid-step; node0 then runs every layer, both copies of the tied
+    module in one stage, and ends with the weights of the 4-stage run (the layout never changes the numbers)."""
+    summary = _job(tmp_path, 2, "eager", kill="node1@5:6")
+    (failover,) = summary["failovers"]
+    assert failover["lost"] == ["node1"] and failover["order"] == ["node0"] and failover["redone"]
+    _same_as(tmp_path, plain)
