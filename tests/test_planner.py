@@ -68,11 +68,11 @@ def random_hardware(rng: random.Random) -> Hardware:
     )
 
 
-def brute_split(profile, hw, stages, mbs, micro_batches, pipelines):
+def brute_split(profile, hw, stages, mbs, micro_batches, pipelines, checkpoint_every=0):
     best = None
     for cuts in itertools.combinations(range(1, profile.num_layers), stages - 1):
         parts = (0, *cuts, profile.num_layers)
-        est = estimate_step(profile, hw, parts, mbs, micro_batches, pipelines)
+        est = estimate_step(profile, hw, parts, mbs, micro_batches, pipelines, checkpoint_every)
         if est.max_memory_bytes <= hw.memory_bytes and (best is None or est.step_seconds < best[0]):
             best = (est.step_seconds, parts)
     return best
@@ -115,6 +115,26 @@ def test_in_flight_memory_follows_1f1b_warm_up() -> None:
     assert [s.memory_bytes for s in est.stages] == [400, 300, 200, 100]
     few = estimate_step(prof, FAST, [0, 1, 2, 3, 4], 1, micro_batches=2)
     assert [s.in_flight for s in few.stages] == [2, 2, 2, 1]
+
+
+def test_activation_checkpointing_keeps_segment_inputs_per_micro_batch_and_one_segment_again() -> None:
+    # 8 layers of F=1, B=2, each saving 100 bytes and putting out 10; stage 0 of 2 holds 2 micro-batches in flight
+    prof8 = model(*(layer(1, 2, act=100, out=10) for _ in range(8)))
+    plain = estimate_step(prof8, FAST, [0, 4, 8], 1, micro_batches=3)
+    assert plain.stages[0].memory_bytes == 2 * (400 + 10) and plain.stages[0].backward_seconds == 8
+    # segments of 2: a micro-batch keeps the second segment's input (layer 1's output) and the stage's output; one
+    # backward holds a segment's 200 again; every backward first runs its forward again (4 s more per stage)
+    every2 = estimate_step(prof8, FAST, [0, 4, 8], 1, micro_batches=3, checkpoint_every=2)
+    assert every2.stages[0].memory_bytes == 200 + 2 * (10 + 10)
+    assert every2.stages[0].backward_seconds == 8 + 4
+    assert every2.step_seconds == plain.step_seconds + (3 - 1) * 4 + 2 * 4  # the busiest stage, and the latency
+    prof = model(*(layer(1, 2, act=100, out=10) for _ in range(4)))
+    # two stages of 2 layers, every layer a segment: stage 0 keeps 2 micro-batches of (layer 0's output + its
+    # own output to send), the last stage 1 of (its input + layer 2's output)
+    every1 = estimate_step(prof, FAST, [0, 2, 4], 1, micro_batches=3, checkpoint_every=1)
+    assert [s.memory_bytes for s in every1.stages] == [100 + 2 * (10 + 10), 100 + 1 * (10 + 10)]
+    with pytest.raises(BambooConfigError, match="activation checkpointing is a number of layers per segment"):
+        estimate_step(prof, FAST, [0, 4], 1, 3, checkpoint_every=-1)
 
 
 def test_allreduce_tail_grows_with_pipelines() -> None:
@@ -175,6 +195,42 @@ def test_solver_equals_brute_force_on_random_instances() -> None:
         assert again.step_seconds == pytest.approx(result.estimate.step_seconds)
         assert again.max_memory_bytes <= hw.memory_bytes
     assert feasible >= 100  # the instances exercise the solver, not only the infeasible path
+
+
+def test_solver_equals_brute_force_with_activation_checkpointing() -> None:
+    from lightning_bamboo.planner.solver import SegmentTables
+
+    rng = random.Random(20261128)
+    feasible = 0
+    for _ in range(200):
+        num_layers = rng.randint(1, 9)
+        prof = random_profile(rng, num_layers)
+        hw = random_hardware(rng)
+        stages = rng.randint(1, min(num_layers, 5))
+        mbs, m, d, every = rng.choice((1, 2)), rng.randint(1, 8), rng.randint(1, 3), rng.randint(1, 4)
+        result = solve_split(prof, hw, stages, mbs, m, d, tables=SegmentTables(prof, hw, mbs, every))
+        expected = brute_split(prof, hw, stages, mbs, m, d, every)
+        if expected is None:
+            assert isinstance(result, NoSplit), (prof, hw, stages, mbs, m, d, every)
+            continue
+        feasible += 1
+        assert isinstance(result, Split), (result, expected)
+        assert result.estimate.step_seconds == pytest.approx(expected[0], rel=1e-9, abs=1e-12)
+        assert result.estimate.max_memory_bytes <= hw.memory_bytes
+    assert feasible >= 80
+
+
+def test_a_model_that_fits_no_layout_fits_with_activation_checkpointing_and_pays_its_recompute() -> None:
+    # 8 layers saving 1000 bytes each per sample: 2 workers of 5000 bytes cannot hold 4 micro-batches of 4 layers
+    prof = model(*(layer(1, 2, act=1000, out=10) for _ in range(8)))
+    hw = Hardware(memory_bytes=5000, bandwidth_bytes_per_second=1e30, latency_seconds=0.0)
+    with pytest.raises(NoFeasiblePlanError, match=r"activation checkpointing \(activation_checkpointing=1\)"):
+        plan(prof, hw, 2, 4)
+    chosen = plan(prof, hw, 2, 4, activation_checkpointing=1)
+    assert chosen.activation_checkpointing == 1 and max(chosen.stage_memory_bytes) <= 5000
+    roomy = plan(prof, replace(hw, memory_bytes=10**9), 2, 4)
+    assert chosen.predicted_step_seconds > roomy.predicted_step_seconds  # the forwards run again
+    assert Plan.from_json(chosen.to_json()) == chosen
 
 
 def test_search_equals_brute_force_over_layouts() -> None:

@@ -70,3 +70,15 @@ def test_the_console_dispatcher_runs_it(capsys, monkeypatch) -> None:
             "--warmup", "0", "--micro-batch-sizes", "1"]
     assert top.main(argv) == 0
     assert json.loads(capsys.readouterr().out)["stages"] in (1, 2)
+
+
+def test_activation_checkpointing_plans_with_less_memory_and_a_longer_step(capsys, tmp_path) -> None:
+    saved = tmp_path / "profile.json"
+    one = ("--world-size", "1", "--json", "--micro-batch-sizes", "2")
+    assert cli.run(parse(*one, "--n-layer", "2", "--save-profile", str(saved))) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.run(parse(*one, "--profile", str(saved), "--activation-checkpointing", "1")) == 0
+    checkpointed = json.loads(capsys.readouterr().out)
+    assert (plain["activation_checkpointing"], checkpointed["activation_checkpointing"]) == (0, 1)
+    assert max(checkpointed["stage_memory_bytes"]) < max(plain["stage_memory_bytes"])
+    assert checkpointed["predicted_step_seconds"] > plain["predicted_step_seconds"]  # every forward runs again

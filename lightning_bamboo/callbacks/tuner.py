@@ -149,6 +149,7 @@ class HydrozoaTuner(Callback):
         self.plan: Plan | None = None
         self.profile: ModelProfile | None = None  # what the table was planned from (for split_for)
         self.replica = False  # whether the plans count each worker's replica of its successor (``_holds_replica``)
+        self.checkpoint_every = 0  # the strategy's activation checkpointing, which the plans count
         self.hardware: Hardware | None = None
 
     # ------------------------------------------------------------------ planning (rank 0)
@@ -212,8 +213,9 @@ class HydrozoaTuner(Callback):
         self.replica = _holds_replica(strategy)
         options = getattr(strategy, "options", None)
         redundancy = getattr(options, "redundancy", "off") if options is not None else "off"
+        self.checkpoint_every = int(getattr(options, "activation_checkpointing", 0) or 0) if options is not None else 0
         return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch,
-                          replica=self.replica, redundancy=redundancy)
+                          replica=self.replica, redundancy=redundancy, activation_checkpointing=self.checkpoint_every)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -261,12 +263,13 @@ class HydrozoaTuner(Callback):
         """The planner's layer split for a layout chosen by the reconfiguration after the world size
         changed (``RebalanceCallback`` asks: one pipeline of ``stages`` nodes, the running
         micro-batch size and count). ``None`` without a profile, or when no split fits the memory limit."""
-        from lightning_bamboo.planner.solver import NoSplit, solve_split
+        from lightning_bamboo.planner.solver import NoSplit, SegmentTables, solve_split
 
         if self.profile is None or self.hardware is None or micro_batch_size not in self.profile.micro_batch_sizes:
             return None
+        tables = SegmentTables(self.profile, self.hardware, micro_batch_size, self.checkpoint_every)
         result = solve_split(self.profile, self.hardware, stages, micro_batch_size, micro_batches, pipelines,
-                             replica=self.replica)
+                             tables=tables, replica=self.replica)
         if isinstance(result, NoSplit):
             log.warning("HydrozoaTuner: no split of %d stages fits (%s); the reconfiguration keeps its own", stages, result.reason)
             return None

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redundancy", choices=["off", "lazy", "eager"], default="off",
                         help="price the redundancy's time per step (replica update, gradient shipping, eager's "
                              "redundant forwards) and count the replicas in memory (implies --replica)")
+    parser.add_argument("--activation-checkpointing", type=int, default=0, metavar="LAYERS",
+                        help="plan with activation checkpointing every LAYERS layers (BambooStrategy's "
+                             "activation_checkpointing): less activation memory, one more forward per backward")
     parser.add_argument("--n-layer", type=int, default=4, help="GPT transformer blocks (pipeline layers = n + 2)")
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--n-head", type=int, default=4)
@@ -100,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         if args.save_profile is not None:
             args.save_profile.write_text(json.dumps(profile.to_dict(), indent=2))
         options = dict(scale_batch=args.scale_batch, allow_idle=args.allow_idle,
-                       replica=args.replica or args.redundancy != "off", redundancy=args.redundancy)
+                       replica=args.replica or args.redundancy != "off", redundancy=args.redundancy,
+                       activation_checkpointing=args.activation_checkpointing)
         if args.json:
             chosen = plan(profile, hw, args.world_size, args.global_batch, **options)
             print(chosen.to_json())

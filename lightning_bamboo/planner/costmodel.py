@@ -17,6 +17,11 @@ Model (every term is per micro-batch unless it says otherwise):
 - Memory of stage ``k`` (0-based): parameters, gradients and optimizer state of its layers, plus
   ``min(m, p - k)`` micro-batches in flight (1F1B warm-up depth), each holding the activations
   saved for backward and the stage's input and output buffers.
+- Activation checkpointing every ``e`` layers (``checkpoint_every``; segments of ``e`` layers from the stage's
+  first, as ``engine.layer_rng.run_layers_checkpointed`` cuts them): a micro-batch in flight keeps only each
+  segment's input (and the stage's input and output); one backward at a time holds a whole segment's
+  activations again (the largest segment's, once); each backward first runs its segment's forward again, so
+  ``B_k`` grows by ``F_k``.
 """
 
 from __future__ import annotations
@@ -247,6 +252,21 @@ def check_partition(partition: Sequence[int], num_layers: int) -> None:
         )
 
 
+def checkpointed_bytes(costs: Sequence[LayerCost], first: int, end: int, every: int) -> tuple[int, int]:
+    """A stage of layers ``[first, end)`` checkpointed every ``every`` layers: ``(kept, transient)``, the bytes a
+    micro-batch in flight keeps besides the stage's input and output (the inputs of the segments after the
+    first), and the largest segment's saved activations, which its backward's recompute holds again."""
+    kept = sum(costs[s - 1].output_bytes for s in range(first + every, end, every))
+    transient = max(sum(c.activation_bytes for c in costs[s:min(s + every, end)]) for s in range(first, end, every))
+    return kept, transient
+
+
+def check_checkpoint_every(checkpoint_every: int) -> None:
+    if checkpoint_every < 0:
+        raise BambooConfigError(f"activation checkpointing is a number of layers per segment, >= 0 (0: off; got "
+                                f"{checkpoint_every})")
+
+
 def estimate_step(
     profile: ModelProfile,
     hw: Hardware,
@@ -254,9 +274,12 @@ def estimate_step(
     micro_batch_size: int,
     micro_batches: int,
     pipelines: int = 1,
+    checkpoint_every: int = 0,
 ) -> StepEstimate:
-    """The reference evaluation of one layout (the solver must agree with it)."""
+    """The reference evaluation of one layout (the solver must agree with it). ``checkpoint_every``: activation
+    checkpointing's layers per segment (0: off); a stage's ``backward_seconds`` then include the recompute."""
     check_partition(partition, profile.num_layers)
+    check_checkpoint_every(checkpoint_every)
     if micro_batches < 1 or pipelines < 1:
         raise BambooConfigError(
             f"micro_batches and pipelines must be >= 1 (got {micro_batches}, {pipelines})"
@@ -279,9 +302,13 @@ def estimate_step(
         n = in_flight(k, p, micro_batches)
         in_bytes = costs[a - 1].output_bytes if a > 0 else 0
         out_bytes = costs[b - 1].output_bytes if b < L else 0
-        memory = sum(layer.static_bytes for layer in profile.layers[a:b]) + n * (
-            sum(c.activation_bytes for c in costs[a:b]) + in_bytes + out_bytes
-        )
+        static = sum(layer.static_bytes for layer in profile.layers[a:b])
+        if checkpoint_every:
+            kept, transient = checkpointed_bytes(costs, a, b, checkpoint_every)
+            memory = static + transient + n * (kept + in_bytes + out_bytes)
+            bwd += fwd  # each segment's forward again, in its backward
+        else:
+            memory = static + n * (sum(c.activation_bytes for c in costs[a:b]) + in_bytes + out_bytes)
         busy = fwd + bwd + comm + hw.micro_batch_overhead_seconds
         stages.append(StageEstimate(a, b, fwd, bwd, comm, busy, tail, memory, n))
     steady = (micro_batches - 1) * max(s.busy_seconds for s in stages)

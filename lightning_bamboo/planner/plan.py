@@ -83,6 +83,9 @@ class Plan:
     #: per stage under "eager": the micro-batches whose successor forward fits its bubbles (the rest are
     #: recomputed after a failure); empty otherwise
     redundant_forwards: tuple[int, ...] = ()
+    #: activation checkpointing's layers per segment the plan was made with (0: off; ``checkpoint_every`` of
+    #: ``estimate_step``): memory and backward times count it
+    activation_checkpointing: int = 0
 
     def __post_init__(self) -> None:
         parts = list(self.partition)
@@ -174,6 +177,7 @@ def plan(
     alternatives: int = 5,
     replica: bool = False,
     redundancy: str = "off",
+    activation_checkpointing: int = 0,
     _tables: dict[int, SegmentTables] | None = None,
 ) -> Plan:
     """The layout with the most samples per second for ``world_size`` workers.
@@ -188,6 +192,10 @@ def plan(
     left, and ``redundant_forwards`` says how many fit). Layouts are ranked with it;
     each layout's split is the best one without it. Pass ``replica`` too unless the replicas live elsewhere
     (in host memory while the stages run on GPUs).
+
+    ``activation_checkpointing`` (layers per segment, the strategy's option; 0: off): a micro-batch in flight keeps
+    only its segments' inputs, a backward holds one segment's activations again and first runs its forward again
+    (``costmodel.estimate_step``), so layouts that did not fit may, at the cost of that recompute.
 
     ``global_batch`` is fixed by default (samples per step over all pipelines). With
     ``scale_batch`` (Hydrozoa) it is the batch of one pipeline and the step's batch grows with
@@ -219,8 +227,8 @@ def plan(
                 rejected.append(Infeasible(stages, pipelines, mbs, f"{stages} stages need at least {stages} layers (the model has {profile.num_layers})"))
                 continue
             micro_batches = per_pipeline // mbs
-            if mbs not in tables:
-                tables[mbs] = SegmentTables(profile, hw, mbs)
+            if mbs not in tables or tables[mbs].checkpoint_every != activation_checkpointing:
+                tables[mbs] = SegmentTables(profile, hw, mbs, activation_checkpointing)
             result = solve_split(profile, hw, stages, mbs, micro_batches, pipelines, tables=tables[mbs], replica=replica)
             if isinstance(result, NoSplit):
                 least_memory = min(least_memory, result.min_peak_memory_bytes)
@@ -238,7 +246,9 @@ def plan(
         more = f" (+{len(rejected) - 6} more)" if len(rejected) > 6 else ""
         hint = (
             f"the least memory any layout needs is {_mib(least_memory)} per worker; raise the limit "
-            f"({_mib(hw.memory_bytes)}) to that, use smaller micro-batches or more workers"
+            f"({_mib(hw.memory_bytes)}) to that, use smaller micro-batches"
+            + (", activation checkpointing (activation_checkpointing=1)" if not activation_checkpointing else "")
+            + " or more workers"
             if least_memory != float("inf")
             else "use a world size whose divisors give a depth <= the number of layers, or allow idle workers"
         )
@@ -273,6 +283,7 @@ def plan(
         redundancy_seconds=priced.step_seconds,
         redundant_forwards=priced.forwards if redundancy == "eager" else (),
         stage_memory_without_replica_bytes=tuple(int(s.memory_bytes) for s in est.stages),
+        activation_checkpointing=activation_checkpointing,
     )
 
 
@@ -351,6 +362,7 @@ def plan_table(
     alternatives: int = 5,
     replica: bool = False,
     redundancy: str = "off",
+    activation_checkpointing: int = 0,
 ) -> PlanTable:
     """Plans for world sizes 1..max_world_size; a size with no valid layout keeps its error message."""
     if max_world_size < 1:
@@ -363,7 +375,8 @@ def plan_table(
         try:
             plans.append(
                 plan(profile, hw, w, global_batch, scale_batch=scale_batch, allow_idle=allow_idle,
-                     alternatives=alternatives, replica=replica, redundancy=redundancy, _tables=tables)
+                     alternatives=alternatives, replica=replica, redundancy=redundancy,
+                     activation_checkpointing=activation_checkpointing, _tables=tables)
             )
             errors.append("")
         except NoFeasiblePlanError as err:

@@ -25,6 +25,7 @@ from lightning_bamboo.planner.costmodel import (
     Hardware,
     ModelProfile,
     StepEstimate,
+    check_checkpoint_every,
     estimate_step,
     in_flight,
     transfer_seconds,
@@ -57,11 +58,13 @@ def _mib(num_bytes: float) -> str:
 class SegmentTables:
     """Per micro-batch size: every segment's busy time, tail parts and memory parts, as matrices."""
 
-    def __init__(self, profile: ModelProfile, hw: Hardware, micro_batch_size: int) -> None:
+    def __init__(self, profile: ModelProfile, hw: Hardware, micro_batch_size: int, checkpoint_every: int = 0) -> None:
+        check_checkpoint_every(checkpoint_every)
         L = profile.num_layers
         costs = [layer.at(micro_batch_size) for layer in profile.layers]
         self.num_layers = L
         self.hw = hw
+        self.checkpoint_every = checkpoint_every
 
         def prefix(values: list[float]) -> np.ndarray:
             out = np.zeros(L + 1)
@@ -72,7 +75,7 @@ class SegmentTables:
             return pre[None, :] - pre[:, None]
 
         fwd = [c.forward_seconds for c in costs]
-        bwd = [c.backward_seconds for c in costs]
+        bwd = [c.backward_seconds + (c.forward_seconds if checkpoint_every else 0.0) for c in costs]  # + recompute
         scale = hw.compute_scale
         self.fb = seg(prefix([scale * f + scale * b for f, b in zip(fwd, bwd, strict=True)]))
         self.total_fb = float(scale * sum(fwd) + scale * sum(bwd))
@@ -88,7 +91,21 @@ class SegmentTables:
         boundary = np.zeros(L + 1)  # bytes of the tensor crossing boundary j (0 at the ends)
         for j in range(1, L):
             boundary[j] = costs[j - 1].output_bytes
-        self.per_micro_batch = seg(prefix([c.activation_bytes for c in costs])) + boundary[:, None] + boundary[None, :]
+        #: bytes held once however many micro-batches are in flight (a checkpointed segment's recompute)
+        self.transient = np.zeros((L + 1, L + 1))
+        if checkpoint_every:
+            kept = np.zeros((L + 1, L + 1))
+            for i in range(L):  # checkpointed_bytes for every segment starting at i, extended a layer at a time
+                inputs = longest = current = 0.0
+                for j in range(i + 1, L + 1):
+                    if j - 1 > i and (j - 1 - i) % checkpoint_every == 0:  # layer j - 1 begins a new segment
+                        inputs += costs[j - 2].output_bytes
+                        longest, current = max(longest, current), 0.0
+                    current += costs[j - 1].activation_bytes
+                    kept[i, j], self.transient[i, j] = inputs, max(longest, current)
+            self.per_micro_batch = kept + boundary[:, None] + boundary[None, :]
+        else:
+            self.per_micro_batch = seg(prefix([c.activation_bytes for c in costs])) + boundary[:, None] + boundary[None, :]
         idx = np.arange(L + 1)
         self.valid = idx[:, None] < idx[None, :]
         self._tails: dict[int, np.ndarray] = {}
@@ -106,7 +123,7 @@ class SegmentTables:
         return self._tails[pipelines]
 
     def memory(self, stage: int, stages: int, micro_batches: int) -> np.ndarray:
-        return self.static + in_flight(stage, stages, micro_batches) * self.per_micro_batch
+        return self.static + self.transient + in_flight(stage, stages, micro_batches) * self.per_micro_batch
 
     def positions(self, stage: int, stages: int) -> np.ndarray:
         """Segments stage ``stage`` may take while every stage keeps at least one layer."""
@@ -358,5 +375,5 @@ def _solve(
             _, parts = _dp(capped, s_weight, "sum")
             if parts is not None and objective(parts) < upper:
                 best_parts = parts
-    estimate = estimate_step(profile, hw, best_parts, micro_batch_size, micro_batches, pipelines)
+    estimate = estimate_step(profile, hw, best_parts, micro_batch_size, micro_batches, pipelines, t.checkpoint_every)
     return Split(best_parts, estimate)
