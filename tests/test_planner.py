@@ -432,6 +432,12 @@ def test_the_redundancys_work_fills_each_stages_bubbles_before_it_adds_to_the_st
     assert lazy.step_seconds == 0.0 and lazy.forwards == (0,) * 4
     eager = redundancy_cost(prof, FAST, est, 1, 8, "eager")
     assert eager.forwards == (8,) * 4 and eager.work_seconds == pytest.approx((8.1,) * 4) and eager.step_seconds == 0.0
+    assert lazy.kept_bytes == (0,) * 4 and eager.kept_bytes == (0,) * 4  # these layers save nothing
+    saving = model(*[layer(1.0, 2.0, update=0.1, act=100, out=10) for _ in range(4)])
+    kept = redundancy_cost(saving, FAST, estimate_step(saving, FAST, parts, 1, 8), 1, 8, "eager")
+    # each of a stage's kept forwards: its successor's 100 saved bytes, its input (10; none into stage 0) and output
+    assert kept.kept_bytes == (kept.forwards[0] * 120, kept.forwards[1] * 120, kept.forwards[2] * 120,
+                               kept.forwards[3] * 110) and min(kept.forwards) > 0
     est16 = estimate_step(prof, FAST, parts, 1, 16)
     eager16 = redundancy_cost(prof, FAST, est16, 1, 16, "eager")
     assert eager16.forwards == (8,) * 4 and eager16.step_seconds == 0.0

@@ -335,6 +335,9 @@ class RedundancyCost:
     link_idle_seconds: tuple[float, ...]  # per stage: the step's time its link to the predecessor carries nothing
     forwards: tuple[int, ...]  # per stage, eager: the micro-batches whose successor forward fits its bubbles
     step_seconds: float  # added to the step: the most any stage's work or ship overflows its idle time
+    #: per stage, eager: what its kept forwards hold until the step commits (host memory: pinned on a GPU, the
+    #: same memory on CPU workers), each the successor's saved activations, its input and its output
+    kept_bytes: tuple[int, ...] = ()
 
 
 def redundancy_cost(
@@ -360,7 +363,9 @@ def redundancy_cost(
 
     ``eager`` places the successor's forwards in what is left of the bubbles and nowhere else (the schedule's
     ``rf_budget=None``): ``forwards_k = min(m, floor((idle_k - update_s) / F_s))`` of them; the others are
-    recomputed after a failure. Its step is priced as ``lazy``'s; what it buys is a shorter failover.
+    recomputed after a failure. Its step is priced as ``lazy``'s; what it buys is a shorter failover. Each kept
+    forward holds the successor's saved activations, its input and its output until the step commits
+    (``kept_bytes``).
 
     A lower bound where the bubbles are not where the work is due (a replica update waits for the gradients
     it applies), an upper one where the stages' transfers overlap their compute. ``off``, or one stage: nothing.
@@ -370,9 +375,9 @@ def redundancy_cost(
     p = len(est.stages)
     if redundancy == "off" or p < 2:
         zeros = (0.0,) * p
-        return RedundancyCost(zeros, zeros, zeros, zeros, (0,) * p, 0.0)
+        return RedundancyCost(zeros, zeros, zeros, zeros, (0,) * p, 0.0, (0,) * p)
     costs = [layer.at(micro_batch_size) for layer in profile.layers]
-    work, idle, ship, link_idle, forwards = [], [], [], [], []
+    work, idle, ship, link_idle, forwards, kept = [], [], [], [], [], []
     for k, stage in enumerate(est.stages):
         successor = est.stages[(k + 1) % p]
         layers = profile.layers[successor.first_layer:successor.end_layer]
@@ -384,6 +389,9 @@ def redundancy_cost(
             count = micro_batches if successor.forward_seconds <= 0 else min(
                 micro_batches, int(left / successor.forward_seconds * (1 + 1e-12)))
         forwards.append(count)
+        first, end = successor.first_layer, successor.end_layer
+        kept.append(count * (sum(c.activation_bytes for c in costs[first:end]) + costs[end - 1].output_bytes
+                             + (costs[first - 1].output_bytes if first > 0 else 0)))
         work.append(update + count * successor.forward_seconds)
         grads = sum(layer.grad_bytes for layer in profile.layers[stage.first_layer:stage.end_layer])
         ship.append(transfer_seconds(grads, hw) if grads else 0.0)
@@ -391,4 +399,5 @@ def redundancy_cost(
         activations = 2 * micro_batches * transfer_seconds(costs[a - 1].output_bytes, hw) if a > 0 else 0.0
         link_idle.append(max(0.0, est.step_seconds - activations))
     added = max(max(w - i, s - li, 0.0) for w, i, s, li in zip(work, idle, ship, link_idle, strict=True))
-    return RedundancyCost(tuple(work), tuple(idle), tuple(ship), tuple(link_idle), tuple(forwards), added)
+    return RedundancyCost(tuple(work), tuple(idle), tuple(ship), tuple(link_idle), tuple(forwards), added,
+                          tuple(kept))

@@ -83,6 +83,9 @@ class Plan:
     #: per stage under "eager": the micro-batches whose successor forward fits its bubbles (the rest are
     #: recomputed after a failure); empty otherwise
     redundant_forwards: tuple[int, ...] = ()
+    #: per stage under "eager": host memory those forwards hold until the step commits (their saved activations,
+    #: inputs and outputs; pinned host memory beside a GPU, the same memory as the stage on CPU workers)
+    redundant_forward_bytes: tuple[int, ...] = ()
     #: activation checkpointing's layers per segment the plan was made with (0: off; ``checkpoint_every`` of
     #: ``estimate_step``): memory and backward times count it
     activation_checkpointing: int = 0
@@ -135,6 +138,7 @@ class Plan:
         raw["stage_memory_bytes"] = tuple(raw["stage_memory_bytes"])
         raw["stage_memory_without_replica_bytes"] = tuple(raw.get("stage_memory_without_replica_bytes", ()))
         raw["redundant_forwards"] = tuple(raw.get("redundant_forwards", ()))
+        raw["redundant_forward_bytes"] = tuple(raw.get("redundant_forward_bytes", ()))
         raw["stage_estimates"] = tuple(StageEstimate(**s) for s in raw.get("stage_estimates", ()))
         raw["alternatives"] = tuple(
             Alternative(**{**a, "partition": tuple(a["partition"])}) for a in raw.get("alternatives", ())
@@ -282,6 +286,7 @@ def plan(
         redundancy=redundancy,
         redundancy_seconds=priced.step_seconds,
         redundant_forwards=priced.forwards if redundancy == "eager" else (),
+        redundant_forward_bytes=priced.kept_bytes if redundancy == "eager" else (),
         stage_memory_without_replica_bytes=tuple(int(s.memory_bytes) for s in est.stages),
         activation_checkpointing=activation_checkpointing,
     )
