@@ -115,3 +115,17 @@ def test_a_consolidated_checkpoint_holds_a_tied_module_once(tmp_path):
     weights = ckpt.consolidate_checkpoint(tmp_path)
     assert sorted(k for k in weights if k.startswith(("0.", "3."))) == ["0.pos.weight", "0.tok.weight"]
     assert sorted(weights) == sorted(k for k in whole.state_dict() if not k.startswith("3."))
+
+
+def test_the_census_warns_when_every_process_would_build_a_large_model_whole(monkeypatch, caplog):
+    from lightning_bamboo.engine import module
+
+    monkeypatch.setattr(module, "BUILT_PARAMETERS_WARNING", 1000)
+    with caplog.at_level("WARNING", logger="lightning_bamboo.engine.module"):
+        census_layers(lambda: [nn.Linear(32, 32), nn.Linear(32, 32)], SEED)  # 2112 parameters, built
+    assert "returned 2,112 parameters as built nn.Module layers: every process builds and holds all of them" in caplog.text
+    assert "Return DeepSpeed LayerSpecs" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lightning_bamboo.engine.module"):
+        census_layers(specs, SEED)  # LayerSpecs: each process builds its own
+    assert "built nn.Module layers" not in caplog.text

@@ -22,6 +22,10 @@ from lightning_bamboo.errors import BambooConfigError
 log = logging.getLogger(__name__)
 
 
+#: parameters of layers returned built (``nn.Module``s, which every process builds whole) above which the census
+#: warns that ``LayerSpec``s would build only each process's own
+BUILT_PARAMETERS_WARNING = 100_000_000
+
 #: a ``TiedLayerSpec`` key -> the global indices of its layers, ascending (see :func:`build_layers`)
 Ties = dict[str, tuple[int, ...]]
 
@@ -130,6 +134,7 @@ def census_layers(factory: Callable[[], Sequence[Any]], seed: int) -> LayerCensu
     """
     counts: list[int] = []
     names: list[str] = []
+    built = 0  # parameters of the layers the factory returned built
     with _own_streams():
         _seed_torch(seed)
         specs = _layer_list(factory)
@@ -142,6 +147,13 @@ def census_layers(factory: Callable[[], Sequence[Any]], seed: int) -> LayerCensu
             else:
                 names.append(_name(index, spec))
                 counts.append(_trainable(spec) if isinstance(spec, nn.Module) else 0)
+                built += counts[-1]
+    if built > BUILT_PARAMETERS_WARNING:
+        log.warning(
+            "configure_pipeline() returned %s parameters as built nn.Module layers: every process builds and holds "
+            "all of them (fp32: %.1f GiB each, at start and at every failover) besides its own stage and replica. "
+            "Return DeepSpeed LayerSpecs (LayerSpec(Block, config)) to build only each process's layers.",
+            f"{built:,}", built * 4 / 2**30)
     return LayerCensus(counts, names, ties)
 
 
