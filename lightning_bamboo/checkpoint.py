@@ -89,13 +89,16 @@ def split_name(name: str) -> tuple[int, str]:
     return int(layer), rest
 
 
-def _host_copy(tensor: torch.Tensor, reuse: Any = None) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, reuse: Any = None, copy: bool = True) -> torch.Tensor:
     """A host-memory copy of ``tensor``, written into ``reuse`` when that is a CPU tensor of the same shape and dtype.
 
     Reusing the buffers of the previous snapshot spares the page faults of fresh allocations,
-    which cost more than the copy itself on large models.
+    which cost more than the copy itself on large models. Without ``copy`` a tensor already in host memory is
+    returned as it is (detached: the same storage).
     """
     tensor = tensor.detach()
+    if not copy and tensor.device.type == "cpu":
+        return tensor
     if torch.is_tensor(reuse) and reuse.device.type == "cpu" and reuse.shape == tensor.shape and reuse.dtype == tensor.dtype:
         return reuse.copy_(tensor)
     return tensor.to("cpu", copy=True)
@@ -106,18 +109,21 @@ def layer_states(
     optimizer: torch.optim.Optimizer | None,
     layers: Iterable[int],
     reuse: Mapping[int, dict[str, Any]] | None = None,
+    copy: bool = True,
 ) -> dict[int, dict[str, Any]]:
     """Weights and optimizer state of ``layers`` of ``stage`` (a module whose children are named by layer).
 
     Every layer gets an entry, also one without parameters, so a reader can tell it was saved.
     ``reuse``: an earlier result nobody reads any more; its tensors are overwritten instead of allocating new ones.
+    Without ``copy`` the tensors in host memory are the stage's and the optimizer's own (no second copy of a CPU
+    stage): for a caller that reads them before anything changes them.
     """
     reuse = reuse or {}
     states: dict[int, dict[str, Any]] = {layer: {"weights": {}, "optimizer": {}} for layer in layers}
     for name, tensor in stage.state_dict().items():
         layer, rest = split_name(name)
         old = reuse.get(layer, {}).get("weights", {}).get(rest)
-        states[layer]["weights"][rest] = _host_copy(tensor, old)
+        states[layer]["weights"][rest] = _host_copy(tensor, old, copy)
     if optimizer is not None:
         names = {id(p): n for n, p in stage.named_parameters()}
         packed = optimizer.state_dict()
@@ -130,7 +136,8 @@ def layer_states(
                     state = packed["state"].get(index, {})
                     old = reuse.get(layer, {}).get("optimizer", {}).get(rest, {}).get("state", {})
                     states[layer]["optimizer"][rest] = {
-                        "state": {k: (_host_copy(v, old.get(k)) if torch.is_tensor(v) else v) for k, v in state.items()},
+                        "state": {k: (_host_copy(v, old.get(k), copy) if torch.is_tensor(v) else v)
+                                  for k, v in state.items()},
                         "group": group_index,
                     }
                 index += 1

@@ -256,9 +256,10 @@ class BambooPipelineEngine(PipelineEngine):
         """Indices of the layers this process owns."""
         return range(self.module._local_start, self.module._local_stop)
 
-    def own_states(self) -> dict[int, dict[str, Any]]:
-        """Weights and optimizer state of this stage's layers, by layer (CPU copies)."""
-        return ckpt.layer_states(self.module, self.optimizer, self.layer_range)
+    def own_states(self, copy: bool = True) -> dict[int, dict[str, Any]]:
+        """Weights and optimizer state of this stage's layers, by layer (CPU copies; without ``copy``, a CPU stage's
+        own tensors)."""
+        return ckpt.layer_states(self.module, self.optimizer, self.layer_range, copy=copy)
 
     def save_layer_checkpoint(self, path: str, client_state: dict[str, Any] | None = None) -> None:
         """Save in lightning_bamboo's per-layer format (every process calls it).

@@ -124,9 +124,11 @@ class Replica:
     def layers(self) -> range:
         return range(self.module.indices[0], self.module.indices[-1] + 1)
 
-    def states(self) -> dict[int, dict[str, Any]]:
+    def states(self, copy: bool = True) -> dict[int, dict[str, Any]]:
+        """Weights and optimizer state of the replica's layers, by layer (CPU copies; without ``copy``, the
+        tensors of a replica in host memory themselves)."""
         self.settle()
-        return ckpt.layer_states(self.module, self.optimizer, self.layers)
+        return ckpt.layer_states(self.module, self.optimizer, self.layers, copy=copy)
 
     def step(self, own_optimizer: torch.optim.Optimizer | None, defer: bool = False) -> None:
         """Apply the update the owner applies (after the step committed).

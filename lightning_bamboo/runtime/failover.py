@@ -43,7 +43,9 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
         "nodes": list(session.nodes),
         "pipelines": layout.pipelines,
         "parts": tuple(layout.parts),
-        "states": {**old.own_states(), **(old.replica.states() if old.replica else {})},
+        # the layers' own tensors where they are in host memory (no second copy of a CPU stage and replica): the
+        # old engine never runs again, and the new layers copy them in (a GPU stage's are copied out here)
+        "states": {**old.own_states(copy=False), **(old.replica.states(copy=False) if old.replica else {})},
         "optimizer": old.optimizer,
         "last_loss": old.last_loss,
         # eager: the successor's forwards of the failed step, reused when this node takes its stage over
