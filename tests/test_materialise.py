@@ -9,7 +9,7 @@ import random
 import numpy
 import pytest
 import torch
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from lightning_bamboo.engine.module import build_layers, census_layers, layer_init_seed
@@ -149,14 +149,6 @@ def test_a_cuda_not_started_is_not_seeded():
     build_layers(lambda: gpt_layers(CFG), SEED, keep=lambda i: i == 0)
     census_layers(_specs, SEED)
     assert (tracker.manual_seed_all_cb, tracker.manual_seed_cb) == before
-
-
-def test_tied_layer_specs_are_still_refused():
-    specs = [TiedLayerSpec("embed", nn.Embedding, 8, 4), LayerSpec(nn.Linear, 4, 4)]
-    with pytest.raises(BambooConfigError, match=r"layer 0 is a TiedLayerSpec \(tied layers: \[0\], keys: \['embed'\]\).*untie"):
-        build_layers(lambda: specs, SEED, keep=lambda i: i == 1)
-    with pytest.raises(BambooConfigError, match=r"layer 0 is a TiedLayerSpec"):
-        census_layers(lambda: specs, SEED)
 
 
 def test_the_deepspeed_door_builds_what_deepspeed_builds_with_seed_layers(tmp_path, monkeypatch):

@@ -350,7 +350,7 @@ class ResilientPipelineEngine:
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rebalance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
             "bamboo": ckpt.bamboo_meta(layout.num_layers, layout.parts, layout.pipelines, engine.optimizer,
-                                       ties=engine.module.ties, global_steps=self.host.step, seed=self.runner.seed,
+                                       ties=getattr(engine.module, "ties", None), global_steps=self.host.step, seed=self.runner.seed,
                                        redundancy=self.config.redundancy, world_size=dist.get_world_size(),
                                        **self.runner.precision_meta()),
         }

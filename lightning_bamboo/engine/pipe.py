@@ -273,7 +273,7 @@ class BambooPipelineEngine(PipelineEngine):
             extra = {"global_steps": self.global_steps}
             return {**(client_state or {}), "bamboo": ckpt.bamboo_meta(
                 self.module._num_layers, self.module.parts, self.grid.data_parallel_size, self.optimizer,
-                ties=self.module.ties, **extra)}
+                ties=getattr(self.module, "ties", None), **extra)}
 
         ckpt.save_sharded(
             path, self.module, self.optimizer, self.layer_range, meta,
@@ -446,7 +446,7 @@ class BambooPipelineEngine(PipelineEngine):
         tied module gets the sum of the copies' gradients in layer order (``engine.ties``), the same bit for bit
         whichever stages hold them."""
         PipelineEngine._exec_reduce_tied_grads(self)
-        ties = self.module.ties
+        ties = getattr(self.module, "ties", None)  # a plain PipelineModule (``deepspeed.initialize``) has DeepSpeed's
         if ties:
             from lightning_bamboo.engine.ties import reduce_tied_gradients
 

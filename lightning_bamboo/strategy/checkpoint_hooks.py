@@ -60,7 +60,7 @@ class CheckpointHooks(_Lightning):
         out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         out["optimizer_states"] = []
         out["bamboo"] = ckpt.bamboo_meta(
-            layout.num_layers, layout.parts, layout.pipelines, optimizer, ties=engine.module.ties, cursor=self.data.state(),
+            layout.num_layers, layout.parts, layout.pipelines, optimizer, ties=getattr(engine.module, "ties", None), cursor=self.data.state(),
             seed=self.runner.seed, redundancy=self.redundancy, world_size=self.world_size,
             step=checkpoint.get("global_step"), **self.runner.precision_meta(),
         )
