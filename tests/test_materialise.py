@@ -13,7 +13,6 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from lightning_bamboo.engine.module import build_layers, census_layers, layer_init_seed
-from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layer_specs, gpt_layers
 from lightning_bamboo.topology.layout import Layout
 
