@@ -497,12 +497,16 @@ def _complete_written(module: nn.Module, half: torch.Tensor) -> torch.Tensor:
 
 
 def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -> Any:
-    """Send a picklable object to one rank and receive one from another at the same time."""
+    """Send a picklable object to one rank and receive one from another at the same time.
+
+    A stage's states are most of a process's memory: the sender serialises them once and sends that buffer as it
+    is, and the receiver keeps one copy of the bytes while it reads them back (a serialised stage each side, no
+    more)."""
     requests = []
     if send_to is not None:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)  # the buffer's own memory, not a copy
         size = torch.tensor([data.numel()], dtype=torch.int64)
         requests.append(dist.isend(size, send_to))
     received = None
@@ -517,9 +521,13 @@ def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -
         received = torch.empty(int(incoming.item()), dtype=torch.uint8)
         requests.append(dist.irecv(received, recv_from))
     _wait_all(requests)
+    if send_to is not None:
+        del data, buffer  # freed before the received bytes are read back
     if received is None:
         return None
-    return torch.load(io.BytesIO(received.numpy().tobytes()), map_location="cpu", weights_only=False)
+    raw = received.numpy().tobytes()
+    del received
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
 def _wait_all(requests: Iterable[Any]) -> None:

@@ -334,7 +334,8 @@ class NodeStage:
             if self.config.redundant and layout.stages > 1:
                 # every node sends its stage to its predecessor in its pipeline, which keeps it as the replica
                 before, after = self._replica_peers(layout, rank)
-                received = exchange_objects(engine.own_states(), send_to=before, recv_from=after)
+                # the stage's own tensors, serialised as they are (no copy of a CPU stage first)
+                received = exchange_objects(engine.own_states(copy=False), send_to=before, recv_from=after)
             self._arm(engine, received)
             return engine
 
