@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Failover
@@ -46,6 +47,11 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
         # the layers' own tensors where they are in host memory (no second copy of a CPU stage and replica): the
         # old engine never runs again, and the new layers copy them in (a GPU stage's are copied out here)
         "states": {**old.own_states(copy=False), **(old.replica.states(copy=False) if old.replica else {})},
+        # the layer objects themselves: the new stage and replica take over those they keep (no second build, no
+        # copy of their weights); nothing changes them until the failover converges, so every attempt may
+        "layers": {**held_layers(old.module), **(held_layers(old.replica.module) if old.replica else {})},
+        # which pipeline's copies this node's layers are: a neighbour of the same lineage needs none of them sent
+        "lineage": layout.pipeline_of_rank(node.rank),
         "optimizer": old.optimizer,
         "last_loss": old.last_loss,
         # eager: the successor's forwards of the failed step, reused when this node takes its stage over
@@ -102,7 +108,8 @@ def _fail_over_once(node: NodeStage, base: _Captured, suspected: set[str], step:
     node.enter_group(rank, world)
     # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
     layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
-    node.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"])
+    node.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"], pool=base["layers"],
+                 lineage=base["lineage"])
     return plan, rank, world
 
 def _release(node: NodeStage, step: int) -> None:

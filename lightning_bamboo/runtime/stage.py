@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
@@ -208,9 +208,11 @@ class NodeStage:
         return (self._rank_of(layout, (stage - 1) % layout.stages, pipeline),
                 self._rank_of(layout, (stage + 1) % layout.stages, pipeline))
 
-    def _arm(self, engine: BambooPipelineEngine, replica_states: States | None = None) -> None:
-        """Wire the engine: its replica (of the successor's stage, from ``replica_states`` or the seed),
-        its exchange peers, and under membership its node name, commit hook and watchdog."""
+    def _arm(self, engine: BambooPipelineEngine, replica_states: States | None = None,
+             replica_layers: Mapping[int, torch.nn.Module] | None = None) -> None:
+        """Wire the engine: its replica (of the successor's stage, from ``replica_states`` or the seed; the layer
+        objects ``replica_layers`` taken over as they are), its exchange peers, and under membership its node name,
+        commit hook and watchdog."""
         layout = self.layout
         assert layout is not None
         wiring = Wiring()
@@ -218,7 +220,8 @@ class NodeStage:
             successor = (layout.stage_of_rank(self.rank) + 1) % layout.stages
             layers = layout.layers_of_stage(successor)
             wiring.replica = self._new_replica(engine, layers, successor, replica_states,
-                                               self._replica_device(layers, check=replica_states is None))
+                                               self._replica_device(layers, check=replica_states is None),
+                                               replica_layers)
             wiring.replica_peers = self._replica_peers(layout, self.rank)
         if self.session is not None:
             session = self.session
@@ -239,16 +242,20 @@ class NodeStage:
         return device
 
     def _new_replica(self, engine: BambooPipelineEngine, layers: range, stage: int, states: States | None,
-                     device: torch.device) -> Replica:
+                     device: torch.device, prebuilt: Mapping[int, torch.nn.Module] | None = None) -> Replica:
         """A replica of ``stage`` (built under the seed, or from ``states``) with its own optimizer, on ``device``
-        (the stage's, or the host: its forwards then run on a copy on the stage's device)."""
-        built = self._build(keep=lambda i: i in layers)
-        container = StageContainer({i: layer for i, layer in enumerate(built.layers) if layer is not None}).to(device)
+        (the stage's, or the host: its forwards then run on a copy on the stage's device). ``prebuilt`` layers are
+        taken over as they are (their weights are ``states``')."""
+        prebuilt = prebuilt or {}
+        built = self._build(keep=lambda i: i in layers and i not in prebuilt)
+        container = StageContainer({i: prebuilt.get(i, layer) for i, layer in enumerate(built.layers)
+                                    if layer is not None or i in prebuilt}).to(device)
         if device.type == "cpu" and self.device.type == "cuda":
             for tensor in [*container.parameters(), *container.buffers()]:
-                tensor.data = tensor.data.pin_memory()  # its copies to and from the GPU run asynchronously
+                if not tensor.is_pinned():
+                    tensor.data = tensor.data.pin_memory()  # its copies to and from the GPU run asynchronously
         if states is not None:
-            ckpt.load_weights(container, states)
+            ckpt.load_weights(container, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         optimizer = self.host.optimizer_for(container)
         if states is not None:
             ckpt.load_optimizer(container, optimizer, states, ckpt.param_group_hyperparameters(engine.optimizer))
@@ -291,7 +298,8 @@ class NodeStage:
         ensure_deepspeed_comm(self.backend)
 
     def rebuild(self, layout: Layout, rank: int, held: States, hyper: torch.optim.Optimizer | list[dict[str, Any]],
-                fresh_optimizer: bool = False, reuse: tuple[StageContainer, dict[int, Any]] | None = None) -> None:
+                fresh_optimizer: bool = False, reuse: tuple[StageContainer, dict[int, Any]] | None = None,
+                pool: Mapping[int, torch.nn.Module] | None = None, lineage: int | None = None) -> None:
         """Build this node's stage of ``layout`` from ``held`` layer states, its engine, and the replica ring.
 
         ``hyper`` gives the optimizer's current hyperparameters (the old optimizer, or saved param
@@ -300,6 +308,10 @@ class NodeStage:
         ``reuse`` (eager failover): the old replica's container and its kept redundant forwards; when
         the new stage ends with the replica's layers, it takes those layer objects over and the next
         step reuses the kept forwards (``engine.module.Splice``).
+        ``pool`` (a failover): the layer objects this node held (its old stage's and replica's), whose weights are
+        ``held``'s; the new stage and replica take over those they keep instead of building and loading them, and
+        the replica ring sends a node only the layers it does not hold already from the same ``lineage`` (the old
+        pipeline whose copies they are).
         """
         session = self.require_session()
         stage = layout.stage_of_rank(rank)
@@ -309,14 +321,18 @@ class NodeStage:
             raise BambooError(f"the new layout gives {session.node} layers {missing} it does not hold")
         stage_states = {i: held[i] for i in mine}
         self.depth, self.layout, self.rank = layout.stages, layout, rank
-        prebuilt: dict[int, torch.nn.Module] = {}
+        pool = dict(pool or {})
+        for layer in pool.values():
+            for param in layer.parameters():
+                param.grad = None  # a gradient is no state: the new engine starts from none, as a fresh build
         splice = None
         if reuse is not None:
             container, kept = reuse
             first, stop = container.indices[0], container.indices[-1] + 1
             if mine.stop == stop and mine.start <= first:  # the new stage ends with the replica's layers
-                prebuilt = {int(n): layer for n, layer in container.named_children()}
+                pool.update({int(n): layer for n, layer in container.named_children()})  # the forwards' own layers
                 splice = Splice(first, kept)
+        prebuilt = {i: pool.pop(i) for i in mine if i in pool}
         # DeepSpeed's PipelineModule forms its process groups (gloo connects to every peer): a peer lost
         # meanwhile would hold that connect for the whole group timeout, so it is bounded like a step.
         module = session.guard().run(lambda: self._stage_module(layout, stage, stage_states, prebuilt))
@@ -330,19 +346,44 @@ class NodeStage:
         def build_and_arm() -> BambooPipelineEngine:
             # Collectives with the new peers: bounded by the new membership watch like a step.
             engine = self._new_engine(module, optimizer, layout)
-            received = None
+            replica = None
             if self.config.redundant and layout.stages > 1:
-                # every node sends its stage to its predecessor in its pipeline, which keeps it as the replica
-                before, after = self._replica_peers(layout, rank)
-                # the stage's own tensors, serialised as they are (no copy of a CPU stage first)
-                received = exchange_objects(engine.own_states(copy=False), send_to=before, recv_from=after)
-            self._arm(engine, received)
+                replica = self._ring(engine, layout, rank, held, pool, lineage)
+            self._arm(engine, *(replica or (None, None)))
             return engine
 
         self.engine = session.guard().run(build_and_arm)
         if isinstance(hyper, torch.optim.Optimizer):
             self.host.rebind_optimizer(hyper, optimizer)
         self.audit("membership change before")
+
+    def _ring(self, engine: BambooPipelineEngine, layout: Layout, rank: int, held: States,
+              pool: Mapping[int, torch.nn.Module], lineage: int | None) -> tuple[States, dict[int, torch.nn.Module]]:
+        """Restore the replica ring: every node keeps its successor's stage. The states and layer objects of the
+        new replica: the layers this node holds already as copies of the same lineage are taken over, the others
+        come from the successor, one layer per message (a serialised layer at a time on each side, not a stage)."""
+        before, after = self._replica_peers(layout, rank)
+        wanted = layout.layers_of_stage((layout.stage_of_rank(rank) + 1) % layout.stages)
+        # 1. lineages go the way the stages go: a node learns whether its successor's layers are its own copies
+        successor_lineage = exchange_objects(lineage, send_to=before, recv_from=after)
+        same = lineage is not None and successor_lineage == lineage
+        kept = {i: pool[i] for i in wanted if same and i in pool}
+        lacking = [i for i in wanted if i not in kept]
+        # 2. each node tells its successor what it lacks, and learns what its predecessor lacks
+        to_send = exchange_objects(lacking, send_to=after, recv_from=before)
+        # 3. the layers, one per message each way (the stage's own tensors, serialised as they are)
+        own = engine.own_states(copy=False)
+        received: States = {}
+        for k in range(max(len(to_send), len(lacking))):
+            payload = {to_send[k]: own[to_send[k]]} if k < len(to_send) else None
+            got = exchange_objects(payload, send_to=before if k < len(to_send) else None,
+                                   recv_from=after if k < len(lacking) else None)
+            if got is not None:
+                received.update(got)
+        del own
+        log.info("%s: replica ring restored: %d layer(s) kept, %d received, %d sent", self.node, len(kept),
+                 len(received), len(to_send))
+        return {**{i: held[i] for i in kept}, **received}, kept
 
     def audit(self, when: str) -> None:
         """With ``audit_replicas``: every replica against its owner's live stage, on every node (``engine.audit``).
