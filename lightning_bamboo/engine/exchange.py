@@ -40,7 +40,7 @@ import socket
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -525,9 +525,38 @@ def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -
         del data, buffer  # freed before the received bytes are read back
     if received is None:
         return None
-    raw = received.numpy().tobytes()
-    del received
-    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+    # read back from the received bytes themselves (``torch.load`` reads each tensor into its storage), not a copy
+    reader = cast(IO[bytes], _ReadOnly(memoryview(cast(Any, received.numpy()))))
+    return torch.load(reader, map_location="cpu", weights_only=False)
+
+
+class _ReadOnly(io.RawIOBase):
+    """A seekable binary file over bytes in memory, read without copying them first (``io.BytesIO`` copies all of
+    them): ``torch.load`` reads each tensor straight into its storage (``readinto``)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data, self._position = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._data) - self._position))
+        memoryview(buffer).cast("B")[:n] = self._data[self._position:self._position + n]
+        self._position += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._data)}[whence]
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
 
 
 def _wait_all(requests: Iterable[Any]) -> None:
