@@ -41,45 +41,44 @@ def reduce_tied_gradients(module: nn.Module, ties: Mapping[str, tuple[int, ...]]
         if not local:
             continue
         params = {i: list(held[i].parameters()) for i in local}
-        grads = {i: _flat_gradients(params[i]) for i in local}
+        # per parameter, the gradient itself (no flat copy of a vocabulary-sized embedding's gradient)
+        grads = {i: [_gradient(p) for p in params[i]] for i in local}
         remote = [i for i in layers if i not in held]
         if remote:
             grads.update(_exchange(grads, local, remote, rank_of_layer, group))
-        total = grads[layers[0]].clone()
-        for layer in layers[1:]:
-            total += grads[layer]
-        for layer in local:
-            _set_gradients(params[layer], total)
+        for n, first in enumerate(grads[layers[0]]):
+            total = first  # summed in place: every send has completed; a local copy's gradient gets the sum anyway
+            for layer in layers[1:]:
+                total += grads[layer][n]
+            for layer in local:
+                _set_gradient(params[layer][n], total)
 
 
-def _flat_gradients(params: list[nn.Parameter]) -> torch.Tensor:
-    if not params:
-        return torch.zeros(0)
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params])
-
-
-def _exchange(grads: dict[int, torch.Tensor], local: list[int], remote: list[int],
-              rank_of_layer: Callable[[int], int], group: object) -> dict[int, torch.Tensor]:
+def _exchange(grads: dict[int, list[torch.Tensor]], local: list[int], remote: list[int],
+              rank_of_layer: Callable[[int], int], group: object) -> dict[int, list[torch.Tensor]]:
     """Send each local copy's gradients to every holder of a remote copy; receive the remote copies' (each holder
-    sends its copies in layer order, and the receives are posted in that order)."""
+    sends its copies in layer order, a parameter at a time, and the receives are posted in that order)."""
     like = grads[local[0]]
-    received = {i: torch.empty_like(like) for i in remote}
-    requests = [dist.irecv(received[i], rank_of_layer(i), group=group, tag=TIE_TAG) for i in remote]  # type: ignore[arg-type]
+    received = {i: [torch.empty_like(g) for g in like] for i in remote}
+    requests = [dist.irecv(g, rank_of_layer(i), group=group, tag=TIE_TAG)  # type: ignore[arg-type]
+                for i in remote for g in received[i]]
     for rank in sorted({rank_of_layer(i) for i in remote}):
-        requests += [dist.isend(grads[i], rank, group=group, tag=TIE_TAG) for i in local]  # type: ignore[arg-type]
+        requests += [dist.isend(g, rank, group=group, tag=TIE_TAG)  # type: ignore[arg-type]
+                     for i in local for g in grads[i]]
     for request in requests:
         if request is not None:  # None only where this rank is not in ``group``, which a holder always is
             request.wait()
     return received
 
 
-def _set_gradients(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for param in params:
-        n = param.numel()
-        value = flat[offset:offset + n].view_as(param)
-        if param.grad is None:
-            param.grad = value.clone()
-        else:
-            param.grad.copy_(value)  # in place: the gradient may live in the replica holder's shared memory
-        offset += n
+def _gradient(param: nn.Parameter) -> torch.Tensor:
+    if param.grad is None:
+        return torch.zeros_like(param)
+    return param.grad.detach().contiguous()  # the gradient itself where it is contiguous (a point-to-point send's rule)
+
+
+def _set_gradient(param: nn.Parameter, total: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = total.clone()
+    elif param.grad.data_ptr() != total.data_ptr():
+        param.grad.copy_(total)  # in place: the gradient may live in the replica holder's shared memory
