@@ -112,6 +112,12 @@ def _in_wait(thread: threading.Thread) -> bool:
     return False
 
 
+def _shared_memory() -> int:
+    """This process's resident shared memory (``RssShmem``), in bytes."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("RssShmem:"))
+    return int(line.split()[1]) * 1024
+
+
 @pytest.fixture
 def store():
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
@@ -128,11 +134,16 @@ def test_operations_reach_the_peer_and_a_closed_group_leaves_nothing_behind(stor
         out, _ = peer.communicate(timeout=60)
         assert peer.returncode == 0, out
         assert "peer done 3.0" in out
+        if device == "cpu":  # the 1 MiB message's transfer buffers, idle now, give their pages back
+            shared = _shared_memory()
+            assert comm.trim(4096) >= 1 << 20
+            assert _shared_memory() <= shared - (1 << 20)
         comm.close()
     finally:
         if peer.poll() is None:
             os.killpg(peer.pid, signal.SIGKILL)
     assert not comm.alive
+    assert comm.trim(0) == 0  # the buffers went with the generation
     assert {t for t in threading.enumerate() if not t.name.endswith("(_serve)")} <= before
     with pytest.raises(CommAborted):
         comm.send(torch.zeros(1), 1)

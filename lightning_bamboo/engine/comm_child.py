@@ -239,6 +239,17 @@ def map_memory(fd: int, size: int) -> torch.Tensor:
         return torch.frombuffer(memory, dtype=torch.uint8)
 
 
+def remove_pages(slab: torch.Tensor) -> bool:
+    """Free the pages of a mapped memory file's ``slab`` (``madvise(MADV_REMOVE)``: in every process that maps it);
+    the mapping stays and reads zeros until written. False where the system refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    done = libc.madvise(ctypes.c_void_p(slab.data_ptr()), ctypes.c_size_t(slab.numel() * slab.element_size()),
+                        mmap.MADV_REMOVE)
+    return done == 0
+
+
 def view_of(slab: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     return slab[:nbytes].view(dtype).view(shape)

@@ -43,6 +43,7 @@ class SlabPool:
         self._free: dict[int, list[int]] = {}
         self.tensors: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._next = 0
 
     def _allocate(self, sid: int, size: int) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
@@ -55,14 +56,27 @@ class SlabPool:
             if free:
                 sid = free.pop()
                 return sid, self.tensors[sid], None
-            sid = len(self.tensors)
+            sid, self._next = self._next, self._next + 1
             self.tensors[sid], share = self._allocate(sid, size)
         return sid, self.tensors[sid], share
 
     def give(self, sids: list[int]) -> None:
         with self._lock:
             for sid in sids:
-                self._free[int(self.tensors[sid].numel())].append(sid)
+                tensor = self.tensors.get(sid)
+                if tensor is not None:  # (none after ``release``)
+                    self._free[int(tensor.numel())].append(sid)
+
+    def trim(self, min_bytes: int) -> int:
+        """Give back the memory of the idle buffers of ``min_bytes`` or more where that keeps them usable; the bytes
+        given back (none here: see ``_Slabs``)."""
+        return 0
+
+    def release(self) -> None:
+        """Drop every buffer (the generation ended): each is freed once no operation's view of it is left."""
+        with self._lock:
+            self._free.clear()
+            self.tensors.clear()
 
 
 class CudaSlabs(SlabPool):

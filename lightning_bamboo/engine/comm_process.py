@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_bamboo.engine.comm_child import new_memory_file, view_of
+from lightning_bamboo.engine.comm_child import new_memory_file, remove_pages, view_of
 from lightning_bamboo.engine.comm_cuda import TRANSPORTS, CudaSlabs, SlabPool, settle
 from lightning_bamboo.errors import BambooError
 
@@ -126,6 +126,17 @@ class _Slabs(SlabPool):
 
     def _allocate(self, sid: int, size: int) -> tuple[torch.Tensor, int]:
         return new_memory_file(f"bamboo-comm-{sid}", size)
+
+    def trim(self, min_bytes: int) -> int:
+        """The pages of the idle buffers of ``min_bytes`` or more go back to the system (``MADV_REMOVE``: out of
+        the memory file, so out of the communication process too); a later use faults them in again, zeroed."""
+        given = 0
+        with self._lock:
+            for size, sids in self._free.items():
+                if size >= min_bytes:
+                    for sid in sids:
+                        given += size if remove_pages(self.tensors[sid]) else 0
+        return given
 
 
 class CommProcess:
@@ -310,6 +321,11 @@ class CommProcess:
             self._reader.join()  # the pipe's end of file (the child is gone) ends it
         self._conn.close()
         self._sock.close()
+        self._slabs.release()  # the buffers go now, not when the last object of this generation is collected
+
+    def trim(self, min_bytes: int = 1 << 20) -> int:
+        """Give back the memory of the idle transfer buffers of ``min_bytes`` or more (host memory); the bytes."""
+        return self._slabs.trim(min_bytes)
 
     def close(self) -> None:
         """End the groups when nothing is in flight (the child exits by itself); abort otherwise."""
@@ -569,6 +585,14 @@ def abort_generation() -> bool:
         return False
     comm.abort()
     return True
+
+
+def trim_buffers(min_bytes: int = 1 << 20) -> int:
+    """Give back the memory of the current generation's idle transfer buffers of ``min_bytes`` or more: those of a
+    transfer that will not come again (a failover's layers, the first steps' gradients before they go through shared
+    memory) would otherwise stay for the rest of the generation. A later use faults their pages in again."""
+    comm = _GENERATION["comm"]
+    return comm.trim(min_bytes) if comm is not None else 0
 
 
 def _create(options: Any, backend_options: Any = None) -> AbortableGroup:
