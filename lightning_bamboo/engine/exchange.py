@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bamboo.engine.comm_child import map_memory, new_memory_file
+from lightning_bamboo.engine.comm_process import trim_buffers
 from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
 from lightning_bamboo.errors import BambooError
@@ -230,6 +231,13 @@ class GradientExchange:
         self.grads_left_alone: bool | None = None
         self._shipped_grads: tuple[bool, list[tuple[torch.Tensor, torch.Tensor, int]]] = (False, [])
 
+    def release(self) -> None:
+        """Let go of every buffer, the shared memory's mappings included (a failover: this exchange is never used
+        again). A request still in flight keeps what it reads or writes alive until it ends."""
+        self._recv, self._sent, self._send_buffer, self._recv_buffers = None, ((), []), None, []
+        self._shared = self._offer = self._offer_in = self._peer_shared = None
+        self._reads, self._read_sent, self._shipped_grads = [None, None], [None, None], (False, [])
+
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
         held = {p.grad.untyped_storage().data_ptr() for p in self.replica.module.parameters() if p.grad is not None}
@@ -259,7 +267,9 @@ class GradientExchange:
         requests = [dist.irecv(mask, self.recv_from, group=self.group, tag=REPLICA_TAG)]
         flat = None  # through shared memory the replica reads the owner's buffer: no receive buffer
         if self._owner_writes_shared:
-            self._recv_buffers = []  # those of the first steps, over the process group, are not used again
+            if self._recv_buffers:
+                self._recv_buffers = []  # those of the first steps, over the process group, are not used again
+                trim_buffers()  # nor are the transfer buffers their chunks went through
         else:
             flat = self._receive_buffer(numel)
             for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
@@ -311,7 +321,9 @@ class GradientExchange:
                     shared[0].copy_(flat)
                 self._shipped_grads = (written, [(p, p.grad, p.grad._version) for p in own.parameters()
                                                  if p.requires_grad and p.grad is not None])
-                self._send_buffer = None  # not needed any more
+                if self._send_buffer is not None:
+                    self._send_buffer = None  # not needed any more, nor the transfer buffers of its chunks
+                    trim_buffers()
                 self._reads[self._half] = (torch.zeros(1, dtype=torch.int64), shared[1], None)
                 self._half = 1 - self._half
             else:

@@ -398,6 +398,14 @@ class BambooPipelineEngine(PipelineEngine):
             self._exchange, self._exchange_key = GradientExchange(self.replica, *self.replica_peers), key
         return self._exchange
 
+    def release_exchange(self) -> None:
+        """Let go of the gradient exchange's buffers (its shared memory too): a failover that captured this engine's
+        states never runs it again, and they would stay mapped beside the new engine's until it is collected."""
+        exchange = self.__dict__.pop("_exchange", None)
+        self.__dict__.pop("_exchange_key", None)
+        if exchange is not None:
+            exchange.release()
+
     @property
     def updates_replica_at_end(self) -> bool:
         """Where the last step's replica update runs: in the wait that is longest anyway. Stage ``i`` of ``p``

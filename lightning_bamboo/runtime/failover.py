@@ -58,6 +58,7 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
         "reuse": None if committed or old.redundant is None or not old.redundant.kept or old.replica is None
         else (old.replica.forward_layers, dict(old.redundant.kept)),
     }
+    old.release_exchange()  # the old engine never runs again: its gradient buffers go now, not when it is collected
     log.info("%s: state captured (%.2f s)", session.node, time.monotonic() - started)
     suspected = set(getattr(err, "lost", ()))
     # A failover should take well under a detection timeout; if one does not, every thread's stack

@@ -21,7 +21,7 @@ from lightning_bamboo.engine.build import (
     deepspeed_config,
     ensure_deepspeed_comm,
 )
-from lightning_bamboo.engine.comm_process import BACKEND
+from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
 from lightning_bamboo.engine.exchange import exchange_objects
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
 from lightning_bamboo.engine.partition import compute_parts
@@ -350,6 +350,7 @@ class NodeStage:
             if self.config.redundant and layout.stages > 1:
                 replica = self._ring(engine, layout, rank, held, pool, lineage)
             self._arm(engine, *(replica or (None, None)))
+            trim_buffers()  # the layers' transfer buffers: idle for the rest of this generation
             return engine
 
         self.engine = session.guard().run(build_and_arm)
