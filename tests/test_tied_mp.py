@@ -67,3 +67,55 @@ def test_the_last_stage_killed_mid_step_one_node_holding_both_copies_ends_bit_ex
     (failover,) = summary["failovers"]
     assert failover["lost"] == ["node1"] and failover["order"] == ["node0"] and failover["redone"]
     _same_as(tmp_path, plain)
+
+
+def _tied_rank(rank: int, port: int, out: str) -> None:
+    """One holder of a tied copy (rank 0: layer 0, rank 1: layer 3) in a real 2-process gloo group, with pieces of
+    5 elements: the gradients travel in several rounds, more than the window."""
+    import torch.distributed as dist
+
+    from lightning_bamboo.engine import ties
+    from tests.test_ties import SEED, backward, build_layers, specs, stage
+
+    ties.PIECE = 5
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    layers = build_layers(specs, SEED).layers
+    backward(layers, seed=1)  # each copy's own uses (both ranks compute all, each keeps its own copy's)
+    mine = 0 if rank == 0 else 3
+    ties.reduce_tied_gradients(stage({mine: layers[mine]}), {"embed": (0, 3)}, rank_of_layer=lambda i: 0 if i == 0 else 1)
+    torch.save([p.grad for p in layers[mine].parameters()], f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_tied_gradients_sent_in_pieces_between_two_processes_sum_as_in_one(tmp_path):
+    import multiprocessing
+
+    from lightning_bamboo.membership.address import free_port
+    from tests.test_ties import SEED, backward, build_layers, specs
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=_tied_rank, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(120)
+        assert [proc.exitcode for proc in procs] == [0, 0]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    layers = build_layers(specs, SEED).layers
+    backward(layers, seed=1)
+    expected = [_zero_if_none(a) + _zero_if_none(b) for a, b in zip(layers[0].parameters(), layers[3].parameters(),
+                                                                     strict=True)]
+    assert max(p.numel() for p in layers[0].parameters()) > 5 * 2  # more rounds than the window
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), rank
+
+
+def _zero_if_none(param):
+    return param.grad if param.grad is not None else torch.zeros_like(param)

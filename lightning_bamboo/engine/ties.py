@@ -12,6 +12,7 @@ micro-batch interleaved, and a run with a failover would end with other weights 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,18 +58,46 @@ def reduce_tied_gradients(module: nn.Module, ties: Mapping[str, tuple[int, ...]]
 def _exchange(grads: dict[int, list[torch.Tensor]], local: list[int], remote: list[int],
               rank_of_layer: Callable[[int], int], group: object) -> dict[int, list[torch.Tensor]]:
     """Send each local copy's gradients to every holder of a remote copy; receive the remote copies' (each holder
-    sends its copies in layer order, a parameter at a time, and the receives are posted in that order)."""
+    sends its copies in layer order, a parameter at a time, and the receives are taken in that order).
+
+    In pieces of ``PIECE`` elements, ``WINDOW`` rounds in flight: a vocabulary-sized gradient does not travel as
+    one message, which the communication layer would stage whole (``comm_process``) on both ends. Round ``k`` posts
+    the ``k``-th piece of every stream (one per peer and direction) on every rank before any rank waits for it, so no
+    wait depends on a piece not posted."""
     like = grads[local[0]]
     received = {i: [torch.empty_like(g) for g in like] for i in remote}
-    requests = [dist.irecv(g, rank_of_layer(i), group=group, tag=TIE_TAG)  # type: ignore[arg-type]
-                for i in remote for g in received[i]]
+    streams: list[tuple[str, int, list[torch.Tensor]]] = []
     for rank in sorted({rank_of_layer(i) for i in remote}):
-        requests += [dist.isend(g, rank, group=group, tag=TIE_TAG)  # type: ignore[arg-type]
-                     for i in local for g in grads[i]]
+        streams.append(("recv", rank, [p for i in remote if rank_of_layer(i) == rank for g in received[i]
+                                       for p in _pieces(g)]))
+        streams.append(("send", rank, [p for i in local for g in grads[i] for p in _pieces(g)]))
+    rounds = max(len(pieces) for _, _, pieces in streams)
+    in_flight: list[list[Any]] = []
+    for k in range(rounds):
+        posted = [(dist.irecv if kind == "recv" else dist.isend)(pieces[k], rank, group=group, tag=TIE_TAG)  # type: ignore[arg-type]
+                  for kind, rank, pieces in streams if k < len(pieces)]
+        in_flight.append(posted)
+        if len(in_flight) > WINDOW:
+            _wait(in_flight.pop(0))
+    for posted in in_flight:
+        _wait(posted)
+    return received
+
+
+#: elements per piece of a tied gradient (16 MiB of fp32) and rounds of pieces in flight
+PIECE = 1 << 22
+WINDOW = 2
+
+
+def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    flat = tensor.view(-1)
+    return [flat[start:start + PIECE] for start in range(0, flat.numel(), PIECE)] or [flat]
+
+
+def _wait(requests: list[Any]) -> None:
     for request in requests:
         if request is not None:  # None only where this rank is not in ``group``, which a holder always is
             request.wait()
-    return received
 
 
 def _gradient(param: nn.Parameter) -> torch.Tensor:
