@@ -7,12 +7,12 @@ the job fails over, then 1 more step (tiny batches: this measures memory, not sp
 
 Each process reports its peak resident memory (``VmHWM``) above what it held before it built anything (its
 interpreter with torch, DeepSpeed and Lightning imported), before the failover and over the whole run, next to
-the bytes its own layers need: its stage's
-weights, gradients and AdamW moments (16 bytes per parameter), its replica's (the same) and the shared buffer the
-replica's gradients arrive in (two halves of 4 bytes per parameter), in the layout it started in and in the one
-it ended in. The ratio of the first to the larger second is the target's (<= 1.25).
+the bytes its own layers need (``_need``): its stage's weights, gradients and AdamW moments (16 bytes per parameter),
+its replica's weights and moments (12), the shared buffers its replica's gradients arrive in and its stage's leave in
+(two halves of 4 bytes per parameter each; RSS counts a shared page in each process that touched it) and a tied
+copy's gradient receive buffer, in the layout it started in and in the one it ended in. The ratio of the first to the larger second is the target's (<= 1.25).
 
-    python benchmarks/scale.py [--layers 24] [--width 1024] [--vocab 50304] [--kill-at 2] [--steps 3]
+    python benchmarks/scale.py [--layers 24] [--width 1024] [--vocab 50304] [--kill-at 2] [--steps 3] [--no-fused]
 """
 
 from __future__ import annotations
@@ -38,12 +38,25 @@ def _rss(field: str) -> int:
 
 
 def _need(runner) -> dict[str, int]:  # noqa: ANN001 - the strategy's runner
-    """The bytes this process's own layers need: stage and replica weights, gradients and AdamW moments, and the
-    replica's shared gradient buffer (two halves)."""
+    """The bytes this process's own layers need, as its RSS counts them.
+
+    Its stage: weights, gradients and AdamW's two moments (16 bytes per parameter). Its replica: weights and moments
+    (12: the replica's gradients are views of the buffer they arrive in). The replica's gradient buffer (two halves of
+    4 bytes per parameter), and the one the stage's own gradients leave in: on one host both are shared memory, which
+    the writer maps as well as the reader, and RSS counts a shared page in every process that touched it. A tied
+    module with a copy in another process: a receive buffer of that copy's gradients (4 bytes per parameter)."""
     engine = runner.engine
     own = sum(p.numel() for p in engine.module.parameters())
     replica = sum(p.numel() for p in engine.replica.module.parameters()) if engine.replica is not None else 0
-    return {"own_params": own, "replica_params": replica, "bytes": 16 * own + 16 * replica + 2 * 4 * replica,
+    shipped = own if runner.layout.stages > 1 and engine.replica is not None else 0
+    held = {int(n): m for n, m in engine.module.named_children() if n.isdigit()}
+    tied = 0
+    for layers in (getattr(engine.module, "ties", None) or {}).values():
+        local = [i for i in layers if i in held]
+        if local:
+            tied += sum(p.numel() for p in held[local[0]].parameters()) * sum(i not in held for i in layers)
+    return {"own_params": own, "replica_params": replica,
+            "bytes": 16 * own + 12 * replica + 2 * 4 * replica + 2 * 4 * shipped + 4 * tied,
             "layers": list(engine.layer_range), "replica_layers": list(engine.replica.layers) if engine.replica else []}
 
 
@@ -75,7 +88,8 @@ def worker(args: argparse.Namespace) -> None:
             return gpt_loss(outputs, targets)
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            # fused: one kernel per parameter, no temporaries of its size (the single-tensor AdamW's are two)
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=args.fused)
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(Tokens(), batch_size=2)
@@ -97,6 +111,7 @@ def worker(args: argparse.Namespace) -> None:
                          enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
     trainer.fit(GPT())
     report["peak"] = _rss("VmHWM")
+    report["shared"] = _rss("RssShmem")  # the gradient buffers' pages this process touched (in its RSS too)
     Path(args.out, f"{node}.json").write_text(json.dumps(report))
 
 
@@ -109,6 +124,8 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--block", type=int, default=32, help="tokens per sample")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
+                        help="AdamW(fused=...): --no-fused for torch's single-tensor AdamW (two temporaries per parameter)")
     parser.add_argument("--kill-at", type=int, default=2, help="node2 is SIGKILLed at the start of this step")
     args = parser.parse_args()
     if args.role == "worker":
@@ -119,14 +136,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", sys.executable, __file__,
                    "--role", "worker", "--out", out, "--layers", str(args.layers), "--width", str(args.width),
-                   "--vocab", str(args.vocab), "--block", str(args.block), "--steps", str(args.steps)]
+                   "--vocab", str(args.vocab), "--block", str(args.block), "--steps", str(args.steps),
+                   "--fused" if args.fused else "--no-fused"]
         victim = "node2"
         proc = subprocess.run(command, env={**os.environ, **faults.environment([f"{victim}@{args.kill_at}"])},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3000)
         reports = {p.stem: json.loads(p.read_text()) for p in Path(out).glob("*.json")}
     codes = [line for line in proc.stdout.splitlines() if "exit codes" in line]
     print(f"GPT {args.layers} x {args.width}, vocabulary {args.vocab}, embedding tied to the head; 4 stages by "
-          f"parameters, lazy, AdamW; {victim} SIGKILLed at step {args.kill_at}, {args.steps} steps")
+          f"parameters, lazy, AdamW(fused={args.fused}); {victim} SIGKILLed at step {args.kill_at}, {args.steps} steps")
     print(codes[-1] if codes else proc.stdout[-3000:])
     if proc.returncode != 0 or not reports:
         print(proc.stdout[-3000:])
@@ -149,6 +167,8 @@ def main() -> int:
                     else f"{before / GiB:>10.2f}{before / start['bytes']:>7.2f}")
             print(f"{node if phase == 'start' else '':<6}{layers:>14}{replica:>14}{params:>9.1f}M"
                   f"{held['bytes'] / GiB:>10.2f}{tail}")
+    print("shared memory in each RSS at the end (RssShmem, GiB): "
+          + ", ".join(f"{node} {r['shared'] / GiB:.2f}" for node, r in sorted(reports.items())))
     total = sum(r["start"]["own_params"] for r in reports.values())
     print(f"failovers seen: {sorted({r['failovers'] for r in reports.values()})}; steps: "
           f"{sorted({r['steps'] for r in reports.values()})}; a survivor's layers at the start sum to {total / 1e6:.1f}M")
