@@ -12,7 +12,7 @@ its replica's weights and moments (12), the shared buffers its replica's gradien
 (two halves of 4 bytes per parameter each; RSS counts a shared page in each process that touched it) and a tied
 copy's gradient receive buffer, in the layout it started in and in the one it ended in. The ratio of the first to the larger second is the target's (<= 1.25).
 
-    python benchmarks/scale.py [--layers 24] [--width 1024] [--vocab 50304] [--kill-at 2] [--steps 3] [--no-fused]
+    python benchmarks/scale.py [--layers 24] [--width 1024] [--vocab 50304] [--kill-at 2] [--steps 3] [--fused]
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
             return gpt_loss(outputs, targets)
 
         def configure_optimizers(self):
-            # fused: one kernel per parameter, no temporaries of its size (the single-tensor AdamW's are two)
+            # torch's default AdamW (for-each off on the CPU: two temporaries of a parameter's size); --fused: none
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=args.fused)
 
         def train_dataloader(self):
@@ -124,8 +124,8 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--block", type=int, default=32, help="tokens per sample")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
-                        help="AdamW(fused=...): --no-fused for torch's single-tensor AdamW (two temporaries per parameter)")
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=False,
+                        help="AdamW(fused=True): no temporaries of a parameter's size (torch's default AdamW has two)")
     parser.add_argument("--kill-at", type=int, default=2, help="node2 is SIGKILLed at the start of this step")
     args = parser.parse_args()
     if args.role == "worker":
