@@ -445,14 +445,14 @@ def open_job(timeout: float, detection_timeout: float) -> None:
     world is torch's ``fake`` backend (no peer, nothing sent) at the job's start size, so the module's topology is
     the one the script was written for; ``initialize`` leaves it for the job's process group.
     """
-    from lightning_bamboo.engine import comm_process
+    from lightning_bamboo.engine import comm_process, comm_zygote
     from lightning_bamboo.engine.build import ensure_deepspeed_comm
     from lightning_bamboo.errors import FatalLoss
     from lightning_bamboo.membership.node import leave_idle_priority
     from lightning_bamboo.runtime.session import joining, start_session
 
     comm_process.use_transport("gloo", torch.device("cpu"))
-    comm_process.prepare()
+    comm_zygote.prepare()
     session = start_session(detection_timeout, timeout, comm_process.BACKEND)
     if joining():
         try:

@@ -16,7 +16,7 @@ Lightning's collectives and ``new_group`` all use it unchanged. A failover calls
 :func:`abort_generation`: every operation of the old generation ends within milliseconds, however
 it was blocked, and no thread of it is left.
 
-A child is forked from the worker's *zygote*, which imported torch and does nothing else: a plain ``python``
+A child is forked from the worker's *zygote* (``comm_zygote``), which imported torch and does nothing else: a plain ``python``
 (2 s of a core to import torch), or, for a worker forked from a preloaded interpreter (``launcher.forks``), a
 fork of that worker taken before it runs anything (milliseconds). Never a fork of a worker running gloo or
 store threads, never a re-import of the user's main module (``multiprocessing``'s way). A fork of the zygote
@@ -26,18 +26,12 @@ while the job trains.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from typing import Any
 
@@ -47,6 +41,7 @@ from torch.futures import Future
 
 from lightning_bamboo.engine.comm_child import new_memory_file, remove_pages, view_of
 from lightning_bamboo.engine.comm_cuda import TRANSPORTS, CudaSlabs, SlabPool, settle
+from lightning_bamboo.engine.comm_zygote import ZygoteDied, fork_child
 from lightning_bamboo.errors import BambooError
 
 log = logging.getLogger(__name__)
@@ -164,7 +159,10 @@ class CommProcess:
             device, self._slabs = None, _Slabs()
         else:
             raise ValueError(f"unknown transport {transport!r}; one of {TRANSPORTS}")
-        self._proc, self._sock, self._conn = _fork_child()
+        try:
+            self._proc, self._sock, self._conn = fork_child()
+        except ZygoteDied as err:
+            raise CommAborted(str(err)) from None
         self._conn.send((host, port, prefix, timeout, transport, device))
         self._pending: dict[int, CommWork] = {}
         self._lock = threading.Lock()
@@ -345,118 +343,6 @@ class CommProcess:
     @property
     def alive(self) -> bool:
         return self._proc.alive()
-
-
-class _Child:
-    """A communication process forked by the zygote (not this process's child: the zygote reaps it)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-
-    def alive(self) -> bool:
-        from lightning_bamboo.membership.node import process_alive
-
-        return process_alive(self.pid)
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-_ZYGOTE: dict[str, Any] = {"proc": None}
-_ZYGOTE_LOCK = threading.Lock()
-
-
-def prepare(fork: bool = False) -> None:
-    """Start this worker's zygote now (its torch import takes seconds), so the first generation need not wait.
-
-    ``fork``: as a fork of this process, for a caller at the top of a new worker (``launcher.forks``): one thread,
-    no CUDA, nothing opened yet, and a stack whose unwinding ends the process, so the zygote and the children it
-    forks leave through ``SystemExit`` without running any worker's code on the way."""
-    with _ZYGOTE_LOCK:
-        _start_zygote(fork)
-
-
-class _ForkedZygote:
-    """The zygote as a fork of this process (its child: waited for here), with the ``Popen`` calls used on it."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped by someone else: gone all the same
-                self.returncode = -1
-            else:
-                self.returncode = os.waitstatus_to_exitcode(status) if pid else None
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self) -> int | None:
-        while self.poll() is None:
-            time.sleep(0.01)
-        return self.returncode
-
-
-def _start_zygote(fork: bool = False) -> tuple[subprocess.Popen | _ForkedZygote, socket.socket, Connection, list[bool]]:
-    zygote = _ZYGOTE["proc"]
-    if zygote is None or zygote[0].poll() is not None:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        proc: subprocess.Popen | _ForkedZygote
-        if fork:
-            from lightning_bamboo.engine.comm_child import zygote_main
-
-            pid = os.fork()
-            if pid == 0:  # the zygote: it leaves through SystemExit, up the caller's stack (see ``prepare``)
-                mine.close()
-                zygote_main(theirs.fileno())
-                sys.exit(0)
-            proc = _ForkedZygote(pid)
-        else:
-            code = f"from lightning_bamboo.engine.comm_child import zygote_main; zygote_main({theirs.fileno()})"
-            proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),), close_fds=True)
-        theirs.close()
-        zygote = _ZYGOTE["proc"] = (proc, mine, Connection(os.dup(mine.fileno())), [False])
-    return zygote
-
-
-def _fork_child() -> tuple[_Child, socket.socket, Connection]:
-    """A new communication process from the zygote (started, or started again, if needed)."""
-    for _ in range(2):
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            with _ZYGOTE_LOCK:
-                proc, sock, conn, up = _start_zygote()
-                try:
-                    if not up[0]:
-                        conn.recv()  # "up": torch is imported
-                        up[0] = True
-                    conn.send("fork")
-                    sendfds(sock, [theirs.fileno()])
-                    pid = conn.recv()
-                except (EOFError, OSError):
-                    proc.kill()
-                    proc.wait()
-                    _ZYGOTE["proc"] = None
-                    continue
-        finally:
-            theirs.close()
-        child = Connection(os.dup(mine.fileno()))
-        try:
-            child.recv()  # "up"
-        except EOFError:
-            continue
-        return _Child(int(pid)), mine, child
-    raise CommAborted("a communication process could not be started (its zygote died twice)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -250,9 +250,9 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
     sys.orig_argv = [sys.executable, *(["-m", module] if module else [script]), *request["argv"]]
     # sys.path[0] as python sets it: the script's directory, or the working directory for -m
     sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
-    comm = sys.modules.get("lightning_bamboo.engine.comm_process")
-    if comm is not None:  # preloaded: the worker's communication zygote is a fork of it now, before it runs anything
-        comm.prepare(fork=True)
+    zygote = sys.modules.get("lightning_bamboo.engine.comm_zygote")
+    if zygote is not None:  # preloaded: the worker's communication zygote is a fork of it now, before it runs anything
+        zygote.prepare(fork=True)
     code: Any = 0
     try:
         if module:

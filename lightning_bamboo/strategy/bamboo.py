@@ -19,7 +19,7 @@ import torch
 import torch.distributed as torch_dist
 from typing_extensions import override
 
-from lightning_bamboo.engine import comm_process
+from lightning_bamboo.engine import comm_process, comm_zygote
 from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import STEP_FINISH_SECONDS
@@ -246,7 +246,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         runner.backend = self._get_process_group_backend()  # before any group forms (an admission forms one here)
         if runner.backend == BACKEND:
             self._use_transport()
-            comm_process.prepare()  # its torch import overlaps the rendezvous
+            comm_zygote.prepare()  # its torch import overlaps the rendezvous
         if runner.backend != BACKEND and launched_by_bamboo():
             log.warning("process_group_backend=%r cannot be aborted: a failover waits until a step blocked on a lost "
                         "peer returns by that backend's own timeout (and gives up after %g s: a restart from the "
