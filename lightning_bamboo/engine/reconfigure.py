@@ -31,7 +31,9 @@ def move_layers(
             missing = [i for i in move.layers if i not in states]
             if missing:
                 raise BambooError(f"{me} must send layers {missing} it does not hold")
-            exchange_objects({i: states[i] for i in move.layers}, send_to=rank_of[move.dst], recv_from=None)
+            for i in move.layers:  # a layer per message: one serialised layer at a time on each end, not a run
+                exchange_objects({i: states[i]}, send_to=rank_of[move.dst], recv_from=None)
         elif move.dst == me:
-            received.update(exchange_objects(None, send_to=None, recv_from=rank_of[move.src]))
+            for _ in move.layers:
+                received.update(exchange_objects(None, send_to=None, recv_from=rank_of[move.src]))
     return received

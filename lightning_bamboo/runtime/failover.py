@@ -110,7 +110,7 @@ def _fail_over_once(node: NodeStage, base: _Captured, suspected: set[str], step:
     # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
     layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
     node.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"], pool=base["layers"],
-                 lineage=base["lineage"])
+                 lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
     return plan, rank, world
 
 def _release(node: NodeStage, step: int) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_bamboo.engine.build import ensure_deepspeed_comm
 from lightning_bamboo.engine.exchange import exchange_objects
 from lightning_bamboo.engine.reconfigure import move_layers
+from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.errors import BambooConfigError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Reconfiguration
@@ -61,9 +62,14 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
     if joiners and session.node == old_order[0]:
         session.admit(record)
     meta = runner.host.training_state() if joiners and session.node == sender else None
-    if engine.replica is not None:
-        engine.replica.settle()
-    held, hyper = engine.own_states(), engine.optimizer
+    # The old engine never runs again: its layers' own tensors (no copy), and the layer objects, which the new stage
+    # and replica take over where they keep a layer (nothing built or loaded again)
+    own = engine.own_states(copy=False)
+    replica = engine.replica.states(copy=False) if engine.replica is not None else {}
+    pool = {**held_layers(engine.module), **(held_layers(engine.replica.module) if engine.replica else {})}
+    lineage = layout.pipeline_of_rank(runner.rank)  # the old pipeline whose copies they are
+    engine.release_exchange()
+    held, hyper = own, engine.optimizer
     log.warning("%s: reconfiguring at step %d: %s parts %s -> %s parts %s (%s)", session.node, step, old_order,
                 list(old_parts), order, list(parts), reason)
     try:
@@ -76,9 +82,16 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
                 exchange_objects(meta, send_to=order.index(joiner), recv_from=None)
             return received
 
-        held = {**held, **session.guard().run(move)}
+        received = session.guard().run(move)
+        held = {**replica, **own, **received}
         faults.reached(session.node, "reconfigure")  # fault injection (BAMBOO_FAIL_AT=node@reconfigure)
-        runner.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper)
+        # a layer that arrived is built from its states; the new stage's layers are of one lineage when every one
+        # it received came from a node of this node's old pipeline
+        sources = {m.src for m in moves if m.dst == session.node}
+        same = all(layout.pipeline_of_rank(old_order.index(src)) == lineage for src in sources)
+        runner.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper,
+                       pool={i: layer for i, layer in pool.items() if i not in received}, lineage=lineage,
+                       stage_lineage=lineage if same else None)
     except (PeerLost, BarrierTimeoutError) as err:
         raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
                         "the run must restore its last checkpoint") from err

@@ -299,7 +299,8 @@ class NodeStage:
 
     def rebuild(self, layout: Layout, rank: int, held: States, hyper: torch.optim.Optimizer | list[dict[str, Any]],
                 fresh_optimizer: bool = False, reuse: tuple[StageContainer, dict[int, Any]] | None = None,
-                pool: Mapping[int, torch.nn.Module] | None = None, lineage: int | None = None) -> None:
+                pool: Mapping[int, torch.nn.Module] | None = None, lineage: int | None = None,
+                stage_lineage: int | None = None) -> None:
         """Build this node's stage of ``layout`` from ``held`` layer states, its engine, and the replica ring.
 
         ``hyper`` gives the optimizer's current hyperparameters (the old optimizer, or saved param
@@ -308,10 +309,11 @@ class NodeStage:
         ``reuse`` (eager failover): the old replica's container and its kept redundant forwards; when
         the new stage ends with the replica's layers, it takes those layer objects over and the next
         step reuses the kept forwards (``engine.module.Splice``).
-        ``pool`` (a failover): the layer objects this node held (its old stage's and replica's), whose weights are
-        ``held``'s; the new stage and replica take over those they keep instead of building and loading them, and
-        the replica ring sends a node only the layers it does not hold already from the same ``lineage`` (the old
-        pipeline whose copies they are).
+        ``pool`` (a failover, a reconfiguration): the layer objects this node held (its old stage's and replica's),
+        whose weights are ``held``'s; the new stage and replica take over those they keep instead of building and
+        loading them, and the replica ring sends a node only the layers it does not hold already from the same
+        ``lineage`` (the old pipeline whose copies they are). ``stage_lineage``: that of the new stage's layers (None
+        where they are of several, or unknown: the predecessor then gets every one).
         """
         session = self.require_session()
         stage = layout.stage_of_rank(rank)
@@ -348,7 +350,7 @@ class NodeStage:
             engine = self._new_engine(module, optimizer, layout)
             replica = None
             if self.config.redundant and layout.stages > 1:
-                replica = self._ring(engine, layout, rank, held, pool, lineage)
+                replica = self._ring(engine, layout, rank, held, pool, lineage, stage_lineage)
             self._arm(engine, *(replica or (None, None)))
             trim_buffers()  # the layers' transfer buffers: idle for the rest of this generation
             return engine
@@ -359,14 +361,15 @@ class NodeStage:
         self.audit("membership change before")
 
     def _ring(self, engine: BambooPipelineEngine, layout: Layout, rank: int, held: States,
-              pool: Mapping[int, torch.nn.Module], lineage: int | None) -> tuple[States, dict[int, torch.nn.Module]]:
+              pool: Mapping[int, torch.nn.Module], lineage: int | None,
+              stage_lineage: int | None) -> tuple[States, dict[int, torch.nn.Module]]:
         """Restore the replica ring: every node keeps its successor's stage. The states and layer objects of the
         new replica: the layers this node holds already as copies of the same lineage are taken over, the others
         come from the successor, one layer per message (a serialised layer at a time on each side, not a stage)."""
         before, after = self._replica_peers(layout, rank)
         wanted = layout.layers_of_stage((layout.stage_of_rank(rank) + 1) % layout.stages)
         # 1. lineages go the way the stages go: a node learns whether its successor's layers are its own copies
-        successor_lineage = exchange_objects(lineage, send_to=before, recv_from=after)
+        successor_lineage = exchange_objects(stage_lineage, send_to=before, recv_from=after)
         same = lineage is not None and successor_lineage == lineage
         kept = {i: pool[i] for i in wanted if same and i in pool}
         lacking = [i for i in wanted if i not in kept]
