@@ -70,6 +70,10 @@ def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_cle
         assert [(f["step"], f["lost"]) for f in report["failovers"]] == [(2, ["node2"])]
         assert report["parts"] == [0, 3, 6] and report["nodes"] == ["node0", "node1"]
         assert report["device"] == ("cuda:0" if device == "cuda" else "cpu")
+    # the reconfiguration builds only the layer that arrives (layer 2, node1 -> node0): every other layer of the new
+    # stages and replicas is the node's own object from before (node1's replica takes layer 2 from its old stage)
+    assert reports["node0"]["taken_over"] == {"stage": [0, 1], "replica": [3, 4, 5]}
+    assert reports["node1"]["taken_over"] == {"stage": [3, 4, 5], "replica": [0, 1, 2]}
     _assert_same_weights(tmp_path / "clean", tmp_path / "chaos")
 
 

@@ -81,20 +81,33 @@ def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu", redund
     assert session is not None, "run under lightning_bamboo.launcher.launch"
     dist.init_process_group(BACKEND, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))  # abortable
     runner.start(Model(), dist.get_world_size(), dist.get_rank(), fitting=True)
+    taken = None
     for step in range(steps):
         host.step = step
         if step == reconfigure_at:
             nodes = runner.nodes
+            before = {id(layer) for part in _layer_objects(runner).values() for layer in part.values()}
             runner.reconfigure(nodes, even_parts(LAYERS, len(nodes)))
+            after = _layer_objects(runner)
+            # which layers of the new stage and replica are the node's own objects from before (taken over, not built)
+            taken = {part: sorted(i for i, layer in after[part].items() if id(layer) in before) for part in after}
         runner.train_step(batch(step))
     assert runner.engine is not None and runner.layout is not None
     torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
     report = {"failovers": [f.as_dict() for f in runner.failovers], "parts": list(runner.layout.parts), "nodes": runner.nodes,
-              "device": str(next(runner.engine.module.parameters()).device)}
+              "device": str(next(runner.engine.module.parameters()).device),
+              "taken_over": taken}
     (out / f"{session.node}.json").write_text(json.dumps(report))
     runner.finish(completed=True)
     runner.close()
     dist.destroy_process_group()
+
+
+def _layer_objects(runner: PipelineRunner) -> dict[str, dict[int, nn.Module]]:
+    engine = runner.engine
+    assert engine is not None
+    children = {"stage": engine.module, "replica": engine.replica.module if engine.replica is not None else nn.Module()}
+    return {part: {int(n): m for n, m in module.named_children() if n.isdigit()} for part, module in children.items()}
 
 
 if __name__ == "__main__":
