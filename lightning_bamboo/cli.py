@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "lightning_bamboo.planner.cli",
         "profile a model and print its plan (--json) or a plan table for world sizes 1..N",
     ),
+    "prepare": ("lightning_bamboo.models.prepare", "tokenize local text files into train.bin/val.bin for TokenCorpus"),
     "simulate": (
         "lightning_bamboo.sim.cli",
         "replay a spot trace: throughput, cost and value of on-demand, checkpoint-restart and Bamboo",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -45,3 +47,47 @@ def test_a_dataloader_over_it_batches_samples(tmp_path):
 def test_bad_corpora_are_refused_with_the_fix(tmp_path, make, message):
     with pytest.raises(BambooConfigError, match=message):
         make(tmp_path)
+
+
+def test_prepare_tokenizes_local_text_files_into_train_and_val(tmp_path):
+    from lightning_bamboo.cli import main
+    from lightning_bamboo.models.prepare import read_meta
+
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "a.md").write_text("héllo spot\n")
+    (notes / "sub" / "b.txt").write_text("world " * 40)
+    (notes / "skip.bin").write_bytes(b"\0\1")  # not text: not matched by the default patterns
+    extra = tmp_path / "c.txt"
+    extra.write_text("the end")
+    assert main(["prepare", str(notes), str(extra), "--out", str(tmp_path / "out"), "--val-fraction", "0.1"]) == 0
+    meta = read_meta(tmp_path / "out")
+    expected = b"\n\n".join(p.read_bytes() for p in (notes / "a.md", notes / "sub" / "b.txt", extra))
+    assert meta["vocab_size"] == 256 and meta["dtype"] == "uint16" and meta["tokenizer"] == "bytes"
+    assert list(meta["files"]) == [str(notes / "a.md"), str(notes / "sub" / "b.txt"), str(extra)]
+    train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
+    val = np.fromfile(tmp_path / "out" / "val.bin", dtype=np.uint16)
+    assert bytes(np.concatenate([train, val]).astype(np.uint8)) == expected  # every byte, in order, once
+    assert len(val) == int(len(expected) * 0.1) == meta["tokens"]["val"] and len(train) == meta["tokens"]["train"]
+    assert not list((tmp_path / "out").glob(".*tmp*"))
+    corpus = TokenCorpus(tmp_path / "out" / "train.bin", block_size=8)
+    assert bytes(corpus[0][0].numpy().astype(np.uint8)) == expected[:8]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{d}/missing.txt"], "no file or directory at"),
+    (["{d}/empty_dir"], "no file matching"),
+    (["{d}/a.txt", "--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'"),
+    (["{d}/a.txt", "--tokenizer", "hf:gpt2"], "needs transformers: pip install transformers"),
+    (["{d}/a.txt", "--val-fraction", "0.9"], r"must lie in 0..0.5 \(got 0.9\)"),
+    (["{d}/tiny.txt"], "too few to train on"),
+])
+def test_prepare_refuses_bad_input_naming_the_fix(tmp_path, capsys, argv, message):
+    from lightning_bamboo.cli import main
+
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "a.txt").write_text("some text to train on")
+    (tmp_path / "tiny.txt").write_text("x")
+    assert main(["prepare", *(a.format(d=tmp_path) for a in argv), "--out", str(tmp_path / "out")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out" / "train.bin").exists()
