@@ -51,7 +51,7 @@ def test_every_copy_of_a_tied_module_is_built_as_its_first_layer_and_runs_its_ow
     for name, value in embed.state_dict().items():
         assert torch.equal(value, head.state_dict()[name]), name
     # built under the first layer's seed (DeepSpeed builds it on the first stage and broadcasts it), not the last's
-    alone = build_layers(lambda: [LayerSpec(Embedding, CFG)] * 4, SEED).layers
+    alone = build_layers(lambda: [LayerSpec(Embedding, CFG, init_std=0.02)] * 4, SEED).layers
     assert torch.equal(embed.tok.weight, alone[0].tok.weight) and not torch.equal(head.tok.weight, alone[3].tok.weight)
     x = torch.randn(2, CFG.block_size, CFG.n_embd)
     assert torch.equal(head(x), x @ embed.tok.weight.T)  # the head's forward_fn: logits from the token embedding

@@ -33,13 +33,20 @@ class GPTConfig:
 
 
 class Embedding(nn.Module):
-    """Token ids (B, T) -> token + position embeddings (B, T, C)."""
+    """Token ids (B, T) -> token + position embeddings (B, T, C).
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    ``init_std``: draw both tables from N(0, init_std) instead of torch's N(0, 1), as GPT-2 does (0.02) where the
+    token table is also the output head: logits of N(0, 1) rows start far from uniform."""
+
+    def __init__(self, cfg: GPTConfig, init_std: float | None = None) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        if init_std is not None:
+            with torch.no_grad():
+                self.tok.weight.normal_(0.0, init_std)
+                self.pos.weight.normal_(0.0, init_std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -117,8 +124,9 @@ def gpt_layer_specs(cfg: GPTConfig, tie_embeddings: bool = False) -> list[Any]:
 
     blocks = [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)]
     if tie_embeddings:
-        return [TiedLayerSpec("embed", Embedding, cfg), *blocks, LayerSpec(FinalNorm, cfg),
-                TiedLayerSpec("embed", Embedding, cfg, forward_fn=tied_logits, tied_weight_attr=["tok.weight"])]
+        return [TiedLayerSpec("embed", Embedding, cfg, init_std=0.02), *blocks, LayerSpec(FinalNorm, cfg),
+                TiedLayerSpec("embed", Embedding, cfg, init_std=0.02, forward_fn=tied_logits,
+                              tied_weight_attr=["tok.weight"])]
     return [LayerSpec(Embedding, cfg), *blocks, LayerSpec(Head, cfg)]
 
 
