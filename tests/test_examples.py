@@ -1,4 +1,5 @@
-"""examples/spot_gpt.py as its docstring runs it: under the Bamboo launcher, with a node killed mid-run."""
+"""The examples as their docstrings run them: spot_gpt.py under the Bamboo launcher with a node killed mid-run, and
+corpus_gpt.py on a corpus that ``lightning-bamboo prepare`` tokenized from local text files."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import subprocess
 import pytest
 
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, run
+from tests.helpers import PYTHON, REPO, launcher_exit_codes, run
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -53,6 +54,24 @@ def test_spot_gpt_trains_on_after_a_kill_and_a_notice_and_logs_the_failovers(tmp
     assert [(r["bamboo/failovers"], r["bamboo/live_nodes"]) for r in rows] == [("0.0", "3.0"), ("1.0", "2.0"), ("2.0", "1.0")]
     assert all(0 < float(r["bamboo/recovery_seconds"]) < 60 for r in rows[1:])
     assert any(p.name.startswith("step") for p in (out / "checkpoints").iterdir()), "no asynchronous checkpoint"
+
+
+def test_corpus_gpt_trains_on_local_text_prepared_into_a_token_corpus(tmp_path):
+    """This repository's documentation, tokenized by ``lightning-bamboo prepare``, trains a tied GPT of
+    ``LayerSpec``s under the launcher with lazy replicas and the callbacks: every node exits 0, the loss falls."""
+    data = tmp_path / "corpus"
+    prepared = run([PYTHON, "-m", "lightning_bamboo.cli", "prepare", "README.md", "docs", "--out", str(data)],
+                   timeout=120, cwd=REPO)
+    assert prepared.returncode == 0, prepared.stdout
+    assert {p.name for p in data.iterdir()} == {"train.bin", "val.bin", "meta.json"}
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", PYTHON, "examples/corpus_gpt.py",
+                "--data", str(data), "--steps", "8", "--print-every", "4", "--out", str(tmp_path / "run")],
+               timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": 0}
+    losses = {int(m[1]): float(m[2]) for m in re.finditer(r"^step (\d+): train loss ([\d.]+)", proc.stdout, re.M)}
+    assert sorted(losses) == [1, 4, 8] and losses[8] < losses[4] < losses[1], proc.stdout[-3000:]
+    assert re.search(r"^step 8: val loss [\d.]+$", proc.stdout, re.M), proc.stdout[-3000:]
 
 
 def test_spot_gpt_yaml_names_classes_that_exist():
