@@ -49,7 +49,7 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
         "states": {**old.own_states(copy=False), **(old.replica.states(copy=False) if old.replica else {})},
         # the layer objects themselves: the new stage and replica take over those they keep (no second build, no
         # copy of their weights); nothing changes them until the failover converges, so every attempt may
-        "layers": {**held_layers(old.module), **(held_layers(old.replica.module) if old.replica else {})},
+        "layers": (held_layers(old.module), held_layers(old.replica.module) if old.replica else {}),
         # which pipeline's copies this node's layers are: a neighbour of the same lineage needs none of them sent
         "lineage": layout.pipeline_of_rank(node.rank),
         "optimizer": old.optimizer,

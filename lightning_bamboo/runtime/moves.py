@@ -66,7 +66,7 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
     # and replica take over where they keep a layer (nothing built or loaded again)
     own = engine.own_states(copy=False)
     replica = engine.replica.states(copy=False) if engine.replica is not None else {}
-    pool = {**held_layers(engine.module), **(held_layers(engine.replica.module) if engine.replica else {})}
+    objects = (held_layers(engine.module), held_layers(engine.replica.module) if engine.replica else {})
     lineage = layout.pipeline_of_rank(runner.rank)  # the old pipeline whose copies they are
     engine.release_exchange()
     held, hyper = own, engine.optimizer
@@ -90,7 +90,8 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
         sources = {m.src for m in moves if m.dst == session.node}
         same = all(layout.pipeline_of_rank(old_order.index(src)) == lineage for src in sources)
         runner.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper,
-                       pool={i: layer for i, layer in pool.items() if i not in received}, lineage=lineage,
+                       pool=tuple({i: layer for i, layer in part.items() if i not in received}  # type: ignore[arg-type]
+                                  for part in objects), lineage=lineage,
                        stage_lineage=lineage if same else None)
     except (PeerLost, BarrierTimeoutError) as err:
         raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "

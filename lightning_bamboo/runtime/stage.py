@@ -39,6 +39,8 @@ from lightning_bamboo.topology.layout import Layout, check_replica_memory, parti
 log = logging.getLogger(__name__)
 
 States = dict[int, dict[str, Any]]
+#: the layer objects a node held before a rebuild, by layer: its old stage's, its old replica's
+LayerPool = tuple[Mapping[int, torch.nn.Module], Mapping[int, torch.nn.Module]]
 
 
 class NodeStage:
@@ -299,8 +301,7 @@ class NodeStage:
 
     def rebuild(self, layout: Layout, rank: int, held: States, hyper: torch.optim.Optimizer | list[dict[str, Any]],
                 fresh_optimizer: bool = False, reuse: tuple[StageContainer, dict[int, Any]] | None = None,
-                pool: Mapping[int, torch.nn.Module] | None = None, lineage: int | None = None,
-                stage_lineage: int | None = None) -> None:
+                pool: LayerPool | None = None, lineage: int | None = None, stage_lineage: int | None = None) -> None:
         """Build this node's stage of ``layout`` from ``held`` layer states, its engine, and the replica ring.
 
         ``hyper`` gives the optimizer's current hyperparameters (the old optimizer, or saved param
@@ -309,11 +310,14 @@ class NodeStage:
         ``reuse`` (eager failover): the old replica's container and its kept redundant forwards; when
         the new stage ends with the replica's layers, it takes those layer objects over and the next
         step reuses the kept forwards (``engine.module.Splice``).
-        ``pool`` (a failover, a reconfiguration): the layer objects this node held (its old stage's and replica's),
-        whose weights are ``held``'s; the new stage and replica take over those they keep instead of building and
-        loading them, and the replica ring sends a node only the layers it does not hold already from the same
-        ``lineage`` (the old pipeline whose copies they are). ``stage_lineage``: that of the new stage's layers (None
-        where they are of several, or unknown: the predecessor then gets every one).
+        ``pool`` (a failover, a reconfiguration): the layer objects this node held, its old stage's and its old
+        replica's, whose weights are ``held``'s; the new stage and replica take over those they keep instead of
+        building and loading them, and the replica ring sends a node only the layers it does not hold already from the
+        same ``lineage`` (the old pipeline whose copies they are). ``stage_lineage``: that of the new stage's layers
+        (None where they are of several, or unknown: the predecessor then gets every one). The old stage's objects
+        serve only the new stage: the framework may still touch the parameters of the optimizer its step began with
+        (Lightning zeroes that optimizer's gradients at its next step), and a replica's gradients wait there for its
+        deferred update.
         """
         session = self.require_session()
         stage = layout.stage_of_rank(rank)
@@ -323,18 +327,19 @@ class NodeStage:
             raise BambooError(f"the new layout gives {session.node} layers {missing} it does not hold")
         stage_states = {i: held[i] for i in mine}
         self.depth, self.layout, self.rank = layout.stages, layout, rank
-        pool = dict(pool or {})
-        for layer in pool.values():
+        own_objects, replica_objects = pool if pool is not None else ({}, {})
+        for layer in [*own_objects.values(), *replica_objects.values()]:
             for param in layer.parameters():
                 param.grad = None  # a gradient is no state: the new engine starts from none, as a fresh build
+        objects = {**replica_objects, **own_objects}  # for the stage: its own, and a replica's it takes over
         splice = None
         if reuse is not None:
             container, kept = reuse
             first, stop = container.indices[0], container.indices[-1] + 1
             if mine.stop == stop and mine.start <= first:  # the new stage ends with the replica's layers
-                pool.update({int(n): layer for n, layer in container.named_children()})  # the forwards' own layers
+                objects.update({int(n): layer for n, layer in container.named_children()})  # the forwards' own
                 splice = Splice(first, kept)
-        prebuilt = {i: pool.pop(i) for i in mine if i in pool}
+        prebuilt = {i: objects[i] for i in mine if i in objects}
         # DeepSpeed's PipelineModule forms its process groups (gloo connects to every peer): a peer lost
         # meanwhile would hold that connect for the whole group timeout, so it is bounded like a step.
         module = session.guard().run(lambda: self._stage_module(layout, stage, stage_states, prebuilt))
@@ -350,7 +355,7 @@ class NodeStage:
             engine = self._new_engine(module, optimizer, layout)
             replica = None
             if self.config.redundant and layout.stages > 1:
-                replica = self._ring(engine, layout, rank, held, pool, lineage, stage_lineage)
+                replica = self._ring(engine, layout, rank, held, replica_objects, lineage, stage_lineage)
             self._arm(engine, *(replica or (None, None)))
             trim_buffers()  # the layers' transfer buffers: idle for the rest of this generation
             return engine
