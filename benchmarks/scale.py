@@ -45,11 +45,13 @@ def _need(runner) -> dict[str, int]:  # noqa: ANN001 - the strategy's runner
     4 bytes per parameter), and the one the stage's own gradients leave in: on one host both are shared memory, which
     the writer maps as well as the reader, and RSS counts a shared page in every process that touched it. A tied
     module with a copy in another process: a receive buffer of that copy's gradients (4 bytes per parameter)."""
+    from lightning_bamboo.engine.ties import held_layers
+
     engine = runner.engine
     own = sum(p.numel() for p in engine.module.parameters())
     replica = sum(p.numel() for p in engine.replica.module.parameters()) if engine.replica is not None else 0
     shipped = own if runner.layout.stages > 1 and engine.replica is not None else 0
-    held = {int(n): m for n, m in engine.module.named_children() if n.isdigit()}
+    held = held_layers(engine.module)
     tied = 0
     for layers in (getattr(engine.module, "ties", None) or {}).values():
         local = [i for i in layers if i in held]

@@ -53,14 +53,14 @@ class CorpusGPT(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
 
-    def _corpus(self, split: str) -> TokenCorpus:
-        return TokenCorpus(Path(self.hparams.data) / f"{split}.bin", self.config.block_size, dtype=self.meta["dtype"])
+    def _corpus(self, split: str, stride: int | None = None) -> TokenCorpus:
+        return TokenCorpus(Path(self.hparams.data) / f"{split}.bin", self.config.block_size, dtype=self.meta["dtype"],
+                           stride=stride)
 
     def train_dataloader(self) -> DataLoader:
         # overlapping samples (a stride of a quarter block) give a small corpus more of them; the strategy's sampler
         # keeps their order across failovers
-        corpus = TokenCorpus(Path(self.hparams.data) / "train.bin", self.config.block_size, dtype=self.meta["dtype"],
-                             stride=max(1, self.config.block_size // 4))
+        corpus = self._corpus("train", stride=max(1, self.config.block_size // 4))
         return DataLoader(corpus, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -21,6 +21,9 @@ from torch import nn
 #: the tag of the tied gradients' messages: DeepSpeed's activations and gradients use tag 0, the replica exchange
 #: ``exchange.REPLICA_TAG`` (0xB0) and the tags just below and above it
 TIE_TAG = 0xA0
+#: elements per piece of a tied gradient (16 MiB of fp32) and rounds of pieces in flight
+PIECE = 1 << 22
+WINDOW = 2
 
 
 def held_layers(module: nn.Module) -> dict[int, nn.Module]:
@@ -82,11 +85,6 @@ def _exchange(grads: dict[int, list[torch.Tensor]], local: list[int], remote: li
     for posted in in_flight:
         _wait(posted)
     return received
-
-
-#: elements per piece of a tied gradient (16 MiB of fp32) and rounds of pieces in flight
-PIECE = 1 << 22
-WINDOW = 2
 
 
 def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -90,8 +90,7 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
         sources = {m.src for m in moves if m.dst == session.node}
         same = all(layout.pipeline_of_rank(old_order.index(src)) == lineage for src in sources)
         runner.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper,
-                       pool=tuple({i: layer for i, layer in part.items() if i not in received}  # type: ignore[arg-type]
-                                  for part in objects), lineage=lineage,
+                       pool=(_without(objects[0], received), _without(objects[1], received)), lineage=lineage,
                        stage_lineage=lineage if same else None)
     except (PeerLost, BarrierTimeoutError) as err:
         raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
@@ -100,6 +99,11 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
     session.record_reconfiguration(dataclasses.replace(record, seconds=seconds))
     log.warning("%s: reconfigured in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
     return seconds
+
+
+def _without(layers: dict[int, Any], received: dict[int, Any]) -> dict[int, Any]:
+    """``layers`` but those that arrived (a layer that arrived is built from its states)."""
+    return {i: layer for i, layer in layers.items() if i not in received}
 
 
 def start_admitted(runner: NodeStage, model: PipelineModel, record: Reconfiguration, rank: int,
