@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -82,8 +83,10 @@ def test_prepare_tokenizes_local_text_files_into_train_and_val(tmp_path):
     (["{d}/a.txt", "--val-fraction", "0.9"], r"must lie in 0..0.5 \(got 0.9\)"),
     (["{d}/tiny.txt"], "too few to train on"),
 ])
-def test_prepare_refuses_bad_input_naming_the_fix(tmp_path, capsys, argv, message):
+def test_prepare_refuses_bad_input_naming_the_fix(tmp_path, capsys, monkeypatch, argv, message):
     from lightning_bamboo.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as without the [tokenizers] extra, installed or not
 
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "a.txt").write_text("some text to train on")

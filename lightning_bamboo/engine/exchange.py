@@ -200,6 +200,10 @@ class GradientExchange:
         # must fail on its destroyed group, never post on the new one.
         self.replica, self.send_to, self.recv_from = replica, send_to, recv_from
         self.group = group if group is not None else dist.group.WORLD
+        self._forget_buffers()
+
+    def _forget_buffers(self) -> None:
+        """Every field of the exchange's protocol state and the buffers it holds, as at its start."""
         self._recv: tuple[torch.Tensor, torch.Tensor | None, list[Any]] | None = None
         self._sent: tuple[tuple[torch.Tensor, ...], list[Any]] = ((), [])  # buffers kept alive, requests
         # Buffers reused step after step (allocating them anew costs more than copying into them): one
@@ -234,9 +238,7 @@ class GradientExchange:
     def release(self) -> None:
         """Let go of every buffer, the shared memory's mappings included (a failover: this exchange is never used
         again). A request still in flight keeps what it reads or writes alive until it ends."""
-        self._recv, self._sent, self._send_buffer, self._recv_buffers = None, ((), []), None, []
-        self._shared = self._offer = self._offer_in = self._peer_shared = None
-        self._reads, self._read_sent, self._shipped_grads = [None, None], [None, None], (False, [])
+        self._forget_buffers()
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         assert self.replica is not None
@@ -444,7 +446,7 @@ class GradientExchange:
         self.acknowledge()  # the owner's ship waits for it before it sends what this waits for
         message, received, requests = self._recv
         self._recv = None
-        _wait_all(requests)
+        wait_all(requests)
         this, following = _tokens(message)
         own = (self._shared[1], self._shared[1] + 1) if self._shared is not None else ()
         if {this, following} - {0, *own} or (received is None) != bool(this):
@@ -482,7 +484,7 @@ class GradientExchange:
 
     def _finish_requests(self) -> None:
         (_buffers, requests), self._sent = self._sent, ((), [])
-        _wait_all(requests)
+        wait_all(requests)
 
     def finish_send(self) -> None:
         """Wait until the last gradients sent are gone (kept alive until then), or read from shared memory, and
@@ -524,15 +526,15 @@ def exchange_objects(payload: Any, send_to: int | None, recv_from: int | None) -
     received = None
     if recv_from is not None:
         incoming = torch.zeros(1, dtype=torch.int64)
-        _wait_all([dist.irecv(incoming, recv_from)])
-    _wait_all(requests)
+        wait_all([dist.irecv(incoming, recv_from)])
+    wait_all(requests)
     requests = []
     if send_to is not None:
         requests.append(dist.isend(data, send_to))
     if recv_from is not None:
         received = torch.empty(int(incoming.item()), dtype=torch.uint8)
         requests.append(dist.irecv(received, recv_from))
-    _wait_all(requests)
+    wait_all(requests)
     if send_to is not None:
         del data, buffer  # freed before the received bytes are read back
     if received is None:
@@ -571,7 +573,8 @@ class _ReadOnly(io.RawIOBase):
         return self._position
 
 
-def _wait_all(requests: Iterable[Any]) -> None:
+def wait_all(requests: Iterable[Any]) -> None:
+    """Wait for each request of ``requests``; ``None`` stands for one this rank was not part of."""
     for request in requests:
         if request is not None:
             request.wait()

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_bamboo.engine.exchange import wait_all
+
 #: the tag of the tied gradients' messages: DeepSpeed's activations and gradients use tag 0, the replica exchange
 #: ``exchange.REPLICA_TAG`` (0xB0) and the tags just below and above it
 TIE_TAG = 0xA0
@@ -81,21 +83,15 @@ def _exchange(grads: dict[int, list[torch.Tensor]], local: list[int], remote: li
                   for kind, rank, pieces in streams if k < len(pieces)]
         in_flight.append(posted)
         if len(in_flight) > WINDOW:
-            _wait(in_flight.pop(0))
+            wait_all(in_flight.pop(0))
     for posted in in_flight:
-        _wait(posted)
+        wait_all(posted)
     return received
 
 
 def _pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
     flat = tensor.view(-1)
     return [flat[start:start + PIECE] for start in range(0, flat.numel(), PIECE)] or [flat]
-
-
-def _wait(requests: list[Any]) -> None:
-    for request in requests:
-        if request is not None:  # None only where this rank is not in ``group``, which a holder always is
-            request.wait()
 
 
 def _gradient(param: nn.Parameter) -> torch.Tensor:
