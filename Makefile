@@ -24,7 +24,7 @@ demo: install
 	$(VENV)/bin/lightning-bamboo demo --nodes 4 --steps 24 --step-delay 0.2 --verify
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The fast tier for everyday work: the tests that run in one process (no job, launcher, etcd or namespace);
 # `make test` runs these and every multi-process test.

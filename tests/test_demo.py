@@ -118,30 +118,33 @@ def test_a_node_that_joins_runs_in_a_warm_process_so_losing_every_ready_one_wait
     interpreter to start. (Joined nodes started their own, at idle priority beside the pipeline: in the
     chaos runs such restarts waited 10-18 s for one.)"""
     clean_dir, clean_weights = clean
+    mark = f"BAMBOO_TEST_DEMO={tmp_path}"  # what this demo's processes inherit, and no other demo's
     report, weights = demo(tmp_path, "--preempt", "node0@3,node1@3,node2@3,node3@3", "--join", "spare1@2",
-                           "--step-delay", "0.5")
+                           "--step-delay", "0.5", env=dict([mark.split("=", 1)]))
     assert report["steps_completed"] == STEPS and report["preemptions"] == 4 and report["joins"] == 1
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 0, "restart": 1}  # no checkpoint before step 8
     assert report["processes_pooled"] >= 1
     assert report["recovery_kinds"] == ["restart"] * 4, report["recovery_kinds"]  # none waited for a start
     assert max_abs_diff(weights, clean_weights) <= 1e-5
     assert order(tmp_path, "spare1") == order(clean_dir, "node0")
-    assert not _pooled_processes(), "the demo left processes behind (its warm pool's, a node's or its fork server)"
+    assert not _pooled_processes(mark), "the demo left processes behind (its warm pool's, a node's or its fork server)"
 
 
-def _pooled_processes() -> list[int]:
-    """Processes of a demo still alive on this machine: a node's, a warm pool's, or the interpreter they are forked
-    from (whose command line every forked one shows: it names the worker module it preloaded)."""
+def _pooled_processes(mark: str) -> list[int]:
+    """Processes of the demo whose environment holds ``mark`` still alive on this machine: a node's, a warm
+    pool's, or the interpreter they are forked from (whose command line every forked one shows: it names the
+    worker module it preloaded). Another test's demo running beside this one (``pytest -n``) is not counted."""
     import os
 
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = open(f"/proc/{pid}/cmdline", "rb").read()
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
         except (OSError, IndexError):
             continue
-        if b"lightning_bamboo.demo.worker" in argv and state not in ("Z", "X"):
+        if b"lightning_bamboo.demo.worker" in argv and mark.encode() in environ and state not in ("Z", "X"):
             found.append(int(pid))
     return found
 
