@@ -131,8 +131,10 @@ def test_a_finished_job_ends_on_every_node_soon_after_its_last_step(redundancy, 
     expected = {f"node{i}": 0 for i in range(4)}
     if kill:
         expected[kill.split("@")[0]] = -9
-    assert codes == expected, proc.stdout[-3000:]
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    # (every error line first: the first node to fail may have said why long before the end of the output)
+    why = "\n".join(line for line in proc.stdout.splitlines() if "Error" in line) + "\n...\n" + proc.stdout[-3000:]
+    assert codes == expected, why
+    assert proc.returncode == 0, why
     # a node lost on purpose is no crash: no traceback, no C++ abort, no schedule table from anyone
     assert not re.search(r"Traceback|terminate called|ERROR", proc.stdout), proc.stdout[-3000:]
     if not kill:  # what runs and how it ended, Lightning's own summary, and nothing a user cannot act on

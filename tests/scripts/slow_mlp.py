@@ -73,7 +73,7 @@ def main() -> None:
     if args.hang_dump:
         faulthandler.dump_traceback_later(args.hang_dump, exit=False)
     strategy = lightning_bamboo.BambooStrategy(stages=args.stages, micro_batch_size=2, redundancy=args.redundancy,
-                                               seed=1234, timeout=60,
+                                               seed=1234, timeout=120,
                                                detection_timeout=args.detection_timeout)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
                          callbacks=[SlowSteps(args.sleep)], logger=False, enable_checkpointing=False,
