@@ -62,6 +62,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 
+from lightning_bamboo.engine.build import skip_shm_op  # noqa: E402
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 
 #: the demo's model (lightning_bamboo.demo.worker.CONFIG; importing that module would import Lightning)
@@ -134,6 +135,11 @@ def main() -> int:
 
 def train(args: argparse.Namespace, log: Events) -> int:
     save_dir = Path(args.save_dir)
+    # On CPU, DeepSpeed's init_distributed JIT-builds a shared-memory all-reduce op under a lock file in
+    # ~/.cache/torch_extensions: a worker killed while it builds leaves the lock, and every later start on the
+    # machine waits for it forever (a new virtual environment's path makes it build again). A GPU machine's
+    # DeepSpeed has no such op, and the training never uses it: the peer skips it as lightning_bamboo does.
+    skip_shm_op()
     if args.timeout:
         deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
     else:
