@@ -1,6 +1,7 @@
-"""The suite's order: under ``make test`` (``pytest -n 2 --dist loadfile``) each worker takes the next file in
-collection order when it is free, so the files that run longest go first and the short in-process ones fill the
-end; in collection order a long file taken last would run alone while the other worker sits idle."""
+"""The suite's order under ``make test-parallel`` (``pytest -n 2 --dist loadfile``): each worker takes the next file
+in collection order when it is free, so the files that run longest go first and the short in-process ones fill the
+end; in collection order a long file taken last would run alone while the other worker sits idle. A run in one
+process (``make test``) keeps pytest's own order."""
 
 from __future__ import annotations
 
@@ -13,5 +14,7 @@ LONGEST_FIRST = ("test_demo.py", "test_redundancy_mp.py", "test_chaos.py", "test
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not (getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput")):
+        return  # not under pytest-xdist
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
