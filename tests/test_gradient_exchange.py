@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_bamboo.engine import exchange as exchange_module
-from lightning_bamboo.engine.exchange import CHUNK_NUMEL, GradientExchange, chunk_plan
+from lightning_bamboo.engine import shared_buffer
+from lightning_bamboo.engine.exchange import CHUNK_NUMEL, GradientExchange, HolderEnd, OwnerEnd, chunk_plan
 from lightning_bamboo.engine.replica import Replica, StageContainer, free
 from lightning_bamboo.errors import BambooError
 
@@ -81,12 +81,12 @@ def _exchange_worker(rank: int, same_host: bool, mode: str, results) -> None:
     stage = _Stage()
     if rank == 0:
         if not same_host:  # the owner believes it runs elsewhere: it must decline the holder's shared buffer
-            exchange_module.host_identity = lambda: "another-host/0"
+            shared_buffer.host_identity = lambda: "another-host/0"
         exchange = GradientExchange(None, send_to=1, recv_from=None)
         mapped, in_shared = [], []
         for step in range(STEPS):
             _gradients(stage, step, (lambda: exchange.write_ahead(stage)) if mode != "shipped" else (lambda: None))
-            shared = exchange._peer_half(exchange._half)[0] if exchange.through_shared_memory else None
+            shared = exchange.owner.next_half
             exchange.ship(stage)
             mapped.append(exchange.through_shared_memory)
             # written ahead, the last backward accumulated a's gradient straight into the half shipped
@@ -106,7 +106,7 @@ def _exchange_worker(rank: int, same_host: bool, mode: str, results) -> None:
         exchange = GradientExchange(replica, send_to=None, recv_from=0)
         got, shared = replica.module.get_submodule("0"), []
         for step in range(STEPS):
-            shared.append(exchange._owner_writes_shared)
+            shared.append(exchange.holder.owner_writes_shared)
             exchange.post_receive()
             _gradients(stage, step)  # what the owner computed, bit for bit
             exchange.receive()
@@ -150,14 +150,14 @@ def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same
 def test_an_optimizer_that_writes_gradients_after_they_were_written_ahead_stops_training():
     """Seen to leave them alone before, an optimizer that then changes gradients the holder reads afterwards is an
     error that names the rule, not a replica that drifts."""
-    exchange = GradientExchange(None, send_to=1, recv_from=None)
+    owner = OwnerEnd(1, group=None)
     param = torch.nn.Parameter(torch.zeros(3))
     param.grad = torch.ones(3)
-    exchange._shipped_grads = (True, [(param, param.grad, param.grad._version)])  # as a written-ahead ship leaves it
+    owner._shipped_grads = (True, [(param, param.grad, param.grad._version)])  # as a written-ahead ship leaves it
     param.grad.mul_(0.5)
     param.grad = None
     with pytest.raises(BambooError, match=r"Rule: step\(\) must leave p\.grad unchanged and zero_grad\(\) must set it to None"):
-        exchange.owner_stepped()
+        owner.stepped()
 
 
 def _pair_main(target, rank: int, port: int, args, errors, results) -> None:
@@ -196,16 +196,15 @@ def _run_pair(target, *args):
 HOLD_STEPS = 5
 
 
-class _WatchedExchange(GradientExchange):
-    """Notes, in order of cause: an owner's wait for a "read" (into ``events``) and whether the holder had sent it
-    when the wait ended; a holder's "read"s sent (into ``sent``) and whether it had seen the owner wait by then.
+class _WatchedOwner(OwnerEnd):
+    """Notes an owner's wait for a "read" (into ``events``) and whether the holder had sent it when the wait ended.
 
-    Causes, not clocks: ``read_sent`` is set by the holder just before it sends a "read", ``saw_wait`` once it took
-    the owner's "waits for read" from the queue (timestamps of two processes were once seen out of order here)."""
+    Causes, not clocks: ``read_sent`` is set by the holder just before it sends a "read" (timestamps of two
+    processes were once seen out of order here)."""
 
-    def __init__(self, events, read_sent, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.events, self.read_sent, self.sent, self.saw_wait = events, read_sent, [], False
+    def __init__(self, events, read_sent, *args) -> None:
+        super().__init__(*args)
+        self.events, self.read_sent = events, read_sent
 
     def _wait_read(self, half: int) -> None:
         if self._reads[half] is None:
@@ -214,13 +213,22 @@ class _WatchedExchange(GradientExchange):
         super()._wait_read(half)
         self.events.put(("read came", half, self.read_sent.is_set()))
 
+
+class _WatchedHolder(HolderEnd):
+    """Notes a holder's "read"s sent (into ``sent``: the half, and whether it had seen the owner wait by then,
+    ``saw_wait``, set once it took the owner's "waits for read" from the queue)."""
+
+    def __init__(self, events, read_sent, *args) -> None:
+        super().__init__(*args)
+        self.read_sent, self.sent, self.saw_wait = read_sent, [], False
+
     def acknowledge(self) -> None:
-        unread = self._unread
+        unread = self.shared_half
         if unread is not None and not (self.replica.pending or self.replica.due):
             self.read_sent.set()  # (what acknowledge sends now)
         super().acknowledge()
-        if unread is not None and self._unread is None:
-            self.sent.append((unread - self._shared[1], self.saw_wait))
+        if unread is not None and self.shared_half is None:
+            self.sent.append((unread[0], self.saw_wait))
 
 
 def _hold_worker(rank: int, events, read_sent, results) -> None:
@@ -228,7 +236,8 @@ def _hold_worker(rank: int, events, read_sent, results) -> None:
     second): the holder keeps step 2's gradients unread while the owner ships steps 3 and 4."""
     stage = _Stage()
     if rank == 0:
-        exchange = _WatchedExchange(events, read_sent, None, send_to=1, recv_from=None)
+        exchange = GradientExchange(None, send_to=1, recv_from=None)
+        exchange.owner = _WatchedOwner(events, read_sent, 1, exchange.group)
         for step in range(HOLD_STEPS):
             exchange.post_receive()  # where the engine's step waits: the "read"s are received from here on
             _gradients(stage, step)
@@ -238,7 +247,8 @@ def _hold_worker(rank: int, events, read_sent, results) -> None:
         exchange.finish_send()
     else:
         replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
-        exchange = _WatchedExchange(events, read_sent, replica, send_to=None, recv_from=0)
+        exchange = GradientExchange(replica, send_to=None, recv_from=0)
+        holder = exchange.holder = _WatchedHolder(events, read_sent, replica, 0, exchange.group)
         got, seen, kept = replica.module.get_submodule("0"), [], None
         for step in range(HOLD_STEPS):
             exchange.post_receive()
@@ -247,7 +257,7 @@ def _hold_worker(rank: int, events, read_sent, results) -> None:
                 before = []
                 while (event := events.get(timeout=30))[0] != "waits for read":
                     before.append(event)
-                exchange.saw_wait = True
+                holder.saw_wait = True
                 # ship 3 wrote the other half without waiting; ship 4 waits, before its copy, for the "read" of
                 # the first half, sent only now
                 intact = torch.equal(got.a.grad, kept)
@@ -258,9 +268,9 @@ def _hold_worker(rank: int, events, read_sent, results) -> None:
             exchange.receive()
             replica.pending, replica.due = False, True  # committed, its update not applied yet
             if step == 2:
-                assert exchange._owner_writes_shared and exchange._unread == exchange._shared[1]
+                assert holder.owner_writes_shared and holder.shared_half is not None and holder.shared_half[0] == 0
                 # read where the owner wrote them: views of the first half of the shared buffer, no copy
-                assert got.a.grad.data_ptr() == exchange._shared[0].data_ptr()
+                assert got.a.grad.data_ptr() == holder.shared_half[1].data_ptr()
                 kept = got.a.grad.clone()
                 exchange.acknowledge()  # not yet: the update is still due
             else:
@@ -270,7 +280,7 @@ def _hold_worker(rank: int, events, read_sent, results) -> None:
             if step != 3:
                 dist.barrier()
         exchange.finish_send()
-        results.put((seen, exchange.sent))
+        results.put((seen, holder.sent))
 
 
 def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_replica_used_it():
@@ -297,7 +307,7 @@ def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_repli
 
 _HOLDER = """
 import os, sys, time
-from lightning_bamboo.engine.exchange import offer_shared_buffer
+from lightning_bamboo.engine.shared_buffer import offer_shared_buffer
 buffer, token, payload = offer_shared_buffer(1000)
 buffer.copy_(buffer.new_tensor(range(1000)))
 sys.stdout.write(payload.hex() + "\\n"); sys.stdout.flush()
@@ -307,7 +317,7 @@ time.sleep(60)
 _OWNER = """
 import gc, os, signal, subprocess, sys
 import torch
-from lightning_bamboo.engine.exchange import map_offered_buffer
+from lightning_bamboo.engine.shared_buffer import map_offered_buffer
 from lightning_bamboo.membership.node import descendants
 holder = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
 payload = bytes.fromhex(holder.stdout.readline())

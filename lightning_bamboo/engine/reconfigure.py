@@ -22,7 +22,7 @@ def move_layers(
     process group's nodes (rank = position). Every node walks the same list in the same order
     and takes part only in its own moves, so the blocking point-to-point calls cannot deadlock.
     """
-    from lightning_bamboo.engine.exchange import exchange_objects
+    from lightning_bamboo.engine.transfer import exchange_objects
 
     rank_of = {node: rank for rank, node in enumerate(order)}
     received: dict[int, dict[str, Any]] = {}

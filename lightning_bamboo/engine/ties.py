@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bamboo.engine.exchange import wait_all
+from lightning_bamboo.engine.transfer import wait_all
 
 #: the tag of the tied gradients' messages: DeepSpeed's activations and gradients use tag 0, the replica exchange
 #: ``exchange.REPLICA_TAG`` (0xB0) and the tags just below and above it

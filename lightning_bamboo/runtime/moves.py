@@ -8,9 +8,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.engine.build import ensure_deepspeed_comm
-from lightning_bamboo.engine.exchange import exchange_objects
 from lightning_bamboo.engine.reconfigure import move_layers
 from lightning_bamboo.engine.ties import held_layers
+from lightning_bamboo.engine.transfer import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Reconfiguration

@@ -22,13 +22,13 @@ from lightning_bamboo.engine.build import (
     ensure_deepspeed_comm,
 )
 from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
-from lightning_bamboo.engine.exchange import exchange_objects
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, Wiring
 from lightning_bamboo.engine.placement import replica_device
 from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
+from lightning_bamboo.engine.transfer import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.runtime.collectives import decode, encode
 from lightning_bamboo.runtime.config import BambooConfig
