@@ -18,3 +18,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return  # not under pytest-xdist
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: the rest keep their order
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.helpers import stop_shared_fork_server
+
+    stop_shared_fork_server()  # and with it every worker it forked that still runs

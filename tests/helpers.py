@@ -101,11 +101,48 @@ def optimizer_states(path: Path) -> dict[str, torch.Tensor]:
 PRELOAD = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
 
 
-def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on timeout kill the whole process group (children included)."""
-    from lightning_bamboo.launcher import PRELOAD_ENV
+#: what the suite's shared fork server imports (``launcher.forks.start_shared``): the preloaded modules and the demo's
+#: worker, whose launchers and demos fork their workers there instead of importing in a server of their own (4-5 s of
+#: a core and as long before the first worker runs, in each of about a hundred jobs)
+SHARED_PRELOAD = (*PRELOAD.split(","), "lightning_bamboo.demo.worker")
+_shared: tuple[subprocess.Popen, str] | None = None
 
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", PRELOAD_ENV: PRELOAD, **(env or {})}
+
+def shared_fork_server() -> str:
+    """The address of this test process's shared fork server, started at the first call (``stop_shared_fork_server``
+    ends it, with every worker it forked that still runs: ``conftest.pytest_sessionfinish``)."""
+    global _shared
+    if _shared is None or _shared[0].poll() is not None:
+        import tempfile
+
+        from lightning_bamboo.launcher.forks import start_shared
+
+        address = os.path.join(tempfile.mkdtemp(prefix="bamboo-forks-"), "forks.sock")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
+        _shared = start_shared(address, SHARED_PRELOAD, env), address
+    return _shared[1]
+
+
+def stop_shared_fork_server() -> None:
+    global _shared
+    if _shared is not None:
+        import shutil
+
+        proc, address = _shared
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+        _shared = None
+
+
+def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group (children included, and the workers
+    the shared fork server forked for its launchers: they die with their launcher's connection)."""
+    from lightning_bamboo.launcher import PRELOAD_ENV
+    from lightning_bamboo.launcher.forks import SHARED_ENV
+
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", PRELOAD_ENV: PRELOAD,
+                SHARED_ENV: shared_fork_server(), **(env or {})}
     full_env.pop("LOCAL_RANK", None)
     proc = subprocess.Popen(
         list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

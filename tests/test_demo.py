@@ -120,7 +120,8 @@ def test_a_node_that_joins_runs_in_a_warm_process_so_losing_every_ready_one_wait
     clean_dir, clean_weights = clean
     mark = f"BAMBOO_TEST_DEMO={tmp_path}"  # what this demo's processes inherit, and no other demo's
     report, weights = demo(tmp_path, "--preempt", "node0@3,node1@3,node2@3,node3@3", "--join", "spare1@2",
-                           "--step-delay", "0.5", env=dict([mark.split("=", 1)]))
+                           "--step-delay", "0.5", env={**dict([mark.split("=", 1)]),
+                                                       "BAMBOO_FORK_SERVER": ""})  # its own server, marked too
     assert report["steps_completed"] == STEPS and report["preemptions"] == 4 and report["joins"] == 1
     assert report["recoveries"] == {"redundant": 0, "checkpoint": 0, "restart": 1}  # no checkpoint before step 8
     assert report["processes_pooled"] >= 1

@@ -8,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from lightning_bamboo.launcher.forks import ForkServer
+from lightning_bamboo.launcher.forks import ForkServer, ForkServerRefused, start_shared
 from tests.helpers import REPO
 
 PROBE = "tests.scripts.fork_probe"
@@ -98,6 +99,60 @@ def test_a_script_is_forked_as_python_would_run_it(tmp_path):
         assert report["main"] == "__main__" and report["fds"] == [0, 1, 2, 3]
     finally:
         forks.close()
+
+
+@pytest.fixture
+def shared(tmp_path_factory):
+    """A shared server (``start_shared``) that imported torch in an environment of two threads."""
+    address = str(tmp_path_factory.mktemp("shared") / "forks.sock")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    proc = start_shared(address, ["torch"], env)
+    yield address, env
+    proc.kill()
+    proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    from lightning_bamboo.membership.node import process_alive
+
+    return process_alive(pid)
+
+
+@pytest.mark.timeout(120)
+def test_a_shared_server_forks_for_each_launcher_its_own_workers_and_reports_each_exit_to_its_launcher(shared, tmp_path):
+    """Two launchers at one shared server: each worker gets its own environment (its thread count too, though torch
+    was imported with another), arguments and status, reported to the launcher that asked for it."""
+    address, env = shared
+    first = ForkServer(["torch"], env, runs=[PROBE], address=address)
+    second = ForkServer(["torch"], {**env, "OMP_NUM_THREADS": "1"}, runs=[PROBE], address=address)
+    try:
+        a, a_out = _probe(first, tmp_path, "3", PROBE_NAME="a", OMP_NUM_THREADS="1")
+        b, b_out = _probe(second, tmp_path, "4", PROBE_NAME="b")
+        assert a.wait(60) == 3 and b.wait(60) == 4
+        got_a, got_b = _report(a_out), _report(b_out)
+        assert (got_a["pid"], got_a["env"], got_a["argv"], got_a["threads"]) == (a.pid, {"PROBE_NAME": "a"}, ["3"], 1)
+        # no thread count given: the one torch was imported with, as a python of its own would take from the variable
+        assert (got_b["env"], got_b["argv"], got_b["threads"]) == ({"PROBE_NAME": "b"}, ["4"], 2)
+        assert got_a["fds"] == [0, 1, 2, 3] and got_a["main"] == "__main__"  # nothing of the server or its clients
+        sleeping, _ = _probe(second, tmp_path, "sleep")
+        assert _alive(sleeping.pid)
+    finally:
+        first.close()
+    assert _alive(sleeping.pid)  # the other launcher's worker runs on
+    second.close()  # its launcher is gone: so is its worker
+    deadline = time.monotonic() + 30
+    while _alive(sleeping.pid):
+        assert time.monotonic() < deadline, "a worker outlived the connection of the launcher that started it"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_whose_workers_import_differently_is_refused_by_the_shared_server(shared):
+    address, env = shared
+    with pytest.raises(ForkServerRefused, match=r"imported with \{'PYTHONPATH': \('/elsewhere',"):
+        ForkServer(["torch"], {**env, "PYTHONPATH": "/elsewhere"}, address=address)
+    with pytest.raises(ForkServerRefused, match="no shared fork server at"):
+        ForkServer(["torch"], env, address=address + ".gone")
 
 
 def test_preload_is_refused_for_a_module_it_cannot_import_and_on_a_machine_with_gpus(monkeypatch):

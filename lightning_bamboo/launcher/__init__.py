@@ -476,7 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preload", default=os.environ.get(PRELOAD_ENV, ""), metavar="MODULES",
                         help="comma-separated modules (e.g. torch,lightning,deepspeed) imported once by one interpreter "
                              "whose forks are the workers (python SCRIPT.py or python -m MODULE): each starts in "
-                             f"milliseconds instead of seconds of imports. Machines without GPUs only. Default: ${PRELOAD_ENV}")
+                             f"milliseconds instead of seconds of imports. Machines without GPUs only. Default: ${PRELOAD_ENV}. With "
+                             "$BAMBOO_FORK_SERVER, at that shared interpreter (launcher.forks.start_shared) if it fits")
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print what would run, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     args = parser.parse_args(argv)

@@ -156,10 +156,17 @@ class Cluster:
         self._reporter = Registry(self.store, job, "launcher")
         self.forks: ForkServer | None = None
         if preload:
-            from lightning_bamboo.launcher.forks import ForkServer
+            from lightning_bamboo.launcher.forks import SHARED_ENV, ForkServer, ForkServerRefused
 
-            self.forks = ForkServer(preload, self.env, log=preload_log, runs=preload_runs,
-                                    scripts=preload_runs is not None and "*" in preload_runs)
+            runs, scripts = preload_runs, preload_runs is not None and "*" in preload_runs
+            shared = self.env.get(SHARED_ENV)
+            if shared:  # a server of this machine's that imported already (``forks.start_shared``), if it fits
+                try:
+                    self.forks = ForkServer(preload, self.env, runs=runs, scripts=scripts, address=shared)
+                except ForkServerRefused as err:
+                    print(f"[launcher] {err}", file=sys.stderr, flush=True)
+            if self.forks is None:
+                self.forks = ForkServer(preload, self.env, log=preload_log, runs=runs, scripts=scripts)
 
     def start_process(self, command: Sequence[str], env: Mapping[str, str], **popen: Any) -> Worker:
         """A process of ``command`` with ``env``: forked from the preloaded interpreter where it runs one of its

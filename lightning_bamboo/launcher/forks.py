@@ -17,6 +17,13 @@ to the process that asked for the fork, where :class:`ForkedProcess` stands for 
 
 The server dies with the process that started it (``PR_SET_DEATHSIG``); a child whose server is gone is
 reported as killed once it has ended.
+
+A machine that runs many short jobs one after another (a test suite: each job's server would import the same modules
+again, 4-5 s of a core and as long before its first worker runs) can keep one *shared* server instead
+(:func:`start_shared`, its address in ``$BAMBOO_FORK_SERVER``): a launcher asked to preload forks its workers there,
+if that server imported in the environment the launcher's workers have (``IMPORT_VARS``), else it starts its own.
+Its workers are not the launcher's descendants, nor in its process group: a launcher that ends, however it ends, takes
+the workers it started there with it (the server kills them once their launcher's connection is gone).
 """
 
 from __future__ import annotations
@@ -38,6 +45,16 @@ from multiprocessing.reduction import recvfds, sendfds
 from typing import IO, Any
 
 from lightning_bamboo.membership.node import die_with_parent, process_alive
+
+#: the address (a Unix socket's path) of a shared fork server (``start_shared``) that launchers asked to preload use
+SHARED_ENV = "BAMBOO_FORK_SERVER"
+#: the variables that decide what an import does: a shared server forks only for a launcher whose workers' environment
+#: has the values it imported with
+IMPORT_VARS = ("PYTHONPATH", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED", "PYTHONSAFEPATH")
+
+
+class ForkServerRefused(OSError):
+    """A shared fork server imported its modules in another environment (or is gone): start one of your own."""
 
 
 class ForkedProcess:
@@ -88,19 +105,25 @@ class ForkServer:
     """
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str], log: int | IO[Any] = subprocess.DEVNULL,
-                 runs: Sequence[str] | None = None, scripts: bool = False) -> None:
+                 runs: Sequence[str] | None = None, scripts: bool = False, address: str | None = None) -> None:
         """``log``: where the server's own output goes (what the modules print when imported); ``runs``: the
         modules it runs (``("*",)``: any); ``scripts``: it also forks ``python SCRIPT.py ARGS`` (the script run as
-        ``__main__``, its directory first on ``sys.path``)."""
+        ``__main__``, its directory first on ``sys.path``). ``address``: fork at the shared server there
+        (``start_shared``) instead of starting one; ``ForkServerRefused`` if it imported in another environment
+        than ``env``'s (``IMPORT_VARS``) or is gone."""
         self.modules = tuple(modules)
         self.runs = tuple(self.modules if runs is None else runs)
         self.scripts = scripts
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        code = f"from lightning_bamboo.launcher.forks import serve; serve({theirs.fileno()}, {list(self.modules)!r})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=dict(env), pass_fds=(theirs.fileno(),),
-                                     close_fds=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-        theirs.close()
-        self._sock, self._conn = mine, Connection(os.dup(mine.fileno()))
+        self.proc: subprocess.Popen[bytes] | None = None
+        if address is None:
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            code = f"from lightning_bamboo.launcher.forks import serve; serve({theirs.fileno()}, {list(self.modules)!r})"
+            self.proc = subprocess.Popen([sys.executable, "-c", code], env=dict(env), pass_fds=(theirs.fileno(),),
+                                         close_fds=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            theirs.close()
+            self._sock, self._conn = mine, Connection(os.dup(mine.fileno()))
+        else:
+            self._sock, self._conn = _greet(address, env)
         self._lock = threading.Lock()  # one fork request at a time: its pid answers it
         self._exits = threading.Lock()  # the children and the exits that came before their pid was read
         self._children: dict[int, ForkedProcess] = {}
@@ -162,15 +185,60 @@ class ForkServer:
             self._pids.put(None)
 
     def close(self) -> None:
-        """End the server (its children run on, as a ``python`` started by this process would)."""
+        """End the server (its children run on, as a ``python`` started by this process would); a shared server's
+        connection instead (it kills the children it forked for this one that still run)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # the reader's wait ends, and the server sees the end at once
         with contextlib.suppress(OSError):
             self._conn.close()
         with contextlib.suppress(OSError):
             self._sock.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
         self._reader.join(5.0)
+
+
+def _greet(address: str, env: Mapping[str, str]) -> tuple[socket.socket, Connection]:
+    """A connection to the shared server at ``address``, which said it imported in ``env``'s ``IMPORT_VARS``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)
+        conn = Connection(os.dup(sock.fileno()))
+        try:
+            conn.send_bytes(json.dumps({k: env.get(k) for k in IMPORT_VARS}).encode())
+            ok, reason = json.loads(conn.recv_bytes())  # once its imports are done
+        except BaseException:
+            conn.close()
+            raise
+        if not ok:
+            conn.close()
+            raise ForkServerRefused(reason)
+        return sock, conn
+    except (OSError, EOFError, ValueError) as err:
+        sock.close()
+        if isinstance(err, ForkServerRefused):
+            raise
+        raise ForkServerRefused(f"no shared fork server at {address}: {err}") from err
+
+
+def start_shared(address: str, modules: Sequence[str], env: Mapping[str, str],
+                 log: int | IO[Any] = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    """Start a fork server that imports ``modules`` in ``env`` and forks workers for every launcher that connects
+    to ``address`` (a Unix socket's path, bound before the imports begin: a launcher that connects early waits for
+    them). It dies with this process; ending it kills every worker it forked that still runs."""
+    code = f"from lightning_bamboo.launcher.forks import serve_shared; serve_shared({address!r}, {list(modules)!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(env), close_fds=True, stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=log)
+    deadline = time.monotonic() + 30.0
+    while not os.path.exists(address):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise OSError(f"the shared fork server did not listen at {address} (exit {proc.returncode})")
+        time.sleep(0.01)
+    return proc
 
 
 def _fileno(stream: int | IO[Any]) -> int:
@@ -215,7 +283,8 @@ def serve(fd: int, modules: Sequence[str]) -> None:
             return
 
 
-def _reap(conn: Connection) -> None:
+def _reap(conn: Connection | dict[int, Connection]) -> None:
+    """Report each child that exited to ``conn`` (or to the connection its pid maps to: a shared server's)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -223,8 +292,84 @@ def _reap(conn: Connection) -> None:
             return
         if pid == 0:
             return
+        to = conn.pop(pid, None) if isinstance(conn, dict) else conn
+        if to is not None:
+            with contextlib.suppress(OSError):
+                to.send_bytes(json.dumps(["exit", pid, os.waitstatus_to_exitcode(status)]).encode())
+
+
+def serve_shared(address: str, modules: Sequence[str]) -> None:
+    """A shared server's loop (``start_shared``): listen at ``address``, import ``modules``, then answer each
+    launcher that connects (whether its workers' environment is the one imported in) and fork its workers."""
+    import gc
+    import importlib
+
+    from lightning_bamboo.membership.node import descendants
+
+    die_with_parent(True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    for module in modules:
+        importlib.import_module(module)
+    gc.freeze()
+    imported = {k: os.environ.get(k) for k in IMPORT_VARS}
+    clients: dict[Connection, socket.socket] = {}
+    owners: dict[int, Connection] = {}  # each running child's launcher
+
+    def drop(conn: Connection) -> None:
+        """A launcher's connection is gone: so are the workers it started here that still run."""
+        for pid in [p for p, c in owners.items() if c is conn]:
+            for member in [pid, *descendants(pid)]:
+                with contextlib.suppress(OSError):
+                    os.kill(member, signal.SIGKILL)
         with contextlib.suppress(OSError):
-            conn.send_bytes(json.dumps(["exit", pid, os.waitstatus_to_exitcode(status)]).encode())
+            conn.close()
+        with contextlib.suppress(OSError):
+            clients.pop(conn).close()
+
+    while True:
+        ready, _, _ = select.select([listener, *clients], [], [], 0.05)
+        _reap(owners)
+        for source in ready:
+            if source is listener:
+                sock, _ = listener.accept()
+                conn = Connection(os.dup(sock.fileno()))
+                try:
+                    theirs = json.loads(conn.recv_bytes())
+                    differ = {k: (theirs.get(k), v) for k, v in imported.items() if theirs.get(k) != v}
+                    conn.send_bytes(json.dumps([not differ, f"the shared fork server imported with {differ} "
+                                                            "(yours, its): start a server of your own"]).encode())
+                except (EOFError, OSError, ValueError, AttributeError):
+                    differ = {"": None}
+                if differ:
+                    conn.close()
+                    sock.close()
+                else:
+                    clients[conn] = sock
+                continue
+            conn = source
+            try:
+                request = json.loads(conn.recv_bytes())
+                out, err = recvfds(clients[conn], 2)
+            except (EOFError, OSError, ValueError):
+                drop(conn)
+                continue
+            pid = os.fork()
+            if pid == 0:
+                die_with_parent(True)  # ending the shared server ends what it forked
+                listener.close()
+                for other, sock in clients.items():
+                    other.close()
+                    sock.close()
+                _become_worker(request, out, err)  # raises SystemExit: the interpreter ends as the worker's
+            os.close(out)
+            os.close(err)
+            owners[pid] = conn
+            try:
+                conn.send_bytes(json.dumps(["pid", pid, None]).encode())
+            except OSError:
+                drop(conn)
 
 
 def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
@@ -245,6 +390,10 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh interpreter's own: never its siblings'
+    torch = sys.modules.get("torch")
+    threads = request["env"].get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # read when torch was imported: the server's value, not this worker's
     module, script = request["module"], request["script"]
     # the command line it stands for (a released node starts it again with it: membership.node.rejoin_as_standby)
     sys.orig_argv = [sys.executable, *(["-m", module] if module else [script]), *request["argv"]]
