@@ -42,7 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from lightning_bamboo.membership.node import die_with_parent, process_alive
 
@@ -329,7 +329,8 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
             clients.pop(conn).close()
 
     while True:
-        ready, _, _ = select.select([listener, *clients], [], [], 0.05)
+        waited: list[Any] = [listener, *clients]
+        ready, _, _ = select.select(waited, [], [], 0.05)
         _reap(owners)
         for source in ready:
             if source is listener:
@@ -341,14 +342,14 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
                     conn.send_bytes(json.dumps([not differ, f"the shared fork server imported with {differ} "
                                                             "(yours, its): start a server of your own"]).encode())
                 except (EOFError, OSError, ValueError, AttributeError):
-                    differ = {"": None}
+                    differ = {"": (None, None)}
                 if differ:
                     conn.close()
                     sock.close()
                 else:
                     clients[conn] = sock
                 continue
-            conn = source
+            conn = cast(Connection, source)
             try:
                 request = json.loads(conn.recv_bytes())
                 out, err = recvfds(clients[conn], 2)
