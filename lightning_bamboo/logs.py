@@ -55,13 +55,18 @@ def install() -> None:
     handler = _WhenUnconfigured(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
     logger.addHandler(handler)
+    read_level()
+
+
+def read_level() -> None:
+    """The ``lightning_bamboo`` logger's level from ``BAMBOO_LOG_LEVEL`` (unset: inherited). Read at import, and again
+    by a worker forked from an interpreter that imported in another environment (``launcher.forks``)."""
     level = os.environ.get("BAMBOO_LOG_LEVEL", "").upper()
-    if level:
-        if not isinstance(logging.getLevelName(level), int):
-            raise BambooConfigError(
-                f"BAMBOO_LOG_LEVEL={level!r} is not a logging level; use DEBUG, INFO, WARNING or ERROR, or unset it"
-            )
-        logger.setLevel(level)
+    if level and not isinstance(logging.getLevelName(level), int):
+        raise BambooConfigError(
+            f"BAMBOO_LOG_LEVEL={level!r} is not a logging level; use DEBUG, INFO, WARNING or ERROR, or unset it"
+        )
+    logging.getLogger(LOGGER).setLevel(level or logging.NOTSET)
 
 
 class _DropLines:

@@ -230,7 +230,9 @@ def test_etcd_store_restarted_mid_run(clean, tmp_path):
 
         watcher = threading.Thread(target=restart_when_training, daemon=True)
         watcher.start()
-        report, weights = demo(tmp_path, "--store", etcd.url, "--preempt", "node2@12")
+        # node2's kill is announced by its launcher at once; the leases (0.8 of the detection timeout) must only
+        # outlast the store's restart, which on a loaded machine (two test files at a time) took longer than 4 s
+        report, weights = demo(tmp_path, "--store", etcd.url, "--preempt", "node2@12", "--detection-timeout", "20")
         watcher.join(5)
     assert restarted.is_set(), "etcd was not restarted during the run"
     assert report["steps_completed"] == STEPS and report["recoveries"]["redundant"] == 1

@@ -4,6 +4,7 @@ their own environment, arguments, output, random state and exit status, real sig
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -103,10 +104,12 @@ def test_a_script_is_forked_as_python_would_run_it(tmp_path):
 
 @pytest.fixture
 def shared(tmp_path_factory):
-    """A shared server (``start_shared``) that imported torch in an environment of two threads."""
+    """A shared server (``start_shared``) that imported torch and lightning_bamboo in an environment of two threads
+    and ERROR logs."""
     address = str(tmp_path_factory.mktemp("shared") / "forks.sock")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
-    proc = start_shared(address, ["torch"], env)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2",
+           "BAMBOO_LOG_LEVEL": "ERROR"}
+    proc = start_shared(address, ["torch", "lightning_bamboo.logs"], env)
     yield address, env
     proc.kill()
     proc.wait()
@@ -121,16 +124,17 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(120)
 def test_a_shared_server_forks_for_each_launcher_its_own_workers_and_reports_each_exit_to_its_launcher(shared, tmp_path):
     """Two launchers at one shared server: each worker gets its own environment (its thread count too, though torch
-    was imported with another), arguments and status, reported to the launcher that asked for it."""
+    was imported with another, and its log level), arguments and status, reported to the launcher that asked for it."""
     address, env = shared
     first = ForkServer(["torch"], env, runs=[PROBE], address=address)
     second = ForkServer(["torch"], {**env, "OMP_NUM_THREADS": "1"}, runs=[PROBE], address=address)
     try:
-        a, a_out = _probe(first, tmp_path, "3", PROBE_NAME="a", OMP_NUM_THREADS="1")
+        a, a_out = _probe(first, tmp_path, "3", PROBE_NAME="a", OMP_NUM_THREADS="1", BAMBOO_LOG_LEVEL="INFO")
         b, b_out = _probe(second, tmp_path, "4", PROBE_NAME="b")
         assert a.wait(60) == 3 and b.wait(60) == 4
         got_a, got_b = _report(a_out), _report(b_out)
         assert (got_a["pid"], got_a["env"], got_a["argv"], got_a["threads"]) == (a.pid, {"PROBE_NAME": "a"}, ["3"], 1)
+        assert (got_a["log_level"], got_b["log_level"]) == (logging.INFO, logging.NOTSET)  # theirs, not the server's
         # no thread count given: the one torch was imported with, as a python of its own would take from the variable
         assert (got_b["env"], got_b["argv"], got_b["threads"]) == ({"PROBE_NAME": "b"}, ["4"], 2)
         assert got_a["fds"] == [0, 1, 2, 3] and got_a["main"] == "__main__"  # nothing of the server or its clients
@@ -153,6 +157,40 @@ def test_a_launcher_whose_workers_import_differently_is_refused_by_the_shared_se
         ForkServer(["torch"], {**env, "PYTHONPATH": "/elsewhere"}, address=address)
     with pytest.raises(ForkServerRefused, match="no shared fork server at"):
         ForkServer(["torch"], env, address=address + ".gone")
+
+
+@pytest.mark.timeout(120)
+def test_lightnings_launcher_forks_the_other_ranks_at_the_shared_server(shared, monkeypatch, capfd):
+    """``Trainer(strategy="bamboo", devices=N)`` under Lightning's own launcher, with ``BAMBOO_PRELOAD`` and a shared
+    server: rank 1 is a fork of the server (its child, not this process's), running this program again with
+    Lightning's rank variables, and reports its exit as a process of its own would."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    import __main__
+    from lightning_bamboo.strategy.patches import make_launcher_class
+
+    address, env = shared
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    monkeypatch.setenv("DS_ACCELERATOR", env["DS_ACCELERATOR"])  # imported as the server did, else it is refused
+    monkeypatch.setenv("BAMBOO_PRELOAD", "torch")
+    monkeypatch.setenv("BAMBOO_FORK_SERVER", address)
+    monkeypatch.setattr(sys, "argv", [str(REPO / "tests" / "scripts" / "fork_probe.py"), "7"])
+    monkeypatch.setattr(__main__, "__spec__", None)  # as under python SCRIPT.py
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    launcher = make_launcher_class(_SubprocessScriptLauncher)(LightningEnvironment(), num_processes=2, num_nodes=1)
+    launcher._call_children_scripts()
+    (child,) = launcher.procs
+    assert child.wait(60) == 7 and child.returncode == 7
+    report = _report_of(capfd.readouterr().out)
+    assert report["pid"] == child.pid and report["argv"] == ["7"] and report["local_rank"] == "1"
+    assert report["ppid"] != os.getpid() and report["threads"] is not None  # the server's child, torch preloaded
+    assert os.environ["WORLD_SIZE"] == "2" and os.environ["LOCAL_RANK"] == "0"  # this rank's, as Lightning sets them
+
+
+def _report_of(output: str) -> dict:
+    return json.loads(next(line for line in output.splitlines() if line.startswith("{")))
 
 
 def test_preload_is_refused_for_a_module_it_cannot_import_and_on_a_machine_with_gpus(monkeypatch):

@@ -105,12 +105,14 @@ class ForkServer:
     """
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str], log: int | IO[Any] = subprocess.DEVNULL,
-                 runs: Sequence[str] | None = None, scripts: bool = False, address: str | None = None) -> None:
+                 runs: Sequence[str] | None = None, scripts: bool = False, address: str | None = None,
+                 detached: bool = False) -> None:
         """``log``: where the server's own output goes (what the modules print when imported); ``runs``: the
         modules it runs (``("*",)``: any); ``scripts``: it also forks ``python SCRIPT.py ARGS`` (the script run as
         ``__main__``, its directory first on ``sys.path``). ``address``: fork at the shared server there
         (``start_shared``) instead of starting one; ``ForkServerRefused`` if it imported in another environment
-        than ``env``'s (``IMPORT_VARS``) or is gone."""
+        than ``env``'s (``IMPORT_VARS``) or is gone. ``detached``: the workers forked there run on when this
+        process ends (as Lightning's own launcher leaves its other ranks), instead of ending with it."""
         self.modules = tuple(modules)
         self.runs = tuple(self.modules if runs is None else runs)
         self.scripts = scripts
@@ -123,7 +125,7 @@ class ForkServer:
             theirs.close()
             self._sock, self._conn = mine, Connection(os.dup(mine.fileno()))
         else:
-            self._sock, self._conn = _greet(address, env)
+            self._sock, self._conn = _greet(address, env, detached)
         self._lock = threading.Lock()  # one fork request at a time: its pid answers it
         self._exits = threading.Lock()  # the children and the exits that came before their pid was read
         self._children: dict[int, ForkedProcess] = {}
@@ -200,14 +202,15 @@ class ForkServer:
         self._reader.join(5.0)
 
 
-def _greet(address: str, env: Mapping[str, str]) -> tuple[socket.socket, Connection]:
-    """A connection to the shared server at ``address``, which said it imported in ``env``'s ``IMPORT_VARS``."""
+def _greet(address: str, env: Mapping[str, str], detached: bool = False) -> tuple[socket.socket, Connection]:
+    """A connection to the shared server at ``address``, which said it imported in ``env``'s ``IMPORT_VARS``
+    (``detached``: its workers outlive the connection)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(address)
         conn = Connection(os.dup(sock.fileno()))
         try:
-            conn.send_bytes(json.dumps({k: env.get(k) for k in IMPORT_VARS}).encode())
+            conn.send_bytes(json.dumps({"vars": {k: env.get(k) for k in IMPORT_VARS}, "detached": detached}).encode())
             ok, reason = json.loads(conn.recv_bytes())  # once its imports are done
         except BaseException:
             conn.close()
@@ -316,10 +319,11 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
     imported = {k: os.environ.get(k) for k in IMPORT_VARS}
     clients: dict[Connection, socket.socket] = {}
     owners: dict[int, Connection] = {}  # each running child's launcher
+    detached: set[Connection] = set()  # launchers whose workers run on without them
 
     def drop(conn: Connection) -> None:
-        """A launcher's connection is gone: so are the workers it started here that still run."""
-        for pid in [p for p, c in owners.items() if c is conn]:
+        """A launcher's connection is gone: so are the workers it started here that still run (unless detached)."""
+        for pid in [p for p, c in owners.items() if c is conn and conn not in detached]:
             for member in [pid, *descendants(pid)]:
                 with contextlib.suppress(OSError):
                     os.kill(member, signal.SIGKILL)
@@ -327,6 +331,7 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
             conn.close()
         with contextlib.suppress(OSError):
             clients.pop(conn).close()
+        detached.discard(conn)
 
     while True:
         waited: list[Any] = [listener, *clients]
@@ -337,17 +342,20 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
                 sock, _ = listener.accept()
                 conn = Connection(os.dup(sock.fileno()))
                 try:
-                    theirs = json.loads(conn.recv_bytes())
+                    hello = json.loads(conn.recv_bytes())
+                    theirs = hello["vars"]
                     differ = {k: (theirs.get(k), v) for k, v in imported.items() if theirs.get(k) != v}
                     conn.send_bytes(json.dumps([not differ, f"the shared fork server imported with {differ} "
                                                             "(yours, its): start a server of your own"]).encode())
-                except (EOFError, OSError, ValueError, AttributeError):
+                except (EOFError, OSError, ValueError, AttributeError, KeyError, TypeError):
                     differ = {"": (None, None)}
                 if differ:
                     conn.close()
                     sock.close()
                 else:
                     clients[conn] = sock
+                    if hello.get("detached"):
+                        detached.add(conn)
                 continue
             conn = cast(Connection, source)
             try:
@@ -391,6 +399,9 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh interpreter's own: never its siblings'
+    logs = sys.modules.get("lightning_bamboo.logs")
+    if logs is not None:
+        logs.read_level()  # read at import: the server's environment's, not this worker's
     torch = sys.modules.get("torch")
     threads = request["env"].get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:

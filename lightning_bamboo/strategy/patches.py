@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -101,12 +102,72 @@ class _PreflightLauncherMixin:
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
+class _ForkedRanksMixin:
+    """Lightning's script launcher starts the other local ranks as ``python`` processes of their own, each importing
+    torch, DeepSpeed and Lightning again (4-5 s of a core). On a machine without GPUs, with ``BAMBOO_PRELOAD`` set
+    and a shared fork server at ``BAMBOO_FORK_SERVER`` (``launcher.forks.start_shared``), they are forks of that
+    server instead: the same command, environment and output, no imports. They run on when this rank ends, as
+    processes of their own would. Anywhere else (and under Hydra) Lightning starts them itself."""
+
+    cluster_environment: Any
+    num_processes: int
+    num_nodes: int
+    procs: list[Any]
+
+    def _call_children_scripts(self) -> None:
+        forks = _shared_forks()
+        if forks is None:
+            return super()._call_children_scripts()  # type: ignore[misc]
+        import __main__
+
+        self._check_can_spawn_children()  # type: ignore[attr-defined]
+        os.environ.update({  # this rank's, as Lightning sets them
+            "MASTER_ADDR": self.cluster_environment.main_address, "MASTER_PORT": str(self.cluster_environment.main_port),
+            "NODE_RANK": str(self.cluster_environment.node_rank()), "LOCAL_RANK": str(self.cluster_environment.local_rank()),
+            "WORLD_SIZE": str(self.num_processes * self.num_nodes)})
+        spec = getattr(__main__, "__spec__", None)  # this program again: python -m MODULE, or python SCRIPT
+        command = ([sys.executable, "-m", spec.name] if spec is not None else
+                   [sys.executable, os.path.abspath(sys.argv[0])]) + sys.argv[1:]
+        if not forks.accepts(command):
+            forks.close()
+            return super()._call_children_scripts()  # type: ignore[misc]
+        self.procs = [forks.start(command, {**os.environ, "LOCAL_RANK": str(local_rank)})
+                      for local_rank in range(1, self.num_processes)]
+
+
+def _shared_forks() -> Any:
+    """A connection to this machine's shared fork server where ranks may be forked there (see ``_ForkedRanksMixin``),
+    else None."""
+    from lightning_bamboo.launcher import PRELOAD_ENV
+    from lightning_bamboo.launcher.cluster import visible_gpus
+    from lightning_bamboo.launcher.forks import SHARED_ENV, ForkServer, ForkServerRefused
+
+    preload = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    address = os.environ.get(SHARED_ENV, "")
+    if not preload or not address or visible_gpus() or _hydra_in_use():
+        return None
+    try:
+        return ForkServer(preload, os.environ, runs=("*",), scripts=True, address=address, detached=True)
+    except ForkServerRefused:
+        return None
+
+
+def _hydra_in_use() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return False
+    return bool(HydraConfig.initialized())
+
+
 _LAUNCHERS: dict[type, type] = {}
 
 
 def make_launcher_class(base: type) -> type:
     if base not in _LAUNCHERS:
-        _LAUNCHERS[base] = type(f"Bamboo{base.__name__.lstrip('_')}", (_PreflightLauncherMixin, base), {})
+        mixins = (_PreflightLauncherMixin, _ForkedRanksMixin) if hasattr(base, "_call_children_scripts") else (
+            _PreflightLauncherMixin,)
+        _LAUNCHERS[base] = type(f"Bamboo{base.__name__.lstrip('_')}", (*mixins, base), {})
     return _LAUNCHERS[base]
 
 
