@@ -178,7 +178,8 @@ def test_lightnings_launcher_forks_the_other_ranks_at_the_shared_server(shared, 
     monkeypatch.setattr(sys, "argv", [str(REPO / "tests" / "scripts" / "fork_probe.py"), "7"])
     monkeypatch.setattr(__main__, "__spec__", None)  # as under python SCRIPT.py
     for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that what the launcher sets below is undone after the test
+        monkeypatch.delenv(name)  # (left set, a later Trainer in this process believes it was launched by torchrun)
     launcher = make_launcher_class(_SubprocessScriptLauncher)(LightningEnvironment(), num_processes=2, num_nodes=1)
     launcher._call_children_scripts()
     (child,) = launcher.procs
