@@ -157,6 +157,11 @@ def test_a_launcher_whose_workers_import_differently_is_refused_by_the_shared_se
         ForkServer(["torch"], {**env, "PYTHONPATH": "/elsewhere"}, address=address)
     with pytest.raises(ForkServerRefused, match="no shared fork server at"):
         ForkServer(["torch"], env, address=address + ".gone")
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:  # connects and never greets
+        silent.connect(address)
+        ForkServer(["torch"], env, address=address).close()  # served all the same, within the greeting's wait
 
 
 @pytest.mark.timeout(120)

@@ -53,6 +53,10 @@ SHARED_ENV = "BAMBOO_FORK_SERVER"
 IMPORT_VARS = ("PYTHONPATH", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED", "PYTHONSAFEPATH")
 
 
+#: how long a shared server waits for a connecting launcher's greeting before it closes the connection
+GREETING_SECONDS = 5.0
+
+
 class ForkServerRefused(OSError):
     """A shared fork server imported its modules in another environment (or is gone): start one of your own."""
 
@@ -342,6 +346,8 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
                 sock, _ = listener.accept()
                 conn = Connection(os.dup(sock.fileno()))
                 try:
+                    if not conn.poll(GREETING_SECONDS):  # one that never greets must not hold every other launcher
+                        raise EOFError("no greeting")
                     hello = json.loads(conn.recv_bytes())
                     theirs = hello["vars"]
                     differ = {k: (theirs.get(k), v) for k, v in imported.items() if theirs.get(k) != v}
