@@ -254,6 +254,22 @@ def test_two_pipelines_with_a_kill_end_within_float_rounding(tmp_path):
     assert meta["data_position"] == clean_meta["data_position"] == STEPS * 8
 
 
+def _wait_until_standing_by(url, job, node, proc, timeout=60.0):
+    """Until ``node`` is registered as a standby of ``job`` in the store at ``url`` (its launcher ``proc`` alive)."""
+    from lightning_bamboo.membership import connect
+    from lightning_bamboo.membership.keys import JobKeys
+
+    store, key = connect(url), JobKeys(job).standby(node)
+    deadline = time.monotonic() + timeout
+    try:
+        while store.get(key) is None:
+            assert proc.poll() is None, f"the standby launcher exited with {proc.returncode} before standing by"
+            assert time.monotonic() < deadline, f"{node} did not stand by within {timeout} s"
+            time.sleep(0.1)
+    finally:
+        store.close()
+
+
 def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_exact(tmp_path, clean):
     """``"rebalance": true``: four nodes (a local launcher) and a fifth machine standing by (``--node node4 --join``,
     another launcher on the same store). node2 is killed at step 5; node1 serves its stage from the replica, and at
@@ -273,6 +289,7 @@ def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_
                                     "--node", "node4", "--join", *command], cwd=REPO, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"})
+        _wait_until_standing_by(url, "door", "node4", standby)  # else the kill may come before it stands by
         proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--store", url, "--job", "door",
                     *command], timeout=240, env=faults.environment(["node2@5"]))
         joined, _ = standby.communicate(timeout=60)
