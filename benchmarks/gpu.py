@@ -172,6 +172,9 @@ def node(out: Path, steps: int, redundancy: str) -> None:
         def training_state(self):
             return {"step": self.step}
 
+        def global_micro_batches(self):
+            return None
+
     host = Host()
     runner = PipelineRunner(BambooConfig(redundancy=redundancy, micro_batch_size=MICRO, seed=0, timeout=60.0,
                                          detection_timeout=3.0), host, device=DEVICE)

@@ -302,13 +302,13 @@ def test_no_module_reads_another_modules_private_attribute():
 #: shrink (issue 43: a runner that composes a stage and a session), never to grow by accident.
 RUNNER_OPERATIONS = (
     "admit_standby agree audit before_step before_step_hooks between_steps checkpoint_shard close configure enter "
-    "enter_group eval_step fail_over failovers finish gather layer_costs load_optimizer load_weights micro_batches "
+    "enter_group eval_step fail_over failovers finish gather global_micro_batches layer_costs load_optimizer load_weights micro_batches "
     "node nodes open_session pipeline_rank pipelines precision_meta probe publish rebuild reconfigure require_session "
     "require_stage resilient resolve_precision resume_from resumed save seed split standby start start_admitted "
     "start_without_lost train_step wait_admission"
 ).split()
 #: ... and its public fields (assigned in ``__init__``)
-RUNNER_FIELDS = ("audits backend catching_up config depth device engine global_micro_batches gradient_clipping host "
+RUNNER_FIELDS = ("audits backend catching_up config depth device engine gradient_clipping host "
                  "layer_names layout model param_counts precision rank session").split()
 
 

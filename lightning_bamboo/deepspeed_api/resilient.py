@@ -66,6 +66,8 @@ class _Host:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.meta: Any = None  # () -> the training state a joining node gets (set by the engine)
+        #: micro-batches per step over all pipelines: every node draws the global batch (set by the engine)
+        self.micro_batches_per_step: int | None = None
 
     def global_step(self) -> int:
         return self.step
@@ -91,6 +93,9 @@ class _Host:
 
     def training_state(self) -> dict[str, Any]:
         return self.meta() if self.meta is not None else {}
+
+    def global_micro_batches(self) -> int | None:
+        return self.micro_batches_per_step
 
 
 def optimizer_factory(config: dict[str, Any], optimizer: Any) -> Any:
@@ -182,12 +187,12 @@ class ResilientPipelineEngine:
         )
         self.host = _Host(optimizer_factory(config, optimizer), scheduler_factory(config, lr_scheduler))
         self.host.meta = self._meta
+        self.host.micro_batches_per_step = accumulation * self.pipelines_at_start
         device = torch.device("cpu")
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         self.runner = runner = PipelineRunner(self.config, self.host, device=device)
         runner.session = _SESSION.pop("session", None) or runner.open_session()
-        runner.global_micro_batches = accumulation * self.pipelines_at_start
         self.rebalancer = from_config(options["rebalance"])
         self.training_dataloader = self._loader(training_data, collate_fn, micro) if training_data is not None else None
         self._data: Iterator[Any] | None = None

@@ -44,3 +44,8 @@ class RunnerHost(Protocol):
 
     def training_state(self) -> dict[str, Any]:
         """The training state a joining node needs besides weights (loops, schedulers, data cursor)."""
+
+    def global_micro_batches(self) -> int | None:
+        """Micro-batches per step over all pipelines when every node loads each step's whole global batch (the
+        number of pipelines may then change between steps: a reconfiguration splits them anew); None when each
+        pipeline loads its own batches (the number of pipelines is fixed)."""

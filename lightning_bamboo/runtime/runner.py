@@ -49,9 +49,6 @@ class PipelineRunner(NodeStage):
         #: a node joining a running job, between its admission and its first step: the running nodes are past
         #: the barriers and broadcasts of the framework's start-up (they are training), so it meets them alone
         self.catching_up = False
-        #: micro-batches per step over all pipelines when the data is loaded by global steps (the number of
-        #: pipelines may change then); None: each pipeline loads its own batches (set by the host)
-        self.global_micro_batches: int | None = None
         self._resume: tuple[Any, dict[str, Any]] | None = None  # (path, meta) of the checkpoint being loaded
         self._saved_reads: dict[tuple[int, int], States] = {}  # layer files read for that resume
 
@@ -112,6 +109,12 @@ class PipelineRunner(NodeStage):
     @property
     def before_step_hooks(self) -> tuple[Callable[[PipelineRunner, int], None], ...]:
         return tuple(self._before_step)
+
+    @property
+    def global_micro_batches(self) -> int | None:
+        """Micro-batches per step over all pipelines when every node loads the global batches, else None: the
+        host's answer (:meth:`~lightning_bamboo.runtime.host.RunnerHost.global_micro_batches`), read when used."""
+        return self.host.global_micro_batches()
 
     @property
     def nodes(self) -> list[str]:

@@ -445,7 +445,6 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch = args[0] if args else kwargs["batch"]
-        self.runner.global_micro_batches = self.global_micro_batches
         with refused_quietly():  # a batch that only the step could check (an iterable dataset's)
             loss = self.runner.train_step(batch)
         # a node lost (or gone after a notice) meanwhile fails the audit's collective: fail over, audit again

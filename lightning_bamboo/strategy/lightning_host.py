@@ -56,5 +56,8 @@ class LightningHost:
     def enter_group(self, rank: int, world: int) -> None:
         self.strategy.enter_group(rank, world)
 
+    def global_micro_batches(self) -> int | None:
+        return self.strategy.global_micro_batches  # known once the training data is set up
+
     def training_state(self) -> dict[str, Any]:
         return self.strategy.checkpoint_meta(self._trainer._checkpoint_connector.dump_checkpoint(weights_only=False))

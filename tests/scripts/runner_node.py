@@ -66,6 +66,9 @@ class Host:
     def training_state(self) -> dict[str, Any]:
         return {"step": self.step}
 
+    def global_micro_batches(self) -> int | None:
+        return None  # each pipeline loads its own batches
+
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(step)
