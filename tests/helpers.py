@@ -3,6 +3,7 @@ job's output."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -137,13 +138,21 @@ def stop_shared_fork_server() -> None:
 
 def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout kill the whole process group (children included, and the workers
-    the shared fork server forked for its launchers: they die with their launcher's connection)."""
+    the shared fork server forked for its launchers: they die with their launcher's connection).
+
+    A ``python SCRIPT.py`` or ``python -m MODULE`` command is forked at the shared fork server (a job's rank 0, a
+    script refused before it starts: 4-6 s of a core importing each), unless ``env`` turns preloading off
+    (``PRELOAD_ENV: ""``: a test of processes with interpreters of their own, as on a GPU machine)."""
     from lightning_bamboo.launcher import PRELOAD_ENV
     from lightning_bamboo.launcher.forks import SHARED_ENV
 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", PRELOAD_ENV: PRELOAD,
                 SHARED_ENV: shared_fork_server(), **(env or {})}
     full_env.pop("LOCAL_RANK", None)
+    if full_env[PRELOAD_ENV] and full_env[SHARED_ENV]:
+        forked = _run_forked(cmd, timeout, full_env, cwd)
+        if forked is not None:
+            return forked
     proc = subprocess.Popen(
         list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
@@ -160,6 +169,55 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, c
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def _run_forked(cmd: Sequence[str], timeout: float, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess | None:
+    """:func:`run` by a fork of the shared fork server (None where it cannot fork ``cmd``): the same output, exit
+    status, session and clean-up as a ``subprocess.Popen(..., start_new_session=True)`` of it."""
+    import select
+    import time
+
+    from lightning_bamboo.launcher.forks import SHARED_ENV, ForkServer, ForkServerRefused
+
+    try:
+        server = ForkServer((), env, runs=("*",), scripts=True, address=env[SHARED_ENV])
+    except ForkServerRefused:
+        return None
+    try:
+        if not server.accepts(cmd):
+            return None
+        reading, writing = os.pipe()
+        try:
+            proc = server.start(cmd, env, stdout=writing, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        finally:
+            os.close(writing)
+        deadline, out = time.monotonic() + timeout, bytearray()
+        try:
+            while True:  # until every process that holds the output has closed it, as ``communicate`` reads
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    text = out.decode(errors="replace")
+                    raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{text[-4000:]}")
+                if select.select([reading], [], [], min(left, 1.0))[0]:
+                    data = os.read(reading, 1 << 16)
+                    if not data:
+                        break
+                    out += data
+            try:
+                code = proc.wait(max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{' '.join(cmd)} closed its output but did not exit; output:\n"
+                                     f"{out.decode(errors='replace')[-4000:]}") from None
+        finally:
+            os.close(reading)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # leave no child behind, whatever happened
+        text = out.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
+        return subprocess.CompletedProcess(list(cmd), code, text, None)
+    finally:
+        server.close()
 
 
 def launcher_exit_codes(output: str) -> dict[str, int]:

@@ -28,11 +28,11 @@ def server():
     forks.close()
 
 
-def _probe(server: ForkServer, tmp_path, how: str, **env: str) -> tuple[object, dict, str]:
+def _probe(server: ForkServer, tmp_path, how: str, new_session: bool = False, **env: str) -> tuple[object, dict, str]:
     out = tmp_path / f"out-{how}-{len(list(tmp_path.iterdir()))}.log"
     with open(out, "wb") as log:
         proc = server.start([sys.executable, "-m", PROBE, how], {"PYTHONPATH": str(REPO), **env}, stdout=log,
-                            stderr=subprocess.STDOUT, cwd=tmp_path)
+                            stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=new_session)
     return proc, out
 
 
@@ -45,9 +45,10 @@ def test_a_forked_worker_gets_its_own_environment_arguments_output_and_status(se
     assert server.accepts([sys.executable, "-m", PROBE, "0"]) and not server.accepts([sys.executable, "x.py"])
     assert not server.accepts([sys.executable, "-m", "json"])  # preloaded, not one it runs
     first, first_out = _probe(server, tmp_path, "3", PROBE_NAME="a")
-    second, second_out = _probe(server, tmp_path, "0", PROBE_NAME="b")
+    second, second_out = _probe(server, tmp_path, "0", new_session=True, PROBE_NAME="b")
     assert first.wait(60) == 3 and second.wait(60) == 0
     a, b = _report(first_out), _report(second_out)
+    assert not a["session_leader"] and b["session_leader"]  # start_new_session: os.killpg(pid) reaches all it starts
     assert a["pid"] == first.pid and b["pid"] == second.pid and first.pid != second.pid
     assert a["env"] == {"PROBE_NAME": "a"} and b["env"] == {"PROBE_NAME": "b"}  # not the server's PROBE_SERVER
     assert a["argv"] == ["3"] and a["orig_argv"] == [sys.executable, "-m", PROBE, "3"]
@@ -211,3 +212,29 @@ def test_preload_is_refused_for_a_module_it_cannot_import_and_on_a_machine_with_
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 2)
     with pytest.raises(BambooConfigError, match=r"machine with GPUs \(2 visible\) may initialise the CUDA driver"):
         launcher.check_preload(["torch"])
+
+
+@pytest.mark.timeout(120)
+def test_the_suites_run_forks_python_commands_at_its_shared_server_as_popen_would_run_them(tmp_path):
+    """``tests.helpers.run``: a ``python -m MODULE`` command is a fork of the suite's shared fork server (not a child
+    of this process), leads a session of its own, and reports its output and status as ``subprocess.run`` would; one
+    that outlives its timeout is killed, and one asked to start plainly (``PRELOAD_ENV: ""``) is this process's child."""
+    from lightning_bamboo.launcher import PRELOAD_ENV
+    from tests.helpers import PYTHON, run
+
+    env = {"PROBE_NAME": "r"}  # (the working directory, the repository, is first on sys.path under -m)
+    forked = run([PYTHON, "-m", PROBE, "5"], timeout=60, env=env)
+    report = json.loads(forked.stdout.splitlines()[0])
+    assert forked.returncode == 5 and forked.stdout.splitlines()[-1] == "atexit ran"
+    assert report["ppid"] != os.getpid() and report["session_leader"] and report["env"] == {"PROBE_NAME": "r"}
+    plain = run([PYTHON, "-m", PROBE, "0"], timeout=60, env={**env, PRELOAD_ENV: ""})
+    assert plain.returncode == 0 and json.loads(plain.stdout.splitlines()[0])["ppid"] == os.getpid()
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="did not finish in 3 s") as timed_out:
+        run([PYTHON, "-m", PROBE, "sleep"], timeout=3, env=env)
+    assert time.monotonic() - started < 30
+    pid = json.loads(str(timed_out.value).split("output:\n")[1].splitlines()[0])["pid"]
+    deadline = time.monotonic() + 10
+    while _alive(pid):
+        assert time.monotonic() < deadline, "a forked command outlived its timeout"
+        time.sleep(0.05)

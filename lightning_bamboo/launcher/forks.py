@@ -147,15 +147,18 @@ class ForkServer:
         return self.scripts and command[1].endswith(".py") and not command[1].startswith("-")
 
     def start(self, command: Sequence[str], env: Mapping[str, str], stdout: int | IO[Any] | None = None,
-              stderr: int | IO[Any] | None = None, cwd: str | os.PathLike[str] | None = None) -> ForkedProcess:
+              stderr: int | IO[Any] | None = None, cwd: str | os.PathLike[str] | None = None,
+              start_new_session: bool = False) -> ForkedProcess:
         """Fork ``command`` (``python -m MODULE ARGS`` or ``python SCRIPT.py ARGS``) with ``env``; its output to ``stdout``/``stderr`` (files
-        or descriptors; ``None``: this process's own, ``subprocess.STDOUT`` for stderr: with stdout)."""
+        or descriptors; ``None``: this process's own, ``subprocess.STDOUT`` for stderr: with stdout).
+        ``start_new_session``: the worker leads a session (and process group) of its own, as ``subprocess.Popen``'s,
+        so that ``os.killpg(worker.pid, ...)`` reaches it and every process it starts."""
         out = sys.stdout.fileno() if stdout is None else _fileno(stdout)
         err = out if stderr == subprocess.STDOUT else (sys.stderr.fileno() if stderr is None else _fileno(stderr))
         module = command[1] == "-m"
         request = {"module": command[2] if module else None, "script": None if module else command[1],
                    "argv": list(command[3:] if module else command[2:]), "env": dict(env),
-                   "cwd": os.fspath(cwd) if cwd is not None else os.getcwd()}
+                   "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(), "session": start_new_session}
         with self._lock:
             if self.lost:
                 raise OSError("the fork server has ended")
@@ -390,6 +393,9 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
 def _become_worker(request: dict[str, Any], out: int, err: int) -> None:
     import random
     import runpy
+
+    if request.get("session"):
+        os.setsid()
 
     for number in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):

@@ -16,7 +16,7 @@ print(json.dumps({
     "main": __name__, "file": os.path.basename(__file__), "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
     "log_level": __import__("logging").getLogger("lightning_bamboo").level if "lightning_bamboo.logs" in sys.modules else None,
-    "ppid": os.getppid(), "local_rank": os.environ.get("LOCAL_RANK"),
+    "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(), "local_rank": os.environ.get("LOCAL_RANK"),
     "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
     "preloaded": "tests.scripts.fork_probe" in sys.modules and sys.modules["tests.scripts.fork_probe"] is not sys.modules["__main__"],
 }), flush=True)
