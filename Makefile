@@ -27,7 +27,7 @@ test: install
 	$(PY) -m pytest -q
 
 # The same tests, two files at a time (pytest-xdist, longest files first: tests/conftest.py): 24 min here
-# instead of 35, but the load of two jobs at once on 2 cores can push a timing-bound test past its bound
+# instead of 30, but the load of two jobs at once on 2 cores can push a timing-bound test past its bound
 # (an etcd restart mid-run outlasting a node's lease), so it is not the suite's default.
 test-parallel: install
 	$(PY) -m pytest -q -n 2 --dist loadfile
