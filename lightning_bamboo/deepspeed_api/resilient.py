@@ -60,14 +60,14 @@ class _Model:
 class _Host:
     """What the loop tells the runner: its step counter, and the optimizer and scheduler the config describes."""
 
-    def __init__(self, make_optimizer: Any, make_scheduler: Any) -> None:
+    def __init__(self, make_optimizer: Any, make_scheduler: Any, micro_batches_per_step: int) -> None:
         self.make_optimizer, self.make_scheduler = make_optimizer, make_scheduler
+        #: micro-batches per step over all pipelines: every node draws the global batch
+        self.micro_batches_per_step = micro_batches_per_step
         self.step = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.meta: Any = None  # () -> the training state a joining node gets (set by the engine)
-        #: micro-batches per step over all pipelines: every node draws the global batch (set by the engine)
-        self.micro_batches_per_step: int | None = None
 
     def global_step(self) -> int:
         return self.step
@@ -94,7 +94,7 @@ class _Host:
     def training_state(self) -> dict[str, Any]:
         return self.meta() if self.meta is not None else {}
 
-    def global_micro_batches(self) -> int | None:
+    def global_micro_batches(self) -> int:
         return self.micro_batches_per_step
 
 
@@ -185,9 +185,9 @@ class ResilientPipelineEngine:
             # DeepSpeed's activation_checkpoint_interval, run by the stage itself (exact with the per-layer streams)
             activation_checkpointing=int(getattr(module, "activation_checkpoint_interval", 0) or 0),
         )
-        self.host = _Host(optimizer_factory(config, optimizer), scheduler_factory(config, lr_scheduler))
+        self.host = _Host(optimizer_factory(config, optimizer), scheduler_factory(config, lr_scheduler),
+                          accumulation * self.pipelines_at_start)
         self.host.meta = self._meta
-        self.host.micro_batches_per_step = accumulation * self.pipelines_at_start
         device = torch.device("cpu")
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
