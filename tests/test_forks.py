@@ -23,7 +23,7 @@ PROBE = "tests.scripts.fork_probe"
 def server():
     # the server's own environment differs from every worker's: a worker must see only its own
     forks = ForkServer(["json", "tests.helpers"], {**os.environ, "PYTHONPATH": str(REPO), "PROBE_SERVER": "1"},
-                       runs=[PROBE])
+                       runs=[PROBE, "tests.scripts.release_probe"])
     yield forks
     forks.close()
 
@@ -238,3 +238,64 @@ def test_the_suites_run_forks_python_commands_at_its_shared_server_as_popen_woul
     while _alive(pid):
         assert time.monotonic() < deadline, "a forked command outlived its timeout"
         time.sleep(0.05)
+
+
+def _lines(out, count: int, limit: float = 60.0) -> list[dict]:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"{out} has fewer than {count} reports: {out.read_text()}")
+
+
+@pytest.mark.timeout(120)
+def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_same_process_id(server, tmp_path):
+    """``rejoin_as_standby`` in a forked job node: its standby zygote (forked before the node ran anything) becomes
+    the standby process (preloaded, no import), the released process becomes a proxy holding its process id, which
+    passes signals on and ends with the standby's status; a zygote never told ends with its worker."""
+    from lightning_bamboo.launcher.cluster import signal_worker
+    from lightning_bamboo.membership.node import process_alive
+
+    env = {"PYTHONPATH": str(REPO), "BAMBOO_NODE": "n0"}
+    released, out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env)
+    first, second = _lines(out, 2)
+    assert first["pid"] == released.pid and first["join"] is None and first["preloaded"] and first["zygote"]
+    assert second["pid"] == first["zygote"] and second["ppid"] == released.pid  # the proxy's child
+    assert second["preloaded"] and second["join"] == "1" and second["node"] == "n0" and second["argv"] == ["wait"]
+    assert second["threads"] == 1  # nothing of the released process (its blocked thread) came along
+    from lightning_bamboo.membership.node import idle_priority_supported
+
+    assert second["idle"] == idle_priority_supported()  # a standby waits at idle priority where it can come back
+    with open(f"/proc/{released.pid}/cmdline", "rb") as f:
+        assert f.read().split(b"\0")[3].endswith(b"membership/proxy.py")  # python -I -S .../proxy.py PID
+    assert second["zygote"] and process_alive(second["zygote"])  # released again, it would come back the same way
+    released.send_signal(signal.SIGUSR1)  # to the process id its supervisor knows: the proxy passes it on
+    assert released.wait(60) == 7
+    assert not process_alive(second["pid"])
+
+    # SIGKILL of a worker and its descendants (a machine that vanishes) reaches the standby process too
+    again, again_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env)
+    _, standby_process = _lines(again_out, 2)
+    signal_worker(again, signal.SIGKILL, wait=True)
+    assert again.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while process_alive(standby_process["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_alive(standby_process["pid"])
+
+    ending, ending_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "end", env)
+    assert ending.wait(60) == 0
+    (report,) = _lines(ending_out, 1)
+    deadline = time.monotonic() + 10
+    while process_alive(report["zygote"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_alive(report["zygote"])  # never told: it ended with its worker
+
+
+def _probe_module(server: ForkServer, tmp_path, module: str, how: str, env: dict[str, str]) -> tuple[object, object]:
+    out = tmp_path / f"out-{how}-{len(list(tmp_path.iterdir()))}.log"
+    with open(out, "wb") as log:
+        proc = server.start([sys.executable, "-m", module, how], env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    return proc, out

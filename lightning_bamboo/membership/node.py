@@ -108,15 +108,20 @@ def rejoin_as_standby() -> NoReturn:
     process id, so its supervisor (``Cluster``, ``supervise``) still sees it running; nothing of
     the old process (threads blocked on the old process group included) survives the ``exec``.
     It waits at idle CPU priority where it may come back from it (``idle_priority_supported``),
-    as ``Cluster.spawn_joiner(idle=True)`` starts standby nodes.
+    as ``Cluster.spawn_joiner(idle=True)`` starts standby nodes. A worker forked from a preloaded interpreter
+    has a fork of itself taken before it ran anything, which becomes the standby process instead of a new
+    ``python`` (``membership.standby``: milliseconds instead of the imports' seconds).
     """
+    from lightning_bamboo.membership import standby
+
     env = {**os.environ, **joiner_env(os.environ.get(NODE_ENV, ""))}
-    if idle_priority_supported():
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread: the new main thread
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     argv = standby_command or [sys.executable, *sys.orig_argv[1:]]
+    standby.hand_over(argv, env, idle_priority_supported())  # a fork taken at its start becomes it, if it has one
+    if idle_priority_supported():
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread: the new main thread
     os.execve(argv[0], argv, env)
 
 
