@@ -5,6 +5,9 @@ process (``make test``) keeps pytest's own order."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 #: the files that took longest in a full run on 2 cores (minutes each; 3-6 min for the first), longest first
@@ -24,3 +27,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.helpers import stop_shared_fork_server
 
     stop_shared_fork_server()  # and with it every worker it forked that still runs
+
+
+#: where a run writes, for each test, its wall seconds and the CPU seconds the whole machine used meanwhile (one JSON
+#: line each; unset: nothing is written). On a machine that runs nothing else, in one process, that is what the test
+#: costs in CPU, its workers, servers and forks included: what decides how it shares cores with another lane.
+CPU_LOG_ENV = "BAMBOO_TEST_CPU_LOG"
+
+
+def _busy_seconds() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    path = os.environ.get(CPU_LOG_ENV)
+    if not path:
+        yield
+        return
+    wall, busy = time.monotonic(), _busy_seconds()
+    yield
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 2),
+                            "cpu": round(_busy_seconds() - busy, 2)}) + "\n")
