@@ -1,7 +1,7 @@
-"""The suite's order under ``make test-parallel`` (``pytest -n 2 --dist loadfile``): each worker takes the next file
+"""The suite's order in ``make test``'s two lanes (``pytest -n 2 --dist loadfile``): each worker takes the next file
 in collection order when it is free, so the files that run longest go first and the short in-process ones fill the
 end; in collection order a long file taken last would run alone while the other worker sits idle. A run in one
-process (``make test``) keeps pytest's own order."""
+process (``make test-one``) keeps pytest's own order. Tests marked ``serial`` run after the lanes, alone."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ import pytest
 LONGEST_FIRST = ("test_demo.py", "test_redundancy_mp.py", "test_chaos.py", "test_cluster_netns.py",
                  "test_deepspeed_door.py", "test_strategy_mp.py", "test_async_checkpoint.py", "test_launcher_local.py",
                  "test_precision_mp.py", "test_refusal.py", "test_peers.py", "test_runner.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "serial: timing-bound under a second lane's load (an outage that must stay "
+                                       "shorter than a lease): `make test` runs these alone, after the lanes")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
