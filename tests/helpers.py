@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ def optimizer_states(path: Path) -> dict[str, torch.Tensor]:
 #: what a launcher started by :func:`run` preloads (``--preload``): its workers are forks of one interpreter that
 #: imported these, so that a test pays for the imports once per job, not once per worker (4-5 s of a core each on
 #: 2 cores). A test of the plain start (a worker's own interpreter, as on a GPU machine) passes
-#: ``env={PRELOAD_ENV: ""}``; the namespace cluster's launchers and in-process ``launch`` calls start plainly.
+#: ``env={PRELOAD_ENV: ""}``; a launcher a test starts itself gets it from :func:`preloaded`.
 PRELOAD = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
 
 
@@ -107,6 +108,15 @@ PRELOAD = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
 #: a core and as long before the first worker runs, in each of about a hundred jobs)
 SHARED_PRELOAD = (*PRELOAD.split(","), "lightning_bamboo.demo.worker")
 _shared: tuple[subprocess.Popen, str] | None = None
+
+
+def preloaded() -> dict[str, str]:
+    """The environment that makes a launcher started by a test fork its workers at the suite's shared fork server
+    (or, where that imported with another ``PYTHONPATH``, at a server of its own that imports once per job)."""
+    from lightning_bamboo.launcher import PRELOAD_ENV
+    from lightning_bamboo.launcher.forks import SHARED_ENV
+
+    return {PRELOAD_ENV: PRELOAD, SHARED_ENV: shared_fork_server()}
 
 
 def shared_fork_server() -> str:
@@ -149,75 +159,68 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, c
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", PRELOAD_ENV: PRELOAD,
                 SHARED_ENV: shared_fork_server(), **(env or {})}
     full_env.pop("LOCAL_RANK", None)
-    if full_env[PRELOAD_ENV] and full_env[SHARED_ENV]:
-        forked = _run_forked(cmd, timeout, full_env, cwd)
-        if forked is not None:
-            return forked
-    proc = subprocess.Popen(
-        list(cmd), cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{out[-4000:]}") from None
-    finally:
+    with contextlib.ExitStack() as held:
+        reading, writing = os.pipe()
+        held.callback(os.close, reading)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # leave no child behind, whatever happened
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+            proc: Any = None
+            if full_env[PRELOAD_ENV] and full_env[SHARED_ENV]:
+                proc = _start_forked(cmd, full_env, cwd, writing, held)
+            if proc is None:
+                proc = subprocess.Popen(list(cmd), cwd=cwd, env=full_env, stdout=writing, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        finally:
+            os.close(writing)
+        return _collect(proc, reading, cmd, timeout)
 
 
-def _run_forked(cmd: Sequence[str], timeout: float, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess | None:
-    """:func:`run` by a fork of the shared fork server (None where it cannot fork ``cmd``): the same output, exit
-    status, session and clean-up as a ``subprocess.Popen(..., start_new_session=True)`` of it."""
-    import select
-    import time
-
+def _start_forked(cmd: Sequence[str], env: dict[str, str], cwd: Path, out: int, held: contextlib.ExitStack) -> Any:
+    """``cmd`` forked at the shared fork server, in a session of its own with ``out`` as its output, as a
+    ``subprocess.Popen(..., start_new_session=True)`` would start it; None where the server cannot fork it. The
+    connection to the server (its workers die with it) is closed by ``held``."""
     from lightning_bamboo.launcher.forks import SHARED_ENV, ForkServer, ForkServerRefused
 
     try:
         server = ForkServer((), env, runs=("*",), scripts=True, address=env[SHARED_ENV])
     except ForkServerRefused:
         return None
+    held.callback(server.close)
+    if not server.accepts(cmd):
+        return None
+    return server.start(cmd, env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+
+
+def _collect(proc: Any, reading: int, cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
+    """``proc``'s output (read from ``reading`` until every process that holds it has closed it, as ``communicate``
+    reads) and exit status; past ``timeout`` its whole process group is killed and the test fails. Whatever happens,
+    its process group is killed at the end: it leaves no child behind."""
+    import select
+    import time
+
+    deadline, out = time.monotonic() + timeout, bytearray()
     try:
-        if not server.accepts(cmd):
-            return None
-        reading, writing = os.pipe()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n"
+                                     f"{out.decode(errors='replace')[-4000:]}")
+            if select.select([reading], [], [], min(left, 1.0))[0]:
+                data = os.read(reading, 1 << 16)
+                if not data:
+                    break
+                out += data
         try:
-            proc = server.start(cmd, env, stdout=writing, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
-        finally:
-            os.close(writing)
-        deadline, out = time.monotonic() + timeout, bytearray()
-        try:
-            while True:  # until every process that holds the output has closed it, as ``communicate`` reads
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    text = out.decode(errors="replace")
-                    raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s; output:\n{text[-4000:]}")
-                if select.select([reading], [], [], min(left, 1.0))[0]:
-                    data = os.read(reading, 1 << 16)
-                    if not data:
-                        break
-                    out += data
-            try:
-                code = proc.wait(max(deadline - time.monotonic(), 1.0))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{' '.join(cmd)} closed its output but did not exit; output:\n"
-                                     f"{out.decode(errors='replace')[-4000:]}") from None
-        finally:
-            os.close(reading)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # leave no child behind, whatever happened
-        text = out.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
-        return subprocess.CompletedProcess(list(cmd), code, text, None)
+            code = proc.wait(max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{' '.join(cmd)} closed its output but did not exit; output:\n"
+                                 f"{out.decode(errors='replace')[-4000:]}") from None
     finally:
-        server.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
+    return subprocess.CompletedProcess(list(cmd), code, text, None)
 
 
 def launcher_exit_codes(output: str) -> dict[str, int]:

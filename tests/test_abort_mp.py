@@ -21,7 +21,7 @@ import torch
 
 from lightning_bamboo.membership.node import descendants
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights
+from tests.helpers import PYTHON, REPO, max_abs_diff, preloaded, reference_weights
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,7 +62,7 @@ def test_a_node_frozen_mid_step_is_failed_over_within_the_bound_and_leaves_nothi
              "--stages", "4", "--steps", "12", "--partition", "uniform", "--redundancy", "lazy",
              "--detection-timeout", str(DETECTION), "--out", str(tmp_path)],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), **faults.environment(["node2@5:5!stop"])},
+            env={**os.environ, "PYTHONPATH": str(REPO), **preloaded(), **faults.environment(["node2@5:5!stop"])},
         )
     try:
         frozen = _wait_for(log, STAMP + r"node2: injected SIGSTOP at step 5 instruction 5 \(pid (\d+)", proc, 200)

@@ -258,16 +258,15 @@ def _wait_until_standing_by(url, job, node, proc, timeout=60.0):
     """Until ``node`` is registered as a standby of ``job`` in the store at ``url`` (its launcher ``proc`` alive)."""
     from lightning_bamboo.membership import connect
     from lightning_bamboo.membership.keys import JobKeys
+    from lightning_bamboo.membership.registry import wait_for_key
 
-    store, key = connect(url), JobKeys(job).standby(node)
-    deadline = time.monotonic() + timeout
+    store = connect(url)
     try:
-        while store.get(key) is None:
-            assert proc.poll() is None, f"the standby launcher exited with {proc.returncode} before standing by"
-            assert time.monotonic() < deadline, f"{node} did not stand by within {timeout} s"
-            time.sleep(0.1)
+        kv = wait_for_key(store, JobKeys(job).standby(node), timeout, abort=lambda: proc.poll() is not None)
     finally:
         store.close()
+    assert proc.poll() is None, f"the standby launcher exited with {proc.returncode} before standing by"
+    assert kv is not None, f"{node} did not stand by within {timeout} s"
 
 
 def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_exact(tmp_path, clean):

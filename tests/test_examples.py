@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, launcher_exit_codes, run
+from tests.helpers import PYTHON, REPO, launcher_exit_codes, preloaded, run
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -23,7 +23,7 @@ def test_spot_gpt_trains_on_after_a_kill_and_a_notice_and_logs_the_failovers(tmp
     gets a real SIGTERM at the pid its file names (a spot notice, handled by PreemptionCallback's handler):
     it leaves at its next commit and node0 trains on alone. The CSV log shows both failovers."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **faults.environment(["node1@4"])}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", **preloaded(), **faults.environment(["node1@4"])}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.Popen(
         [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "3", "--", PYTHON, "examples/spot_gpt.py", "--steps", "12",

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lightning_bamboo.launcher import launch
-from tests.helpers import REPO
+from lightning_bamboo.launcher.forks import SHARED_ENV
+from tests.helpers import PRELOAD, REPO, shared_fork_server
 
 SCRIPT = REPO / "tests" / "scripts" / "runner_node.py"
 STEPS = 6
@@ -25,8 +26,12 @@ def _run(out: Path, env: dict[str, str] | None = None, reconfigure_at: int = -1,
          redundancy: str = "lazy") -> dict[str, int]:
     out.mkdir()
     command = [sys.executable, str(SCRIPT), str(out), str(STEPS), str(reconfigure_at), device, redundancy]
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return launch(command, 3, env={"PYTHONPATH": path, **(env or {})}, timeout=240)
+    if torch.cuda.is_available():  # each node its own interpreter (a preloaded one is refused where GPUs are)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        return launch(command, 3, env={"PYTHONPATH": path, **(env or {})}, timeout=240)
+    # the nodes are forks of the suite's shared server (it imported torch once), not three interpreters importing it
+    shared = {SHARED_ENV: shared_fork_server(), "DS_ACCELERATOR": "cpu"}
+    return launch(command, 3, env={**shared, **(env or {})}, preload=PRELOAD.split(","), timeout=240)
 
 
 def _layers(out: Path) -> dict[int, dict]:

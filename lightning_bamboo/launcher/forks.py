@@ -262,13 +262,8 @@ def _fileno(stream: int | IO[Any]) -> int:
 
 def serve(fd: int, modules: Sequence[str]) -> None:
     """The server's loop: import ``modules``, then fork a worker per request and report each one's exit."""
-    import gc
-    import importlib
-
     die_with_parent(True)  # a server whose launcher (or demo) was killed waits for no more requests
-    for module in modules:
-        importlib.import_module(module)
-    gc.freeze()  # the imports are kept for the server's life: no collection walks them, in it or in a child
+    _preload(modules)
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     while True:
@@ -281,17 +276,35 @@ def serve(fd: int, modules: Sequence[str]) -> None:
             out, err = recvfds(sock, 2)
         except (EOFError, OSError):
             return  # the process that started it closed its end (or ended): no more workers to start
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            conn.close()
-            _become_worker(request, out, err)  # raises SystemExit: the interpreter ends as the worker's
-        os.close(out)
-        os.close(err)
+        pid = _fork_worker(request, out, err, [sock, conn], with_server=False)  # it outlives the server
         try:
             conn.send_bytes(json.dumps(["pid", pid, None]).encode())
         except OSError:
             return
+
+
+def _preload(modules: Sequence[str]) -> None:
+    import gc
+    import importlib
+
+    for module in modules:
+        importlib.import_module(module)
+    gc.freeze()  # the imports are kept for the server's life: no collection walks them, in it or in a child
+
+
+def _fork_worker(request: dict[str, Any], out: int, err: int, server_ends: Sequence[Any], with_server: bool) -> int:
+    """Fork the worker ``request`` asks for (output ``out`` and ``err``, which the server closes), with none of the
+    server's ``server_ends`` (its listener, its connections); ``with_server``: it dies with the server. Its pid."""
+    pid = os.fork()
+    if pid == 0:
+        if with_server:
+            die_with_parent(True)
+        for end in server_ends:
+            end.close()
+        _become_worker(request, out, err)  # raises SystemExit: the interpreter ends as the worker's
+    os.close(out)
+    os.close(err)
+    return pid
 
 
 def _reap(conn: Connection | dict[int, Connection]) -> None:
@@ -312,18 +325,13 @@ def _reap(conn: Connection | dict[int, Connection]) -> None:
 def serve_shared(address: str, modules: Sequence[str]) -> None:
     """A shared server's loop (``start_shared``): listen at ``address``, import ``modules``, then answer each
     launcher that connects (whether its workers' environment is the one imported in) and fork its workers."""
-    import gc
-    import importlib
-
     from lightning_bamboo.membership.node import descendants
 
     die_with_parent(True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
-    for module in modules:
-        importlib.import_module(module)
-    gc.freeze()
+    _preload(modules)
     imported = {k: os.environ.get(k) for k in IMPORT_VARS}
     clients: dict[Connection, socket.socket] = {}
     owners: dict[int, Connection] = {}  # each running child's launcher
@@ -374,16 +382,8 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
             except (EOFError, OSError, ValueError):
                 drop(conn)
                 continue
-            pid = os.fork()
-            if pid == 0:
-                die_with_parent(True)  # ending the shared server ends what it forked
-                listener.close()
-                for other, sock in clients.items():
-                    other.close()
-                    sock.close()
-                _become_worker(request, out, err)  # raises SystemExit: the interpreter ends as the worker's
-            os.close(out)
-            os.close(err)
+            # ending the shared server ends what it forked
+            pid = _fork_worker(request, out, err, [listener, *clients, *clients.values()], with_server=True)
             owners[pid] = conn
             try:
                 conn.send_bytes(json.dumps(["pid", pid, None]).encode())
