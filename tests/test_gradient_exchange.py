@@ -9,12 +9,12 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_bamboo.engine import shared_buffer
 from lightning_bamboo.engine.exchange import CHUNK_NUMEL, GradientExchange, HolderEnd, OwnerEnd, chunk_plan
 from lightning_bamboo.engine.replica import Replica, StageContainer, free
 from lightning_bamboo.errors import BambooError
+from tests.helpers import process_context
 
 
 @pytest.mark.parametrize("numels", [[5], [3, 4, 5, 6, 7, 8], [100, 1, 1, 1, 100], [1] * 40, [9, 9, 9, 9]])
@@ -175,7 +175,7 @@ def _pair_main(target, rank: int, port: int, args, errors, results) -> None:
 def _run_pair(target, *args):
     """Run ``target(rank, *args, results)`` in two spawned processes on one gloo group to their end (60 s at
     most, killed after); the results queue."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     errors, results = ctx.Queue(), ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_pair_main, args=(target, rank, port, args, errors, results)) for rank in range(2)]
@@ -288,7 +288,7 @@ def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_repli
     at the receive); the owner writes the other half at its next ship without waiting, and this half at the
     ship after, once the holder's "read" came, which ``acknowledge`` sends only after the update (a "read"
     sent earlier would have arrived: the owner receives them from the start of each step on)."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     events, read_sent = ctx.Queue(), ctx.Event()
     results = _run_pair(_hold_worker, events, read_sent)
     ([(before, waits, intact)], sent) = results.get(timeout=5)

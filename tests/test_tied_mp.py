@@ -88,12 +88,11 @@ def _tied_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_tied_gradients_sent_in_pieces_between_two_processes_sum_as_in_one(tmp_path):
-    import multiprocessing
-
     from lightning_bamboo.membership.address import free_port
+    from tests.helpers import process_context
     from tests.test_ties import SEED, backward, build_layers, specs
 
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     port = free_port()
     procs = [context.Process(target=_tied_rank, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
     for proc in procs:
