@@ -51,7 +51,7 @@ def fork_zygote(become: Callable[[dict[str, Any]], NoReturn]) -> None:
     The zygote waits; told to go, it calls ``become(request)`` with the standby incarnation's command (``module``,
     ``script``, ``argv``), environment (``env``) and working directory (``cwd``): ``become`` runs it and leaves
     through ``SystemExit``, up the stack of this call, which ends the process. Not told, it ends with its worker,
-    the same way (no handler of the worker's is registered yet)."""
+    with status 0 and no interpreter teardown (``os._exit``: it ran nothing)."""
     global zygote
     read, write = os.pipe()
     parent = os.getpid()
@@ -62,7 +62,10 @@ def fork_zygote(become: Callable[[dict[str, Any]], NoReturn]) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         go = _wait_for_go(read, parent)
         if go is None:
-            raise SystemExit(0)  # up the caller's stack, as ``become`` leaves: no worker code runs on the way
+            # Never told: it ran nothing and holds nothing to flush or hand back, so it ends without the
+            # interpreter's teardown, which would write every page of the preloaded heap it shares with its
+            # worker (0.8 s of a core per node here, at every job's end).
+            os._exit(0)
         os.close(read)
         zygote = None
         if go.get("idle"):
