@@ -238,15 +238,17 @@ def test_no_module_is_longer_than_600_lines():
     assert not OVER_600, f"modules over {MAX_LINES} lines; split them by concept:\n" + "\n".join(OVER_600)
 
 
-#: the processes that may end with ``os._exit``: ones that never ran a line of a worker's (nothing to flush, no
-#: status to report but 0), whose teardown would only write the preloaded heap they share with their worker
-NEVER_RAN = {"lightning_bamboo/membership/standby.py": 1, "lightning_bamboo/engine/comm_zygote.py": 1}
+#: the processes that may end with ``os._exit``: ones that run no line of a worker's (a zygote, a communication
+#: process: nothing of the worker's to flush, no status anyone reads but 0), whose teardown would only write the
+#: preloaded heap they share with their worker
+NEVER_RAN = {"lightning_bamboo/membership/standby.py": 1, "lightning_bamboo/engine/comm_zygote.py": 1,
+             "lightning_bamboo/engine/comm_child.py": 1}
 
 
 def test_no_module_leaves_with_os_exit():
     """A process's exit status is its real one: nothing in the package skips the interpreter's exit
-    (a step blocked on a lost peer is aborted, not left behind, so a normal exit is safe), but a zygote
-    that was never told to become anything (``NEVER_RAN``, each with its count of calls)."""
+    (a step blocked on a lost peer is aborted, not left behind, so a normal exit is safe), but the
+    processes that run none of a worker's code (``NEVER_RAN``, each with its count of calls)."""
     found = {str(path.relative_to(REPO)): path.read_text().count("os._exit(") for path in PACKAGE.rglob("*.py")}
     offenders = {path: count for path, count in found.items() if count and count != NEVER_RAN.get(path)}
     assert not offenders, offenders

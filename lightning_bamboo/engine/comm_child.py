@@ -30,8 +30,8 @@ def zygote_main(fd: int) -> None:
     """The worker's zygote: torch imported once; forks a communication process per generation on request.
 
     A fork of this single-threaded process is safe (a fork of the worker, which runs gloo and store
-    threads, would not be). A forked child serves its generation and leaves through ``SystemExit``,
-    which unwinds it out of this loop; the zygote itself ends when the worker's end of the socket closes.
+    threads, would not be). A forked child serves its generation and ends with ``os._exit`` (no teardown);
+    the zygote itself ends when the worker's end of the socket closes.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies to wait for
     # Everything here so far is torch's import, kept for the process's life: the exit's full collection need not
@@ -55,7 +55,12 @@ def zygote_main(fd: int) -> None:
             sock.close()
             conn.close()
             _child_main(child_fd)
-            sys.exit(0)
+            # It ran no worker code and nobody reads its status (SIGCHLD ignored): it ends without the interpreter's
+            # teardown, which would write every page of the heap it shares with the zygote (and make torch's C++
+            # complain about its groups' threads), once its output is flushed
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         os.close(child_fd)
         try:
             conn.send(pid)
