@@ -250,8 +250,20 @@ def _lines(out, count: int, limit: float = 60.0) -> list[dict]:
     raise AssertionError(f"{out} has fewer than {count} reports: {out.read_text()}")
 
 
+@pytest.fixture
+def started():
+    """The probes a test started: killed with their descendants at its end, so that a failed test leaves no standby
+    process waiting for a signal (the workers of a fork server outlive it)."""
+    from lightning_bamboo.launcher.cluster import signal_worker
+
+    procs: list = []
+    yield procs
+    for proc in procs:
+        signal_worker(proc, signal.SIGKILL, wait=True)
+
+
 @pytest.mark.timeout(120)
-def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_same_process_id(server, tmp_path):
+def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_same_process_id(server, started, tmp_path):
     """``rejoin_as_standby`` in a forked job node: its standby zygote (forked before the node ran anything) becomes
     the standby process (preloaded, no import), the released process becomes a proxy holding its process id, which
     passes signals on and ends with the standby's status; a zygote never told ends with its worker."""
@@ -259,7 +271,7 @@ def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_sam
     from lightning_bamboo.membership.node import process_alive
 
     env = {"PYTHONPATH": str(REPO), "BAMBOO_NODE": "n0"}
-    released, out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env)
+    released, out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env, started)
     first, second = _lines(out, 2)
     assert first["pid"] == released.pid and first["join"] is None and first["preloaded"] and first["zygote"]
     assert second["pid"] == first["zygote"] and second["ppid"] == released.pid  # the proxy's child
@@ -276,7 +288,7 @@ def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_sam
     assert not process_alive(second["pid"])
 
     # SIGKILL of a worker and its descendants (a machine that vanishes) reaches the standby process too
-    again, again_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env)
+    again, again_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env, started)
     _, standby_process = _lines(again_out, 2)
     signal_worker(again, signal.SIGKILL, wait=True)
     assert again.returncode == -signal.SIGKILL
@@ -285,7 +297,7 @@ def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_sam
         time.sleep(0.05)
     assert not process_alive(standby_process["pid"])
 
-    ending, ending_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "end", env)
+    ending, ending_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "end", env, started)
     assert ending.wait(60) == 0
     (report,) = _lines(ending_out, 1)
     deadline = time.monotonic() + 10
@@ -294,8 +306,10 @@ def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_sam
     assert not process_alive(report["zygote"])  # never told: it ended with its worker
 
 
-def _probe_module(server: ForkServer, tmp_path, module: str, how: str, env: dict[str, str]) -> tuple[object, object]:
+def _probe_module(server: ForkServer, tmp_path, module: str, how: str, env: dict[str, str],
+                  started: list) -> tuple[object, object]:
     out = tmp_path / f"out-{how}-{len(list(tmp_path.iterdir()))}.log"
     with open(out, "wb") as log:
         proc = server.start([sys.executable, "-m", module, how], env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+    started.append(proc)
     return proc, out
