@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     total = args.warmup + len(MODES) * args.steps
     data = token_dataset(CONFIG, total * MICRO * args.micro_batches)
     engine, _, _, _ = lightning_bamboo.initialize(model=model, training_data=data, config=config)
-    stage = engine.runner.engine
+    stage = engine.runner.stage.engine
     replica, peers, options = stage.replica, stage.replica_peers, dict(stage.bamboo_options)
     times, modes = [], []
     for step in range(total):

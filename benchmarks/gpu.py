@@ -192,8 +192,8 @@ def node(out: Path, steps: int, redundancy: str) -> None:
         if DEVICE.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    assert runner.engine is not None
-    torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
+    assert runner.stage.engine is not None
+    torch.save(runner.stage.engine.own_states(), out / f"{session.node}.pt")
     (out / f"{session.node}.json").write_text(json.dumps({"times": times, "failovers": [f.as_dict() for f in runner.failovers]}))
     runner.finish(completed=True)
     runner.close()

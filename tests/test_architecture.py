@@ -307,34 +307,59 @@ def test_no_module_reads_another_modules_private_attribute():
     assert not found, "reads of another module's private attribute; make it public or add an operation:\n" + "\n".join(found)
 
 
-#: ``PipelineRunner``'s public surface: the operations a host (the strategy, the DeepSpeed door, the demo worker,
-#: a user's loop) and the callbacks may use. A change to it is made here too, on purpose: the surface is meant to
-#: shrink (issue 43: a runner that composes a stage and a session), never to grow by accident.
+#: ``PipelineRunner``'s public surface: the verbs a host (the strategy, the DeepSpeed door, the demo worker, a
+#: user's loop) and the callbacks drive, and a few read-only views. The runner composes its ``NodeStage``
+#: (``stage``), its ``StageCheckpoints`` (``checkpoints``) and its session; what a stage is and does is the stage's
+#: own surface. A change here is made on purpose: the door is meant to stay narrow, never to grow by accident.
 RUNNER_OPERATIONS = (
-    "admit_standby agree audit before_step before_step_hooks between_steps checkpoint_shard close configure enter "
-    "enter_group eval_step fail_over failovers finish gather global_micro_batches layer_costs load_optimizer load_weights micro_batches "
-    "node nodes open_session pipeline_rank pipelines precision_meta probe publish rebuild reconfigure require_session "
-    "require_stage resilient resolve_precision resume_from resumed save seed split standby start start_admitted "
-    "start_without_lost train_step wait_admission"
+    "admit_standby agree before_step close enter eval_step finish gather open_session publish reconfigure resilient "
+    "start start_admitted start_without_lost train_step wait_admission"
 ).split()
+#: ... its read-only views (properties)
+RUNNER_VIEWS = "before_step_hooks between_steps config failovers nodes session standby".split()
 #: ... and its public fields (assigned in ``__init__``)
-RUNNER_FIELDS = ("audits backend catching_up config depth device engine gradient_clipping host "
-                 "layer_names layout model param_counts precision rank session").split()
+RUNNER_FIELDS = "catching_up checkpoints host stage".split()
 
 
 def test_the_runners_public_surface_is_the_listed_one():
     from lightning_bamboo.runtime import PipelineRunner
+    from lightning_bamboo.runtime.stage import NodeStage
 
-    operations = sorted(n for n in dir(PipelineRunner) if not n.startswith("_"))
+    assert not issubclass(PipelineRunner, NodeStage), "the runner composes its stage (runner.stage), it is not one"
+    names = [n for n in dir(PipelineRunner) if not n.startswith("_")]
+    views = sorted(n for n in names if isinstance(getattr(PipelineRunner, n), property))
+    operations = sorted(n for n in names if n not in views)
     fields = set()
-    for module in ("lightning_bamboo.runtime.stage", "lightning_bamboo.runtime.runner"):
-        for node in ast.walk(ast.parse(MODULES[module].read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
-                fields.update(t.attr for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AnnAssign))
-                              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-                              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                              and t.value.id == "self" and not t.attr.startswith("_"))
+    for node in ast.walk(ast.parse(MODULES["lightning_bamboo.runtime.runner"].read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            fields.update(t.attr for n in ast.walk(node) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                          for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                          if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                          and t.value.id == "self" and not t.attr.startswith("_"))
     assert operations == sorted(RUNNER_OPERATIONS), (
         f"new: {sorted(set(operations) - set(RUNNER_OPERATIONS))}, gone: {sorted(set(RUNNER_OPERATIONS) - set(operations))}")
+    assert views == sorted(RUNNER_VIEWS), (
+        f"new: {sorted(set(views) - set(RUNNER_VIEWS))}, gone: {sorted(set(RUNNER_VIEWS) - set(views))}")
     assert sorted(fields) == sorted(RUNNER_FIELDS), (
         f"new: {sorted(fields - set(RUNNER_FIELDS))}, gone: {sorted(set(RUNNER_FIELDS) - fields)}")
+
+
+def test_no_module_writes_the_runners_or_the_stages_fields():
+    """A runner's or a stage's state changes through their operations (``stage.place``, ``stage.assign``,
+    ``stage.configure``, ``runner.open_session``), never by a field written from another module."""
+    owners = {"lightning_bamboo.runtime.runner", "lightning_bamboo.runtime.stage"}
+    found = []
+    for module, path in MODULES.items():
+        if module in owners:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            for target in [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]:
+                if not isinstance(target, ast.Attribute):
+                    continue
+                owner = target.value
+                name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+                if name in ("runner", "stage"):
+                    found.append(f"{module}:{node.lineno}: {ast.unparse(target)}")
+    assert not found, "fields of a runner or a stage written from outside; add an operation:\n" + "\n".join(found)

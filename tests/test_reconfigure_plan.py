@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from lightning_bamboo.callbacks.rebalance import RebalanceCallback
@@ -191,8 +193,6 @@ def test_callback_needs_the_bamboo_strategy():
 
 
 def test_callback_finds_the_tuner_among_the_trainers_callbacks():
-    from types import SimpleNamespace
-
     from lightning_bamboo.callbacks.tuner import HydrozoaTuner
     from lightning_bamboo.runtime import BambooConfig, PipelineRunner
 
@@ -219,9 +219,10 @@ class _Runner:
     def __init__(self, nodes, parts, pipelines=1):
         from lightning_bamboo.topology.layout import Layout
 
-        self.nodes, self.standby, self.failovers, self.node = list(nodes), [], [], nodes[0]
-        self.session, self.global_micro_batches = object(), 4
-        self.layout = Layout(len(nodes) // pipelines, pipelines, tuple(parts))
+        self.nodes, self.standby, self.failovers = list(nodes), [], []
+        self.session, self.host = object(), SimpleNamespace(global_micro_batches=lambda: 4)
+        self.stage = SimpleNamespace(layout=Layout(len(nodes) // pipelines, pipelines, tuple(parts)), node=nodes[0],
+                                     micro_batches=1)
         self.reconfigured = []
 
     def agree(self, topic, step, proposal):

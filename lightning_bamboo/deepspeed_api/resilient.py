@@ -192,7 +192,7 @@ class ResilientPipelineEngine:
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         self.runner = runner = PipelineRunner(self.config, self.host, device=device)
-        runner.session = _SESSION.pop("session", None) or runner.open_session()
+        runner.open_session(session=_SESSION.pop("session", None))
         self.rebalancer = from_config(options["rebalance"])
         self.training_dataloader = self._loader(training_data, collate_fn, micro) if training_data is not None else None
         self._data: Iterator[Any] | None = None
@@ -211,7 +211,7 @@ class ResilientPipelineEngine:
                 runner.publish(_START_WORLD, str(world))  # a node admitted later builds its PipelineModule at this size
         if self.rebalancer is not None and runner.session is not None:
             self.rebalancer.attach(runner, micro)
-            self.rebalancer.begin(runtime_placement(runner, runner.global_micro_batches), runner.layer_costs())
+            self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
         _watch_exit(self)
         _leave_on_sigterm()
         self.notices = _watch_notices(options)
@@ -225,7 +225,7 @@ class ResilientPipelineEngine:
         runner = self.runner
         dist.destroy_process_group()
         runner.enter(record)
-        ensure_deepspeed_comm(runner.backend)
+        ensure_deepspeed_comm(runner.stage.backend)
         meta = runner.start_admitted(self._model, record)
         self.host.step = int(meta["bamboo"].get("global_steps", 0))
         self.drawn = int(meta.get("data_position", 0))
@@ -233,7 +233,7 @@ class ResilientPipelineEngine:
             self.host.scheduler.load_state_dict(meta["lr_scheduler"])
         if self.rebalancer is not None and meta.get("rebalance") is not None:
             self.rebalancer.load_state_dict(meta["rebalance"])  # the running nodes' view and preferred depth
-        log.warning("%s: joined the running job at step %d (%d micro-batches drawn before it)", runner.node,
+        log.warning("%s: joined the running job at step %d (%d micro-batches drawn before it)", runner.stage.node,
                     self.host.step, self.drawn)
 
     # ------------------------------------------------------------------ DeepSpeed's surface
@@ -303,11 +303,11 @@ class ResilientPipelineEngine:
 
         started = time.monotonic()
         step = self.host.step
-        record = restart_after_fatal_loss(self.runner, self._model, err)
+        record = restart_after_fatal_loss(self.runner.stage, self._model, err)
         if self.rebalancer is not None:
             self.rebalancer.layout = None  # a new layout: no node in it is overloaded
-            self.rebalancer.begin(runtime_placement(self.runner, self.runner.global_micro_batches),
-                                  self.runner.layer_costs())
+            self.rebalancer.begin(runtime_placement(self.runner, self.host.global_micro_batches()),
+                                  self.runner.stage.layer_costs())
         loaded = None
         if self._checkpoints is not None and (self._checkpoints / "latest").exists():
             loaded, _ = self.load_checkpoint(self._checkpoints)
@@ -315,16 +315,16 @@ class ResilientPipelineEngine:
             self.host.step, self.drawn, self._data = 0, 0, None
         self.restarts.append({**record.as_dict(), "at_step": step, "from_step": self.host.step, "checkpoint": loaded,
                               "seconds": time.monotonic() - started})
-        log.warning("%s: restarted at step %d from %s in %.2f s", self.runner.node, self.host.step,
+        log.warning("%s: restarted at step %d from %s in %.2f s", self.runner.stage.node, self.host.step,
                     loaded or "the job's start (no checkpoint)", time.monotonic() - started)
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
         it = data_iter if data_iter is not None else self._default_iterator()
-        count = self.runner.global_micro_batches or self.micro_batches
+        count = self.host.global_micro_batches() or self.micro_batches
         micro = [next(it) for _ in range(count)]
         batch = _concatenate(micro)
-        if self.runner.engine is not None:  # DeepSpeed's own counter (its prints), in the engine of now
-            self.runner.engine.global_steps = self.host.step
+        if self.runner.stage.engine is not None:  # DeepSpeed's own counter (its prints), in the engine of now
+            self.runner.stage.engine.global_steps = self.host.step
         try:
             loss = self.runner.train_step(batch)
         except FatalLoss:
@@ -334,7 +334,7 @@ class ResilientPipelineEngine:
             raise  # (a node leaving after a notice ends with SystemExit(0), after its last step committed)
         # counted once the step is done: a node admitted at this step's start was told the position before it
         self.drawn += count
-        engine = self.runner.engine
+        engine = self.runner.stage.engine
         finished = engine.finished if engine is not None else None
         if self.host.scheduler is not None and not (finished is not None and finished.overflow):
             self.host.scheduler.step()  # DeepSpeed steps its scheduler after each applied step
@@ -342,12 +342,12 @@ class ResilientPipelineEngine:
         return loss
 
     def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
-        micro = [next(data_iter) for _ in range(self.runner.global_micro_batches or self.micro_batches)]
+        micro = [next(data_iter) for _ in range(self.host.global_micro_batches() or self.micro_batches)]
         return self.runner.eval_step(_concatenate(micro))
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self, client_state: dict[str, Any] | None = None) -> dict[str, Any]:
-        layout, engine = self.runner.layout, self.runner.engine
+        layout, engine = self.runner.stage.layout, self.runner.stage.engine
         assert layout is not None and engine is not None
         scheduler = self.host.scheduler
         return {
@@ -355,9 +355,9 @@ class ResilientPipelineEngine:
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rebalance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
             "bamboo": ckpt.bamboo_meta(layout.num_layers, layout.parts, layout.pipelines, engine.optimizer,
-                                       ties=getattr(engine.module, "ties", None), global_steps=self.host.step, seed=self.runner.seed,
+                                       ties=getattr(engine.module, "ties", None), global_steps=self.host.step, seed=self.runner.stage.seed,
                                        redundancy=self.config.redundancy, world_size=dist.get_world_size(),
-                                       **self.runner.precision_meta()),
+                                       **self.runner.stage.precision_meta()),
         }
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None,
@@ -373,7 +373,7 @@ class ResilientPipelineEngine:
         if rank0:
             Path(save_dir).mkdir(parents=True, exist_ok=True)
         try:
-            self.runner.resilient(lambda: self.runner.save(
+            self.runner.resilient(lambda: self.runner.checkpoints.save(
                 path, lambda: self._meta(client_state), with_optimizer=True, is_global_zero=dist.get_rank() == 0,
                 barrier=lambda _name: dist.barrier(), step=self.host.step))
         except FatalLoss as err:
@@ -404,12 +404,12 @@ class ResilientPipelineEngine:
         meta = ckpt.read_meta(path)
         self._checkpoints = Path(load_dir)
         runner = self.runner
-        runner.resume_from(path, meta)
-        runner.resolve_precision(meta["bamboo"].get("loss_scale"))
-        runner.load_weights(strict=load_module_strict)
+        runner.checkpoints.resume_from(path, meta)
+        runner.stage.resolve_precision(meta["bamboo"].get("loss_scale"))
+        runner.checkpoints.load_weights(strict=load_module_strict)
         if load_optimizer_states and not load_module_only:
-            runner.load_optimizer()
-        runner.resumed()
+            runner.checkpoints.load_optimizer()
+        runner.checkpoints.resumed()
         if not load_module_only:
             self.host.step = int(meta["bamboo"].get("global_steps", 0))
             self.drawn, self._data = int(meta.get("data_position", 0)), None
@@ -417,8 +417,8 @@ class ResilientPipelineEngine:
                 self.host.scheduler.load_state_dict(meta["lr_scheduler"])
             if self.rebalancer is not None and meta.get("rebalance") is not None:
                 self.rebalancer.load_state_dict(meta["rebalance"])
-                self.rebalancer.begin(runtime_placement(runner, runner.global_micro_batches), runner.layer_costs())
-        runner.resilient(lambda: runner.audit("resumed before"))
+                self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
+        runner.resilient(lambda: runner.stage.audit("resumed before"))
         return str(path), {**meta.get("client_state", {}), "data_position": int(meta.get("data_position", 0))}
 
     def finish(self, completed: bool = True) -> None:

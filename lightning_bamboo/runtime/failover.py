@@ -22,18 +22,18 @@ log = logging.getLogger(__name__)
 _Captured = dict[str, Any]
 
 
-def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True) -> bool:
+def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = True) -> bool:
     """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed.
 
     Every attempt starts from the same captured state (the layers this node held before the
     loss) with the union of the losses seen so far, so a node lost *during* a failover only
     makes the survivors agree on a larger set and try again; no wait is unbounded.
     """
-    session = node.require_session()
+    session = stage.require_session()
     started = time.monotonic()
-    if not node.config.redundant:
+    if not stage.config.redundant:
         raise FatalLoss(f"lost {list(getattr(err, 'lost', ()))} with redundancy='off': no replica to take over")
-    old, layout = node.require_stage()
+    old, layout = stage.require_stage()
     log.info("%s: failover starts", session.node)
     committed = session.committed(step)
     if committed and old.phase != "idle":
@@ -51,7 +51,7 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
         # copy of their weights); nothing changes them until the failover converges, so every attempt may
         "layers": (held_layers(old.module), held_layers(old.replica.module) if old.replica else {}),
         # which pipeline's copies this node's layers are: a neighbour of the same lineage needs none of them sent
-        "lineage": layout.pipeline_of_rank(node.rank),
+        "lineage": layout.pipeline_of_rank(stage.rank),
         "optimizer": old.optimizer,
         "last_loss": old.last_loss,
         # eager: the successor's forwards of the failed step, reused when this node takes its stage over
@@ -63,11 +63,11 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
     suspected = set(getattr(err, "lost", ()))
     # A failover should take well under a detection timeout; if one does not, every thread's stack
     # goes to stderr (the node's log) so the wait can be named.
-    faulthandler.dump_traceback_later(max(4 * node.config.detection_timeout, 10.0), repeat=True)
+    faulthandler.dump_traceback_later(max(4 * stage.config.detection_timeout, 10.0), repeat=True)
     try:
         for _attempt in range(len(base["nodes"])):
             try:
-                plan, rank, world = _fail_over_once(node, base, suspected, step)
+                plan, rank, world = _fail_over_once(stage, base, suspected, step)
                 break
             except (PeerLost, BarrierTimeoutError) as again:
                 suspected |= set(getattr(again, "lost", ())) | session.detector.lost
@@ -89,35 +89,35 @@ def fail_over(node: NodeStage, err: Exception, step: int, in_flight: bool = True
     ))
     log.warning("%s: failover done in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
     if committed:
-        node.require_stage()[0].last_loss = base["last_loss"]
+        stage.require_stage()[0].last_loss = base["last_loss"]
     return committed
 
-def _fail_over_once(node: NodeStage, base: _Captured, suspected: set[str], step: int) -> tuple[Any, int, int]:
-    session = node.require_session()
+def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step: int) -> tuple[Any, int, int]:
+    session = stage.require_session()
     lost = session.decide_lost(tuple(suspected), base["nodes"])
-    plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=node.config.redundant)
+    plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=stage.config.redundant)
     log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", session.node, sorted(lost),
                 step, plan.order, plan.pipelines, plan.parts,
                 f"; released {list(plan.released)}" if plan.released else "")
     if session.node in plan.released:
-        _release(node, step)
+        _release(stage, step)
     # The group's tag names its members: survivors that saw a released node's lease end (it left)
     # and those that did not agree on the same layout, so they must meet in the same group.
     rank, world = session.reform(list(plan.order), tag=layout_tag(plan.order))
     log.info("%s: process group re-formed", session.node)
     faults.reached(session.node, "failover")  # fault injection (BAMBOO_FAIL_AT=node@failover)
-    node.enter_group(rank, world)
+    stage.enter_group(rank, world)
     # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
     layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
-    node.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"], pool=base["layers"],
+    stage.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"], pool=base["layers"],
                  lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
     return plan, rank, world
 
-def _release(node: NodeStage, step: int) -> None:
+def _release(stage: NodeStage, step: int) -> None:
     """Leave the layout (this node's pipeline was dropped) and come back as a standby node, in a fresh process."""
     from lightning_bamboo.membership.node import rejoin_as_standby
 
-    session = node.require_session()
+    session = stage.require_session()
     log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); joining again "
                 "as a standby node", session.node, step)
     try:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], reason: str = "",
+def reconfigure(stage: NodeStage, order: list[str], parts: tuple[int, ...], reason: str = "",
                 pipelines: int = 1, elastic: bool = True) -> float:
     """Change the layout between two steps, with no loss: standby nodes join, layers move point to point.
 
@@ -39,7 +39,7 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
     Call at a step boundary on every node of the pipeline (``RebalanceCallback`` does). Returns the
     seconds it took. A node lost meanwhile ends in ``FatalLoss`` (restart from the last checkpoint).
     """
-    session, layout, engine = runner.session, runner.layout, runner.engine
+    session, layout, engine = stage.session, stage.layout, stage.engine
     if session is None or layout is None or engine is None:
         raise BambooConfigError("reconfigure() needs a job started by the Bamboo launcher and setup() done")
     started = time.monotonic()
@@ -53,7 +53,7 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
             "job's sampler is sharded per pipeline"
         )
     moves = transfer_plan(old_order, old_parts, order, parts, layout.pipelines, pipelines)  # validates the layout
-    step = runner.host.global_step()
+    step = stage.host.global_step()
     joiners = [n for n in order if n not in old_order]
     sender = next(n for n in order if n in old_order)
     record = Reconfiguration(generation=session.generation + 1, order=tuple(order), parts=parts,
@@ -61,20 +61,20 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
                              reason=reason, pipelines=pipelines, old_pipelines=layout.pipelines)
     if joiners and session.node == old_order[0]:
         session.admit(record)
-    meta = runner.host.training_state() if joiners and session.node == sender else None
+    meta = stage.host.training_state() if joiners and session.node == sender else None
     # The old engine never runs again: its layers' own tensors (no copy), and the layer objects, which the new stage
     # and replica take over where they keep a layer (nothing built or loaded again)
     own = engine.own_states(copy=False)
     replica = engine.replica.states(copy=False) if engine.replica is not None else {}
     objects = (held_layers(engine.module), held_layers(engine.replica.module) if engine.replica else {})
-    lineage = layout.pipeline_of_rank(runner.rank)  # the old pipeline whose copies they are
+    lineage = layout.pipeline_of_rank(stage.rank)  # the old pipeline whose copies they are
     engine.release_exchange()
     held, hyper = own, engine.optimizer
     log.warning("%s: reconfiguring at step %d: %s parts %s -> %s parts %s (%s)", session.node, step, old_order,
                 list(old_parts), order, list(parts), reason)
     try:
         rank, world = session.reform(order, tag="reconf")
-        runner.enter_group(rank, world)
+        stage.enter_group(rank, world)
 
         def move() -> dict[int, dict[str, Any]]:
             received = move_layers(moves, session.node, order, held)
@@ -89,7 +89,7 @@ def reconfigure(runner: NodeStage, order: list[str], parts: tuple[int, ...], rea
         # it received came from a node of this node's old pipeline
         sources = {m.src for m in moves if m.dst == session.node}
         same = all(layout.pipeline_of_rank(old_order.index(src)) == lineage for src in sources)
-        runner.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper,
+        stage.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper,
                        pool=(_without(objects[0], received), _without(objects[1], received)), lineage=lineage,
                        stage_lineage=lineage if same else None)
     except (PeerLost, BarrierTimeoutError) as err:
@@ -106,14 +106,13 @@ def _without(layers: dict[int, Any], received: dict[int, Any]) -> dict[int, Any]
     return {i: layer for i, layer in layers.items() if i not in received}
 
 
-def start_admitted(runner: NodeStage, model: PipelineModel, record: Reconfiguration, rank: int,
+def start_admitted(stage: NodeStage, model: PipelineModel, record: Reconfiguration, rank: int,
                    gradient_clipping: float = 0.0) -> dict[str, Any]:
     """A joining node's start: its layers come from the running nodes (the admission ``record`` says
     which), and so does the training state it returns (the host's ``training_state`` of the sender)."""
-    session = runner.require_session()
-    runner.probe(model)
-    runner.gradient_clipping = gradient_clipping
-    ensure_deepspeed_comm(runner.backend)
+    session = stage.require_session()
+    stage.probe(model)
+    ensure_deepspeed_comm(stage.backend)
     order = list(record.order)
 
     def receive() -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
@@ -123,8 +122,8 @@ def start_admitted(runner: NodeStage, model: PipelineModel, record: Reconfigurat
         return held, exchange_objects(None, send_to=None, recv_from=order.index(record.sender))
 
     held, meta = session.guard().run(receive)
-    runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the running nodes' loss scale
+    stage.resolve_precision(meta["bamboo"].get("loss_scale"), gradient_clipping)  # fp16: the running nodes' scale
     pipelines = record.pipelines
     layout = Layout(len(order) // pipelines, pipelines, record.parts)
-    runner.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
+    stage.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
     return meta

@@ -32,24 +32,24 @@ def restart_depth(survivors: int, stages: int, redundant: bool) -> int:
     return stages if survivors % stages == 0 else survivors
 
 
-def restart_after_fatal_loss(node: NodeStage, model: Any, err: FatalLoss) -> Restart:
+def restart_after_fatal_loss(stage: NodeStage, model: Any, err: FatalLoss) -> Restart:
     """Form the survivors' layout and build this node's fresh stage (seed weights: load the checkpoint next).
 
     Call on every survivor after ``err`` ended a step or a collective. A node lost meanwhile makes the survivors
     agree on a larger set and try again; a node that the others declared lost ends with ``err``. Returns the
     restart's record (also among the session's ``failovers``).
     """
-    session = node.require_session()
+    session = stage.require_session()
     started = time.monotonic()
     before = list(session.nodes)
-    layout = node.require_stage()[1]
+    layout = stage.require_stage()[1]
     suspected: set[str] = set()
     for _attempt in range(len(before)):
         lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
         order = [n for n in before if n not in lost]
         if session.node not in order:
             raise err  # declared lost itself (it froze, say): the others go on without it
-        stages = restart_depth(len(order), layout.stages, node.config.redundant)
+        stages = restart_depth(len(order), layout.stages, stage.config.redundant)
         try:
             rank, world = session.reform(order, tag=layout_tag(order))
             break
@@ -59,9 +59,9 @@ def restart_after_fatal_loss(node: NodeStage, model: Any, err: FatalLoss) -> Res
                         sorted(suspected | lost))
     else:
         raise BambooError(f"the restart after a fatal loss did not converge after {len(before)} attempts")
-    node.enter_group(rank, world)
-    node.depth = stages
-    node.start(model, world, rank, fitting=True, gradient_clipping=node.gradient_clipping)
+    stage.enter_group(rank, world)
+    stage.assign(stages)
+    stage.start(model, world, rank, fitting=True, gradient_clipping=stage.gradient_clipping)
     record = Restart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages,
                      pipelines=world // stages, seconds=time.monotonic() - started, reason=str(err))
     session.record_failover(record)

@@ -1,5 +1,6 @@
-"""``PipelineRunner``: the door a training loop drives: steps that survive a loss, failover, reconfiguration,
-collectives and checkpoints of one node (see ``NodeStage`` for what it runs)."""
+"""``PipelineRunner``: the door a training loop drives: steps that survive a loss, failover, reconfiguration and
+collectives of one node. It composes the node's ``NodeStage`` (what it runs), its ``StageCheckpoints`` and its
+membership ``Session``."""
 
 from __future__ import annotations
 
@@ -11,17 +12,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, PeerLost, batch_form_error
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
+from lightning_bamboo.runtime.checkpoints import StageCheckpoints
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
 from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo, start_session
-from lightning_bamboo.runtime.stage import NodeStage, States
-from lightning_bamboo.testing import faults
+from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
 
 log = logging.getLogger(__name__)
@@ -29,34 +29,59 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class PipelineRunner(NodeStage):
-    """Runs one node of a Bamboo pipeline: a stage of the model on a DeepSpeed engine, a replica of the
-    successor's stage, and (under the Bamboo launcher) the node's membership session.
+class PipelineRunner:
+    """Runs one node of a Bamboo pipeline: it composes the node's :class:`~lightning_bamboo.runtime.stage.NodeStage`
+    (``stage``: a stage of the model on a DeepSpeed engine and a replica of the successor's stage, built and rebuilt),
+    its checkpoints (``checkpoints``) and, under the Bamboo launcher, its membership session (``session``).
 
-    The operations: :meth:`start` (build the stage), :meth:`train_step` (a step that survives a loss:
-    fail over and redo it), :meth:`fail_over`, :meth:`reconfigure`, :meth:`gather` and :meth:`resilient`
-    (collectives that survive a loss), :meth:`save`, :meth:`resume_from` and the loads (checkpoints) and
-    :meth:`audit`. The framework around it is reached only through a
-    :class:`~lightning_bamboo.runtime.host.RunnerHost`; it can be driven without one of Lightning's.
+    The verbs a training loop drives: :meth:`start` (build the stage), :meth:`train_step` (a step that survives a
+    loss: fail over and redo it), :meth:`eval_step`, :meth:`resilient` and :meth:`gather` (collectives that survive
+    a loss), :meth:`reconfigure`, :meth:`agree` and :meth:`publish`; for membership :meth:`open_session`,
+    :meth:`wait_admission`, :meth:`enter`, :meth:`start_admitted`, :meth:`start_without_lost`, :meth:`before_step`,
+    :meth:`admit_standby`; and the end, :meth:`finish` and :meth:`close`. The framework around it is reached only
+    through a :class:`~lightning_bamboo.runtime.host.RunnerHost`; it can be driven without one of Lightning's.
     """
 
     def __init__(self, config: BambooConfig, host: RunnerHost, device: torch.device | str = "cpu",
                  backend: str = BACKEND) -> None:
-        super().__init__(config, host, device, backend)
-        #: called at the start of every step under membership, after leavers were served (``before_step``)
-        self._before_step: list[Callable[[PipelineRunner, int], None]] = []
-        self._inside_resilient = False
+        #: what this process runs: its stage, the engine around it, its replica (configure and place it there)
+        self.stage = NodeStage(config, host, device, backend)
+        #: the stage's part of the job's checkpoints: saves, an asynchronous save's shard, the resume
+        self.checkpoints = StageCheckpoints(self.stage)
+        self.host = host
         #: a node joining a running job, between its admission and its first step: the running nodes are past
         #: the barriers and broadcasts of the framework's start-up (they are training), so it meets them alone
         self.catching_up = False
-        self._resume: tuple[Any, dict[str, Any]] | None = None  # (path, meta) of the checkpoint being loaded
-        self._saved_reads: dict[tuple[int, int], States] = {}  # layer files read for that resume
+        #: called at the start of every step under membership, after leavers were served (``before_step``)
+        self._before_step: list[Callable[[PipelineRunner, int], None]] = []
+        self._inside_resilient = False
+
+    @property
+    def config(self) -> BambooConfig:
+        """The options the stage runs with (``stage.configure`` changes them before it is built)."""
+        return self.stage.config
+
+    @property
+    def session(self) -> Session | None:
+        """The node's membership session under the Bamboo launcher (:meth:`open_session`), else None."""
+        return self.stage.session
+
+    @property
+    def between_steps(self) -> bool:
+        """Whether collectives go through the membership store (``NodeStage.between_steps``)."""
+        return self.stage.between_steps
 
     # ------------------------------------------------------------------ membership
-    def open_session(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Session | None:
-        """Under the Bamboo launcher: register this node and pass the job's start rendezvous (else None)."""
-        if self.session is None and launched_by_bamboo():
-            self.session = start_session(self.config.detection_timeout, self.config.timeout, self.backend, leave_requested)
+    def open_session(self, leave_requested: Callable[[], bool] = LEAVE.is_set,
+                     session: Session | None = None) -> Session | None:
+        """Under the Bamboo launcher: register this node and pass the job's start rendezvous (else None). ``session``:
+        one opened already (the DeepSpeed door opens it before the engine is asked for), taken as it is."""
+        if self.session is None:
+            if session is None and launched_by_bamboo():
+                stage = self.stage
+                session = start_session(self.config.detection_timeout, self.config.timeout, stage.backend,
+                                        leave_requested)
+            self.stage.attach(session)
         return self.session
 
     def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Reconfiguration | None:
@@ -76,11 +101,11 @@ class PipelineRunner(NodeStage):
 
     def enter(self, record: Reconfiguration) -> tuple[int, int]:
         """Join the job's process group as its admission ``record`` says; returns (rank, world size)."""
-        self.rank, world = self.require_session().enter(record)
-        self.depth = world // record.pipelines
+        rank, world = self.stage.require_session().enter(record)
+        self.stage.assign(world // record.pipelines, rank)
         self.catching_up = True  # until its first step (see ``catching_up``)
-        log.warning("%s: admitted as rank %d of %d at step %d", self.node, self.rank, world, record.step)
-        return self.rank, world
+        log.warning("%s: admitted as rank %d of %d at step %d", self.stage.node, rank, world, record.step)
+        return rank, world
 
     def start_without_lost(self) -> tuple[int, int]:
         """Nodes died before the job's process group formed: start one pipeline of the nodes that are up.
@@ -90,13 +115,13 @@ class PipelineRunner(NodeStage):
         if any, loads into any layout). A data-parallel job, or too few nodes left, stops with
         ``FatalLoss``: the launcher starts it again with the nodes that are up. Returns (rank, world).
         """
-        session = self.require_session()
-        stages = self.depth
+        session = self.stage.require_session()
+        stages = self.stage.depth
         if stages is not None and stages != len(session.nodes):
             raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; a job of {len(session.nodes)} "
                             f"nodes in {stages}-stage pipelines starts again with the nodes that are up")
         assigned = session.start_without(min_nodes=2 if self.config.redundant else 1)
-        self.depth = assigned[1]
+        self.stage.assign(assigned[1])
         return assigned
 
     def before_step(self, hook: Callable[[PipelineRunner, int], None]) -> Callable[[], None]:
@@ -111,17 +136,12 @@ class PipelineRunner(NodeStage):
         return tuple(self._before_step)
 
     @property
-    def global_micro_batches(self) -> int | None:
-        """Micro-batches per step over all pipelines when every node loads the global batches, else None: the
-        host's answer (:meth:`~lightning_bamboo.runtime.host.RunnerHost.global_micro_batches`), read when used."""
-        return self.host.global_micro_batches()
-
-    @property
     def nodes(self) -> list[str]:
         """The job's nodes in rank order (under membership; else one name per rank of the layout)."""
         if self.session is not None:
             return list(self.session.nodes)
-        return [f"rank{r}" for r in range(self.layout.world_size if self.layout is not None else 1)]
+        layout = self.stage.layout
+        return [f"rank{r}" for r in range(layout.world_size if layout is not None else 1)]
 
     @property
     def standby(self) -> list[str]:
@@ -146,27 +166,19 @@ class PipelineRunner(NodeStage):
 
     def agree(self, topic: str, step: int, proposal: dict[str, Any]) -> dict[str, Any]:
         """One value for ``topic`` at ``step`` on every node: the first proposal put in the store wins."""
-        session = self.require_session()
+        session = self.stage.require_session()
         _, kv = session.store.put_if_absent(session.keys.agreement(topic, session.generation, step), json.dumps(proposal))
         return dict(json.loads(kv.value))
 
     # ------------------------------------------------------------------ steps
-    def split(self, batch: Any, global_batch: bool = False) -> tuple[list[tuple[Any, Any]], tuple[int, int] | None, int]:
-        """This pipeline's micro-batches of ``batch``; of a global batch its share (``(count, total)``
-        micro-batches, see ``pipeline_share``; None for a batch of this pipeline's own); and the global index of
-        its first micro-batch (of a batch of its own: as if the pipelines' batches were one, in rank order)."""
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise batch_form_error(batch)
-        inputs, targets = batch
-        b = self.config.micro_batch_size
-        share: tuple[int, int] | None = None
-        if global_batch:
-            first, m, total = pipeline_share(len(inputs), b, self.pipelines, self.pipeline_rank)
-            share, offset = (m, total), first
-        else:  # the whole batch is this pipeline's; its micro-batches are numbered after the lower ranks'
-            first, m = 0, micro_batches(len(inputs), b, self.pipelines)
-            offset = self.pipeline_rank * m
-        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)], share, offset
+    def start(self, model: PipelineModel, world: int, rank: int, fitting: bool, gradient_clipping: float = 0.0) -> None:
+        """Build this process's stage of a fresh layout (``world`` processes), its engine and its replica."""
+        self.stage.start(model, world, rank, fitting, gradient_clipping)
+
+    def start_admitted(self, model: PipelineModel, record: Reconfiguration, gradient_clipping: float = 0.0) -> dict[str, Any]:
+        """A joining node's stage, from the running nodes (see ``runtime.moves.start_admitted``); returns the
+        training state the sender's host gave."""
+        return start_admitted(self.stage, model, record, self.stage.rank, gradient_clipping)
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Train the step ``host.global_step()`` on ``batch``; if a peer is lost, fail over and redo it (unless
@@ -177,15 +189,15 @@ class PipelineRunner(NodeStage):
         joined_now, self.catching_up = self.catching_up, False
         if session is not None and session.leavers:
             # A peer announced at the last commit that it leaves: switch now, between steps, losing nothing.
-            self.fail_over(PeerLost(f"{sorted(session.leavers)} left after a notice", session.leavers), step,
-                           in_flight=False)
+            self._fail_over(PeerLost(f"{sorted(session.leavers)} left after a notice", session.leavers), step,
+                            in_flight=False)
             session.leavers = set()
         if session is not None and not joined_now:  # (a new node: decided already)
             for hook in list(self._before_step):
                 hook(self, step)
         for _ in range(len(session.nodes) if session is not None else 1):
-            engine, _layout = self.require_stage()
-            chunks, share, first = self.split(batch, global_batch=self.global_micro_batches is not None)
+            engine, _layout = self.stage.require_stage()
+            chunks, share, first = self._split(batch, global_batch=self.host.global_micro_batches() is not None)
             engine.set_micro_batches(len(chunks))
             if session is not None:
                 # A step that takes a commit timeout is stuck somewhere: every thread's stack goes to the
@@ -199,35 +211,49 @@ class PipelineRunner(NodeStage):
             except PeerLost as err:
                 if session is None:
                     raise
-                if self.fail_over(err, step):
-                    kept = self.require_stage()[0].last_loss  # the committed step's, kept by the failover
+                if self._fail_over(err, step):
+                    kept = self.stage.require_stage()[0].last_loss  # the committed step's, kept by the failover
                     assert kept is not None
                     return kept
             finally:
                 if session is not None:
                     faulthandler.cancel_dump_traceback_later()
-        raise BambooConfigError(f"step {step} failed over {len(self.require_session().nodes)} times; giving up")
+        raise BambooConfigError(f"step {step} failed over {len(self.stage.require_session().nodes)} times; giving up")
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (this pipeline's share), with no update."""
-        engine, _ = self.require_stage()
-        chunks, _, _ = self.split(batch)
+        engine, _ = self.stage.require_stage()
+        chunks, _, _ = self._split(batch)
         engine.set_micro_batches(len(chunks))
         return engine.eval_batch(data_iter=iter(chunks), num_micro_batches=len(chunks))
 
-    def fail_over(self, err: Exception, step: int, in_flight: bool = True) -> bool:
+    def _split(self, batch: Any, global_batch: bool = False) -> tuple[list[tuple[Any, Any]], tuple[int, int] | None, int]:
+        """This pipeline's micro-batches of ``batch``; of a global batch its share (``(count, total)``
+        micro-batches, see ``pipeline_share``; None for a batch of this pipeline's own); and the global index of
+        its first micro-batch (of a batch of its own: as if the pipelines' batches were one, in rank order)."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise batch_form_error(batch)
+        inputs, targets = batch
+        b = self.config.micro_batch_size
+        pipelines, pipeline_rank = self.stage.pipelines, self.stage.pipeline_rank
+        share: tuple[int, int] | None = None
+        if global_batch:
+            first, m, total = pipeline_share(len(inputs), b, pipelines, pipeline_rank)
+            share, offset = (m, total), first
+        else:  # the whole batch is this pipeline's; its micro-batches are numbered after the lower ranks'
+            first, m = 0, micro_batches(len(inputs), b, pipelines)
+            offset = pipeline_rank * m
+        return [(inputs[i * b : (i + 1) * b], targets[i * b : (i + 1) * b]) for i in range(first, first + m)], share, offset
+
+    def _fail_over(self, err: Exception, step: int, in_flight: bool = True) -> bool:
         """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed
         (see ``runtime.failover.fail_over``)."""
-        return fail_over(self, err, step, in_flight)
-
-    def start_admitted(self, model: PipelineModel, record: Reconfiguration, gradient_clipping: float = 0.0) -> dict[str, Any]:
-        """A joining node's stage, from the running nodes (see ``runtime.moves.start_admitted``); returns the
-        training state the sender's host gave."""
-        return start_admitted(self, model, record, self.rank, gradient_clipping)
+        return fail_over(self.stage, err, step, in_flight)
 
     def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "", pipelines: int = 1) -> float:
         """Change the layout between two steps, with no loss (see ``runtime.moves.reconfigure``); the seconds it took."""
-        return reconfigure(self, order, parts, reason, pipelines, elastic=self.global_micro_batches is not None)
+        return reconfigure(self.stage, order, parts, reason, pipelines,
+                           elastic=self.host.global_micro_batches() is not None)
 
     # ------------------------------------------------------------------ collectives that survive a loss
     def resilient(self, fn: Callable[[], T]) -> T:
@@ -238,7 +264,7 @@ class PipelineRunner(NodeStage):
         outermost call retries the whole operation in the new layout.
         """
         session = self.session
-        if session is None or self.engine is None or self._inside_resilient:
+        if session is None or self.stage.engine is None or self._inside_resilient:
             return fn()
         step = self.host.global_step()
         for _ in range(len(session.nodes)):
@@ -247,77 +273,14 @@ class PipelineRunner(NodeStage):
                 return session.guard().run(fn)
             except PeerLost as err:
                 self._inside_resilient = False
-                self.fail_over(err, step, in_flight=False)
+                self._fail_over(err, step, in_flight=False)
             finally:
                 self._inside_resilient = False
         raise BambooError(f"a collective failed over {len(session.nodes)} times at step {step}; giving up")
 
-    # ------------------------------------------------------------------ checkpoints
-    def checkpoint_shard(self, meta: Callable[[], dict[str, Any]] | None, with_optimizer: bool,
-                         reuse: ckpt.Shard | None = None) -> ckpt.Shard:
-        """This process's part of a checkpoint, copied to host memory (no collective; see ``AsyncCheckpoint``)."""
-        engine, _ = self.require_stage()
-        shard = ckpt.take_shard(self.rank, engine.module, engine.optimizer if with_optimizer else None,
-                                engine.layer_range, writes_layers=self.pipeline_rank == 0, meta=meta, reuse=reuse)
-        if shard.meta is not None and self.session is not None:
-            shard.fence = self.session.confirm_member  # a node declared lost meanwhile must not commit it
-        return shard
-
-    def save(self, path: Any, meta: Callable[[], dict[str, Any]], with_optimizer: bool, is_global_zero: bool,
-             barrier: Callable[[str], None], step: int | None = None) -> None:
-        """Every process writes its layers (one pipeline per stage), rank 0 the manifest; then swap in."""
-        engine, _ = self.require_stage()
-
-        def barrier_between(name: str) -> None:
-            if self.session is not None and name == "bamboo_checkpoint_layers":
-                # tests: a node that dies in the middle of a save (BAMBOO_FAIL_AT=node@save<step>)
-                faults.reached(self.session.node, f"save{step}")
-            barrier(name)
-
-        ckpt.save_sharded(path, engine.module, engine.optimizer if with_optimizer else None, engine.layer_range, meta,
-                          is_global_zero=is_global_zero, writes_layers=self.pipeline_rank == 0,
-                          barrier=barrier_between, rank=self.rank,
-                          fence=self.session.confirm_member if self.session is not None else None)
-
-    def resume_from(self, path: Any, meta: dict[str, Any]) -> None:
-        """The checkpoint the next :meth:`load_weights` and :meth:`load_optimizer` read (any saved layout)."""
-        self._resume, self._saved_reads = (path, meta), {}
-
-    def resumed(self) -> None:
-        """The resume is done: the layer files read for it are not needed any more."""
-        self._saved_reads = {}
-
-    def _saved_states(self, layers: range) -> States:
-        assert self._resume is not None and self.layout is not None
-        path, meta = self._resume
-        saved_layers = meta["bamboo"]["num_layers"]
-        if saved_layers != self.layout.num_layers:
-            raise ckpt.CheckpointError(f"checkpoint {path} holds {saved_layers} layers but configure_pipeline() "
-                                       f"builds {self.layout.num_layers}")
-        # weights and optimizer state are loaded by two calls: each layer file is read once per resume
-        key = (layers.start, layers.stop)
-        if key not in self._saved_reads:
-            self._saved_reads[key] = ckpt.read_layers(path, layers)
-        return self._saved_reads[key]
-
-    def load_weights(self, strict: bool = True) -> None:
-        """The stage's weights from the checkpoint, and the replica's too: a replica is the successor's state
-        as saved, never the seed's (a failover after a resume trains on it)."""
-        engine, _ = self.require_stage()
-        ckpt.load_weights(engine.module, self._saved_states(engine.layer_range), strict=strict)
-        if engine.replica is not None:
-            ckpt.load_weights(engine.replica.module, self._saved_states(engine.replica.layers), strict=strict)
-            engine.replica.changed()
-
-    def load_optimizer(self) -> None:
-        """The stage's optimizer state (moments, step counts, hyperparameters) from the checkpoint, and the replica's."""
-        engine, _ = self.require_stage()
-        assert self._resume is not None
-        groups = self._resume[1]["bamboo"]["param_groups"]
-        ckpt.load_optimizer(engine.module, engine.optimizer, self._saved_states(engine.layer_range), groups)
-        if engine.replica is not None:
-            replica = engine.replica
-            ckpt.load_optimizer(replica.module, replica.optimizer, self._saved_states(replica.layers), groups)
+    def gather(self, obj: Any, send: bool = True) -> list[Any]:
+        """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""
+        return self.stage.gather(obj, send)
 
     # ------------------------------------------------------------------ the end
     def finish(self, completed: bool) -> None:
@@ -333,7 +296,5 @@ class PipelineRunner(NodeStage):
         if self.session is not None:
             self.session.stop()
             keep.append(getattr(self.session.groups, "tcp_store", None))
-            self.session = None
-        self.engine = None
+        self.stage.close()
         return keep
-

@@ -89,6 +89,27 @@ class NodeStage:
             self.depth = config.stages
         self.config = config
 
+    def place(self, device: torch.device | str | None = None, backend: str | None = None) -> None:
+        """Run the stage on ``device`` and form its process groups on ``backend`` (the framework knows them only at
+        its setup); refused once the stage is built (an engine's tensors and groups stay where they are)."""
+        device = torch.device(device) if device is not None else self.device
+        backend = backend if backend is not None else self.backend
+        if self.engine is not None and (device, backend) != (self.device, self.backend):
+            raise BambooConfigError(f"the stage's device and backend are fixed once its engine is built ({self.device}, "
+                                    f"{self.backend!r}; asked {device}, {backend!r}): place() it before start()")
+        self.device, self.backend = device, backend
+
+    def attach(self, session: Session | None) -> None:
+        """Run under the membership ``session`` (its commits, its guard, its store's collectives), or none."""
+        self.session = session
+
+    def assign(self, depth: int | None, rank: int | None = None) -> None:
+        """The next fresh layout is ``depth`` stages deep (an admission, a smaller start, a restart decided it), and
+        this process is ``rank`` in it (None: the rank ``start`` is given)."""
+        self.depth = depth
+        if rank is not None:
+            self.rank = rank
+
     def require_session(self) -> Session:
         """The membership session; refused outside a job the Bamboo launcher started."""
         if self.session is None:
@@ -140,9 +161,13 @@ class NodeStage:
         if fitting:
             self._arm(self.engine)
 
-    def resolve_precision(self, loss_scale: dict[str, Any] | None = None) -> Precision:
-        """The job's :class:`Precision` from the config and ``gradient_clipping`` (``loss_scale``: fp16's scale state
-        to continue from, a checkpoint's or a running node's)."""
+    def resolve_precision(self, loss_scale: dict[str, Any] | None = None,
+                          gradient_clipping: float | None = None) -> Precision:
+        """The job's :class:`Precision` from the config and ``gradient_clipping`` (given: the host's, which it keeps;
+        else the last given) (``loss_scale``: fp16's scale state to continue from, a checkpoint's or a running
+        node's)."""
+        if gradient_clipping is not None:
+            self.gradient_clipping = gradient_clipping
         if self.precision is None:
             self.precision, _ = resolve(self.config.precision, self.config.deepspeed, self.gradient_clipping)
         if loss_scale and self.precision.state is not None:
@@ -421,6 +446,10 @@ class NodeStage:
             reports = [report]
         audit.check([audit.NodeDigest(**r) for r in reports], self.host.global_step(), when)
         self.audits += 1
+
+    def close(self) -> None:
+        """Drop the engine and the session (the runner stopped it): the process is ending or leaving the job."""
+        self.engine, self.session = None, None
 
     def gather(self, obj: Any, send: bool = True) -> list[Any]:
         """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""

@@ -161,7 +161,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
     @property
     def engine(self) -> BambooPipelineEngine | None:
         """The DeepSpeed pipeline engine running this process's stage (after ``setup``)."""
-        return self.runner.engine
+        return self.runner.stage.engine
 
     @property
     def resilience(self) -> Session | None:
@@ -170,11 +170,11 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
 
     @property
     def layout(self) -> Layout | None:
-        return self.runner.layout
+        return self.runner.stage.layout
 
     @property
     def audits(self) -> int:
-        return self.runner.audits
+        return self.runner.stage.audits
 
     @property
     def keep_global_batch(self) -> bool:
@@ -224,7 +224,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         stages, pipelines = resolve_stages(self.world_size, self.stages)
         if model is not None:
             self._check_model(model)
-            probe = self.runner.probe(model)
+            probe = self.runner.stage.probe(model)
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
         check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
 
@@ -243,14 +243,15 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         from lightning_bamboo.membership.node import leave_idle_priority
 
         runner = self.runner
-        runner.backend = self._get_process_group_backend()  # before any group forms (an admission forms one here)
-        if runner.backend == BACKEND:
+        backend = self._get_process_group_backend()
+        runner.stage.place(backend=backend)  # before any group forms (an admission forms one here)
+        if backend == BACKEND:
             self._use_transport()
             comm_zygote.prepare()  # its torch import overlaps the rendezvous
-        if runner.backend != BACKEND and launched_by_bamboo():
+        if backend != BACKEND and launched_by_bamboo():
             log.warning("process_group_backend=%r cannot be aborted: a failover waits until a step blocked on a lost "
                         "peer returns by that backend's own timeout (and gives up after %g s: a restart from the "
-                        "checkpoint). The default, %r, ends such waits at once.", runner.backend,
+                        "checkpoint). The default, %r, ends such waits at once.", backend,
                         STEP_FINISH_SECONDS, BACKEND)
         if joining() and runner.session is None:
             # A node joining a running job: standby until a reconfiguration admits it, then its
@@ -262,7 +263,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
             leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
             self._assigned = runner.enter(record)
             self.set_world_ranks()
-        resolve_stages(self.world_size, self.runner.depth)  # fail before joining a group (an admission set the depth)
+        resolve_stages(self.world_size, self.runner.stage.depth)  # fail before joining a group (an admission set the depth)
         if runner.session is None and runner.open_session(_leave_requested) is not None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
             if runner.session is not None and runner.session.start_lost:
@@ -351,7 +352,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
 
     @property
     def pipelines(self) -> int:
-        return resolve_stages(self.world_size, self.runner.depth)[1]  # the running layout's depth, not the option
+        return resolve_stages(self.world_size, self.runner.stage.depth)[1]  # the running layout's depth, not the option
 
     @property
     def pipeline_rank(self) -> int:
@@ -412,14 +413,14 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         if self.global_rank == 0:
             warn_if_replicas_cannot_help(self.redundancy)
             if not joining():
-                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.runner.depth)[0],
+                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.runner.stage.depth)[0],
                                                 self.world_size)
         patches.no_sigterm_broadcast_under_membership(trainer)
         add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         runner = self.runner
-        runner.device, runner.backend = self.root_device, self._get_process_group_backend()
+        runner.stage.place(self.root_device, self._get_process_group_backend())
         model: Any = self.lightning_module
         clipping = float(trainer.gradient_clip_val or 0.0)
         fitting = trainer.state.fn == self.pl_package("trainer.states").TrainerFn.FITTING
@@ -448,7 +449,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         with refused_quietly():  # a batch that only the step could check (an iterable dataset's)
             loss = self.runner.train_step(batch)
         # a node lost (or gone after a notice) meanwhile fails the audit's collective: fail over, audit again
-        self.runner.resilient(lambda: self.runner.audit("after"))
+        self.runner.resilient(lambda: self.runner.stage.audit("after"))
         trainer = self._module.trainer
         self.data.advance(trainer.current_epoch, len(batch[0]), self.pipelines)
         self._module.log("train_loss", loss, prog_bar=True, on_step=True, sync_dist=False)

@@ -54,15 +54,15 @@ class CheckpointHooks(_Lightning):
 
     def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """``meta.pt``: Lightning's checkpoint dict without weights, plus what a reader of any layout needs."""
-        engine, layout = self.runner.engine, self.runner.layout
+        engine, layout = self.runner.stage.engine, self.runner.stage.layout
         assert layout is not None and engine is not None, "saving a checkpoint needs setup() first"
         optimizer = engine.optimizer if self.optimizers else None
         out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         out["optimizer_states"] = []
         out["bamboo"] = ckpt.bamboo_meta(
             layout.num_layers, layout.parts, layout.pipelines, optimizer, ties=getattr(engine.module, "ties", None), cursor=self.data.state(),
-            seed=self.runner.seed, redundancy=self.redundancy, world_size=self.world_size,
-            step=checkpoint.get("global_step"), **self.runner.precision_meta(),
+            seed=self.runner.stage.seed, redundancy=self.redundancy, world_size=self.world_size,
+            step=checkpoint.get("global_step"), **self.runner.stage.precision_meta(),
         )
         return out
 
@@ -73,7 +73,7 @@ class CheckpointHooks(_Lightning):
         ``reuse`` is an earlier shard, already written, whose buffers the copy overwrites.
         """
         meta = (lambda: self.checkpoint_meta(checkpoint)) if self.is_global_zero else None
-        return self.runner.checkpoint_shard(meta, with_optimizer=bool(self.optimizers), reuse=reuse)
+        return self.runner.checkpoints.shard(meta, with_optimizer=bool(self.optimizers), reuse=reuse)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -83,7 +83,7 @@ class CheckpointHooks(_Lightning):
         """
         if storage_options is not None:
             raise BambooConfigError("strategy='bamboo' does not take storage_options in save_checkpoint")
-        self.runner.resilient(lambda: self.runner.save(
+        self.runner.resilient(lambda: self.runner.checkpoints.save(
             filepath, lambda: self.checkpoint_meta(checkpoint), with_optimizer=bool(self.optimizers),
             is_global_zero=self.is_global_zero, barrier=self.barrier, step=checkpoint.get("global_step"),
         ))
@@ -100,8 +100,8 @@ class CheckpointHooks(_Lightning):
         checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path = checkpoint_path
-        self.runner.resume_from(checkpoint_path, meta)
-        precision = self.runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
+        self.runner.checkpoints.resume_from(checkpoint_path, meta)
+        precision = self.runner.stage.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
         saved_precision = meta["bamboo"].get("precision", "32")
         if saved_precision != precision.name:
             log.warning(
@@ -130,22 +130,22 @@ class CheckpointHooks(_Lightning):
         # seed from torch's generator exactly as the uninterrupted run did before its first step.
         super().on_train_start()
         admitted, self._admitted_checkpoint = self._admitted_checkpoint, None  # a later fit() reads its own ckpt_path
-        self.runner.resumed()
+        self.runner.checkpoints.resumed()
         if self._resume_rng is not None:
             ckpt.restore_rng(self._resume_rng)
             self._resume_rng = None
         if admitted is None and self._loaded_path is not None:
             # a resume (also a restart from a checkpoint): replicas must be the loaded stages before a failover
             # can take one over (an admitted node was audited with the nodes that admitted it)
-            self.runner.resilient(lambda: self.runner.audit("resumed before"))
+            self.runner.resilient(lambda: self.runner.stage.audit("resumed before"))
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         if self._loaded_path is not None:
-            self.runner.load_weights(strict=strict)
+            self.runner.checkpoints.load_weights(strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._loaded_path is not None and self.optimizers:
-            self.runner.load_optimizer()
+            self.runner.checkpoints.load_optimizer()
 
