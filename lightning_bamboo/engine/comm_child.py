@@ -15,7 +15,6 @@ import os
 import queue
 import signal
 import socket
-import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -55,12 +54,9 @@ def zygote_main(fd: int) -> None:
             sock.close()
             conn.close()
             _child_main(child_fd)
-            # It ran no worker code and nobody reads its status (SIGCHLD ignored): it ends without the interpreter's
-            # teardown, which would write every page of the heap it shares with the zygote (and make torch's C++
-            # complain about its groups' threads), once its output is flushed
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            from lightning_bamboo.membership.teardown import leave_without_teardown
+
+            leave_without_teardown(flush=True)  # it ran no worker code; nobody reads its status (SIGCHLD ignored)
         os.close(child_fd)
         try:
             conn.send(pid)

@@ -21,6 +21,7 @@ from multiprocessing.reduction import sendfds
 from typing import Any
 
 from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.teardown import leave_without_teardown
 
 
 class ZygoteDied(BambooError, RuntimeError):
@@ -100,10 +101,7 @@ def _start_zygote(fork: bool = False) -> tuple[subprocess.Popen | _ForkedZygote,
             if pid == 0:  # the zygote; its children leave through SystemExit, up the caller's stack (``prepare``)
                 mine.close()
                 zygote_main(theirs.fileno())
-                # The zygote itself ran nothing but forks: it ends without the interpreter's teardown, which
-                # would write every page of the preloaded heap it shares with its worker (most of a second of a
-                # core per node at every job's end on 2 cores).
-                os._exit(0)
+                leave_without_teardown(flush=False)  # the zygote itself ran nothing but forks
             proc = _ForkedZygote(pid)
         else:
             code = f"from lightning_bamboo.engine.comm_child import zygote_main; zygote_main({theirs.fileno()})"

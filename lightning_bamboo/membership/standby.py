@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from lightning_bamboo.membership.teardown import leave_without_teardown
+
 #: seconds between two looks at the parent where no pidfd can watch it
 PARENT_POLL_SECONDS = 0.5
 
@@ -61,11 +63,8 @@ def fork_zygote(become: Callable[[dict[str, Any]], NoReturn]) -> None:
         # a terminal's Ctrl-C goes to the whole process group: the zygote leaves with its worker, not with a traceback
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         go = _wait_for_go(read, parent)
-        if go is None:
-            # Never told: it ran nothing and holds nothing to flush or hand back, so it ends without the
-            # interpreter's teardown, which would write every page of the preloaded heap it shares with its
-            # worker (0.8 s of a core per node here, at every job's end).
-            os._exit(0)
+        if go is None:  # never told: it ran nothing and holds nothing to flush or hand back
+            leave_without_teardown(flush=False)
         os.close(read)
         zygote = None
         if go.get("idle"):
