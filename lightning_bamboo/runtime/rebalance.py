@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.records import Failover, Restart
@@ -37,6 +37,9 @@ from lightning_bamboo.topology.policy import (
     reconfigure,
     split_micro_batches,
 )
+
+if TYPE_CHECKING:
+    from lightning_bamboo.runtime.runner import PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ class Rebalancer:
         self.on_decision: Callable[[dict[str, Any]], None] = _ignore
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, runner: Any, micro_batch_size: int = 1) -> None:
+    def attach(self, runner: PipelineRunner, micro_batch_size: int = 1) -> None:
         """Run at the start of every step of ``runner`` (and report standby nodes at every commit if ``admit``)."""
         if self.admit:
             runner.admit_standby()
@@ -111,7 +114,7 @@ class Rebalancer:
         self.layer_costs = layer_costs
 
     # ------------------------------------------------------------------ at every step
-    def at_step_start(self, runner: Any, step: int) -> None:
+    def at_step_start(self, runner: PipelineRunner, step: int) -> None:
         """Decide (agreed through the store) and reconfigure if the decision changes the pipeline."""
         if runner.session is None or self.layout is None or runner.stage.layout is None:
             return
@@ -218,12 +221,13 @@ def from_config(entry: Any, name: str = '"bamboo.rebalance"') -> Rebalancer | No
     return Rebalancer(**entry)
 
 
-def runtime_placement(runner: Any, global_micro_batches: int | None) -> Placement:
+def runtime_placement(runner: PipelineRunner, global_micro_batches: int | None) -> Placement:
     """The pipeline ``runner`` runs now, as the policy's ``Placement`` (its ``layout`` is the runner's).
 
     ``global_micro_batches``: the micro-batches of a step over all pipelines when the data is loaded by
     global steps (the pipelines share them); None: each pipeline has ``runner.stage.micro_batches`` of its own."""
     runtime, names = runner.stage.layout, runner.nodes
+    assert runtime is not None, "the runner's stage is built (start) before the rebalancer begins"
     grid = tuple(tuple(names[s * runtime.pipelines + p] for s in range(runtime.stages)) for p in range(runtime.pipelines))
     if global_micro_batches:
         return Placement(grid, tuple(runtime.parts), split_micro_batches(int(global_micro_batches), runtime.pipelines))
