@@ -44,11 +44,13 @@ LayerPool = tuple[Mapping[int, torch.nn.Module], Mapping[int, torch.nn.Module]]
 
 
 class NodeStage:
-    """What one process runs: its stage of ``layout`` (rank ``rank``), the engine around it, the replica of its
-    successor's stage, and under the Bamboo launcher the node's membership :class:`Session`.
+    """What one process runs: its stage of ``layout`` (rank ``rank``), the engine around it and the replica of its
+    successor's stage; under the Bamboo launcher it runs under the node's membership :class:`Session` (``attach``).
 
-    ``start`` builds the first layout; ``rebuild`` any later one from layer states the node holds. The
-    framework is reached through the :class:`~lightning_bamboo.runtime.host.RunnerHost`.
+    ``start`` builds the first layout; ``rebuild`` any later one from layer states the node holds. Before the build,
+    ``configure``, ``place`` and ``assign`` set its options, device and backend, and depth. The
+    :class:`~lightning_bamboo.runtime.runner.PipelineRunner` composes it; the framework is reached through the
+    :class:`~lightning_bamboo.runtime.host.RunnerHost`.
     """
 
     def __init__(self, config: BambooConfig, host: RunnerHost, device: torch.device | str = "cpu",
