@@ -49,6 +49,7 @@ import collections
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -555,7 +556,13 @@ def main() -> int:
         if args.json:
             print(json.dumps({"chaos_run": row}), flush=True)
     print(table(rows))
-    return 1 if any(r["problems"] for r in rows) else 0
+    failed = any(r["problems"] for r in rows)
+    if not args.keep:
+        if failed:  # a failed run's logs, stores and checkpoints are what a reader debugs it with
+            print(f"the runs' files are kept in {root}; remove it when done", flush=True)
+        else:  # every run's checkpoints and logs (about 90 MB a seed)
+            shutil.rmtree(root, ignore_errors=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
