@@ -29,7 +29,7 @@ def zygote_main(fd: int) -> None:
     """The worker's zygote: torch imported once; forks a communication process per generation on request.
 
     A fork of this single-threaded process is safe (a fork of the worker, which runs gloo and store
-    threads, would not be). A forked child serves its generation and ends with ``os._exit`` (no teardown);
+    threads, would not be). A forked child serves its generation and ends with ``leave_without_teardown`` (no teardown);
     the zygote itself ends when the worker's end of the socket closes.
     """
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel: no zombies to wait for

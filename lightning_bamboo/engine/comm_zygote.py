@@ -56,7 +56,7 @@ def prepare(fork: bool = False) -> None:
     ``fork``: as a fork of this process, for a caller at the top of a new worker (``launcher.forks``): one thread,
     no CUDA, nothing opened yet, and a stack whose unwinding ends the process, so the children it forks leave
     through ``SystemExit`` without running any worker's code on the way; the zygote itself, which ran nothing but
-    forks, ends with ``os._exit`` (no teardown of the heap it shares with the worker)."""
+    forks, ends with ``leave_without_teardown`` (no teardown of the heap it shares with the worker)."""
     with _ZYGOTE_LOCK:
         _start_zygote(fork)
 

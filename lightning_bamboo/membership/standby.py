@@ -53,7 +53,7 @@ def fork_zygote(become: Callable[[dict[str, Any]], NoReturn]) -> None:
     The zygote waits; told to go, it calls ``become(request)`` with the standby incarnation's command (``module``,
     ``script``, ``argv``), environment (``env``) and working directory (``cwd``): ``become`` runs it and leaves
     through ``SystemExit``, up the stack of this call, which ends the process. Not told, it ends with its worker,
-    with status 0 and no interpreter teardown (``os._exit``: it ran nothing)."""
+    with status 0 and no interpreter teardown (``teardown.leave_without_teardown``: it ran nothing)."""
     global zygote
     read, write = os.pipe()
     parent = os.getpid()

@@ -1,4 +1,4 @@
-"""How a forked helper process ends when it ran none of a worker's code: the package's one ``os._exit``."""
+"""How a forked helper process ends when it ran none of a worker's code, without the interpreter's teardown."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ def leave_without_teardown(flush: bool) -> NoReturn:
     and makes torch's C++ complain about its process groups' threads. Nobody reads such a helper's status.
 
     ``flush``: the helper's own output first. Only a helper that printed may: one that printed nothing would write
-    the buffer it inherited from the worker at the fork a second time. The one ``os._exit`` of the package
-    (``tests/test_architecture.py`` lists its callers)."""
+    the buffer it inherited from the worker at the fork a second time. The package's only
+    process exit that skips the teardown (``tests/test_architecture.py`` lists its callers)."""
     if flush:
         sys.stdout.flush()
         sys.stderr.flush()
