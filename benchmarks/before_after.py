@@ -22,6 +22,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from record import commit  # the commit (and +dirty) as every recorded result names it
+
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -98,14 +100,11 @@ def main() -> None:
         raise SystemExit("give the benchmark after --, e.g. -- benchmarks/rc_overhead.py --shapes 2x8")
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: give at least 1")
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="bamboo-before-") as tmp:
         tree = Path(tmp) / "tree"
         sha = worktree(args.before, tree)
         try:
-            print(f"before: {sha} ({args.before}); after: {head.strip()}{'+dirty' if dirty else ''} (this tree); "
+            print(f"before: {sha} ({args.before}); after: {commit()} (this tree); "
                   f"{args.rounds} run(s) each, alternating", flush=True)
             runs: dict[str, list[dict[str, list[float]]]] = defaultdict(list)
             for r in range(args.rounds):

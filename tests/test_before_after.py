@@ -12,6 +12,7 @@ import sys
 
 from tests.helpers import REPO
 
+sys.path.insert(0, str(REPO / "benchmarks"))  # its sibling record.py, as when it runs as a script
 SPEC = importlib.util.spec_from_file_location("bench_before_after", REPO / "benchmarks" / "before_after.py")
 assert SPEC is not None and SPEC.loader is not None
 before_after = importlib.util.module_from_spec(SPEC)
