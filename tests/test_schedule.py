@@ -30,7 +30,7 @@ from lightning_bamboo.schedule import (
 # "0L1" loads micro-batch 1 for stage 0, "0F1"/"0B1" forward/backward, "0A1>1" sends stage 0's output of
 # micro-batch 1 to rank 1 and "1A1<0" receives it, "G" is the gradient flowing back, "1RF0" is rank 0's
 # redundant forward of its successor's stage 1, "0RB0" a backward through such a kept forward, "0S>1"/"0S<0"
-# ship stage 0's reduced gradients to its replica holder. Forward of micro-batch k on stage s runs at step
+# ship stage 0's finished gradients to its replica holder, "1U" applies them to the replica in the next step. Forward of micro-batch k on stage s runs at step
 # 2k + s, its backward at 2k + 2p - 1 - s (DeepSpeed's TrainSchedule).
 
 
@@ -52,36 +52,39 @@ Step 7: 0G2<1 0B2 TIE RED OPT | 1G2>0 TIE RED OPT
 """)
 
 
-def test_lazy_two_stages_adds_only_the_replica_sync():
-    # rank 0 holds stage 1's replica and rank 1 stage 0's (the ring); even ranks send first, odd receive first.
+def test_lazy_two_stages_adds_only_the_replica_actions():
+    # rank 0 holds stage 1's replica and rank 1 stage 0's (the ring). Each owner ships what its OPT finished
+    # (S>) and receives its replica's gradients last (S<); the next step's U applies them, in the rank's longest
+    # wait: before the first gradient on rank 0, at the end (waiting for stage 0's gradients) on rank 1.
     assert format_table(build_schedule(2, 3, "lazy")) == table("""
         Rank 0                          | Rank 1
 Step 0: 0L0 0F0                         |
 Step 1: 0A0>1                           | 1A0<0 1L0 1F0
 Step 2: 0L1 0F1                         | 1B0
-Step 3: 0G0<1 0A1>1 0B0                 | 1G0>0 1A1<0 1L1 1F1
+Step 3: 1U 0G0<1 0A1>1 0B0              | 1G0>0 1A1<0 1L1 1F1
 Step 4: 0L2 0F2                         | 1B1
 Step 5: 0G1<1 0A2>1 0B1                 | 1G1>0 1A2<0 1L2 1F2
 Step 6:                                 | 1B2
-Step 7: 0G2<1 0B2 TIE RED 0S>1 1S<1 OPT | 1G2>0 TIE RED 0S<0 1S>0 OPT
+Step 7: 0G2<1 0B2 TIE RED OPT 0S>1 1S<1 | 1G2>0 TIE RED OPT 0U 1S>0 0S<0
 """)
 
 
 def test_eager_two_stages_fills_the_waits_only():
-    # F=1, B=2. Rank 0 ran F0, F1 by t=2 and waits for 0G0 until t=4 (rank 1 runs F0, B0): RF0, RF1 fit.
-    # It waits 1 slot for 0G2 (rank 1's B2 ends 1 after rank 0's B1): RF2. Rank 1 cannot use its first wait
-    # (nothing loaded yet) and waits 2 slots for rank 0's B2 before the sync: RF of stage 0 on mb 0 and 1.
+    # F=1, B=2. Rank 0 ran F0, F1 by t=2 and waits for 0G0 until t=4 (rank 1 runs F0, B0): RF0, RF1 fit, after
+    # U (an RF runs on the replica's weights of this step). It waits 1 slot for 0G2 (rank 1's B2 ends 1 after
+    # rank 0's B1): RF2. Rank 1 cannot use its first wait (nothing loaded yet), so its U goes there, and it
+    # waits 2 slots for stage 0's gradients at the end: RF of stage 0 on mb 0 and 1, run before its OPT.
     schedule = build_schedule(2, 3, "eager")
     assert format_table(schedule) == table("""
         Rank 0                               | Rank 1
 Step 0: 0L0 0F0                              |
-Step 1: 0A0>1                                | 1A0<0 1L0 1F0
+Step 1: 0A0>1                                | 0U 1A0<0 1L0 1F0
 Step 2: 0L1 0F1                              | 1B0
-Step 3: 1RF0 1RF1 0G0<1 0A1>1 0B0            | 1G0>0 1A1<0 1L1 1F1
+Step 3: 1U 1RF0 1RF1 0G0<1 0A1>1 0B0         | 1G0>0 1A1<0 1L1 1F1
 Step 4: 0L2 0F2                              | 1B1
 Step 5: 0G1<1 0A2>1 0B1                      | 1G1>0 1A2<0 1L2 1F2
 Step 6:                                      | 1B2
-Step 7: 1RF2 0G2<1 0B2 TIE RED 0S>1 1S<1 OPT | 1G2>0 TIE RED 0RF0 0RF1 0S<0 1S>0 OPT
+Step 7: 1RF2 0G2<1 0B2 TIE RED OPT 0S>1 1S<1 | 1G2>0 TIE RED 0RF0 0RF1 OPT 1S>0 0S<0
 """)
     sim = simulate(schedule)
     assert sim.makespan == sim.baseline == 12      # 3 F + 3 B on a rank = 9, plus (p - 1)(F + B) = 3
@@ -137,33 +140,38 @@ Step 12:                       | 1G3<2 1B3         | 2G3>1           |
 Step 13: 0G3<1 0B3 TIE RED OPT | 1G3>0 TIE RED OPT | TIE RED OPT     | TIE RED OPT
 """)
     lazy = build_schedule(4, 4, "lazy")
-    assert format_table(lazy).splitlines()[-1] == (
-        "Step 13: 0G3<1 0B3 TIE RED 0S>3 1S<1 OPT | 1G3>0 TIE RED 2S<2 1S>0 OPT | TIE RED 2S>1 3S<3 OPT "
-        "| TIE RED 0S<0 3S>2 OPT")
-    # lazy differs from off only by the sync in the last step
-    assert off.programs == tuple(prog[:-1] + (tuple(a for a in prog[-1] if a.kind not in
-                                                    (Kind.SEND_SYNC, Kind.RECV_SYNC)),) for prog in lazy.programs)
+    rows = format_table(lazy).splitlines()
+    assert rows[8] == "Step 07: 1U 0G0<1 0A3>1 0B0              | 1G0>0 1A3<0 1F3             | 2G1<3 2A2>3 2B1          | 3G1>2 3A2<2 3L2 3F2"
+    assert rows[-1] == (
+        "Step 13: 0G3<1 0B3 TIE RED OPT 0S>3 1S<1 | 1G3>0 TIE RED OPT"
+        " 1S>0 2S<2 | TIE RED OPT 3U 2S>1 3S<3 | TIE RED OPT 0U 3S>2 0S<0")
+    # lazy differs from off only by the replica's actions: U in the longest wait, the sync after OPT
+    replica_kinds = (Kind.SEND_SYNC, Kind.RECV_SYNC, Kind.REPLICA_UPDATE)
+    assert off.programs == tuple(tuple(tuple(a for a in tick if a.kind not in replica_kinds) for tick in prog)
+                                 for prog in lazy.programs)
 
 
 def test_four_stages_eager():
     # Rank 0 finishes F0..F3 at t=4 and waits for 0G0 until t=10 (6 slots) but only 4 inputs exist: RF0..RF3.
+    # Ranks 2 and 3 wait at the end for rank 0's last backward (the step ends on every rank together): their RFs
+    # there run before their OPT.
     schedule = build_schedule(4, 4, "eager")
     assert format_table(schedule) == table("""
-         Rank 0                              | Rank 1                         | Rank 2                     | Rank 3
-Step 00: 0L0 0F0                             |                                |                            |
-Step 01: 0A0>1                               | 1A0<0 1F0                      |                            |
-Step 02: 0L1 0F1                             | 1A0>2                          | 2A0<1 2F0                  |
-Step 03: 0A1>1                               | 1A1<0 1F1                      | 2A0>3                      | 3A0<2 3L0 3F0
-Step 04: 0L2 0F2                             | 1A1>2                          | 2A1<1 2F1                  | 3B0
-Step 05: 0A2>1                               | 1A2<0 1F2                      | 3RF0 3RF1 2G0<3 2A1>3 2B0  | 3G0>2 3A1<2 3L1 3F1
-Step 06: 0L3 0F3                             | 2RF0 2RF1 2RF2 1G0<2 1A2>2 1B0 | 2G0>1 2A2<1 2F2            | 3B1
-Step 07: 1RF0 1RF1 1RF2 1RF3 0G0<1 0A3>1 0B0 | 1G0>0 1A3<0 1F3                | 2G1<3 2A2>3 2B1            | 3G1>2 3A2<2 3L2 3F2
-Step 08:                                     | 1G1<2 1A3>2 1B1                | 2G1>1 2A3<1 2F3            | 3B2
-Step 09: 0G1<1 0B1                           | 1G1>0                          | 2G2<3 2A3>3 2B2            | 3G2>2 3A3<2 3L3 3F3
-Step 10:                                     | 2RF3 1G2<2 1B2                 | 2G2>1                      | 3B3
-Step 11: 0G2<1 0B2                           | 1G2>0                          | 3RF2 2G3<3 2B3             | 3G3>2
-Step 12:                                     | 1G3<2 1B3                      | 2G3>1                      |
-Step 13: 0G3<1 0B3 TIE RED 0S>3 1S<1 OPT     | 1G3>0 TIE RED 2S<2 1S>0 OPT    | TIE RED 3RF3 2S>1 3S<3 OPT | TIE RED 0RF0 0RF1 0RF2 0RF3 0S<0 3S>2 OPT
+         Rank 0                                 | Rank 1                            | Rank 2                     | Rank 3
+Step 00: 0L0 0F0                                |                                   |                            |
+Step 01: 0A0>1                                  | 1A0<0 1F0                         |                            |
+Step 02: 0L1 0F1                                | 1A0>2                             | 3U 2A0<1 2F0               |
+Step 03: 0A1>1                                  | 1A1<0 1F1                         | 2A0>3                      | 0U 3A0<2 3L0 3F0
+Step 04: 0L2 0F2                                | 1A1>2                             | 2A1<1 2F1                  | 3B0
+Step 05: 0A2>1                                  | 1A2<0 1F2                         | 3RF0 3RF1 2G0<3 2A1>3 2B0  | 3G0>2 3A1<2 3L1 3F1
+Step 06: 0L3 0F3                                | 2U 2RF0 2RF1 2RF2 1G0<2 1A2>2 1B0 | 2G0>1 2A2<1 2F2            | 3B1
+Step 07: 1U 1RF0 1RF1 1RF2 1RF3 0G0<1 0A3>1 0B0 | 1G0>0 1A3<0 1F3                   | 2G1<3 2A2>3 2B1            | 3G1>2 3A2<2 3L2 3F2
+Step 08:                                        | 1G1<2 1A3>2 1B1                   | 2G1>1 2A3<1 2F3            | 3B2
+Step 09: 0G1<1 0B1                              | 1G1>0                             | 2G2<3 2A3>3 2B2            | 3G2>2 3A3<2 3L3 3F3
+Step 10:                                        | 2RF3 1G2<2 1B2                    | 2G2>1                      | 3B3
+Step 11: 0G2<1 0B2                              | 1G2>0                             | 3RF2 2G3<3 2B3             | 3G3>2
+Step 12:                                        | 1G3<2 1B3                         | 2G3>1                      |
+Step 13: 0G3<1 0B3 TIE RED OPT 0S>3 1S<1        | 1G3>0 TIE RED OPT 1S>0 2S<2       | TIE RED 3RF3 OPT 2S>1 3S<3 | TIE RED 0RF0 0RF1 0RF2 0RF3 OPT 3S>2 0S<0
 """)
     sim = simulate(schedule)
     assert sim.overhead == 0 and sim.rc == (4, 4, 4, 4)
@@ -182,21 +190,21 @@ Step 03: 0A1>1                           | 1A1<0 1F1 2A0>3                 |    
 Step 04: 0L2 0F2                         | 2F1                             |               | 3B0
 Step 05: 0A2>1                           | 1A2<0 1F2 2G0<3 2A1>3 2B0       |               | 3G0>1 3A1<1 3L1 3F1
 Step 06: 0L3 0F3                         | 1B0 2F2                         |               | 3B1
-Step 07: 0G0<1 0A3>1 0B0                 | 1G0>0 1A3<0 1F3 2G1<3 2A2>3 2B1 |               | 3G1>1 3A2<1 3L2 3F2
+Step 07: 1U 0G0<1 0A3>1 0B0              | 1G0>0 1A3<0 1F3 2G1<3 2A2>3 2B1 |               | 3G1>1 3A2<1 3L2 3F2
 Step 08:                                 | 1B1 2F3                         |               | 3B2
 Step 09: 0G1<1 0B1                       | 1G1>0 2G2<3 2A3>3 2B2           |               | 3G2>1 3A3<1 3L3 3F3
 Step 10:                                 | 1B2                             |               | 3B3
 Step 11: 0G2<1 0B2                       | 1G2>0 2G3<3 2B3                 |               | 3G3>1
 Step 12:                                 | 1B3                             |               |
-Step 13: 0G3<1 0B3 TIE RED 0S>3 1S<1 OPT | 1G3>0 TIE RED 1S>0 OPT          |               | TIE RED 0S<0 OPT
+Step 13: 0G3<1 0B3 TIE RED OPT 0S>3 1S<1 | 1G3>0 TIE RED OPT 1S>0          |               | TIE RED OPT 0U 0S<0
 """)
     # rank 0 died: the last rank holds stage 0's replica, so it runs stages 3 and 0 (first and last).
     wrap = build_failover(4, 4, dead=0)
     assert wrap.layout == (3, 1, 2, 3)
     assert wrap.stages_of(3) == (0, 3)
     rows = format_table(wrap).splitlines()
-    assert rows[1] == "Step 00:               |                        |                       | 0L0 0F0"
-    assert rows[2] == "Step 01:               | 1A0<3 1F0              |                       | 0A0>1"
+    assert rows[1] == "Step 00:               |                        |                          | 0L0 0F0"
+    assert rows[2] == "Step 01:               | 1A0<3 1F0              |                          | 0A0>1"
     validate(wrap)
 
 
@@ -271,12 +279,12 @@ def test_sweep_full_eager_budget_costs_at_least_the_missing_bubble():
             assert all(i + o == r for i, o, r in zip(sim.rc_in_bubbles, sim.rc_outside, sim.rc, strict=True))
 
 
-def test_replica_sync_costs_two_transfers_whatever_the_depth():
-    # ring r -> r - 1 with even ranks sending first: two rounds (odd p included), never p rounds
+def test_replica_sync_costs_one_transfer_whatever_the_depth():
+    # every owner ships without waiting, then waits for its replica's gradients: one transfer time, never p
     for p in range(2, 9):
         for m in (1, 4):
             with_sync = simulate(build_schedule(p, m, "lazy"), Costs(sync=1)).makespan
-            assert with_sync - simulate(build_schedule(p, m, "off"), Costs(sync=1)).makespan <= 2, (p, m)
+            assert with_sync - simulate(build_schedule(p, m, "off"), Costs(sync=1)).makespan == 1, (p, m)
 
 
 def test_design_arithmetic_two_stages_eight_micro_batches():
@@ -302,11 +310,13 @@ def test_off_equals_deepspeed_train_schedule():
 
 def test_deepspeed_steps_names_rc_instructions():
     steps = deepspeed_steps(build_schedule(2, 3, "eager"), 0)
-    assert [(n, k) for n, k, _ in steps[3][:2]] == [("RedundantForward", {"stage": 1, "micro_batch": 0,
+    assert [(n, k) for n, k, _ in steps[3][:1]] == [("ReplicaUpdate", {"stage": 1})]
+    assert [(n, k) for n, k, _ in steps[3][1:3]] == [("RedundantForward", {"stage": 1, "micro_batch": 0,
                                                                           "buffer_id": 0}),
                                                     ("RedundantForward", {"stage": 1, "micro_batch": 1,
                                                                           "buffer_id": 1})]
-    assert ("SendReplicaSync", {"stage": 0, "peer": 1}) in [(n, k) for n, k, _ in steps[-1]]
+    assert [(n, k) for n, k, _ in steps[-1][-2:]] == [("SendReplicaSync", {"stage": 0, "peer": 1}),
+                                                      ("RecvReplicaSync", {"stage": 1, "peer": 1})]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -350,19 +360,72 @@ def test_missing_backward_and_wrong_peer_are_caught():
 
 
 def test_three_rank_cycle_is_a_deadlock():
-    # every rank sends its stage's sync before receiving: 0 -> 2 -> 1 -> 0 each wait on the next
+    # every rank waits for its replica's gradients before it ships its own: 0 -> 2 -> 1 -> 0 each wait on the next
     lazy = build_schedule(3, 1, "lazy")
     last = len(lazy.programs[0]) - 1
     broken = lazy
-    for rank, ticks in {0: ["0S>2", "1S<1"], 1: ["1S>0", "2S<2"], 2: ["2S>1", "0S<0"]}.items():
+    for rank, ticks in {0: ["1S<1", "0S>2"], 1: ["2S<2", "1S>0"], 2: ["0S<0", "2S>1"]}.items():
         tick = [str(a) for a in lazy.programs[rank][last]]
-        body = [x for x in tick if "S" not in x or x in ("TIE", "RED", "OPT")]
-        body = [x for x in body if x != "OPT"] + ticks + ["OPT"]
-        broken = _edit(broken, rank, last, body)
+        broken = _edit(broken, rank, last, [x for x in tick if "S" not in x] + ticks)
     with pytest.raises(ScheduleError, match="deadlock") as info:
         validate(broken)
     message = str(info.value)
     assert all(f"rank {r} at step {last}" in message for r in range(3))
+
+
+def _without(schedule: Schedule, rank: int, text: str) -> Schedule:
+    programs = [list(p) for p in schedule.programs]
+    programs[rank] = [tuple(a for a in tick if str(a) != text) for tick in programs[rank]]
+    return dataclasses.replace(schedule, programs=tuple(tuple(p) for p in programs))
+
+
+def test_replica_actions_out_of_place_are_caught():
+    lazy, eager = build_schedule(2, 3, "lazy"), build_schedule(2, 3, "eager")
+    with pytest.raises(ScheduleError, match=re.escape("rank 0 holds the replica of stage 1 but never applies its "
+                                                      "update; add 1U")):
+        validate(_without(lazy, 0, "1U"))
+    with pytest.raises(ScheduleError, match=re.escape("rank 0, step 3, action 1RF0: RF(1, 0) before the replica's "
+                                                      "update of the last step; put 1U before the first RF")):
+        validate(_edit(eager, 0, 3, ["1RF0", "1U", "1RF1", "0G0<1", "0A1>1", "0B0"]))
+    with pytest.raises(ScheduleError, match=re.escape("rank 0, step 7, action 0S>1: shipping stage 0's gradients "
+                                                      "before OPT finished them; put S> after OPT")):
+        validate(_edit(lazy, 0, 7, ["0G2<1", "0B2", "TIE", "RED", "0S>1", "OPT", "1S<1"]))
+    with pytest.raises(ScheduleError, match=re.escape("rank 1, step 7, action 0S<0: receiving stage 0's gradients "
+                                                      "before this rank's OPT; put S< after OPT")):
+        validate(_edit(lazy, 1, 7, ["1G2>0", "TIE", "RED", "0S<0", "OPT", "0U", "1S>0"]))
+    with pytest.raises(ScheduleError, match=re.escape("rank 1, step 7, action 1S>0: only U, then S>, then S< may "
+                                                      "follow OPT")):
+        validate(_edit(lazy, 1, 7, ["1G2>0", "TIE", "RED", "OPT", "0U", "0S<0", "1S>0"]))
+    with pytest.raises(ScheduleError, match=re.escape("rank 1, step 7, action 0S<0: 0S<0 waits for rank 0's 0S>1, "
+                                                      "which it never ships")):
+        validate(_without(lazy, 0, "0S>1"))
+    with pytest.raises(ScheduleError, match=re.escape("rank 0 ships stage 0's gradients to rank 1, which never "
+                                                      "receives them; add 0S<0 to rank 1")):
+        validate(_without(lazy, 1, "0S<0"))
+    with pytest.raises(ScheduleError, match=re.escape("rank 0 holds the replica of stage 1, not 0")):
+        validate(_edit(lazy, 0, 3, ["0U", "0G0<1", "0A1>1", "0B0"]))
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_the_replica_update_runs_in_the_longest_wait(mode):
+    # Where U runs is data of the schedule: before the first gradient's receive on the earlier half of the
+    # stages, at the end (lazy) or before the first activation's receive (eager) on the later half, and
+    # always before the first RF.
+    for p in range(2, 9):
+        for m in (1, 2, 5, 8):
+            schedule = build_schedule(p, m, mode)
+            for rank in range(p):
+                actions = [a for _, a in schedule.actions(rank)]
+                kinds = [a.kind for a in actions]
+                at = kinds.index(Kind.REPLICA_UPDATE)
+                assert kinds.count(Kind.REPLICA_UPDATE) == 1 and actions[at].stage == (rank + 1) % p
+                rfs = [i for i, k in enumerate(kinds) if k is Kind.REDUNDANT_FORWARD]
+                if 2 * rank > p - 1 and mode == "lazy":
+                    wanted = kinds.index(Kind.OPTIMIZER) + 1
+                else:
+                    receive = kinds.index(Kind.RECV_ACT if 2 * rank > p - 1 else Kind.RECV_GRAD)
+                    wanted = min([receive, *rfs]) - 1  # just before it
+                assert at == wanted and all(at < i for i in rfs), (p, m, rank)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -383,13 +446,14 @@ def test_three_rank_cycle_is_a_deadlock():
     ("TIE", Action(Kind.REDUCE_TIED)),
     ("RED", Action(Kind.REDUCE)),
     ("OPT", Action(Kind.OPTIMIZER)),
+    ("2U", Action(Kind.REPLICA_UPDATE, 2)),
 ])
 def test_string_form_round_trips(text, action):
     assert Action.parse(text) == action
     assert str(action) == text
 
 
-@pytest.mark.parametrize("text", ["1X3", "0A3", "1F3>0", "F3", "1S3>0", "OPT1", ""])
+@pytest.mark.parametrize("text", ["1X3", "0A3", "1F3>0", "F3", "1S3>0", "OPT1", "U", "1U2", ""])
 def test_bad_strings_are_rejected(text):
     with pytest.raises(ScheduleError):
         Action.parse(text)

@@ -11,7 +11,7 @@ Where that cost goes (``GradientExchange``, ``Replica.settle``): the holder post
 the step's first wait, so the successor's gradients travel while this stage still runs its last
 backward; the own gradients leave without waiting, and the replica's gradients are waited for
 only after the loss went out. The replica's update is not applied at the step boundary but
-where the next step waits longest anyway (``BambooPipelineEngine.updates_replica_at_end``): the
+where the next step waits longest anyway (the program's ``U``, ``schedule.build.updates_replica_at_end``): the
 earlier half of the stages before their first gradient arrives, the later half (the last stage
 always) at the end of their schedule, where they wait for the loss until the first stage ran its
 last backward (stage i of p waits about p-1-i backwards for its first gradient, i at the end).

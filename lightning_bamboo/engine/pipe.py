@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -15,60 +14,23 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.exchange import GradientExchange
-from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS, PeerLost, StepGuard, is_comm_error
+from lightning_bamboo.engine.guard import StepGuard, is_comm_error
 from lightning_bamboo.engine.layer_rng import StepKeys
 from lightning_bamboo.engine.precision import Precision, StepFinish, StepResult, scaled_loss
+from lightning_bamboo.engine.program import (
+    BambooTrainSchedule,
+    RecvReplicaSync,
+    RedundantForward,
+    ReplicaUpdate,
+    SendReplicaSync,
+    redundant_forwards_placed,
+)
 from lightning_bamboo.engine.replica import Replica
-
-__all__ = ["STEP_FINISH_SECONDS", "BambooPipelineEngine", "PeerLost", "StepGuard", "Wiring"]
+from lightning_bamboo.errors import PeerLost
 from lightning_bamboo.schedule import Costs
 from lightning_bamboo.testing import faults
 
 log = logging.getLogger(__name__)
-
-class RedundantForward(ds_schedule.PipeInstruction):
-    """Forward of the replica (the successor's stage) on micro-batch ``micro_batch``, its graph kept.
-
-    The input is what this stage sent the successor for that micro-batch (the loaded inputs
-    when the replica is stage 0, on the last stage). The output and the graph (its saved tensors
-    in host memory) are what a lazy backward of the successor's stage needs after a failure;
-    they are freed when the step commits.
-    """
-
-
-class EagerTrainSchedule(ds_schedule.TrainSchedule):
-    """DeepSpeed's ``TrainSchedule`` with ``RedundantForward`` placed where the stage would wait.
-
-    The steps come from ``lightning_bamboo.schedule.build_schedule(stages, micro_batches, "eager")``
-    (for DeepSpeed's own instructions the same steps, buffers and order as ``TrainSchedule``). Its
-    replica-sync actions are carried out by ``OptimizerStep`` (see ``BambooPipelineEngine``).
-    """
-
-    def __init__(self, micro_batches: int, stages: int, stage_id: int, costs: Costs | None = None) -> None:
-        super().__init__(micro_batches, stages, stage_id)
-        self.costs = costs  # the placement's action costs (None: the schedule model's F = 1, B = 2)
-
-    def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
-        for step in _eager_steps(self.stages, self.micro_batches, self.stage_id, self.costs):
-            yield [RedundantForward(**kwargs) if name == "RedundantForward" else getattr(ds_schedule, name)(**kwargs)
-                   for name, kwargs in step]
-
-
-@functools.lru_cache(maxsize=64)
-def _eager_steps(stages: int, micro_batches: int, stage_id: int,
-                 costs: Costs | None = None) -> tuple[tuple[tuple[str, dict[str, int]], ...], ...]:
-    """The eager steps of one stage as (instruction name, kwargs), built once per shape and costs (the
-    placement simulates every rank: milliseconds, not to be paid every step)."""
-    from lightning_bamboo.schedule import build_schedule, deepspeed_steps
-
-    out = []
-    for step in deepspeed_steps(build_schedule(stages, micro_batches, "eager", costs=costs), stage_id):
-        out.append(tuple(
-            (name, {"micro_batch": kwargs["micro_batch"]} if name == "RedundantForward" else kwargs)
-            for name, kwargs, _action in step
-            if name not in ("SendReplicaSync", "RecvReplicaSync")  # OptimizerStep ships and receives them
-        ))
-    return tuple(out)
 
 
 class _RedundantStep:
@@ -96,10 +58,12 @@ class BambooPipelineEngine(PipelineEngine):
     """A ``PipelineEngine`` that lightning_bamboo builds directly (``deepspeed.initialize`` cannot).
 
     With a replica or a commit hook, the optimizer step of a batch is deferred: the
-    ``OptimizerStep`` instruction only ships this stage's gradients to its replica holder and
-    receives the successor's; after the schedule (and the loss) completed, ``commit`` decides
-    whether the step counts everywhere, and only then are the own and the replica's optimizer
-    steps applied. A failure before that leaves every survivor with an unchanged model.
+    ``OptimizerStep`` instruction only finishes the gradients (unscale, clip). With a replica the
+    engine runs its stage's program of ``schedule.build_schedule`` (``engine.program``): it ships the
+    finished gradients to the replica's holder and receives the successor's once the loss went out;
+    then ``commit`` decides whether the step counts everywhere, and only then is the own optimizer
+    step applied and the replica's taken on (applied where the next step's program says, ``U``).
+    A failure before that leaves every survivor with an unchanged model.
     """
 
     bamboo_options: dict[str, Any]
@@ -142,10 +106,27 @@ class BambooPipelineEngine(PipelineEngine):
     #: the RF state of the step running now (None outside a training step or without eager redundancy)
     redundant: _RedundantStep | None = None
 
-    def _train_schedule(self) -> Any:
+    @property
+    def redundancy(self) -> str:
+        """The program this engine runs (``schedule.build_schedule``'s modes): ``"eager"``; ``"lazy"`` with a
+        replica or a holder of its own; ``"off"`` (DeepSpeed's ``TrainSchedule``) otherwise."""
         if self.eager:
-            return EagerTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, self.rf_costs)
-        return super()._train_schedule()
+            return "eager"
+        if self.num_stages > 1 and (self.replica is not None or self.replica_peers[0] is not None):
+            return "lazy"
+        return "off"
+
+    #: the program of the step running now (None: DeepSpeed's ``TrainSchedule``)
+    program: BambooTrainSchedule | None = None
+
+    def _train_schedule(self) -> Any:
+        redundancy = self.redundancy
+        if redundancy == "off":
+            self.program = None
+            return super()._train_schedule()
+        costs = self.rf_costs if redundancy == "eager" else None
+        self.program = BambooTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, redundancy, costs)
+        return self.program
 
     # ------------------------------------------------------------------ where eager's RFs go
     #: training steps whose forward and backward times are measured (after the first, which allocates)
@@ -168,8 +149,7 @@ class BambooPipelineEngine(PipelineEngine):
 
         ratio = max(0.1, round(statistics.median(times["backward"]) / statistics.median(times["forward"]), 1))
         costs = self.__dict__["_measured_costs"] = Costs(forward=1, backward=ratio)
-        placed = [sum(1 for s in _eager_steps(self.num_stages, self.micro_batches, self.stage_id, c)
-                      for name, _ in s if name == "RedundantForward") for c in (costs, None)]
+        placed = [redundant_forwards_placed(self.num_stages, self.micro_batches, self.stage_id, c) for c in (costs, None)]
         log.info("%s: eager RFs placed with measured costs F = 1, B = %.1f: %d per step (the model's F = 1, B = 2: %d)",
                  self.node_id or f"rank {self.global_rank}", ratio, *placed)
         return costs
@@ -231,10 +211,12 @@ class BambooPipelineEngine(PipelineEngine):
         if self.redundant is not None and not self.is_last_stage():
             self.redundant.inputs.append(_on_host(_detached(self.pipe_buffers["outputs"][buffer_id])))
 
-    def _exec_redundant_forward(self, micro_batch: int) -> None:
+    def _exec_redundant_forward(self, stage: int, micro_batch: int, buffer_id: int) -> None:
         assert self.redundant is not None and self.replica is not None
+        if self.replica.due:
+            raise RuntimeError(f"the program runs {stage}RF{micro_batch} before {stage}U: a redundant forward runs on "
+                               "the replica's weights of this step (schedule.build puts U before the first RF)")
         started = time.perf_counter()
-        self._settle_replica()  # an RF runs on the replica's weights of this step
         # The successor's layers draw what they draw on the successor (the step's keys: an engine with a replica
         # is built by the runtime, with a seed), and the process's streams are left as they were.
         keys = self.module.keys
@@ -318,13 +300,10 @@ class BambooPipelineEngine(PipelineEngine):
         finally:
             self._end_splice()
         self.last_loss = loss
+        if self.program is not None:
+            for cmd in self.program.after_loss:  # S<: once the loss went out (``engine.program``)
+                self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
         if self._pending_step:
-            # The replica's gradients: waited for only now, so the loss went out first (the last stage
-            # sends it once its schedule ends; the first stage's gradients come last of all).
-            self._settle_replica()
-            started = time.perf_counter()
-            self.exchange.receive()
-            self.replica_seconds["receive"] += time.perf_counter() - started
             if self.commit is not None:
                 self.phase = "commit"
                 started = time.perf_counter()
@@ -383,12 +362,23 @@ class BambooPipelineEngine(PipelineEngine):
                 PipelineEngine._exec_optimizer_step(self, lr_kwargs)
             self._update_loss_scale()
             return None
-        if self.updates_replica_at_end:
-            self._settle_replica()  # the update due runs in the wait for the loss (updates_replica_at_end)
+        self._pending_step = True  # applied once the step commits (the program's S> ships what was finished)
+
+    def _exec_replica_update(self, stage: int) -> None:
+        """``U``: the replica's update of the last step, where the program put it (its longest wait)."""
+        self._settle_replica(update=True)
+
+    def _exec_send_replica_sync(self, stage: int, peer: int) -> None:
+        """``S>``: ship the gradients ``OptimizerStep`` finished to the replica's holder, without waiting."""
         started = time.perf_counter()
-        self.exchange.ship(self.module)  # the replica's gradients are taken after the loss went out
+        self.exchange.ship(self.module)
         self.replica_seconds["ship"] += time.perf_counter() - started
-        self._pending_step = True
+
+    def _exec_recv_replica_sync(self, stage: int, peer: int) -> None:
+        """``S<``: wait for the replica's gradients (``after_loss``); the next step's ``U`` applies them."""
+        started = time.perf_counter()
+        self.exchange.receive()
+        self.replica_seconds["receive"] += time.perf_counter() - started
 
     @property
     def exchange(self) -> GradientExchange:
@@ -406,19 +396,9 @@ class BambooPipelineEngine(PipelineEngine):
         if exchange is not None:
             exchange.release()
 
-    @property
-    def updates_replica_at_end(self) -> bool:
-        """Where the last step's replica update runs: in the wait that is longest anyway. Stage ``i`` of ``p``
-        waits about ``(p - 1 - i) * B`` for its first gradient (its successors' forwards and backwards of the
-        first micro-batch, less its own warm-up forwards) and ``i * B`` at the end of its schedule (for the
-        loss, until the first stage ran its last backward); ``i * F`` for its first activation is never the
-        longest. True: at the end (the later half of the stages, the last one always); under eager, where the
-        end also holds the redundant forwards, in the wait for the first activation."""
-        return 2 * self.stage_id > self.num_stages - 1
-
     def _settle_replica(self, update: bool = True) -> None:
-        """Where the step waits: apply the last step's replica update (``update``) and answer "read" for the
-        gradients it used, and let the successor's gradients in early."""
+        """Where the step waits: apply the last step's replica update (``update``: the program's ``U``), answer
+        "read" for the gradients it used, and let the successor's gradients in early."""
         if update and self.replica is not None and self.replica.due:
             self.replica_seconds["replica_step"] += self.replica.settle()
         if self.phase == "schedule" and self.defers_step:
@@ -426,16 +406,12 @@ class BambooPipelineEngine(PipelineEngine):
             self.exchange.post_receive()
 
     def _exec_recv_grads_settling(self, buffer_id: int) -> None:
-        # The earlier stages wait longest before their first gradient arrives (their successors run their
-        # forwards and backwards meanwhile): the last step's replica update runs there, in idle time.
-        self._settle_replica(update=not self.updates_replica_at_end)
+        self._settle_replica(update=False)
         self._write_ahead_at_last_gradient()
         PipelineEngine._exec_recv_grads(self, buffer_id)
 
     def _exec_recv_activations_settling(self, buffer_id: int) -> None:
-        # Never the longest wait (``updates_replica_at_end``), but under eager the later stages' end of schedule
-        # holds their redundant forwards too: their update runs here, in the wait for their first activation.
-        self._settle_replica(update=self.eager and self.updates_replica_at_end)
+        self._settle_replica(update=False)
         PipelineEngine._exec_recv_activations(self, buffer_id)
 
     def _write_ahead_at_last_gradient(self) -> None:
@@ -487,6 +463,9 @@ class BambooPipelineEngine(PipelineEngine):
         ds_schedule.ForwardPass: _exec_forward_keeping_output,
         ds_schedule.BackwardPass: _exec_backward_timed,
         RedundantForward: _exec_redundant_forward,
+        ReplicaUpdate: _exec_replica_update,
+        SendReplicaSync: _exec_send_replica_sync,
+        RecvReplicaSync: _exec_recv_replica_sync,
     }
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
@@ -506,8 +485,8 @@ class BambooPipelineEngine(PipelineEngine):
         """This engine's training step as a Step x Rank table (lightning_bamboo.schedule)."""
         from lightning_bamboo.schedule import build_schedule, format_table
 
-        mode = "eager" if self.eager else "lazy" if self.replica is not None else "off"
-        costs = self.rf_costs if self.eager else None
+        mode = self.redundancy
+        costs = self.rf_costs if mode == "eager" else None
         return format_table(build_schedule(self.num_stages, self.micro_batches, mode, costs=costs), error_at=error_at)
 
 

@@ -45,7 +45,8 @@ class Kind(Enum):
     RECV_SYNC = "S<"
     REDUCE_TIED = "TIE"          # DeepSpeed's ReduceTiedGrads
     REDUCE = "RED"               # DeepSpeed's ReduceGrads (data-parallel all-reduce)
-    OPTIMIZER = "OPT"            # optimizer step of the rank's stages and of its replica
+    OPTIMIZER = "OPT"            # the rank's gradient finish (unscale, clip); its update applies once the step commits
+    REPLICA_UPDATE = "U"         # the holder applies its replica's update of the last step (its weights for this one)
 
 
 _COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.REDUNDANT_FORWARD, Kind.REDUNDANT_BACKWARD})
@@ -58,7 +59,7 @@ for _kind in Kind:  # flags on the members: Enum hashing is slow in the dry run'
     _kind.recv = _kind in _RECVS  # type: ignore[attr-defined]
     _kind.compute = _kind in _COMPUTE  # type: ignore[attr-defined]
     _kind.needs = (_kind not in _RANK_WIDE, _kind in _PER_MICRO_BATCH, _kind in _SENDS or _kind in _RECVS)  # type: ignore[attr-defined]
-_ACTION_RE = re.compile(r"^(\d+)?(RF|RB|TIE|RED|OPT|L|F|B|A|G|S)(\d+)?(?:([<>])(\d+))?$")
+_ACTION_RE = re.compile(r"^(\d+)?(RF|RB|TIE|RED|OPT|L|F|B|A|G|S|U)(\d+)?(?:([<>])(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class Action:
     ``"0A3>1"`` stage 0 sends its output activation of micro-batch 3 to rank 1 and ``"1A3<0"`` stage 1
     receives it from rank 0 (a send carries the producing stage, a receive the consuming stage);
     ``"1G3>0"`` / ``"0G3<1"`` the same for the gradient flowing back; ``"1S>0"`` rank 1 ships stage 1's
-    reduced gradients to rank 0, which holds stage 1's replica and receives ``"1S<1"``;
+    finished gradients to rank 0, which holds stage 1's replica and receives ``"1S<1"``; ``"1U"`` rank 0
+    applies the update of stage 1's replica that the last step's ``S<`` brought;
     ``"TIE"``, ``"RED"``, ``"OPT"`` are rank-wide.
     """
 
@@ -123,7 +125,7 @@ class Action:
         match = _ACTION_RE.match(text.strip())
         if match is None:
             raise ScheduleError(f"cannot parse action {text!r}: expected [stage]TOKEN[micro_batch][>|<peer] with "
-                                "TOKEN in L F B RF RB A G S TIE RED OPT, e.g. '1F3', '0A3>1', 'OPT'")
+                                "TOKEN in L F B RF RB A G S U TIE RED OPT, e.g. '1F3', '0A3>1', 'OPT'")
         stage, token, mb, arrow, peer = match.groups()
         if token in "AGS":
             if arrow is None:

@@ -44,10 +44,10 @@ def _stage_tick(stage: int, step: int, p: int, m: int, layout: tuple[int, ...]) 
 
 
 def _sync_actions(p: int, layout: Sequence[int], replicas: Sequence[int | None]) -> list[list[Action]]:
-    """Replica sync per rank: for each stage with a live replica, its owner sends ``S>`` and the holder
-    receives ``S<``. Transfers run along the ring (rank r sends to r - 1, receives from r + 1); even ranks
-    send first and odd ranks receive first, so the blocking ring finishes in at most three transfer times
-    whatever ``p`` (a single global order would take ``p``)."""
+    """Replica sync per rank: for each stage with a live replica, its owner ships ``S>`` and the holder
+    receives ``S<``. Ships go first: an owner ships without waiting, and a holder waits for its replica's
+    gradients last of all, once the step's loss went out (the first stage, whose replica the last stage
+    holds, ships last)."""
     per_rank: list[list[Action]] = [[] for _ in range(p)]
     for holder, stage in enumerate(replicas):
         if stage is None:
@@ -55,9 +55,43 @@ def _sync_actions(p: int, layout: Sequence[int], replicas: Sequence[int | None])
         owner = layout[stage]
         per_rank[owner].append(Action(Kind.SEND_SYNC, stage, peer=holder))
         per_rank[holder].append(Action(Kind.RECV_SYNC, stage, peer=owner))
-    for rank, actions in enumerate(per_rank):
-        actions.sort(key=lambda a: a.is_send == (rank % 2 == 1))
+    for actions in per_rank:
+        actions.sort(key=lambda a: a.is_recv)
     return per_rank
+
+
+def updates_replica_at_end(stage: int, stages: int) -> bool:
+    """Where the holder on stage ``stage`` of ``stages`` applies its replica's update (``U``): in the step's
+    longest wait. Stage ``i`` of ``p`` waits about ``(p - 1 - i) * B`` for its first gradient (its successors'
+    forwards and backwards of the first micro-batch, less its own warm-up forwards) and ``i * B`` at the end
+    of its schedule (for the replica's gradients, until the first stage ran its last backward); ``i * F`` for
+    its first activation is never the longest. True: at the end (the later half of the stages, the last one
+    always); under eager, where the end also holds the redundant forwards, in the wait for the first
+    activation instead. False: before the first gradient's receive."""
+    return 2 * stage > stages - 1
+
+
+def _place_update(programs: list[list[list[Action]]], p: int, replicas: Sequence[int | None], eager: bool) -> None:
+    """Put each holder's ``U`` where ``updates_replica_at_end`` says, or before its first RF if that comes
+    earlier (an RF runs on the replica's weights of this step)."""
+    for rank, program in enumerate(programs):
+        target = replicas[rank]
+        if target is None or not program:
+            continue
+        for tick in program:
+            tick[:] = [a for a in tick if a.kind is not Kind.REPLICA_UPDATE]
+        update = Action(Kind.REPLICA_UPDATE, target)
+        if updates_replica_at_end(rank, p) and not eager:
+            wanted = Kind.OPTIMIZER
+        else:
+            wanted = Kind.RECV_ACT if updates_replica_at_end(rank, p) else Kind.RECV_GRAD
+        spot = next(((t, i) for t, tick in enumerate(program) for i, a in enumerate(tick)
+                     if a.kind is wanted or a.kind is Kind.REDUNDANT_FORWARD), None)
+        if spot is None or program[spot[0]][spot[1]].kind is Kind.OPTIMIZER:
+            at = next(i for i, a in enumerate(program[-1]) if a.kind is Kind.OPTIMIZER)
+            program[-1].insert(at + 1, update)
+        else:
+            program[spot[0]].insert(spot[1], update)
 
 
 def _assemble(p: int, m: int, layout: tuple[int, ...], replicas: Sequence[int | None],
@@ -87,8 +121,9 @@ def _assemble(p: int, m: int, layout: tuple[int, ...], replicas: Sequence[int | 
                             a = Action(Kind.REDUNDANT_BACKWARD, a.stage, a.micro_batch)
                     tick.append(a)
             program.append(tick)
-        program[-1] += [Action(Kind.REDUCE_TIED), Action(Kind.REDUCE)] + sync[rank] + [Action(Kind.OPTIMIZER)]
+        program[-1] += [Action(Kind.REDUCE_TIED), Action(Kind.REDUCE), Action(Kind.OPTIMIZER)] + sync[rank]
         programs.append(program)
+    _place_update(programs, p, replicas, eager=False)
     return programs
 
 
@@ -100,9 +135,10 @@ def build_schedule(stages: int, micro_batches: int, redundancy: str = "off", *, 
                    rf_budget: int | None = None) -> Schedule:
     """One healthy training step.
 
-    ``"off"``: DeepSpeed's TrainSchedule, action for action. ``"lazy"``: the same plus replica sync (node r
-    holds stage ``(r + 1) % stages``; each owner ships its reduced gradients ``S>`` to the holder before OPT,
-    and the holder's OPT steps the replica too). ``"eager"``: lazy plus redundant forwards of the replica
+    ``"off"``: DeepSpeed's TrainSchedule, action for action. ``"lazy"``: the same plus the replica's actions
+    (node r holds stage ``(r + 1) % stages``): each owner ships the gradients its OPT finished, ``S>``, to the
+    holder, which receives them last, ``S<``, and applies them in the next step's ``U``, placed in its longest
+    wait (``updates_replica_at_end``). ``"eager"``: lazy plus redundant forwards of the replica
     stage placed where the rank would wait (see ``_place_rf``): with ``rf_budget=None`` only into those
     waits, given ``costs``; the micro-batches left out are recomputed on failure (F and B on the replica). An
     int ``rf_budget`` caps RFs per rank at that number and puts those that fit no wait just before TIE
@@ -120,6 +156,7 @@ def build_schedule(stages: int, micro_batches: int, redundancy: str = "off", *, 
     programs = _assemble(p, m, layout, replicas, None)
     if redundancy == "eager":
         programs = _place_rf(programs, p, m, layout, replicas, costs or Costs(), rf_budget)
+        _place_update(programs, p, replicas, eager=True)
     return Schedule(p, m, redundancy, _freeze(programs), layout, replicas)
 
 
@@ -153,10 +190,13 @@ def _place_rf(programs: list[list[list[Action]]], p: int, m: int, layout: Sequen
     """Eager placement. Simulate the lazy step with ``costs``; wherever a rank waits ``w`` slots for a peer
     before an action, insert ``floor(w / forward)`` RFs just before it, lowest ready micro-batch first (RF of
     stage s+1 on micro-batch k is ready once the rank ran F(s, k); RF of stage 0 on the last rank once it
-    loaded k). An RF never outlasts the wait it fills, so no action moves and the step does not lengthen.
-    Then, if ``budget`` is an int, RFs beyond it are dropped and missing ones up to it go before TIE."""
+    loaded k). The step ends when every rank is done (the runtime commits it everywhere or nowhere), so a
+    rank also waits from OPT to the end of the slowest rank, less its own work after OPT: RFs filling that
+    wait run just before OPT. An RF never outlasts the wait it fills, so the step does not lengthen. Then,
+    if ``budget`` is an int, RFs beyond it are dropped and missing ones up to it go before TIE."""
     schedule = Schedule(p, m, "lazy", _freeze(programs), tuple(layout), tuple(replicas))
     timing = execute(schedule, costs)
+    step_end = max(t[-1][2] for t in timing if t)
     out: list[list[list[Action]]] = []
     for rank, program in enumerate(programs):
         target = replicas[rank]
@@ -166,11 +206,18 @@ def _place_rf(programs: list[list[list[Action]]], p: int, m: int, layout: Sequen
         placed: list[int] = []
         new_program: list[list[Action]] = []
         index = 0
+        after_opt = False
         for tick in program:
             new_tick: list[Action] = []
             for action in tick:
                 arrive, start, _ = timing[rank][index]
                 index += 1
+                if action.kind is Kind.OPTIMIZER:
+                    after_opt = True  # what follows (U, S>, S<) waits for the step's end; count it here
+                    busy = sum(costs.of(a) for a in tick[tick.index(action):])
+                    start = step_end - busy
+                elif after_opt:
+                    start = arrive
                 slots = math.floor((start - arrive) / costs.forward + 1e-9)
                 while slots > 0 and ready and len(placed) < cap:
                     k = ready.pop(0)

@@ -9,7 +9,8 @@ from lightning_bamboo.schedule.action import Action, Kind, ScheduleError
 
 @dataclass(frozen=True)
 class Costs:
-    """Time of each action in slots; RF costs ``forward``, RB ``backward``; one message costs ``send``."""
+    """Time of each action in slots; RF costs ``forward``, RB ``backward``; one message costs ``send``; the
+    replica's update ``U`` costs ``update``."""
 
     forward: float = 1
     backward: float = 2
@@ -18,9 +19,10 @@ class Costs:
     sync: float = 0
     reduce: float = 0
     optimizer: float = 0
+    update: float = 0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "load", "send", "sync", "reduce", "optimizer"):
+        for name in ("forward", "backward", "load", "send", "sync", "reduce", "optimizer", "update"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ScheduleError(f"Costs.{name} must be a number >= 0, got {value!r}")
@@ -41,4 +43,6 @@ class Costs:
             return self.send
         if kind is Kind.OPTIMIZER:
             return self.optimizer
+        if kind is Kind.REPLICA_UPDATE:
+            return self.update
         return self.reduce

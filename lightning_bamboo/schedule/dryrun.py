@@ -33,10 +33,12 @@ def _expected_partner(rank: int, a: Action) -> Action:
 
 
 def execute(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float, float]]]:
-    """Dry-run every rank with blocking sends and receives (a transfer happens when both ends reach it),
-    checking data dependencies; return per rank, per action (arrival, start, end) times."""
+    """Dry-run every rank with blocking sends and receives (a transfer happens when both ends reach it; a replica's
+    gradients are shipped without waiting and received once shipped), checking data dependencies; return per
+    rank, per action (arrival, start, end) times."""
     p = schedule.stages
     ranks = [Rank(schedule, r) for r in range(p)]
+    shipped: dict[tuple, float] = {}  # replica gradients shipped (S>) and not yet received: when they arrive
     progress = True
     while progress:
         progress = False
@@ -53,12 +55,17 @@ def execute(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float, f
                     continue
                 if a.peer is None or not 0 <= a.peer < p or a.peer in (st.rank, schedule.dead):
                     check(schedule, st, step, a)           # raises: no such peer
+                if a.kind is Kind.SEND_SYNC or a.kind is Kind.RECV_SYNC:
+                    if not _sync(schedule, st, step, a, costs, shipped):
+                        break                              # its gradients are not shipped yet
+                    progress = True
+                    continue
                 other = ranks[a.peer]  # type: ignore[index]
                 if other.pos >= len(other.items):
                     raise ScheduleError(f"{a} waits on rank {a.peer}, which has finished its step; add "
                                         f"{_expected_partner(st.rank, a)} to rank {a.peer}", st.rank, step, a)
                 ostep, oa = other.items[other.pos]
-                if not oa.is_comm or oa.peer != st.rank:
+                if not oa.is_comm or oa.peer != st.rank or oa.kind is Kind.RECV_SYNC or oa.kind is Kind.SEND_SYNC:
                     break                       # the peer is busy elsewhere; come back later
                 if _channel(st.rank, a) != _channel(other.rank, oa) or a.is_send == oa.is_send:
                     raise ScheduleError(
@@ -77,6 +84,15 @@ def execute(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float, f
                 other.pos += 1
                 progress = True
     stuck = [st for st in ranks if st.head is not None]
+    for st in stuck:
+        step, a = st.head  # type: ignore[misc]
+        if a.kind is Kind.RECV_SYNC and ranks[a.peer].head is None:  # type: ignore[index]
+            raise ScheduleError(f"{a} waits for rank {a.peer}'s {_expected_partner(st.rank, a)}, which it never "
+                                f"ships; add it after rank {a.peer}'s OPT", st.rank, step, a)
+    if not stuck and shipped:
+        (source, holder, _, stage, _) = next(iter(shipped))
+        raise ScheduleError(f"rank {source} ships stage {stage}'s gradients to rank {holder}, which never receives "
+                            f"them; add {stage}S<{source} to rank {holder}")
     if stuck:
         lines = [f"rank {st.rank} at step {st.head[0]}: {st.head[1]}" for st in stuck]  # type: ignore[index]
         first = stuck[0]
@@ -87,6 +103,26 @@ def execute(schedule: Schedule, costs: Costs) -> list[list[tuple[float, float, f
         if st.rank != schedule.dead:
             finish_check(schedule, st)
     return [st.timing for st in ranks]
+
+
+def _sync(schedule: Schedule, st: Rank, step: int, a: Action, costs: Costs, shipped: dict[tuple, float]) -> bool:
+    """Run a replica sync action of ``st`` if it can run: ``S>`` never waits (the owner ships without waiting, as
+    the engine does), ``S<`` waits until its gradients were shipped. False: ``S<`` must wait."""
+    channel = _channel(st.rank, a)
+    if a.kind is Kind.SEND_SYNC:
+        check(schedule, st, step, a)
+        end = st.clock + costs.of(a)
+        shipped[channel] = end
+        st.timing.append((st.clock, st.clock, end))
+    else:
+        if channel not in shipped:
+            return False
+        check(schedule, st, step, a)
+        end = max(st.clock, shipped.pop(channel))
+        st.timing.append((st.clock, end, end))
+    st.clock = end
+    st.pos += 1
+    return True
 
 
 def validate(schedule: Schedule) -> None:

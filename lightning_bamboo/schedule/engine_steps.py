@@ -11,8 +11,9 @@ _DEEPSPEED_NAMES = {
     Kind.RECV_GRAD: "RecvGrad", Kind.REDUCE_TIED: "ReduceTiedGrads", Kind.REDUCE: "ReduceGrads",
     Kind.OPTIMIZER: "OptimizerStep", Kind.REDUNDANT_FORWARD: "RedundantForward",
     Kind.REDUNDANT_BACKWARD: "RedundantBackward", Kind.SEND_SYNC: "SendReplicaSync",
-    Kind.RECV_SYNC: "RecvReplicaSync",
+    Kind.RECV_SYNC: "RecvReplicaSync", Kind.REPLICA_UPDATE: "ReplicaUpdate",
 }
+_REPLICA_KINDS = (Kind.REDUNDANT_FORWARD, Kind.REDUNDANT_BACKWARD, Kind.SEND_SYNC, Kind.RECV_SYNC, Kind.REPLICA_UPDATE)
 
 
 def deepspeed_steps(schedule: Schedule, rank: int) -> list[list[tuple[str, dict[str, int], Action]]]:
@@ -21,8 +22,8 @@ def deepspeed_steps(schedule: Schedule, rank: int) -> list[list[tuple[str, dict[
     DeepSpeed's own instructions (LoadMicroBatch, ForwardPass, BackwardPass, Send/RecvActivation,
     Send/RecvGrad) get ``{"buffer_id": Schedule.buffer_id(action)}``; ReduceTiedGrads, ReduceGrads and
     OptimizerStep get ``{}`` — for ``redundancy="off"`` this equals TrainSchedule's ``(type(cmd).__name__,
-    cmd.kwargs)`` step for step. RC instructions (RedundantForward, RedundantBackward, SendReplicaSync,
-    RecvReplicaSync) get ``stage``, ``micro_batch``/``buffer_id`` and ``peer`` as applicable. On a rank that
+    cmd.kwargs)`` step for step. The replica's instructions (RedundantForward, RedundantBackward, ReplicaUpdate,
+    SendReplicaSync, RecvReplicaSync) get ``stage``, ``micro_batch``/``buffer_id`` and ``peer`` as applicable. On a rank that
     runs two stages read ``action.stage`` to pick the stage's module and buffers.
     """
     out = []
@@ -30,7 +31,7 @@ def deepspeed_steps(schedule: Schedule, rank: int) -> list[list[tuple[str, dict[
         step = []
         for a in tick:
             kwargs: dict[str, int] = {}
-            if a.kind in (Kind.REDUNDANT_FORWARD, Kind.REDUNDANT_BACKWARD, Kind.SEND_SYNC, Kind.RECV_SYNC):
+            if a.kind in _REPLICA_KINDS:
                 kwargs["stage"] = a.stage  # type: ignore[assignment]
                 if a.micro_batch is not None:
                     kwargs["micro_batch"] = a.micro_batch

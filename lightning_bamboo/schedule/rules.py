@@ -21,7 +21,6 @@ class Rank:
         self.own = set(schedule.stages_of(rank))
         if schedule.dead is not None and schedule.layout[schedule.dead] == rank:
             self.have |= {("saved", schedule.dead, k) for k in schedule.reuse_rf}
-        self.recv_sync_total = sum(1 for _, a in self.items if a.kind is Kind.RECV_SYNC)
 
     @property
     def head(self) -> tuple[int, Action] | None:
@@ -125,7 +124,17 @@ def _redundant_forward(schedule: Schedule, st: Rank, step: int, a: Action, s: An
         _fail(rank, step, a, f"RF(0, {k}) before micro-batch {k} was loaded on this rank", "run it after the load")
     if s > 0 and ("F", s - 1, k) not in have:
         _fail(rank, step, a, f"RF({s}, {k}) before this rank computed its input F({s - 1}, {k})", "run it after that forward")
+    if ("U", s) not in have:
+        _fail(rank, step, a, f"RF({s}, {k}) before the replica's update of the last step", f"put {s}U before the first RF")
     _once(have, rank, step, a, ("RF", s, k))
+
+
+def _replica_update(schedule: Schedule, st: Rank, step: int, a: Action, s: Any, k: Any) -> None:
+    """U applies the last step's update of the replica this rank holds, once per step."""
+    if schedule.replicas[st.rank] != s:
+        _fail(st.rank, step, a, f"rank {st.rank} holds the replica of stage {schedule.replicas[st.rank]}, not {s}",
+              "update the replica this rank holds")
+    _once(st.have, st.rank, step, a, ("U", s))
 
 
 def _send_act(schedule: Schedule, st: Rank, step: int, a: Action, s: Any, k: Any) -> None:
@@ -168,21 +177,25 @@ def _recv_grad(schedule: Schedule, st: Rank, step: int, a: Action, s: Any, k: An
 
 
 def _send_sync(schedule: Schedule, st: Rank, step: int, a: Action, s: Any, k: Any) -> None:
-    """The owner ships its stage's reduced gradients to the replica's holder, after RED."""
+    """The owner ships its stage's gradients to the replica's holder after OPT finished them (unscaled, clipped:
+    what its own optimizer consumes)."""
     holder = [r for r, rs in enumerate(schedule.replicas) if rs == s]
     if a.peer not in holder:
         _fail(st.rank, step, a, f"stage {s}'s replica lives on {holder or 'no rank'}, not rank {a.peer}", "sync to the holder")
-    if ("RED",) not in st.have:
-        _fail(st.rank, step, a, f"syncing stage {s} before its gradients were reduced", "put S> after RED")
+    if ("OPT",) not in st.have:
+        _fail(st.rank, step, a, f"shipping stage {s}'s gradients before OPT finished them", "put S> after OPT")
     _once(st.have, st.rank, step, a, ("S>", s))
 
 
 def _recv_sync(schedule: Schedule, st: Rank, step: int, a: Action, s: Any, k: Any) -> None:
-    """The holder receives its replica stage's gradients from the stage's owner."""
+    """The holder receives its replica stage's gradients from the stage's owner, after its own OPT (the engine
+    waits for them once the step's loss went out; the next step's U applies them)."""
     rank = st.rank
     if schedule.replicas[rank] != s or schedule.layout[s] != a.peer:
         _fail(rank, step, a, f"rank {rank} holds the replica of {schedule.replicas[rank]} and stage {s} runs on rank "
               f"{schedule.layout[s]}", "receive the replica's stage from its owner")
+    if ("OPT",) not in st.have:
+        _fail(rank, step, a, f"receiving stage {s}'s gradients before this rank's OPT", "put S< after OPT")
     _once(st.have, rank, step, a, ("S<", s))
 
 
@@ -198,13 +211,10 @@ def _reduce(schedule: Schedule, st: Rank, step: int, a: Action, s: Any, k: Any) 
 
 
 def _optimizer(schedule: Schedule, st: Rank, step: int, a: Action, s: Any, k: Any) -> None:
-    """OPT comes after RED and after every replica gradient this rank receives."""
+    """OPT comes after RED."""
     have = st.have
     if ("RED",) not in have:
         _fail(st.rank, step, a, "OPT before RED", "reduce the gradients first")
-    got = sum(1 for key in have if key[0] == "S<")
-    if got != st.recv_sync_total:
-        _fail(st.rank, step, a, "OPT before the replica's gradients arrived", "put S< before OPT")
     _once(have, st.rank, step, a, ("OPT",))
 
 
@@ -224,6 +234,7 @@ _BY_KIND = {
     Kind.REDUCE_TIED.value: _reduce,
     Kind.REDUCE.value: _reduce,
     Kind.OPTIMIZER.value: _optimizer,
+    Kind.REPLICA_UPDATE.value: _replica_update,
 }
 
 
@@ -237,6 +248,19 @@ def finish_check(schedule: Schedule, st: Rank) -> None:
                 raise ScheduleError(f"stage {s} never runs the backward of micro-batch {k}; add {s}B{k}", st.rank)
     if ("OPT",) not in have:
         raise ScheduleError("the step ends without OPT; end the last step with TIE RED OPT", st.rank)
-    if st.items and st.items[-1][1].kind is not Kind.OPTIMIZER:
-        raise ScheduleError(f"OPT must be the rank's last action, found {st.items[-1][1]} after it", st.rank,
-                            st.items[-1][0], st.items[-1][1])
+    replica = schedule.replicas[st.rank]
+    if replica is not None and ("U", replica) not in have:
+        raise ScheduleError(f"rank {st.rank} holds the replica of stage {replica} but never applies its update; "
+                            f"add {replica}U", st.rank)
+    opt = next(i for i, (_, a) in enumerate(st.items) if a.kind is Kind.OPTIMIZER)
+    last = 0
+    for step, a in st.items[opt + 1:]:
+        place = _AFTER_OPT.index(a.kind) if a.kind in _AFTER_OPT else -1
+        if place < last:
+            raise ScheduleError(f"only U, then S>, then S< may follow OPT (S< waits until the step's loss went out), "
+                                f"found {a}", st.rank, step, a)
+        last = place
+
+
+#: what may follow OPT, in this order (``finish_check``)
+_AFTER_OPT = (Kind.REPLICA_UPDATE, Kind.SEND_SYNC, Kind.RECV_SYNC)
