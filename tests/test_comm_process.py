@@ -32,7 +32,8 @@ from lightning_bamboo.engine.comm_process import (
     open_generation,
     use_transport,
 )
-from lightning_bamboo.engine.pipe import PeerLost, StepGuard
+from lightning_bamboo.engine.guard import StepGuard
+from lightning_bamboo.errors import PeerLost
 from tests.helpers import REPO
 
 pytestmark = [pytest.mark.timeout(180)]

@@ -21,8 +21,8 @@ from typing_extensions import override
 
 from lightning_bamboo.engine import comm_process, comm_zygote
 from lightning_bamboo.engine.comm_process import BACKEND
+from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS
 from lightning_bamboo.engine.partition import compute_parts
-from lightning_bamboo.engine.pipe import STEP_FINISH_SECONDS
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.runtime import collectives
 from lightning_bamboo.runtime.config import DEFAULT_TIMEOUT_SECONDS, BambooConfig
