@@ -14,6 +14,7 @@ the Lightning path).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,14 +47,14 @@ def worker(args: argparse.Namespace) -> None:
     data = token_dataset(CONFIG, total * MICRO * args.micro_batches)
     engine, _, _, _ = lightning_bamboo.initialize(model=model, training_data=data, config=config)
     stage = engine.runner.stage.engine
-    replica, peers, options = stage.replica, stage.replica_peers, dict(stage.bamboo_options)
+    replica, peers, options = stage.replica, stage.replica_peers, stage.options
     times, modes = [], []
     for step in range(total):
         mode = "eager" if step < args.warmup else MODES[(step - args.warmup) % len(MODES)]
         # as rc_overhead.Rotate: an off step without replica and exchange, a lazy step without redundant forwards
         stage.replica, stage.replica_peers = (None, (None, None)) if mode == "off" else (replica, peers)
         keep_exchange(stage, args, mode)
-        stage.bamboo_options = {**options, "redundancy": "lazy" if mode == "off" else mode}
+        stage.options = dataclasses.replace(options, redundancy="lazy" if mode == "off" else mode)
         started = time.perf_counter()
         engine.train_batch()
         times.append(time.perf_counter() - started)

@@ -106,7 +106,7 @@ class Rotate(pl.Callback):
     def on_train_batch_start(self, trainer, *_):
         engine = trainer.strategy.engine
         if self.saved is None:
-            self.saved = (engine.replica, engine.replica_peers, dict(engine.bamboo_options))
+            self.saved = (engine.replica, engine.replica_peers, engine.options)
         replica, peers, options = self.saved
         step = len(self.modes)
         # the warm-up is eager: its steps 1-3 measure the costs eager places its forwards with
@@ -116,7 +116,7 @@ class Rotate(pl.Callback):
         else:
             engine.replica, engine.replica_peers = replica, peers
         keep_exchange(engine, self, mode)
-        engine.bamboo_options = {**options, "redundancy": "lazy" if mode == "off" else mode}
+        engine.options = dataclasses.replace(options, redundancy="lazy" if mode == "off" else mode)
         self.modes.append(mode)
 
 
@@ -132,9 +132,9 @@ def keep_exchange(engine, holder, mode: str) -> None:
     """
     kept = getattr(holder, "kept_exchange", None)
     if mode == "off":
-        key = engine.__dict__.get("_exchange_key")
+        key = engine._exchange_key
         if key is not None and key[0] is not None:
-            holder.kept_exchange = (engine.__dict__["_exchange"], key)
+            holder.kept_exchange = (engine._exchange, key)
     elif kept is not None:
         engine._exchange, engine._exchange_key = kept
         holder.kept_exchange = None

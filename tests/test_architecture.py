@@ -247,6 +247,19 @@ NEVER_RAN = {"lightning_bamboo/membership/standby.py": 1, "lightning_bamboo/engi
              "lightning_bamboo/engine/comm_child.py": 1}
 
 
+def test_the_engines_state_is_made_in_its_constructor():
+    # no class-level defaults standing in for instance state, no entries slipped into __dict__ later
+    source = (PACKAGE / "engine" / "pipe.py").read_text()
+    engine = next(node for node in ast.parse(source).body
+                  if isinstance(node, ast.ClassDef) and node.name == "BambooPipelineEngine")
+    names = [target.id for node in engine.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             if isinstance(target, ast.Name)]
+    assert "_INSTRUCTION_MAP" in names
+    assert [name for name in names if not name.isupper()] == []
+    assert "__dict__" not in source
+
+
 def test_no_module_leaves_with_os_exit():
     """A process's exit status is its real one: nothing in the package skips the interpreter's exit
     (a step blocked on a lost peer is aborted, not left behind, so a normal exit is safe), but the

@@ -180,6 +180,7 @@ def initialize(
     from deepspeed.accelerator import get_accelerator
 
     from lightning_bamboo.engine.build import build_engine, init_deepspeed_comm
+    from lightning_bamboo.engine.pipe import EngineOptions
 
     timeout = timedelta(seconds=float(options["timeout"]))
     init_deepspeed_comm(
@@ -189,7 +190,7 @@ def initialize(
         timeout=timeout,
     )
     engine = build_engine(
-        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, bamboo_options=options,
+        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, options=EngineOptions(options["redundancy"]),
         args=args, model_parameters=model_parameters, training_data=training_data,
         dist_init_required=dist_init_required, collate_fn=collate_fn,
     )

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as torch_dist
 
 from lightning_bamboo.engine.module import BambooPipelineModule
-from lightning_bamboo.engine.pipe import BambooPipelineEngine
+from lightning_bamboo.engine.pipe import BambooPipelineEngine, EngineOptions
 from lightning_bamboo.logs import deepspeed_prints_hidden
 from lightning_bamboo.topology.layout import Layout
 
@@ -114,12 +114,13 @@ def build_engine(
     timeout: timedelta,
     lr_scheduler: Any = None,
     engine_cls: type[BambooPipelineEngine] = BambooPipelineEngine,
-    bamboo_options: dict[str, Any] | None = None,
+    options: EngineOptions | None = None,
     **engine_kwargs: Any,
 ) -> BambooPipelineEngine:
     """Construct the engine directly: ``deepspeed.initialize`` hard-codes ``PipelineEngine``.
 
-    ``engine_kwargs`` are more of ``DeepSpeedEngine``'s arguments (``args``, ``training_data``, ...).
+    ``options``: what lightning_bamboo tells the engine (none: plain DeepSpeed); ``engine_kwargs`` are more of
+    ``DeepSpeedEngine``'s arguments (``args``, ``training_data``, ...).
     """
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -134,7 +135,7 @@ def build_engine(
             mpu=mpu,
             config=config,
             config_class=DeepSpeedConfig(config, mpu),
+            options=options,
             **engine_kwargs,
         )
-    engine.bamboo_options = dict(bamboo_options or {})
     return engine

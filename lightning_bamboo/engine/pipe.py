@@ -41,6 +41,20 @@ class _RedundantStep:
         self.kept: dict[int, tuple[Any, Any]] = {}
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """What lightning_bamboo tells an engine beyond DeepSpeed's config (the defaults run it as plain DeepSpeed)."""
+
+    #: ``"off"``, ``"lazy"`` or ``"eager"``: eager runs the successor's forwards in the bubbles (with a replica)
+    redundancy: str = "off"
+    #: where eager's RFs go: ``"measured"`` (this stage's own backward/forward ratio) or fixed ``Costs``
+    rf_costs: Costs | str = "measured"
+    #: the seed of the layers' random streams (``layer_rng``); None: the process's streams, as DeepSpeed draws them
+    seed: int | None = None
+    #: how the engine computes; None: fp32
+    precision: Precision | None = None
+
+
 @dataclass
 class Wiring:
     """What an engine is connected to (:meth:`BambooPipelineEngine.wire`); the defaults run it as plain DeepSpeed."""
@@ -66,45 +80,55 @@ class BambooPipelineEngine(PipelineEngine):
     A failure before that leaves every survivor with an unchanged model.
     """
 
-    bamboo_options: dict[str, Any]
-    replica: Replica | None = None
-    #: global ranks this process ships its gradients to / receives its replica's from
-    replica_peers: tuple[int | None, int | None] = (None, None)
-    #: called after the schedule ran, before the update; raises PeerLost if the step does not commit
-    commit: Callable[[int], None] | None = None
-    #: the watchdog running train_batch; None runs it on the calling thread
-    guard: StepGuard | None = None
-    node_id: str = ""
-    #: the index of the step running now plus one (the steps begun), from train_batch's ``step``
-    batches_run = 0
-    #: this pipeline's share of the step's global batch, ``(micro-batches, total)``; None: its own batch
-    share: tuple[int, int] | None = None
-    #: the index of this pipeline's first micro-batch in the step's global batch (its layers' random streams)
-    first_micro_batch = 0
+    def __init__(self, *args: Any, options: EngineOptions | None = None, **kwargs: Any) -> None:
+        """DeepSpeed's ``PipelineEngine(*args, **kwargs)``, told ``options``; :meth:`wire` connects it."""
+        # set before DeepSpeed's constructor, which may call methods of this class
+        self.options = options or EngineOptions()
+        self.replica: Replica | None = None
+        #: global ranks this process ships its gradients to / receives its replica's from
+        self.replica_peers: tuple[int | None, int | None] = (None, None)
+        #: called after the schedule ran, before the update; raises PeerLost if the step does not commit
+        self.commit: Callable[[int], None] | None = None
+        #: the watchdog running train_batch; None runs it on the calling thread
+        self.guard: StepGuard | None = None
+        self.node_id = ""
+        #: the index of the step running now plus one (the steps begun), from train_batch's ``step``
+        self.batches_run = 0
+        #: this pipeline's share of the step's global batch, ``(micro-batches, total)``; None: its own batch
+        self.share: tuple[int, int] | None = None
+        #: the index of this pipeline's first micro-batch in the step's global batch (its layers' random streams)
+        self.first_micro_batch = 0
+        self.redundant_forwards_run = 0
+        #: seconds spent on redundancy, summed over steps: shipping the own gradients, waiting for the replica's,
+        #: commit, replica update, eager RFs
+        self.replica_seconds = {"ship": 0.0, "receive": 0.0, "commit": 0.0, "replica_step": 0.0,
+                                "redundant_forward": 0.0}
+        #: the RF state of the step running now (None outside a training step or without eager redundancy)
+        self.redundant: _RedundantStep | None = None
+        #: the program of the step running now (None: DeepSpeed's ``TrainSchedule``)
+        self.program: BambooTrainSchedule | None = None
+        #: what the step's ``StepFinish`` found (None: it did not run)
+        self.finished: StepResult | None = None
+        self.phase = "idle"  # schedule -> commit -> apply -> idle; "apply" is local work and is never abandoned
+        self.last_loss: torch.Tensor | None = None
+        self._pending_step = False
+        self._gradients_received = 0
+        self._measured_costs: Costs | None = None
+        self._action_seconds: dict[str, list[float]] = {"forward": [], "backward": []}
+        self._exchange: GradientExchange | None = None
+        self._exchange_key: Any = None
+        super().__init__(*args, **kwargs)
 
     def wire(self, wiring: Wiring) -> None:
         """Connect the engine to its replica, its exchange peers and (under membership) its commit and watchdog."""
         self.node_id, self.commit, self.guard = wiring.node, wiring.commit, wiring.guard
         self.replica, self.replica_peers = wiring.replica, wiring.replica_peers
-    redundant_forwards_run = 0
-
-    @property
-    def replica_seconds(self) -> dict[str, float]:
-        """Seconds spent on redundancy, summed over steps: shipping the own gradients, waiting for the replica's,
-        commit, replica update, eager RFs."""
-        if "_replica_seconds" not in self.__dict__:
-            self.__dict__["_replica_seconds"] = {"ship": 0.0, "receive": 0.0, "commit": 0.0, "replica_step": 0.0,
-                                                 "redundant_forward": 0.0}
-        return self.__dict__["_replica_seconds"]
 
     # ------------------------------------------------------------------ eager redundancy
     @property
     def eager(self) -> bool:
         """Whether this engine runs the successor's forward in the bubbles (``redundancy="eager"`` with a replica)."""
-        return self.replica is not None and getattr(self, "bamboo_options", {}).get("redundancy") == "eager"
-
-    #: the RF state of the step running now (None outside a training step or without eager redundancy)
-    redundant: _RedundantStep | None = None
+        return self.replica is not None and self.options.redundancy == "eager"
 
     @property
     def redundancy(self) -> str:
@@ -115,9 +139,6 @@ class BambooPipelineEngine(PipelineEngine):
         if self.num_stages > 1 and (self.replica is not None or self.replica_peers[0] is not None):
             return "lazy"
         return "off"
-
-    #: the program of the step running now (None: DeepSpeed's ``TrainSchedule``)
-    program: BambooTrainSchedule | None = None
 
     def _train_schedule(self) -> Any:
         redundancy = self.redundancy
@@ -134,21 +155,21 @@ class BambooPipelineEngine(PipelineEngine):
 
     @property
     def rf_costs(self) -> Costs | None:
-        """The action costs eager's RFs are placed with: ``bamboo_options["rf_costs"]`` (a ``Costs``), or with
+        """The action costs eager's RFs are placed with: ``options.rf_costs`` (a ``Costs``), or with
         ``"measured"`` (the default) this stage's own backward/forward time ratio over ``COST_STEPS``
         (rounded to 0.1, so the placement is built once), or the model's F = 1, B = 2 until then."""
-        option = getattr(self, "bamboo_options", {}).get("rf_costs", "measured")
-        if option != "measured":
+        option = self.options.rf_costs
+        if isinstance(option, Costs):
             return option
-        if "_measured_costs" in self.__dict__:
-            return self.__dict__["_measured_costs"]
-        times = self.__dict__.get("_action_seconds")
-        if self.batches_run - 1 < self.COST_STEPS.stop or not times or not times["forward"] or not times["backward"]:
+        if self._measured_costs is not None:
+            return self._measured_costs
+        times = self._action_seconds
+        if self.batches_run - 1 < self.COST_STEPS.stop or not times["forward"] or not times["backward"]:
             return None
         import statistics
 
         ratio = max(0.1, round(statistics.median(times["backward"]) / statistics.median(times["forward"]), 1))
-        costs = self.__dict__["_measured_costs"] = Costs(forward=1, backward=ratio)
+        costs = self._measured_costs = Costs(forward=1, backward=ratio)
         placed = [redundant_forwards_placed(self.num_stages, self.micro_batches, self.stage_id, c) for c in (costs, None)]
         log.info("%s: eager RFs placed with measured costs F = 1, B = %.1f: %d per step (the model's F = 1, B = 2: %d)",
                  self.node_id or f"rank {self.global_rank}", ratio, *placed)
@@ -160,8 +181,7 @@ class BambooPipelineEngine(PipelineEngine):
             return
         started = time.perf_counter()
         fn()
-        self.__dict__.setdefault("_action_seconds", {"forward": [], "backward": []})[kind].append(
-            time.perf_counter() - started)
+        self._action_seconds[kind].append(time.perf_counter() - started)
 
     def _exec_backward_timed(self, buffer_id: int) -> None:
         if self.is_last_stage() and self.precision.scaling is not None:
@@ -171,11 +191,7 @@ class BambooPipelineEngine(PipelineEngine):
     @property
     def precision(self) -> Precision:
         """How this engine computes (``engine.precision``): fp32, or bf16/fp16 under autocast with fp32 masters."""
-        option = getattr(self, "bamboo_options", {}).get("precision")
-        return option if option is not None else _FP32
-
-    #: what the step's ``StepFinish`` found (None: it did not run)
-    finished: StepResult | None = None
+        return self.options.precision if self.options.precision is not None else _FP32
 
     def _finish_gradients(self) -> StepResult | None:
         """Unscale (fp16), the global norm and clipping, and whether the step is skipped (an overflow anywhere)."""
@@ -279,13 +295,10 @@ class BambooPipelineEngine(PipelineEngine):
             return self._train_and_commit(data_iter, step)
         return self.guard.run(lambda: self._train_and_commit(data_iter, step), busy=lambda: self.phase == "apply")
 
-    phase = "idle"  # schedule -> commit -> apply -> idle; "apply" is local work and is never abandoned
-    last_loss: torch.Tensor | None = None
-
     def step_keys(self, step: int) -> StepKeys | None:
         """What the layers' random streams of training step ``step`` are seeded from (``layer_rng``); None when the
         engine was built without a seed (plain DeepSpeed: the process's streams, as DeepSpeed draws them)."""
-        seed = getattr(self, "bamboo_options", {}).get("seed")
+        seed = self.options.seed
         if seed is None:
             return None
         return StepKeys(seed, step, self.first_micro_batch, (self.device.index or 0) if self.device.type == "cuda" else None)
@@ -334,7 +347,7 @@ class BambooPipelineEngine(PipelineEngine):
         else:
             PipelineEngine._exec_optimizer_step(self)
         self._update_loss_scale()
-        exchange = self.__dict__.get("_exchange")
+        exchange = self._exchange
         if exchange is not None:
             exchange.owner_stepped()  # whether its gradients may be written ahead (``write_ahead``)
         if self.replica is not None and self.replica.pending:
@@ -384,15 +397,14 @@ class BambooPipelineEngine(PipelineEngine):
     def exchange(self) -> GradientExchange:
         """The gradient exchange with this engine's replica peers (rebuilt when they change)."""
         key = (self.replica, self.replica_peers)
-        if getattr(self, "_exchange_key", None) != key:
+        if self._exchange is None or self._exchange_key != key:
             self._exchange, self._exchange_key = GradientExchange(self.replica, *self.replica_peers), key
         return self._exchange
 
     def release_exchange(self) -> None:
         """Let go of the gradient exchange's buffers (its shared memory too): a failover that captured this engine's
         states never runs it again, and they would stay mapped beside the new engine's until it is collected."""
-        exchange = self.__dict__.pop("_exchange", None)
-        self.__dict__.pop("_exchange_key", None)
+        exchange, self._exchange, self._exchange_key = self._exchange, None, None
         if exchange is not None:
             exchange.release()
 

@@ -24,7 +24,7 @@ from lightning_bamboo.engine.build import (
 from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
 from lightning_bamboo.engine.partition import compute_parts
-from lightning_bamboo.engine.pipe import BambooPipelineEngine, Wiring
+from lightning_bamboo.engine.pipe import BambooPipelineEngine, EngineOptions, Wiring
 from lightning_bamboo.engine.placement import replica_device
 from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
@@ -225,8 +225,8 @@ class NodeStage:
         with _deepspeed_device(self.device):
             return build_engine(
                 module, optimizer, config, timedelta(seconds=self.config.timeout),
-                bamboo_options={"redundancy": self.config.redundancy, "layout": layout, "rf_costs": self.config.rf_costs,
-                                "seed": self.seed, "precision": precision},
+                options=EngineOptions(redundancy=self.config.redundancy, rf_costs=self.config.rf_costs, seed=self.seed,
+                                      precision=precision),
             )
 
     def _rank_of(self, layout: Layout, stage: int, pipeline: int) -> int:
