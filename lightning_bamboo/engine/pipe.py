@@ -26,8 +26,8 @@ from lightning_bamboo.engine.program import (
     redundant_forwards_placed,
 )
 from lightning_bamboo.engine.replica import Replica
-from lightning_bamboo.errors import PeerLost
-from lightning_bamboo.schedule import Costs
+from lightning_bamboo.errors import BambooConfigError, PeerLost
+from lightning_bamboo.schedule import REDUNDANCY_MODES, Costs
 from lightning_bamboo.testing import faults
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,15 @@ class EngineOptions:
     #: how the engine computes; None: fp32
     precision: Precision | None = None
 
+    def __post_init__(self) -> None:
+        if self.redundancy not in REDUNDANCY_MODES:
+            raise BambooConfigError(f"EngineOptions.redundancy must be one of {REDUNDANCY_MODES}, got "
+                                    f"{self.redundancy!r}")
+        if self.rf_costs != "measured" and not isinstance(self.rf_costs, Costs):
+            raise BambooConfigError(f"EngineOptions.rf_costs must be 'measured' or a Costs, got {self.rf_costs!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise BambooConfigError(f"EngineOptions.seed must be None or an int, got {self.seed!r}")
+
 
 @dataclass
 class Wiring:
@@ -73,7 +82,7 @@ class BambooPipelineEngine(PipelineEngine):
 
     With a replica or a commit hook, the optimizer step of a batch is deferred: the
     ``OptimizerStep`` instruction only finishes the gradients (unscale, clip). With a replica the
-    engine runs its stage's program of ``schedule.build_schedule`` (``engine.program``): it ships the
+    engine runs its stage's program of ``schedule.build_schedule`` (:mod:`lightning_bamboo.engine.program`): it ships the
     finished gradients to the replica's holder and receives the successor's once the loss went out;
     then ``commit`` decides whether the step counts everywhere, and only then is the own optimizer
     step applied and the replica's taken on (applied where the next step's program says, ``U``).
