@@ -81,15 +81,13 @@ def _place_update(programs: list[list[list[Action]]], p: int, replicas: Sequence
         for tick in program:
             tick[:] = [a for a in tick if a.kind is not Kind.REPLICA_UPDATE]
         update = Action(Kind.REPLICA_UPDATE, target)
-        if updates_replica_at_end(rank, p) and not eager:
-            wanted = Kind.OPTIMIZER
-        else:
-            wanted = Kind.RECV_ACT if updates_replica_at_end(rank, p) else Kind.RECV_GRAD
-        spot = next(((t, i) for t, tick in enumerate(program) for i, a in enumerate(tick)
-                     if a.kind is wanted or a.kind is Kind.REDUNDANT_FORWARD), None)
-        if spot is None or program[spot[0]][spot[1]].kind is Kind.OPTIMIZER:
-            at = next(i for i, a in enumerate(program[-1]) if a.kind is Kind.OPTIMIZER)
-            program[-1].insert(at + 1, update)
+        at_end = updates_replica_at_end(rank, p)
+        wanted = Kind.RECV_ACT if at_end else Kind.RECV_GRAD
+        spot = None if at_end and not eager else next(
+            ((t, i) for t, tick in enumerate(program) for i, a in enumerate(tick)
+             if a.kind is wanted or a.kind is Kind.REDUNDANT_FORWARD), None)
+        if spot is None:  # right after OPT: the wait at the end of the step
+            program[-1].insert(next(i for i, a in enumerate(program[-1]) if a.kind is Kind.OPTIMIZER) + 1, update)
         else:
             program[spot[0]].insert(spot[1], update)
 
@@ -209,13 +207,12 @@ def _place_rf(programs: list[list[list[Action]]], p: int, m: int, layout: Sequen
         after_opt = False
         for tick in program:
             new_tick: list[Action] = []
-            for action in tick:
+            for position, action in enumerate(tick):
                 arrive, start, _ = timing[rank][index]
                 index += 1
                 if action.kind is Kind.OPTIMIZER:
                     after_opt = True  # what follows (U, S>, S<) waits for the step's end; count it here
-                    busy = sum(costs.of(a) for a in tick[tick.index(action):])
-                    start = step_end - busy
+                    start = step_end - sum(costs.of(a) for a in tick[position:])
                 elif after_opt:
                     start = arrive
                 slots = math.floor((start - arrive) / costs.forward + 1e-9)
