@@ -112,3 +112,43 @@ def test_peer_resumes_from_its_deepspeed_checkpoint_after_a_kill(tmp_path):
     assert (loaded["step"], loaded["depth"], loaded["world"], loaded["optimizer"]) == (saved, 2, 1, "reset")
     assert [e["step"] for e in resumed if e["event"] == "step"] == list(range(saved + 1, killed_at + 3))
     assert [e["step"] for e in resumed if e["event"] == "done"] == [killed_at + 2]
+
+
+def test_the_simulators_view_of_a_run_keeps_at_most_cap_nodes_running():
+    events = [
+        ClusterEvent("join", "spare1", at_seconds=1.0),  # beyond the cap: waits
+        ClusterEvent("preempt", "node1", at_seconds=2.0),  # spare1 starts in its place
+        ClusterEvent("preempt", "spare2", at_seconds=2.5),  # never started: not an event of the run
+        ClusterEvent("join", "spare3", at_seconds=3.0),  # waits
+        ClusterEvent("preempt", "spare3", at_seconds=4.0),  # lost while waiting: never runs
+    ]
+    trace = peers.sim_trace(events, ["node0", "node1"], cap=2, ready=0.5)
+    assert [(e.ms, e.kind, e.node) for e in trace.events] == [
+        (0, "add", "node0"), (0, "add", "node1"), (2500, "remove", "node1"), (2500, "add", "spare1")]
+
+
+def _wall_args(**changes):
+    import argparse
+
+    return argparse.Namespace(**{"nodes": 2, "wall": 100.0, **changes})
+
+
+def test_the_predicted_samples_of_an_undisturbed_run_are_its_steps_in_the_wall_time():
+    inputs = {"policy": "elastic", "min_stages": 1, "failover_seconds": 10.0, "restart_seconds": 10.0,
+              "reconfigure_seconds": 0.0, "ready": 0.0, "checkpoint_save_seconds": 0.0,
+              "checkpoint_interval_seconds": 20.0, "step_seconds": 0.5}
+    # 100 s of 0.5 s steps of 8 samples, and the first step's, which the run's clock starts after
+    assert peers.predict_samples(inputs, [], _wall_args(), cap=2) == pytest.approx(100 / 0.5 * 8 + 8)
+
+
+def test_the_predicted_samples_count_the_most_the_run_had_reached_through_a_rollback():
+    # the peer: saves take 0.01 s after every 20 s of training; a kill at 50 s rolls back to the save at 40 s and
+    # restarts in 10 s (one node left: depth 1, a step of (4 + 0) x 8 over (4 + 1) x 4 slots: 1.6 x 0.5 s); at 55 s
+    # the run had reached what it had at 50 s: 100 steps, since then 5 s (no progress beyond 100 steps yet)
+    inputs = {"policy": "elastic", "min_stages": 1, "failover_seconds": 10.0, "restart_seconds": 10.0,
+              "reconfigure_seconds": 0.0, "ready": 0.0, "checkpoint_save_seconds": 0.01,
+              "checkpoint_interval_seconds": 20.0, "step_seconds": 0.5}
+    kill = [ClusterEvent("preempt", "node1", at_seconds=50.0)]
+    assert peers.predict_samples(inputs, kill, _wall_args(wall=55.0), cap=2) == pytest.approx(50 / 0.5 * 8 + 8, rel=1e-3)
+    # at 100 s: 40 s kept, restarted at 60 s, 40 s at 0.8 s a step: 50 more steps
+    assert peers.predict_samples(inputs, kill, _wall_args(), cap=2) == pytest.approx((80 + 50) * 8 + 8, rel=1e-3)

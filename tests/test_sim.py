@@ -389,3 +389,31 @@ def test_a_measured_single_pipeline_step_time_replaces_the_formula_for_one_pipel
     result, _ = run("bamboo", FOUR + ["100000,remove,n2"], single_pipeline_step_seconds=0.5)
     assert steps(result) == [(0, R2), (100, 0), (102, 4.0)]
     assert result.samples == pytest.approx(100 * R2 + 98 * 4.0)
+
+
+# ---- torchrun elastic (benchmarks/peer_train.py): one pipeline as deep as the nodes it has
+
+
+def test_elastic_restarts_shallower_at_a_loss_and_deeper_at_a_join_losing_what_was_not_saved():
+    # depth 2: 1 s steps (2 samples/s); depth 1: (2 + 0) slots of 2 layers = 4/3 of the 3 slots of 1 -> 1.5/s.
+    # saves 40-45 (80 samples), 85-90 (160); n2 lost at 100 s: back to 160, restart 100-110 at depth 1;
+    # n3 ready at 130 s: torchrun restarts the workers for it, nothing saved first: back to 160 again,
+    # restart 130-140 at depth 2; a save after 40 s of training: 180-185; 185-200 trains
+    result, policy = run("elastic", ["0,add,n1", "0,add,n2", "100000,remove,n2", "130000,add,n3"])
+    assert steps(result) == [(0, 2.0), (40, 0), (45, 2.0), (85, 0), (90, 2.0), (100, 0), (110, 1.5), (130, 0),
+                             (140, 2.0), (180, 0), (185, 2.0)]
+    assert result.samples == pytest.approx(160 + 40 * 2.0 + 15 * 2.0)
+    assert result.breakdown_hours["lost_work"] == pytest.approx((10 + 20) / 3600)
+    assert result.recoveries["checkpoint"] == 1 and result.reconfigurations == 1
+    assert policy.layout.grid == (("n1", "n3"),)
+
+
+def test_elastic_nodes_beyond_the_depth_wait_and_replace_a_lost_one():
+    # stages 2: n3 waits; its loss changes nothing; n2's loss restarts at depth 2 with n3 (back to the save
+    # at 85-90: 160 samples); no join restarts a pipeline already at full depth
+    lines = THREE + ["50000,remove,n3", "60000,add,n4", "100000,remove,n2"]
+    result, policy = run("elastic", lines)
+    assert steps(result) == [(0, 2.0), (40, 0), (45, 2.0), (85, 0), (90, 2.0), (100, 0), (110, 2.0), (150, 0),
+                             (155, 2.0), (195, 0)]
+    assert result.recoveries["checkpoint"] == 1 and result.reconfigurations == 0
+    assert policy.layout.grid == (("n1", "n4"),)

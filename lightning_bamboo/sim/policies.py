@@ -10,6 +10,7 @@ from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import policy_config, runtime_interval, samples_per_second, step_rate
 from lightning_bamboo.sim.params import SimParams
 from lightning_bamboo.sim.trace import TraceEvent
+from lightning_bamboo.topology.layout import even_parts
 from lightning_bamboo.topology.policy import Placement, fresh_placement, reconfigure
 
 
@@ -136,6 +137,47 @@ class CheckpointOracle(CheckpointRestart):
 
     name = "checkpoint_oracle"
     adaptive = False
+
+
+class ElasticRestart(CheckpointRestart):
+    """Checkpoint-restart as ``torchrun --nnodes=MIN:MAX`` runs one pipeline as deep as the nodes it has.
+
+    What ``benchmarks/peer_train.py`` does under torchrun's elastic agents: the depth is the live world,
+    ``min_stages`` to ``stages`` nodes (more wait). A removal of a node it runs, and a node that becomes
+    ready while the pipeline is shallower than ``stages``, stop every worker (torchrun restarts them
+    when an agent is lost and when a new one waits; nothing is saved first): back to the last
+    checkpoint, ``restart_seconds``, then on at the new depth. Fewer than ``min_stages`` nodes: it
+    waits. The step time of a depth follows the 1F1B formula from the measured one.
+    """
+
+    name = "elastic"
+
+    def _depth(self) -> int:
+        depth = min(len(self.ready), self.params.stages)
+        return depth if depth >= self.params.min_stages else 0
+
+    def settle(self) -> None:
+        depth = self._depth()
+        current = self.layout.stages if self.layout is not None else 0
+        if not self.disrupted and depth <= current:
+            return
+        if self.layout is not None:  # its workers stop: what they trained since the last save is lost
+            self.ledger.rollback()
+            if self.disrupted:
+                self.ledger.recoveries["checkpoint"] += 1
+            else:
+                self.ledger.reconfigurations += 1
+        self.disrupted = False
+        layout = None
+        if depth:
+            row = tuple(self.ready[:depth])
+            layout = Placement((row,), even_parts(self.params.layers, depth), self.config.micro_batches(1))
+        if layout is not None and self.started:
+            self.ledger.pause("restart", self.params.restart_seconds, restart=True)
+        elif layout is None:
+            self.ledger.pause("restart", 0.0, restart=True)
+        self.started = self.started or layout is not None
+        self._set_layout(layout)
 
 
 class Bamboo(Policy):

@@ -8,14 +8,21 @@ from collections.abc import Iterable, Mapping
 from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import young_interval
 from lightning_bamboo.sim.params import ParamError, SimParams, describe_inputs
-from lightning_bamboo.sim.policies import Bamboo, CheckpointOracle, CheckpointRestart, OnDemand, Policy
+from lightning_bamboo.sim.policies import (
+    Bamboo,
+    CheckpointOracle,
+    CheckpointRestart,
+    ElasticRestart,
+    OnDemand,
+    Policy,
+)
 from lightning_bamboo.sim.report import PolicyResult, SimReport
 from lightning_bamboo.sim.successors import Parcae, Recycle
 from lightning_bamboo.sim.trace import Trace, TraceEvent, scale_trace
 
 #: every policy the simulator replays, by name
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, Bamboo, Recycle, Parcae)
+    p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, ElasticRestart, Bamboo, Recycle, Parcae)
 }
 
 
@@ -64,7 +71,7 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
         ledger = Ledger(
             params.spot_price, checkpoint_interval(trace, end, params), params.checkpoint_save_seconds
         )
-    elif name == "checkpoint":
+    elif name in ("checkpoint", "elastic"):
         events = trace.events
         ledger = Ledger(params.spot_price, params.checkpoint_interval_seconds, params.checkpoint_save_seconds)
     else:
