@@ -361,7 +361,7 @@ def summarize_peer(lines: list[dict], kills: list[tuple[float, str]], steps: int
         # the job that recovered: its workers started after the kill; its first finished step ends the recovery
         recovered = next((e for e in step_events if e["t"] > at and start_of.get(e["pid"], 0) > at), None)
         if recovered is None:
-            per_kill.append({"node": node, "progress": progress, "recovery": None})
+            per_kill.append({"node": node, "at": at, "progress": progress, "recovery": None})
             continue
         end = recovered["t"]
         new = [e for e in lines if start_of.get(e["pid"], 0) > at and e["t"] <= end]
@@ -377,7 +377,7 @@ def summarize_peer(lines: list[dict], kills: list[tuple[float, str]], steps: int
         load_end = max(e["t"] for e in loaded) if loaded else float("nan")
         resumed = min((e["step"] for e in loaded), default=0)
         per_kill.append({
-            "node": node, "progress": progress, "resumed_at": resumed, "recovery": end - at,
+            "node": node, "at": at, "progress": progress, "resumed_at": resumed, "recovery": end - at,
             "detection": detected - at, "restart": load_start - (detected if errors else at),
             "reload": load_end - load_start, "first_step": end - load_end,
             "redone": max(0, progress - resumed), "optimizer": sorted({e["optimizer"] for e in loaded}),
@@ -487,7 +487,12 @@ def sim_inputs(name: str, result: dict, args: argparse.Namespace, every: int, st
 
     demo = load_demo_params()
     if name == "torchrun":
-        restart = mean(result["recovery_seconds"])
+        # a restart's own length: the recoveries no other kill interrupted (the simulator adds what a later kill
+        # costs itself, as torchrun does: a new rendezvous round)
+        kills = [k for k in result["per_kill"] if k["recovery"] is not None]
+        alone = [k["recovery"] for k in kills
+                 if not any(o is not k and k["at"] < o["at"] < k["at"] + k["recovery"] for o in result["per_kill"])]
+        restart = mean(alone) or mean(result["recovery_seconds"])
         return {"policy": "elastic", "min_stages": 1, "failover_seconds": restart, "restart_seconds": restart,
                 "reconfigure_seconds": 0.0, "ready": 0.0, "checkpoint_save_seconds": save,
                 "checkpoint_interval_seconds": every * step, "step_seconds": step}
@@ -512,7 +517,8 @@ def predict_samples(inputs: dict, events: list, args: argparse.Namespace, cap: i
     ready, step = inputs["ready"], inputs["step_seconds"]
     params = SimParams(
         stages=args.nodes, min_stages=inputs["min_stages"], layers=8, micro_batch_size=2, global_micro_batches=4,
-        step_seconds=step, step_pipelines=1, single_pipeline_step_seconds=step, redundancy_overhead=0.0,
+        step_seconds=step, step_pipelines=1, single_pipeline_step_seconds=step, step_fixed_seconds=args.step_delay,
+        redundancy_overhead=0.0,
         failover_seconds=inputs["failover_seconds"], restart_seconds=inputs["restart_seconds"],
         reconfigure_seconds=inputs["reconfigure_seconds"], checkpoint_save_seconds=inputs["checkpoint_save_seconds"],
         checkpoint_interval_seconds=inputs["checkpoint_interval_seconds"],
@@ -538,7 +544,9 @@ def ettr_check(args: argparse.Namespace, views: dict, results: dict, events: lis
     from lightning_bamboo.demo.plan import STANDBY_PROCESSES
 
     print(f"\nthe simulator's ETTR against these runs (the same events, each run's measured inputs; ETTR = samples in "
-          f"the first {args.wall:g} s over {args.wall:g} s at the run's undisturbed step time)")
+          f"the first {args.wall:g} s over {args.wall:g} s at the run's undisturbed step time; the pause of "
+          f"{args.step_delay:g} s a step does not scale with the depth; torchrun's restart: the mean of the recoveries "
+          "no other kill interrupted)")
     print(f"{'run':<14}{'policy':>9}{'step s':>8}{'failover s':>11}{'restart s':>10}{'reconf s':>9}"
           f"{'measured':>10}{'predicted':>10}{'error':>8}")
     worst = 0.0
@@ -613,7 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replacement-delay", type=float, default=60.0,
                         help="--mtbf: mean trace seconds until a lost node's replacement joins (default 60)")
     parser.add_argument("--seed", type=int, default=0, help="--mtbf: the synthetic trace's seed")
+    parser.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
+                        help="run nothing: report again the runs kept in DIR (a run's --workdir)")
     args = parser.parse_args(argv)
+    if args.from_dir:
+        return report_again(args.from_dir)
     args.run_steps, args.clean_steps, args.save_seconds = {}, {}, 0.0
     nodes = [f"node{i}" for i in range(args.nodes)]
     with exit_on_stop_signals(), contextlib.ExitStack() as stack:
@@ -687,7 +699,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label} FAILED: {results[label]['failed']}", flush=True)
             else:
                 print(f"{label}: done in {results[label]['wall']:.0f} s", flush=True)
+        saved = {"args": {k: v for k, v in vars(args).items() if k != "from_dir"}, "trace_file": str(trace),
+                 "every": every, "results": results}
+        (work / "results.json").write_text(json.dumps(saved, default=str))
         return report(args, results, events, every)
+
+
+def report_again(directory: str) -> int:
+    """The report of the runs whose ``--workdir`` was ``directory`` (its ``results.json``), printed again."""
+    path = Path(directory) / "results.json"
+    if not path.exists():
+        raise SystemExit(f"--from {directory}: no results.json there; it is written by a run with --workdir DIR")
+    saved = json.loads(path.read_text())
+    args = argparse.Namespace(**saved["args"])
+    print(f"the runs of {directory} (their results.json), reported again", flush=True)
+    events = slice_events(Path(saved["trace_file"]), [f"node{i}" for i in range(args.nodes)], args.time_scale)
+    return report(args, saved["results"], events, saved["every"])
 
 
 def report(args: argparse.Namespace, results: dict[str, dict], events: list | None = None, every: int = 0) -> int:

@@ -417,3 +417,19 @@ def test_elastic_nodes_beyond_the_depth_wait_and_replace_a_lost_one():
                              (155, 2.0), (195, 0)]
     assert result.recoveries["checkpoint"] == 1 and result.reconfigurations == 0
     assert policy.layout.grid == (("n1", "n4"),)
+
+
+def test_elastic_a_node_ready_while_a_restart_is_under_way_joins_it():
+    # n2 lost at 100 s: back to 160 samples, restart 100-110; n3 ready at 105 s joins that restart (no second
+    # rollback, no second pause): depth 2 from 110 s on
+    result, policy = run("elastic", ["0,add,n1", "0,add,n2", "100000,remove,n2", "105000,add,n3"])
+    assert steps(result)[:7] == [(0, 2.0), (40, 0), (45, 2.0), (85, 0), (90, 2.0), (100, 0), (110, 2.0)]
+    assert result.recoveries["checkpoint"] == 1 and result.reconfigurations == 0
+    assert result.breakdown_hours["restart"] == pytest.approx(10 / 3600)
+    assert policy.layout.grid == (("n1", "n3"),)
+
+
+def test_a_fixed_part_of_the_step_does_not_scale_with_the_layout():
+    # depth 1 of the elastic test: 4/3 of the 1 s step; with 0.4 s of it fixed, 0.4 + 0.6 x 4/3 = 1.2 s: 2/1.2 samples/s
+    result, _ = run("elastic", ["0,add,n1", "0,add,n2", "100000,remove,n2"], step_fixed_seconds=0.4)
+    assert steps(result)[6] == (110, pytest.approx(2 / 1.2))

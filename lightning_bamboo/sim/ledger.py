@@ -71,6 +71,11 @@ class Ledger:
     def paused_until(self) -> float:
         return self._pauses[-1][1] if self._pauses else self.t
 
+    @property
+    def restarting(self) -> bool:
+        """A restart pause is under way (training has not resumed after it)."""
+        return any(kind == "restart" and end > self.t for _, end, kind in self._pauses)
+
     def pause(self, kind: str, seconds: float, *, restart: bool = False) -> None:
         """Stop training for ``seconds`` after the pauses already queued; ``restart`` drops those first."""
         assert kind in PAUSE_KINDS, kind

@@ -38,14 +38,15 @@ def step_seconds(layout: Placement, params: SimParams) -> float:
 
     A layout of one pipeline scales from ``single_pipeline_step_seconds`` when that is set (measured
     where nodes share compute, so that fewer pipelines are not slower as the formula says), every
-    other from ``step_seconds`` at ``step_pipelines``.
+    other from ``step_seconds`` at ``step_pipelines``. ``step_fixed_seconds`` of it do not scale.
     """
     pipelines, seconds = params.step_pipelines, params.step_seconds
     if layout.pipelines == 1 and params.single_pipeline_step_seconds:
         pipelines, seconds = 1, params.single_pipeline_step_seconds
+    fixed = min(params.step_fixed_seconds, seconds)
     ref_m = max(policy_config(params).micro_batches(pipelines))
     reference = _slots(ref_m, even_parts(params.layers, params.stages))
-    return seconds * _slots(max(layout.micro_batches), layout.parts) / reference
+    return fixed + (seconds - fixed) * _slots(max(layout.micro_batches), layout.parts) / reference
 
 
 def step_rate(

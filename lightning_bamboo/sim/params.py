@@ -37,6 +37,7 @@ class SimParams:
     step_seconds: float = 4.0
     step_pipelines: int = 4
     single_pipeline_step_seconds: float = 0.0
+    step_fixed_seconds: float = 0.0
     redundancy_overhead: float = 0.1
     failover_slowdown: float = 1.5
     failover_seconds: float = 5.0
@@ -100,6 +101,7 @@ class SimParams:
             "node_ready_seconds",
             "rejoin_seconds",
             "single_pipeline_step_seconds",
+            "step_fixed_seconds",
             "on_demand_nodes",
             "nodes",
             "hours",

@@ -146,8 +146,10 @@ class ElasticRestart(CheckpointRestart):
     ``min_stages`` to ``stages`` nodes (more wait). A removal of a node it runs, and a node that becomes
     ready while the pipeline is shallower than ``stages``, stop every worker (torchrun restarts them
     when an agent is lost and when a new one waits; nothing is saved first): back to the last
-    checkpoint, ``restart_seconds``, then on at the new depth. Fewer than ``min_stages`` nodes: it
-    waits. The step time of a depth follows the 1F1B formula from the measured one.
+    checkpoint, ``restart_seconds``, then on at the new depth. A node ready while a restart is under
+    way joins that restart (its rendezvous round waits for a lost agent's heartbeats to expire, and
+    takes in the agents that come meanwhile). Fewer than ``min_stages`` nodes: it waits. The step
+    time of a depth follows the 1F1B formula from the measured one.
     """
 
     name = "elastic"
@@ -160,6 +162,10 @@ class ElasticRestart(CheckpointRestart):
         depth = self._depth()
         current = self.layout.stages if self.layout is not None else 0
         if not self.disrupted and depth <= current:
+            return
+        if not self.disrupted and self.layout is not None and self.ledger.restarting:  # it joins that restart
+            row = tuple(self.ready[:depth])
+            self._set_layout(Placement((row,), even_parts(self.params.layers, depth), self.config.micro_batches(1)))
             return
         if self.layout is not None:  # its workers stop: what they trained since the last save is lost
             self.ledger.rollback()
