@@ -130,7 +130,7 @@ def test_the_simulators_view_of_a_run_keeps_at_most_cap_nodes_running():
 def _wall_args(**changes):
     import argparse
 
-    return argparse.Namespace(**{"nodes": 2, "wall": 100.0, **changes})
+    return argparse.Namespace(**{"nodes": 2, "wall": 100.0, "step_delay": 0.0, **changes})
 
 
 def test_the_predicted_samples_of_an_undisturbed_run_are_its_steps_in_the_wall_time():
@@ -152,3 +152,14 @@ def test_the_predicted_samples_count_the_most_the_run_had_reached_through_a_roll
     assert peers.predict_samples(inputs, kill, _wall_args(wall=55.0), cap=2) == pytest.approx(50 / 0.5 * 8 + 8, rel=1e-3)
     # at 100 s: 40 s kept, restarted at 60 s, 40 s at 0.8 s a step: 50 more steps
     assert peers.predict_samples(inputs, kill, _wall_args(), cap=2) == pytest.approx((80 + 50) * 8 + 8, rel=1e-3)
+
+
+def test_the_peers_restart_is_the_mean_recovery_that_no_other_kill_interrupted():
+    # the kill at 0 s recovered at 30 s, but a kill at 10 s came first (its recovery, 25 s, holds the rest); the kill
+    # at 100 s had its own restart; the kill at 200 s was never recovered from
+    per_kill = [{"at": 0.0, "recovery": 30.0}, {"at": 10.0, "recovery": 25.0}, {"at": 100.0, "recovery": 20.0},
+                {"at": 200.0, "recovery": None}]
+    result = {"per_kill": per_kill, "recovery_seconds": [30.0, 25.0, 20.0]}
+    inputs = peers.sim_inputs("torchrun", result, _wall_args(), every=3, step=0.5, save=0.04)
+    assert inputs["restart_seconds"] == pytest.approx(22.5) and inputs["policy"] == "elastic"
+    assert inputs["checkpoint_interval_seconds"] == pytest.approx(1.5) and inputs["checkpoint_save_seconds"] == 0.04
