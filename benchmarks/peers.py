@@ -480,9 +480,10 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def sim_inputs(name: str, result: dict, args: argparse.Namespace, every: int, step: float, save: float) -> dict:
-    """The simulator's inputs for one run, as sim_validation.py takes them: the run's undisturbed step time (a
-    calibration run's), its own mean recovery per kind, its own reconfigurations (the demo's report), the save."""
+def sim_inputs(name: str, result: dict, every: int, step: float, save: float) -> dict:
+    """The simulator's inputs for run (a) ``bamboo`` or (b) ``torchrun``, as sim_validation.py takes them: the run's
+    undisturbed step time (a calibration run's), its own mean recovery per kind, its own reconfigurations (the demo's
+    report), the save."""
     from lightning_bamboo.sim.demo import load_demo_params
 
     demo = load_demo_params()
@@ -501,7 +502,7 @@ def sim_inputs(name: str, result: dict, args: argparse.Namespace, every: int, st
     restarts = [s for s, k in zip(result["recovery_seconds"], kinds, strict=False) if k != "failover"]
     reconfigurations = [r["seconds"] for r in result.get("reconfigurations", []) if r.get("seconds")]
     restart = mean(restarts) or demo.restart_seconds
-    return {"policy": "bamboo" if name == "bamboo" else "elastic", "min_stages": 2 if name == "bamboo" else 1,
+    return {"policy": "bamboo", "min_stages": 2,  # the rebalancer's shallowest pipeline: a replica needs a second stage
             "failover_seconds": mean(failovers) or restart, "restart_seconds": restart,
             "reconfigure_seconds": mean(reconfigurations) or demo.reconfigure_seconds, "ready": demo.join_seconds,
             "checkpoint_save_seconds": 0.0, "checkpoint_interval_seconds": every * step, "step_seconds": step}
@@ -553,7 +554,7 @@ def ettr_check(args: argparse.Namespace, views: dict, results: dict, events: lis
     for name, view in views.items():
         if name not in steps:
             continue
-        inputs = sim_inputs(name, results[name], args, every, steps[name], save)
+        inputs = sim_inputs(name, results[name], every, steps[name], save)
         cap = args.nodes if name == "torchrun" else args.nodes + STANDBY_PROCESSES
         predicted = predict_samples(inputs, events, args, cap)
         measured = view["samples_per_second"] * args.wall

@@ -160,6 +160,6 @@ def test_the_peers_restart_is_the_mean_recovery_that_no_other_kill_interrupted()
     per_kill = [{"at": 0.0, "recovery": 30.0}, {"at": 10.0, "recovery": 25.0}, {"at": 100.0, "recovery": 20.0},
                 {"at": 200.0, "recovery": None}]
     result = {"per_kill": per_kill, "recovery_seconds": [30.0, 25.0, 20.0]}
-    inputs = peers.sim_inputs("torchrun", result, _wall_args(), every=3, step=0.5, save=0.04)
+    inputs = peers.sim_inputs("torchrun", result, every=3, step=0.5, save=0.04)
     assert inputs["restart_seconds"] == pytest.approx(22.5) and inputs["policy"] == "elastic"
     assert inputs["checkpoint_interval_seconds"] == pytest.approx(1.5) and inputs["checkpoint_save_seconds"] == 0.04
