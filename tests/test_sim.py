@@ -433,3 +433,15 @@ def test_a_fixed_part_of_the_step_does_not_scale_with_the_layout():
     # depth 1 of the elastic test: 4/3 of the 1 s step; with 0.4 s of it fixed, 0.4 + 0.6 x 4/3 = 1.2 s: 2/1.2 samples/s
     result, _ = run("elastic", ["0,add,n1", "0,add,n2", "100000,remove,n2"], step_fixed_seconds=0.4)
     assert steps(result)[6] == (110, pytest.approx(2 / 1.2))
+
+
+def test_elastic_with_whole_pipelines_restarts_narrower_and_wider_losing_what_was_not_saved():
+    # 2 x 2 (3 samples/s), saves every 40 s: 40-45 (120), 85-90 (240); n2 lost at 100 s: back to 240, restart
+    # 100-110 as 1 x 2 (2 samples/s; n4 waits); n5 ready at 130 s makes 2 x 2 again: back to 240 (nothing saved
+    # first, unlike `checkpoint`), restart 130-140; a save 180-185
+    result, policy = run("elastic", FOUR + ["100000,remove,n2", "130000,add,n5"])
+    assert steps(result) == [(0, R2), (40, 0), (45, R2), (85, 0), (90, R2), (100, 0), (110, R1), (130, 0), (140, R2),
+                             (180, 0), (185, R2)]
+    assert result.samples == pytest.approx(240 + 40 * R2 + 15 * R2)
+    assert result.recoveries["checkpoint"] == 1 and result.reconfigurations == 1
+    assert policy.layout.pipelines == 2

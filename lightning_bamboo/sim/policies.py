@@ -140,32 +140,39 @@ class CheckpointOracle(CheckpointRestart):
 
 
 class ElasticRestart(CheckpointRestart):
-    """Checkpoint-restart as ``torchrun --nnodes=MIN:MAX`` runs one pipeline as deep as the nodes it has.
+    """Checkpoint-restart as ``torchrun --nnodes=MIN:MAX`` runs it: every change of the nodes it uses restarts.
 
-    What ``benchmarks/peer_train.py`` does under torchrun's elastic agents: the depth is the live world,
-    ``min_stages`` to ``stages`` nodes (more wait). A removal of a node it runs, and a node that becomes
-    ready while the pipeline is shallower than ``stages``, stop every worker (torchrun restarts them
-    when an agent is lost and when a new one waits; nothing is saved first): back to the last
-    checkpoint, ``restart_seconds``, then on at the new depth. A node ready while a restart is under
+    The layout is as many whole pipelines of ``stages`` as the ready nodes make (the rest wait), or,
+    with fewer nodes, one pipeline as deep as they are (at least ``min_stages``): what
+    ``benchmarks/peer_train.py`` does under torchrun's elastic agents (one pipeline, its depth the
+    live world) and what ``lightning-bamboo demo --no-redundancy`` does. A removal of a node it runs,
+    and a node that becomes ready when the layout can use it, stop every worker (torchrun restarts
+    them when an agent is lost and when a new one waits; nothing is saved first): back to the last
+    checkpoint, ``restart_seconds``, then on in the new layout. A node ready while a restart is under
     way joins that restart (its rendezvous round waits for a lost agent's heartbeats to expire, and
-    takes in the agents that come meanwhile). Fewer than ``min_stages`` nodes: it waits. The step
-    time of a depth follows the 1F1B formula from the measured one.
+    takes in the agents that come meanwhile). The step time of a layout follows the 1F1B formula from
+    the measured one.
     """
 
     name = "elastic"
 
-    def _depth(self) -> int:
-        depth = min(len(self.ready), self.params.stages)
-        return depth if depth >= self.params.min_stages else 0
+    def _layout(self) -> Placement | None:
+        nodes, stages = len(self.ready), self.params.stages
+        if nodes >= stages:
+            return fresh_placement(self.ready, self._pipelines(), stages, self.config)
+        if nodes < self.params.min_stages:
+            return None
+        row = tuple(self.ready[:nodes])
+        return Placement((row,), even_parts(self.params.layers, nodes), self.config.micro_batches(1))
 
     def settle(self) -> None:
-        depth = self._depth()
-        current = self.layout.stages if self.layout is not None else 0
-        if not self.disrupted and depth <= current:
+        layout = self._layout()
+        used = len(layout.nodes) if layout is not None else 0
+        current = len(self.layout.nodes) if self.layout is not None else 0
+        if not self.disrupted and used <= current:
             return
         if not self.disrupted and self.layout is not None and self.ledger.restarting:  # it joins that restart
-            row = tuple(self.ready[:depth])
-            self._set_layout(Placement((row,), even_parts(self.params.layers, depth), self.config.micro_batches(1)))
+            self._set_layout(layout)
             return
         if self.layout is not None:  # its workers stop: what they trained since the last save is lost
             self.ledger.rollback()
@@ -174,10 +181,6 @@ class ElasticRestart(CheckpointRestart):
             else:
                 self.ledger.reconfigurations += 1
         self.disrupted = False
-        layout = None
-        if depth:
-            row = tuple(self.ready[:depth])
-            layout = Placement((row,), even_parts(self.params.layers, depth), self.config.micro_batches(1))
         if layout is not None and self.started:
             self.ledger.pause("restart", self.params.restart_seconds, restart=True)
         elif layout is None:
