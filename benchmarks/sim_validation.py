@@ -21,7 +21,9 @@ next), the step time of a clean 1 x 3 run of the same mode (on 2 shared cores on
 processes is faster than two, where the 1F1B formula for nodes with their own accelerators says
 slower), the run's own mean recovery time (failover or restart), and the demo-scale join and reconfiguration
 times of benchmarks/sim_calibrate.py (a released survivor's standby restart is a join). The layout
-decisions, rollbacks and pauses are the simulator's. Target: samples/s within 15% for both policies.
+decisions, rollbacks and pauses are the simulator's. The run without replicas is replayed with the ``elastic``
+policy (a restart from the last checkpoint to take in a join, as the demo does), its rows named ``checkpoint``.
+Target: samples/s within 15% for both policies.
 
     python benchmarks/sim_validation.py --cluster [--repeats 2] [--steps 600] [--clean-steps 200]
 
@@ -128,7 +130,9 @@ def rows(name: str, measured: dict, predicted: DemoPrediction) -> list[str]:
 
 
 CLUSTER_NODES = [f"node{i}" for i in range(6)]
-CLUSTER_MODES = {"bamboo": ("bamboo", ()), "checkpoint": ("checkpoint", ("--no-redundancy",))}
+#: the demo's --no-redundancy restarts everyone from the last checkpoint to take in a join, as torchrun does (``elastic``;
+#: the simulator's ``checkpoint`` saves before it grows)
+CLUSTER_MODES = {"bamboo": ("bamboo", ()), "checkpoint": ("elastic", ("--no-redundancy",))}
 
 
 def run_cluster_demo(

@@ -445,3 +445,15 @@ def test_elastic_with_whole_pipelines_restarts_narrower_and_wider_losing_what_wa
     assert result.samples == pytest.approx(240 + 40 * R2 + 15 * R2)
     assert result.recoveries["checkpoint"] == 1 and result.reconfigurations == 1
     assert policy.layout.pipelines == 2
+
+
+def test_a_removal_without_notice_cannot_save_however_cheap_a_save_is():
+    from lightning_bamboo.sim.trace import Trace, TraceEvent
+
+    # free saves after every 40 s of training (at 40 and 80 s); n2 lost at 100 s without notice: the 20 s since
+    # the save at 80 s are lost, not committed at the removal; with a notice they are saved in it
+    start = [TraceEvent(0, "add", f"n{i}") for i in range(1, 5)]
+    for notice, lost in ((0.0, 20.0), (30.0, 0.0)):
+        trace = Trace((*start, TraceEvent(100_000, "remove", "n2", notice)), "notice")
+        result, _ = run_policy("checkpoint", trace, TOY.replace(checkpoint_save_seconds=0.0), END)
+        assert result.breakdown_hours["lost_work"] == pytest.approx(lost / 3600)

@@ -96,7 +96,9 @@ class CheckpointRestart(Policy):
         super().on_remove(event)
         if self.layout is not None and event.node in self.layout.nodes:
             self.ledger.preemptions += 1
-            if not self.disrupted and event.notice_seconds >= self.params.checkpoint_save_seconds:
+            # a notice long enough for a save saves; a removal without one cannot, however cheap a save is
+            notice = event.notice_seconds
+            if not self.disrupted and notice > 0 and notice >= self.params.checkpoint_save_seconds:
                 self.ledger.commit_now()
             self.disrupted = True
 
