@@ -450,32 +450,6 @@ def mtbf_trace(mtbf: float, args: argparse.Namespace, path: Path) -> Path:
     return path
 
 
-def sim_trace(events: list, nodes: list[str], cap: int, ready: float):
-    """A run's view of the slice as the simulator's trace: ``nodes`` added at 0 (usable at ``ready``, its first
-    step), every later event ``ready`` seconds after its time from that first step. At most ``cap`` nodes run (the
-    demo's pipeline and its standby process; the peer's agents): a node that joins beyond them waits and starts when
-    a running one is lost; a waiting node that is lost never starts."""
-    from lightning_bamboo.sim.trace import Trace, TraceEvent
-
-    out = [TraceEvent(0, "add", n) for n in nodes]
-    running, waiting = set(nodes), []
-    for e in events:
-        ms = int(round(((e.at_seconds or 0.0) + ready) * 1000))
-        if e.kind == "join":
-            waiting.append(e.node)
-        elif e.node in running:
-            running.discard(e.node)
-            out.append(TraceEvent(ms, "remove", e.node, e.notice or 0.0))
-        elif e.node in waiting:
-            waiting.remove(e.node)
-        while waiting and len(running) < cap:
-            node = waiting.pop(0)
-            running.add(node)
-            out.append(TraceEvent(ms, "add", node))
-    out.sort(key=lambda e: e.ms)
-    return Trace(tuple(out), "the run's view")
-
-
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -512,6 +486,7 @@ def predict_samples(inputs: dict, events: list, args: argparse.Namespace, cap: i
     """The samples the simulator's policy has trained ``--wall`` seconds after the run's first step, counted as the
     run counts them (the most it had reached by then: a rollback does not take back what the run's clock saw), plus
     the first step's (the runs' clocks start when it is done)."""
+    from lightning_bamboo.sim.demo import run_trace
     from lightning_bamboo.sim.params import SimParams
     from lightning_bamboo.sim.simulate import run_policy
 
@@ -526,7 +501,7 @@ def predict_samples(inputs: dict, events: list, args: argparse.Namespace, cap: i
         bamboo_checkpoint_interval_seconds=inputs["checkpoint_interval_seconds"], node_ready_seconds=ready,
         rejoin_seconds=ready, max_overloaded_fraction=0.05,
     )
-    trace = sim_trace(events, [f"node{i}" for i in range(args.nodes)], cap, ready)
+    trace = run_trace(events, [f"node{i}" for i in range(args.nodes)], cap, ready)
     end = ready + args.wall
     # what the run had reached is highest just before a loss or a join (a restart) takes some back, or at the end
     changes = {e.seconds for e in trace.events} | {e.seconds + ready for e in trace.events if e.kind == "add"}

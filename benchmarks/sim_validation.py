@@ -155,34 +155,13 @@ def run_cluster_demo(
 
 
 def cluster_trace(trace_csv: Path, time_scale: float, ready: float):
-    """The demo's view of the slice as a simulator trace, shifted so that its first step is at ``ready``.
-
-    The demo's six nodes are added at 0 (usable at ``ready``, when the demo's first step is taken);
-    every later event keeps its time after that first step. As the demo does, a joining node is
-    started only while fewer than six nodes plus one spare run (``STANDBY_PROCESSES``); the others
-    wait in order and start when a running node is lost (a waiting node that is removed never starts).
-    """
+    """The demo's view of the slice as a simulator trace, shifted so that its first step is at ``ready``: its six
+    nodes, and a joining node started only while fewer than six nodes plus one spare run (``STANDBY_PROCESSES``)."""
     from lightning_bamboo.demo.plan import STANDBY_PROCESSES
-    from lightning_bamboo.sim.trace import Trace, TraceEvent
+    from lightning_bamboo.sim.demo import run_trace
 
-    cap = len(CLUSTER_NODES) + STANDBY_PROCESSES
-    events = [TraceEvent(0, "add", n) for n in CLUSTER_NODES]
-    running, waiting = set(CLUSTER_NODES), []
-    for e in events_from_trace(read_trace(trace_csv), CLUSTER_NODES, time_scale):
-        ms = int(round(((e.at_seconds or 0.0) + ready) * 1000))
-        if e.kind == "join":
-            waiting.append(e.node)
-        elif e.node in running:
-            running.discard(e.node)
-            events.append(TraceEvent(ms, "remove", e.node, e.notice or 0.0))
-        elif e.node in waiting:
-            waiting.remove(e.node)
-        while waiting and len(running) < cap:
-            node = waiting.pop(0)
-            running.add(node)
-            events.append(TraceEvent(ms, "add", node))
-    events.sort(key=lambda e: e.ms)
-    return Trace(tuple(events), f"{trace_csv.name} (demo view)")
+    events = events_from_trace(read_trace(trace_csv), CLUSTER_NODES, time_scale)
+    return run_trace(events, CLUSTER_NODES, len(CLUSTER_NODES) + STANDBY_PROCESSES, ready, f"{trace_csv.name} (demo view)")
 
 
 def own_step_seconds(report: dict, window: int) -> float:

@@ -122,7 +122,9 @@ def test_the_simulators_view_of_a_run_keeps_at_most_cap_nodes_running():
         ClusterEvent("join", "spare3", at_seconds=3.0),  # waits
         ClusterEvent("preempt", "spare3", at_seconds=4.0),  # lost while waiting: never runs
     ]
-    trace = peers.sim_trace(events, ["node0", "node1"], cap=2, ready=0.5)
+    from lightning_bamboo.sim.demo import run_trace
+
+    trace = run_trace(events, ["node0", "node1"], cap=2, ready=0.5)
     assert [(e.ms, e.kind, e.node) for e in trace.events] == [
         (0, "add", "node0"), (0, "add", "node1"), (2500, "remove", "node1"), (2500, "add", "spare1")]
 

@@ -303,3 +303,32 @@ def _respawn(run: _Run, params: DemoParams, stages: int, out: DemoPrediction) ->
     run.start = run.restart_until = run.respawn_at + params.restart_seconds
     out.timeline.append((run.respawn_at, f"respawn {len(run.running)} stages from step {run.checkpoint}"))
     run.respawn_at = None
+
+
+def run_trace(events: Sequence[ClusterEvent], nodes: Sequence[str], cap: int, ready: float, source: str = "a run's view"):
+    """A run's view of cluster ``events`` as the cluster simulator's trace (``lightning_bamboo.sim.simulate``).
+
+    ``nodes`` are added at 0 (usable at ``ready``, the run's first step); every later event comes ``ready``
+    seconds after its time from that first step. At most ``cap`` nodes run (the demo's pipelines and its standby
+    process; the peer's agents): a node that joins beyond them waits and starts, in order, when a running one is
+    lost; a waiting node that is lost never starts.
+    """
+    from lightning_bamboo.sim.trace import Trace, TraceEvent
+
+    out = [TraceEvent(0, "add", n) for n in nodes]
+    running, waiting = set(nodes), []
+    for e in events:
+        ms = int(round(((e.at_seconds or 0.0) + ready) * 1000))
+        if e.kind == "join":
+            waiting.append(e.node)
+        elif e.node in running:
+            running.discard(e.node)
+            out.append(TraceEvent(ms, "remove", e.node, e.notice or 0.0))
+        elif e.node in waiting:
+            waiting.remove(e.node)
+        while waiting and len(running) < cap:
+            node = waiting.pop(0)
+            running.add(node)
+            out.append(TraceEvent(ms, "add", node))
+    out.sort(key=lambda e: e.ms)
+    return Trace(tuple(out), source)
