@@ -165,3 +165,31 @@ def test_the_peers_restart_is_the_mean_recovery_that_no_other_kill_interrupted()
     inputs = peers.sim_inputs("torchrun", result, every=3, step=0.5, save=0.04)
     assert inputs["restart_seconds"] == pytest.approx(22.5) and inputs["policy"] == "elastic"
     assert inputs["checkpoint_interval_seconds"] == pytest.approx(1.5) and inputs["checkpoint_save_seconds"] == 0.04
+
+
+def test_a_kept_run_is_reported_again_with_the_simulators_ettr(tmp_path, capsys):
+    # a 2-node peer run, kept: steps of 0.5 s from t=100; node1 killed at t=130 (30 s after the first step); the
+    # job that recovered started at t=131, loaded step 60 at t=160 and stepped on until t=200
+    lines = [{"event": "start", "pid": 1, "t": 99.0, "rank": 0}, {"event": "loaded", "pid": 1, "t": 99.5, "rank": 0,
+              "step": 0, "optimizer": "loaded", "world": 2}]
+    lines += [{"event": "step", "step": s, "t": 100.0 + 0.5 * (s - 1), "pid": 1, "rank": 0} for s in range(1, 61)]
+    lines += [{"event": "start", "pid": 2, "t": 131.0, "rank": 0}, {"event": "loading", "pid": 2, "t": 159.0, "rank": 0},
+              {"event": "loaded", "pid": 2, "t": 160.0, "rank": 0, "step": 60,
+               "optimizer": "loaded", "world": 1}]
+    lines += [{"event": "step", "step": s, "t": 160.0 + 0.5 * (s - 60), "pid": 2, "rank": 0} for s in range(61, 141)]
+    result = peers.summarize_peer(lines, [(130.0, "node1")], 140)
+    result.update(wall=120.0, joins=0, codes={}, agent_restarts=0)
+    (tmp_path / "trace.csv").write_text("0,add,a\n0,add,b\n30000,remove,b\n")
+    args = {"nodes": 2, "wall": 100.0, "step_delay": 0.0, "time_scale": 1.0, "mtbf": "1m", "steps": 140,
+            "run_steps": {"torchrun": 140}, "clean_steps": {"torchrun": 0.5}, "save_seconds": 0.01}
+    saved = {"args": args, "trace_file": str(tmp_path / "trace.csv"), "every": 4, "results": {"torchrun": result}}
+    (tmp_path / "results.json").write_text(json.dumps(saved))
+    code = peers.main(["--from", str(tmp_path)])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("torchrun") and "elastic" in line).split()
+    # measured ETTR: the most steps finished 100 s after the first step, over 100 s of 0.5 s steps
+    measured = peers.progress_at(result["step_times"], 100.0) * 8 / (100.0 / 0.5 * 8)
+    assert float(row[6]) == pytest.approx(measured, abs=1e-3)
+    assert float(row[4]) == pytest.approx(result["recovery_seconds"][0], abs=0.01)  # the restart the replay pauses
+    error = abs(float(row[7]) - float(row[6])) / float(row[6])
+    assert code == (0 if error <= 0.15 else 1)
