@@ -435,21 +435,6 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the simulator's ETTR
-def mtbf_trace(mtbf: float, args: argparse.Namespace, path: Path) -> Path:
-    """A synthetic trace of the simulator's model (``lightning-bamboo simulate --sweep mtbf=...``): ``--nodes`` nodes
-    whose cluster loses one every ``mtbf`` trace seconds on average, each replaced after ``--replacement-delay``
-    trace seconds (mean), long enough for the runs at ``--time-scale``; written to ``path``."""
-    from lightning_bamboo.sim.generate import SpotModel, generate_trace
-    from lightning_bamboo.sim.sweep import mtbf_preemption_rate
-    from lightning_bamboo.sim.trace import write_trace
-
-    hours = max(1.0, 3.0 * max(args.wall, 600.0) * args.time_scale / 3600.0)
-    model = SpotModel(nodes=args.nodes, hours=hours, preemption_rate=mtbf_preemption_rate(mtbf, args.nodes),
-                      replacement_delay_seconds=args.replacement_delay, seed=args.seed)
-    write_trace(generate_trace(model), path)
-    return path
-
-
 def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -503,14 +488,11 @@ def predict_samples(inputs: dict, events: list, args: argparse.Namespace, cap: i
     )
     trace = run_trace(events, [f"node{i}" for i in range(args.nodes)], cap, ready)
     end = ready + args.wall
-    # what the run had reached is highest just before a loss or a join (a restart) takes some back, or at the end
-    changes = {e.seconds for e in trace.events} | {e.seconds + ready for e in trace.events if e.kind == "add"}
-    moments = sorted({end} | {t - 1e-6 for t in changes if ready < t <= end})
-    reached = 0.0
-    for t in moments:
-        result, _ = run_policy(inputs["policy"], trace, params.replace(hours=t / 3600), t)
-        reached = max(reached, result.samples)
-    return reached + GLOBAL_BATCH
+    result, _ = run_policy(inputs["policy"], trace, params.replace(hours=end / 3600), end)
+    # the most reached: the end, or the end of a stretch at a steady rate before a rollback took some back
+    points = result.timeline
+    ends = (p.samples + p.rate * (q.seconds - p.seconds) for p, q in zip(points, points[1:], strict=False))
+    return max(result.samples, *ends) + GLOBAL_BATCH
 
 
 def ettr_check(args: argparse.Namespace, views: dict, results: dict, events: list, every: int, steps: dict,
@@ -608,9 +590,13 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bamboo-peers-")))
         work.mkdir(parents=True, exist_ok=True)
         if args.mtbf:
-            from lightning_bamboo.sim.sweep import parse_duration
+            from lightning_bamboo.sim.sweep import mtbf_trace, parse_duration
+            from lightning_bamboo.sim.trace import write_trace
 
-            trace = mtbf_trace(parse_duration(args.mtbf), args, work / "trace.csv")
+            # trace hours: three times the longest a run may be given, at this compression
+            hours = max(1.0, 3.0 * max(args.wall, 600.0) * args.time_scale / 3600.0)
+            trace = work / "trace.csv"
+            write_trace(mtbf_trace(parse_duration(args.mtbf), args.nodes, hours, args.replacement_delay, args.seed), trace)
             print(f"trace: the simulator's model, {args.nodes} nodes, one lost every {args.mtbf} of trace time on "
                   f"average, replaced after {args.replacement_delay:g} s (mean), seed {args.seed}", flush=True)
         else:

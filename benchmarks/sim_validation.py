@@ -227,23 +227,12 @@ def predict_cluster(trace_csv: Path, policy: str, single: dict, measured: dict, 
     }
 
 
-def mtbf_trace(mtbf: float, args: argparse.Namespace):
-    """A synthetic trace of the simulator's model: the demo's 6 nodes lose one every ``mtbf`` trace seconds on
-    average, each replaced after ``--replacement-delay`` (mean), long enough for ``--steps`` at ``--time-scale``."""
-    from lightning_bamboo.sim.generate import SpotModel, generate_trace
-    from lightning_bamboo.sim.sweep import mtbf_preemption_rate
-
-    nodes = len(CLUSTER_NODES)
-    model = SpotModel(nodes=nodes, hours=args.hours, preemption_rate=mtbf_preemption_rate(mtbf, nodes),
-                      replacement_delay_seconds=args.replacement_delay, seed=args.seed)
-    return generate_trace(model)
-
-
 def validate_cluster(args: argparse.Namespace) -> None:
     if args.mtbf:
-        from lightning_bamboo.sim.sweep import parse_duration
+        from lightning_bamboo.sim.sweep import mtbf_trace, parse_duration
 
-        pieces = [(f"mtbf {text}", mtbf_trace(parse_duration(text), args)) for text in args.mtbf.split(",")]
+        pieces = [(f"mtbf {text}", mtbf_trace(parse_duration(text), len(CLUSTER_NODES), args.hours,
+                                              args.replacement_delay, args.seed)) for text in args.mtbf.split(",")]
     else:
         start = args.start_hours * 3600
         pieces = [("p3", slice_trace(read_trace(bundled_trace("p3")), start, start + args.hours * 3600))]

@@ -47,6 +47,16 @@ def mtbf_preemption_rate(mtbf_seconds: float, nodes: int) -> float:
     return 3600.0 / (mtbf_seconds * nodes)
 
 
+def mtbf_trace(mtbf_seconds: float, nodes: int, hours: float, replacement_delay_seconds: float, seed: int = 0):
+    """A synthetic trace of the simulator's model whose ``nodes`` nodes lose one every ``mtbf_seconds`` on average,
+    each replaced after ``replacement_delay_seconds`` (mean): one point of ``--sweep mtbf=...``, for the benchmarks
+    that run it for real."""
+    from lightning_bamboo.sim.generate import SpotModel, generate_trace
+
+    return generate_trace(SpotModel(nodes=nodes, hours=hours, preemption_rate=mtbf_preemption_rate(mtbf_seconds, nodes),
+                                    replacement_delay_seconds=replacement_delay_seconds, seed=seed))
+
+
 def parse_sweep(text: str, extra: Iterable[str] = ()) -> tuple[str, list[float]]:
     """``"restart_seconds=30:600:5"`` -> the input's name and 5 evenly spaced values from 30 to 600.
 
