@@ -166,6 +166,31 @@ def test_a_launcher_whose_workers_import_differently_is_refused_by_the_shared_se
 
 
 @pytest.mark.timeout(120)
+def test_a_shared_servers_address_appears_only_once_it_listens(tmp_path):
+    """``start_shared`` returns once the address exists, and a launcher connects at once: a connect between the
+    socket's bind and its listen is refused, and the launcher falls back to a process of its own. A server whose
+    listen is slowed by a second (a busy machine) must still never be refused."""
+    address = str(tmp_path / "forks.sock")
+    slowed = ("import socket, time\n"
+              "listen = socket.socket.listen\n"
+              "socket.socket.listen = lambda self, *a: (time.sleep(1.0), listen(self, *a))[1]\n"
+              "from lightning_bamboo.launcher.forks import serve_shared\n"
+              f"serve_shared({address!r}, [])\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", slowed], env=env, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server never listened"
+            time.sleep(0.001)
+        ForkServer([], env, address=address).close()  # greeted, not refused
+    finally:
+        proc.kill()
+        assert proc.wait(30) == -signal.SIGKILL
+    assert os.listdir(tmp_path) == ["forks.sock"]  # no name of its own left behind
+
+
+@pytest.mark.timeout(120)
 def test_lightnings_launcher_forks_the_other_ranks_at_the_shared_server(shared, monkeypatch, capfd):
     """``Trainer(strategy="bamboo", devices=N)`` under Lightning's own launcher, with ``BAMBOO_PRELOAD`` and a shared
     server: rank 1 is a fork of the server (its child, not this process's), running this program again with

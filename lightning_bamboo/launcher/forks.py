@@ -329,8 +329,12 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
 
     die_with_parent(True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
+    # bound under a name of its own and renamed once listening: ``start_shared`` waits for the path to exist, and a
+    # connect between bind and listen is refused (a launcher then falls back to a process of its own)
+    binding = f"{address}.{os.getpid()}"
+    listener.bind(binding)
     listener.listen(64)
+    os.rename(binding, address)
     _preload(modules)
     imported = {k: os.environ.get(k) for k in IMPORT_VARS}
     clients: dict[Connection, socket.socket] = {}

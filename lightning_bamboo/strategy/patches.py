@@ -148,7 +148,10 @@ def _shared_forks() -> Any:
         return None
     try:
         return ForkServer(preload, os.environ, runs=("*",), scripts=True, address=address, detached=True)
-    except ForkServerRefused:
+    except ForkServerRefused as err:  # the ranks start as Lightning starts them: slower, the same job
+        import logging
+
+        logging.getLogger(__name__).info("Lightning's ranks start as processes of their own: %s", err)
         return None
 
 
