@@ -300,3 +300,31 @@ def test_an_nccl_collective_whose_peer_never_comes_ends_at_the_abort_and_the_gpu
     again.allreduce(total).wait(60)
     assert torch.equal(total, torch.full((4,), 3.0, device="cuda"))
     again.close()
+
+
+def test_nccl_lanes_are_few_one_directional_and_pair_every_message_as_gloo_did():
+    """``comm_cuda.lane_of``: however many chunks a replica's gradients travel in, they share one lane, and each lane
+    carries one direction; ``lane_mismatches`` finds where NCCL's pairing by place in a lane would differ from gloo's
+    by tag."""
+    from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG, LANES, lane_mismatches, lane_of
+
+    assert {lane_of(CHUNK_TAGS + i, 0, 1) for i in range(1000)} == {(CHUNK_TAGS, 0)}
+    assert lane_of(HEADER_TAG, 0, 1) != lane_of(HEADER_TAG, 1, 0) != lane_of(CHUNK_TAGS, 1, 0)
+    assert len({lane_of(tag, src, dst) for tag in [*LANES, *range(CHUNK_TAGS, CHUNK_TAGS + 50)]
+                for src, dst in ((0, 1), (1, 0))}) == 2 * len(LANES)
+
+    def rec(rank: int, op: str, peer: int, tag: int, nbytes: int = 8) -> dict:
+        return {"gen": "g", "group": "world", "rank": rank, "op": op, "peer": peer, "tag": tag, "bytes": nbytes}
+
+    # a 2-stage ring: each rank owns a stage and holds the other's replica; both post the header's receive first
+    ring = [rec(0, "recv", 1, HEADER_TAG), rec(0, "send", 1, HEADER_TAG), rec(1, "recv", 0, HEADER_TAG),
+            rec(1, "send", 0, HEADER_TAG)]
+    assert lane_mismatches(ring) == []  # one lane per direction: neither waits for the other
+    chunks = [rec(0, "send", 1, CHUNK_TAGS + i, 4 + i) for i in range(3)] + [
+        rec(1, "recv", 0, CHUNK_TAGS + i, 4 + i) for i in range(3)]
+    assert lane_mismatches(chunks) == []
+    assert lane_mismatches(chunks[:-1]) == []  # a failover cut the receives short: as far as both go
+    swapped = chunks[:3] + [chunks[4], chunks[3], chunks[5]]  # gloo pairs these by tag; NCCL would not
+    (found,) = lane_mismatches(swapped)
+    assert "ranks 0 and 1" in found and f"{CHUNK_TAGS:#x}" in found and "message 0" in found
+    assert lane_mismatches([rec(0, "send", 1, 0, 8), rec(1, "recv", 0, 0, 16)])  # sizes differ

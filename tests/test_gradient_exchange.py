@@ -3,6 +3,8 @@ exchange between two processes, over the process group and through shared memory
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 from collections.abc import Callable
 
@@ -147,6 +149,31 @@ def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same
                         "owner's gradients in shared memory": [False] * STEPS, "gradients left alone": None}
 
 
+def test_the_exchanges_messages_pair_alike_by_tag_and_by_place_in_their_nccl_lane(tmp_path, monkeypatch):
+    """Over the abortable backend, its sends and receives traced (``$BAMBOO_COMM_TRACE``), an owner on another host
+    ships five steps of four chunks. Gloo paired each message with its receive by tag; NCCL pairs them by place in a
+    lane (``comm_cuda.lane_of``: the four chunks' tags share one): the trace shows the same pairs, on a bounded
+    number of lanes."""
+    from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, LANES, lane_mismatches, lane_of
+    from lightning_bamboo.engine.comm_process import TRACE_ENV
+
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    results = _run_pair(_exchange_worker, False, "shipped", backend="bamboo")
+    seen = dict(results.get(timeout=5) for _ in range(4))
+    assert seen["owner"] == seen["holder"] == [False] * STEPS  # every step over the group
+    records = [json.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()]
+    sent = [r for r in records if r["op"] == "send"]
+    assert {r["rank"] for r in sent} == {0, 1} and lane_mismatches(records) == []
+    chunks = [r["tag"] for r in sent if r["rank"] == 0 and lane_of(r["tag"], 0, 1) == (CHUNK_TAGS, 0)]
+    assert chunks == [CHUNK_TAGS + i for _ in range(STEPS) for i in range(4)]  # 4 tags, 1 lane, in chunk order
+    assert {lane_of(r["tag"], 0, 1)[0] for r in records} <= set(LANES)
+    # the same messages with a chunk's receive posted out of its order would pair wrongly under NCCL
+    holder = [i for i, r in enumerate(records) if r["op"] == "recv" and r["tag"] >= CHUNK_TAGS]
+    first, second = records[holder[0]], records[holder[1]]
+    records[holder[0]], records[holder[1]] = second, first
+    assert lane_mismatches(records)
+
+
 def test_an_optimizer_that_writes_gradients_after_they_were_written_ahead_stops_training():
     """Seen to leave them alone before, an optimizer that then changes gradients the holder reads afterwards is an
     error that names the rule, not a replica that drifts."""
@@ -160,9 +187,13 @@ def test_an_optimizer_that_writes_gradients_after_they_were_written_ahead_stops_
         owner.stepped()
 
 
-def _pair_main(target, rank: int, port: int, args, errors, results) -> None:
+def _pair_main(target, rank: int, port: int, args, errors, results, backend: str = "gloo") -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        if backend == "gloo":
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        else:  # the abortable backend, formed as under Lightning: torch's env:// rendezvous
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group(backend, rank=rank, world_size=2)
         target(rank, *args, results)
     except BaseException as err:
         errors.put(f"rank {rank}: {err!r}")
@@ -172,13 +203,14 @@ def _pair_main(target, rank: int, port: int, args, errors, results) -> None:
             dist.destroy_process_group()
 
 
-def _run_pair(target, *args):
-    """Run ``target(rank, *args, results)`` in two spawned processes on one gloo group to their end (60 s at
-    most, killed after); the results queue."""
+def _run_pair(target, *args, backend: str = "gloo"):
+    """Run ``target(rank, *args, results)`` in two spawned processes on one group of ``backend`` to their end (60 s
+    at most, killed after); the results queue."""
     ctx = process_context()
     errors, results = ctx.Queue(), ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_pair_main, args=(target, rank, port, args, errors, results)) for rank in range(2)]
+    procs = [ctx.Process(target=_pair_main, args=(target, rank, port, args, errors, results, backend))
+             for rank in range(2)]
     for proc in procs:
         proc.start()
     try:

@@ -195,8 +195,8 @@ def _start(group: Any, op: str, tensors: list[torch.Tensor], args: tuple) -> Any
     from lightning_bamboo.engine.comm_cuda import NcclGroup
 
     nccl = isinstance(group, NcclGroup)
-    if op in ("send", "recv"):  # NCCL: the tag's own communicator, in which order alone matches
-        pg, tag = (group.for_tag(args[1]), 0) if nccl else (group, args[1])
+    if op in ("send", "recv"):  # NCCL: the lane's own communicator, in which order alone matches
+        pg, tag = (group.for_message(op, *args), 0) if nccl else (group, args[1])
         return pg.send(tensors, args[0], tag) if op == "send" else pg.recv(tensors, args[0], tag)
     if op == "barrier" and nccl:
         return group.barrier()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from collections.abc import Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -33,6 +34,60 @@ _MIN_SLAB = 4096
 
 def size_class(nbytes: int) -> int:
     return max(_MIN_SLAB, 1 << max(0, nbytes - 1).bit_length())
+
+
+#: the point-to-point tags in use (``engine.exchange``, ``engine.ties``): DeepSpeed's activations and gradients and a
+#: failover's layers (0), the tied gradients, the replica exchange's "read"s, offer and header, and from
+#: ``CHUNK_TAGS`` on its chunks, one tag each
+PIPELINE_TAG, TIE_TAG, READ_TAGS, OFFER_TAG, HEADER_TAG = 0, 0xA0, (0xAE, 0xAD), 0xAF, 0xB0
+CHUNK_TAGS = HEADER_TAG + 1
+#: the NCCL lanes' tags (``lane_of``): one per tag above, and one for every chunk; each in two directions
+LANES = (PIPELINE_TAG, TIE_TAG, *READ_TAGS, OFFER_TAG, HEADER_TAG, CHUNK_TAGS)
+
+
+def lane_of(tag: int, src: int, dst: int) -> tuple[int, int]:
+    """The lane a message of ``tag`` from rank ``src`` to ``dst`` travels on under NCCL: its tag's (the chunks of the
+    replica exchange's gradients share one: both ends post them in chunk order) and its direction (0: to the higher
+    rank, 1: to the lower).
+
+    NCCL runs the messages of one communicator between two ranks one after another, in the order each rank posted
+    them, and a large send waits for its receive. A lane that carried both directions would need both ranks to post
+    them interleaved alike (in a 2-stage ring each node owns a stage and holds the other's replica: both post a
+    header receive first, and would wait for each other); a lane of one direction needs only that the receiver posts
+    its receives in the order the sender posted the sends, which is gloo's matching by tag wherever a lane's tags
+    come in one order (``lane_mismatches`` checks a gloo run's trace for it)."""
+    return (CHUNK_TAGS if tag >= CHUNK_TAGS else tag), int(src > dst)
+
+
+def lane_mismatches(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where NCCL would pair other messages than gloo did in the run ``records`` trace, or wait for ever
+    (``CommProcess``'s, ``$BAMBOO_COMM_TRACE``: each process's sends and receives in the order it posted them, with
+    ``gen``, ``group``, ``rank``, ``op``, ``peer``, ``tag`` and ``bytes``).
+
+    Gloo pairs a send with the receive of its peer and tag, and a send does not wait for its receive. NCCL runs the
+    messages of two ranks on one lane (``lane_of``) one after the other, in the order each rank posted them, and a
+    large send waits for its receive: so per generation, group, pair of ranks and lane, each message must face its
+    receive at the same place in the other rank's order (same tag, same bytes), as far as both go (a receive posted
+    for a step that never came, or messages cut short by a failover, end one of them early)."""
+    orders: dict[tuple, list[tuple[str, int, int]]] = {}
+    for r in records:
+        rank, peer = int(r["rank"]), int(r["peer"])
+        src, dst = (rank, peer) if r["op"] == "send" else (peer, rank)
+        orders.setdefault((r["gen"], r["group"], rank, peer, lane_of(int(r["tag"]), src, dst)), []).append(
+            (str(r["op"]), int(r["tag"]), int(r["bytes"])))
+    facing = {"send": "recv", "recv": "send"}
+    found = []
+    for key in sorted(orders, key=str):
+        gen, group, rank, peer, lane = key
+        theirs = orders.get((gen, group, peer, rank, lane), [])
+        if rank > peer and theirs:
+            continue  # the pair was looked at from the lower rank
+        for place, (mine, other) in enumerate(zip(orders[key], theirs, strict=False)):  # as far as both go
+            if (facing[mine[0]], *mine[1:]) != other:
+                found.append(f"{gen} {group} ranks {rank} and {peer}, lane {lane[0]:#x} direction {lane[1]}: message "
+                             f"{place} is (op, tag, bytes) {mine} on {rank}, {other} on {peer}")
+                break
+    return found
 
 
 class SlabPool:
@@ -109,9 +164,11 @@ class NcclGroup:
 
     Gloo matches a send with its receive by peer *and tag*; NCCL only by order between two ranks. So
     that an exchange whose two ends post different tags in different orders (the replica exchange
-    posts its receives before the pipeline's next sends) matches as under gloo, each tag in use gets
-    a communicator of its own (made at its first send or receive, on both ends alike: a prefix of
-    the store per tag). Collectives use the group's first communicator. Each communicator is made at
+    posts its receives before the pipeline's next sends) matches as under gloo, each *lane* in use
+    (``lane_of``: a tag, or the range of tags both ends post in one order, in one direction) gets a
+    communicator of its own (made at its first send or receive, on both ends alike: a prefix of the
+    store per lane). A generation has at most ``2 * len(LANES)`` of them per peer pair, however many
+    chunks a replica's gradients travel in. Collectives use the group's first communicator. Each communicator is made at
     its first operation, as torch does by default.
     """
 
@@ -125,16 +182,19 @@ class NcclGroup:
         self._options = dist.ProcessGroupNCCL.Options()
         self._options._timeout = datetime.timedelta(seconds=seconds)
         self.pg: Any = dist.ProcessGroupNCCL(store, rank, size, self._options)
-        self._by_tag: dict[int, Any] = {}
+        self.lanes: dict[tuple[int, int], Any] = {}
         self._scratch = torch.zeros(1, device=f"cuda:{device}")
 
-    def for_tag(self, tag: int) -> Any:
+    def for_message(self, op: str, peer: int, tag: int) -> Any:
+        """The communicator of the lane (``lane_of``) of a send to ``peer`` or a receive from it, made at its first
+        use."""
         import torch.distributed as dist
 
-        pg = self._by_tag.get(tag)
+        lane = lane_of(tag, self._rank, peer) if op == "send" else lane_of(tag, peer, self._rank)
+        pg = self.lanes.get(lane)
         if pg is None:
-            store = dist.PrefixStore(f"tag{tag}", self._store)
-            pg = self._by_tag[tag] = dist.ProcessGroupNCCL(store, self._rank, self._size, self._options)
+            store = dist.PrefixStore(f"lane{lane[0]}-{lane[1]}", self._store)
+            pg = self.lanes[lane] = dist.ProcessGroupNCCL(store, self._rank, self._size, self._options)
         return pg
 
     def barrier(self) -> Any:

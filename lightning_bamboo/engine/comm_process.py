@@ -53,6 +53,9 @@ _COLLECTIVES = ("allreduce", "broadcast", "allgather", "allgather_base", "barrie
 _OPS = ("send", "recv", *_COLLECTIVES)
 #: the environment variable that picks the transport of the groups formed through torch's env:// route
 TRANSPORT_ENV = "BAMBOO_COMM_TRANSPORT"
+#: a folder: each process writes there the sends and receives it posts, in order (``PID.jsonl``), for
+#: ``comm_cuda.lane_mismatches`` (a gloo run's messages checked for NCCL's matching)
+TRACE_ENV = "BAMBOO_COMM_TRACE"
 
 
 class CommAborted(BambooError, RuntimeError):
@@ -148,6 +151,8 @@ class CommProcess:
                  timeout: float = 300.0, transport: str = "gloo", device: int | None = None,
                  abort_if: Callable[[], bool] | None = None) -> None:
         self.name = f"comm[{prefix}]" if rank is None else f"comm[{prefix} rank {rank}]"
+        self.prefix = prefix
+        self._names: dict[int, tuple[str, int]] = {}  # each group's name and this process's rank in it
         self.timeout, self.transport = timeout, transport
         self._slabs: _Slabs | CudaSlabs
         if transport == "nccl":
@@ -189,6 +194,8 @@ class CommProcess:
                               f"{host}:{port}") from None
         self._reader = threading.Thread(target=self._read, name=f"{self.name} reader", daemon=True)
         self._reader.start()
+        trace = os.environ.get(TRACE_ENV)
+        self._trace = open(os.path.join(trace, f"{os.getpid()}.jsonl"), "a", buffering=1) if trace else None  # noqa: SIM115
         self.world = -1
         if rank is not None:
             assert world_size is not None
@@ -206,6 +213,7 @@ class CommProcess:
         with self._lock:
             self._check()
             gid, self._groups = self._groups, self._groups + 1
+            self._names[gid] = (name, rank)
             work = self._register([], [])
             self._send(("group", work._id, gid, name, rank, size), work._id)
         within = self.timeout if within is None else within
@@ -268,10 +276,20 @@ class CommProcess:
                     raise CommAborted(f"{self.name}: {self._ended}")
                 work = self._register([(staged[i], tensors[i]) for i in outputs], lent)
                 self._send(("op", work._id, gid, op, specs, args, new), work._id, fds)
+                if self._trace is not None and op in ("send", "recv"):
+                    self._write_trace(gid, op, args, tensors[0])
         finally:
             for fd in fds:
                 os.close(fd)
         return work
+
+    def _write_trace(self, gid: int, op: str, args: tuple, tensor: torch.Tensor) -> None:
+        import json
+
+        assert self._trace is not None
+        name, rank = self._names[gid]
+        self._trace.write(json.dumps({"gen": self.prefix, "group": name, "rank": rank, "op": op, "peer": args[0],
+                                      "tag": args[1], "bytes": tensor.numel() * tensor.element_size()}) + "\n")
 
     def _register(self, outputs: list[tuple[torch.Tensor, torch.Tensor]], lent: list[int]) -> CommWork:
         op_id, self._next = self._next, self._next + 1
@@ -320,6 +338,8 @@ class CommProcess:
         self._conn.close()
         self._sock.close()
         self._slabs.release()  # the buffers go now, not when the last object of this generation is collected
+        if self._trace is not None:
+            self._trace.close()
 
     def trim(self, min_bytes: int = 1 << 20) -> int:
         """Give back the memory of the idle transfer buffers of ``min_bytes`` or more (host memory); the bytes."""

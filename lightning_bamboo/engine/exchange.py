@@ -33,7 +33,8 @@ The protocol between a stage's owner (``OwnerEnd``) and its replica's holder (``
 1. Every ship sends a header (``REPLICA_TAG``): a byte per parameter (whether it has a gradient), then the token of
    the shared half this step's gradients are in and the next step's (0: over the process group).
 2. Over the process group the gradients follow in chunks of whole parameters (``chunk_plan``, tags
-   ``REPLICA_TAG + 1 + i``); both ends derive the chunks from the same layers.
+   ``CHUNK_TAGS + i``); both ends derive the chunks from the same layers, and post them in chunk order (NCCL sends
+   them all on one lane: ``comm_cuda.lane_of``).
 3. The holder offers a shared buffer of two halves once, at its first ``post_receive`` (``OFFER_TAG``; always
    sent, empty when it has none); the owner receives it from its first ship on and takes it at its second, so
    the first two steps go over the process group, the later ones through shared memory if the owner could map it.
@@ -57,6 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_bamboo.engine import comm_cuda
+from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG
 from lightning_bamboo.engine.comm_process import trim_buffers
 from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
@@ -95,13 +98,13 @@ def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) ->
 #: the tags of the gradient exchange's messages (the mask, then each chunk of the gradients): DeepSpeed's
 #: own point-to-point messages use tag 0 on the same process group, and a receive posted early must
 #: never match one of those
-REPLICA_TAG = 0xB0
+REPLICA_TAG = HEADER_TAG
 #: the gradients travel over the process group in chunks of whole parameters of at least this many
 #: elements (1 MiB of fp32); sender and receiver derive the same chunks, and tags, from their layers
 CHUNK_NUMEL = 1 << 18
 #: the tags of the shared-memory handshake: the holder's offer of its buffer, and its "read" after each step
 #: (``READ_TAG`` for the buffer's first half, one less for its second)
-OFFER_TAG, READ_TAG = REPLICA_TAG - 1, REPLICA_TAG - 2
+OFFER_TAG, READ_TAG = comm_cuda.OFFER_TAG, comm_cuda.READ_TAGS[0]
 #: the size of an offer message (a pickled host identity, token and shared-memory handle)
 OFFER_BYTES = 1024
 #: bytes after the mask: the token of the shared buffer this step's gradients are in, then the next step's (0: none)
@@ -206,7 +209,7 @@ class OwnerEnd:
         else:
             self._send_buffer = flat
             numels = [p.numel() for p in own.parameters() if p.requires_grad]
-            requests = [dist.isend(flat[start:end], self.holder, group=self.group, tag=REPLICA_TAG + 1 + index)
+            requests = [dist.isend(flat[start:end], self.holder, group=self.group, tag=CHUNK_TAGS + index)
                         for index, (_, _, start, end) in enumerate(chunk_plan(numels))]
             self._take_offer(sum(numels))  # rule 3: the next step's gradients go through it, if there is one
         following = self._peer_half(self._half)[1] if self._peer_shared is not None else 0
@@ -372,7 +375,7 @@ class HolderEnd:
             flat = self._receive_buffer(numel)
             for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
                 requests.append(dist.irecv(flat[start:end], self.owner, group=self.group,
-                                           tag=REPLICA_TAG + 1 + index))
+                                           tag=CHUNK_TAGS + index))
         self._recv = (mask, flat, requests)
 
     def receive(self) -> None:
