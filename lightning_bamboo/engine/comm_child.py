@@ -84,7 +84,7 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
     """The child: the generation's groups; each operation runs on its channel's thread, its outcome goes back."""
     import torch.distributed as dist
 
-    from lightning_bamboo.engine.comm_cuda import ChannelStream, NcclGroup, open_shared
+    from lightning_bamboo.engine.comm_cuda import ChannelStream, NcclGroup, lane_of, open_shared
 
     tcp = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
     groups: dict[int, dict[str, Any]] = {}
@@ -119,7 +119,7 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
 
     def finish(stream: ChannelStream, op_id: int, work: Any, later: tuple | None) -> None:
         try:
-            if later is not None:  # its group was still forming when it came: start it now
+            if later is not None:  # NCCL, or its group was still forming when it came: start it now
                 work = start(*later)
             stream.wait(work)
             outcome = None
@@ -127,13 +127,27 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
             outcome = f"{type(err).__name__}: {err}"
         reply(op_id, outcome)
 
-    # Operations start in the order they come, as in the caller's own process (gloo matches sends and
-    # receives by peer and tag in that order; collectives queue in it). Their completions are waited
+    # Gloo: operations start in the order they come, as in the caller's own process (gloo matches sends
+    # and receives by peer and tag in that order; collectives queue in it). Their completions are waited
     # for by one thread per channel, in order: a channel is a group's collectives, or its sends to (or
     # receives from) one peer with one tag.
+    # NCCL: a channel is a group's collectives, or its sends to (receives from) one peer on one lane
+    # (``comm_cuda.lane_of``), and each operation starts in its channel's thread, after the one before it:
+    # a lane's order is kept, and the first message of a lane, which forms its communicator and waits
+    # until the peer's first message on it forms it too, holds up only its own lane (two ranks that first
+    # use two lanes in opposite orders would otherwise each wait in the other's).
     channels: dict[tuple, queue.SimpleQueue] = {}
 
+    def channel_key(gid: int, op: str, args: tuple) -> tuple:
+        if op not in ("send", "recv"):
+            return (gid, "collective")
+        if transport == "nccl":
+            return (gid, op, args[0], lane_of(args[1], 0, 1)[0])
+        return (gid, op, *args)
+
     def channel(jobs: queue.SimpleQueue) -> None:
+        if transport == "nccl":
+            torch.cuda.set_device(device)
         stream = ChannelStream(device if transport == "nccl" else None)
         while True:
             finish(stream, *jobs.get())
@@ -162,13 +176,13 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
             for sid, size, payload in new_slabs:
                 slabs[sid] = map_memory(next(fds), size) if payload is None else open_shared(payload)
         tensors = [view_of(slabs[sid], dtype, shape) for sid, dtype, shape in specs]
-        key = (gid, op, *args) if op in ("send", "recv") else (gid, "collective")
+        key = channel_key(gid, op, args)
         jobs = channels.get(key)
         if jobs is None:
             jobs = channels[key] = queue.SimpleQueue()
             threading.Thread(target=channel, args=(jobs,), daemon=True).start()
         work, later = None, None
-        if groups[gid]["ready"].is_set():
+        if groups[gid]["ready"].is_set() and transport != "nccl":
             try:
                 work = start(gid, op, tensors, args)
             except Exception as err:  # noqa: BLE001 - reported when its turn comes
