@@ -81,6 +81,12 @@ def _time_abort(comm, blocked, results: dict, key: str) -> None:
         results[key] = time.monotonic() - start
 
 
+#: the NCCL layer's all-reduce against torch's own group at these sizes (MiB), and how many operations of as many
+#: sizes its buffers are counted after
+SIZES_MIB = (1, 64, 256)
+MANY = 200
+
+
 def comm_part(results: dict) -> None:
     import torch.distributed as dist
 
@@ -110,13 +116,26 @@ def comm_part(results: dict) -> None:
         os.killpg(peer.pid, signal.SIGKILL)
         peer.wait(30)
 
-    big = torch.ones(16 << 20, device="cuda")  # 64 MiB
     one = CommProcess("127.0.0.1", store.port, "nccl-one", 0, 1, transport="nccl", device=0)
-    results["nccl_layer_allreduce_64mib_ms"] = _median_ms(lambda: one.allreduce(big).wait(60))
-    one.close()
     native = dist.ProcessGroupNCCL(dist.PrefixStore("native", store), 0, 1)
-    results["nccl_native_allreduce_64mib_ms"] = _median_ms(lambda: native.allreduce([big]).wait())
+    for mib in SIZES_MIB:
+        tensor = torch.ones(mib << 18, device="cuda")  # float32
+        results[f"nccl_layer_allreduce_{mib}mib_ms"] = _median_ms(lambda t=tensor: one.allreduce(t).wait(60))
+        results[f"nccl_native_allreduce_{mib}mib_ms"] = _median_ms(lambda t=tensor: native.allreduce([t]).wait())
+        del tensor
     results["nccl_layer_over_native"] = results["nccl_layer_allreduce_64mib_ms"] / results["nccl_native_allreduce_64mib_ms"]
+    # many operations of as many sizes: the layer's buffers are lent again by size class, the GPU's reserved memory
+    # stays bounded, and a trim gives the idle ones back
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    for i in range(MANY):
+        one.allreduce(torch.ones((1 << 18) + 997 * i, device="cuda")).wait(60)
+    results["nccl_buffers_after_many_mib"] = one.buffer_bytes / 2**20
+    results["nccl_reserved_growth_mib"] = (torch.cuda.memory_reserved() - reserved) / 2**20
+    one.trim(0)
+    results["nccl_buffers_after_trim_mib"] = one.buffer_bytes / 2**20
+    one.close()
+    big = torch.ones(16 << 20, device="cuda")  # 64 MiB
 
     lost = CommProcess("127.0.0.1", store.port, "nccl-lost", 0, 2, transport="nccl", device=0)
     blocked = lost.allreduce(big)
@@ -267,9 +286,15 @@ def report(results: dict, kill_at: int, skip_pipeline: bool) -> list[str]:
         f"GPU: {results['gpu']}, torch {results['torch']}, NCCL {results['nccl']}",
         f"host transport, 4 MiB round trip between two processes on the GPU: "
         f"{results.get('host_round_trip_4mib_ms', nan):.2f} ms",
-        f"NCCL transport, 64 MiB all-reduce (one rank): {results.get('nccl_layer_allreduce_64mib_ms', nan):.3f} ms "
-        f"through the layer, {results.get('nccl_native_allreduce_64mib_ms', nan):.3f} ms native "
-        f"({results.get('nccl_layer_over_native', nan):.2f}x)",
+        "NCCL transport, all-reduce (one rank), through the layer / native (target at 64 MiB: 1.10x): " + ", ".join(
+            f"{mib} MiB {results.get(f'nccl_layer_allreduce_{mib}mib_ms', nan):.3f} / "
+            f"{results.get(f'nccl_native_allreduce_{mib}mib_ms', nan):.3f} ms "
+            f"({results.get(f'nccl_layer_allreduce_{mib}mib_ms', nan) / results.get(f'nccl_native_allreduce_{mib}mib_ms', nan):.2f}x)"
+            for mib in SIZES_MIB),
+        f"NCCL transport, {MANY} all-reduces of {MANY} sizes (1-1.8 MiB): transfer buffers "
+        f"{results.get('nccl_buffers_after_many_mib', nan):.1f} MiB, GPU memory reserved "
+        f"+{results.get('nccl_reserved_growth_mib', nan):.1f} MiB; after a trim "
+        f"{results.get('nccl_buffers_after_trim_mib', nan):.1f} MiB",
         f"abort: host transport receive on a frozen peer {results.get('host_abort_s', nan):.3f} s, NCCL "
         f"all-reduce without its peer {results.get('nccl_abort_s', nan):.3f} s (blocked before: "
         f"{results.get('nccl_blocked_before_abort')}); next NCCL generation's first all-reduce "

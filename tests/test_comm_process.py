@@ -113,6 +113,12 @@ def _in_wait(thread: threading.Thread) -> bool:
     return False
 
 
+def _mapped_buffers(comm: CommProcess) -> set[str]:
+    """The transfer buffers (memory files) that ``comm``'s communication process maps."""
+    maps = Path(f"/proc/{comm.child_pid}/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[5] for line in maps if "bamboo-comm-" in line}
+
+
 def _shared_memory() -> int:
     """This process's resident shared memory (``RssShmem``), in bytes."""
     line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("RssShmem:"))
@@ -136,9 +142,12 @@ def test_operations_reach_the_peer_and_a_closed_group_leaves_nothing_behind(stor
         assert peer.returncode == 0, out
         assert "peer done 3.0" in out
         if device == "cpu":  # the 1 MiB message's transfer buffers, idle now, give their pages back
-            shared = _shared_memory()
+            shared, kept = _shared_memory(), comm.buffer_bytes
+            assert _mapped_buffers(comm) and kept >= 1 << 20
             assert comm.trim(4096) >= 1 << 20
-            assert _shared_memory() <= shared - (1 << 20)
+            assert _shared_memory() <= shared - (1 << 20) and comm.buffer_bytes <= kept - (1 << 20)
+            # dropped in the communication process too: no mapping of them left there
+            _until(lambda: not _mapped_buffers(comm), 10, "the communication process unmapped the dropped buffers")
         comm.close()
     finally:
         if peer.poll() is None:
@@ -328,3 +337,16 @@ def test_nccl_lanes_are_few_one_directional_and_pair_every_message_as_gloo_did()
     (found,) = lane_mismatches(swapped)
     assert "ranks 0 and 1" in found and f"{CHUNK_TAGS:#x}" in found and "message 0" in found
     assert lane_mismatches([rec(0, "send", 1, 0, 8), rec(1, "recv", 0, 0, 16)])  # sizes differ
+
+
+def test_a_transfer_buffer_is_at_most_an_eighth_larger_than_its_message():
+    from lightning_bamboo.engine.comm_cuda import size_class
+
+    assert size_class(1) == size_class(4096) == 4096
+    assert size_class(64 << 20) == 64 << 20 and size_class((64 << 20) + 1) == 72 << 20  # a power of two needed 128
+    assert size_class(65 << 20) == 72 << 20
+    for nbytes in [4097, 5000, 12_345, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 7, 99_999_999, 256 << 20]:
+        size = size_class(nbytes)
+        assert nbytes <= size <= nbytes * 9 // 8 + 1 and size % 512 == 0, nbytes
+    sizes = [size_class(n) for n in range(4096, 1 << 16, 37)]
+    assert sizes == sorted(sizes) and len(set(sizes)) <= 8 * 4 + 1  # few classes: a size is lent again

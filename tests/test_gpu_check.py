@@ -24,6 +24,9 @@ SPEC.loader.exec_module(gpu)
 MEASURED = {
     "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "nccl": "2.27.3",
     "host_round_trip_4mib_ms": 1.234, "nccl_layer_allreduce_64mib_ms": 0.6412, "nccl_native_allreduce_64mib_ms": 0.021,
+    "nccl_layer_allreduce_1mib_ms": 0.5, "nccl_native_allreduce_1mib_ms": 0.01, "nccl_layer_allreduce_256mib_ms": 1.1,
+    "nccl_native_allreduce_256mib_ms": 1.0, "nccl_buffers_after_many_mib": 12.25, "nccl_reserved_growth_mib": 14.0,
+    "nccl_buffers_after_trim_mib": 0.0,
     "nccl_layer_over_native": 30.533, "host_abort_s": 0.0123, "nccl_abort_s": 0.0456, "nccl_blocked_before_abort": True,
     "nccl_next_generation_s": 1.5, "step_off_ms": 101.25, "step_lazy_ms": 123.5, "lazy_over_off": 1.2198,
     "kill_codes": {"node0": 0, "node1": -9}, "kill_failovers": [(12, ["node1"])], "kill_step_s": 0.75,
@@ -50,7 +53,10 @@ def test_the_report_reads_the_measured_numbers():
     assert gpu.report(MEASURED, 12, skip_pipeline=False) == [
         "GPU: NVIDIA H100 80GB HBM3, torch 2.13.0, NCCL 2.27.3",
         "host transport, 4 MiB round trip between two processes on the GPU: 1.23 ms",
-        "NCCL transport, 64 MiB all-reduce (one rank): 0.641 ms through the layer, 0.021 ms native (30.53x)",
+        "NCCL transport, all-reduce (one rank), through the layer / native (target at 64 MiB: 1.10x): 1 MiB 0.500 / "
+        "0.010 ms (50.00x), 64 MiB 0.641 / 0.021 ms (30.53x), 256 MiB 1.100 / 1.000 ms (1.10x)",
+        "NCCL transport, 200 all-reduces of 200 sizes (1-1.8 MiB): transfer buffers 12.2 MiB, GPU memory reserved "
+        "+14.0 MiB; after a trim 0.0 MiB",
         "abort: host transport receive on a frozen peer 0.012 s, NCCL all-reduce without its peer 0.046 s (blocked "
         "before: True); next NCCL generation's first all-reduce 1.50 s",
         "pipeline, 2 stages sharing the GPU: step off 101.2 ms, lazy 123.5 ms (1.220x)",
@@ -65,7 +71,7 @@ def test_the_report_reads_the_measured_numbers():
 def test_a_number_not_measured_reads_nan_and_fails_the_check():
     partial = {k: v for k, v in MEASURED.items() if k not in ("nccl_abort_s", "exact_after_freeze")}
     lines = gpu.report(partial, 12, skip_pipeline=True)
-    assert len(lines) == 4 and "NCCL all-reduce without its peer nan s" in lines[3]
+    assert len(lines) == 5 and "NCCL all-reduce without its peer nan s" in lines[4]
     assert not gpu.passed(partial, skip_pipeline=True)  # an abort that was not timed did not pass
     assert not gpu.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=False)
     assert gpu.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=True)

@@ -164,6 +164,10 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
             return
         if request is None:
             return
+        if request[0] == "drop":  # idle buffers the worker dropped (``CommProcess.trim``): no operation uses them
+            for sid in request[1]:
+                slabs.pop(sid, None)
+            continue
         if request[0] == "group":
             _, op_id, gid, name, rank, size = request
             groups[gid] = {"ready": threading.Event(), "pg": None, "error": None}
@@ -190,6 +194,7 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
         else:
             later = (gid, op, tensors, args)
         jobs.put((op_id, work, later))
+        del tensors, work, later  # its channel holds them until it is done: a dropped buffer's view goes with it
 
 
 class _Failed:

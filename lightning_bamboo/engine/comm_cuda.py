@@ -32,8 +32,17 @@ TRANSPORTS = ("gloo", "nccl")
 _MIN_SLAB = 4096
 
 
+#: size classes per doubling of the transfer buffers (``size_class``): a buffer is at most 1/8 larger than its message
+_CLASSES_PER_DOUBLING = 8
+
+
 def size_class(nbytes: int) -> int:
-    return max(_MIN_SLAB, 1 << max(0, nbytes - 1).bit_length())
+    """The size of the buffer a message of ``nbytes`` is lent: at least 4 KiB, else ``nbytes`` rounded up to an
+    eighth of its power of two (a 65 MiB message gets 72 MiB, not 128)."""
+    if nbytes <= _MIN_SLAB:
+        return _MIN_SLAB
+    step = (1 << ((nbytes - 1).bit_length() - 1)) // _CLASSES_PER_DOUBLING
+    return -(-nbytes // step) * step
 
 
 #: the point-to-point tags in use (``engine.exchange``, ``engine.ties``): DeepSpeed's activations and gradients and a
@@ -91,8 +100,9 @@ def lane_mismatches(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 class SlabPool:
-    """Buffers lent to operations by size class (powers of two, at least 4 KiB); each is shared with the
-    communication process once: ``take`` returns how (``_allocate``'s second value) for a new one."""
+    """Buffers lent to operations by size class (``size_class``); each is shared with the communication process once:
+    ``take`` returns how (``_allocate``'s second value) for a new one. A buffer is lent again once its operation is
+    done; ``trim`` drops the idle ones of a transfer that will not come again."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[int]] = {}
@@ -122,10 +132,28 @@ class SlabPool:
                 if tensor is not None:  # (none after ``release``)
                     self._free[int(tensor.numel())].append(sid)
 
-    def trim(self, min_bytes: int) -> int:
-        """Give back the memory of the idle buffers of ``min_bytes`` or more where that keeps them usable; the bytes
-        given back (none here: see ``_Slabs``)."""
-        return 0
+    @property
+    def total_bytes(self) -> int:
+        """The bytes of every buffer this pool holds, lent or idle."""
+        with self._lock:
+            return sum(int(t.numel()) for t in self.tensors.values())
+
+    def trim(self, min_bytes: int) -> tuple[list[int], int]:
+        """Drop the idle buffers of ``min_bytes`` or more: their ids (the communication process drops its views of
+        them too) and their bytes."""
+        dropped, given = [], 0
+        with self._lock:
+            for size, sids in self._free.items():
+                if size >= min_bytes:
+                    for sid in sids:
+                        self._release(self.tensors.pop(sid))
+                        dropped.append(sid)
+                        given += size
+                    sids.clear()
+        return dropped, given
+
+    def _release(self, slab: torch.Tensor) -> None:
+        """A dropped buffer's memory goes back once nothing uses it (the communication process dropped its view)."""
 
     def release(self) -> None:
         """Drop every buffer (the generation ended): each is freed once no operation's view of it is left."""

@@ -125,16 +125,10 @@ class _Slabs(SlabPool):
     def _allocate(self, sid: int, size: int) -> tuple[torch.Tensor, int]:
         return new_memory_file(f"bamboo-comm-{sid}", size)
 
-    def trim(self, min_bytes: int) -> int:
-        """The pages of the idle buffers of ``min_bytes`` or more go back to the system (``MADV_REMOVE``: out of
-        the memory file, so out of the communication process too); a later use faults them in again, zeroed."""
-        given = 0
-        with self._lock:
-            for size, sids in self._free.items():
-                if size >= min_bytes:
-                    for sid in sids:
-                        given += size if remove_pages(self.tensors[sid]) else 0
-        return given
+    def _release(self, slab: torch.Tensor) -> None:
+        """Its pages go back to the system now (``MADV_REMOVE``: out of the memory file, so out of the communication
+        process too, before it drops its mapping), whatever view of it is left."""
+        remove_pages(slab)
 
 
 class CommProcess:
@@ -342,8 +336,24 @@ class CommProcess:
             self._trace.close()
 
     def trim(self, min_bytes: int = 1 << 20) -> int:
-        """Give back the memory of the idle transfer buffers of ``min_bytes`` or more (host memory); the bytes."""
-        return self._slabs.trim(min_bytes)
+        """Drop the idle transfer buffers of ``min_bytes`` or more, here and in the communication process (host
+        memory or GPU memory); the bytes given back."""
+        dropped, given = self._slabs.trim(min_bytes)
+        if dropped:
+            with self._lock:
+                if self._ended is None:
+                    try:
+                        self._conn.send(("drop", dropped))
+                    except OSError:
+                        pass  # it is gone: so are its views
+        if given:
+            log.debug("%s: transfer buffers: %d bytes given back, %d kept", self.name, given, self.buffer_bytes)
+        return given
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of the transfer buffers this generation holds (each mapped in both processes)."""
+        return self._slabs.total_bytes
 
     def close(self) -> None:
         """End the groups when nothing is in flight (the child exits by itself); abort otherwise."""
@@ -363,6 +373,11 @@ class CommProcess:
     @property
     def alive(self) -> bool:
         return self._proc.alive()
+
+    @property
+    def child_pid(self) -> int:
+        """The communication process's pid."""
+        return self._proc.pid
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,10 +508,16 @@ def abort_generation() -> bool:
     return True
 
 
+def buffer_bytes() -> int:
+    """The bytes of the current generation's transfer buffers (0 without one)."""
+    comm = _GENERATION["comm"]
+    return comm.buffer_bytes if comm is not None else 0
+
+
 def trim_buffers(min_bytes: int = 1 << 20) -> int:
     """Give back the memory of the current generation's idle transfer buffers of ``min_bytes`` or more: those of a
     transfer that will not come again (a failover's layers, the first steps' gradients before they go through shared
-    memory) would otherwise stay for the rest of the generation. A later use faults their pages in again."""
+    memory) would otherwise stay for the rest of the generation. A later transfer of that size gets a new one."""
     comm = _GENERATION["comm"]
     return comm.trim(min_bytes) if comm is not None else 0
 
