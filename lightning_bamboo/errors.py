@@ -13,6 +13,11 @@ class BambooConfigError(BambooError, ValueError):
     """A configuration or an input breaks a rule; raised before any process can hang on it."""
 
 
+class OutOfDeviceMemory(BambooError, MemoryError):
+    """Something this project places on a GPU (a replica, its update, the layers a failover takes over) did not fit;
+    the message names what, the device's memory at the time and the fixes."""
+
+
 class FatalLoss(BambooError):
     """A lost stage has no live replica (a node and its replica holder were lost together)."""
 

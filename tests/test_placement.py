@@ -94,3 +94,41 @@ def test_gradients_on_the_gpu_are_gathered_into_pinned_host_memory_unchanged():
     assert flat.is_pinned() and torch.equal(flat, expected) and mask.tolist() == [1, 1, 1, 0]
     again, _ = flat_grads(module, out=flat)
     assert again is flat and torch.equal(again, expected)  # the same pinned buffer, reused
+
+
+class _OutOfMemoryAdamW(torch.optim.AdamW):
+    """An AdamW whose step meets what a GPU short of memory raises (this machine has no GPU to run out of)."""
+
+    def step(self, closure=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "79.10 GiB of which 1.06 GiB is free.")
+
+
+def test_a_replica_update_that_runs_out_of_gpu_memory_ends_with_what_did_not_fit_and_the_fixes():
+    from lightning_bamboo.errors import OutOfDeviceMemory
+
+    layers = StageContainer({4: nn.Linear(3, 3), 5: nn.Linear(3, 3)})
+    replica = Replica(2, layers, _OutOfMemoryAdamW(layers.parameters()))
+    for p in layers.parameters():
+        p.grad = torch.ones_like(p)
+    replica.step(None, defer=True)
+    with pytest.raises(OutOfDeviceMemory) as raised:
+        replica.settle()
+    message = str(raised.value)
+    assert message.startswith("the update of the replica of stage 2 (layers 4-5) did not fit in the memory of cpu")
+    assert 'replica_placement="host"' in message and "a deeper pipeline" in message
+    assert "Tried to allocate 2.00 GiB" in message  # torch's own first line, kept
+    assert isinstance(raised.value, MemoryError) and isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+
+@CUDA
+def test_a_real_cuda_out_of_memory_names_the_gpus_memory():
+    from lightning_bamboo.engine.placement import must_fit
+    from lightning_bamboo.errors import OutOfDeviceMemory
+
+    device = torch.device("cuda", 0)
+    with pytest.raises(OutOfDeviceMemory, match=r"the test's tensor did not fit in the memory of cuda:0 \(.* GiB free "
+                                                 r"of .*\)\. Fix: replica_placement=\"host\""):
+        with must_fit("the test's tensor", device):
+            torch.empty(1 << 50, dtype=torch.uint8, device=device)  # a PiB
+    torch.ones(1, device=device)  # the GPU serves the next allocation

@@ -18,11 +18,12 @@ synchronization.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.errors import BambooConfigError, OutOfDeviceMemory
 
 #: where a replica may live (``BambooStrategy(replica_placement=...)``)
 PLACEMENTS = ("auto", "device", "host")
@@ -66,6 +67,39 @@ def replica_device(device: torch.device, parameters: int, placement: str = "auto
     free, total = memory if memory is not None else torch.cuda.mem_get_info(device)
     allowed = min(free, budget) if budget is not None else free - int(total * ACTIVATION_RESERVE)
     return device if replica_bytes(parameters) <= allowed else torch.device("cpu")
+
+
+#: what to change when a stage's layers, its replica or their update do not fit on the GPU (the first where the
+#: replica is on the GPU)
+HOST_FIX = 'replica_placement="host" (the replica in pinned host memory, its update a layer at a time on the GPU)'
+FIXES = ("a deeper pipeline (more stages: fewer layers per GPU), activation_checkpointing, or a smaller "
+         "micro_batch_size")
+
+
+@contextlib.contextmanager
+def must_fit(what: str, device: torch.device, replica_on_gpu: bool = True) -> Iterator[None]:
+    """Run the block; a CUDA out-of-memory error in it becomes ``OutOfDeviceMemory`` naming ``what`` did not fit
+    on ``device``, the GPU's memory then, and the fixes (``replica_placement="host"`` first where
+    ``replica_on_gpu``): a node that runs out of memory in a replica's update or a failover ends with that message
+    (its peers see it lost and go on without it), not torch's allocator message alone."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        fixes = f"{HOST_FIX}, {FIXES}" if replica_on_gpu else FIXES
+        raise OutOfDeviceMemory(
+            f"{what} did not fit in the memory of {device}{_memory_now(device)}. Fix: {fixes}. "
+            f"(torch: {str(err).splitlines()[0] if str(err) else type(err).__name__})") from err
+
+
+def _memory_now(device: torch.device) -> str:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+    except RuntimeError:  # (the device in a state that cannot say)
+        return ""
+    return f" ({allocated / 2**30:.2f} GiB allocated by this process, {free / 2**30:.2f} GiB free of {total / 2**30:.2f})"
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
-from lightning_bamboo.engine.placement import copy_to_device
+from lightning_bamboo.engine.placement import copy_to_device, must_fit
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +150,12 @@ class Replica:
         if not self.due:
             return 0.0
         started = time.perf_counter()
-        if self.hosted:
-            self._step_on_device()
-        else:
-            self.optimizer.step()
+        with must_fit(f"the update of the replica of stage {self.stage} (layers {self.layers.start}-"
+                      f"{self.layers.stop - 1}{', hosted' if self.hosted else ''})", self.device, not self.hosted):
+            if self.hosted:
+                self._step_on_device()
+            else:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.due = False
         self._shadow_fresh = False

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from lightning_bamboo.engine.placement import must_fit
 from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
@@ -109,8 +110,10 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
     stage.enter_group(rank, world)
     # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
     layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
-    stage.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"], pool=base["layers"],
-                 lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
+    with must_fit(f"{session.node}'s stage and replica after the failover of step {step} (parts {plan.parts})",
+                  stage.device, stage.config.replica_placement != "host"):
+        stage.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"], pool=base["layers"],
+                      lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
     return plan, rank, world
 
 def _release(stage: NodeStage, step: int) -> None:

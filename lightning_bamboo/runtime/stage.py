@@ -25,7 +25,7 @@ from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, EngineOptions, Wiring
-from lightning_bamboo.engine.placement import replica_device
+from lightning_bamboo.engine.placement import must_fit, replica_device
 from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
 from lightning_bamboo.engine.transfer import exchange_objects
@@ -277,8 +277,10 @@ class NodeStage:
         taken over as they are (their weights are ``states``')."""
         prebuilt = prebuilt or {}
         built = self._build(keep=lambda i: i in layers and i not in prebuilt)
-        container = StageContainer({i: prebuilt.get(i, layer) for i, layer in enumerate(built.layers)
-                                    if layer is not None or i in prebuilt}).to(device)
+        with must_fit(f"the replica of stage {stage} (layers {layers.start}-{layers.stop - 1}, "
+                      f"{sum(self.param_counts[i] for i in layers):,} parameters)", device, device.type == "cuda"):
+            container = StageContainer({i: prebuilt.get(i, layer) for i, layer in enumerate(built.layers)
+                                        if layer is not None or i in prebuilt}).to(device)
         if device.type == "cpu" and self.device.type == "cuda":
             for tensor in [*container.parameters(), *container.buffers()]:
                 if not tensor.is_pinned():
