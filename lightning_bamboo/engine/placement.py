@@ -80,8 +80,8 @@ FIXES = ("a deeper pipeline (more stages: fewer layers per GPU), activation_chec
 def must_fit(what: str, device: torch.device, replica_on_gpu: bool = True) -> Iterator[None]:
     """Run the block; a CUDA out-of-memory error in it becomes ``OutOfDeviceMemory`` naming ``what`` did not fit
     on ``device``, the GPU's memory then, and the fixes (``replica_placement="host"`` first where
-    ``replica_on_gpu``): a node that runs out of memory in a replica's update or a failover ends with that message
-    (its peers see it lost and go on without it), not torch's allocator message alone."""
+    ``replica_on_gpu``): a node that runs out of memory in a replica's update or a failover ends with that message,
+    not torch's allocator message alone."""
     try:
         yield
     except torch.OutOfMemoryError as err:
