@@ -149,7 +149,7 @@ def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same
                         "owner's gradients in shared memory": [False] * STEPS, "gradients left alone": None}
 
 
-def test_the_exchanges_messages_pair_alike_by_tag_and_by_place_in_their_nccl_lane(tmp_path, monkeypatch):
+def test_the_exchanges_messages_pair_alike_by_tag_and_by_place_in_their_nccl_lane(tmp_path):
     """Over the abortable backend, its sends and receives traced (``$BAMBOO_COMM_TRACE``), an owner on another host
     ships five steps of four chunks. Gloo paired each message with its receive by tag; NCCL pairs them by place in a
     lane (``comm_cuda.lane_of``: the four chunks' tags share one): the trace shows the same pairs, on a bounded
@@ -157,8 +157,7 @@ def test_the_exchanges_messages_pair_alike_by_tag_and_by_place_in_their_nccl_lan
     from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, LANES, lane_mismatches, lane_of
     from lightning_bamboo.engine.comm_process import TRACE_ENV
 
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
-    results = _run_pair(_exchange_worker, False, "shipped", backend="bamboo")
+    results = _run_pair(_exchange_worker, False, "shipped", backend="bamboo", env={TRACE_ENV: str(tmp_path)})
     seen = dict(results.get(timeout=5) for _ in range(4))
     assert seen["owner"] == seen["holder"] == [False] * STEPS  # every step over the group
     records = [json.loads(line) for path in tmp_path.glob("*.jsonl") for line in path.read_text().splitlines()]
@@ -187,8 +186,10 @@ def test_an_optimizer_that_writes_gradients_after_they_were_written_ahead_stops_
         owner.stepped()
 
 
-def _pair_main(target, rank: int, port: int, args, errors, results, backend: str = "gloo") -> None:
+def _pair_main(target, rank: int, port: int, args, errors, results, backend: str = "gloo",
+               env: dict | None = None) -> None:
     try:
+        os.environ.update(env or {})  # (a process of the suite's fork server has that server's environment)
         if backend == "gloo":
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         else:  # the abortable backend, formed as under Lightning: torch's env:// rendezvous
@@ -203,13 +204,13 @@ def _pair_main(target, rank: int, port: int, args, errors, results, backend: str
             dist.destroy_process_group()
 
 
-def _run_pair(target, *args, backend: str = "gloo"):
-    """Run ``target(rank, *args, results)`` in two spawned processes on one group of ``backend`` to their end (60 s
-    at most, killed after); the results queue."""
+def _run_pair(target, *args, backend: str = "gloo", env: dict | None = None):
+    """Run ``target(rank, *args, results)`` in two spawned processes on one group of ``backend`` with ``env`` added
+    to their environment, to their end (60 s at most, killed after); the results queue."""
     ctx = process_context()
     errors, results = ctx.Queue(), ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_pair_main, args=(target, rank, port, args, errors, results, backend))
+    procs = [ctx.Process(target=_pair_main, args=(target, rank, port, args, errors, results, backend, env))
              for rank in range(2)]
     for proc in procs:
         proc.start()
