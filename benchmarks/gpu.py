@@ -1,6 +1,6 @@
 """What one GPU shows of the abortable communication layer and of the pipeline on it (issue 21).
 
-    python benchmarks/gpu.py [--steps 30] [--kill-at 12]
+    python benchmarks/gpu.py [--steps 16] [--kill-at 8] [--n-embd 2048] [--n-layer 20] [--budget-s 360]
 
 Needs a CUDA GPU; everything runs on GPU 0. NCCL refuses two ranks on one GPU, so the NCCL
 transport is measured with one rank per group, and two processes that share the GPU use the host
@@ -16,12 +16,15 @@ Part 1, the communication layer (``lightning_bamboo.engine.comm_process``):
   until the next NCCL generation's first all-reduce is done.
 
 Part 2, the pipeline (``PipelineRunner`` under the Bamboo launcher, no Lightning): a 2-stage GPT
-whose two nodes share the GPU; median step time with redundancy ``off`` and ``lazy`` (the replica
-and the redundant forward on the GPU too); then ``lazy`` with node1 SIGKILLed, and with node1 frozen
-(SIGSTOP), at step ``--kill-at``: the step that absorbs the failover, and the final weights and AdamW
-state against the clean ``lazy`` run (bit for bit). On one shared GPU the pipeline has no idle
-bubbles to hide the redundant forward in, so ``lazy`` costs there what it would not with a GPU per
-stage: this part shows that it runs and stays exact, not its overhead.
+(``--n-embd 2048 --n-layer 20``: about 0.52B parameters a stage, fp32, AdamW) whose two nodes share
+the GPU; median step time and each process's peak GPU memory with redundancy ``off``, ``lazy`` and
+``eager`` (the replica and the redundant forward on the GPU too); then ``lazy`` with node1
+SIGKILLed, and with node1 frozen (SIGSTOP), at step ``--kill-at``: the step that absorbs the
+failover, and the final weights and AdamW state against the clean ``lazy`` run, bit for bit (by a
+digest of every tensor's bytes: a stage's states are GBs). No run of part 2 starts after
+``--budget-s`` seconds; one not run reads nan and fails the check. On one shared GPU the pipeline
+has no idle bubbles to hide the redundant forward in, so ``lazy`` costs there what it would not
+with a GPU per stage: this part shows that it runs and stays exact, not its overhead.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 MICRO, MICRO_BATCHES = 4, 8
+VOCAB, BLOCK = 8192, 256
 DEVICE = os.environ.get("BAMBOO_BENCH_DEVICE", "cuda:0")  # (cpu: to try the script where there is no GPU)
 
 ECHO = """
@@ -151,14 +155,14 @@ def comm_part(results: dict) -> None:
 
 # ------------------------------------------------------------------ part 2: a node of the pipeline
 
-def node(out: Path, steps: int, redundancy: str) -> None:
+def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int) -> None:
     import torch.distributed as dist
 
     from lightning_bamboo.engine.comm_process import BACKEND
     from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
     from lightning_bamboo.runtime import BambooConfig, PipelineRunner
 
-    config = GPTConfig(vocab_size=8192, block_size=256, n_layer=6, n_head=12, n_embd=768)
+    config = GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=n_layer, n_head=max(1, n_embd // 128), n_embd=n_embd)
 
     class Model:
         def configure_pipeline(self):
@@ -212,14 +216,33 @@ def node(out: Path, steps: int, redundancy: str) -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     assert runner.stage.engine is not None
-    torch.save(runner.stage.engine.own_states(), out / f"{session.node}.pt")
-    (out / f"{session.node}.json").write_text(json.dumps({"times": times, "failovers": [f.as_dict() for f in runner.failovers]}))
+    peak = torch.cuda.max_memory_allocated(DEVICE) if DEVICE.startswith("cuda") else 0
+    engine = runner.stage.engine
+    (out / f"{session.node}.json").write_text(json.dumps({
+        "times": times, "failovers": [f.as_dict() for f in runner.failovers], "peak_bytes": peak,
+        "parameters": sum(p.numel() for p in engine.module.parameters()),
+        "digests": digests(engine.own_states())}))  # digests: a 0.5B stage's states are GBs to write and read
     runner.finish(completed=True)
     runner.close()
     dist.destroy_process_group()
 
 
-def pipeline_run(out: Path, steps: int, redundancy: str, kill: str | None = None) -> dict:
+def digests(states: dict) -> dict:
+    """Per layer, a digest of the bytes of every weight and optimizer-state tensor (equal digests: equal bits)."""
+    import hashlib
+
+    def digest(value) -> str:
+        tensor = torch.as_tensor(value).detach().cpu().contiguous()
+        return hashlib.blake2b(tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"",
+                               digest_size=16).hexdigest() + f"/{tensor.dtype}/{tuple(tensor.shape)}"
+
+    return {str(layer): {"weights": {name: digest(t) for name, t in state["weights"].items()},
+                         "optimizer": {name: {key: digest(v) for key, v in param["state"].items()}
+                                       for name, param in state["optimizer"].items()}}
+            for layer, state in states.items()}
+
+
+def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], kill: str | None = None) -> dict:
     from lightning_bamboo.launcher import launch
     from lightning_bamboo.testing import faults
 
@@ -227,37 +250,48 @@ def pipeline_run(out: Path, steps: int, redundancy: str, kill: str | None = None
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if kill:
         env.update(faults.environment([kill]))
-    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy], 2, env=env, timeout=600)
+    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy, *map(str, size)], 2, env=env,
+                   timeout=600)
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     layers: dict = {}
-    for path in sorted(out.glob("*.pt")):
-        layers.update(torch.load(path, weights_only=False, map_location="cpu"))
+    for name in sorted(reports):
+        layers.update(reports[name]["digests"])
     return {"codes": codes, "reports": reports, "layers": layers}
 
 
 def same_states(a: dict, b: dict) -> bool:
-    if sorted(a) != sorted(b):
+    """Whether two runs' layers (``digests`` by layer) hold the same bits: every layer, weight and state."""
+    return bool(a) and a == b
+
+
+MODES = ("off", "lazy", "eager")
+
+
+def pipeline_part(results: dict, steps: int, kill_at: int, size: tuple[int, int], budget_s: float,
+                  warmup: int = 3) -> None:
+    """The runs of part 2, each only while the time since ``results["started"]`` is inside ``budget_s`` (a run not
+    made reads nan, and fails the check where it is one of the two failovers)."""
+    def in_budget(what: str) -> bool:
+        if time.monotonic() - results["started"] < budget_s:
+            return True
+        results.setdefault("not_run", []).append(what)
         return False
-    for layer in a:
-        for name, tensor in a[layer]["weights"].items():
-            if not torch.equal(b[layer]["weights"][name], tensor):
-                return False
-        for name, param in a[layer]["optimizer"].items():
-            for key, value in param["state"].items():
-                if not torch.equal(torch.as_tensor(b[layer]["optimizer"][name]["state"][key]), torch.as_tensor(value)):
-                    return False
-    return True
 
-
-def pipeline_part(results: dict, steps: int, kill_at: int, warmup: int = 5) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {mode: pipeline_run(Path(tmp) / mode, steps, mode) for mode in ("off", "lazy")}
+        runs = {mode: pipeline_run(Path(tmp) / mode, steps, mode, size) for mode in MODES if in_budget(mode)}
         for mode, run in runs.items():
-            times = run["reports"]["node0"]["times"][warmup:]
-            results[f"step_{mode}_ms"] = statistics.median(times) * 1e3
-        results["lazy_over_off"] = results["step_lazy_ms"] / results["step_off_ms"]
+            node0 = run["reports"].get("node0", {})
+            if node0:
+                results[f"step_{mode}_ms"] = statistics.median(node0["times"][warmup:]) * 1e3
+                results[f"peak_{mode}_gib"] = max(r["peak_bytes"] for r in run["reports"].values()) / 2**30
+                results["stage_parameters"] = node0["parameters"]
+        for mode in MODES[1:]:
+            if f"step_{mode}_ms" in results and "step_off_ms" in results:
+                results[f"{mode}_over_off"] = results[f"step_{mode}_ms"] / results["step_off_ms"]
         for how, fault in (("kill", f"node1@{kill_at}"), ("freeze", f"node1@{kill_at}!stop")):
-            lost = pipeline_run(Path(tmp) / how, steps, "lazy", kill=fault)
+            if "lazy" not in runs or not in_budget(how):
+                continue
+            lost = pipeline_run(Path(tmp) / how, steps, "lazy", size, kill=fault)
             results[f"{how}_codes"] = lost["codes"]
             survivor = lost["reports"].get("node0", {})
             results[f"{how}_failovers"] = [(f["step"], f["lost"]) for f in survivor.get("failovers", [])]
@@ -268,13 +302,18 @@ def pipeline_part(results: dict, steps: int, kill_at: int, warmup: int = 5) -> N
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--kill-at", type=int, default=8)
     parser.add_argument("--skip-pipeline", action="store_true")
+    parser.add_argument("--n-embd", type=int, default=2048, help="the GPT's width (default 2048)")
+    parser.add_argument("--n-layer", type=int, default=20,
+                        help="its blocks (default 20: about 1.04B parameters, 0.52B a stage)")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="seconds after which no further run of part 2 starts (default 360: the check's 8 minutes)")
     args = parser.parse_args(argv)
     if not 0 <= args.kill_at < args.steps:
         parser.error(f"--kill-at must be a step of the run: 0 <= kill-at < steps (kill-at: {args.kill_at}, "
-                     f"steps: {args.steps}); e.g. --steps 30 --kill-at 12")
+                     f"steps: {args.steps}); e.g. --steps 16 --kill-at 8")
     return args
 
 
@@ -301,8 +340,14 @@ def report(results: dict, kill_at: int, skip_pipeline: bool) -> list[str]:
         f"{results.get('nccl_next_generation_s', nan):.2f} s",
     ]
     if not skip_pipeline:
-        lines.append(f"pipeline, 2 stages sharing the GPU: step off {results.get('step_off_ms', nan):.1f} ms, lazy "
-                     f"{results.get('step_lazy_ms', nan):.1f} ms ({results.get('lazy_over_off', nan):.3f}x)")
+        lines.append(f"pipeline, 2 stages of {results.get('stage_parameters', 0) / 1e9:.2f}B parameters (stage 0) "
+                     "sharing the GPU, fp32, AdamW: step " + ", ".join(
+                         f"{mode} {results.get(f'step_{mode}_ms', nan):.1f} ms" for mode in MODES)
+                     + f" (lazy {results.get('lazy_over_off', nan):.3f}x, eager {results.get('eager_over_off', nan):.3f}x)"
+                     "; peak memory of a process " + ", ".join(
+                         f"{mode} {results.get(f'peak_{mode}_gib', nan):.2f} GiB" for mode in MODES))
+        if results.get("not_run"):
+            lines.append(f"not run within the time budget: {', '.join(results['not_run'])}")
         for how, what in (("kill", "SIGKILLed"), ("freeze", "frozen (SIGSTOP; detection timeout 3 s)")):
             lines.append(f"node1 {what} at step {kill_at}: exit codes {results.get(f'{how}_codes')}, failovers "
                          f"{results.get(f'{how}_failovers')}, that step {results.get(f'{how}_step_s', nan):.2f} s, "
@@ -321,17 +366,17 @@ def passed(results: dict, skip_pipeline: bool) -> bool:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["node"]:
-        node(Path(argv[1]), int(argv[2]), argv[3])
+        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]))
         return
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); run it where one is")
     results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                     "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version())), "started": time.monotonic()}
     comm_part(results)
     print(json.dumps(results), flush=True)
     if not args.skip_pipeline:
-        pipeline_part(results, args.steps, args.kill_at)
+        pipeline_part(results, args.steps, args.kill_at, (args.n_embd, args.n_layer), args.budget_s)
     print(json.dumps(results), flush=True)
     print("\n".join(report(results, args.kill_at, args.skip_pipeline)))
     sys.exit(0 if passed(results, args.skip_pipeline) else 1)

@@ -29,15 +29,24 @@ MEASURED = {
     "nccl_buffers_after_trim_mib": 0.0,
     "nccl_layer_over_native": 30.533, "host_abort_s": 0.0123, "nccl_abort_s": 0.0456, "nccl_blocked_before_abort": True,
     "nccl_next_generation_s": 1.5, "step_off_ms": 101.25, "step_lazy_ms": 123.5, "lazy_over_off": 1.2198,
+    "step_eager_ms": 140.0, "eager_over_off": 1.3827, "peak_off_gib": 10.5, "peak_lazy_gib": 19.25,
+    "peak_eager_gib": 20.0, "stage_parameters": 523_000_000,
     "kill_codes": {"node0": 0, "node1": -9}, "kill_failovers": [(12, ["node1"])], "kill_step_s": 0.75,
     "exact_after_kill": True, "freeze_codes": {"node0": 0, "node1": -9}, "freeze_failovers": [(12, ["node1"])],
     "freeze_step_s": 3.5, "exact_after_freeze": True,
 }
 
 
-def test_arguments_default_to_30_steps_and_a_loss_at_step_12():
+def test_arguments_default_to_16_steps_a_loss_at_step_8_and_half_a_billion_parameters_a_stage():
     args = gpu.parse_args([])
-    assert (args.steps, args.kill_at, args.skip_pipeline) == (30, 12, False)
+    assert (args.steps, args.kill_at, args.skip_pipeline, args.budget_s) == (16, 8, False, 360.0)
+    from lightning_bamboo.models.gpt import GPTConfig, gpt_layers
+
+    with torch.device("meta"):
+        layers = gpt_layers(GPTConfig(vocab_size=gpu.VOCAB, block_size=gpu.BLOCK, n_layer=args.n_layer,
+                                      n_head=args.n_embd // 128, n_embd=args.n_embd))
+        total = sum(p.numel() for layer in layers for p in layer.parameters())
+    assert 0.5e9 <= total / 2 <= 1e9  # the 0.5-1B a stage
     args = gpu.parse_args(["--steps", "8", "--kill-at", "3", "--skip-pipeline"])
     assert (args.steps, args.kill_at, args.skip_pipeline) == (8, 3, True)
 
@@ -59,7 +68,9 @@ def test_the_report_reads_the_measured_numbers():
         "+14.0 MiB; after a trim 0.0 MiB",
         "abort: host transport receive on a frozen peer 0.012 s, NCCL all-reduce without its peer 0.046 s (blocked "
         "before: True); next NCCL generation's first all-reduce 1.50 s",
-        "pipeline, 2 stages sharing the GPU: step off 101.2 ms, lazy 123.5 ms (1.220x)",
+        "pipeline, 2 stages of 0.52B parameters (stage 0) sharing the GPU, fp32, AdamW: step off 101.2 ms, lazy "
+        "123.5 ms, eager 140.0 ms (lazy 1.220x, eager 1.383x); peak memory of a process off 10.50 GiB, lazy 19.25 GiB, "
+        "eager 20.00 GiB",
         "node1 SIGKILLed at step 12: exit codes {'node0': 0, 'node1': -9}, failovers [(12, ['node1'])], that step "
         "0.75 s, final weights and AdamW state equal to the clean lazy run: True",
         "node1 frozen (SIGSTOP; detection timeout 3 s) at step 12: exit codes {'node0': 0, 'node1': -9}, failovers "
