@@ -37,9 +37,9 @@ MEASURED = {
 }
 
 
-def test_arguments_default_to_16_steps_a_loss_at_step_8_and_half_a_billion_parameters_a_stage():
+def test_arguments_default_to_10_steps_a_loss_at_step_5_and_half_a_billion_parameters_a_stage():
     args = gpu.parse_args([])
-    assert (args.steps, args.kill_at, args.skip_pipeline, args.budget_s) == (16, 8, False, 360.0)
+    assert (args.steps, args.kill_at, args.skip_pipeline, args.budget_s) == (10, 5, False, 300.0)
     from lightning_bamboo.models.gpt import GPTConfig, gpt_layers
 
     with torch.device("meta"):
@@ -106,3 +106,18 @@ def test_without_cuda_the_script_and_make_gpu_check_say_so_and_fail():
     assert done.returncode != 0, done.stdout
     assert "make gpu-check needs a CUDA GPU (torch sees none)" in done.stderr, done.stderr
     assert "record.py" not in done.stdout.split("\n", 1)[1]  # nothing after the check ran
+
+
+def test_states_are_compared_bit_for_bit_by_digest():
+    """The pipeline part compares runs by a digest of every tensor's bytes: one bit of one optimizer moment tells."""
+    def states(moment: torch.Tensor) -> dict:
+        return {3: {"weights": {"w": torch.arange(6.0).view(2, 3)},
+                    "optimizer": {"w": {"state": {"step": torch.tensor(4.0), "exp_avg": moment}}}}}
+
+    moment = torch.linspace(-1, 1, 6).view(2, 3)
+    flipped = moment.clone()
+    flipped.view(-1).view(torch.int32)[2] ^= 1  # the last bit of one element
+    assert gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(moment.clone())))
+    assert not gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(flipped)))
+    assert not gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(moment.view(3, 2))))  # the shape
+    assert not gpu.same_states({}, {})  # nothing measured is not equal
