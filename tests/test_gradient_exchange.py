@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_bamboo.engine import shared_buffer
-from lightning_bamboo.engine.exchange import CHUNK_NUMEL, GradientExchange, HolderEnd, OwnerEnd, chunk_plan
+from lightning_bamboo.engine.exchange import (
+    CHUNK_NUMEL,
+    GradientExchange,
+    HolderEnd,
+    OwnerEnd,
+    chunk_plan,
+    flat_grads,
+)
 from lightning_bamboo.engine.replica import Replica, StageContainer, free
 from lightning_bamboo.errors import BambooError
 from tests.helpers import process_context
@@ -41,6 +48,26 @@ def test_a_stage_of_the_benchmark_model_travels_in_several_chunks():
     chunks = chunk_plan(block * 3)
     # several chunks, but not a message per parameter
     assert 1 < len(chunks) < len(block) * 3 and all(stop - start >= CHUNK_NUMEL for _, _, start, stop in chunks[:-1])
+
+
+def test_replica_gradients_go_gpu_to_gpu_where_the_transport_connects_gpus():
+    """Where both ends are GPUs and the transport is NCCL the holder receives on the replica's GPU and offers no
+    shared host buffer (no detour through host memory); a replica kept in host memory on a GPU machine receives into
+    pinned memory; everything else into host memory, with the shared buffer offered as before."""
+    from lightning_bamboo.engine.exchange import offers_shared_memory, receive_placement
+
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert receive_placement(gpu, hosted=False, direct=True) == (gpu, False)
+    assert receive_placement(gpu, hosted=True, direct=True) == (cpu, True)  # hosted: pinned, for async copies
+    assert receive_placement(gpu, hosted=False, direct=False) == (cpu, False)  # gloo carries host memory
+    assert receive_placement(cpu, hosted=False, direct=False) == (cpu, False)
+    assert not offers_shared_memory(direct=True, replica_on_gpu=True)
+    assert offers_shared_memory(direct=True, replica_on_gpu=False) and offers_shared_memory(False, True)
+    stage = _Stage()
+    _gradients(stage, 1)
+    host, mask = flat_grads(stage)
+    kept, same_mask = flat_grads(stage, on_device=True)  # CPU gradients: the same either way
+    assert torch.equal(host, kept) and torch.equal(mask, same_mask) and kept.device == cpu
 
 
 def test_no_parameters_no_chunks():

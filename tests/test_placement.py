@@ -132,3 +132,15 @@ def test_a_real_cuda_out_of_memory_names_the_gpus_memory():
         with must_fit("the test's tensor", device):
             torch.empty(1 << 50, dtype=torch.uint8, device=device)  # a PiB
     torch.ones(1, device=device)  # the GPU serves the next allocation
+
+
+@CUDA
+def test_gradients_on_the_gpu_gathered_for_a_gpu_to_gpu_transport_stay_on_the_gpu_unchanged():
+    layer = nn.Linear(64, 32).cuda()
+    layer(torch.randn(8, 64, device="cuda")).sum().backward()
+    on_device, mask = flat_grads(layer, on_device=True)
+    pinned, same = flat_grads(layer)
+    assert on_device.is_cuda and not pinned.is_cuda and torch.equal(mask, same)
+    assert torch.equal(on_device.cpu(), pinned)
+    again, _ = flat_grads(layer, out=on_device, on_device=True)  # the buffer reused
+    assert again.data_ptr() == on_device.data_ptr() and torch.equal(again.cpu(), pinned)

@@ -474,6 +474,14 @@ def use_transport(transport: str, device: torch.device | int | None = None) -> N
     _GENERATION.update(transport=transport, device=index)
 
 
+def gpu_direct() -> bool:
+    """Whether the current generation (or, before one, the next) runs NCCL: a GPU tensor then travels from GPU memory
+    to GPU memory (through the transfer buffers in GPU memory), and is best sent from where it is."""
+    comm = _GENERATION["comm"]
+    transport = comm.transport if comm is not None else _GENERATION["transport"] or os.environ.get(TRANSPORT_ENV)
+    return transport == "nccl"
+
+
 def open_generation(host: str, port: int, prefix: str, timeout: float,
                     abort_if: Callable[[], bool] | None = None) -> CommProcess:
     """Start the communication process of the next generation (the current one is aborted first).

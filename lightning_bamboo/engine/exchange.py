@@ -60,7 +60,7 @@ from torch import nn
 
 from lightning_bamboo.engine import comm_cuda
 from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG
-from lightning_bamboo.engine.comm_process import trim_buffers
+from lightning_bamboo.engine.comm_process import gpu_direct, trim_buffers
 from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
 from lightning_bamboo.engine.shared_buffer import map_offered_buffer, offer_shared_buffer
@@ -70,19 +70,40 @@ from lightning_bamboo.errors import BambooError
 log = logging.getLogger(__name__)
 
 
-def flat_grads(module: nn.Module, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """All gradients of ``module`` in one fp32 buffer (``out`` when it fits), and which parameters had one."""
+def flat_grads(module: nn.Module, out: torch.Tensor | None = None,
+               on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """All gradients of ``module`` in one fp32 buffer (``out`` when it fits), and which parameters had one.
+
+    Gradients on a GPU go to pinned host memory, unless ``on_device`` (the transport carries GPU memory to GPU memory:
+    ``comm_process.gpu_direct``): they are gathered on their GPU."""
     params = [p for p in module.parameters() if p.requires_grad]
     mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
     pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for p in params]
     if not pieces:
         return torch.zeros(0), mask
-    if pieces[0].is_cuda:  # to pinned host memory on a side stream, not a device-wide synchronization
+    if pieces[0].is_cuda and not on_device:  # to pinned host memory on a side stream, no device-wide synchronization
         return gather_to_host(pieces, out), mask
     if out is not None and out.numel() == sum(t.numel() for t in pieces) and all(t.device == out.device for t in pieces):
         # a buffer used before: no fresh pages to fault in
         return torch.cat(pieces, out=out), mask
-    return torch.cat(pieces).cpu(), mask
+    flat = torch.cat(pieces)
+    return (flat if on_device else flat.cpu()), mask
+
+
+def receive_placement(replica_device: torch.device, hosted: bool, direct: bool) -> tuple[torch.device, bool]:
+    """Where a holder receives its replica's gradients over the process group, ``(device, pinned)``: on the replica's
+    GPU where the transport carries GPU memory to GPU memory (``direct``) and the replica lives there (no detour
+    through host memory); in pinned host memory for a replica kept there on a GPU machine (``hosted``: its update
+    copies them to the GPU a layer at a time, asynchronously from pinned memory); else in host memory."""
+    if direct and replica_device.type == "cuda" and not hosted:
+        return replica_device, False
+    return torch.device("cpu"), hosted
+
+
+def offers_shared_memory(direct: bool, replica_on_gpu: bool) -> bool:
+    """Whether a holder offers its owner a shared host buffer for the gradients (rule 3): not where both ends are
+    GPUs that the transport connects directly (through host memory would be the detour)."""
+    return not (direct and replica_on_gpu)
 
 
 def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) -> None:
@@ -194,7 +215,8 @@ class OwnerEnd:
         else:
             if shared is not None:
                 self._wait_read(self._half)  # rule 4: the holder read what this half held two ships ago
-            flat, mask = flat_grads(own, out=shared[0] if shared is not None else self._send_buffer)
+            flat, mask = flat_grads(own, out=shared[0] if shared is not None else self._send_buffer,
+                                    on_device=shared is None and gpu_direct())
         requests: list[Any] = []
         if shared is not None:
             if flat is not shared[0]:  # gradients elsewhere than on the host
@@ -424,11 +446,12 @@ class HolderEnd:
 
     def _receive_buffer(self, numel: int) -> torch.Tensor:
         held = {p.grad.untyped_storage().data_ptr() for p in self.replica.module.parameters() if p.grad is not None}
-        self._recv_buffers = [b for b in self._recv_buffers if b.numel() == numel]
+        device, pinned = receive_placement(self.replica.device, self.replica.hosted, gpu_direct())
+        self._recv_buffers = [b for b in self._recv_buffers if b.numel() == numel and b.device == device]
         # one that no gradient of the replica is a view of; else a new one (at most two are kept)
         buffer = next((b for b in self._recv_buffers if b.untyped_storage().data_ptr() not in held), None)
         if buffer is None:
-            buffer = torch.empty(numel)
+            buffer = torch.empty(numel, device=device, pin_memory=pinned)
             self._recv_buffers = [*self._recv_buffers[-1:], buffer]
         return buffer
 
@@ -441,7 +464,7 @@ class HolderEnd:
         if self._offer is not None:
             return
         payload = b""
-        if numel:
+        if numel and offers_shared_memory(gpu_direct(), self.replica.device.type == "cuda" and not self.replica.hosted):
             try:
                 buffer, token, payload = offer_shared_buffer(2 * numel)  # two halves, written by turns
                 if len(payload) <= OFFER_BYTES - 4:
