@@ -144,3 +144,48 @@ def test_gradients_on_the_gpu_gathered_for_a_gpu_to_gpu_transport_stay_on_the_gp
     assert torch.equal(on_device.cpu(), pinned)
     again, _ = flat_grads(layer, out=on_device, on_device=True)  # the buffer reused
     assert again.data_ptr() == on_device.data_ptr() and torch.equal(again.cpu(), pinned)
+
+
+def test_after_its_first_step_a_replica_stays_or_moves_by_what_the_steps_peak_left_of_the_gpu():
+    from lightning_bamboo.engine.placement import STEP_MARGIN, replica_stays_on_gpu
+
+    params, total = 2**28, 80 * GiB  # a replica of 4 GiB (weights 1 GiB of it, on the GPU already when hosted)
+    margin = int(total * STEP_MARGIN)
+    # on the GPU: stays while the step's peak left the margin free
+    assert replica_stays_on_gpu(True, params, free=10 * GiB, total=total, reserved=60 * GiB, peak=60 * GiB)
+    assert not replica_stays_on_gpu(True, params, free=margin - 1, total=total, reserved=70 * GiB, peak=70 * GiB)
+    # memory the allocator reserved and the peak did not use counts as left
+    assert replica_stays_on_gpu(True, params, free=0, total=total, reserved=78 * GiB, peak=78 * GiB - margin)
+    # in host memory: moves when 3 GiB more (its gradients and moments) still leave the margin
+    assert replica_stays_on_gpu(False, params, free=3 * GiB + margin, total=total, reserved=40 * GiB, peak=40 * GiB)
+    assert not replica_stays_on_gpu(False, params, free=3 * GiB + margin - 1, total=total, reserved=40 * GiB,
+                                    peak=40 * GiB)
+
+
+def test_on_cpu_a_replica_has_no_other_place():
+    replica = _replica(HOST)
+    before = [p.data_ptr() for p in replica.module.parameters()]
+    replica.place(on_gpu=False)
+    replica.place(on_gpu=True)
+    assert not replica.hosted and [p.data_ptr() for p in replica.module.parameters()] == before
+
+
+@CUDA
+def test_a_replica_moved_between_the_gpu_and_host_memory_updates_bit_for_bit_as_one_that_stayed():
+    stayed, moved = _replica(GPU), _replica(GPU, hosted=True)
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in stayed.module.parameters()]
+        for replica in (stayed, moved):
+            for p, g in zip(replica.module.parameters(), grads, strict=True):
+                p.grad = g.to(p.device)
+            replica.step(None, defer=True)
+        moved.place(on_gpu=step % 2 == 0)  # due update applied where it was, then the move
+        assert moved.hosted == (step % 2 == 1)
+        assert all(p.is_cuda != moved.hosted for p in moved.module.parameters())
+        stayed.settle()
+        for a, b in zip(stayed.module.parameters(), moved.module.parameters(), strict=True):
+            assert torch.equal(a.cpu(), b.cpu()), step
+        for a, b in zip(stayed.optimizer.state.values(), moved.optimizer.state.values(), strict=True):
+            assert torch.equal(a["exp_avg_sq"].cpu(), b["exp_avg_sq"].cpu()), step
+    x = torch.randn(4, 8, device=GPU)
+    assert torch.equal(stayed.compute_module()(x), moved.compute_module()(x))

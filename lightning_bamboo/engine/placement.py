@@ -102,6 +102,25 @@ def _memory_now(device: torch.device) -> str:
     return f" ({allocated / 2**30:.2f} GiB allocated by this process, {free / 2**30:.2f} GiB free of {total / 2**30:.2f})"
 
 
+#: after a step: the share of the GPU that must stay unused at the step's peak for a replica to be (or stay) on it
+STEP_MARGIN = 0.05
+
+
+def replica_stays_on_gpu(on_gpu: bool, parameters: int, free: int, total: int, reserved: int, peak: int) -> bool:
+    """Where a replica of ``parameters`` parameters lives once a step has run (``"auto"`` without a budget), from the
+    facts of that step: the GPU's ``free`` and ``total`` bytes now, what this process's allocator ``reserved`` and the
+    ``peak`` it allocated during the step (its stage, activations, buffers, and the replica or its forwards' copy).
+
+    What the step's peak left of the GPU is ``free + reserved - peak``. A replica on the GPU stays while that is at
+    least ``STEP_MARGIN`` of the GPU; one in host memory moves there when that is so with the replica's state added
+    (its weights are there already: the forwards' copy)."""
+    headroom = free + reserved - peak
+    margin = int(total * STEP_MARGIN)
+    if on_gpu:
+        return headroom >= margin
+    return headroom - (replica_bytes(parameters) - 4 * parameters) >= margin
+
+
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """This process's side stream on GPU ``device`` (one per GPU, made at first use)."""
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -185,6 +185,28 @@ class Replica:
                 p.data, p.grad = weights, None
                 state[p] = {k: _at_home(v, entries.get(k)) for k, v in state[p].items()}
 
+    def place(self, on_gpu: bool) -> None:
+        """Move the layers and their optimizer state to ``device`` (``on_gpu``) or to pinned host memory; a step's
+        memory use decided it (``placement.replica_stays_on_gpu``). The committed update due is applied first, where
+        the layers are. Exact: a hosted replica's update runs on ``device`` already, a layer at a time."""
+        if self.device.type != "cuda" or on_gpu != self.hosted:
+            return
+        self.settle()
+        state = self.optimizer.state
+        for p in self.module.parameters():
+            if on_gpu:
+                p.data = p.data.to(self.device)
+                if p in state:
+                    state[p] = {k: _on_device(v, self.device) for k, v in state[p].items()}
+            else:
+                p.data = p.data.to("cpu").pin_memory()
+                if p in state:
+                    state[p] = {k: _at_home(v, None) for k, v in state[p].items()}
+        for b in self.module.buffers():
+            b.data = b.data.to(self.device) if on_gpu else b.data.to("cpu").pin_memory()
+        torch.cuda.current_stream(self.device).synchronize()  # the copies from pinned memory are done
+        self.hosted, self._shadow, self._shadow_fresh = not on_gpu, None, False
+
     def discard(self) -> None:
         """Forget the gradients of a step that did not commit (a committed update still due is applied first)."""
         self.settle()

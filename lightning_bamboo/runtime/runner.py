@@ -205,6 +205,7 @@ class PipelineRunner:
                 faulthandler.dump_traceback_later(session.rendezvous_timeout * 0.75, repeat=False)
             try:
                 loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share, first_micro_batch=first)
+                self.stage.settle_placement()  # after an engine's first step on a GPU: where its replica lives
                 if session is not None and session.leaving:
                     session.depart()
                 return loss

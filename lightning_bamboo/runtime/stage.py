@@ -25,7 +25,7 @@ from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, EngineOptions, Wiring
-from lightning_bamboo.engine.placement import must_fit, replica_device
+from lightning_bamboo.engine.placement import must_fit, replica_device, replica_stays_on_gpu
 from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
 from lightning_bamboo.engine.transfer import exchange_objects
@@ -65,6 +65,7 @@ class NodeStage:
         self.model: PipelineModel | None = None
         self.session: Session | None = None
         self.engine: BambooPipelineEngine | None = None
+        self._placed: BambooPipelineEngine | None = None  # the engine whose replica's place a step decided
         self.layout: Layout | None = None
         self.rank = 0
         self.gradient_clipping = 0.0
@@ -217,7 +218,30 @@ class NodeStage:
         self.host.adopt_stage(module)
         return module
 
+    def settle_placement(self) -> None:
+        """Once per engine, after its first step on a GPU under ``replica_placement="auto"`` without a budget: keep the
+        replica where it is or move it, by what that step's peak left of the GPU (``placement.replica_stays_on_gpu``)."""
+        engine = self.engine
+        replica = engine.replica if engine is not None else None
+        if (replica is None or self.device.type != "cuda" or self._placed is engine
+                or self.config.replica_placement != "auto" or self.config.replica_memory_budget is not None):
+            return
+        self._placed = engine
+        free, total = torch.cuda.mem_get_info(self.device)
+        on_gpu = not replica.hosted
+        params = sum(p.numel() for p in replica.module.parameters())
+        stays = replica_stays_on_gpu(on_gpu, params, free, total, torch.cuda.memory_reserved(self.device),
+                                     torch.cuda.max_memory_allocated(self.device))
+        if stays != on_gpu:
+            log.info("replica of stage %d (%d parameters): to %s after the first step (GPU %.2f GiB free of %.2f, peak "
+                     "%.2f GiB)", replica.stage, params, "the GPU" if stays else "pinned host memory", free / 2**30,
+                     total / 2**30, torch.cuda.max_memory_allocated(self.device) / 2**30)
+            with must_fit(f"the replica of stage {replica.stage} moved to the GPU", self.device, True):
+                replica.place(stays)
+
     def _new_engine(self, module: Any, optimizer: Any, layout: Layout) -> BambooPipelineEngine:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the first step's peak decides the replica's place
         precision = self.precision if self.precision is not None else self.resolve_precision()
         # reduced precision and clipping are the engine's own (``engine.precision``), not DeepSpeed's
         _, rest = resolve(self.config.precision, self.config.deepspeed, self.gradient_clipping)
