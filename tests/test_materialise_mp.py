@@ -73,3 +73,23 @@ def test_a_failover_builds_only_the_layers_that_arrive_and_ends_bit_exact(tmp_pa
     assert after == rebuilt, builds
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(plain / "final.pt")) == 0.0
     assert max_abs_diff(optimizer_states(tmp_path / "final.ckpt"), optimizer_states(plain / "final.ckpt")) == 0.0
+
+
+def test_a_node_out_of_memory_in_a_failover_ends_with_the_fix_and_the_others_finish_bit_exact(tmp_path, plain):
+    """node1 SIGKILLed at step 3; node3 then runs out of memory rebuilding its stage in that failover (a CUDA
+    out-of-memory error injected there: this machine has no GPU to fill). node3 ends with ``OutOfDeviceMemory``,
+    which names what did not fit and the fixes, and exits 1; node0 and node2 count it lost in the same failover, run
+    the four layers between them and end with the weights and optimizer state of the run without a loss. The
+    launcher exits 1: a node failed with an error. Nothing waits on the node that raised."""
+    proc = run([*JOB, "--redundancy", "lazy", "--out", str(tmp_path)], timeout=240,
+               env=faults.environment(["node1@3", "node3@failover!oom"]))
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": -9, "node2": 0, "node3": 1}
+    assert re.search(r"OutOfDeviceMemory: node3's stage and replica after the failover of step 3 \(parts .*\) did not "
+                     r"fit in the memory of cpu\. Fix: replica_placement=\"host\"", proc.stdout), proc.stdout[-4000:]
+    summary = [json.JSONDecoder().raw_decode(line)[0] for line in proc.stdout.splitlines()
+               if line.startswith('{"global_step"')][-1]
+    (failover,) = summary["failovers"]
+    assert failover["lost"] == ["node1", "node3"] and failover["order"] == ["node0", "node2"]
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(plain / "final.pt")) == 0.0
+    assert max_abs_diff(optimizer_states(tmp_path / "final.ckpt"), optimizer_states(plain / "final.ckpt")) == 0.0

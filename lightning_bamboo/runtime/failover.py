@@ -106,12 +106,12 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
     # and those that did not agree on the same layout, so they must meet in the same group.
     rank, world = session.reform(list(plan.order), tag=layout_tag(plan.order))
     log.info("%s: process group re-formed", session.node)
-    faults.reached(session.node, "failover")  # fault injection (BAMBOO_FAIL_AT=node@failover)
-    stage.enter_group(rank, world)
-    # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
-    layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
     with must_fit(f"{session.node}'s stage and replica after the failover of step {step} (parts {plan.parts})",
                   stage.device, stage.config.replica_placement != "host"):
+        faults.reached(session.node, "failover")  # fault injection (BAMBOO_FAIL_AT=node@failover)
+        stage.enter_group(rank, world)
+        # This node's layers in the new layout, each from its own copy or its replica (no disk, no transfer).
+        layout = Layout(world // plan.pipelines, plan.pipelines, plan.parts)
         stage.rebuild(layout, rank, base["states"], base["optimizer"], reuse=base["reuse"], pool=base["layers"],
                       lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
     return plan, rank, world

@@ -3,7 +3,8 @@
 The spec is a comma-separated list of items; each kills the named node once it reaches the point
 (with the suffix ``!stop``, e.g. ``node2@7:13!stop``, it freezes it instead: SIGSTOP to its child
 processes and itself, never continued: a machine that hangs rather than vanishes; with ``!term`` it sends
-its own process a SIGTERM: a preemption notice, handled by what the process installed for it):
+its own process a SIGTERM: a preemption notice, handled by what the process installed for it; with ``!oom`` it
+raises ``torch.OutOfMemoryError`` there, as a GPU short of memory would):
 
 - ``NODE@STEP``: at the start of step STEP (the 0-based count of the engine's ``train_batch`` calls);
 - ``NODE@STEP:INSTRUCTION``: after INSTRUCTION (1 or more) DeepSpeed schedule steps of step STEP, a kill
@@ -44,6 +45,10 @@ FAIL_ONCE_ENV = "BAMBOO_FAIL_ONCE_DIR"
 ENV_NAMES = (FAIL_AT_ENV, FAIL_ONCE_ENV)
 
 
+#: what a fault does (see ``Fault.action``)
+ACTIONS = ("kill", "stop", "term", "oom")
+
+
 @dataclass(frozen=True)
 class Fault:
     """One armed item: kill ``node`` at ``point`` (after ``instruction`` schedule steps, if given)."""
@@ -51,17 +56,18 @@ class Fault:
     node: str
     point: str
     instruction: int | None = None
-    #: "kill" (SIGKILL), "stop" (SIGSTOP to the node's processes, never continued) or "term" (SIGTERM to the node's
-    #: process: a preemption notice, handled by whatever the process installed for it)
+    #: "kill" (SIGKILL), "stop" (SIGSTOP to the node's processes, never continued), "term" (SIGTERM to the node's
+    #: process: a preemption notice, handled by whatever the process installed for it) or "oom" (raise
+    #: ``torch.OutOfMemoryError`` there, as a GPU short of memory would)
     action: str = "kill"
 
     def __post_init__(self) -> None:
         if not self.node or not self.point or any(c in self.node + self.point for c in "@,: "):
             raise ValueError(f"a fault needs a node and a point without '@', ',', ':' or spaces "
                              f"(node: {self.node!r}, point: {self.point!r}); write it as NODE@POINT")
-        if self.action not in ("kill", "stop", "term"):
-            raise ValueError(f"a fault's action is kill (the default), stop (suffix !stop) or term (suffix !term), "
-                             f"not {self.action!r}")
+        if self.action not in ACTIONS:
+            raise ValueError(f"a fault's action is kill (the default), stop (suffix !stop), term (suffix !term) or "
+                             f"oom (suffix !oom), not {self.action!r}")
         if self.instruction is not None and self.instruction < 1:
             raise ValueError(f"a fault's instruction counts schedule steps from 1 (instruction: {self.instruction}); "
                              f"use NODE@STEP to kill at the start of the step")
@@ -133,6 +139,11 @@ def reached(node: str, point: str | int, instruction: int | None = None) -> None
             if armed.once_dir is not None and not _first_to_fire(armed.once_dir, fault):
                 continue
             where = f"at step {point}" + ("" if instruction is None else f" instruction {instruction}")
+            if fault.action == "oom":
+                import torch
+
+                log.warning("%s: injected out-of-memory error %s", node, where)
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAIL_AT_ENV}={fault} {where})")
             if fault.action == "term":
                 log.warning("%s: injected SIGTERM %s", node, where)
                 os.kill(os.getpid(), signal.SIGTERM)
