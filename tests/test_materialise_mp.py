@@ -93,3 +93,16 @@ def test_a_node_out_of_memory_in_a_failover_ends_with_the_fix_and_the_others_fin
     assert failover["lost"] == ["node1", "node3"] and failover["order"] == ["node0", "node2"]
     assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(plain / "final.pt")) == 0.0
     assert max_abs_diff(optimizer_states(tmp_path / "final.ckpt"), optimizer_states(plain / "final.ckpt")) == 0.0
+
+
+def test_a_node_that_raises_mid_step_is_counted_lost_and_the_others_finish_bit_exact(tmp_path, plain):
+    """node2 raises (an out-of-memory error, injected after 3 schedule steps of step 4) in the middle of a step, its
+    sends and receives in flight: it exits 1, the others fail over without it, nothing waits on it, and the run ends
+    with the weights of the run without a loss."""
+    proc = run([*JOB, "--redundancy", "lazy", "--out", str(tmp_path)], timeout=240,
+               env=faults.environment(["node2@4:3!oom"]))
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": 0, "node2": 1, "node3": 0}
+    assert "torch.OutOfMemoryError: CUDA out of memory (injected" in proc.stdout
+    assert max_abs_diff(torch.load(tmp_path / "final.pt"), torch.load(plain / "final.pt")) == 0.0
+    assert max_abs_diff(optimizer_states(tmp_path / "final.ckpt"), optimizer_states(plain / "final.ckpt")) == 0.0
