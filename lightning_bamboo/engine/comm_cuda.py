@@ -211,6 +211,7 @@ class NcclGroup:
         self._options._timeout = datetime.timedelta(seconds=seconds)
         self.pg: Any = dist.ProcessGroupNCCL(store, rank, size, self._options)
         self.lanes: dict[tuple[int, int], Any] = {}
+        self._lanes_lock = threading.Lock()
         self._scratch = torch.zeros(1, device=f"cuda:{device}")
 
     def for_message(self, op: str, peer: int, tag: int) -> Any:
@@ -219,10 +220,11 @@ class NcclGroup:
         import torch.distributed as dist
 
         lane = lane_of(tag, self._rank, peer) if op == "send" else lane_of(tag, peer, self._rank)
-        pg = self.lanes.get(lane)
-        if pg is None:
-            store = dist.PrefixStore(f"lane{lane[0]}-{lane[1]}", self._store)
-            pg = self.lanes[lane] = dist.ProcessGroupNCCL(store, self._rank, self._size, self._options)
+        with self._lanes_lock:  # channels of several peers share a lane, and start operations from their threads
+            pg = self.lanes.get(lane)
+            if pg is None:
+                store = dist.PrefixStore(f"lane{lane[0]}-{lane[1]}", self._store)
+                pg = self.lanes[lane] = dist.ProcessGroupNCCL(store, self._rank, self._size, self._options)
         return pg
 
     def barrier(self) -> Any:
