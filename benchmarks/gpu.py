@@ -25,6 +25,15 @@ digest of every tensor's bytes: a stage's states are GBs). No run of part 2 star
 ``--budget-s`` seconds; one not run reads nan and fails the check. On one shared GPU the pipeline
 has no idle bubbles to hide the redundant forward in, so ``lazy`` costs there what it would not
 with a GPU per stage: this part shows that it runs and stays exact, not its overhead.
+
+Part 3, with ``--largest`` (issue 38; not part of ``make gpu-check``): the largest GPT of width
+``--largest-width`` (4096) that trains 4 steps on the GPU in 2 stages sharing it, bf16 (autocast
+over fp32 masters), ``lazy``, AdamW: first the most blocks that fit by ``LARGEST_BYTES_PER_PARAMETER``
+(both processes: each holds every parameter once, stage and replica) with a fifth of the GPU kept
+back, then 7/8 of the blocks after each try that did not end with exit 0 on both nodes; its
+parameters, step time and each process's peak memory::
+
+    python benchmarks/record.py gpu_largest --keep-failed -- python benchmarks/gpu.py --skip-pipeline --largest
 """
 
 from __future__ import annotations
@@ -155,7 +164,7 @@ def comm_part(results: dict) -> None:
 
 # ------------------------------------------------------------------ part 2: a node of the pipeline
 
-def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int) -> None:
+def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, precision: str = "32") -> None:
     import torch.distributed as dist
 
     from lightning_bamboo.engine.comm_process import BACKEND
@@ -200,6 +209,7 @@ def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int) -> N
 
     host = Host()
     runner = PipelineRunner(BambooConfig(redundancy=redundancy, micro_batch_size=MICRO, seed=0, timeout=60.0,
+                                         precision=precision,
                                          detection_timeout=3.0), host, device=DEVICE)
     session = runner.open_session()
     assert session is not None, "run under lightning_bamboo.launcher.launch"
@@ -242,7 +252,8 @@ def digests(states: dict) -> dict:
             for layer, state in states.items()}
 
 
-def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], kill: str | None = None) -> dict:
+def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], kill: str | None = None,
+                 precision: str = "32") -> dict:
     from lightning_bamboo.launcher import launch
     from lightning_bamboo.testing import faults
 
@@ -250,8 +261,8 @@ def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if kill:
         env.update(faults.environment([kill]))
-    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy, *map(str, size)], 2, env=env,
-                   timeout=600)
+    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy, *map(str, size), precision], 2,
+                   env=env, timeout=600)
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     layers: dict = {}
     for name in sorted(reports):
@@ -300,6 +311,54 @@ def pipeline_part(results: dict, steps: int, kill_at: int, size: tuple[int, int]
             results[f"exact_after_{how}"] = same_states(runs["lazy"]["layers"], lost["layers"])
 
 
+#: bytes per parameter of the job on the GPU, both processes together: each holds its stage and its successor's
+#: replica (together: every parameter once) at 16 bytes a parameter (fp32 master weights, gradients, AdamW's two
+#: moments) and the bf16 copies its forwards cast under autocast (2 more)
+LARGEST_BYTES_PER_PARAMETER = 2 * (16 + 2)
+#: the share of the GPU kept for activations, the CUDA contexts and the transfer buffers
+LARGEST_RESERVE = 0.2
+
+
+def gpt_parameters(n_embd: int, n_layer: int) -> int:
+    """The parameters of ``models.gpt``'s GPT of this shape (vocabulary ``VOCAB``, ``BLOCK`` positions)."""
+    from lightning_bamboo.models.gpt import GPTConfig, gpt_layers
+
+    with torch.device("meta"):
+        layers = gpt_layers(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=n_layer,
+                                      n_head=max(1, n_embd // 128), n_embd=n_embd))
+    return sum(p.numel() for layer in layers for p in layer.parameters())
+
+
+def largest_layers(total_bytes: int, n_embd: int) -> int:
+    """The most blocks of width ``n_embd`` whose 2-stage job with replicas fits a GPU of ``total_bytes``, by
+    ``LARGEST_BYTES_PER_PARAMETER`` and ``LARGEST_RESERVE`` (the run says whether it did)."""
+    allowed = total_bytes * (1 - LARGEST_RESERVE) / LARGEST_BYTES_PER_PARAMETER
+    base, block = gpt_parameters(n_embd, 0), gpt_parameters(n_embd, 1) - gpt_parameters(n_embd, 0)
+    return max(2, int((allowed - base) // block))
+
+
+def largest_part(results: dict, total_bytes: int, n_embd: int, steps: int, budget_s: float) -> None:
+    """Issue 38's GPU item: the largest GPT that trains on one GPU in 2 stages sharing it, bf16 (autocast over fp32
+    masters), ``lazy`` with AdamW: the estimate first, then 7/8 of the blocks after each run that did not end with
+    every node's exit 0, while ``budget_s`` lasts; its parameters, step time and each process's peak memory."""
+    started = time.monotonic()
+    layers, tried = largest_layers(total_bytes, n_embd), []
+    with tempfile.TemporaryDirectory() as tmp:
+        while layers >= 2 and time.monotonic() - started < budget_s:
+            run = pipeline_run(Path(tmp) / f"largest{layers}", steps, "lazy", (n_embd, layers), precision="bf16")
+            fitted = set(run["codes"].values()) == {0} and "node0" in run["reports"]
+            tried.append((layers, fitted))
+            if fitted:
+                node0 = run["reports"]["node0"]
+                results.update(largest_layers=layers, largest_width=n_embd,
+                               largest_parameters=gpt_parameters(n_embd, layers),
+                               largest_step_ms=statistics.median(node0["times"][1:] or node0["times"]) * 1e3,
+                               largest_peak_gib=max(r["peak_bytes"] for r in run["reports"].values()) / 2**30)
+                break
+            layers = layers * 7 // 8
+    results["largest_tried"] = tried
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -311,6 +370,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="seconds after which no further run of part 2 starts (default 300: within the 8 minutes "
                              "of make gpu-check, its CUDA tests included)")
+    parser.add_argument("--largest", action="store_true",
+                        help="then the largest GPT that trains on the GPU in 2 stages sharing it, bf16 (issue 38)")
+    parser.add_argument("--largest-width", type=int, default=4096, help="its width (default 4096)")
+    parser.add_argument("--largest-budget-s", type=float, default=420.0,
+                        help="seconds after which no further try starts (default 420)")
     args = parser.parse_args(argv)
     if not 0 <= args.kill_at < args.steps:
         parser.error(f"--kill-at must be a step of the run: 0 <= kill-at < steps (kill-at: {args.kill_at}, "
@@ -354,6 +418,13 @@ def report(results: dict, kill_at: int, skip_pipeline: bool) -> list[str]:
                          f"{results.get(f'{how}_failovers')}, that step {results.get(f'{how}_step_s', nan):.2f} s, "
                          f"final weights and AdamW state equal to the clean lazy run: "
                          f"{results.get(f'exact_after_{how}')}")
+    if "largest_tried" in results:
+        tried = ", ".join(f"{layers} blocks {'fit' if fit else 'did not fit'}" for layers, fit in results["largest_tried"])
+        lines.append(
+            f"largest GPT on the GPU in 2 stages sharing it, bf16, lazy, AdamW: "
+            f"{results.get('largest_parameters', 0) / 1e9:.2f}B parameters ({results.get('largest_layers')} blocks x "
+            f"{results.get('largest_width')}), step {results.get('largest_step_ms', nan):.1f} ms, peak memory of a "
+            f"process {results.get('largest_peak_gib', nan):.2f} GiB (tried: {tried})")
     return lines
 
 
@@ -367,7 +438,7 @@ def passed(results: dict, skip_pipeline: bool) -> bool:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["node"]:
-        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]))
+        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]), argv[6])
         return
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -378,6 +449,9 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(results), flush=True)
     if not args.skip_pipeline:
         pipeline_part(results, args.steps, args.kill_at, (args.n_embd, args.n_layer), args.budget_s)
+    if args.largest:
+        largest_part(results, torch.cuda.get_device_properties(0).total_memory, args.largest_width, 4,
+                     args.largest_budget_s)
     print(json.dumps(results), flush=True)
     print("\n".join(report(results, args.kill_at, args.skip_pipeline)))
     sys.exit(0 if passed(results, args.skip_pipeline) else 1)

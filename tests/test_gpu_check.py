@@ -121,3 +121,21 @@ def test_states_are_compared_bit_for_bit_by_digest():
     assert not gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(flipped)))
     assert not gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(moment.view(3, 2))))  # the shape
     assert not gpu.same_states({}, {})  # nothing measured is not equal
+
+
+def test_the_largest_model_on_one_gpu_is_estimated_from_what_two_processes_hold_and_reported():
+    """Issue 38's GPU item (``--largest``): the first try for an 80 GiB and a 141 GiB GPU, by 36 bytes a parameter
+    (both processes: stage and replica at 16, autocast's bf16 copies at 2) and a fifth kept back; then its line."""
+    args = gpu.parse_args(["--skip-pipeline", "--largest"])
+    assert args.largest and args.largest_width == 4096 and args.largest_budget_s == 420.0
+    for total in (80 * 2**30, 141 * 2**30):
+        layers = gpu.largest_layers(total, 4096)
+        fits = gpu.gpt_parameters(4096, layers) * gpu.LARGEST_BYTES_PER_PARAMETER
+        assert fits <= total * (1 - gpu.LARGEST_RESERVE) < fits + 36 * 12 * 4096**2 * 1.01  # the most blocks that fit
+        assert 0.3e9 <= gpu.gpt_parameters(4096, layers) <= 7e9  # the issue's sizes
+    line = gpu.report({**MEASURED, "largest_tried": [[16, False], [14, True]], "largest_layers": 14,
+                       "largest_width": 4096, "largest_parameters": 2_887_000_000, "largest_step_ms": 912.5,
+                       "largest_peak_gib": 51.25}, 12, skip_pipeline=True)[-1]
+    assert line == ("largest GPT on the GPU in 2 stages sharing it, bf16, lazy, AdamW: 2.89B parameters (14 blocks x "
+                    "4096), step 912.5 ms, peak memory of a process 51.25 GiB (tried: 16 blocks did not fit, 14 blocks "
+                    "fit)")
