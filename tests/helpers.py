@@ -238,6 +238,17 @@ def _collect(proc: Any, reading: int, cmd: Sequence[str], timeout: float) -> sub
     return subprocess.CompletedProcess(list(cmd), code, text, None)
 
 
+def pairs_alike_in_nccls_lanes(trace: Path, kinds: set[int] | None = None) -> None:
+    """Every message of a job traced into ``trace`` (``$BAMBOO_COMM_TRACE``) pairs with the receive that gloo gave it by
+    tag also by its place in its NCCL lane (``comm_cuda.lane_mismatches``), and the sends cover the lanes ``kinds``
+    (default: every one: the pipeline's, the tied gradients', each message of the replica exchange)."""
+    from lightning_bamboo.engine.comm_cuda import LANES, lane_mismatches, lane_of
+
+    records = [json.loads(line) for path in trace.glob("*.jsonl") for line in path.read_text().splitlines()]
+    assert lane_mismatches(records) == []
+    assert {lane_of(r["tag"], 0, 1)[0] for r in records if r["op"] == "send"} == (set(LANES) if kinds is None else kinds)
+
+
 def launcher_exit_codes(output: str) -> dict[str, int]:
     """Each node's exit code from the local launcher's ``[launcher] exit codes: node0=0, node1=-9`` line in
     ``output`` (empty if it printed none)."""

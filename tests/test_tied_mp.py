@@ -12,10 +12,17 @@ import pytest
 import torch
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine.comm_cuda import LANES, lane_mismatches, lane_of
 from lightning_bamboo.engine.comm_process import TRACE_ENV
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, launcher_exit_codes, max_abs_diff, optimizer_states, run
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    launcher_exit_codes,
+    max_abs_diff,
+    optimizer_states,
+    pairs_alike_in_nccls_lanes,
+    run,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,17 +41,9 @@ def _job(out, nodes, mode, kill=None):
     assert proc.returncode == 0, proc.stdout[-4000:]
     victim = kill.split("@")[0] if kill else None
     assert launcher_exit_codes(proc.stdout) == {f"node{i}": (-9 if f"node{i}" == victim else 0) for i in range(nodes)}
-    _pairs_alike_in_nccls_lanes(trace)
+    pairs_alike_in_nccls_lanes(trace)
     return [json.JSONDecoder().raw_decode(line)[0] for line in proc.stdout.splitlines()
             if line.startswith('{"global_step"')][-1]
-
-
-def _pairs_alike_in_nccls_lanes(trace):
-    """Every message of the job (the pipeline's, the tied gradients', the replica exchange's, a failover's) pairs
-    with the receive that gloo gave it by tag also by its place in its NCCL lane (``comm_cuda.lane_of``)."""
-    records = [json.loads(line) for path in trace.glob("*.jsonl") for line in path.read_text().splitlines()]
-    assert lane_mismatches(records) == []
-    assert {lane_of(r["tag"], 0, 1)[0] for r in records if r["op"] == "send"} == set(LANES)  # every kind of message
 
 
 @pytest.fixture(scope="module")
