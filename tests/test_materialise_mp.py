@@ -16,15 +16,7 @@ from lightning_bamboo.engine.comm_cuda import LANES, TIE_TAG
 from lightning_bamboo.engine.comm_process import TRACE_ENV
 from lightning_bamboo.testing import faults
 from tests import helpers
-from tests.helpers import (
-    PYTHON,
-    REPO,
-    launcher_exit_codes,
-    max_abs_diff,
-    optimizer_states,
-    pairs_alike_in_nccls_lanes,
-    run,
-)
+from tests.helpers import PYTHON, REPO, launcher_exit_codes, max_abs_diff, optimizer_states, run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +33,7 @@ def _job(out, mode="lazy", kill=None):
     proc = run([*JOB, "--redundancy", mode, "--out", str(out)], timeout=240,
                env={TRACE_ENV: str(trace), **(faults.environment([kill]) if kill else {})})
     assert proc.returncode == 0, proc.stdout[-4000:]
-    pairs_alike_in_nccls_lanes(trace, set(LANES) - {TIE_TAG})  # (no tied weights here)
+    helpers.pairs_alike_in_nccls_lanes(trace, set(LANES) - {TIE_TAG})  # (no tied weights here)
     victim = kill.split("@")[0] if kill else None
     assert launcher_exit_codes(proc.stdout) == {f"node{i}": (-9 if f"node{i}" == victim else 0) for i in range(4)}
     builds: dict[str, list[int]] = {}
