@@ -242,11 +242,11 @@ def pairs_alike_in_nccls_lanes(trace: Path, kinds: set[int] | None = None) -> No
     """Every message of a job traced into ``trace`` (``$BAMBOO_COMM_TRACE``) pairs with the receive that gloo gave it by
     tag also by its place in its NCCL lane (``comm_cuda.lane_mismatches``), and the sends cover the lanes ``kinds``
     (default: every one: the pipeline's, the tied gradients', each message of the replica exchange)."""
-    from lightning_bamboo.engine.comm_cuda import LANES, lane_mismatches, lane_of
+    from lightning_bamboo.engine.comm_cuda import LANES, lane_mismatches, tag_lane
 
     records = [json.loads(line) for path in trace.glob("*.jsonl") for line in path.read_text().splitlines()]
     assert lane_mismatches(records) == []
-    assert {lane_of(r["tag"], 0, 1)[0] for r in records if r["op"] == "send"} == (set(LANES) if kinds is None else kinds)
+    assert {tag_lane(r["tag"]) for r in records if r["op"] == "send"} == (set(LANES) if kinds is None else kinds)
 
 
 def launcher_exit_codes(output: str) -> dict[str, int]:

@@ -181,7 +181,7 @@ def test_the_exchanges_messages_pair_alike_by_tag_and_by_place_in_their_nccl_lan
     ships five steps of four chunks. Gloo paired each message with its receive by tag; NCCL pairs them by place in a
     lane (``comm_cuda.lane_of``: the four chunks' tags share one): the trace shows the same pairs, on a bounded
     number of lanes."""
-    from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, LANES, lane_mismatches, lane_of
+    from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, LANES, lane_mismatches, lane_of, tag_lane
     from lightning_bamboo.engine.comm_process import TRACE_ENV
 
     results = _run_pair(_exchange_worker, False, "shipped", backend="bamboo", env={TRACE_ENV: str(tmp_path)})
@@ -192,7 +192,7 @@ def test_the_exchanges_messages_pair_alike_by_tag_and_by_place_in_their_nccl_lan
     assert {r["rank"] for r in sent} == {0, 1} and lane_mismatches(records) == []
     chunks = [r["tag"] for r in sent if r["rank"] == 0 and lane_of(r["tag"], 0, 1) == (CHUNK_TAGS, 0)]
     assert chunks == [CHUNK_TAGS + i for _ in range(STEPS) for i in range(4)]  # 4 tags, 1 lane, in chunk order
-    assert {lane_of(r["tag"], 0, 1)[0] for r in records} <= set(LANES)
+    assert {tag_lane(r["tag"]) for r in records} <= set(LANES)
     # the same messages with a chunk's receive posted out of its order would pair wrongly under NCCL
     holder = [i for i, r in enumerate(records) if r["op"] == "recv" and r["tag"] >= CHUNK_TAGS]
     first, second = records[holder[0]], records[holder[1]]

@@ -84,7 +84,7 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
     """The child: the generation's groups; each operation runs on its channel's thread, its outcome goes back."""
     import torch.distributed as dist
 
-    from lightning_bamboo.engine.comm_cuda import ChannelStream, NcclGroup, lane_of, open_shared
+    from lightning_bamboo.engine.comm_cuda import ChannelStream, NcclGroup, open_shared, tag_lane
 
     tcp = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
     groups: dict[int, dict[str, Any]] = {}
@@ -142,7 +142,7 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
         if op not in ("send", "recv"):
             return (gid, "collective")
         if transport == "nccl":
-            return (gid, op, args[0], lane_of(args[1], 0, 1)[0])
+            return (gid, op, args[0], tag_lane(args[1]))
         return (gid, op, *args)
 
     def channel(jobs: queue.SimpleQueue) -> None:

@@ -54,6 +54,11 @@ CHUNK_TAGS = HEADER_TAG + 1
 LANES = (PIPELINE_TAG, TIE_TAG, *READ_TAGS, OFFER_TAG, HEADER_TAG, CHUNK_TAGS)
 
 
+def tag_lane(tag: int) -> int:
+    """The tag a lane is named by: ``tag``'s own, or ``CHUNK_TAGS`` for every chunk of the replica's gradients."""
+    return CHUNK_TAGS if tag >= CHUNK_TAGS else tag
+
+
 def lane_of(tag: int, src: int, dst: int) -> tuple[int, int]:
     """The lane a message of ``tag`` from rank ``src`` to ``dst`` travels on under NCCL: its tag's (the chunks of the
     replica exchange's gradients share one: both ends post them in chunk order) and its direction (0: to the higher
@@ -65,7 +70,7 @@ def lane_of(tag: int, src: int, dst: int) -> tuple[int, int]:
     header receive first, and would wait for each other); a lane of one direction needs only that the receiver posts
     its receives in the order the sender posted the sends, which is gloo's matching by tag wherever a lane's tags
     come in one order (``lane_mismatches`` checks a gloo run's trace for it)."""
-    return (CHUNK_TAGS if tag >= CHUNK_TAGS else tag), int(src > dst)
+    return tag_lane(tag), int(src > dst)
 
 
 def lane_mismatches(records: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -27,6 +27,7 @@ while the job trains.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
@@ -278,8 +279,6 @@ class CommProcess:
         return work
 
     def _write_trace(self, gid: int, op: str, args: tuple, tensor: torch.Tensor) -> None:
-        import json
-
         assert self._trace is not None
         name, rank = self._names[gid]
         self._trace.write(json.dumps({"gen": self.prefix, "group": name, "rank": rank, "op": op, "peer": args[0],

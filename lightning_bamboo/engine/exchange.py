@@ -30,7 +30,7 @@ critical path).
 
 The protocol between a stage's owner (``OwnerEnd``) and its replica's holder (``HolderEnd``), step by step:
 
-1. Every ship sends a header (``REPLICA_TAG``): a byte per parameter (whether it has a gradient), then the token of
+1. Every ship sends a header (``HEADER_TAG``): a byte per parameter (whether it has a gradient), then the token of
    the shared half this step's gradients are in and the next step's (0: over the process group).
 2. Over the process group the gradients follow in chunks of whole parameters (``chunk_plan``, tags
    ``CHUNK_TAGS + i``); both ends derive the chunks from the same layers, and post them in chunk order (NCCL sends
@@ -38,7 +38,7 @@ The protocol between a stage's owner (``OwnerEnd``) and its replica's holder (``
 3. The holder offers a shared buffer of two halves once, at its first ``post_receive`` (``OFFER_TAG``; always
    sent, empty when it has none); the owner receives it from its first ship on and takes it at its second, so
    the first two steps go over the process group, the later ones through shared memory if the owner could map it.
-4. The owner writes a half again only once the holder's "read" for it came (``READ_TAG`` minus the half), which
+4. The owner writes a half again only once the holder's "read" for it came (``READ_TAGS[half]``), which
    the holder sends once the replica's update has used the gradients there (they are views of the half); the
    halves are written by turns, so a ship never waits for the update of the step just before it.
 5. Both ends switch at the step the header names (its "next" token). The owner lets its last backward accumulate
@@ -58,8 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bamboo.engine import comm_cuda
-from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG
+# the tags of its messages (``comm_cuda`` lists every tag in use: a receive posted early must never match another's)
+from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG, OFFER_TAG, READ_TAGS
 from lightning_bamboo.engine.comm_process import gpu_direct, trim_buffers
 from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
@@ -116,16 +116,9 @@ def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) ->
         offset += n
 
 
-#: the tags of the gradient exchange's messages (the mask, then each chunk of the gradients): DeepSpeed's
-#: own point-to-point messages use tag 0 on the same process group, and a receive posted early must
-#: never match one of those
-REPLICA_TAG = HEADER_TAG
 #: the gradients travel over the process group in chunks of whole parameters of at least this many
 #: elements (1 MiB of fp32); sender and receiver derive the same chunks, and tags, from their layers
 CHUNK_NUMEL = 1 << 18
-#: the tags of the shared-memory handshake: the holder's offer of its buffer, and its "read" after each step
-#: (``READ_TAG`` for the buffer's first half, one less for its second)
-OFFER_TAG, READ_TAG = comm_cuda.OFFER_TAG, comm_cuda.READ_TAGS[0]
 #: the size of an offer message (a pickled host identity, token and shared-memory handle)
 OFFER_BYTES = 1024
 #: bytes after the mask: the token of the shared buffer this step's gradients are in, then the next step's (0: none)
@@ -236,7 +229,7 @@ class OwnerEnd:
             self._take_offer(sum(numels))  # rule 3: the next step's gradients go through it, if there is one
         following = self._peer_half(self._half)[1] if self._peer_shared is not None else 0
         message = _header(mask, shared[1] if shared is not None else 0, following)
-        requests.append(dist.isend(message, self.holder, group=self.group, tag=REPLICA_TAG))
+        requests.append(dist.isend(message, self.holder, group=self.group, tag=HEADER_TAG))
         self._sent = ((message, flat), requests)
 
     def write_ahead(self, own: nn.Module) -> None:
@@ -303,7 +296,7 @@ class OwnerEnd:
         awaited = self._reads[half]
         if awaited is not None and awaited[2] is None:
             message, token, _ = awaited
-            request = dist.irecv(message, self.holder, group=self.group, tag=READ_TAG - half)
+            request = dist.irecv(message, self.holder, group=self.group, tag=READ_TAGS[half])
             self._reads[half] = (message, token, request)
 
     def _wait_read(self, half: int) -> None:
@@ -387,7 +380,7 @@ class HolderEnd:
         numel = sum(p.numel() for p in params)
         self._offer_shared(numel)
         mask = torch.zeros(len(params) + _HEADER, dtype=torch.uint8)
-        requests = [dist.irecv(mask, self.owner, group=self.group, tag=REPLICA_TAG)]
+        requests = [dist.irecv(mask, self.owner, group=self.group, tag=HEADER_TAG)]
         flat = None  # through shared memory the replica reads the owner's buffer: no receive buffer
         if self._owner_writes_shared:
             if self._recv_buffers:
@@ -435,7 +428,7 @@ class HolderEnd:
             sent[1].wait()
         read = torch.tensor([self._unread], dtype=torch.int64)
         self._unread = None
-        self._read_sent[half] = (read, dist.isend(read, self.owner, group=self.group, tag=READ_TAG - half))
+        self._read_sent[half] = (read, dist.isend(read, self.owner, group=self.group, tag=READ_TAGS[half]))
 
     def finish(self) -> None:
         """Wait until the "read"s sent are gone."""

@@ -189,8 +189,8 @@ class Replica:
         """Move the layers and their optimizer state to ``device`` (``on_gpu``) or to pinned host memory; a step's
         memory use decided it (``placement.replica_stays_on_gpu``). The committed update due is applied first, where
         the layers are. Exact: a hosted replica's update runs on ``device`` already, a layer at a time."""
-        if self.device.type != "cuda" or on_gpu != self.hosted:
-            return
+        if self.device.type != "cuda" or on_gpu == (not self.hosted):
+            return  # (on CPU, or there already)
         self.settle()
         state = self.optimizer.state
         for p in self.module.parameters():

@@ -18,11 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_bamboo.engine import comm_cuda
+from lightning_bamboo.engine.comm_cuda import TIE_TAG  # (the list of every tag in use)
 from lightning_bamboo.engine.transfer import wait_all
 
-#: the tag of the tied gradients' messages (``comm_cuda``'s list of the tags in use)
-TIE_TAG = comm_cuda.TIE_TAG
 #: elements per piece of a tied gradient (16 MiB of fp32) and rounds of pieces in flight
 PIECE = 1 << 22
 WINDOW = 2

@@ -228,20 +228,21 @@ class NodeStage:
             return
         self._placed = engine
         free, total = torch.cuda.mem_get_info(self.device)
-        on_gpu = not replica.hosted
+        peak, on_gpu = torch.cuda.max_memory_allocated(self.device), not replica.hosted
         params = sum(p.numel() for p in replica.module.parameters())
-        stays = replica_stays_on_gpu(on_gpu, params, free, total, torch.cuda.memory_reserved(self.device),
-                                     torch.cuda.max_memory_allocated(self.device))
+        stays = replica_stays_on_gpu(on_gpu, params, free, total, torch.cuda.memory_reserved(self.device), peak)
         if stays != on_gpu:
+            where = "the GPU" if stays else "pinned host memory"
             log.info("replica of stage %d (%d parameters): to %s after the first step (GPU %.2f GiB free of %.2f, peak "
-                     "%.2f GiB)", replica.stage, params, "the GPU" if stays else "pinned host memory", free / 2**30,
-                     total / 2**30, torch.cuda.max_memory_allocated(self.device) / 2**30)
-            with must_fit(f"the replica of stage {replica.stage} moved to the GPU", self.device, True):
+                     "%.2f GiB)", replica.stage, params, where, free / 2**30, total / 2**30, peak / 2**30)
+            with must_fit(f"the replica of stage {replica.stage} moved to {where}", self.device, stays):
                 replica.place(stays)
 
     def _new_engine(self, module: Any, optimizer: Any, layout: Layout) -> BambooPipelineEngine:
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)  # the first step's peak decides the replica's place
+            # the first step's peak decides the replica's place (``settle_placement``); torch keeps one peak per
+            # process, so a user's own reading of it counts from here too
+            torch.cuda.reset_peak_memory_stats(self.device)
         precision = self.precision if self.precision is not None else self.resolve_precision()
         # reduced precision and clipping are the engine's own (``engine.precision``), not DeepSpeed's
         _, rest = resolve(self.config.precision, self.config.deepspeed, self.gradient_clipping)

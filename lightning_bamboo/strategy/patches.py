@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -14,6 +15,8 @@ import torch.distributed as torch_dist
 from lightning_bamboo.engine.comm_process import abort_generation
 from lightning_bamboo.engine.groups import reset_group_names
 from lightning_bamboo.runtime.session import request_leave
+
+log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ SIGTERM under membership
 _PATCHED: dict[tuple[type, str], type] = {}
@@ -149,9 +152,7 @@ def _shared_forks() -> Any:
     try:
         return ForkServer(preload, os.environ, runs=("*",), scripts=True, address=address, detached=True)
     except ForkServerRefused as err:  # the ranks start as Lightning starts them: slower, the same job
-        import logging
-
-        logging.getLogger(__name__).info("Lightning's ranks start as processes of their own: %s", err)
+        log.info("Lightning's ranks start as processes of their own: %s", err)
         return None
 
 
