@@ -21,7 +21,9 @@ the GPU; median step time and each process's peak GPU memory with redundancy ``o
 ``eager`` (the replica and the redundant forward on the GPU too); then ``lazy`` with node1
 SIGKILLed, and with node1 frozen (SIGSTOP), at step ``--kill-at``: the step that absorbs the
 failover, and the final weights and AdamW state against the clean ``lazy`` run, bit for bit (by a
-digest of every tensor's bytes: a stage's states are GBs). No run of part 2 starts after
+digest of every tensor's bytes: a stage's states are GBs); and the asynchronous checkpoint's pause, a
+snapshot of stage 0 to host memory. ``benchmarks/sim_gpu_inputs.py`` turns the record into the
+simulator's inputs. No run of part 2 starts after
 ``--budget-s`` seconds; one not run reads nan and fails the check. On one shared GPU the pipeline
 has no idle bubbles to hide the redundant forward in, so ``lazy`` costs there what it would not
 with a GPU per stage: this part shows that it runs and stays exact, not its overhead.
@@ -228,13 +230,29 @@ def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, prec
     assert runner.stage.engine is not None
     peak = torch.cuda.max_memory_allocated(DEVICE) if DEVICE.startswith("cuda") else 0
     engine = runner.stage.engine
+    snapshots = snapshot_seconds(engine)
     (out / f"{session.node}.json").write_text(json.dumps({
         "times": times, "failovers": [f.as_dict() for f in runner.failovers], "peak_bytes": peak,
-        "parameters": sum(p.numel() for p in engine.module.parameters()),
+        "parameters": sum(p.numel() for p in engine.module.parameters()), "snapshot_s": snapshots,
         "digests": digests(engine.own_states())}))  # digests: a 0.5B stage's states are GBs to write and read
     runner.finish(completed=True)
     runner.close()
     dist.destroy_process_group()
+
+
+def snapshot_seconds(engine) -> list[float]:
+    """Seconds of the training thread's pause for two snapshots of the stage (``AsyncCheckpoint``'s: weights and
+    optimizer state copied to host memory, ``checkpoint.take_shard``): the first allocates the host buffers, the
+    second reuses them, as every snapshot after a checkpoint's first does."""
+    from lightning_bamboo import checkpoint as ckpt
+
+    taken, seconds = None, []
+    for _ in range(2):
+        start = time.perf_counter()
+        taken = ckpt.take_shard(0, engine.module, engine.optimizer, engine.layer_range, writes_layers=True,
+                                reuse=taken)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def digests(states: dict) -> dict:
@@ -296,6 +314,11 @@ def pipeline_part(results: dict, steps: int, kill_at: int, size: tuple[int, int]
                 results[f"step_{mode}_ms"] = statistics.median(node0["times"][warmup:]) * 1e3
                 results[f"peak_{mode}_gib"] = max(r["peak_bytes"] for r in run["reports"].values()) / 2**30
                 results["stage_parameters"] = node0["parameters"]
+                results["model_parameters"] = sum(r["parameters"] for r in run["reports"].values())
+                results["model_shape"], results["context"] = list(size), BLOCK  # (width, blocks), positions
+                results["tokens_per_step"] = MICRO * MICRO_BATCHES * BLOCK
+            if mode == "off" and node0:
+                results["snapshot_first_s"], results["snapshot_s"] = node0["snapshot_s"]
         for mode in MODES[1:]:
             if f"step_{mode}_ms" in results and "step_off_ms" in results:
                 results[f"{mode}_over_off"] = results[f"step_{mode}_ms"] / results["step_off_ms"]
@@ -411,6 +434,9 @@ def report(results: dict, kill_at: int, skip_pipeline: bool) -> list[str]:
                      + f" (lazy {results.get('lazy_over_off', nan):.3f}x, eager {results.get('eager_over_off', nan):.3f}x)"
                      "; peak memory of a process " + ", ".join(
                          f"{mode} {results.get(f'peak_{mode}_gib', nan):.2f} GiB" for mode in MODES))
+        lines.append(f"snapshot of stage 0 to host memory (the asynchronous checkpoint's pause): "
+                     f"{results.get('snapshot_s', nan):.3f} s ({results.get('snapshot_first_s', nan):.3f} s the "
+                     "first, which allocates its buffers)")
         if results.get("not_run"):
             lines.append(f"not run within the time budget: {', '.join(results['not_run'])}")
         for how, what in (("kill", "SIGKILLed"), ("freeze", "frozen (SIGSTOP; detection timeout 3 s)")):

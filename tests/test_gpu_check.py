@@ -7,7 +7,9 @@ measured numbers, so its form is checked here against numbers made up for the pu
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,10 +18,17 @@ import torch
 
 from tests.helpers import REPO
 
-SPEC = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "gpu.py")
-assert SPEC is not None and SPEC.loader is not None
-gpu = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(gpu)
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu = _script("gpu")
+sim_inputs = _script("sim_gpu_inputs")
 
 MEASURED = {
     "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "nccl": "2.27.3",
@@ -30,7 +39,8 @@ MEASURED = {
     "nccl_layer_over_native": 30.533, "host_abort_s": 0.0123, "nccl_abort_s": 0.0456, "nccl_blocked_before_abort": True,
     "nccl_next_generation_s": 1.5, "step_off_ms": 101.25, "step_lazy_ms": 123.5, "lazy_over_off": 1.2198,
     "step_eager_ms": 140.0, "eager_over_off": 1.3827, "peak_off_gib": 10.5, "peak_lazy_gib": 19.25,
-    "peak_eager_gib": 20.0, "stage_parameters": 523_000_000,
+    "peak_eager_gib": 20.0, "stage_parameters": 523_000_000, "model_parameters": 1_000_000_000,
+    "model_shape": [2048, 20], "context": 256, "tokens_per_step": 8192, "snapshot_first_s": 2.5, "snapshot_s": 0.875,
     "kill_codes": {"node0": 0, "node1": -9}, "kill_failovers": [(12, ["node1"])], "kill_step_s": 0.75,
     "exact_after_kill": True, "freeze_codes": {"node0": 0, "node1": -9}, "freeze_failovers": [(12, ["node1"])],
     "freeze_step_s": 3.5, "exact_after_freeze": True,
@@ -65,6 +75,8 @@ def test_the_report_reads_the_measured_numbers():
         "pipeline, 2 stages of 0.52B parameters (stage 0) sharing the GPU, fp32, AdamW: step off 101.2 ms, lazy "
         "123.5 ms, eager 140.0 ms (lazy 1.220x, eager 1.383x); peak memory of a process off 10.50 GiB, lazy 19.25 GiB, "
         "eager 20.00 GiB",
+        "snapshot of stage 0 to host memory (the asynchronous checkpoint's pause): 0.875 s (2.500 s the first, which "
+        "allocates its buffers)",
         "node1 SIGKILLed at step 12: exit codes {'node0': 0, 'node1': -9}, failovers [(12, ['node1'])], that step "
         "0.75 s, final weights and AdamW state equal to the clean lazy run: True",
         "node1 frozen (SIGSTOP; detection timeout 3 s) at step 12: exit codes {'node0': 0, 'node1': -9}, failovers "
@@ -133,3 +145,58 @@ def test_the_largest_model_on_one_gpu_is_estimated_from_what_two_processes_hold_
     assert line == ("largest GPT on the GPU in 2 stages sharing it, bf16, lazy, AdamW: 2.89B parameters (14 blocks x "
                     "4096), step 912.5 ms, peak memory of a process 51.25 GiB (tried: 16 blocks did not fit, 14 blocks "
                     "fit)")
+
+
+def _record(tmp_path, results: dict, failed: bool = False):
+    """A record as ``benchmarks/record.py`` writes it for ``make gpu-check``: header, the tests' output, gpu.py's
+    JSON lines (the comm part's, then all) and its report."""
+    lines = ["# command: sh -c 'pytest ...; python benchmarks/gpu.py'", "# commit: 0123456789abcdef0123456789abcdef01234567",
+             "# date: 2026-12-02T10:00:00Z", "# machine: x86_64, 16 cores", "........ [100%]", "12 passed in 30.0s",
+             json.dumps({"gpu": results["gpu"], "host_abort_s": 0.01}), json.dumps(results),
+             *gpu.report(results, 5, skip_pipeline=False)]
+    if failed:
+        lines.append("# exit status: 1 (kept with --keep-failed: the benchmark reported a failed target)")
+    path = tmp_path / "gpu_check.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_simulators_gpu_inputs_come_from_the_check_each_cited(tmp_path, capsys):
+    from lightning_bamboo.sim.params import DEFAULT_PATH, describe_inputs, load_params
+
+    params = tmp_path / "sim_params.json"
+    shutil.copy(DEFAULT_PATH, params)
+    before = load_params(params)
+    measured = {**MEASURED, "step_off_ms": 500.0, "step_lazy_ms": 600.0, "kill_step_s": 2.1}
+    assert sim_inputs.main(["--record", str(_record(tmp_path, measured)), "--params", str(params), "--write"]) == 0
+    after = load_params(params)
+    # by hand: the off run trained (6 x 1e9 + 6 x 20 x 256 x 2048) FLOPs x 8192 tokens in 0.5 s; a GPT-2 XL block's
+    # micro-batch of 8 x 1024 tokens is (6 x 12 x 1600^2 + 6 x 1024 x 1600) FLOPs a token; the defaults' step is
+    # (12 micro-batches + 12 stages - 1) x 4 blocks of them
+    rate = (6e9 + 6 * 20 * 256 * 2048) * 8192 / 0.5
+    assert after.step_seconds == pytest.approx(92 * 8 * 1024 * (6 * 12 * 1600**2 + 6 * 1024 * 1600) / rate, abs=1e-4)
+    assert 1.0 < after.step_seconds < 2.0
+    assert after.snapshot_seconds == pytest.approx(0.875 * 4 * 12 * 1600**2 / 523e6, abs=1e-4)
+    assert after.failover_seconds == pytest.approx(1.5)
+    assert after.redundancy_overhead == before.redundancy_overhead  # a shared GPU hides no redundant forward
+    described = describe_inputs(after, path=params)
+    for name in ("step_seconds", "snapshot_seconds", "failover_seconds"):
+        assert described[name]["kind"] == "measured"
+        assert "gpu_check.txt (commit 0123456, 2026-12-02T10:00:00Z, NVIDIA H100 80GB HBM3)" in described[name]["source"]
+    assert "step_seconds = 1.4" in capsys.readouterr().out
+
+
+def test_a_failed_check_or_one_without_its_pipeline_part_gives_the_simulator_nothing(tmp_path, capsys):
+    from lightning_bamboo.sim.params import DEFAULT_PATH
+
+    params = tmp_path / "sim_params.json"
+    shutil.copy(DEFAULT_PATH, params)
+    assert sim_inputs.main(["--record", str(_record(tmp_path, MEASURED, failed=True)), "--params", str(params),
+                            "--write"]) == 2
+    assert "records a failed check (1 (kept with --keep-failed" in capsys.readouterr().err
+    comm_only = {k: v for k, v in MEASURED.items() if k not in ("snapshot_s", "kill_step_s")}
+    assert sim_inputs.main(["--record", str(_record(tmp_path, comm_only)), "--params", str(params), "--write"]) == 2
+    assert "missing: snapshot_s, kill_step_s" in capsys.readouterr().err
+    assert sim_inputs.main(["--record", str(tmp_path / "none.txt"), "--params", str(params)]) == 2
+    assert "make gpu-check` on a machine with a CUDA GPU writes it" in capsys.readouterr().err
+    assert params.read_bytes() == DEFAULT_PATH.read_bytes()  # nothing written

@@ -149,6 +149,21 @@ def test_two_adjacent_preemptions_bamboo_falls_back_to_the_checkpoint():
     assert [a for _, a, _ in policy.decisions] == ["start", "recover"]
 
 
+def test_bamboos_asynchronous_checkpoint_pauses_for_its_snapshot_and_counts_once_it_is_taken():
+    result, _ = run(
+        "bamboo", THREE + ["110000,remove,n2", "120000,remove,n1"], max_overloaded_fraction=1.0,
+        snapshot_seconds=1.0, **ONE_PIPELINE
+    )
+    # snapshots (1 s pauses) after 50 s of training each: 50-51 (100 samples), 101-102 (200); 110 s: n1 takes
+    # over (216 samples, 2 s failover, half speed); 120 s: fatal: back to the snapshot of 200 samples, restart
+    # 120-130 on n3 alone, at 4/3 samples/s from 130 s but for the next snapshot, 180-181 s
+    assert steps(result) == [(0, 2.0), (50, 0), (51, 2.0), (101, 0), (102, 2.0), (110, 0), (112, 1.0), (120, 0),
+                             (130, pytest.approx(4 / 3)), (180, 0), (181, pytest.approx(4 / 3))]
+    assert result.breakdown_hours["checkpoint"] == pytest.approx(3 / 3600)
+    assert result.samples == pytest.approx(200 + 69 * 4 / 3)
+    assert result.breakdown_hours["lost_work"] == pytest.approx(16 / 3600)  # 8 s + 8 s trained after the snapshot
+
+
 def test_two_adjacent_preemptions_at_the_same_instant_are_fatal_in_the_only_pipeline():
     result, _ = run("bamboo", THREE + ["100000,remove,n2", "100000,remove,n1"], **ONE_PIPELINE)
     # the checkpoint after 100 s of training is taken first (200 samples): nothing lost; the

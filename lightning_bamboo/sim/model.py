@@ -44,9 +44,16 @@ def step_seconds(layout: Placement, params: SimParams) -> float:
     if layout.pipelines == 1 and params.single_pipeline_step_seconds:
         pipelines, seconds = 1, params.single_pipeline_step_seconds
     fixed = min(params.step_fixed_seconds, seconds)
-    ref_m = max(policy_config(params).micro_batches(pipelines))
-    reference = _slots(ref_m, even_parts(params.layers, params.stages))
+    reference = reference_slots(params, pipelines)
     return fixed + (seconds - fixed) * _slots(max(layout.micro_batches), layout.parts) / reference
+
+
+def reference_slots(params: SimParams, pipelines: int | None = None) -> float:
+    """Layer-slots of the step that ``step_seconds`` times: ``(m + stages - 1)`` micro-batch slots of the widest
+    stage's layers, at ``pipelines`` (default ``step_pipelines``) pipelines of ``stages`` (a layer-slot: one layer's
+    forward and backward of one micro-batch)."""
+    ref_m = max(policy_config(params).micro_batches(pipelines or params.step_pipelines))
+    return _slots(ref_m, even_parts(params.layers, params.stages))
 
 
 def step_rate(

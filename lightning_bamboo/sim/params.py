@@ -46,6 +46,7 @@ class SimParams:
     checkpoint_save_seconds: float = 20.0
     checkpoint_interval_seconds: float = 0.0
     bamboo_checkpoint_interval_seconds: float = 600.0
+    snapshot_seconds: float = 0.0
     node_ready_seconds: float = 45.0
     rejoin_seconds: float = 20.0
     max_overloaded_fraction: float = 0.05
@@ -98,6 +99,7 @@ class SimParams:
             "pipeline_micro_batches",
             "checkpoint_interval_seconds",
             "bamboo_checkpoint_interval_seconds",
+            "snapshot_seconds",
             "node_ready_seconds",
             "rejoin_seconds",
             "single_pipeline_step_seconds",

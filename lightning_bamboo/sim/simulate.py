@@ -76,7 +76,7 @@ def run_policy(name: str, trace: Trace, params: SimParams, end: float) -> tuple[
         ledger = Ledger(params.spot_price, params.checkpoint_interval_seconds, params.checkpoint_save_seconds)
     else:
         events = trace.events
-        ledger = Ledger(params.spot_price, params.bamboo_checkpoint_interval_seconds, 0.0)
+        ledger = Ledger(params.spot_price, params.bamboo_checkpoint_interval_seconds, params.snapshot_seconds)
     policy = POLICIES[name](params, ledger)
     queue: list[tuple[float, int, str, TraceEvent]] = []
     for seq, e in enumerate(events):
