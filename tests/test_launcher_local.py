@@ -65,6 +65,39 @@ def test_a_standby_process_waits_at_idle_priority_and_leaves_it_when_admitted():
     assert report["sub_before"] == os.SCHED_IDLE and report["sub_after"] == os.SCHED_OTHER
 
 
+@pytest.mark.skipif(not idle_priority_supported(), reason="this user may not raise a thread from idle priority")
+@pytest.mark.timeout(120)
+def test_a_standby_starved_at_idle_priority_gets_the_cpu_back_when_the_job_finishes_and_is_not_killed_as_hung():
+    """On a machine whose cores are busy, a standby process at idle priority gets almost no CPU (a few ms a second):
+    too little to see the job's end and exit, and below what the hang watch takes for alive. Once the job is marked
+    finished, the launcher's wait gives its workers normal priority back: the standby (here: 0.3 s of CPU to burn,
+    on the one core a busy loop holds) then ends by itself with 0, and none is killed as hung."""
+    from lightning_bamboo.launcher.cluster import _wait_for_workers, stopping
+    from lightning_bamboo.membership.keys import JobKeys
+
+    core = {min(os.sched_getaffinity(0))}
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    cluster = Cluster("embedded", job="starved")
+    try:
+        os.sched_setaffinity(hog.pid, core)
+        burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+        cluster.spawn_joiner("standby0", [sys.executable, "-c", burn], idle=True, cwd=REPO)
+        proc = cluster.procs["standby0"]
+        os.sched_setaffinity(proc.pid, core)
+        time.sleep(3)
+        assert proc.poll() is None and os.sched_getscheduler(proc.pid) == os.SCHED_IDLE  # starved: still starting
+        cluster.store.put(JobKeys("starved").finished, json.dumps(["node0"]))  # the job ends (standby0 not in it)
+        with stopping(cluster) as stop:
+            started = time.monotonic()
+            hung = _wait_for_workers(cluster, stop, deadline=time.monotonic() + 60, kill_hung=True)
+        assert hung == set() and cluster.codes == {"standby0": 0}, (hung, cluster.codes)
+        assert time.monotonic() - started < launcher.cluster.FINISHED_GRACE_SECONDS  # it ended by itself
+    finally:
+        hog.kill()
+        hog.wait(timeout=30)
+        cluster.close()
+
+
 def test_a_standby_process_not_asked_to_idle_runs_at_normal_priority():
     report = _run_joiner(idle=False)
     assert report["before"] == os.SCHED_OTHER and report["left"] is False and report["sub_after"] == os.SCHED_OTHER

@@ -29,6 +29,7 @@ from lightning_bamboo.membership.node import (
     descendants,
     idle_priority_supported,
     joiner_env,
+    restore_normal_priority,
 )
 
 if TYPE_CHECKING:
@@ -491,9 +492,11 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
                       announce_always: bool = False, kill_hung: bool = False) -> set[str]:
     """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or with ``kill_hung``
     when they run on ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by
-    itself). Only ``launch`` asks for that: all its workers are ranks of the job; a machine's supervisor
-    also runs standby nodes, which may still be starting when the job finishes. Returns the workers killed
-    as hung."""
+    itself). Only ``launch`` asks for that: all its workers are ranks of the job or standby nodes it released; a
+    machine's supervisor also runs standby nodes, which may still be starting when the job finishes. Once the job
+    finished, every worker runs at normal priority again: a standby waiting at idle priority on busy cores gets a
+    few milliseconds of CPU a second, too few to see the end and exit, and would be taken for hung. Returns the
+    workers killed as hung."""
     finished_at, checked, hung = None, 0.0, set()
     watch: _HangWatch | None = None
     told_refusal = False
@@ -503,9 +506,13 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
             for name in cluster.running:
                 cluster.kill(name, signal.SIGKILL)
         now = time.monotonic()
-        if kill_hung and finished_at is None and now - checked > 1.0:
+        if kill_hung and now - checked > 1.0:
             checked = now
-            finished_at = now if cluster.job_finished() else None
+            if finished_at is None:
+                finished_at = now if cluster.job_finished() else None
+            if finished_at is not None:  # a standby waiting at idle priority needs the CPU now to see it and exit
+                for name in cluster.running:
+                    restore_normal_priority(cluster.procs[name].pid)
         refused = [n for n, c in cluster.codes.items() if c == CONFIG_EXIT_CODE]
         if refused and finished_at is None and cluster.running:  # the same script refuses everywhere: stop waiting
             if not told_refusal:

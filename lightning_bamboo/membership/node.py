@@ -30,18 +30,32 @@ def leave_idle_priority() -> bool:
     ``Cluster.spawn_joiner(idle=True)``, now admitted). True if it did."""
     if not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(0) != os.SCHED_IDLE:
         return False
-    # threads and processes started later inherit their starter's (now normal) policy
-    for pid in [os.getpid(), *descendants(os.getpid())]:
+    restore_normal_priority(os.getpid())
+    return True
+
+
+def restore_normal_priority(pid: int) -> int:
+    """Move every thread of ``pid`` and of the processes it started that runs at idle CPU priority back to normal
+    priority; returns how many it moved. Threads and processes started later inherit their starter's (now normal)
+    policy. A standby process waits at idle priority so as to take only the cycles training leaves; once its job
+    finished (the launcher calls this then), it needs the CPU to see that and exit, which on a machine whose
+    cores are busy it would otherwise never get."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return 0
+    moved = 0
+    for member in [pid, *descendants(pid)]:
         try:
-            tasks = os.listdir(f"/proc/{pid}/task")
+            tasks = os.listdir(f"/proc/{member}/task")
         except OSError:  # the process ended meanwhile
             continue
         for tid in map(int, tasks):
             try:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            except ProcessLookupError:  # the thread ended meanwhile
+                if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                    moved += 1
+            except (ProcessLookupError, PermissionError):  # the thread ended meanwhile; another user's
                 pass
-    return True
+    return moved
 
 
 def descendants(pid: int) -> list[int]:
