@@ -169,3 +169,32 @@ def test_a_keep_alive_refused_is_tried_again_at_once(store):
     assert len([sent for sent, _ in refusing.calls if sent < refusing.until]) >= 3
     assert node.unreachable_since is None and node.renewed_at >= refusing.until
     node.leave()
+
+
+def test_a_step_whose_communication_failed_because_this_node_was_declared_lost_says_so(store):
+    """A node frozen (or starved) past its lease comes back to find its peers failed over without it: its next
+    message fails with 'connection reset by peer'. With no peer lost, the step guard asks the fence, which names
+    what happened (``Fenced``, the failed message as its cause) instead of the transport's error."""
+    from lightning_bamboo.engine.guard import StepGuard
+
+    node = Registry(store, "thawed", "node0", ttl=1.0)
+    node.join()
+    fenced = FencedStore(store, node)
+    guard = StepGuard(threading.Event(), lambda: (), detection_timeout=0.2,
+                      check_fenced=lambda: fenced.check("go on after its communication failed"))
+
+    def step() -> None:
+        raise RuntimeError("Connection reset by peer")  # a peer hung up
+
+    with pytest.raises(RuntimeError, match="Connection reset by peer") as live:  # its lease holds: the error stands
+        guard.run(step)
+    assert not isinstance(live.value, Fenced)
+    node.stop_heartbeat()  # frozen: no keep-alive gets through
+    deadline = time.monotonic() + 10
+    while not node.lease_may_have_expired():
+        assert time.monotonic() < deadline, "the lease did not lapse"
+        time.sleep(0.05)
+    with pytest.raises(Fenced, match="node0 refuses to go on after its communication failed: its lease may have "
+                                     "expired .* can join the job again as a new standby node") as thawed:
+        guard.run(step)
+    assert isinstance(thawed.value.__cause__, RuntimeError)

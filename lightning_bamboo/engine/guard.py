@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_bamboo.engine.comm_process import abort_generation
-from lightning_bamboo.errors import FatalLoss, PeerLost
+from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 
 __all__ = ["STEP_FINISH_SECONDS", "PeerLost", "StepGuard", "is_comm_error"]
 
@@ -27,9 +27,11 @@ class StepGuard:
     """
 
     def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float,
-                 finish_within: float = STEP_FINISH_SECONDS) -> None:
+                 finish_within: float = STEP_FINISH_SECONDS, check_fenced: Callable[[], None] = lambda: None) -> None:
         self.lost, self.describe, self.detection_timeout = lost, describe, detection_timeout
         self.finish_within = finish_within
+        #: raises (``membership.fence.Fenced``) when this node may have been declared lost itself
+        self.check_fenced = check_fenced
 
     def run(self, fn: Callable[[], Any], busy: Callable[[], bool] = lambda: False) -> Any:
         result: dict[str, Any] = {}
@@ -64,6 +66,12 @@ class StepGuard:
                 # timing; wait (bounded) for the store to say whether someone died.
                 if self.lost.wait(self.detection_timeout if is_comm_error(err) else min(2.0, self.detection_timeout)):
                     raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
+                # No peer was lost: this node may have been, frozen or starved past its lease while the others
+                # failed over and closed the old group (its failed message says only that a peer hung up).
+                try:
+                    self.check_fenced()
+                except BambooError as fenced:
+                    raise fenced from err
             raise err
         return result["value"]
 
