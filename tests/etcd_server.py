@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from lightning_bamboo.membership.address import free_port
 
 
 def etcd_binary() -> Path | None:
@@ -25,12 +26,6 @@ def etcd_binary() -> Path | None:
 
 class _PortTaken(RuntimeError):
     """etcd could not bind a port picked as free (another process took it in between)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:
@@ -49,8 +44,8 @@ class EtcdServer:
         self.binary = binary
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="bamboo-etcd-")
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self._started_once = False
@@ -69,7 +64,7 @@ class EtcdServer:
             except _PortTaken:
                 if self._started_once or attempt == 2:
                     raise
-                self.client_port, self.peer_port = _free_port(), _free_port()
+                self.client_port, self.peer_port = free_port(), free_port()
         return self
 
     def _start_once(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Callable
 
 import pytest
@@ -23,6 +22,7 @@ from lightning_bamboo.engine.exchange import (
 )
 from lightning_bamboo.engine.replica import Replica, StageContainer, free
 from lightning_bamboo.errors import BambooError
+from lightning_bamboo.membership.address import free_port
 from tests.helpers import process_context
 
 
@@ -76,12 +76,6 @@ def test_no_parameters_no_chunks():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Two real processes on gloo: stage 0's owner ships, its replica holder receives.
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class _Stage(torch.nn.Module):
     """Three parameters of 300,000 elements and a small one: four chunks."""
@@ -236,7 +230,7 @@ def _run_pair(target, *args, backend: str = "gloo", env: dict | None = None):
     to their environment, to their end (60 s at most, killed after); the results queue."""
     ctx = process_context()
     errors, results = ctx.Queue(), ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_pair_main, args=(target, rank, port, args, errors, results, backend, env))
              for rank in range(2)]
     for proc in procs:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import peers  # noqa: E402
 
 from lightning_bamboo.demo.events import ClusterEvent  # noqa: E402
+from lightning_bamboo.membership.address import free_port  # noqa: E402
 
 
 def test_young_daly_interval():
@@ -54,12 +54,6 @@ def test_equal_wall_time_counts_the_most_steps_finished_within_it():
     assert peers.steps_for(10.0, 0.5) == 24 and peers.steps_for(0.1, 10.0) == 1  # a fifth more than the wall needs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _events(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
 
@@ -83,7 +77,7 @@ def test_peer_resumes_from_its_deepspeed_checkpoint_after_a_kill(tmp_path):
     """Two stages killed (SIGKILL) after step 3, past the checkpoint of step 2: one stage resumes at step 2, with
     the weights and not the momentum (DeepSpeed keeps the optimizer state per stage), and finishes step 5."""
     events = tmp_path / "events.jsonl"
-    first = _workers(2, tmp_path, steps=50, port=_free_port())
+    first = _workers(2, tmp_path, steps=50, port=free_port())
     try:
         deadline = time.monotonic() + 90
         while not any(e["event"] == "step" and e["step"] >= 3 for e in _events(events)):
@@ -100,7 +94,7 @@ def test_peer_resumes_from_its_deepspeed_checkpoint_after_a_kill(tmp_path):
     saved = int((tmp_path / "ckpt" / "latest").read_text().strip().removeprefix("global_step"))
     assert 2 <= saved <= killed_at
 
-    (second,) = _workers(1, tmp_path, steps=killed_at + 2, port=_free_port())
+    (second,) = _workers(1, tmp_path, steps=killed_at + 2, port=free_port())
     try:
         assert second.wait(timeout=90) == 0
     finally:

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.planner.network import measure_link
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, results) -> None:
@@ -31,7 +24,7 @@ def test_three_ranks_agree_on_the_link() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     world = 3
-    mp.start_processes(_worker, args=(world, _free_port(), results), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(world, free_port(), results), nprocs=world, join=True, start_method="spawn")
     found = dict(results.get(timeout=10) for _ in range(world))
     assert sorted(found) == [0, 1, 2]
     assert len(set(found.values())) == 1  # broadcast from the sender: one answer everywhere
