@@ -198,3 +198,26 @@ def test_a_step_whose_communication_failed_because_this_node_was_declared_lost_s
                                      "expired .* can join the job again as a new standby node") as thawed:
         guard.run(step)
     assert isinstance(thawed.value.__cause__, RuntimeError)
+
+
+def test_a_step_blocked_on_peers_that_moved_on_ends_once_this_nodes_lease_may_have_ended(store):
+    """Cut off from its peers (a partition), or waiting on an NCCL peer that left, a step may never end by itself:
+    the guard checks the fence while it waits, and once this node's lease may have ended it aborts the generation's
+    communication and raises ``Fenced`` (here the blocked step ignores the abort: the guard gives it
+    ``finish_within`` and raises all the same)."""
+    from lightning_bamboo.engine.guard import StepGuard
+
+    node = Registry(store, "cut", "node0", ttl=1.0)
+    node.join()
+    fenced = FencedStore(store, node)
+    guard = StepGuard(threading.Event(), lambda: (), detection_timeout=5.0, finish_within=0.5,
+                      check_fenced=lambda: fenced.check("go on with its step"))
+    never = threading.Event()
+    assert guard.run(lambda: 7) == 7  # a live node's step returns its value
+    node.stop_heartbeat()
+    started = time.monotonic()
+    with pytest.raises(Fenced, match="node0 refuses to go on with its step"):
+        guard.run(never.wait)
+    # one lease from the last keep-alive, then half a second for the step to end
+    assert time.monotonic() - started < 1.0 + 0.5 + 1.0
+    never.set()

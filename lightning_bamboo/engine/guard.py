@@ -24,6 +24,10 @@ class StepGuard:
     (``comm_process.abort_generation``): every wait of the old process group ends at once, the step
     thread raises out of it and ends, and only then does the failover go on. No thread of the old
     generation is left behind; one still computing after ``finish_within`` seconds is a fatal error.
+
+    ``check_fenced`` raises (``membership.fence.Fenced``) once this node itself may have been declared lost: the
+    guard then ends the step the same way and raises that, whether the step was blocked (a partition: its peers
+    unreachable) or failed (its peers moved on and hung up).
     """
 
     def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float,
@@ -56,6 +60,16 @@ class StepGuard:
                                     "communication, so it cannot be failed over: start again from the checkpoint")
                 thread.join()
                 raise lost
+            if not busy():
+                try:
+                    self.check_fenced()
+                except BambooError:
+                    # This node's lease may have ended (frozen, starved or cut off): its peers may be failing over
+                    # without it, and its step may wait for ever on a peer that moved on (a partition, NCCL). It
+                    # stops; the fence says why.
+                    abort_generation()
+                    done.wait(self.finish_within)
+                    raise
         thread.join()
         if "error" in result:
             err = result["error"]
