@@ -52,9 +52,13 @@ def _wait_for(path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.
     raise AssertionError(f"{pattern!r} not seen within {timeout} s:\n{path.read_text(errors='replace')[-4000:]}")
 
 
-def test_a_node_frozen_mid_step_is_failed_over_within_the_bound_and_leaves_nothing_behind(tmp_path):
+@pytest.mark.parametrize("end", ["killed", "continued"])
+def test_a_node_frozen_mid_step_is_failed_over_within_the_bound_and_leaves_nothing_behind(tmp_path, end):
     """4 stages, lazy; node2 freezes after 5 of the 14 schedule steps of step 5 (its neighbours wait on it in
-    sends and receives). The run finishes its 12 steps on 3 nodes with the clean run's weights."""
+    sends and receives). The run finishes its 12 steps on 3 nodes with the clean run's weights. ``killed``: the
+    frozen machine is switched off once the job finished (-9, the launcher's status 0). ``continued``: it runs
+    again once the survivors failed over, finds its lease ended and stops by itself with ``Fenced`` (exit 1, and
+    so the launcher's status), not with its transport's error."""
     log = tmp_path / "log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -66,20 +70,28 @@ def test_a_node_frozen_mid_step_is_failed_over_within_the_bound_and_leaves_nothi
         )
     try:
         frozen = _wait_for(log, STAMP + r"node2: injected SIGSTOP at step 5 instruction 5 \(pid (\d+)", proc, 200)
-        _wait_for(log, r'\{"global_step"', proc, 200)  # the survivors finished every step
-        # the frozen machine is switched off at last: its processes are killed, as a provider would
         pid = int(frozen.group(2))
-        for victim in [pid, *descendants(pid)]:
-            os.kill(victim, signal.SIGKILL)
+        if end == "continued":
+            for node in ("node0", "node1", "node3"):
+                _wait_for(log, rf"{node}: failover done", proc, 200)
+            for victim in [pid, *descendants(pid)]:
+                os.kill(victim, signal.SIGCONT)
+        _wait_for(log, r'\{"global_step"', proc, 200)  # the survivors finished every step
+        if end == "killed":  # the frozen machine is switched off at last: its processes are killed, as a provider would
+            for victim in [pid, *descendants(pid)]:
+                os.kill(victim, signal.SIGKILL)
         proc.wait(60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
     text = log.read_text(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    assert proc.returncode == (0 if end == "killed" else 1), text[-4000:]
     codes = dict(re.findall(r"(node\d)=(-?\d+)", text.split("[launcher] exit codes:")[-1]))
-    assert codes == {"node0": "0", "node1": "0", "node2": "-9", "node3": "0"}, text[-2000:]
+    assert codes == {"node0": "0", "node1": "0", "node2": "-9" if end == "killed" else "1", "node3": "0"}, text[-2000:]
+    if end == "continued":
+        assert "Fenced: node2 refuses to go on with its step: its lease may have expired" in text, text[-4000:]
+        assert not re.search(r"CommAborted|[Cc]onnection (closed|reset) by peer", text), text[-4000:]
 
     # recovered within the detection timeout + 5 s of the freeze, on every survivor
     froze_at = _at(frozen.group(1))
