@@ -1,4 +1,4 @@
-"""A node that hangs in the middle of a step (SIGSTOP, never continued) under the Bamboo launcher.
+"""A node that hangs in the middle of a step (SIGSTOP; switched off at last, or continued) under the Bamboo launcher.
 
 Its neighbours are blocked in sends and receives to it when it freezes. The failover must abort
 those waits at once (the abortable communication of ``engine/comm_process.py``), within the
