@@ -86,10 +86,12 @@ def flops_per_token(parameters: float, n_layer: int, context: int, width: int) -
     return 6 * parameters + 6 * n_layer * context * width
 
 
-def inputs(header: dict[str, str], results: dict, params: SimParams) -> dict[str, tuple[float, str]]:
-    """``name -> (value, source)`` for the simulator's inputs that the check measures."""
-    where = (f"benchmarks/results/gpu_check.txt (commit {header['commit'][:7]}, {header.get('date', 'undated')}, "
-             f"{results['gpu']})")
+def inputs(header: dict[str, str], results: dict, params: SimParams,
+           record: Path = RECORD) -> dict[str, tuple[float, str]]:
+    """``name -> (value, source)`` for the simulator's inputs that the check measures (``record``: where the check's
+    output is kept, named in each source)."""
+    name = record.resolve().relative_to(REPO) if record.resolve().is_relative_to(REPO) else record
+    where = f"{name} (commit {header['commit'][:7]}, {header.get('date', 'undated')}, {results['gpu']})"
     width, n_layer = results["model_shape"]
     rate = (flops_per_token(results["model_parameters"], n_layer, results["context"], width)
             * results["tokens_per_step"] / (results["step_off_ms"] / 1e3))
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except RecordError as exc:
         print(f"sim_gpu_inputs.py: {exc}", file=sys.stderr)
         return 2
-    found = inputs(header, results, load_params(args.params))
+    found = inputs(header, results, load_params(args.params), args.record)
     for name, (value, source) in found.items():
         print(f"{name} = {value:.4g}  ({source})")
         if args.write:

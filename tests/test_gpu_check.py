@@ -182,7 +182,8 @@ def test_the_simulators_gpu_inputs_come_from_the_check_each_cited(tmp_path, caps
     described = describe_inputs(after, path=params)
     for name in ("step_seconds", "snapshot_seconds", "failover_seconds"):
         assert described[name]["kind"] == "measured"
-        assert "gpu_check.txt (commit 0123456, 2026-12-02T10:00:00Z, NVIDIA H100 80GB HBM3)" in described[name]["source"]
+        assert f"{tmp_path / 'gpu_check.txt'} (commit 0123456, 2026-12-02T10:00:00Z, NVIDIA H100 80GB HBM3)" in \
+            described[name]["source"]
     assert "step_seconds = 1.4" in capsys.readouterr().out
 
 
