@@ -221,3 +221,27 @@ def test_a_step_blocked_on_peers_that_moved_on_ends_once_this_nodes_lease_may_ha
     # one lease from the last keep-alive, then half a second for the step to end
     assert time.monotonic() - started < 1.0 + 0.5 + 1.0
     never.set()
+
+
+def test_a_guarded_collective_after_the_job_is_not_fenced_by_the_lease_its_stop_let_lapse(store):
+    """``trainer.save_checkpoint()`` after ``fit`` runs its collectives under the step guard after the session
+    stopped (the heartbeat with it), possibly more than a lease later: the node ended a member, so the guard lets it
+    run. (Asking the lease itself, as during the job, refused such a save.)"""
+    from lightning_bamboo.runtime.session import Session
+
+    class NoGroups:
+        def reform(self, store, job, generation, order, me, *, timeout, tag, gone):
+            return list(order).index(me), len(order)
+
+        def abort(self) -> None:
+            pass
+
+    session = Session(store, "ended", "node0", ["node0"], groups=NoGroups(), detection_timeout=1.0,
+                      rendezvous_timeout=20.0).open()
+    assert session.guard().run(lambda: 5) == 5
+    session.stop()
+    deadline = time.monotonic() + 10
+    while not session.registry.lease_may_have_expired():
+        assert time.monotonic() < deadline, "the lease did not lapse after the heartbeat stopped"
+        time.sleep(0.05)
+    assert session.guard().run(lambda: time.sleep(0.3) or 6) == 6  # a save takes a while: the guard looks meanwhile

@@ -273,6 +273,25 @@ def test_a_node_whose_lease_lapsed_writes_nothing(server):
             cut_off.confirm_member("commit a checkpoint")
 
 
+def test_after_the_job_a_node_counts_as_a_member_as_it_ended(server):
+    """A save after the job (``trainer.save_checkpoint`` after ``fit``) runs once the session stopped and its
+    heartbeat with it: the lease then lapses a TTL later, which must not make the node a lost one. ``check_member``
+    (the step guard's question, no round trip) answers from how the session stopped."""
+    with job(server, "after", ["n0", "n1"]) as s:
+        s["n0"].stop()  # the job ended cleanly: its lease was held
+        lose(s["n1"])
+        while not s["n1"].registry.lease_may_have_expired():  # bounded by the test's timeout
+            threading.Event().wait(0.05)
+        with pytest.raises(Fenced, match="n1 refuses to go on with its step: its lease may have expired"):
+            s["n1"].check_member("go on with its step")  # still in the job: its lease lapsed
+        s["n1"].stop()
+        while not s["n0"].registry.lease_may_have_expired():  # n0's heartbeat stopped with its session
+            threading.Event().wait(0.05)
+        s["n0"].check_member("go on with its step")  # ended a member: still one
+        with pytest.raises(Fenced, match="membership ended while its lease may have lapsed"):
+            s["n1"].check_member("go on with its step")
+
+
 def test_a_leaver_announces_at_its_commit_and_departs_through_its_group_former(server):
     nodes = ["n0", "n1"]
     with job(server, "leave", nodes) as s:

@@ -413,11 +413,20 @@ class Session:
         Once the session has stopped (the job is over, nobody fails this node over any more) it
         answers from how it stopped: refused if its lease may have ended by then."""
         if not self.active:
+            self.check_member(what)
+            return
+        self.store.confirm(self.keys.confirmed(self.node), what)
+
+    def check_member(self, what: str) -> None:
+        """Raise ``Fenced`` if this node may have been declared lost, without a round trip to the store: while the
+        session runs, once its lease may have ended (``FencedStore.check``); once it stopped (the job is over: a save
+        after it, say), only if its lease may have ended by then, as ``confirm_member`` answers."""
+        if not self.active:
             if self.ended_fenced:
                 raise Fenced(f"{self.node} refuses to {what}: its membership ended while its lease may have "
                              "lapsed, so its peers may have declared it lost")
             return
-        self.store.confirm(self.keys.confirmed(self.node), what)
+        self.store.check(what)
 
     def release(self) -> None:
         """Say that this node leaves the layout of the next generation released, not lost (see ``released``)."""
