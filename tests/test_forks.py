@@ -55,6 +55,12 @@ def test_a_forked_worker_gets_its_own_environment_arguments_output_and_status(se
     assert a["cwd"] == str(tmp_path) and a["main"] == "__main__" and a["file"] == "fork_probe.py"
     assert a["random"] != b["random"]  # each a fresh random state, as interpreters of their own
     assert a["sigterm_default"] and a["fds"] == [0, 1, 2, 3]  # 3: its listing of /proc/self/fd; nothing inherited
+    # a fresh interpreter's dispositions: SIGPIPE ignored (a write to a closed pipe raises BrokenPipeError; at the
+    # default a forked demo driver died of it, -13, with nothing said), SIGXFSZ too, Python's SIGINT handler
+    fresh = subprocess.run([sys.executable, "-m", PROBE, "0"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                           capture_output=True, text=True, timeout=60)
+    assert a["signals"] == json.loads(fresh.stdout.splitlines()[0])["signals"]
+    assert a["signals"]["SIGPIPE"] == str(signal.SIG_IGN) and a["signals"]["SIGTERM"] == str(signal.SIG_DFL)
     assert not a["preloaded"]  # run as __main__ only, as under python -m
     assert first_out.read_text().splitlines()[-1] == "atexit ran"  # the interpreter's own exit
 

@@ -402,10 +402,14 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> NoReturn:
     if request.get("session"):
         os.setsid()
 
+    # the dispositions a fresh interpreter starts with: Python's handler for SIGINT, SIGPIPE and SIGXFSZ ignored (a
+    # write to a closed pipe or socket raises BrokenPipeError instead of killing the process), the rest the default
+    ignored = {signal.SIGPIPE, signal.SIGXFSZ}
     for number in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):
             if number not in (signal.SIGKILL, signal.SIGSTOP):
-                signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
+                signal.signal(number, signal.default_int_handler if number == signal.SIGINT else
+                              signal.SIG_IGN if number in ignored else signal.SIG_DFL)
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.closerange(3, max(os.sysconf("SC_OPEN_MAX"), 1024))

@@ -14,6 +14,7 @@ print(json.dumps({
     "pid": os.getpid(), "argv": sys.argv[1:], "orig_argv": sys.orig_argv, "cwd": os.getcwd(),
     "env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")}, "random": random.random(),
     "main": __name__, "file": os.path.basename(__file__), "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "signals": {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGPIPE", "SIGXFSZ", "SIGTERM")},
     "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
     "log_level": __import__("logging").getLogger("lightning_bamboo").level if "lightning_bamboo.logs" in sys.modules else None,
     "ppid": os.getppid(), "session_leader": os.getsid(0) == os.getpid(), "local_rank": os.environ.get("LOCAL_RANK"),
