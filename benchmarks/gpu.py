@@ -166,7 +166,11 @@ def comm_part(results: dict) -> None:
 
 # ------------------------------------------------------------------ part 2: a node of the pipeline
 
-def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, precision: str = "32") -> None:
+def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, precision: str = "32",
+         measures: str = "digests") -> None:
+    """One node of a run; ``measures``: what it reports beside its step times and peak memory, of "digests" (its
+    states, for the bit-for-bit comparisons) and "snapshot" (``snapshot_seconds``), comma-separated: each copies
+    the whole stage to host memory, GBs on a GPU."""
     import torch.distributed as dist
 
     from lightning_bamboo.engine.comm_process import BACKEND
@@ -230,11 +234,13 @@ def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, prec
     assert runner.stage.engine is not None
     peak = torch.cuda.max_memory_allocated(DEVICE) if DEVICE.startswith("cuda") else 0
     engine = runner.stage.engine
-    snapshots = snapshot_seconds(engine)
+    wanted = measures.split(",")
     (out / f"{session.node}.json").write_text(json.dumps({
         "times": times, "failovers": [f.as_dict() for f in runner.failovers], "peak_bytes": peak,
-        "parameters": sum(p.numel() for p in engine.module.parameters()), "snapshot_s": snapshots,
-        "digests": digests(engine.own_states())}))  # digests: a 0.5B stage's states are GBs to write and read
+        "parameters": sum(p.numel() for p in engine.module.parameters()),
+        "snapshot_s": snapshot_seconds(engine) if "snapshot" in wanted else None,
+        # digests: a 0.5B stage's states are GBs to write and read
+        "digests": digests(engine.own_states()) if "digests" in wanted else {}}))
     runner.finish(completed=True)
     runner.close()
     dist.destroy_process_group()
@@ -271,7 +277,7 @@ def digests(states: dict) -> dict:
 
 
 def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], kill: str | None = None,
-                 precision: str = "32") -> dict:
+                 precision: str = "32", measures: str = "digests") -> dict:
     from lightning_bamboo.launcher import launch
     from lightning_bamboo.testing import faults
 
@@ -279,8 +285,8 @@ def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if kill:
         env.update(faults.environment([kill]))
-    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy, *map(str, size), precision], 2,
-                   env=env, timeout=600)
+    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy, *map(str, size), precision,
+                    measures], 2, env=env, timeout=600)
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     layers: dict = {}
     for name in sorted(reports):
@@ -307,7 +313,8 @@ def pipeline_part(results: dict, steps: int, kill_at: int, size: tuple[int, int]
         return False
 
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {mode: pipeline_run(Path(tmp) / mode, steps, mode, size) for mode in MODES if in_budget(mode)}
+        runs = {mode: pipeline_run(Path(tmp) / mode, steps, mode, size, measures="snapshot" if mode == "off" else
+                                   "digests" if mode == "lazy" else "") for mode in MODES if in_budget(mode)}
         for mode, run in runs.items():
             node0 = run["reports"].get("node0", {})
             if node0:
@@ -315,10 +322,10 @@ def pipeline_part(results: dict, steps: int, kill_at: int, size: tuple[int, int]
                 results[f"peak_{mode}_gib"] = max(r["peak_bytes"] for r in run["reports"].values()) / 2**30
                 results["stage_parameters"] = node0["parameters"]
                 results["model_parameters"] = sum(r["parameters"] for r in run["reports"].values())
-                results["model_shape"], results["context"] = list(size), BLOCK  # (width, blocks), positions
-                results["tokens_per_step"] = MICRO * MICRO_BATCHES * BLOCK
-            if mode == "off" and node0:
+            if node0.get("snapshot_s"):
                 results["snapshot_first_s"], results["snapshot_s"] = node0["snapshot_s"]
+        results["model_shape"], results["context"] = list(size), BLOCK  # (width, blocks), positions
+        results["tokens_per_step"] = MICRO * MICRO_BATCHES * BLOCK
         for mode in MODES[1:]:
             if f"step_{mode}_ms" in results and "step_off_ms" in results:
                 results[f"{mode}_over_off"] = results[f"step_{mode}_ms"] / results["step_off_ms"]
@@ -368,7 +375,8 @@ def largest_part(results: dict, total_bytes: int, n_embd: int, steps: int, budge
     layers, tried = largest_layers(total_bytes, n_embd), []
     with tempfile.TemporaryDirectory() as tmp:
         while layers >= 2 and time.monotonic() - started < budget_s:
-            run = pipeline_run(Path(tmp) / f"largest{layers}", steps, "lazy", (n_embd, layers), precision="bf16")
+            run = pipeline_run(Path(tmp) / f"largest{layers}", steps, "lazy", (n_embd, layers), precision="bf16",
+                               measures="")
             fitted = set(run["codes"].values()) == {0} and "node0" in run["reports"]
             tried.append((layers, fitted))
             if fitted:
@@ -464,7 +472,7 @@ def passed(results: dict, skip_pipeline: bool) -> bool:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["node"]:
-        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]), argv[6])
+        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]), argv[6], argv[7])
         return
     args = parse_args(argv)
     if not torch.cuda.is_available():
