@@ -329,11 +329,11 @@ def test_no_module_reads_another_modules_private_attribute():
 #: (``stage``), its ``StageCheckpoints`` (``checkpoints``) and its session; what a stage is and does is the stage's
 #: own surface. A change here is made on purpose: the door is meant to stay narrow, never to grow by accident.
 RUNNER_OPERATIONS = (
-    "admit_standby agree before_step close enter eval_step finish gather open_session publish reconfigure resilient "
-    "start start_admitted start_without_lost train_step wait_admission"
+    "admit_standby agree before_step can_restart close enter eval_step finish gather open_session publish reconfigure "
+    "resilient restart restart_checkpoint restarted start start_admitted start_without_lost train_step wait_admission"
 ).split()
 #: ... its read-only views (properties)
-RUNNER_VIEWS = "before_step_hooks between_steps config failovers nodes session standby".split()
+RUNNER_VIEWS = "before_step_hooks between_steps config failovers nodes restarting session standby".split()
 #: ... and its public fields (assigned in ``__init__``)
 RUNNER_FIELDS = "catching_up checkpoints host stage".split()
 

@@ -12,8 +12,9 @@ import subprocess
 
 import pytest
 
+from lightning_bamboo import consolidate_checkpoint
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, launcher_exit_codes, preloaded, run
+from tests.helpers import PYTHON, REPO, launcher_exit_codes, max_abs_diff, optimizer_states, preloaded, run
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -54,6 +55,48 @@ def test_spot_gpt_trains_on_after_a_kill_and_a_notice_and_logs_the_failovers(tmp
     assert [(r["bamboo/failovers"], r["bamboo/live_nodes"]) for r in rows] == [("0.0", "3.0"), ("1.0", "2.0"), ("2.0", "1.0")]
     assert all(0 < float(r["bamboo/recovery_seconds"]) < 60 for r in rows[1:])
     assert any(p.name.startswith("step") for p in (out / "checkpoints").iterdir()), "no asynchronous checkpoint"
+
+
+SPOT_STEPS = 20
+
+
+def _spot_gpt(out, kill=()):
+    """examples/spot_gpt.py for SPOT_STEPS steps under the Bamboo launcher on 4 nodes (an asynchronous checkpoint
+    every 5 steps); ``kill``: fault items (``node1@12``). Returns the launcher's output."""
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, "examples/spot_gpt.py",
+                "--steps", str(SPOT_STEPS), "--out", str(out), "--checkpoint-every", "5", "--print-every", "5"],
+               timeout=300, env=faults.environment(kill))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def spot_clean(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spot_clean")
+    _spot_gpt(out)
+    return out / "checkpoints" / f"step-{SPOT_STEPS:08d}"
+
+
+@pytest.mark.parametrize("step, resumed", [(12, "step-00000010"), (3, None)], ids=["from-checkpoint", "from-start"])
+def test_a_node_and_its_replica_holder_killed_together_restart_the_job_by_itself_bit_exact(tmp_path, spot_clean,
+                                                                                          step, resumed):
+    """The example to copy, as a user runs it: node1 and node2 (node2's replica holder) SIGKILLed in the same step.
+    No replica of stage 2 is left, so node0 and node3 restart ``trainer.fit`` in their processes from the last
+    complete asynchronous checkpoint (before the first one: from the job's start, with a warning), as 2 stages.
+    The launcher exits 0, the survivors 0, and the final checkpoint holds the clean run's weights and optimizer
+    state bit for bit."""
+    stdout = _spot_gpt(tmp_path, kill=[f"node1@{step}", f"node2@{step}"])
+    assert launcher_exit_codes(stdout) == {"node0": 0, "node1": -9, "node2": -9, "node3": 0}, stdout[-3000:]
+    source = rf"\S+{resumed}, step {int(resumed[5:])}" if resumed else r"the job's start \(no complete checkpoint.*\), step 0"
+    restarts = re.findall(rf"(node\d): restarted after a fatal loss at step {step} \(stage 2 \(node node2\) and its "
+                          rf"replica holder \(node node1\) are both lost.*\) from {source}, in [\d.]+ s: 2 stage\(s\) x 1 "
+                          r"pipeline\(s\) of node0,node3", stdout)
+    assert sorted(restarts) == ["node0", "node3"], stdout[-3000:]
+    assert ("no complete checkpoint to restart from" in stdout) == (resumed is None)
+    assert re.search(rf"^step {SPOT_STEPS}: loss [\d.]+, nodes node0 node3, failovers 1$", stdout, re.M), stdout[-3000:]
+    final = tmp_path / "checkpoints" / f"step-{SPOT_STEPS:08d}"
+    assert max_abs_diff(consolidate_checkpoint(final), consolidate_checkpoint(spot_clean)) == 0.0
+    assert max_abs_diff(optimizer_states(final), optimizer_states(spot_clean)) == 0.0
 
 
 def test_corpus_gpt_trains_on_local_text_prepared_into_a_token_corpus(tmp_path):

@@ -343,13 +343,15 @@ def test_failover_and_restart_records_keep_their_json_and_the_layouts_first_node
     failover = Failover(step=5, lost=("n2",), committed=False, seconds=0.8, redone=True, order=("n0", "n1", "n3"),
                         parts=(0, 2, 6, 8), pipelines=1, released=(), rows=(("n0", "n1", "n3"),),
                         old_parts=(0, 2, 4, 6, 8), old_pipelines=1)
-    restart = Restart(lost=("n1", "n2"), order=("n0", "n3"), stages=2, pipelines=1, seconds=3.0, reason="lost n1, n2")
+    restart = Restart(lost=("n1", "n2"), order=("n0", "n3"), stages=2, pipelines=1, seconds=3.0, reason="lost n1, n2",
+                      step=12, checkpoint="ckpts/step-00000010", from_step=10)
     assert json.loads(failover.to_json()) == {
         "step": 5, "lost": ["n2"], "committed": False, "seconds": 0.8, "redone": True, "order": ["n0", "n1", "n3"],
         "parts": [0, 2, 6, 8], "pipelines": 1, "released": [], "rows": [["n0", "n1", "n3"]],
         "old_parts": [0, 2, 4, 6, 8], "old_pipelines": 1}
     assert json.loads(restart.to_json()) == {"restart": True, "lost": ["n1", "n2"], "order": ["n0", "n3"],
-                                             "stages": 2, "pipelines": 1, "seconds": 3.0, "reason": "lost n1, n2"}
+                                             "stages": 2, "pipelines": 1, "seconds": 3.0, "reason": "lost n1, n2",
+                                             "step": 12, "checkpoint": "ckpts/step-00000010", "from_step": 10}
     assert failover_record(failover.to_json()) == failover and failover_record(restart.to_json()) == restart
     assert not failover.restart and restart.restart
     with job(server, "records", ["n0", "n1"]) as s:

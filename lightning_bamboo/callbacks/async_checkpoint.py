@@ -171,6 +171,21 @@ class AsyncCheckpoint(pl.Callback):
             log.error("asynchronous checkpoint %s failed as well: %r", self._pending_path, self._error)
             self._error = None
 
+    def before_restart(self) -> None:
+        """A fatal loss restarts the job (``BambooStrategy.restart_fit``): the write in flight waits for shards that
+        lost nodes will never write, so it is given up unless it committed already; a failed write is reported,
+        and the restart goes on from the checkpoints committed before it."""
+        self.abandon_pending()
+        self._wait()
+        if self._error is not None:
+            log.error("asynchronous checkpoint %s failed before the restart: %r", self._pending_path, self._error)
+            self._error = None
+
+    def complete_checkpoints(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of every complete checkpoint in this callback's directory (a restart's candidates)."""
+        found = ckpt.complete_checkpoints(self._dir or self.dirpath or ".")
+        return [(int(p.name.split("-", 1)[1]), str(p)) for p in found]
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._executor is not None:
             self._wait()

@@ -296,27 +296,28 @@ class ResilientPipelineEngine:
         return self.train_batch()
 
     def _restart(self, err: FatalLoss) -> None:
-        """The survivors' layout and fresh stages (``runtime.restart``), then the last checkpoint loaded into them."""
-        import time
-
-        from lightning_bamboo.runtime.restart import restart_after_fatal_loss
-
-        started = time.monotonic()
-        step = self.host.step
-        record = restart_after_fatal_loss(self.runner.stage, self._model, err)
+        """The survivors' layout and fresh stages (``PipelineRunner.restart``), then the last complete checkpoint this
+        engine saved or loaded loaded into them (the job's start without one)."""
+        runner = self.runner
+        rank, world = runner.restart(err)
+        runner.start(self._model, world, rank, fitting=True, gradient_clipping=runner.stage.gradient_clipping)
         if self.rebalancer is not None:
             self.rebalancer.layout = None  # a new layout: no node in it is overloaded
-            self.rebalancer.begin(runtime_placement(self.runner, self.host.global_micro_batches()),
-                                  self.runner.stage.layer_costs())
+            self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
+        latest = self._checkpoints / "latest" if self._checkpoints is not None else None
+        candidates = []
+        if latest is not None and latest.exists():
+            path = self._checkpoints / latest.read_text().strip()  # type: ignore[operator]
+            candidates.append((int(ckpt.read_meta(path)["bamboo"].get("global_steps", 0)), str(path)))
+        agreed = runner.restart_checkpoint(candidates)
         loaded = None
-        if self._checkpoints is not None and (self._checkpoints / "latest").exists():
-            loaded, _ = self.load_checkpoint(self._checkpoints)
+        if agreed is not None:
+            loaded, _ = self.load_checkpoint(Path(agreed[1]).parent, tag=Path(agreed[1]).name)
         else:  # no checkpoint yet: the job's start (the seed's weights), as a fresh run
             self.host.step, self.drawn, self._data = 0, 0, None
-        self.restarts.append({**record.as_dict(), "at_step": step, "from_step": self.host.step, "checkpoint": loaded,
-                              "seconds": time.monotonic() - started})
-        log.warning("%s: restarted at step %d from %s in %.2f s", self.runner.stage.node, self.host.step,
-                    loaded or "the job's start (no checkpoint)", time.monotonic() - started)
+        record = runner.restarted(loaded, self.host.step)
+        assert record is not None
+        self.restarts.append(record.as_dict())
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
         it = data_iter if data_iter is not None else self._default_iterator()

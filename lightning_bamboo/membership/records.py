@@ -115,7 +115,9 @@ class Failover:
 class Restart:
     """A restart after a fatal loss in the running processes (``runtime.restart``): the survivors ``order`` form
     ``stages`` x ``pipelines`` and load the last checkpoint. Kept with the failovers, in the same store keys; its
-    JSON says ``"restart": true``. ``reason``: the fatal loss's message."""
+    JSON says ``"restart": true``. ``reason``: the fatal loss's message; ``step``: the step the loss ended;
+    ``checkpoint``: what the job resumed from (None: the job's start, no checkpoint); ``from_step``: its step;
+    ``seconds``: from the loss to the resumed stage, checkpoint loaded."""
 
     lost: tuple[str, ...]
     order: tuple[str, ...]
@@ -123,12 +125,16 @@ class Restart:
     pipelines: int
     seconds: float
     reason: str = ""
+    step: int = 0
+    checkpoint: str | None = None
+    from_step: int = 0
 
     restart: ClassVar[bool] = True
 
     def as_dict(self) -> dict[str, Any]:
         return {"restart": True, "lost": list(self.lost), "order": list(self.order), "stages": self.stages,
-                "pipelines": self.pipelines, "seconds": self.seconds, "reason": self.reason}
+                "pipelines": self.pipelines, "seconds": self.seconds, "reason": self.reason, "step": self.step,
+                "checkpoint": self.checkpoint, "from_step": self.from_step}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict())
@@ -138,8 +144,11 @@ def failover_record(text: str | dict[str, Any]) -> Failover | Restart:
     """The record of ``text`` (JSON as ``Failover.to_json``/``Restart.to_json`` write it, or its parsed dict)."""
     d = json.loads(text) if isinstance(text, str) else dict(text)
     if d.get("restart"):
+        checkpoint = d.get("checkpoint")
         return Restart(lost=_strs(d["lost"]), order=_strs(d["order"]), stages=int(d["stages"]),
-                       pipelines=int(d["pipelines"]), seconds=float(d["seconds"]), reason=str(d.get("reason", "")))
+                       pipelines=int(d["pipelines"]), seconds=float(d["seconds"]), reason=str(d.get("reason", "")),
+                       step=int(d.get("step", 0)), checkpoint=None if checkpoint is None else str(checkpoint),
+                       from_step=int(d.get("from_step", 0)))
     return Failover(
         step=int(d["step"]), lost=_strs(d["lost"]), committed=bool(d["committed"]), seconds=float(d["seconds"]),
         redone=bool(d["redone"]), order=_strs(d["order"]), parts=tuple(int(p) for p in d["parts"]),

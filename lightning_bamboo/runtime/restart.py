@@ -1,18 +1,20 @@
 """A restart in the running processes: the survivors of a fatal loss form a layout of themselves and start a fresh
-stage, which the caller then loads from the last checkpoint.
+stage, which the front door then loads from the last complete checkpoint.
 
-A fatal loss is a node lost with its replica holder: no survivor holds the lost layers, so the step cannot be
-redone and the job goes back to its last complete checkpoint. The survivors need no new process for that: they
-agreed on the lost set in the failover that found the loss fatal, so each computes the same new layout, forms
-its process group (a new generation) and builds its stage from the model's description. Loading the
-checkpoint's weights, optimizer state and training state is the front door's (its checkpoint format and loop).
+A fatal loss is a loss that leaves a stage without any copy (a node lost with its replica holder, a loss in a job
+without replicas, a loss inside a recovery): the step cannot be redone, so the job goes back to its last complete
+checkpoint. The survivors need no new process for that: they agreed on the lost set in the failover that found the
+loss fatal, so each computes the same new layout and forms its process group (a new generation). Two phases, so
+that both doors share them: :func:`reform_after_fatal_loss` forms the group and assigns the depth; the door builds
+its stage and loads the checkpoint its own way (its format and loop); :func:`restarted` then keeps the record and
+logs the restart once, with its cause, the checkpoint, the step resumed from and the seconds it took.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
@@ -23,22 +25,38 @@ from lightning_bamboo.topology.failover import layout_tag
 log = logging.getLogger(__name__)
 
 
-def restart_depth(survivors: int, stages: int, redundant: bool) -> int:
+def restart_depth(survivors: int, stages: int) -> int:
     """The depth of the restarted job: the running depth if the survivors make whole pipelines of it, else one
-    pipeline of them all. Fewer survivors than a replica needs (2) end the job with ``FatalLoss``."""
-    if survivors < (2 if redundant else 1):
-        raise FatalLoss(f"{survivors} node(s) left after a fatal loss: a job with replicas needs at least 2; start it "
-                        "again from its last checkpoint with more nodes")
+    pipeline of them all (a lone survivor runs the whole model, without a replica, until nodes join)."""
+    if survivors < 1:
+        raise FatalLoss("no node is left after a fatal loss; start the job again from its last checkpoint")
     return stages if survivors % stages == 0 else survivors
 
 
-def restart_after_fatal_loss(stage: NodeStage, model: Any, err: FatalLoss) -> Restart:
-    """Form the survivors' layout and build this node's fresh stage (seed weights: load the checkpoint next).
+@dataclass(frozen=True)
+class PendingRestart:
+    """A restart between its two phases: the survivors' group is formed, the stage not yet loaded."""
 
-    Call on every survivor after ``err`` ended a step or a collective. A node lost meanwhile makes the survivors
-    agree on a larger set and try again; a node that the others declared lost ends with ``err``. Returns the
-    restart's record (also among the session's ``failovers``).
-    """
+    lost: tuple[str, ...]
+    order: tuple[str, ...]
+    stages: int
+    rank: int
+    world: int
+    step: int
+    reason: str
+    started: float  # time.monotonic() when the restart began
+
+    @property
+    def pipelines(self) -> int:
+        return self.world // self.stages
+
+
+def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> PendingRestart:
+    """Form the survivors' layout after ``err`` ended step ``step`` (or a collective at it): a new generation of
+    the nodes that are up, this process entered in it at its rank, the depth assigned. Build the stage next.
+
+    A node lost meanwhile makes the survivors agree on a larger set and try again; a node that the others declared
+    lost ends with ``err`` (it froze, say: the others go on without it)."""
     session = stage.require_session()
     started = time.monotonic()
     before = list(session.nodes)
@@ -48,8 +66,8 @@ def restart_after_fatal_loss(stage: NodeStage, model: Any, err: FatalLoss) -> Re
         lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
         order = [n for n in before if n not in lost]
         if session.node not in order:
-            raise err  # declared lost itself (it froze, say): the others go on without it
-        stages = restart_depth(len(order), layout.stages, stage.config.redundant)
+            raise err
+        stages = restart_depth(len(order), layout.stages)
         try:
             rank, world = session.reform(order, tag=layout_tag(order))
             break
@@ -61,10 +79,20 @@ def restart_after_fatal_loss(stage: NodeStage, model: Any, err: FatalLoss) -> Re
         raise BambooError(f"the restart after a fatal loss did not converge after {len(before)} attempts")
     stage.enter_group(rank, world)
     stage.assign(stages)
-    stage.start(model, world, rank, fitting=True, gradient_clipping=stage.gradient_clipping)
-    record = Restart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages,
-                     pipelines=world // stages, seconds=time.monotonic() - started, reason=str(err))
+    return PendingRestart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages, rank=rank,
+                          world=world, step=step, reason=str(err), started=started)
+
+
+def restarted(stage: NodeStage, pending: PendingRestart, checkpoint: str | None, from_step: int) -> Restart:
+    """The restart is done: the stage is built and ``checkpoint`` (None: the job's start) loaded at ``from_step``.
+    Keeps the record (among the session's ``failovers``) and logs it, once, at WARNING."""
+    session = stage.require_session()
+    record = Restart(lost=pending.lost, order=pending.order, stages=pending.stages, pipelines=pending.pipelines,
+                     seconds=time.monotonic() - pending.started, reason=pending.reason, step=pending.step,
+                     checkpoint=checkpoint, from_step=from_step)
     session.record_failover(record)
-    log.warning("%s: fatal loss of %s; the job restarts in its running processes as %d stage(s) x %d pipeline(s) "
-                "(rank %d of %d)", session.node, list(record.lost), stages, world // stages, rank, world)
+    log.warning("%s: restarted after a fatal loss at step %d (%s) from %s, step %d, in %.2f s: %d stage(s) x %d "
+                "pipeline(s) of %s", session.node, record.step, record.reason,
+                checkpoint or "the job's start (no complete checkpoint; the steps before it are trained again)",
+                from_step, record.seconds, record.stages, record.pipelines, ",".join(record.order))
     return record

@@ -20,6 +20,7 @@ from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
+from lightning_bamboo.runtime.restart import PendingRestart, reform_after_fatal_loss, restarted
 from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
@@ -55,6 +56,7 @@ class PipelineRunner:
         #: called at the start of every step under membership, after leavers were served (``before_step``)
         self._before_step: list[Callable[[PipelineRunner, int], None]] = []
         self._inside_resilient = False
+        self._restart: PendingRestart | None = None  # a restart after a fatal loss, until its checkpoint is loaded
 
     @property
     def config(self) -> BambooConfig:
@@ -255,6 +257,39 @@ class PipelineRunner:
         """Change the layout between two steps, with no loss (see ``runtime.moves.reconfigure``); the seconds it took."""
         return reconfigure(self.stage, order, parts, reason, pipelines,
                            elastic=self.host.global_micro_batches() is not None)
+
+    # ------------------------------------------------------------------ a fatal loss: the job restarts
+    def can_restart(self, err: BaseException) -> bool:
+        """Whether ``err`` is a fatal loss this node restarts the job from (under membership, still a member)."""
+        return isinstance(err, FatalLoss) and self.session is not None and self.session.active
+
+    def restart(self, err: FatalLoss) -> tuple[int, int]:
+        """After a fatal loss: the survivors form the job's next layout (``runtime.restart``); returns this node's
+        (rank, world size). Next :meth:`start` the stage, load :meth:`restart_checkpoint`, then :meth:`restarted`."""
+        self._restart = reform_after_fatal_loss(self.stage, err, self.host.global_step())
+        self.catching_up = False
+        return self._restart.rank, self._restart.world
+
+    @property
+    def restarting(self) -> bool:
+        """Between :meth:`restart` and :meth:`restarted`."""
+        return self._restart is not None
+
+    def restart_checkpoint(self, candidates: Iterable[tuple[int, str]]) -> tuple[int, str] | None:
+        """The checkpoint the restarted job resumes from, the same on every node: each proposes the newest of its
+        ``candidates`` (``(step, path)`` of complete checkpoints it knows of), and the first proposal in the store
+        wins. None: no complete checkpoint (the job starts again from its start)."""
+        assert self._restart is not None, "restart_checkpoint() comes after restart()"
+        best = max(candidates, default=None)
+        proposal = {"step": best[0], "path": best[1]} if best is not None else {"step": None, "path": None}
+        agreed = self.agree("restart-checkpoint", self._restart.step, proposal)
+        return None if agreed["path"] is None else (int(agreed["step"]), str(agreed["path"]))
+
+    def restarted(self, checkpoint: str | None, from_step: int) -> Restart | None:
+        """The restart is done (the stage built, ``checkpoint`` loaded, at ``from_step``): its record, logged once
+        (None when no restart was under way)."""
+        pending, self._restart = self._restart, None
+        return restarted(self.stage, pending, checkpoint, from_step) if pending is not None else None
 
     # ------------------------------------------------------------------ collectives that survive a loss
     def resilient(self, fn: Callable[[], T]) -> T:

@@ -42,6 +42,7 @@ from lightning_bamboo.strategy.refusal import (
     warn_if_replicas_cannot_help,
     warn_if_replicas_share_machines,
 )
+from lightning_bamboo.strategy.restart import FitRestarts
 from lightning_bamboo.topology.layout import resolve_stages
 
 if TYPE_CHECKING:
@@ -155,6 +156,8 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         #: (rank, world size) of a process group formed by lightning_bamboo before Lightning's setup (an
         #: admission, or a start without nodes that died), not the launch environment's
         self._assigned: tuple[int, int] | None = None
+        #: what a restart of ``fit`` after a fatal loss needs of this run (``strategy.restart``)
+        self.restarts = FitRestarts()
 
     # ------------------------------------------------------------------ runner state
 
@@ -227,6 +230,11 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
             probe = self.runner.stage.probe(model)
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
         check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
+
+    def forget_start(self) -> None:
+        """Drop what the last start of ``fit`` read (an admission, a resume's RNG): a restart reads its own."""
+        self._admission = self._admitted_checkpoint = None
+        self._resume_rng = self._loaded_path = None
 
     def _check_model(self, model: Any) -> None:
         for hook in ("configure_pipeline", "pipeline_loss"):
@@ -380,7 +388,8 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
     @override
     def connect(self, model: Any) -> None:
         with refused_quietly():  # under the Bamboo launcher: before the membership rendezvous
-            if launched_by_bamboo() and not joining():  # a joining node takes the running job's layout and data
+            # a joining node takes the running job's layout and data; a restart the survivors' (checked at the start)
+            if launched_by_bamboo() and not joining() and not self.runner.restarting:
                 self.check_before_launch(model, model._trainer)
                 self._data_checked = check_batches(model._trainer, self.micro_batch_size, self.pipelines, early=True)
             self._check_model(model)
@@ -388,7 +397,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         utils = self.pl_package("utilities.model_helpers")
         for hook in ("training_step", "validation_step", "test_step"):
             if utils.is_overridden(hook, model):
-                if hook == "training_step":
+                if hook == "training_step" and not self.runner.restarting:  # (said once, at the first start)
                     log.warning(
                         "%s.training_step is not called with strategy='bamboo': the pipeline runs "
                         "configure_pipeline() layers and pipeline_loss(); log from on_train_batch_end instead",

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from lightning_bamboo.runtime.runner import PipelineRunner
     from lightning_bamboo.strategy.loading import PipelineData
+    from lightning_bamboo.strategy.restart import FitRestarts
 else:
     _Lightning = object
 
@@ -32,6 +33,7 @@ class CheckpointHooks(_Lightning):
     _loaded_path: Path | None
     _admitted_checkpoint: dict[str, Any] | None
     _resume_rng: dict[str, Any] | None
+    restarts: FitRestarts
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -87,6 +89,7 @@ class CheckpointHooks(_Lightning):
             filepath, lambda: self.checkpoint_meta(checkpoint), with_optimizer=bool(self.optimizers),
             is_global_zero=self.is_global_zero, barrier=self.barrier, step=checkpoint.get("global_step"),
         ))
+        self.restarts.saved_checkpoint(filepath, checkpoint.get("global_step"))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -100,6 +103,7 @@ class CheckpointHooks(_Lightning):
         checkpoint_path = Path(self.broadcast(str(ckpt.resolve_checkpoint(checkpoint_path))))
         meta = ckpt.read_meta(checkpoint_path)
         self._loaded_path = checkpoint_path
+        self.restarts.loaded_checkpoint(checkpoint_path, meta)
         self.runner.checkpoints.resume_from(checkpoint_path, meta)
         precision = self.runner.stage.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
         saved_precision = meta["bamboo"].get("precision", "32")
@@ -138,6 +142,11 @@ class CheckpointHooks(_Lightning):
             # a resume (also a restart from a checkpoint): replicas must be the loaded stages before a failover
             # can take one over (an admitted node was audited with the nodes that admitted it)
             self.runner.resilient(lambda: self.runner.stage.audit("resumed before"))
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]  # (set: training starts)
+        self.restarts.training_started(trainer)
+        if self.runner.restarting:  # after a fatal loss: its one record, now that the checkpoint is loaded
+            self.runner.restarted(str(self._loaded_path) if self._loaded_path is not None else None,
+                                  int(trainer.global_step))
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as torch_dist
 
 from lightning_bamboo.engine.comm_process import abort_generation
 from lightning_bamboo.engine.groups import reset_group_names
+from lightning_bamboo.errors import FatalLoss
 from lightning_bamboo.runtime.session import request_leave
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,27 @@ class _PreflightLauncherMixin:
         model = args[0] if args and hasattr(args[0], "configure_optimizers") else None
         if not self.cluster_environment.creates_processes_externally and int(os.environ.get("LOCAL_RANK", 0)) == 0:
             self._bamboo_strategy.check_before_launch(model, trainer, args)
+        if trainer is not None and function == getattr(trainer, "_fit_impl", None):
+            function = self._restarting(function, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+    def _restarting(self, fit: Callable, trainer: Any) -> Callable:
+        """``fit``, run again from the last complete checkpoint each time a fatal loss ends it under the Bamboo
+        launcher (``strategy.restart``): the user's ``trainer.fit`` returns when the job is done."""
+        from lightning_bamboo.strategy.restart import restart_fit
+
+        strategy = self._bamboo_strategy
+
+        def fit_through_fatal_losses(*args: Any, **kwargs: Any) -> Any:
+            while True:
+                try:
+                    return fit(*args, **kwargs)
+                except FatalLoss as err:
+                    if not strategy.runner.can_restart(err):
+                        raise
+                    args = restart_fit(strategy, trainer, err, args)
+
+        return fit_through_fatal_losses
 
 
 class _ForkedRanksMixin:

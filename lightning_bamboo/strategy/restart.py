@@ -1,0 +1,92 @@
+"""A fatal loss under the Bamboo launcher restarts ``trainer.fit`` in the running processes, from the last complete
+checkpoint, without the user's script knowing.
+
+``trainer.fit`` runs through the strategy's launcher (``patches._RestartingLauncherMixin``); when a fatal loss ends
+it, the survivors re-form (``PipelineRunner.restart``), agree on the newest complete checkpoint any of them knows
+(a synchronous save of this run, an ``AsyncCheckpoint`` directory's, the checkpoint the run started from), put away
+what the failed attempt left (its data iterators, an asynchronous write waiting for shards the lost nodes will never
+write, the callbacks' and the module's set-up), and run Lightning's fit again with that checkpoint: Lightning
+restores the loops, callbacks and schedulers from it as for ``fit(ckpt_path=...)``, the strategy the layers and the
+data cursor. Without a complete checkpoint the job starts again from its start (step 0, the seed's weights), with
+a warning: what a checkpoint-restart launcher does for a script that saved nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.errors import FatalLoss
+
+log = logging.getLogger(__name__)
+
+#: the position of ``ckpt_path`` in the arguments Lightning's ``trainer.fit`` passes to ``Trainer._fit_impl``
+#: (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+CKPT_PATH_ARG = 4
+
+
+class FitRestarts:
+    """What a restart of ``trainer.fit`` needs to know of the run: the checkpoints it completed, and its loops' state
+    at its start (for a restart without any checkpoint)."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, int] = {}  # a complete synchronous save's path -> its global step
+        self.started_from: tuple[int, str] | None = None  # the checkpoint the run first resumed from
+        self.start_loops: dict[str, Any] | None = None  # trainer.fit_loop.state_dict() as the first fit started
+
+    def saved_checkpoint(self, path: Any, step: int | None) -> None:
+        """A synchronous save of every process's part of ``path`` returned: it is complete."""
+        self.saved[str(path)] = int(step or 0)
+
+    def loaded_checkpoint(self, path: Path, meta: dict[str, Any]) -> None:
+        if self.started_from is None:
+            self.started_from = (int(meta["bamboo"].get("step") or meta.get("global_step") or 0), str(path))
+
+    def training_started(self, trainer: Any) -> None:
+        if self.start_loops is None:
+            self.start_loops = copy.deepcopy(trainer.fit_loop.state_dict())
+
+    def candidates(self, trainer: Any) -> Iterator[tuple[int, str]]:
+        """``(step, path)`` of every complete checkpoint this run knows of."""
+        for path, step in self.saved.items():
+            if (Path(path) / ckpt.META).exists():  # (ModelCheckpoint may have deleted it since)
+                yield step, path
+        if self.started_from is not None and (Path(self.started_from[1]) / ckpt.META).exists():
+            yield self.started_from
+        for callback in trainer.callbacks:
+            checkpoints = getattr(callback, "complete_checkpoints", None)
+            if callable(checkpoints):
+                yield from checkpoints()
+
+
+def restart_fit(strategy: Any, trainer: Any, err: FatalLoss, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """After ``err`` ended ``trainer.fit``: re-form the survivors and put the failed attempt away; returns the
+    arguments to run Lightning's fit again with (``ckpt_path``: the agreed checkpoint, or None)."""
+    call = strategy.pl_package("trainer.call")
+    runner, restarts = strategy.runner, strategy.restarts
+    for callback in trainer.callbacks:  # before the teardown hooks, which wait for what is in flight
+        before = getattr(callback, "before_restart", None)
+        if callable(before):
+            before()
+    fn = trainer.state.fn
+    call._call_callback_hooks(trainer, "teardown", stage=fn)
+    call._call_lightning_module_hook(trainer, "teardown", stage=fn)
+    trainer.fit_loop.teardown()
+    trainer.fit_loop._combined_loader = None  # the data again, cut for the pipelines of the new layout
+    trainer._logger_connector.teardown()
+    strategy.forget_start()  # an admission's state, a resume's RNG: not this attempt's
+    strategy._assigned = runner.restart(err)
+    agreed = runner.restart_checkpoint(restarts.candidates(trainer))
+    if agreed is None:
+        log.warning("%s: no complete checkpoint to restart from; the job starts again from step 0",
+                    runner.session.node if runner.session is not None else "this node")
+        if restarts.start_loops is not None:
+            trainer.fit_loop.load_state_dict(copy.deepcopy(restarts.start_loops))
+        strategy.data.restore({})
+    args = list(fit_args) + [None] * max(0, CKPT_PATH_ARG + 1 - len(fit_args))
+    args[CKPT_PATH_ARG] = agreed[1] if agreed is not None else None
+    return tuple(args)
