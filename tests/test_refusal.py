@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Any
 
 import pytest
 
@@ -40,6 +41,52 @@ def test_a_bad_input_is_refused_once_before_the_job_trains(mistake, rule):
     said = [line for line in proc.stdout.splitlines() if line.strip() and not re.match(r"\[launcher\] node\d: pid", line)
             and not line.startswith(LIGHTNING_TRAINER_LINES)]
     assert len(said) <= 5, "\n".join(said)
+
+
+@pytest.mark.timeout(200)
+def test_a_mistake_only_some_workers_meet_stops_the_whole_job_before_it_trains():
+    """``devices=2`` (2 stages) under ``--nodes 4``: node0 and node1 pass their checks and reach the job's start;
+    node2 and node3, workers 2 and 3 of a Trainer with 2 devices a machine, refuse. The refusal ends the whole job
+    with status 2: the rule once, no step trained (the job did not start with the nodes that passed)."""
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, "tests/scripts/bad_input.py",
+                "devices"], timeout=180)
+    assert proc.returncode == CONFIG_EXIT_CODE, proc.stdout[-3000:]
+    codes = launcher_exit_codes(proc.stdout)
+    assert CONFIG_EXIT_CODE in (codes["node2"], codes["node3"]), codes
+    assert set(codes.values()) <= {CONFIG_EXIT_CODE, -9}, codes  # the others stopped for it, none trained or failed
+    assert proc.stdout.count("the job was refused before it trained") == 1, proc.stdout[-3000:]
+    assert "devices counts the workers (GPUs) of one machine" in proc.stdout
+    assert "trained step" not in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert "starting with 2 nodes" not in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_a_refusal_on_one_machine_stops_every_machines_supervisor_with_its_status():
+    """Two machines of two workers (one supervisor each, a shared store); on m0 the Trainer has ``devices=1``, so
+    its worker 1 refuses, and m0's supervisor stops its worker 0. m1's workers pass every check: they find the job
+    refused when its nodes are lost, and stop too. Both supervisors end with status 2 (not 1), the rule is said once
+    for the job, and no step trains."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_bamboo.membership import resolve_store
+
+    url, server = resolve_store("embedded")
+    assert server is not None
+    try:
+        def machine(name: str) -> Any:
+            return run([PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "refused", "--node", name,
+                        "--peers", "m0,m1", "--workers", "2", "--", PYTHON, "tests/scripts/bad_input.py", "devices"],
+                       timeout=180, env={"BAD_INPUT_DEVICES": "1" if name == "m0" else "2"})
+
+        with ThreadPoolExecutor(2) as pool:
+            procs = list(pool.map(machine, ["m0", "m1"]))
+    finally:
+        server.stop()
+    output = "".join(p.stdout for p in procs)
+    assert [p.returncode for p in procs] == [CONFIG_EXIT_CODE, CONFIG_EXIT_CODE], output[-4000:]
+    assert output.count("the job was refused before it trained") == 1, output[-4000:]
+    assert "devices counts the workers (GPUs) of one machine" in output
+    assert "trained step" not in output and "Traceback" not in output, output[-4000:]
 
 
 @pytest.mark.timeout(200)

@@ -47,6 +47,13 @@ def preemption_pending() -> bool:
     return any(flag.notice is not None for flag in _ACTIVE)
 
 
+def leave_requested() -> bool:
+    """A preemption notice for this node: a SIGTERM (``runtime.session.request_leave``) or a callback's notice."""
+    from lightning_bamboo.runtime.session import LEAVE
+
+    return LEAVE.is_set() or preemption_pending()
+
+
 def _is_lightning_sigterm_notifier(handler: object) -> bool:
     # Lightning's own SIGTERM handler broadcasts from inside the handler (a collective that deadlocks when
     # a non-zero rank is signalled) and kills the launcher's children; it is the one thing never chained.

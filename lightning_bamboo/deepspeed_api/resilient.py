@@ -477,6 +477,9 @@ def open_job(timeout: float, detection_timeout: float) -> None:
         ensure_deepspeed_comm("fake")
         return
     if session.start_lost:
+        from lightning_bamboo.runtime.refusal import stop_if_refused
+
+        stop_if_refused(session)
         raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; start it again with the nodes "
                         "that are up")
     _SESSION["session"] = session

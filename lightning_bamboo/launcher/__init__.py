@@ -377,7 +377,8 @@ def supervise(
 ) -> int:
     """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
-    Returns 0 if every worker here exited with 0, else the first other exit code. The machine of
+    Returns 0 if every worker here exited with 0, ``CONFIG_EXIT_CODE`` if one refused the job's configuration, else
+    the first other exit code. The machine of
     the first node publishes the address of the initial process group in the store (``addr``
     and a free port there); the others wait for it (at most ``timeout`` s). A worker that dies is
     announced in the store at once, so its peers fail over in milliseconds. Every process group
@@ -423,6 +424,8 @@ def supervise(
                                   plan.workers[1:])
             _wait_for_workers(cluster, stop, announce_always=True)
         failed = [cluster.codes[w] for w in plan.workers if cluster.codes[w] != 0]
+        if CONFIG_EXIT_CODE in failed:  # a refusal: the others here were stopped for it (killed), not failed
+            return CONFIG_EXIT_CODE
         return failed[0] if failed else 0
     finally:
         cluster.close()

@@ -517,8 +517,9 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
         if refused and finished_at is None and cluster.running:  # the same script refuses everywhere: stop waiting
             if not told_refusal:
                 told_refusal = True
-                print(f"[launcher] {refused[0]} refused the job's configuration (exit {CONFIG_EXIT_CODE}; the reason "
-                      "is above): no worker trained; stopping the others", file=sys.stderr, flush=True)
+                print(f"[launcher] {refused[0]} ended with exit {CONFIG_EXIT_CODE}: the job's configuration was "
+                      "refused (the worker that refused it says why): no worker trained; stopping the others",
+                      file=sys.stderr, flush=True)
             for name in cluster.running:
                 cluster.kill(name, signal.SIGKILL)
         if finished_at is not None:

@@ -151,7 +151,9 @@ class Session:
 
         (Before any process group exists: a TCPStore rendezvous would wait its whole timeout for it.)
         A node lost before the process group formed leaves ``start_lost`` set, once every other node
-        is up: the strategy then starts without it (``start_without``) instead of restarting the job.
+        is up: the strategy then starts without it (``start_without``) instead of restarting the job. A worker's
+        refusal of the job's configuration (the job's ``refused`` key) ends the wait too, the nodes not up counted
+        in ``start_lost``: the front door then stops with the refusal.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -172,6 +174,11 @@ class Session:
             gone = set(self.nodes) & set(members.lost)
             if gone and set(self.nodes) - gone <= set(members.live):
                 self.start_lost = frozenset(gone)
+                return
+            if self.store.get(self.keys.refused) is not None:
+                # a worker refused the job's configuration (before it registered, maybe): the nodes not up are as
+                # lost, and the front door stops this one with the refusal's status (``runtime.refusal``)
+                self.start_lost = frozenset(set(self.nodes) - set(members.live) - {self.node}) or frozenset(gone)
                 return
             if time.monotonic() > deadline:
                 raise BarrierTimeoutError(f"the job's nodes {self.nodes} did not all come up within {timeout} s "

@@ -20,9 +20,9 @@ from typing import Any
 
 from lightning_bamboo.errors import CONFIG_EXIT_CODE, BambooConfigError
 from lightning_bamboo.membership.node import JOB_ENV, NODE_ENV, STORE_ENV
-from lightning_bamboo.membership.session import launched_by_bamboo
+from lightning_bamboo.membership.session import Session, launched_by_bamboo
 
-__all__ = ["TRACEBACK_ENV", "refused_quietly", "report_config_errors_briefly", "speaks"]
+__all__ = ["TRACEBACK_ENV", "refused_quietly", "report_config_errors_briefly", "speaks", "stop_if_refused"]
 
 
 def speaks() -> bool:
@@ -57,6 +57,22 @@ def refused_quietly() -> Iterator[None]:
             print(f"lightning_bamboo: the job was refused before it trained: {err}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         raise SystemExit(CONFIG_EXIT_CODE) from None
+
+
+def stop_if_refused(session: Session | None) -> None:
+    """A node of the job was lost before the job trained: if a worker refused the job's configuration (the
+    ``refused`` key its :func:`refused_quietly` put; it said why), this one stops too, quietly, with the refusal's
+    status, instead of going on without it: a configuration that one worker refuses is the whole job's mistake, and
+    every machine's launcher then ends with that status. Nothing else happens when no worker refused."""
+    if session is None:
+        return
+    refused = session.store.get(session.keys.refused)
+    if refused is None:
+        return
+    print(f"lightning_bamboo: {session.node} stops: {refused.value or 'a worker'} refused the job's configuration",
+          file=sys.stderr, flush=True)
+    session.stop()
+    raise SystemExit(CONFIG_EXIT_CODE)
 
 
 #: set to 1 to see the whole traceback of a refused configuration

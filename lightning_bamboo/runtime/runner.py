@@ -20,6 +20,7 @@ from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
+from lightning_bamboo.runtime.refusal import stop_if_refused
 from lightning_bamboo.runtime.restart import PendingRestart, reform_after_fatal_loss, restarted
 from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage
@@ -57,6 +58,7 @@ class PipelineRunner:
         self._before_step: list[Callable[[PipelineRunner, int], None]] = []
         self._inside_resilient = False
         self._restart: PendingRestart | None = None  # a restart after a fatal loss, until its checkpoint is loaded
+        self._trained = False  # a step of this job committed here (before: a loss may be a worker's refusal)
 
     @property
     def config(self) -> BambooConfig:
@@ -118,6 +120,7 @@ class PipelineRunner:
         ``FatalLoss``: the launcher starts it again with the nodes that are up. Returns (rank, world).
         """
         session = self.stage.require_session()
+        stop_if_refused(session)  # the node that died refused the configuration: the job stops, it does not shrink
         stages = self.stage.depth
         if stages is not None and stages != len(session.nodes):
             raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; a job of {len(session.nodes)} "
@@ -207,6 +210,7 @@ class PipelineRunner:
                 faulthandler.dump_traceback_later(session.rendezvous_timeout * 0.75, repeat=False)
             try:
                 loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share, first_micro_batch=first)
+                self._trained = True
                 self.stage.settle_placement()  # after an engine's first step on a GPU: where its replica lives
                 if session is not None and session.leaving:
                     session.depart()
@@ -250,7 +254,10 @@ class PipelineRunner:
 
     def _fail_over(self, err: Exception, step: int, in_flight: bool = True) -> bool:
         """Rebuild the pipeline from the survivors' own stages and replicas; True if the step had committed
-        (see ``runtime.failover.fail_over``)."""
+        (see ``runtime.failover.fail_over``). Before the job trained, a node lost may be a worker that refused the
+        configuration: then the job stops (``stop_if_refused``)."""
+        if not self._trained and self._restart is None:
+            stop_if_refused(self.session)
         return fail_over(self.stage, err, step, in_flight)
 
     def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "", pipelines: int = 1) -> float:
@@ -261,7 +268,8 @@ class PipelineRunner:
     # ------------------------------------------------------------------ a fatal loss: the job restarts
     def can_restart(self, err: BaseException) -> bool:
         """Whether ``err`` is a fatal loss this node restarts the job from (under membership, still a member)."""
-        return isinstance(err, FatalLoss) and self.session is not None and self.session.active
+        return (isinstance(err, FatalLoss) and self.session is not None and self.session.active
+                and self.stage.engine is not None)  # (a loss before the stage was built ends the start instead)
 
     def restart(self, err: FatalLoss) -> tuple[int, int]:
         """After a fatal loss: the survivors form the job's next layout (``runtime.restart``); returns this node's

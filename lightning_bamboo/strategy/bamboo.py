@@ -26,9 +26,9 @@ from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.runtime import collectives
 from lightning_bamboo.runtime.config import DEFAULT_TIMEOUT_SECONDS, BambooConfig
-from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly
+from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly, stop_if_refused
 from lightning_bamboo.runtime.runner import PipelineRunner
-from lightning_bamboo.runtime.session import LEAVE, joining, launched_by_bamboo
+from lightning_bamboo.runtime.session import joining, launched_by_bamboo
 from lightning_bamboo.strategy import patches
 from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_bamboo.strategy.lightning_host import LightningHost
@@ -248,6 +248,9 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
     # ------------------------------------------------------------------ environment
     @override
     def setup_environment(self) -> None:
+        from lightning_bamboo.callbacks.preemption import (
+            leave_requested,  # (callbacks import the strategy's package)
+        )
         from lightning_bamboo.membership.node import leave_idle_priority
 
         runner = self.runner
@@ -264,7 +267,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         if joining() and runner.session is None:
             # A node joining a running job: standby until a reconfiguration admits it, then its
             # process group is the job's (Lightning finds it initialised and keeps it).
-            record = runner.wait_admission(_leave_requested)
+            record = runner.wait_admission(leave_requested)
             if record is None:
                 raise SystemExit(0)
             self._admission = record
@@ -272,7 +275,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
             self._assigned = runner.enter(record)
             self.set_world_ranks()
         resolve_stages(self.world_size, self.runner.stage.depth)  # fail before joining a group (an admission set the depth)
-        if runner.session is None and runner.open_session(_leave_requested) is not None:
+        if runner.session is None and runner.open_session(leave_requested) is not None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
             if runner.session is not None and runner.session.start_lost:
                 self._assigned = runner.start_without_lost()
@@ -333,6 +336,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         try:
             self._connect()
         except (RuntimeError, torch_dist.DistError) as err:
+            stop_if_refused(session)  # the node that never connected refused the configuration
             raise FatalLoss(f"the job's process group did not form within {connect.total_seconds():g} s ({err}); a "
                             "node died after the start rendezvous: start again with the nodes that are up") from err
         finally:
@@ -347,7 +351,8 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         ``node_rank x devices + local_rank``; a standby node's come with its admission); ``LOCAL_RANK`` is the index
         on the machine, ``devices`` per machine."""
         super().set_world_ranks()
-        ranks = self._assigned or (None if joining() else launched_ranks(self.local_rank, self.num_processes))
+        with refused_quietly():  # (when the Trainer is made: before this worker joins the job)
+            ranks = self._assigned or (None if joining() else launched_ranks(self.local_rank, self.num_processes))
         if ranks is not None:
             self.enter_group(*ranks)
 
@@ -580,13 +585,6 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
             description="Pipeline-parallel training on DeepSpeed with Bamboo redundant computation",
             override=True,
         )
-
-
-def _leave_requested() -> bool:
-    """A preemption notice for this node: a SIGTERM (``request_leave``) or a ``PreemptionCallback``'s notice."""
-    from lightning_bamboo.callbacks.preemption import preemption_pending
-
-    return LEAVE.is_set() or preemption_pending()
 
 
 def make_strategy_class(namespace: str) -> type:
