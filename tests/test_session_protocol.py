@@ -230,6 +230,29 @@ def test_a_standby_node_is_admitted_by_a_record_and_enters_the_next_generation(s
             spare.stop()
 
 
+def test_a_node_back_as_standby_waits_for_an_admission_made_after_it_came_back(server):
+    """n9 was admitted once (its record stays in the store); released, it registers again as a standby node. The old
+    record names it, but its layout is gone: the new standby waits for an admission made since it came back (here
+    none: the job finishes) instead of entering the old one (whose nodes may be lost by now)."""
+    with job(server, "again", ["n0", "n1"]) as s:
+        s["n0"].admit(ADMIT_N9)
+        back = session(server, "again", "n9", [], joining=True).open()
+        try:
+            later = Reconfiguration(generation=3, order=("n0", "n9"), parts=(0, 3, 6), old_order=("n0", "n1"),
+                                    old_parts=(0, 3, 6), sender="n0", tag="reconf-2", step=7, reason="admit n9 again")
+            waited = on_threads({"n9": lambda: back.wait_admission(poll=0.2), "n0": lambda: s["n0"].admit(later)})
+            assert waited == {"n9": later, "n0": None}
+        finally:
+            back.stop()
+        wait_until(s["n0"].store, JobKeys("again").node(), lambda live: "n9" not in live)  # its lease ended
+        back = session(server, "again", "n9", [], joining=True).open()
+        try:
+            assert on_threads({"n9": lambda: back.wait_admission(poll=0.2), "n0": s["n0"].finish}) == {
+                "n9": None, "n0": None}
+        finally:
+            back.stop()
+
+
 def test_a_standby_node_stops_waiting_when_the_job_finishes_or_is_abandoned(server):
     with job(server, "end", ["n0"]) as s:
         spare = session(server, "end", "n8", [], joining=True).open()

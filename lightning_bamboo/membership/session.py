@@ -105,6 +105,7 @@ class Session:
         self.joiners: list[str] = []  # standby nodes seen at the last commit (the same list on every node)
         self._collectives: dict[int, int] = {}  # generation -> collectives begun (see gather)
         self._collectives_dropped = 0  # generations below this have no collective keys left
+        self._standing_since = 0  # the store's revision when this node registered as standby (see ``open``)
 
     @classmethod
     def from_environment(
@@ -133,7 +134,9 @@ class Session:
             self.store.close()
             raise
         if self.joining:
-            self.store.put(self.keys.standby(self.node), "1")
+            # an admission names this standby node only after the running nodes saw this key: one written before
+            # it (this node was in the job before, released or restarted since) is not for the node waiting now
+            self._standing_since = self.store.put(self.keys.standby(self.node), "1")
         else:
             faults.reached(self.node, "start")  # tests: a node that dies while the job starts
             try:
@@ -302,7 +305,8 @@ class Session:
         revision = 0
         while True:
             snap = self.store.get_prefix(prefix)
-            records = sorted((json.loads(kv.value) for kv in snap.kvs), key=lambda r: r["generation"])
+            records = sorted((json.loads(kv.value) for kv in snap.kvs if kv.mod_revision > self._standing_since),
+                             key=lambda r: r["generation"])
             mine = [r for r in records if self.node in r["order"]]
             if mine:
                 return Reconfiguration.from_json(mine[-1])
