@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import random
 import threading
 import time
 import uuid
@@ -130,8 +131,9 @@ class AsyncCheckpoint(pl.Callback):
             )
         dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "async_checkpoints")
         self._dir = Path(trainer.strategy.broadcast(str(dirpath)))
-        # one token per run names the staging directories, so files left by a killed run never count
-        self._token = trainer.strategy.broadcast(uuid.uuid4().hex[:12])
+        # a token names each checkpoint's staging directory, so that files left by a killed run (or by an attempt
+        # a fatal loss ended) never count: agreed by every process in each save's ``_agree``
+        self._token = uuid.uuid4().hex[:12]
         self._dir.mkdir(parents=True, exist_ok=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bamboo-async-checkpoint")
 
@@ -315,11 +317,15 @@ class AsyncCheckpoint(pl.Callback):
         self._written, self._pending_shard = (self._pending_shard if error is None else None), None
 
     def _agree(self, trainer: pl.Trainer) -> None:
-        """One all-reduce on the training thread: did any process's last write fail, and the next interval."""
+        """One all-reduce on the training thread: did any process's last write fail, the next interval, and the token
+        of this checkpoint's staging directory."""
         world = trainer.world_size
-        flags = torch.zeros(world + 1, dtype=torch.float64)
+        flags = torch.zeros(world + 2, dtype=torch.float64)
         flags[trainer.global_rank] = 1.0 if self._error is not None else 0.0
         flags[world] = float(self.proposed_interval())
+        # the checkpoint's token: the largest of every process's random proposal (exact in float64 below 2**53), so
+        # that a node admitted into the running job, whose set-up met no other process, writes where the others do
+        flags[world + 1] = float(random.SystemRandom().getrandbits(52))
         if world > 1 and torch_dist.is_available() and torch_dist.is_initialized():
             # through the strategy: under the Bamboo launcher its collectives survive a lost node
             device = trainer.strategy.root_device
@@ -327,6 +333,7 @@ class AsyncCheckpoint(pl.Callback):
         failed = [r for r in range(world) if flags[r] > 0]
         if failed:
             self._raise_stored(failed)
+        self._token = f"{int(flags[world + 1]):013x}"
         self.interval = int(flags[world])
         if self.every_n_train_steps is None:
             self._next_step = trainer.global_step + self.interval
