@@ -253,6 +253,20 @@ def test_a_node_back_as_standby_waits_for_an_admission_made_after_it_came_back(s
             back.stop()
 
 
+def test_a_standby_node_stops_waiting_when_every_node_of_its_job_is_gone(server):
+    """The job's only node freezes (its lease ends) and nobody finishes the job: the standby node gives up a
+    detection timeout later with ``FatalLoss`` instead of waiting for ever (its launcher returns)."""
+    with job(server, "dead", ["n0"]) as s:
+        spare = session(server, "dead", "n8", [], joining=True).open()
+        try:
+            lose(s["n0"])
+            with pytest.raises(FatalLoss, match="'dead' that n8 waited to join ended without finishing: none of its "
+                                                "nodes has been live for 1 s"):
+                spare.wait_admission(poll=0.2)
+        finally:
+            spare.stop()
+
+
 def test_a_standby_node_stops_waiting_when_the_job_finishes_or_is_abandoned(server):
     with job(server, "end", ["n0"]) as s:
         spare = session(server, "end", "n8", [], joining=True).open()

@@ -299,10 +299,13 @@ class Session:
 
         A standby node is live (its lease is kept) and costs nothing; it waits as long as the job runs.
         A job abandoned after a fatal loss (``registry.abandon_job``) ends the wait with ``FatalLoss``, as it
-        ends the survivors' ``fit()``: the process may then serve the restarted job (``offer_process``).
+        ends the survivors' ``fit()``: the process may then serve the restarted job (``offer_process``). So does a
+        job none of whose nodes has been live for a detection timeout (its nodes failed or were lost, and nobody
+        will finish it): a standby node never outlives its job.
         """
         prefix = self.keys.admit()
         revision = 0
+        alive = _JobAlive(self)
         while True:
             snap = self.store.get_prefix(prefix)
             records = sorted((json.loads(kv.value) for kv in snap.kvs if kv.mod_revision > self._standing_since),
@@ -315,6 +318,7 @@ class Session:
                 raise FatalLoss(f"the job this standby node waited to join ended before admitting it: {abandoned[0]}")
             if self.store.get(self.keys.finished) is not None:
                 return None
+            alive.check()
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
             revision = change.revision
 
@@ -477,3 +481,29 @@ class Session:
             self.store.close()
         except Exception as err:  # noqa: BLE001 - best effort at exit
             log.debug("membership stop: %s", err)
+
+
+class _JobAlive:
+    """A standby node's view of whether the job it waits for still runs: ``check`` raises ``FatalLoss`` once no node
+    of the job (a live member that is not standing by) has been live for the detection timeout, having been seen
+    live before (a standby machine may come up before the job forms)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.seen = False
+        self.gone_since: float | None = None
+
+    def check(self) -> None:
+        s = self.session
+        standing = {kv.key.rsplit("/", 1)[1] for kv in s.store.get_prefix(s.keys.standby()).kvs}
+        running = set(s.registry.members().live) - standing - {s.node, "launcher"}
+        if running:
+            self.seen, self.gone_since = True, None
+            return
+        if not self.seen:
+            return
+        now = time.monotonic()
+        self.gone_since = self.gone_since if self.gone_since is not None else now
+        if now - self.gone_since > s.detection_timeout:
+            raise FatalLoss(f"the job {s.job!r} that {s.node} waited to join ended without finishing: none of its "
+                            f"nodes has been live for {s.detection_timeout:g} s")
