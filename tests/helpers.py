@@ -161,6 +161,19 @@ def stop_shared_fork_server() -> None:
         _shared = None
 
 
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to process ``pid`` and to every process it started (``descendants``, listed first). ``pid`` must
+    still run: a ``ProcessLookupError`` for it is the test's finding. A descendant may end between the listing and
+    its signal (a communication process that exits by itself): it needs the signal no more, and is skipped."""
+    from lightning_bamboo.membership.node import descendants
+
+    family = descendants(pid)
+    os.kill(pid, sig)
+    for child in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, sig)
+
+
 def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session; on timeout kill the whole process group (children included, and the workers
     the shared fork server forked for its launchers: they die with their launcher's connection).

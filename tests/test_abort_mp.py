@@ -19,9 +19,8 @@ from datetime import datetime
 import pytest
 import torch
 
-from lightning_bamboo.membership.node import descendants
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, max_abs_diff, preloaded, reference_weights
+from tests.helpers import PYTHON, REPO, max_abs_diff, preloaded, reference_weights, signal_tree
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,12 +73,10 @@ def test_a_node_frozen_mid_step_is_failed_over_within_the_bound_and_leaves_nothi
         if end == "continued":
             for node in ("node0", "node1", "node3"):
                 _wait_for(log, rf"{node}: failover done", proc, 200)
-            for victim in [pid, *descendants(pid)]:
-                os.kill(victim, signal.SIGCONT)
+            signal_tree(pid, signal.SIGCONT)
         _wait_for(log, r'\{"global_step"', proc, 200)  # the survivors finished every step
         if end == "killed":  # the frozen machine is switched off at last: its processes are killed, as a provider would
-            for victim in [pid, *descendants(pid)]:
-                os.kill(victim, signal.SIGKILL)
+            signal_tree(pid, signal.SIGKILL)
         proc.wait(60)
     finally:
         if proc.poll() is None:

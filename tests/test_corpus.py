@@ -94,3 +94,82 @@ def test_prepare_refuses_bad_input_naming_the_fix(tmp_path, capsys, monkeypatch,
     assert main(["prepare", *(a.format(d=tmp_path) for a in argv), "--out", str(tmp_path / "out")]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out" / "train.bin").exists()
+
+
+#: a bound that transformers' retries (a minute against a closed port) or a hang on a silent one would exceed
+HUB_HANG_SECONDS = 30
+
+
+def _prepare_offline(tmp_path, tokenizer: str, endpoint: str):
+    """``lightning-bamboo prepare ... --tokenizer TOKENIZER`` in a process of its own whose Hugging Face Hub is
+    ``endpoint`` and whose cache is empty (``HF_ENDPOINT`` is read once, when huggingface_hub is imported)."""
+    import os
+    import subprocess
+
+    from tests.helpers import REPO
+
+    (tmp_path / "a.txt").write_text("some text to train on")
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
+                          "TRANSFORMERS_CACHE")}
+    env.update(PYTHONPATH=str(REPO), HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"))
+    return subprocess.run([sys.executable, "-m", "lightning_bamboo.cli", "prepare", str(tmp_path / "a.txt"),
+                           "--out", str(tmp_path / "out"), "--tokenizer", tokenizer],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=HUB_HANG_SECONDS)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hub", ["silent", "closed"])
+def test_a_hugging_face_tokenizer_neither_here_nor_reachable_is_refused_at_once_in_one_line(tmp_path, hub):
+    """``--tokenizer hf:gpt2`` on a machine without network: not a local path, not in the cache, and the Hub's
+    endpoint a socket that accepts and never answers (``silent``) or a closed port. One line that says what to do,
+    the status of a configuration error and nothing written; not a minute of retries and transformers' traceback."""
+    import socket
+
+    pytest.importorskip("transformers")
+    with socket.socket() as hub_socket:
+        hub_socket.bind(("127.0.0.1", 0))  # bound, so no one else takes the port while the command runs
+        if hub == "silent":
+            hub_socket.listen(16)  # the kernel accepts connections; nothing ever answers them
+        endpoint = f"http://127.0.0.1:{hub_socket.getsockname()[1]}"
+        done = _prepare_offline(tmp_path, "hf:gpt2", endpoint)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("lightning-bamboo prepare: error: --tokenizer hf:gpt2"), lines
+    assert endpoint in lines[0] and "save_pretrained" in lines[0] and "--tokenizer bytes" in lines[0], lines
+    assert done.stdout == "" and not (tmp_path / "out" / "train.bin").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["directory", "cache"])
+def test_a_hugging_face_tokenizer_on_this_machine_needs_no_network(tmp_path, where):
+    """A tokenizer saved with ``save_pretrained`` (a tiny word-level one, made on the spot) is read from its
+    directory, or from the Hugging Face cache by its name (laid out as a download leaves it), while the Hub's
+    endpoint is a closed port."""
+    import socket
+
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from lightning_bamboo.models.prepare import read_meta
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "<eos>": 1, "some": 2, "text": 3, "to": 4, "train": 5, "on": 6},
+                                       unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    saved = tmp_path / "tok" if where == "directory" else tmp_path / "hf/hub/models--bamboo--words/snapshots" / commit
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", eos_token="<eos>").save_pretrained(saved)
+    if where == "cache":  # the branch's commit, and the hub's mark for a file the model does not have
+        (tmp_path / "hf/hub/models--bamboo--words/refs").mkdir()
+        (tmp_path / "hf/hub/models--bamboo--words/refs/main").write_text(commit)
+        (tmp_path / "hf/hub/models--bamboo--words/.no_exist" / commit).mkdir(parents=True)
+        (tmp_path / "hf/hub/models--bamboo--words/.no_exist" / commit / "config.json").touch()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        name = f"hf:{saved}" if where == "directory" else "hf:bamboo/words"
+        done = _prepare_offline(tmp_path, name, f"http://127.0.0.1:{closed.getsockname()[1]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = read_meta(tmp_path / "out")
+    assert meta["vocab_size"] == 7 and meta["tokens"] == {"train": 5, "val": 0}
+    assert list(np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)) == [2, 3, 4, 5, 6]

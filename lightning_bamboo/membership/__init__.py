@@ -78,14 +78,15 @@ def parse_store_url(url: str) -> tuple[str, str, int]:
     return scheme, host, port
 
 
-def connect(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Store:
-    """A connected ``Store`` for ``url``; raises ``StoreUnavailableError`` within ``timeout`` s if nobody answers."""
+def connect(url: str, *, timeout: float = DEFAULT_TIMEOUT, request_timeout: float = DEFAULT_TIMEOUT) -> Store:
+    """A connected ``Store`` for ``url``; raises ``StoreUnavailableError`` within ``timeout`` s if nobody answers.
+    ``request_timeout``: the bound of each later call given no timeout (see ``Store``)."""
     scheme, host, port = parse_store_url(url)
     if scheme == "embedded":
-        return EmbeddedStore(host, port, connect_timeout=timeout)
+        return EmbeddedStore(host, port, connect_timeout=timeout, request_timeout=request_timeout)
     from lightning_bamboo.membership.etcd import EtcdStore  # imports requests/etcd3gw only when asked
 
-    return EtcdStore(host, port, connect_timeout=timeout)
+    return EtcdStore(host, port, connect_timeout=timeout, request_timeout=request_timeout)
 
 
 def resolve_store(spec: str) -> tuple[str, EmbeddedServer | None]:

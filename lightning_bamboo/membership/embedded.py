@@ -6,6 +6,7 @@ import argparse
 import bisect
 import collections
 import json
+import logging
 import random
 import signal
 import socket
@@ -17,7 +18,9 @@ from dataclasses import asdict
 from typing import Any
 
 from lightning_bamboo.membership.protocol import (
+    DEFAULT_TIMEOUT,
     FIRST_ATTEMPT_SECONDS,
+    SLOW_ANSWER_SECONDS,
     Change,
     Event,
     Fenced,
@@ -32,6 +35,8 @@ from lightning_bamboo.membership.protocol import (
     StoreUnavailableError,
     deadline_for,
 )
+
+log = logging.getLogger(__name__)
 
 #: Events kept for ``wait_for_change``; older waits get ``Change(compacted=True)``.
 HISTORY_EVENTS = 100_000
@@ -326,10 +331,17 @@ def _with_guard(req: dict[str, Any], guard: Guard | None) -> dict[str, Any]:
 
 
 class EmbeddedStore(PutIfAbsentFromCAS):
-    """Client of an ``EmbeddedServer`` (``embedded://HOST:PORT``); see ``Store`` for the contract."""
+    """Client of an ``EmbeddedServer`` (``embedded://HOST:PORT``); see ``Store`` for the contract.
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0) -> None:
+    ``request_timeout``: the bound of a call given no timeout, and how long after its hold time a wait's
+    answer may come (the server lives in a launcher process, which a loaded machine can starve for seconds).
+    """
+
+    def __init__(
+        self, host: str, port: int, *, connect_timeout: float = 5.0, request_timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
         self.url = f"embedded://{host}:{port}"
+        self.request_timeout = deadline_for(request_timeout)
         self._addr = (host, port)
         self._pool: list[tuple[socket.socket, Any]] = []
         self._lock = threading.Lock()
@@ -387,6 +399,7 @@ class EmbeddedStore(PutIfAbsentFromCAS):
                 sock.settimeout(remaining + extra)
                 sock.sendall(payload)
                 sent = True
+                self._await_answer(sock, req, remaining + extra)
                 line = rfile.readline()
                 if not line:
                     raise ConnectionResetError("server closed the connection")
@@ -395,7 +408,8 @@ class EmbeddedStore(PutIfAbsentFromCAS):
                 raise StoreTimeoutError(
                     f"membership store {self.url} accepted the connection but did not answer a "
                     f"{req['op']!r} request within {remaining + extra:.1f} s; the launcher process "
-                    "holding the store may be frozen"
+                    "holding the store may be frozen (a node waits for the store as long as the job's "
+                    "detection_timeout allows)"
                 ) from e
             except OSError as e:
                 sock.close()
@@ -415,27 +429,47 @@ class EmbeddedStore(PutIfAbsentFromCAS):
                 )
             raise StoreError(f"membership store {self.url} rejected {req['op']!r}: {resp['message']}")
 
+    def _await_answer(self, sock: socket.socket, req: dict[str, Any], window: float) -> None:
+        """Return once an answer to ``req`` is arriving on ``sock``, or ``window`` s after it was sent
+        (the socket's timeout, set by the caller). An answer that is late is logged once, as a slow store,
+        and still waited for: a paused server answers when it resumes."""
+        due = (float(req["timeout"]) if req["op"] == "wait" else 0.0) + SLOW_ANSWER_SECONDS
+        if window <= due:
+            return
+        start = time.monotonic()
+        sock.settimeout(due)
+        try:
+            sock.recv(1, socket.MSG_PEEK)  # the answer's first byte, left for the reader
+        except TimeoutError:
+            log.warning("membership store %s is slow: no answer to a %r request %.1f s after it was due; "
+                        "waiting up to %.1f s in all", self.url, req["op"], SLOW_ANSWER_SECONDS, window)
+        finally:
+            sock.settimeout(max(window - (time.monotonic() - start), 1e-3))
+
+    def _deadline(self, timeout: float | None) -> float:
+        return deadline_for(timeout, self.request_timeout)
+
     # -- Store --
     def put(
         self, key: str, value: str, *, lease: int = 0, timeout: float | None = None, guard: Guard | None = None
     ) -> int:
         req = _with_guard({"op": "put", "key": key, "value": value, "lease": lease}, guard)
-        return int(self._call(req, deadline_for(timeout))["kv"]["mod_revision"])
+        return int(self._call(req, self._deadline(timeout))["kv"]["mod_revision"])
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
-        resp = self._call({"op": "get", "key": key}, deadline_for(timeout))
+        resp = self._call({"op": "get", "key": key}, self._deadline(timeout))
         return KeyValue(**resp["kv"]) if resp["kv"] else None
 
     def get_prefix(self, prefix: str, *, timeout: float | None = None) -> Snapshot:
-        resp = self._call({"op": "get_prefix", "prefix": prefix}, deadline_for(timeout))
+        resp = self._call({"op": "get_prefix", "prefix": prefix}, self._deadline(timeout))
         return Snapshot(tuple(KeyValue(**kv) for kv in resp["kvs"]), int(resp["revision"]))
 
     def delete(self, key: str, *, timeout: float | None = None, guard: Guard | None = None) -> bool:
-        return bool(self._call(_with_guard({"op": "delete", "key": key}, guard), deadline_for(timeout))["deleted"])
+        return bool(self._call(_with_guard({"op": "delete", "key": key}, guard), self._deadline(timeout))["deleted"])
 
     def delete_prefix(self, prefix: str, *, timeout: float | None = None, guard: Guard | None = None) -> int:
         req = _with_guard({"op": "delete_prefix", "prefix": prefix}, guard)
-        return int(self._call(req, deadline_for(timeout))["deleted"])
+        return int(self._call(req, self._deadline(timeout))["deleted"])
 
     def compare_and_put(
         self,
@@ -447,7 +481,7 @@ class EmbeddedStore(PutIfAbsentFromCAS):
         timeout: float | None = None,
         guard: Guard | None = None,
     ) -> tuple[bool, KeyValue | None]:
-        t = deadline_for(timeout)
+        t = self._deadline(timeout)
         req = {
             "op": "cas",
             "key": key,
@@ -471,28 +505,29 @@ class EmbeddedStore(PutIfAbsentFromCAS):
     def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:
         if not ttl > 0:
             raise StoreError(f"a lease needs ttl > 0 seconds (got {ttl!r})")
-        resp = self._call({"op": "grant", "ttl": float(ttl)}, deadline_for(timeout))
+        resp = self._call({"op": "grant", "ttl": float(ttl)}, self._deadline(timeout))
         return Lease(int(resp["id"]), float(resp["ttl"]))
 
     def keep_alive(self, lease: int, *, timeout: float | None = None) -> bool:
-        return bool(self._call({"op": "keep_alive", "lease": lease}, deadline_for(timeout))["alive"])
+        return bool(self._call({"op": "keep_alive", "lease": lease}, self._deadline(timeout))["alive"])
 
     def revoke_lease(self, lease: int, *, timeout: float | None = None) -> None:
-        self._call({"op": "revoke", "lease": lease}, deadline_for(timeout))
+        self._call({"op": "revoke", "lease": lease}, self._deadline(timeout))
 
     def wait_for_change(self, prefix: str, after_revision: int, timeout: float) -> Change:
-        total = deadline_for(timeout)
+        total = self._deadline(timeout)
         deadline = time.monotonic() + total
         after = int(after_revision)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return Change((), after)
-            # The server holds the request up to `remaining`; the socket allows 2 s more for the answer.
+            # The server holds the request up to `remaining`; its answer may come a request timeout later
+            # (a slow store delays a wait; it does not end it).
             resp = self._call(
                 {"op": "wait", "prefix": prefix, "after_revision": after, "timeout": remaining},
                 remaining,
-                extra=2.0,
+                extra=self.request_timeout,
             )
             if resp["events"] or resp["compacted"]:
                 return Change(

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import time
 from typing import Any
 
 from lightning_bamboo.membership.protocol import (
+    DEFAULT_TIMEOUT,
     FIRST_ATTEMPT_SECONDS,
+    SLOW_ANSWER_SECONDS,
     Change,
     Event,
     Fenced,
@@ -24,6 +27,8 @@ from lightning_bamboo.membership.protocol import (
     StoreUnavailableError,
     deadline_for,
 )
+
+log = logging.getLogger(__name__)
 
 #: HTTP statuses after which the call is retried inside its timeout (etcd restarting, no leader yet).
 _RETRY_STATUS = {500, 502, 503, 504}
@@ -72,9 +77,12 @@ class EtcdStore(PutIfAbsentFromCAS):
     has no leader (a restart with the same data dir keeps keys, revisions and leases), and
     raises ``StoreUnavailableError`` naming the endpoint when its time is up. Lease TTLs are
     whole seconds (rounded up); etcd's minimum TTL also depends on its election timeout.
+    ``request_timeout`` bounds a call given no timeout of its own.
     """
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self, host: str, port: int, *, connect_timeout: float = 5.0, request_timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
         try:
             import etcd3gw
             import requests
@@ -86,6 +94,7 @@ class EtcdStore(PutIfAbsentFromCAS):
             ) from e
         self._requests = requests
         self.url = f"etcd://{host}:{port}"
+        self.request_timeout = deadline_for(request_timeout)
         self._client = etcd3gw.client(host=host, port=port, timeout=connect_timeout)
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=32)
         self._client.session.mount("http://", adapter)
@@ -128,6 +137,7 @@ class EtcdStore(PutIfAbsentFromCAS):
                 if last is not None:
                     raise self._unavailable(last, timeout)
                 remaining = FIRST_ATTEMPT_SECONDS  # no attempt yet: ask once all the same
+            sent = time.monotonic()
             try:
                 resp = self._client.session.post(url, json=payload, timeout=(min(remaining, 2.0), remaining))
             except rq.exceptions.ReadTimeout as e:
@@ -144,6 +154,9 @@ class EtcdStore(PutIfAbsentFromCAS):
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 0.25)
                 continue
+            if (took := time.monotonic() - sent) > SLOW_ANSWER_SECONDS:
+                log.warning("etcd at %s is slow: %s answered after %.1f s (the request's bound: %.1f s)",
+                            self.url, path, took, timeout)
             if resp.status_code == 200:
                 return resp.json()
             body = _error_body(resp)
@@ -159,6 +172,9 @@ class EtcdStore(PutIfAbsentFromCAS):
                     f"etcd at {self.url}: {body}; grant a new lease and put the keys again"
                 )
             raise StoreError(f"etcd at {self.url} rejected {path} (HTTP {resp.status_code}): {body}")
+
+    def _deadline(self, timeout: float | None) -> float:
+        return deadline_for(timeout, self.request_timeout)
 
     # -- Store --
     def _fenced(self, guard: Guard) -> Fenced:
@@ -185,25 +201,25 @@ class EtcdStore(PutIfAbsentFromCAS):
         if lease:
             payload["lease"] = lease
         if guard is not None:
-            return int(self._guarded(guard, {"request_put": payload}, deadline_for(timeout))["header"]["revision"])
-        return int(self._post("kv/put", payload, deadline_for(timeout))["header"]["revision"])
+            return int(self._guarded(guard, {"request_put": payload}, self._deadline(timeout))["header"]["revision"])
+        return int(self._post("kv/put", payload, self._deadline(timeout))["header"]["revision"])
 
     def get(self, key: str, *, timeout: float | None = None) -> KeyValue | None:
-        kvs = self._post("kv/range", {"key": _b64(key)}, deadline_for(timeout)).get("kvs", [])
+        kvs = self._post("kv/range", {"key": _b64(key)}, self._deadline(timeout)).get("kvs", [])
         return _kv(kvs[0]) if kvs else None
 
     def get_prefix(self, prefix: str, *, timeout: float | None = None) -> Snapshot:
         key = _b64(prefix) if prefix else _b64(b"\0")
         resp = self._post(
-            "kv/range", {"key": key, "range_end": _b64(_range_end(prefix))}, deadline_for(timeout)
+            "kv/range", {"key": key, "range_end": _b64(_range_end(prefix))}, self._deadline(timeout)
         )
         return Snapshot(tuple(_kv(d) for d in resp.get("kvs", [])), int(resp["header"]["revision"]))
 
     def _delete_range(self, payload: dict[str, Any], timeout: float | None, guard: Guard | None) -> int:
         if guard is not None:
-            done = self._guarded(guard, {"request_delete_range": payload}, deadline_for(timeout))
+            done = self._guarded(guard, {"request_delete_range": payload}, self._deadline(timeout))
             return int(done.get("response_delete_range", {}).get("deleted", 0))
-        return int(self._post("kv/deleterange", payload, deadline_for(timeout)).get("deleted", 0))
+        return int(self._post("kv/deleterange", payload, self._deadline(timeout)).get("deleted", 0))
 
     def delete(self, key: str, *, timeout: float | None = None, guard: Guard | None = None) -> bool:
         return self._delete_range({"key": _b64(key)}, timeout, guard) > 0
@@ -222,7 +238,7 @@ class EtcdStore(PutIfAbsentFromCAS):
         timeout: float | None = None,
         guard: Guard | None = None,
     ) -> tuple[bool, KeyValue | None]:
-        t = deadline_for(timeout)
+        t = self._deadline(timeout)
         put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
         if lease:
             put["lease"] = lease
@@ -253,23 +269,23 @@ class EtcdStore(PutIfAbsentFromCAS):
     def grant_lease(self, ttl: float, *, timeout: float | None = None) -> Lease:
         if not ttl > 0:
             raise StoreError(f"a lease needs ttl > 0 seconds (got {ttl!r})")
-        resp = self._post("lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0}, deadline_for(timeout))
+        resp = self._post("lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0}, self._deadline(timeout))
         if resp.get("error"):
             raise StoreError(f"etcd at {self.url} refused a lease of {ttl} s: {resp['error']}")
         return Lease(int(resp["ID"]), float(resp["TTL"]))
 
     def keep_alive(self, lease: int, *, timeout: float | None = None) -> bool:
-        resp = self._post("lease/keepalive", {"ID": lease}, deadline_for(timeout))
+        resp = self._post("lease/keepalive", {"ID": lease}, self._deadline(timeout))
         return int(resp.get("result", {}).get("TTL", 0)) > 0
 
     def revoke_lease(self, lease: int, *, timeout: float | None = None) -> None:
         try:
-            self._post("lease/revoke", {"ID": lease}, deadline_for(timeout))
+            self._post("lease/revoke", {"ID": lease}, self._deadline(timeout))
         except LeaseExpiredError:
             pass
 
     def wait_for_change(self, prefix: str, after_revision: int, timeout: float) -> Change:
-        total = deadline_for(timeout)
+        total = self._deadline(timeout)
         deadline = time.monotonic() + total
         after = int(after_revision)
         key = _b64(prefix) if prefix else _b64(b"\0")

@@ -7,8 +7,12 @@ from typing import Literal, Protocol, runtime_checkable
 
 from lightning_bamboo.errors import BambooConfigError, BambooError
 
-#: Every call that talks to a server takes ``timeout`` (seconds); ``None`` means this default.
+#: Every call that talks to a server takes ``timeout`` (seconds); ``None`` means the client's ``request_timeout``,
+#: this unless it was connected with another (a node's session: its detection timeout, see ``request_timeout_for``).
 DEFAULT_TIMEOUT = 5.0
+#: An answer later than this (after what a wait is held for) is logged as a slow store: it is still waited for,
+#: up to the request's timeout.
+SLOW_ANSWER_SECONDS = 2.0
 
 
 class StoreError(BambooError):
@@ -106,7 +110,9 @@ class Store(Protocol):
     """A membership store. All methods are thread-safe and may be called from any thread.
 
     Every call is bounded: it returns, or raises ``StoreUnavailableError`` naming the URL and the
-    fix, within ``timeout`` seconds (``DEFAULT_TIMEOUT`` when None) plus a small constant. A call
+    fix, within ``timeout`` seconds (the client's ``request_timeout`` when None) plus a small constant. A
+    store that answers late (a loaded or paused server) is slow, not unavailable: a wait's answer may
+    come up to ``request_timeout`` after the time it was held for, and a late answer is logged. A call
     that fails because the server is momentarily unreachable is retried inside that bound, so a
     store server that restarts faster than the timeout is invisible to callers.
 
@@ -213,9 +219,17 @@ class Store(Protocol):
 FIRST_ATTEMPT_SECONDS = 1.0
 
 
-def deadline_for(timeout: float | None) -> float:
-    """Seconds allowed to a call: ``timeout`` or the default; rejects non-positive values."""
-    t = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+def request_timeout_for(detection_timeout: float) -> float:
+    """How long a node's store requests may wait for an answer: as long as its lease allows, so a slow store
+    delays the node and never fails it (its lease, just below ``detection_timeout``, decides whether it is
+    lost). Never below ``DEFAULT_TIMEOUT``: a short detection timeout makes losses seen sooner, not the
+    store's answers come sooner."""
+    return max(DEFAULT_TIMEOUT, float(detection_timeout))
+
+
+def deadline_for(timeout: float | None, default: float = DEFAULT_TIMEOUT) -> float:
+    """Seconds allowed to a call: ``timeout``, or ``default`` when None; rejects non-positive values."""
+    t = default if timeout is None else float(timeout)
     if not t > 0:
         raise BambooConfigError(
             f"a store call needs a timeout > 0 seconds (got {timeout!r}); pass e.g. timeout=5.0"

@@ -207,7 +207,7 @@ def _wait_relevant(store: Store, job: str, revision: int, timeout: float) -> tup
             e.key[len(base) :].split("/", 1)[0] in ("nodes", "lost", "leaving") for e in change.events
         )
         if relevant:
-            return read_membership(store, job, timeout=max(remaining, 1.0)), change.revision
+            return read_membership(store, job), change.revision  # the store's bound, not what is left of a poll
         rev = change.revision
 
 

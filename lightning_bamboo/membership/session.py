@@ -19,7 +19,7 @@ from lightning_bamboo.membership.collectives import BarrierTimeoutError, GatherF
 from lightning_bamboo.membership.fence import Fenced, FencedStore
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
-from lightning_bamboo.membership.protocol import Store, wait_riding_out
+from lightning_bamboo.membership.protocol import Store, request_timeout_for, wait_riding_out
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
 from lightning_bamboo.membership.registry import LossDetector, Registry
 from lightning_bamboo.testing import faults
@@ -121,7 +121,9 @@ class Session:
                               "start the job with `lightning-bamboo run` or `python -m lightning_bamboo.launcher`")
         url, node = os.environ[STORE_ENV], os.environ[NODE_ENV]
         nodes = [n for n in os.environ.get(NODES_ENV, node).split(",") if n]
-        session = cls(connect(url), os.environ.get(JOB_ENV, "bamboo"), node, nodes, groups=groups,
+        bound = request_timeout_for(detection_timeout)  # a slow store delays this node; only its lease loses it
+        store = connect(url, timeout=bound, request_timeout=bound)
+        session = cls(store, os.environ.get(JOB_ENV, "bamboo"), node, nodes, groups=groups,
                       detection_timeout=detection_timeout, rendezvous_timeout=rendezvous_timeout,
                       joining=joining(), leave_requested=leave_requested, url=url)
         return session.open()

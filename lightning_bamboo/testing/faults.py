@@ -28,6 +28,7 @@ with ``environment(items)``. This module is the only place that reads these vari
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -152,7 +153,8 @@ def reached(node: str, point: str | int, instruction: int | None = None) -> None
 
                 log.warning("%s: injected SIGSTOP %s (pid %d, never continued)", node, where, os.getpid())
                 for pid in descendants(os.getpid()):  # its communication processes hang with it
-                    os.kill(pid, signal.SIGSTOP)
+                    with contextlib.suppress(ProcessLookupError):  # one that ended after the listing
+                        os.kill(pid, signal.SIGSTOP)
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 log.warning("%s: injected SIGKILL %s", node, where)
