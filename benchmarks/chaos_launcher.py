@@ -1,0 +1,374 @@
+"""Chaos on the main path: the launcher a user runs, one supervisor per emulated machine, a user's Lightning script.
+
+Machines are network namespaces (``tests/netns.py``: an address and a host name of their own on one bridge, etcd on
+an address of its own). Three machines of two workers start the job (``--workers 2 --min-nodes 6``) of
+``benchmarks/spot_user.py`` (``examples/gpt.py``'s model, lazy replicas, ``RebalanceCallback``, ``AsyncCheckpoint``,
+``PreemptionCallback``): one pipeline of six stages, or with ``--pipelines 2`` two of three. Spare machines join
+with ``--join``. For every seed a schedule of ``--changes`` membership changes is drawn and fired at the steps it
+names, each on a target picked then from what runs:
+
+- ``kill_worker``: SIGKILL a training worker; ``kill_machine``: SIGKILL every process of a machine (its supervisor
+  too); ``partition``: cut a machine off the network (its processes run on; it is killed when the job has ended);
+  ``notice``: SIGTERM to a training worker (a spot notice); ``join``: start a spare machine's supervisor;
+  ``kill_pair``: a worker and its replica holder at once (the checkpoint's case); ``in_failover`` /
+  ``in_reconfiguration``: a worker armed at the start (``BAMBOO_FAIL_AT``) dies inside the first failover or
+  reconfiguration it takes part in (a loss inside a recovery).
+
+A change that would leave fewer than three live workers becomes a join of a spare machine (skipped when none is
+left). Every run is judged against a clean run of the same steps (``python -m lightning_bamboo.launcher --nodes 6``;
+weights do not depend on where the nodes run):
+
+- the job finished, and every supervisor of a machine that was neither killed nor cut off exited 0;
+- its final weights (``consolidate_checkpoint``) equal the clean run's bit for bit with one pipeline, and its AdamW
+  state too; with two, they are within the noise floor measured in the same call: the larger difference from the
+  clean run of the same global batch trained by one pipeline of three stages (every gradient summed in the other
+  grouping) and of the clean job with one weight one ulp higher at the start, the attention's key biases left out
+  of both (see ``without_key_biases``; their difference is printed apart);
+- every step trained on the clean run's samples (each record's batch digest equals the clean run's for its step).
+
+    python benchmarks/chaos_launcher.py [--pipelines 1|2] [--seeds 5] [--changes 20] [--steps 300] [--first-seed 0]
+    python benchmarks/chaos_launcher.py --scenario machines --pipelines 2   # issue 61's: kill 60, join 100, cut 180
+
+Prints one line per run and a table; exits 1 if any run fails its judgement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lightning_bamboo import checkpoint as ckpt  # noqa: E402
+from lightning_bamboo import consolidate_checkpoint  # noqa: E402
+from lightning_bamboo.testing import faults  # noqa: E402
+
+PYTHON = sys.executable
+WORKERS = 2  # workers per machine
+MACHINES = 3  # machines the job starts with
+SPARES = 4  # spare machines that can join
+PRELOAD = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
+KINDS = ("kill_worker", "kill_machine", "partition", "notice", "join", "kill_pair", "in_failover",
+         "in_reconfiguration")
+#: seconds a run may take before it is stopped and judged as not finished
+RUN_LIMIT = 1500.0
+
+
+@dataclass(frozen=True)
+class Change:
+    step: int
+    kind: str
+
+
+def draw(seed: int, changes: int, steps: int) -> list[Change]:
+    """A seeded schedule: ``changes`` changes at distinct steps spread over the run (none in its last tenth)."""
+    rng = random.Random(seed)
+    weights = {"kill_worker": 3, "kill_machine": 2, "partition": 1, "notice": 2, "join": 4, "kill_pair": 1,
+               "in_failover": 1, "in_reconfiguration": 1}
+    at = sorted(rng.sample(range(5, int(steps * 0.9)), changes))
+    kinds = rng.choices(list(weights), weights=list(weights.values()), k=changes)
+    return [Change(step, kind) for step, kind in zip(at, kinds, strict=True)]
+
+
+SCENARIOS = {"machines": [Change(60, "kill_machine:host1"), Change(100, "join"), Change(180, "partition:host2")]}
+
+
+@dataclass
+class Run:
+    """One job on the namespaces of ``net``: its machines, what happened to them, and what it left in ``out``."""
+
+    net: Any
+    url: str
+    out: Path
+    stages: int
+    steps: int
+    armed: list[str] = field(default_factory=list)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    killed: set[str] = field(default_factory=set)
+    cut: set[str] = field(default_factory=set)
+    events: list[str] = field(default_factory=list)
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO),
+               "BAMBOO_PRELOAD": PRELOAD, **faults.environment(self.armed, self.out / "fired")}
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "BAMBOO_FORK_SERVER"):
+            env.pop(name, None)
+        return env
+
+    def start(self, machine: str, join: bool = False) -> None:
+        cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", self.url, "--job", "chaos", "--node", machine,
+               "--workers", str(WORKERS), *(["--join"] if join else ["--min-nodes", str(MACHINES * WORKERS)]),
+               "--addr", self.net.addrs[machine], "--pid-dir", str(self.out / "pids"), "--",
+               PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(self.stages), "--steps",
+               str(self.steps), "--out", str(self.out)]
+        with open(self.out / f"{machine}.log", "w") as log:
+            self.procs[machine] = self.net.popen(machine, cmd, env=self.env(), cwd=REPO, stdout=log,
+                                                 stderr=subprocess.STDOUT)
+
+    # ------------------------------------------------------------------ what runs
+    def latest(self) -> dict[str, Any] | None:
+        records = step_records(self.out)
+        return max(records, key=lambda r: (r["step"], len(r["nodes"]))) if records else None
+
+    def progress(self) -> int:
+        latest = self.latest()
+        return latest["step"] if latest else -1
+
+    def alive(self) -> list[str]:
+        """Machines still up and connected (their supervisor runs)."""
+        return [m for m, p in self.procs.items() if m not in self.killed | self.cut and p.poll() is None]
+
+    def training(self) -> list[str]:
+        latest = self.latest()
+        up = set(self.alive())
+        return [n for n in (latest["nodes"] if latest else []) if n.split(".")[0] in up]
+
+    def pid(self, node: str) -> int | None:
+        try:
+            return int((self.out / "pids" / f"{node}.pid").read_text())
+        except (OSError, ValueError):
+            return None
+
+    # ------------------------------------------------------------------ changes
+    def fire(self, change: Change, rng: random.Random, spares: list[str]) -> None:
+        kind, _, target = change.kind.partition(":")
+        workers = len(self.alive()) * WORKERS
+        losing = {"kill_worker": 1, "notice": 1, "kill_pair": 2, "kill_machine": WORKERS, "partition": WORKERS}
+        if workers - losing.get(kind, 0) < 3 or (kind in losing and not self.training()):
+            kind = "join"
+        step = self.progress()
+        if kind == "join":
+            if not spares:
+                self.events.append(f"step {step}: no spare machine left to join; skipped")
+                return
+            machine = spares.pop(0)
+            self.start(machine, join=True)
+            self.events.append(f"step {step}: {machine} joins")
+        elif kind in ("kill_machine", "partition"):
+            machine = target or rng.choice(sorted({n.split(".")[0] for n in self.training()}))
+            if kind == "kill_machine":
+                self.net.kill_machine(machine)
+                self.killed.add(machine)
+            else:
+                self.net.partition(machine)
+                self.cut.add(machine)
+            self.events.append(f"step {step}: {machine} {'killed' if kind == 'kill_machine' else 'cut off'}")
+        elif kind == "kill_pair":
+            latest = self.latest()
+            assert latest is not None
+            nodes, stages = latest["nodes"], latest["stages"]
+            pipelines = len(nodes) // stages
+            rank = rng.randrange(len(nodes))
+            stage, pipeline = rank // pipelines, rank % pipelines
+            holder = nodes[((stage - 1) % stages) * pipelines + pipeline]
+            pair = [nodes[rank], holder]
+            self._signal(pair, signal.SIGKILL)
+            self.events.append(f"step {step}: {pair[0]} and its replica holder {pair[1]} SIGKILLed")
+        else:
+            node = rng.choice(self.training())
+            self._signal([node], signal.SIGTERM if kind == "notice" else signal.SIGKILL)
+            self.events.append(f"step {step}: {node} {'notice (SIGTERM)' if kind == 'notice' else 'SIGKILLed'}")
+
+    def _signal(self, nodes: list[str], sig: int) -> None:
+        for node in nodes:
+            pid = self.pid(node)
+            if pid is not None:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    # ------------------------------------------------------------------ the end
+    def wait(self, limit: float) -> bool:
+        """Wait for every machine's supervisor that is neither killed nor cut off; True if all ended in time."""
+        deadline = time.monotonic() + limit
+        for machine, proc in self.procs.items():
+            if machine in self.killed | self.cut:
+                continue
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+
+def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Change], seed: int) -> dict[str, Any]:
+    """One chaos run on fresh namespaces; what the judge needs of it."""
+    from tests.netns import NetnsCluster
+
+    out = root / name
+    (out / "fired").mkdir(parents=True)
+    rng = random.Random(seed * 7919 + 1)
+    machines = [f"host{i}" for i in range(MACHINES)]
+    spares = [f"host{i}" for i in range(MACHINES, MACHINES + SPARES)]
+    initial = [f"{m}.{w}" for m in machines for w in range(WORKERS)]
+    armed = [f"{rng.choice(initial)}@{'failover' if c.kind == 'in_failover' else 'reconfigure'}"
+             for c in schedule if c.kind in ("in_failover", "in_reconfiguration")]
+    pending = [c for c in schedule if c.kind not in ("in_failover", "in_reconfiguration")]
+    started = time.monotonic()
+    with NetnsCluster(machines + spares) as net:
+        job = Run(net, net.start_etcd(), out, stages, steps, armed=armed)
+        job.events += [f"armed: {item}" for item in armed]
+        for machine in machines:
+            job.start(machine)
+        while pending and time.monotonic() - started < RUN_LIMIT:
+            if job.progress() >= pending[0].step:
+                job.fire(pending.pop(0), rng, spares)
+            elif not job.alive():
+                break
+            else:
+                time.sleep(0.2)  # polls the workers' step files; the run's own pace decides
+        ended = job.wait(max(1.0, RUN_LIMIT - (time.monotonic() - started)))
+        codes = {m: p.poll() for m, p in job.procs.items()}
+    return {"name": name, "ended": ended, "codes": codes, "killed": sorted(job.killed), "cut": sorted(job.cut),
+            "events": job.events, "records": step_records(out), "final": out / "final",
+            "seconds": time.monotonic() - started}
+
+
+def clean_run(root: Path, name: str, nodes: int, stages: int, steps: int, batch: int = 16,
+              nudge: bool = False) -> dict[str, Any]:
+    """The job without changes, on this machine (``--nodes``): its final checkpoint and its step records."""
+    out = root / name
+    out.mkdir(parents=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "BAMBOO_PRELOAD": PRELOAD}
+    env.pop("LOCAL_RANK", None)
+    cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", str(nodes), "--",
+           PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(stages), "--steps", str(steps),
+           "--out", str(out), "--batch-size", str(batch), *(["--nudge"] if nudge else [])]
+    with open(out / "launcher.log", "w") as log:
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_LIMIT).returncode
+    if code != 0:
+        raise SystemExit(f"the clean run {name} failed (exit {code}); see {out / 'launcher.log'}")
+    return {"final": out / "final", "records": step_records(out)}
+
+
+def step_records(out: Path) -> list[dict[str, Any]]:
+    """Every worker's step records (``benchmarks/spot_user.py``), each with its ``node``."""
+    found = []
+    for path in out.glob("steps-*.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.endswith("}"):  # (a line being written is skipped until it is whole)
+                found.append({**json.loads(line), "node": path.stem[len("steps-"):]})
+    return found
+
+
+def optimizer_states(path: Path) -> dict[str, torch.Tensor]:
+    layers = ckpt.read_layers(path, range(ckpt.read_meta(path)["bamboo"]["num_layers"]))
+    return {f"{layer}.{name}.{key}": torch.as_tensor(value) for layer, state in layers.items()
+            for name, saved in state["optimizer"].items() for key, value in saved["state"].items()}
+
+
+def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if sorted(a) != sorted(b):
+        return float("inf")
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def without_key_biases(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` less the attention's key biases (the middle third of every ``qkv.bias``). Adding a constant to
+    every key leaves the attention's softmax unchanged, so their gradient is zero but for rounding, which AdamW
+    divides by its own size into steps of the learning rate: across pipeline regroupings they walk at random by
+    about ``lr * sqrt(steps)``, dwarfing every other weight's difference (1e-6 here) without changing what the
+    model computes. Several-pipeline runs are judged on the rest."""
+    out = dict(weights)
+    for name, value in weights.items():
+        if name.endswith("qkv.bias"):
+            third = value.numel() // 3
+            out[name] = torch.cat([value[:third], value[2 * third:]])
+    return out
+
+
+def judge(run: dict[str, Any], clean: dict[str, Any], steps: int, floor: float) -> list[str]:
+    problems = []
+    if not run["ended"]:
+        problems.append("a supervisor of a machine that was neither killed nor cut off did not end in time")
+    down = set(run["killed"]) | set(run["cut"])
+    bad = {m: c for m, c in run["codes"].items() if m not in down and c != 0}
+    if bad:
+        problems.append(f"supervisors exited with {bad}")
+    if not (run["final"] / ckpt.META).exists():
+        problems.append("no final checkpoint: the job did not finish")
+        return problems
+    final, reference = consolidate_checkpoint(run["final"]), consolidate_checkpoint(clean["final"])
+    run["all_weights_difference"] = difference(final, reference)
+    if floor > 0.0:
+        final, reference = without_key_biases(final), without_key_biases(reference)
+    weights = difference(final, reference)
+    state = difference(optimizer_states(run["final"]), optimizer_states(clean["final"]))
+    run["weights_difference"], run["optimizer_difference"] = weights, state
+    if (floor == 0.0 and (weights != 0.0 or state != 0.0)) or weights > floor:
+        problems.append(f"weights differ by {weights:.3g} (optimizer state by {state:.3g}); bound {floor:.3g}")
+    expected = {r["step"]: r["batch"] for r in clean["records"]}
+    wrong = sorted({r["step"] for r in run["records"] if expected.get(r["step"]) != r["batch"]})
+    missing = sorted(set(range(steps)) - {r["step"] for r in run["records"]})
+    if wrong or missing:
+        problems.append(f"steps on other samples than the clean run's: {wrong[:10]}; steps never trained: "
+                        f"{missing[:10]}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pipelines", type=int, choices=(1, 2), default=1)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--changes", type=int, default=20)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
+                   help="a fixed schedule instead of drawn ones (run --seeds times)")
+    p.add_argument("--keep", default=None, help="keep every run's files in this directory")
+    args = p.parse_args(argv)
+    # a stopped run still removes its namespaces and processes (the cluster's context manager)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
+    stages = MACHINES * WORKERS // args.pipelines
+    root = Path(args.keep or tempfile.mkdtemp(prefix="bamboo-chaos-launcher-"))
+    root.mkdir(parents=True, exist_ok=True)
+    clean = clean_run(root, "clean", MACHINES * WORKERS, stages, args.steps)
+    floor = 0.0
+    if args.pipelines > 1:
+        # the same global batch (2 x 16) trained by one pipeline (every gradient regrouped), and the clean job with
+        # one weight one ulp higher at the start: the larger difference from the clean run is the floor
+        one = clean_run(root, "clean-one-pipeline", stages, stages, args.steps, batch=16 * args.pipelines)
+        ulp = clean_run(root, "clean-one-ulp", MACHINES * WORKERS, stages, args.steps, nudge=True)
+        weights = without_key_biases(consolidate_checkpoint(clean["final"]))
+        floors = [difference(without_key_biases(consolidate_checkpoint(r["final"])), weights) for r in (one, ulp)]
+        floor = max(floors)
+        print(f"noise floor {floor:.3g} (the clean run against one pipeline of {stages}: {floors[0]:.3g}; against "
+              f"itself with one weight one ulp higher: {floors[1]:.3g})", flush=True)
+    failed = 0
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        schedule = SCENARIOS[args.scenario] if args.scenario else draw(seed, args.changes, args.steps)
+        run = run_job(root, f"seed{seed}", stages, args.steps, schedule, seed)
+        problems = judge(run, clean, args.steps, floor)
+        failed += bool(problems)
+        print(f"seed {seed}: {'FAILED' if problems else 'ok'} in {run['seconds']:.0f} s; weights "
+              f"{run.get('weights_difference', float('nan')):.3g} (with the key biases "
+              f"{run.get('all_weights_difference', float('nan')):.3g}), optimizer "
+              f"{run.get('optimizer_difference', float('nan')):.3g}; codes {run['codes']}", flush=True)
+        for event in run["events"]:
+            print(f"    {event}")
+        for problem in problems:
+            print(f"    PROBLEM: {problem}", flush=True)
+    runs = args.seeds
+    print(f"\npipelines {args.pipelines} ({stages} stages), {runs} runs of {args.steps} steps, "
+          f"{'scenario ' + args.scenario if args.scenario else f'{args.changes} changes each'}: {failed} failed; "
+          f"files in {root}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
