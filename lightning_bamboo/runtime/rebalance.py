@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.records import Failover, Restart
+from lightning_bamboo.topology.layout import machine_of
 from lightning_bamboo.topology.policy import (
     Decision,
     Placement,
     PolicyConfig,
-    machine_of,
     moved_nodes,
     reconfigure,
     split_micro_batches,

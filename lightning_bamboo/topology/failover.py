@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from lightning_bamboo.errors import BambooError, FatalLoss
 from lightning_bamboo.topology.layout import replica_holder
@@ -89,6 +90,30 @@ def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[s
         order.append(seg.node)
         new_parts.append(parts[seg.stage + 1])
     return FailoverPlan(tuple(order), tuple(new_parts), tuple(serving))
+
+
+@cache
+def fatal_stage_pairs(stages: int) -> tuple[tuple[int, int], ...]:
+    """The pairs of stages ``(a, b)``, ``a < b``, of one pipeline of ``stages`` stages whose nodes lost together are
+    fatal: :func:`plan_failover` raises ``FatalLoss`` for them. Asked of the planner itself, pair by pair, so the
+    rule that keeps such pairs on two machines cannot drift from it.
+
+    Today that is a node and its replica holder (neighbours in the ring, stage ``p - 1`` and stage 0 included) and,
+    from 4 stages, stage 0 and stage ``p - 2``: when stage 0 is lost its holder, the last node, takes it and hands
+    its own stage to stage ``p - 2``'s node. One stage has no replica (every loss is fatal): no pair to keep apart.
+    """
+    if stages < 2:
+        return ()
+    nodes = [str(s) for s in range(stages)]
+    parts = range(stages + 1)
+    pairs = []
+    for a in range(stages):
+        for b in range(a + 1, stages):
+            try:
+                plan_failover(nodes, parts, (nodes[a], nodes[b]))
+            except FatalLoss:
+                pairs.append((a, b))
+    return tuple(pairs)
 
 
 def plan_loss(

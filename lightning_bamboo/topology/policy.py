@@ -359,13 +359,6 @@ def moved_nodes(old: Placement | None, new: Placement | None) -> tuple[str, ...]
     return tuple(moved)
 
 
-def machine_of(node: str) -> str:
-    """The machine (failure domain) of a node: ``NAME`` for the workers ``NAME.0 .. NAME.K-1`` that the
-    launcher's ``--workers K`` starts on one machine, else the node itself (one node per machine)."""
-    machine, dot, worker = node.rpartition(".")
-    return machine if dot and machine and worker.isdigit() else node
-
-
 def reconfigure(
     live: Iterable[str],
     standby: Iterable[str],

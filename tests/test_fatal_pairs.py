@@ -1,0 +1,186 @@
+"""No machine holds two nodes whose joint loss is fatal (pure): the pairs come from the failover planner, the counting
+rule says when machines can keep them apart, and the builder keeps them apart or finds the fewest on a machine.
+
+A *fatal pair* is two nodes of one pipeline that the failover planner cannot lose together. The helpers here work
+them out from ``plan_failover`` and search every layout of small fleets by brute force, so the module under test
+(``topology.apart``) is checked against the planner and an exhaustive search, not against itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from functools import cache
+
+import pytest
+
+from lightning_bamboo.errors import FatalLoss
+from lightning_bamboo.topology import machine_of, plan_failover, plan_loss
+
+# ---------------------------------------------------------------------- the planner's word, by brute force
+
+
+@cache
+def planner_pairs(stages: int) -> tuple[tuple[int, int], ...]:
+    """The stage pairs whose joint loss ``plan_failover`` refuses (FatalLoss)."""
+    nodes = [f"n{s}" for s in range(stages)]
+    pairs = []
+    for a, b in itertools.combinations(range(stages), 2):
+        try:
+            plan_failover(nodes, range(stages + 1), {nodes[a], nodes[b]})
+        except FatalLoss:
+            pairs.append((a, b))
+    return tuple(pairs)
+
+
+def on_one_machine(grid: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
+    """The fatal pairs of ``grid`` (rows: pipelines) whose two nodes share a machine (``machine_of``)."""
+    return [(row[a], row[b]) for row in grid for a, b in planner_pairs(len(row))
+            if machine_of(row[a]) == machine_of(row[b])]
+
+
+@cache
+def ring_fewest(counts: tuple[int, ...], stages: int) -> int:
+    """The fewest fatal pairs on one machine over every way to lay a ring with ``counts`` nodes per machine."""
+    labels = [m for m, c in enumerate(counts) for _ in range(c)]
+    return min(sum(ring[a] == ring[b] for a, b in planner_pairs(stages))
+               for ring in set(itertools.permutations(labels)))
+
+
+@cache
+def fewest(capacities: tuple[int, ...], pipelines: int, stages: int) -> int:
+    """The fewest fatal pairs on one machine over every layout of ``pipelines`` rings on machines with ``capacities``
+    usable nodes (every split of each machine's nodes over the rings, every order round each ring)."""
+    if pipelines == 0:
+        return 0
+    best = None
+    for take in itertools.product(*(range(min(c, stages) + 1) for c in capacities)):
+        if sum(take) != stages:
+            continue
+        left = tuple(sorted(c - t for c, t in zip(capacities, take, strict=True)))
+        cost = ring_fewest(tuple(sorted(t for t in take if t)), stages) + fewest(left, pipelines - 1, stages)
+        best = cost if best is None else min(best, cost)
+    assert best is not None, (capacities, pipelines, stages)
+    return best
+
+
+def fleet_nodes(capacities: Sequence[int]) -> list[str]:
+    return [f"m{i}.{w}" for i, c in enumerate(capacities) for w in range(c)]
+
+
+# ---------------------------------------------------------------------- the pairs
+
+
+def test_the_fatal_pairs_are_the_neighbours_and_stage_0_with_stage_s_minus_2():
+    from lightning_bamboo.topology import fatal_stage_pairs
+
+    assert fatal_stage_pairs(1) == ()  # one stage: no replica, nothing to keep apart
+    assert fatal_stage_pairs(2) == ((0, 1),)
+    assert fatal_stage_pairs(3) == ((0, 1), (0, 2), (1, 2))
+    assert fatal_stage_pairs(4) == ((0, 1), (0, 2), (0, 3), (1, 2), (2, 3))
+    assert fatal_stage_pairs(6) == ((0, 1), (0, 4), (0, 5), (1, 2), (2, 3), (3, 4), (4, 5))
+    for stages in range(2, 13):
+        assert fatal_stage_pairs(stages) == planner_pairs(stages)
+        ring = {tuple(sorted((s, (s + 1) % stages))) for s in range(stages)}
+        assert set(fatal_stage_pairs(stages)) == ring | ({(0, stages - 2)} if stages >= 3 else set())
+
+
+@pytest.mark.parametrize("stages", range(2, 10))
+def test_a_loss_without_a_fatal_pair_is_always_served(stages):
+    """What keeping the pairs apart buys: a machine's loss (any set of nodes) holding no fatal pair of a pipeline is
+    served by the failover planner, every layer once."""
+    nodes = [f"n{s}" for s in range(stages)]
+    pairs = planner_pairs(stages)
+    served = 0
+    for k in range(1, stages):
+        for lost in itertools.combinations(range(stages), k):
+            if any(a in lost and b in lost for a, b in pairs):
+                continue
+            plan = plan_failover(nodes, range(stages + 1), {nodes[s] for s in lost})
+            assert len(plan.order) == stages - k and plan.parts == (*plan.parts[:-1], stages)
+            served += 1
+    assert served >= stages  # every single loss at least
+
+
+def test_several_pipelines_survive_a_machine_that_hits_each_of_them_without_a_fatal_pair():
+    """Each pipeline is its own ring: m2 holds stages 1 and 3 of pipeline 0 and stage 1 of pipeline 1, no fatal pair
+    of either. Losing m2 hits both, so one of them must fail over on its own: pipeline 1, which keeps 3 nodes."""
+    grid = [["m0.0", "m2.0", "m1.0", "m2.1"], ["m1.1", "m2.2", "m0.1", "m3.0"]]
+    order = [row[s] for s in range(4) for row in grid]
+    assert on_one_machine(grid) == []
+    plan = plan_loss(order, 2, [0, 2, 4, 6, 8], {"m2.0", "m2.1", "m2.2"})
+    assert plan.order == ("m1.1", "m0.1", "m3.0") and plan.released == ("m0.0", "m1.0")
+    for machine in ("m0", "m1", "m3"):
+        plan_loss(order, 2, [0, 2, 4, 6, 8], {n for n in order if machine_of(n) == machine})  # never FatalLoss
+
+
+# ---------------------------------------------------------------------- the counting rule and the builder
+
+
+def small_fleets():
+    """Every fleet of 1..4 machines with 1..4 usable nodes each, and every shape of at most 10 nodes it can run."""
+    for machines in range(1, 5):
+        for capacities in itertools.combinations_with_replacement(range(1, 5), machines):
+            total = sum(capacities)
+            for stages in range(2, 7):
+                for pipelines in range(1, total // stages + 1):
+                    if pipelines * stages <= 10:
+                        yield tuple(sorted(capacities, reverse=True)), pipelines, stages
+
+
+def test_apart_possible_is_exactly_what_an_exhaustive_search_finds():
+    from lightning_bamboo.topology import apart_possible
+
+    cases = list(small_fleets())
+    assert len(cases) > 300
+    for capacities, pipelines, stages in cases:
+        assert apart_possible(capacities, pipelines, stages) == (fewest(capacities, pipelines, stages) == 0), (
+            capacities, pipelines, stages)
+
+
+def test_place_apart_finds_the_fewest_pairs_on_one_machine_for_every_small_fleet():
+    from lightning_bamboo.topology import place_apart
+
+    rng = random.Random(61)
+    for capacities, pipelines, stages in small_fleets():
+        nodes = fleet_nodes(capacities)
+        rng.shuffle(nodes)
+        need = pipelines * stages
+        grid = [nodes[p * stages:(p + 1) * stages] for p in range(pipelines)]
+        placed = place_apart(grid, nodes[need:])
+        assert len(placed) == pipelines and all(len(row) == stages for row in placed)
+        assert len({n for row in placed for n in row}) == need and {n for row in placed for n in row} <= set(nodes)
+        assert len(on_one_machine(placed)) == fewest(capacities, pipelines, stages), (capacities, pipelines, stages)
+
+
+def test_a_layout_that_keeps_every_pair_apart_is_left_as_it_is():
+    from lightning_bamboo.topology import place_apart
+
+    grid = (("m0.0", "m1.0", "m2.0", "m0.1", "m1.1", "m2.1"),)
+    assert place_apart(grid, ["m3.0"]) == grid
+
+
+def test_place_apart_keeps_nodes_on_the_stage_they_hold_and_moves_the_fewest():
+    from lightning_bamboo.topology import place_apart
+
+    # a 6-deep ring where m2.0 (stage 0) and m2.1 (stage 4) are a fatal pair on m2; m3.0 stands by
+    grid = [["m2.0", "m0.0", "m1.0", "m0.1", "m2.1", "m1.1"]]
+    holds = {n: s for s, n in enumerate(grid[0])}
+    placed = place_apart(grid, ["m3.0"], holds=holds)
+    assert on_one_machine(placed) == []
+    assert sum(holds.get(n) != s for s, n in enumerate(placed[0])) == 1  # one node replaced, the others stay
+
+
+@pytest.mark.parametrize("capacities, pipelines, stages", [((8, 8, 8, 8, 8, 8, 8, 8), 4, 16),
+                                                           ((9, 7, 7, 5, 4, 4), 3, 12),
+                                                           ((6, 6, 6, 6), 2, 12), ((30, 30, 4), 8, 8)])
+def test_large_fleets_keep_every_pair_apart_where_the_counting_rule_allows_and_not_elsewhere(
+        capacities, pipelines, stages):
+    from lightning_bamboo.topology import apart_possible, place_apart
+
+    nodes = fleet_nodes(capacities)
+    random.Random(stages).shuffle(nodes)
+    need = pipelines * stages
+    placed = place_apart([nodes[p * stages:(p + 1) * stages] for p in range(pipelines)], nodes[need:])
+    assert (on_one_machine(placed) == []) == apart_possible(capacities, pipelines, stages)
