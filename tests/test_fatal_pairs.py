@@ -1,5 +1,5 @@
 """No machine holds two nodes whose joint loss is fatal (pure): the pairs come from the failover planner, the counting
-rule says when machines can keep them apart, and the builder keeps them apart or finds the fewest on a machine.
+rule says when machines can keep them apart, and every layout the policy builds does so or says why it cannot.
 
 A *fatal pair* is two nodes of one pipeline that the failover planner cannot lose together. The helpers here work
 them out from ``plan_failover`` and search every layout of small fleets by brute force, so the module under test
@@ -16,7 +16,16 @@ from functools import cache
 import pytest
 
 from lightning_bamboo.errors import FatalLoss
-from lightning_bamboo.topology import machine_of, plan_failover, plan_loss
+from lightning_bamboo.launcher import job_nodes
+from lightning_bamboo.runtime.rebalance import Rebalancer
+from lightning_bamboo.topology import (
+    Placement,
+    PolicyConfig,
+    machine_of,
+    plan_failover,
+    plan_loss,
+    reconfigure,
+)
 
 # ---------------------------------------------------------------------- the planner's word, by brute force
 
@@ -184,3 +193,128 @@ def test_large_fleets_keep_every_pair_apart_where_the_counting_rule_allows_and_n
     need = pipelines * stages
     placed = place_apart([nodes[p * stages:(p + 1) * stages] for p in range(pipelines)], nodes[need:])
     assert (on_one_machine(placed) == []) == apart_possible(capacities, pipelines, stages)
+
+
+# ---------------------------------------------------------------------- every layout the policy builds
+
+
+def usable_counts(nodes: Sequence[str]) -> tuple[int, ...]:
+    counts: dict[str, int] = {}
+    for n in nodes:
+        counts[machine_of(n)] = counts.get(machine_of(n), 0) + 1
+    return tuple(sorted(counts.values(), reverse=True))
+
+
+def small(decision, usable: Sequence[str]) -> bool:
+    """Whether an exhaustive search over every layout of ``usable`` is quick for ``decision``'s shape."""
+    return decision.layout.pipelines * decision.layout.stages <= 10 and len(usable_counts(usable)) <= 5
+
+
+def check_layout(decision, usable: Sequence[str]) -> int:
+    """A layout the policy built: no fatal pair on one machine, or (a small fleet) no layout of ``usable`` has
+    fewer, by exhaustive search. A layout with none survives the loss of any one machine. Returns its pairs on one
+    machine."""
+    layout = decision.layout
+    shared = on_one_machine(layout.grid)
+    if shared and small(decision, usable):
+        assert len(shared) == fewest(usable_counts(usable), layout.pipelines, layout.stages), (decision, usable)
+    for machine in {machine_of(n) for n in layout.nodes} if not shared and layout.stages > 1 else ():
+        lost = {n for n in layout.nodes if machine_of(n) == machine}
+        plan_loss(layout.order, layout.pipelines, layout.parts, lost)  # never FatalLoss (1 stage: no replica)
+    return len(shared)
+
+
+def check_warning(decision) -> None:
+    """The decision's warning names each fatal pair on one machine and the machine, and says no layout avoids it;
+    a layout without such a pair has none."""
+    shared = on_one_machine(decision.layout.grid)
+    if not shared:
+        assert decision.warning is None, decision
+        return
+    assert decision.warning is not None and "cannot, whatever the placement" in decision.warning
+    assert decision.warning.startswith(f"the {decision.action} layout puts {len(shared)} pair(s) of nodes whose joint "
+                                       "loss is fatal on one machine")
+    for a, b in shared:
+        assert f"{a} (stage " in decision.warning and f"{b} (stage " in decision.warning
+        assert f"on {machine_of(a)}" in decision.warning
+
+
+def run_policy(seed: int) -> list[tuple[object, list[str]]]:
+    """Random machines of K workers, and a run of machine losses, worker losses and machines joining, each followed
+    by the policy's decision. Returns every layout it built, with the nodes it could use."""
+    rng = random.Random(seed)
+    workers = rng.randint(1, 6)
+    stages = rng.randint(2, 8)
+    config = PolicyConfig(stages=stages, layers=2 * stages, global_micro_batches=rng.choice([1, 2, 4, 8]),
+                          min_stages=rng.choice([1, 2]), max_overloaded_fraction=rng.choice([0.05, 0.5, 1.0]))
+    machines = [f"host{i}" for i in range(rng.randint(1, 6))]
+    alive = job_nodes(machines, workers, None)
+    layout: Placement | None = None
+    standby = list(alive)
+    built = []
+    for _event in range(rng.randint(4, 9)):
+        if layout is not None:
+            lost = [n for n in layout.nodes if n not in alive]
+            overloaded = sorted({layout.replica_holder(n) for n in lost} & set(alive))
+        else:
+            overloaded = []
+        live = [*(n for n in (layout.nodes if layout else ()) if n in alive), *standby]
+        # the rebalancer passes each node's machine as its failure domain; without domains it is the same
+        domains = {n: machine_of(n) for n in live} if seed % 2 == 0 else None
+        decision = reconfigure(live, standby, layout, overloaded, config, domains)
+        if decision.layout is not None and decision.layout is not layout:
+            built.append((decision, live))
+        layout = decision.layout
+        standby = [n for n in live if layout is None or n not in layout.nodes]
+        event = rng.choice(["machine", "worker", "join", "join"] if len(alive) > 1 else ["join"])
+        if event == "machine":
+            gone = machine_of(rng.choice(alive))
+            alive = [n for n in alive if machine_of(n) != gone]
+        elif event == "worker":
+            alive.remove(rng.choice(alive))
+        else:
+            machines.append(f"host{len(machines)}")
+            alive += [f"{machines[-1]}.{w}" for w in range(workers)]
+        standby = [n for n in standby if n in alive] + [n for n in alive if n not in live]
+    return built
+
+
+def test_every_layout_the_policy_builds_keeps_fatal_pairs_apart_or_the_machines_cannot():
+    built = [layout for seed in range(400) for layout in run_policy(seed)]
+    with_pairs = [(decision, usable) for decision, usable in built if check_layout(decision, usable)]
+    assert len(built) > 1000 and 0 < len(with_pairs) < len(built)  # both kinds of fleet came up
+    from lightning_bamboo.topology import apart_possible
+
+    for decision, usable in with_pairs:  # larger fleets: the counting rule (checked exhaustively above) says so
+        layout = decision.layout
+        assert not apart_possible(usable_counts(usable), layout.pipelines, layout.stages), (decision, usable)
+    assert any(not small(decision, usable) for decision, usable in with_pairs)
+    for decision, _usable in built:
+        check_warning(decision)
+
+
+# ---------------------------------------------------------------------- what the issue saw
+
+
+def test_three_machines_of_two_after_a_machine_kill_a_join_and_a_depth_change_survive_any_machine_cut():
+    """Issue 61 item 3: machines host1, host2, host0 (in the order they registered) of two workers, one pipeline
+    of six. host1 is killed (its two workers, stages 1 and 4 of the interleaved order), host3 joins, the
+    rebalancer goes back to depth 6. That layout put host2.0 at stage 0 and host2.1 at stage 4: cutting host2 off
+    was fatal (stage 0's holder, the last node, had to hand stage 5 to host2.1)."""
+    parts = tuple(range(0, 13, 2))
+    start = job_nodes(["host1", "host2", "host0"], 2)
+    rebalancer = Rebalancer(stages=6)
+    rebalancer.begin(Placement((tuple(start),), parts, (8,)), None)
+    failover = plan_loss(start, 1, parts, {"host1.0", "host1.1"})
+    shallow = rebalancer.decide(list(failover.order), [], 12)
+    assert shallow.action == "restore_redundancy" and shallow.layout.stages == 4
+    assert len(on_one_machine(shallow.layout.grid)) == 1  # two machines cannot hold a ring of 4: said so
+    rebalancer.layout = shallow.layout
+    deep = rebalancer.decide(list(shallow.layout.order), ["host3.0", "host3.1"], 12)
+    assert deep.action == "change_depth" and deep.layout.stages == 6
+    for machine in ("host0", "host2", "host3"):  # whichever machine is cut off next, the job fails over
+        lost = {f"{machine}.0", f"{machine}.1"}
+        plan = plan_loss(list(deep.layout.order), 1, deep.layout.parts, lost)
+        assert len(plan.order) == 4 and not lost & set(plan.order)
+    assert on_one_machine(deep.layout.grid) == [] and deep.warning is None
+    assert shallow.warning is not None and "host2.0 (stage 0) and host2.1 (stage 2) on host2" in shallow.warning
