@@ -124,6 +124,20 @@ def test_several_pipelines_survive_a_machine_that_hits_each_of_them_without_a_fa
         plan_loss(order, 2, [0, 2, 4, 6, 8], {n for n in order if machine_of(n) == machine})  # never FatalLoss
 
 
+def test_a_failover_that_must_pick_a_pipeline_picks_the_one_whose_new_ring_keeps_the_pairs_apart():
+    """Machine m0 held stage 0 of both pipelines; each keeps 3 nodes, so either can fail over (with no data moved).
+    Pipeline 0's new ring (m1.1 runs stage 0, m1.0, m2.0) is a ring of 3, all of whose pairs are fatal, with two
+    nodes on m1; pipeline 1's has three machines. The planner keeps pipeline 1, though pipeline 0 comes first."""
+    grid = [["m0.0", "m1.0", "m2.0", "m1.1"], ["m0.1", "m3.0", "m4.0", "m5.0"]]
+    order = [row[s] for s in range(4) for row in grid]
+    assert on_one_machine(grid) == []  # m1 holds stages 1 and 3 of pipeline 0: not a fatal pair
+    plan = plan_loss(order, 2, [0, 2, 4, 6, 8], {"m0.0", "m0.1"})
+    assert plan.order == ("m5.0", "m3.0", "m4.0") and plan.rows == (tuple(grid[1]),)
+    assert plan.released == ("m1.0", "m2.0", "m1.1")
+    assert on_one_machine([plan.order]) == []
+    assert plan_failover(grid[0], [0, 2, 4, 6, 8], {"m0.0"}).order == ("m1.1", "m1.0", "m2.0")  # the other one
+
+
 # ---------------------------------------------------------------------- the counting rule and the builder
 
 
