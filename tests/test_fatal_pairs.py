@@ -345,3 +345,15 @@ def test_a_restart_after_a_fatal_loss_places_the_survivors_apart():
     assert sorted(order) == sorted(survivors) and on_one_machine([order]) == []
     apart = ["host0.0", "host2.0", "host3.0", "host0.1", "host2.1", "host3.1"]
     assert restart_order(apart, 6) == apart  # already apart: the ranks stay
+
+
+def test_the_rebalancer_keeps_the_policys_warning_when_the_tuner_splits_the_layers():
+    """Two machines left for a ring of 4: no layout keeps stage 0 and stage 2 apart. The tuner's layer split
+    replaces the policy's parts, not what the policy said about the machines."""
+    rebalancer = Rebalancer(stages=4)
+    rebalancer.begin(Placement((("a.0", "b.0", "c.0", "b.1"),), (0, 2, 4, 6, 8), (4,)), None)
+    rebalancer.split_for = lambda stages, micro_batch_size, micro_batches, pipelines: (0, 1, 4, 6, 8)[:stages + 1]
+    decision = rebalancer.decide(["a.0", "b.0", "b.1"], ["a.1"], 8)  # c lost: its stage goes to a standby
+    assert decision.layout.parts == (0, 1, 4, 6, 8) and "layer split by HydrozoaTuner" in decision.reason
+    assert len(on_one_machine(decision.layout.grid)) == 1
+    assert decision.warning is not None and "cannot, whatever the placement" in decision.warning

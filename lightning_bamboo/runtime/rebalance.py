@@ -197,7 +197,7 @@ class Rebalancer:
             return decision
         planned_layout = dataclasses.replace(new, parts=tuple(planned))
         return Decision(decision.action, planned_layout, f"{decision.reason}; layer split by HydrozoaTuner",
-                        moved_nodes(layout, planned_layout))
+                        moved_nodes(layout, planned_layout), decision.warning)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
