@@ -17,6 +17,7 @@ from lightning_bamboo.topology.machines import (
     blocks,
     cross_machine_traffic,
     depths,
+    fatal_conflicts,
     interleaved,
     machine_order,
     placement_possible,
@@ -51,7 +52,7 @@ def test_8_machines_of_8_gpus_keep_every_replica_holder_on_another_machine(stage
     for depth in depths(64) if stages is None else [stages]:
         holders = holders_by_layout(order, depth)
         assert all(machine_of(n) != machine_of(h) for n, h in holders.items()), depth
-        assert replica_conflicts(order, depth) == []
+        assert replica_conflicts(order, depth) == [] and fatal_conflicts(order, depth) == [], depth
 
 
 def test_8_by_8_at_depth_8_runs_a_stage_per_machine_and_keeps_the_all_reduce_on_the_machine():
@@ -67,7 +68,7 @@ def test_8_by_8_at_depth_8_runs_a_stage_per_machine_and_keeps_the_all_reduce_on_
 def test_4_machines_of_2_keep_every_replica_holder_on_another_machine(stages):
     order = machine_order(fleet(4), 2, stages)
     for depth in depths(8) if stages is None else [stages]:
-        assert replica_conflicts(order, depth) == [], depth
+        assert replica_conflicts(order, depth) == [] and fatal_conflicts(order, depth) == [], depth
         assert all(machine_of(n) != machine_of(h) for n, h in holders_by_layout(order, depth).items())
 
 
@@ -83,9 +84,10 @@ def test_3_machines_of_2_have_no_order_right_at_every_depth_but_one_for_each_dep
     default = machine_order(fleet(3), 2)
     assert default == ["m0.0", "m1.0", "m2.0", "m0.1", "m1.1", "m2.1"]  # the namespace tests' ranks, unchanged
     assert replica_conflicts(default, 3) == [] and replica_conflicts(default, 6) == []
+    assert fatal_conflicts(default, 3) == [] and fatal_conflicts(default, 6) == []
     assert len(replica_conflicts(default, 2)) == 6
     for depth in (2, 3, 6):
-        assert replica_conflicts(machine_order(fleet(3), 2, depth), depth) == [], depth
+        assert fatal_conflicts(machine_order(fleet(3), 2, depth), depth) == [], depth
     assert "--stages 2" in replica_placement_report(default, 2)
 
 
@@ -93,9 +95,12 @@ def test_one_machine_cannot_keep_a_replica_elsewhere_and_says_why():
     assert not placement_possible(1, 4, 2) and not placement_possible(1, 4, 4)
     order = machine_order(["solo"], 4, 4)
     assert len(replica_conflicts(order, 4)) == 4
+    assert len(fatal_conflicts(order, 4)) == 5  # the 4 neighbours and stage 0 with stage 2
     report = replica_placement_report(order, 4)
-    assert "4 of 4 replica holders share the machine" in report and "No placement avoids it" in report
-    assert "use more machines" in report
+    assert "depth 4 puts 5 pair(s) of nodes whose joint loss is fatal on one machine" in report
+    assert "solo.0 (stage 0) and solo.2 (stage 2) on solo" in report
+    assert "cannot, whatever the placement (rule: a pipeline of 4 stages has at most 2 node(s) on one machine" in report
+    assert report.endswith("fix: more machines")
 
 
 def test_two_machines_cannot_hold_an_odd_ring():
@@ -104,12 +109,25 @@ def test_two_machines_cannot_hold_an_odd_ring():
     assert placement_possible(3, 2, 3) and placement_possible(2, 2, 2)
 
 
+def test_two_machines_cannot_hold_a_ring_of_4_or_more_either():
+    # alternating m0 m1 m0 m1 keeps every replica holder elsewhere, but stage 0 and stage S - 2 meet on m0: when
+    # stage 0 is lost, its holder (the last node) hands its own stage to stage S - 2's node, lost with it
+    order = machine_order(fleet(2), 3, 6)
+    assert replica_conflicts(order, 6) == [] and fatal_conflicts(order, 6) == [("m0.0", "m0.2", "m0")]
+    assert not placement_possible(2, 2, 4) and not placement_possible(2, 3, 6)
+    assert placement_possible(3, 2, 6) and placement_possible(3, 4, 4)  # 3 machines: (2, 1, 1) per ring of 4
+    assert "or a depth of 2" in replica_placement_report(order, 6)  # 3 pipelines of 2 can
+
+
 @pytest.mark.parametrize("machines", range(1, 6))
 @pytest.mark.parametrize("workers", range(1, 6))
 def test_the_order_for_a_depth_is_right_exactly_where_placement_possible_says_it_can_be(machines, workers):
     for depth in depths(machines * workers):
         order = machine_order(fleet(machines), workers, depth)
-        assert (replica_conflicts(order, depth) == []) == placement_possible(machines, workers, depth), depth
+        assert sorted(order) == sorted(interleaved(fleet(machines), workers))
+        assert (fatal_conflicts(order, depth) == []) == placement_possible(machines, workers, depth), depth
+        for node, holder in holders_by_layout(order, depth).items():  # the replica rule is part of it
+            assert machine_of(node) != machine_of(holder) or not placement_possible(machines, workers, depth)
 
 
 def test_a_depth_that_does_not_divide_the_nodes_is_refused_with_the_depths_that_do():
@@ -149,8 +167,9 @@ def test_the_launcher_orders_by_machine_and_numbers_workers_on_their_machine():
 
 def test_the_launcher_says_which_depths_its_default_order_serves():
     plan = plan_node(["true"], "m0", store="etcd://10.0.0.1:2379", peers=fleet(3), addr="127.0.0.3", workers=2)
-    assert plan.placement() == ("replicas: every holder on another machine at depth 3,6; not at depth 2 (pass "
-                                "--stages D to order the nodes for depth D)")
+    assert plan.placement() == ("replicas: every holder on another machine, and no machine holding two nodes whose "
+                                "joint loss is fatal, at depth 3,6; not at depth 2 (pass --stages D to order the "
+                                "nodes for depth D)")
 
 
 def test_workers_auto_takes_the_gpu_count_and_is_refused_without_gpus():
@@ -170,8 +189,9 @@ def test_the_strategy_warns_at_start_where_a_replica_holder_shares_its_machine(m
     assert warn_if_replicas_share_machines("off", 2, 6) is None  # no replicas, nothing to say
     with caplog.at_level("WARNING", logger="lightning_bamboo.strategy"):
         message = warn_if_replicas_share_machines("lazy", 2, 6)
-    assert message is not None and "6 of 6 replica holders share the machine" in message
-    assert "--stages 2" in message and message in caplog.text
+    assert message is not None and "depth 2 puts 3 pair(s) of nodes whose joint loss is fatal on one machine" in message
+    assert "m0.0 (stage 0 of pipeline 0) and m0.1 (stage 1 of pipeline 0) on m0" in message
+    assert "start every launcher with --stages 2" in message and message in caplog.text
     assert warn_if_replicas_share_machines("lazy", 2, 4) is None  # started without 2 of its nodes: another layout
     check_local_rank(1, 2)
     with pytest.raises(BambooConfigError, match=r"LOCAL_RANK 2.*devices=2.*LOCAL_WORLD_SIZE"):

@@ -230,15 +230,16 @@ class NodePlan:
 
     def placement(self) -> str:
         """Where the replica holders sit relative to the machines (the machine is one failure domain)."""
-        from lightning_bamboo.topology.machines import depths, replica_conflicts, replica_placement_report
+        from lightning_bamboo.topology.machines import depths, fatal_conflicts, replica_placement_report
 
         if len(self.workers) < 2 or not self.nodes:
             return "replicas: one worker per machine, every replica holder on another machine"
         if self.stages is not None:
             return "replicas at " + replica_placement_report(self.nodes, self.stages)
-        safe = [s for s in depths(len(self.nodes)) if not replica_conflicts(self.nodes, s)]
+        safe = [s for s in depths(len(self.nodes)) if not fatal_conflicts(self.nodes, s)]
         unsafe = [s for s in depths(len(self.nodes)) if s not in safe]
-        return (f"replicas: every holder on another machine at depth {','.join(map(str, safe)) or 'none'}"
+        return (f"replicas: every holder on another machine, and no machine holding two nodes whose joint loss is "
+                f"fatal, at depth {','.join(map(str, safe)) or 'none'}"
                 + (f"; not at depth {','.join(map(str, unsafe))} (pass --stages D to order the nodes for depth D)"
                    if unsafe else ""))
 
@@ -265,7 +266,8 @@ class NodePlan:
 
 
 def job_nodes(machines: Sequence[str], workers: int | None, stages: int | None = None) -> list[str]:
-    """The job's nodes in rank order, each stage's replica holder on another machine where any order can do it.
+    """The job's nodes in rank order, every pair of nodes whose joint loss is fatal (a node and its replica holder;
+    stage 0 and stage ``S - 2``) on two machines where any order can do it.
 
     ``stages``: the depth the job runs (``--stages``); without it, an order right at every depth where one
     exists, else machine-interleaved (``m0.0 m1.0 .. m0.1 m1.1 ..``): see ``topology.machines.machine_order``.

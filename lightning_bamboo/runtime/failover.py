@@ -14,6 +14,7 @@ from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Failover
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.testing import faults
+from lightning_bamboo.topology.apart import apart_warning, rows_of
 from lightning_bamboo.topology.failover import layout_tag, plan_loss
 from lightning_bamboo.topology.layout import Layout
 
@@ -102,6 +103,12 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
                 f"; released {list(plan.released)}" if plan.released else "")
     if session.node in plan.released:
         _release(stage, step)
+    # a failover moves no data, so it cannot re-place a fatal pair it leaves on one machine: say so, once per node
+    if warning := apart_warning(rows_of(plan.order, len(plan.order) // plan.pipelines),
+                                where=f"{session.node}: the failover of step {step}",
+                                fix="a failover moves no data, so a reconfiguration does it (RebalanceCallback, "
+                                    "once the overloaded share passes its max_overloaded_fraction)"):
+        log.warning("%s", warning)
     # The group's tag names its members: survivors that saw a released node's lease end (it left)
     # and those that did not agree on the same layout, so they must meet in the same group.
     rank, world = session.reform(list(plan.order), tag=layout_tag(plan.order))

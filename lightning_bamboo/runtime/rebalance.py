@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.records import Failover, Restart
+from lightning_bamboo.topology.apart import apart_warning
+from lightning_bamboo.topology.layout import machine_of
 from lightning_bamboo.topology.policy import (
     Decision,
     Placement,
     PolicyConfig,
-    machine_of,
     moved_nodes,
     reconfigure,
     split_micro_batches,
@@ -142,6 +143,9 @@ class Rebalancer:
             return
         order = list(new.order)  # rank r runs stage r // pipelines of pipeline r % pipelines
         parts = tuple(new.parts)
+        # the policy keeps every pair of nodes whose joint loss is fatal on two machines where the nodes allow it
+        warning = apart_warning(new.grid, [*runner.nodes, *runner.standby], machine_of,
+                                where=f"{type(self).__name__}: the {agreed['action']} layout of step {step}")
         self.layout, self._deferred = new, None  # before the move: a joining node gets this state
         seconds = runner.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}",
                                      pipelines=new.pipelines)
@@ -150,6 +154,8 @@ class Rebalancer:
         self.decisions.append(event)
         log.warning("%s: step %d %s (%s) -> %s parts %s in %.2f s", type(self).__name__, step, agreed["action"],
                     agreed["reason"], order, list(parts), seconds)
+        if warning:
+            log.warning("%s", warning)
         self.on_decision(event)
 
     def _follow_failovers(self, failovers: Sequence[Failover | Restart]) -> None:
@@ -191,7 +197,7 @@ class Rebalancer:
             return decision
         planned_layout = dataclasses.replace(new, parts=tuple(planned))
         return Decision(decision.action, planned_layout, f"{decision.reason}; layer split by HydrozoaTuner",
-                        moved_nodes(layout, planned_layout))
+                        moved_nodes(layout, planned_layout), decision.warning)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:

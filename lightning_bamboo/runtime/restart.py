@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Restart
 from lightning_bamboo.runtime.stage import NodeStage
+from lightning_bamboo.topology.apart import order_of, place_apart, rows_of
 from lightning_bamboo.topology.failover import layout_tag
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,13 @@ def restart_depth(survivors: int, stages: int) -> int:
     if survivors < 1:
         raise FatalLoss("no node is left after a fatal loss; start the job again from its last checkpoint")
     return stages if survivors % stages == 0 else survivors
+
+
+def restart_order(survivors: Sequence[str], stages: int) -> list[str]:
+    """The restarted job's rank order: every node loads its stage from the checkpoint, so the survivors may sit
+    anywhere; each pair of nodes whose joint loss is fatal on two machines where they allow it (``survivors`` in
+    their old rank order: every survivor computes the same order)."""
+    return list(order_of(place_apart(rows_of(survivors, stages))))
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
         if session.node not in order:
             raise err
         stages = restart_depth(len(order), layout.stages)
+        order = restart_order(order, stages)
         try:
             rank, world = session.reform(order, tag=layout_tag(order))
             break

@@ -47,17 +47,18 @@ def check_local_rank(local_rank: int, devices: int) -> None:
 
 
 def warn_if_replicas_share_machines(redundancy: str, stages: int, world: int) -> str | None:
-    """Once (the caller's rank 0), under the Bamboo launcher: a stage whose replica holder runs on its own machine
-    (``--workers K``) is lost with its replica when that machine is preempted. A warning, not a refusal: one machine
-    (a test, a workstation) still trains, and the checkpoint covers such a loss. Only for a job that starts with all
-    its initial nodes (``world``). Returns the message, if any."""
+    """Once (the caller's rank 0), under the Bamboo launcher: two nodes whose joint loss is fatal (a stage and its
+    replica holder; stage 0 and stage ``S - 2``) on one machine (``--workers K``) are lost together when that machine
+    is preempted. A warning, not a refusal: one machine (a test, a workstation) still trains, and the checkpoint
+    covers such a loss. Only for a job that starts with all its initial nodes (``world``). Returns the message, if
+    any."""
     from lightning_bamboo.membership.node import NODES_ENV
-    from lightning_bamboo.topology.machines import replica_conflicts, replica_placement_report
+    from lightning_bamboo.topology.machines import fatal_conflicts, replica_placement_report
 
     nodes = [n for n in os.environ.get(NODES_ENV, "").split(",") if n]
     if redundancy == "off" or not launched_by_bamboo() or len(nodes) != world or world < 2 or world % stages:
         return None
-    if not replica_conflicts(nodes, stages):
+    if not fatal_conflicts(nodes, stages):
         return None
     message = "machines as failure domains: " + replica_placement_report(nodes, stages)
     logging.getLogger("lightning_bamboo.strategy").warning("%s", message)

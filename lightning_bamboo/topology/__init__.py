@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
-from lightning_bamboo.topology.failover import FailoverPlan, Segment, layout_tag, plan_failover, plan_loss
+from lightning_bamboo.topology.apart import (
+    apart_possible,
+    apart_warning,
+    fatal_pairs,
+    place_apart,
+    shared_pairs,
+)
+from lightning_bamboo.topology.failover import (
+    FailoverPlan,
+    Segment,
+    fatal_stage_pairs,
+    layout_tag,
+    plan_failover,
+    plan_loss,
+)
 from lightning_bamboo.topology.layout import (
     REDUNDANCY_MODES,
     Layout,
@@ -11,6 +25,7 @@ from lightning_bamboo.topology.layout import (
     check_parts,
     check_replica_memory,
     even_parts,
+    machine_of,
     micro_batches,
     partition_weights,
     pipeline_share,
@@ -21,6 +36,7 @@ from lightning_bamboo.topology.layout import (
 from lightning_bamboo.topology.machines import (
     Traffic,
     cross_machine_traffic,
+    fatal_conflicts,
     machine_order,
     placement_possible,
     replica_conflicts,
@@ -32,7 +48,6 @@ from lightning_bamboo.topology.policy import (
     PolicyConfig,
     PolicyError,
     fresh_placement,
-    machine_of,
     moved_nodes,
     reconfigure,
 )
@@ -50,12 +65,17 @@ __all__ = [
     "PolicyError",
     "Segment",
     "Traffic",
+    "apart_possible",
+    "apart_warning",
     "balanced_parts",
     "check_partition_option",
     "check_parts",
     "check_replica_memory",
     "cross_machine_traffic",
     "even_parts",
+    "fatal_conflicts",
+    "fatal_pairs",
+    "fatal_stage_pairs",
     "fresh_placement",
     "layout_tag",
     "machine_of",
@@ -64,6 +84,7 @@ __all__ = [
     "moved_nodes",
     "partition_weights",
     "pipeline_share",
+    "place_apart",
     "placement_possible",
     "plan_failover",
     "plan_loss",
@@ -71,6 +92,7 @@ __all__ = [
     "replica_conflicts",
     "replica_holder",
     "resolve_stages",
+    "shared_pairs",
     "split_micro_batches",
     "transfer_plan",
 ]

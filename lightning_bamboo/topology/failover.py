@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from lightning_bamboo.errors import BambooError, FatalLoss
-from lightning_bamboo.topology.layout import replica_holder
+from lightning_bamboo.topology.layout import machine_of, replica_holder
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,33 @@ def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[s
     return FailoverPlan(tuple(order), tuple(new_parts), tuple(serving))
 
 
+@cache
+def fatal_stage_pairs(stages: int) -> tuple[tuple[int, int], ...]:
+    """The pairs of stages ``(a, b)``, ``a < b``, of one pipeline of ``stages`` stages whose nodes lost together are
+    fatal: :func:`plan_failover` raises ``FatalLoss`` for them. Asked of the planner itself, pair by pair, so the
+    rule that keeps such pairs on two machines cannot drift from it.
+
+    Today that is a node and its replica holder (neighbours in the ring, stage ``p - 1`` and stage 0 included) and,
+    from 4 stages, stage 0 and stage ``p - 2``: when stage 0 is lost its holder, the last node, takes it and hands
+    its own stage to stage ``p - 2``'s node. One stage has no replica (every loss is fatal): no pair to keep apart.
+    """
+    if stages < 2:
+        return ()
+    nodes = [str(s) for s in range(stages)]
+    parts = range(stages + 1)
+    pairs = []
+    for a in range(stages):
+        for b in range(a + 1, stages):
+            try:
+                plan_failover(nodes, parts, (nodes[a], nodes[b]))
+            except FatalLoss:
+                pairs.append((a, b))
+    return tuple(pairs)
+
+
 def plan_loss(
-    nodes: Sequence[str], pipelines: int, parts: Sequence[int], lost: Collection[str], replicas: bool = True
+    nodes: Sequence[str], pipelines: int, parts: Sequence[int], lost: Collection[str], replicas: bool = True,
+    machine: Callable[[str], str] = machine_of,
 ) -> FailoverPlan:
     """The layout after losing ``lost`` from ``pipelines`` data-parallel pipelines (``nodes`` in rank order).
 
@@ -100,7 +126,9 @@ def plan_loss(
     dropped and the whole ones train on (no data moves; the global batch stays, each pipeline
     takes more micro-batches); its survivors are released. Only when every pipeline lost a node
     does one of them fail over on its own (``plan_failover``: the one keeping the most nodes whose
-    lost stages all have a live replica holder), and the others are released. ``FatalLoss`` when
+    lost stages all have a live replica holder, of those the one whose new ring puts the fewest fatal
+    pairs on one ``machine``: a failover moves no data, so that is all it can choose), and the others
+    are released. ``FatalLoss`` when
     none can. Without ``replicas`` (``redundancy="off"``: a plain pipeline) every loss is fatal, also
     with several pipelines: such a job restarts from its checkpoint, as checkpoint-restart systems do.
     """
@@ -122,17 +150,24 @@ def plan_loss(
         segments = tuple(Segment(s, row[s], "own") for row in whole[:1] for s in range(stages))
         released = tuple(n for n in nodes if n not in order and n not in lost)
         return FailoverPlan(order, tuple(parts), segments, len(whole), released, tuple(whole))
-    problems = []
+    problems, plans = [], []
     for row in sorted(rows, key=lambda r: -sum(n not in lost for n in r)):
         try:
-            plan = plan_failover(row, parts, lost & set(row))
+            plans.append((row, plan_failover(row, parts, lost & set(row))))
         except FatalLoss as err:
             problems.append(str(err))
-            continue
-        released = tuple(n for n in nodes if n not in plan.order and n not in lost and n not in row)
-        return FailoverPlan(plan.order, plan.parts, plan.segments, 1, released, (row,))
-    raise FatalLoss(f"every pipeline lost a node and none can fail over ({'; '.join(problems)}); the run must "
-                    "restore its last checkpoint")
+    if not plans:
+        raise FatalLoss(f"every pipeline lost a node and none can fail over ({'; '.join(problems)}); the run must "
+                        "restore its last checkpoint")
+    # of the pipelines keeping the most nodes, the one whose new ring puts the fewest fatal pairs on one machine
+    row, plan = min(plans, key=lambda rp: (-len(rp[1].order), _shared(rp[1].order, machine)))
+    released = tuple(n for n in nodes if n not in plan.order and n not in lost and n not in row)
+    return FailoverPlan(plan.order, plan.parts, plan.segments, 1, released, (row,))
+
+
+def _shared(ring: Sequence[str], machine: Callable[[str], str]) -> int:
+    """How many fatal pairs of the pipeline ``ring`` (one node per stage) run on one machine."""
+    return sum(machine(ring[a]) == machine(ring[b]) for a, b in fatal_stage_pairs(len(ring)))
 
 
 def layout_tag(order: Sequence[str]) -> str:

@@ -59,6 +59,13 @@ def replica_holder(stage: int, stages: int) -> int:
     return (stage - 1) % stages
 
 
+def machine_of(node: str) -> str:
+    """The machine (failure domain) of a node: ``NAME`` for the workers ``NAME.0 .. NAME.K-1`` that the
+    launcher's ``--workers K`` starts on one machine, else the node itself (one node per machine)."""
+    machine, dot, worker = node.rpartition(".")
+    return machine if dot and machine and worker.isdigit() else node
+
+
 def resolve_stages(world_size: int, stages: int | None) -> tuple[int, int]:
     """``(stages, pipelines)`` for ``world_size`` processes; ``stages=None`` means one pipeline."""
     stages = world_size if stages is None else stages

@@ -2,15 +2,18 @@
 
 A spot preemption takes a whole machine, with every worker on it. A stage's replica is held by its predecessor in
 the pipeline (``layout.replica_holder``), so a stage whose holder shares its machine is lost with its replica: the
-replicas then cost memory and traffic every step and never save one. The launcher's ``--workers K`` names a
-machine's workers ``NAME.0 .. NAME.K-1`` (``policy.machine_of``); its rank order decides the placement, because
-rank ``r`` runs stage ``r // pipelines`` of pipeline ``r % pipelines`` (``Layout``).
+replicas then cost memory and traffic every step and never save one. The failover planner has one more such pair:
+stage 0's node and stage ``S - 2``'s (``apart.fatal_pairs``). The launcher's ``--workers K`` names a machine's
+workers ``NAME.0 .. NAME.K-1`` (``layout.machine_of``); its rank order decides the placement, because rank ``r``
+runs stage ``r // pipelines`` of pipeline ``r % pipelines`` (``Layout``).
 
 With ``P`` pipelines of ``S`` stages over ``N = P * S`` ranks, stage ``s`` of pipeline ``p`` is rank ``s * P + p``,
-so the node holding rank ``r``'s replica is rank ``r - P`` (mod ``N``: the last stage's is the first's). Every
-replica holder is on another machine exactly when ``machine(r) != machine((r + P) % N)`` for every rank: a
-colouring of a circulant graph with the machines, each used ``K`` times. :func:`machine_order` finds one
-(a small search, no torch); :func:`replica_conflicts` and :func:`cross_machine_traffic` check and count any order.
+so the node holding rank ``r``'s replica is rank ``r - P`` (mod ``N``: the last stage's is the first's), and stage
+0's partner is rank ``r + (S - 2) * P``. Every fatal pair is on two machines exactly when no two such ranks share a
+machine: a colouring of the machines over the ranks, each used ``K`` times. :func:`machine_order` finds one (the
+blocks or interleaved order where either does, a search for every depth at once, else ``apart.place_apart``; no
+torch); :func:`fatal_conflicts`, :func:`replica_conflicts` and :func:`cross_machine_traffic` check and count any
+order.
 """
 
 from __future__ import annotations
@@ -19,7 +22,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.topology.policy import machine_of
+from lightning_bamboo.topology.apart import (
+    apart_possible,
+    apart_warning,
+    order_of,
+    place_apart,
+    rows_of,
+    shared_pairs,
+)
+from lightning_bamboo.topology.failover import fatal_stage_pairs
+from lightning_bamboo.topology.layout import machine_of
 
 #: assignments the search may try before it gives up (it needs a few hundred for 8 machines x 8 workers)
 SEARCH_BUDGET = 50_000
@@ -54,17 +66,17 @@ def depths(nodes: int) -> list[int]:
 
 
 def placement_possible(machines: int, workers: int, stages: int) -> bool:
-    """Whether ``machines`` machines of ``workers`` workers can run pipelines of ``stages`` stages with every replica
-    holder on another machine than the stage it holds.
+    """Whether ``machines`` machines of ``workers`` workers can run pipelines of ``stages`` stages with every pair of
+    nodes whose joint loss is fatal on two machines (a node and its replica holder; stage 0 and stage ``S - 2``).
 
-    Each pipeline is a ring of ``stages`` nodes (2 stages: a pair) in which neighbours must differ, so a machine can
-    hold at most ``stages // 2`` nodes of one pipeline (and a ring needs 2 machines, an odd one 3); that bound over
-    all pipelines, ``workers <= pipelines * (stages // 2)``, is also enough. One stage has no replica: nothing to
-    place."""
+    A machine holds at most ``stages // 2`` nodes of a pipeline and two machines at most ``stages - 1`` (from 3
+    stages a ring needs 3 machines), so ``workers <= pipelines * (stages // 2)`` and, for an even depth from 4,
+    ``2 * workers <= pipelines * (stages - 1)``: ``apart.apart_possible`` with every machine alike. One stage has no
+    replica: nothing to place."""
     if stages < 2:
         return True
     pipelines = _pipelines(machines * workers, stages)
-    return machines >= 2 and workers <= pipelines * (stages // 2)
+    return apart_possible([workers] * machines, pipelines, stages)
 
 
 def replica_conflicts(order: Sequence[str], stages: int,
@@ -79,17 +91,35 @@ def replica_conflicts(order: Sequence[str], stages: int,
             if machine(order[r]) == machine(order[(r - pipelines) % n])]
 
 
-def _search(machines: Sequence[str], workers: int, steps: Sequence[int], budget: int) -> list[str] | None:
-    """A rank order in which ``machine(r) != machine((r + P) % N)`` for every ``P`` in ``steps``; None if the search
-    found none within ``budget`` assignments. Depth first over ranks; a machine not used yet is tried only as the
-    first unused one (machines are interchangeable), and machines with more workers left go first."""
+def fatal_conflicts(order: Sequence[str], stages: int,
+                    machine: Callable[[str], str] = machine_of) -> list[tuple[str, str, str]]:
+    """``(node, node, machine)`` for every pair of nodes whose joint loss is fatal (``apart.fatal_pairs``) that runs
+    on one machine (``order``: the job's nodes by rank, run as pipelines of ``stages`` stages)."""
+    _pipelines(len(order), stages)
+    return list(shared_pairs(rows_of(order, stages), machine))
+
+
+def _rank_pairs(n: int, stages: int) -> list[tuple[int, int]]:
+    """The ranks of every fatal pair of ``n`` ranks run as pipelines of ``stages`` stages."""
+    pipelines = n // stages
+    return [(a * pipelines + p, b * pipelines + p) for a, b in fatal_stage_pairs(stages) for p in range(pipelines)]
+
+
+def _search(machines: Sequence[str], workers: int, pairs: Sequence[tuple[int, int]], budget: int) -> list[str] | None:
+    """A rank order in which the two ranks of every pair in ``pairs`` run on two machines; None if the search found
+    none within ``budget`` assignments. Depth first over ranks; a machine not used yet is tried only as the first
+    unused one (machines are interchangeable), and machines with more workers left go first."""
     m, n = len(machines), len(machines) * workers
     colour: list[int] = [-1] * n
     left = [workers] * m
     tried = 0
+    partners: list[set[int]] = [set() for _ in range(n)]
+    for a, b in pairs:
+        partners[a].add(b)
+        partners[b].add(a)
 
     def fits(r: int, c: int) -> bool:
-        return all(colour[(r - p) % n] != c and colour[(r + p) % n] != c for p in steps)
+        return all(colour[q] != c for q in partners[r])
 
     def place(r: int, used: int) -> bool:
         nonlocal tried
@@ -120,14 +150,16 @@ def _search(machines: Sequence[str], workers: int, steps: Sequence[int], budget:
 
 def machine_order(machines: Sequence[str], workers: int, stages: int | None = None,
                   budget: int = SEARCH_BUDGET) -> list[str]:
-    """The job's nodes (``NAME.i``) in rank order, with each replica holder on another machine than its stage.
+    """The job's nodes (``NAME.i``) in rank order, with every pair of nodes whose joint loss is fatal on two machines.
 
-    ``stages``: the pipeline depth the job runs; every replica holder is then on another machine wherever
+    ``stages``: the pipeline depth the job runs; every such pair is then on two machines wherever
     :func:`placement_possible` says it can be, with the fewest all-reduce links across machines of the
-    :func:`blocks` and :func:`interleaved` orders (a search where neither will do). ``None`` (depth unknown to the launcher): an order that does so at
-    every depth the nodes can run, where one exists (8 machines x 8 workers, 4 x 2), else the machine-interleaved
-    order (3 x 2, 2 x 2: right at some depths only; the strategy warns at start when the depth it runs is not one
-    of them). The interleaved order is kept wherever it already suffices, so a working job's ranks never move.
+    :func:`blocks` and :func:`interleaved` orders, else ``apart.place_apart``'s order (where no order can, the one
+    with the fewest pairs on one machine; the strategy warns at start). ``None`` (depth unknown to the launcher): an
+    order that does so at every depth the nodes can run, where a search finds one (8 machines x 8 workers, 4 x 2),
+    else the machine-interleaved order (3 x 2, 2 x 2: right at some depths only; the strategy warns at start when
+    the depth it runs is not one of them). The interleaved order is kept wherever it already suffices, so a working
+    job's ranks never move.
     """
     if workers < 1:
         raise BambooConfigError(f"a machine runs at least one worker (workers: {workers})")
@@ -137,17 +169,16 @@ def machine_order(machines: Sequence[str], workers: int, stages: int | None = No
     n = len(order)
     if stages is not None:
         _pipelines(n, stages)
-        if stages < 2 or not placement_possible(len(machines), workers, stages):
+        if stages < 2:
             return order
-        safe = [o for o in (blocks(machines, workers), order) if not replica_conflicts(o, stages)]
+        safe = [o for o in (blocks(machines, workers), order) if not fatal_conflicts(o, stages)]
         if safe:  # the fewest all-reduce links across machines; the interleaved order on a tie
             return min(reversed(safe), key=lambda o: cross_machine_traffic(o, stages).allreduce[0])
-        found = _search(machines, workers, [n // stages], budget)
-        return order if found is None else found
+        return list(order_of(place_apart(rows_of(order, stages))))
     wanted = [s for s in depths(n) if placement_possible(len(machines), workers, s)]
-    if all(not replica_conflicts(order, s) for s in wanted):
+    if all(not fatal_conflicts(order, s) for s in wanted):
         return order
-    found = _search(machines, workers, sorted({n // s for s in wanted}), budget)
+    found = _search(machines, workers, sorted({pair for s in wanted for pair in _rank_pairs(n, s)}), budget)
     return order if found is None else found
 
 
@@ -186,22 +217,13 @@ def cross_machine_traffic(order: Sequence[str], stages: int, machine: Callable[[
 
 
 def replica_placement_report(order: Sequence[str], stages: int, machine: Callable[[str], str] = machine_of) -> str:
-    """One line on where the replica holders of ``order`` at depth ``stages`` sit: all on other machines, or which
-    share their stage's machine with why (no placement can avoid it) and the fix."""
-    conflicts = replica_conflicts(order, stages, machine)
-    machines = sorted({machine(n) for n in order})
+    """One line on whether ``order`` at depth ``stages`` keeps every pair of nodes whose joint loss is fatal (a node
+    and its replica holder; stage 0 and stage ``S - 2``) on two machines; where not, which pairs share a machine,
+    why (no order can) and the fix."""
     if stages < 2:
         return f"depth {stages}: no replicas"
-    if not conflicts:
-        return f"depth {stages}: every replica holder is on another machine than the stage it holds"
-    pairs = ", ".join(f"{holder} holds {node}" for node, holder in conflicts[:4]) + (" ..." if len(conflicts) > 4
-                                                                                    else "")
-    head = (f"depth {stages}: {len(conflicts)} of {len(order)} replica holders share the machine of the stage they "
-            f"hold ({pairs}); losing that machine loses both, a restart from the checkpoint")
-    workers = len(order) // len(machines)
-    if len(machines) * workers == len(order) and not placement_possible(len(machines), workers, stages):
-        return (f"{head}. No placement avoids it: {len(machines)} machine(s) of {workers} worker(s) in pipelines of "
-                f"{stages} stages (rule: a machine holds at most stages // 2 = {stages // 2} node(s) of a pipeline, "
-                f"and needs {workers} place(s) in {len(order) // stages} pipeline(s)); use more machines, or a "
-                f"depth d with workers <= pipelines x (d // 2)")
-    return (f"{head}. Start every launcher with --stages {stages} so that it orders the nodes for this depth")
+    warning = apart_warning(rows_of(order, stages), (), machine, where=f"depth {stages}",
+                            fix=f"start every launcher with --stages {stages} so that it orders the nodes for this "
+                                "depth")
+    return warning or (f"depth {stages}: every replica holder is on another machine than the stage it holds, and no "
+                       "machine holds two nodes whose joint loss is fatal")

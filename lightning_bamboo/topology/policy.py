@@ -20,17 +20,26 @@ is lost or already overloaded cannot be served any more (a fatal, adjacent loss)
 
 By default the global batch stays fixed: ``global_micro_batches`` are split over the pipelines as
 evenly as possible (pipelines may differ by one micro-batch). With ``pipeline_micro_batches`` set,
-every pipeline runs that many instead and the global batch follows the number of pipelines. New placements keep as many
-nodes as possible on the stage they already hold, so that the least state moves. No torch here.
+every pipeline runs that many instead and the global batch follows the number of pipelines. Every placement it builds
+keeps each pair of nodes whose joint loss is fatal on two failure domains (machines) where the nodes at hand allow it
+(``apart.place_apart``; else the fewest such pairs, and ``Decision.warning`` says so), and then as many nodes as
+possible on the stage they already hold, so that the least state moves. No torch here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.topology.layout import Layout, balanced_parts, even_parts, split_micro_batches
+from lightning_bamboo.topology.apart import apart_warning, place_apart
+from lightning_bamboo.topology.layout import (
+    Layout,
+    balanced_parts,
+    even_parts,
+    machine_of,
+    split_micro_batches,
+)
 
 ACTIONS = (
     "keep",
@@ -219,6 +228,9 @@ class Decision:
     layout: Placement | None
     reason: str
     moved: tuple[str, ...] = field(default=())  # nodes that must receive layers they do not hold
+    #: for a log's WARNING: the layout puts two nodes whose joint loss is fatal on one machine, and why (None: it
+    #: does not). The policy builds such a layout only where the machines at hand leave no other.
+    warning: str | None = None
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -241,35 +253,12 @@ class Decision:
         return self.layout
 
 
-def _spread(rows: list[list[str]], movable: set[str], pool: list[str], domains: Mapping[str, str]) -> None:
-    """Swap movable nodes (with each other or with unused ``pool`` nodes) so that, where possible,
-    no two neighbouring stages of a pipeline (cyclically) share a failure domain."""
-    stages = len(rows[0])
-    if stages < 2:
-        return
-
-    def clash(r: int, s: int) -> bool:
-        d = domains.get(rows[r][s])
-        return d is not None and d in (domains.get(rows[r][s - 1]), domains.get(rows[r][(s + 1) % stages]))
-
-    slots = [(r, s) for r in range(len(rows)) for s in range(stages)]
-    for r, s in slots:
-        if not clash(r, s) or rows[r][s] not in movable:
-            continue
-        for i, spare in enumerate(pool):  # an unused node first: nothing else moves
-            old, rows[r][s] = rows[r][s], spare
-            if not clash(r, s):
-                pool[i] = old
-                break
-            rows[r][s] = old
-        else:
-            for r2, s2 in slots:
-                if (r2, s2) == (r, s) or rows[r2][s2] not in movable:
-                    continue
-                rows[r][s], rows[r2][s2] = rows[r2][s2], rows[r][s]
-                if not clash(r, s) and not clash(r2, s2):
-                    break
-                rows[r][s], rows[r2][s2] = rows[r2][s2], rows[r][s]
+def machine_in(domains: Mapping[str, str] | None) -> Callable[[str], str]:
+    """The failure domain of a node: ``domains[node]`` where given (a node missing from it is a domain of its own),
+    else its machine by name (``machine_of``)."""
+    if domains is None:
+        return machine_of
+    return lambda node: domains.get(node, node)
 
 
 def fresh_placement(
@@ -280,7 +269,10 @@ def fresh_placement(
     domains: Mapping[str, str] | None = None,
 ) -> Placement:
     """The first ``pipelines * stages`` of ``nodes``, column by column: node ``i`` runs stage
-    ``i // pipelines`` of pipeline ``i % pipelines``.
+    ``i // pipelines`` of pipeline ``i % pipelines``, unless that puts two nodes whose joint loss is fatal on one
+    failure domain (``domains``, else the machine in the node's name): then the layout that keeps every such pair
+    apart, with the rest of ``nodes`` too where that helps, or the one with the fewest such pairs
+    (``apart.place_apart``).
 
     Nodes next to each other in ``nodes`` (typically started together, hence often preempted
     together) land in different pipelines, not on adjacent stages: losing up to ``pipelines`` of
@@ -293,9 +285,7 @@ def fresh_placement(
             "use fewer pipelines or stages, or add nodes"
         )
     rows = [[nodes[s * pipelines + p] for s in range(stages)] for p in range(pipelines)]
-    if domains:
-        _spread(rows, set(nodes[:need]), list(nodes[need:]), domains)
-    grid = tuple(tuple(row) for row in rows)
+    grid = place_apart(rows, nodes[need:], machine_in(domains))
     return Placement(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
@@ -334,17 +324,13 @@ def _rebuild(
             if row[s] is None and donors_by_stage.get(s):
                 row[s] = donors_by_stage[s].pop(0)
     leftovers = spare + [n for s in sorted(donors_by_stage) for n in donors_by_stage[s]]
-    newcomers: set[str] = set()
     for s in range(stages):  # column by column, as in fresh_placement
         for row in rows:
             if row[s] is None:
-                newcomer = leftovers.pop(0)
-                row[s] = newcomer
-                newcomers.add(newcomer)
+                row[s] = leftovers.pop(0)
     full = [[n for n in row if n is not None] for row in rows]
-    if domains:
-        _spread(full, newcomers, leftovers, domains)
-    grid = tuple(tuple(row) for row in full)
+    holds = {n: s for row in old.grid for s, n in enumerate(row) if n in alive}
+    grid = place_apart(full, leftovers, machine_in(domains), holds)
     return Placement(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
@@ -357,13 +343,6 @@ def moved_nodes(old: Placement | None, new: Placement | None) -> tuple[str, ...]
         if old is None or n not in old.nodes or old.stage_layers(n) != new.stage_layers(n):
             moved.append(n)
     return tuple(moved)
-
-
-def machine_of(node: str) -> str:
-    """The machine (failure domain) of a node: ``NAME`` for the workers ``NAME.0 .. NAME.K-1`` that the
-    launcher's ``--workers K`` starts on one machine, else the node itself (one node per machine)."""
-    machine, dot, worker = node.rpartition(".")
-    return machine if dot and machine and worker.isdigit() else node
 
 
 def reconfigure(
@@ -379,9 +358,11 @@ def reconfigure(
     ``live``: every node that is up and ready (layout nodes and standby nodes); a layout node not
     in ``live`` is lost. ``standby``: live nodes outside the layout, waiting. ``overloaded``: layout
     nodes that run their lost successor's stage besides their own. ``domains`` (optional): a
-    failure domain per node (zone, or the batch a node was started with); nodes placed by the
-    decision avoid neighbouring stages of the same domain, so one event does not take out a node
-    and its replica holder together.
+    failure domain per node (zone, or the batch a node was started with; default: the machine in the
+    node's name, ``machine_of``). Every layout the decision builds keeps each pair of nodes whose joint
+    loss is fatal (a node and its replica holder; stage 0's node and stage ``S - 2``'s) on two domains,
+    so one event does not take out both; where the nodes at hand cannot, it has the fewest such pairs
+    and ``Decision.warning`` says which and why.
     """
     live_list, standby_list, over_list = list(live), list(standby), list(overloaded)
     _check_names("live", live_list)
@@ -428,7 +409,8 @@ def reconfigure(
 
     def build(action: str, reason: str, p: int = pipelines, d: int = depth) -> Decision:
         new = _rebuild(layout, usable, standby_list, p, d, config, domains)
-        return Decision(action, new, reason, moved_nodes(layout, new))
+        warning = apart_warning(new.grid, usable, machine_in(domains), where=f"the {action} layout")
+        return Decision(action, new, reason, moved_nodes(layout, new), warning)
 
     if layout is None:
         return build("start", f"{len(usable)} nodes: {pipelines} x {depth}")
