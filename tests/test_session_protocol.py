@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 from lightning_bamboo.demo.controller import record_line
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership import EmbeddedServer, Store, connect
+from lightning_bamboo.membership import session as session_module
 from lightning_bamboo.membership.fence import Fenced
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart, failover_record
@@ -212,14 +214,23 @@ def test_a_standby_node_is_admitted_by_a_record_and_enters_the_next_generation(s
     with job(server, "admit", ["n0", "n1"]) as s:
         spare = session(server, "admit", "n9", [], joining=True).open()
         try:
-            assert spare.nodes == [] and s["n0"].standby() == ["n9"]
+            assert spare.nodes == [] and s["n0"].standby() == []  # not offered before it is seen to answer
+            waiting: dict[str, Any] = {}
+            waiter = threading.Thread(target=lambda: waiting.update(record=spare.wait_admission(poll=0.2)))
+            waiter.start()  # it refreshes its standby key while it waits
+            for _ in range(100):
+                if s["n0"].standby() == ["n9"]:
+                    break
+                threading.Event().wait(0.05)
+            assert s["n0"].standby() == ["n9"]
             for x in s.values():  # every node reports standby nodes at each commit: the same list on all
                 x.admitting = True
             assert on_threads({n: (lambda x=x: x.commit(0)) for n, x in s.items()}) == dict.fromkeys(s)
             assert [x.joiners for x in s.values()] == [["n9"], ["n9"]]
             record = ADMIT_N9
             s["n0"].admit(record)
-            assert spare.wait_admission(poll=0.2) == record
+            waiter.join(JOIN)
+            assert waiting["record"] == record
             entered = on_threads({"n0": lambda: s["n0"].reform(list(record.order), tag=record.tag),
                                   "n1": lambda: s["n1"].reform(list(record.order), tag=record.tag),
                                   "n9": lambda: spare.enter(record)})
@@ -228,6 +239,31 @@ def test_a_standby_node_is_admitted_by_a_record_and_enters_the_next_generation(s
             assert s["n0"].standby() == [] and spare.store.get(spare.keys.standby("n9")) is None
         finally:
             spare.stop()
+
+
+def test_a_standby_node_that_stops_answering_or_whose_machine_lost_a_node_is_not_offered(server, monkeypatch):
+    """The first node offers a standby node only while its key keeps changing (it refreshes it as it waits): one
+    cut off or frozen, whose lease has not run out yet, drops out of the list within a few seconds; so does one on
+    a machine that just lost a node (the same failure may take it next)."""
+    monkeypatch.setattr(session_module, "STANDBY_FRESH_SECONDS", 0.5)  # (3 s in a job)
+    with job(server, "fresh", ["m0.0", "m1.0"]) as s:
+        spares = {name: session(server, "fresh", name, [], joining=True).open() for name in ("m2.0", "m1.1")}
+        try:
+            first = s["m0.0"]
+            for name, spare in spares.items():  # two refreshes each, as ``wait_admission`` writes them
+                for beat in ("1", "2"):
+                    spare.store.put(spare.keys.standby(name), beat)
+                    first.standby()
+            assert first.standby() == ["m1.1", "m2.0"]
+            first.lost_machine(["m1.0"])  # a failover agreed that m1.0 is lost
+            assert first.standby() == ["m2.0"]
+            clock = time.monotonic() + session_module.STANDBY_FRESH_SECONDS + 0.2
+            while time.monotonic() < clock:  # m2.0 stops answering: its lease runs on, its key stays
+                threading.Event().wait(0.1)
+            assert first.standby() == [] and "m2.0" in first.registry.members().live
+        finally:
+            for spare in spares.values():
+                spare.stop()
 
 
 def test_a_node_back_as_standby_waits_for_an_admission_made_after_it_came_back(server):

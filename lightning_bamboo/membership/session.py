@@ -23,8 +23,13 @@ from lightning_bamboo.membership.protocol import Store, request_timeout_for, wai
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
 from lightning_bamboo.membership.registry import LossDetector, Registry
 from lightning_bamboo.testing import faults
+from lightning_bamboo.topology.layout import machine_of
 
 log = logging.getLogger(__name__)
+
+#: a standby node whose key has not changed for this long (it refreshes it about once a second while it waits) is
+#: not offered for admission: it may be cut off or frozen while its lease still runs (``Session.standby``)
+STANDBY_FRESH_SECONDS = 3.0
 
 
 class GroupFormer(Protocol):
@@ -106,6 +111,8 @@ class Session:
         self._collectives: dict[int, int] = {}  # generation -> collectives begun (see gather)
         self._collectives_dropped = 0  # generations below this have no collective keys left
         self._standing_since = 0  # the store's revision when this node registered as standby (see ``open``)
+        self._standby_seen: dict[str, tuple[int, float | None]] = {}  # standby -> (key revision, when it changed)
+        self._machine_lost: dict[str, float] = {}  # machine -> when a node of it was last lost (``lost_machine``)
 
     @classmethod
     def from_environment(
@@ -281,16 +288,38 @@ class Session:
 
     # ------------------------------------------------------------------ standby nodes and admission
     def standby(self) -> list[str]:
-        """Live nodes waiting to join (registered as standby, not in the pipeline), sorted.
+        """Live nodes waiting to join (registered as standby, not in the pipeline) that can come now, sorted.
 
-        Called at every commit on the first node: the membership is read only when a standby key exists.
+        Called at every commit on the first node: the membership is read only when a standby key exists. A standby
+        node refreshes its key while it waits (``wait_admission``); one whose key has not changed for
+        ``STANDBY_FRESH_SECONDS`` of this node's clock (cut off, frozen: its lease may not have run out yet), or
+        whose machine lost a node in the last ``3 x detection timeout`` (``lost_machine``), is not offered: an
+        admission of it would be a reconfiguration with a node that cannot come.
         """
-        waiting = [n for n in (kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(self.keys.standby()).kvs)
-                   if n not in self.nodes]
+        now = time.monotonic()
+        waiting = []
+        for kv in self.store.get_prefix(self.keys.standby()).kvs:
+            node = kv.key.rsplit("/", 1)[1]
+            if node in self.nodes:
+                continue
+            seen = self._standby_seen.get(node)
+            if seen is None or seen[0] != kv.mod_revision:  # first seen: not known to answer yet
+                self._standby_seen[node] = (kv.mod_revision, now if seen is not None else None)
+            changed = self._standby_seen[node][1]
+            lost = self._machine_lost.get(machine_of(node))
+            if changed is not None and now - changed <= STANDBY_FRESH_SECONDS and (
+                    lost is None or now - lost > 3 * self.detection_timeout):
+                waiting.append(node)
         if not waiting:
             return []
         live = set(self.registry.members().live)
         return sorted(n for n in waiting if n in live)
+
+    def lost_machine(self, nodes: Collection[str]) -> None:
+        """``nodes`` were lost: their machines' standby nodes are not offered for a while (see ``standby``)."""
+        now = time.monotonic()
+        for node in nodes:
+            self._machine_lost[machine_of(node)] = now
 
     def admit(self, record: Reconfiguration) -> None:
         """Publish a reconfiguration (generation, order, parts...) so that the standby nodes in it join."""
@@ -307,7 +336,7 @@ class Session:
         """
         prefix = self.keys.admit()
         revision = 0
-        alive = _JobAlive(self)
+        alive, beat = _JobAlive(self), 0
         while True:
             snap = self.store.get_prefix(prefix)
             records = sorted((json.loads(kv.value) for kv in snap.kvs if kv.mod_revision > self._standing_since),
@@ -321,6 +350,8 @@ class Session:
             if self.store.get(self.keys.finished) is not None:
                 return None
             alive.check()
+            beat += 1  # this node still answers (the running nodes offer only standby nodes that do)
+            self.store.put(self.keys.standby(self.node), str(beat))
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
             revision = change.revision
 
@@ -377,6 +408,11 @@ class Session:
         Each survivor adds what it knows (its suspicions, the detector, dead leases) with a
         compare-and-swap; a loss seen later by anyone makes everyone retry with the larger set.
         """
+        lost = self._decide_lost(suspected, nodes)
+        self.lost_machine(lost)
+        return lost
+
+    def _decide_lost(self, suspected: tuple[str, ...], nodes: list[str]) -> set[str]:
         key = self.keys.decision(self.generation + 1)
         members = self.registry.members()
         mine = (set(suspected) | self.detector.lost | (set(nodes) - set(members.live))) & set(nodes)
