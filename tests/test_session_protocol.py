@@ -266,6 +266,20 @@ def test_a_standby_node_that_stops_answering_or_whose_machine_lost_a_node_is_not
                 spare.stop()
 
 
+def test_a_leaver_that_the_next_layout_does_not_hold_is_not_served_again(server):
+    """n1 announces at step 0's commit that it leaves. The survivors re-form without it (a restart after a fatal
+    loss, say, before they switched at a step start): n1 is then no leaver of theirs any more, so the next step
+    starts no failover for it."""
+    with job(server, "leaver", ["n0", "n1", "n2"]) as s:
+        s["n1"].leave_requested = lambda: True
+        assert on_threads({n: (lambda x=x: x.commit(0)) for n, x in s.items()}) == dict.fromkeys(s)
+        assert s["n0"].leavers == {"n1"} and s["n2"].leavers == {"n1"}
+        order = ["n0", "n2"]
+        assert on_threads({n: (lambda n=n: s[n].reform(order, tag="restart")) for n in order}) == {
+            "n0": (0, 2), "n2": (1, 2)}
+        assert s["n0"].leavers == set() and s["n2"].leavers == set()
+
+
 def test_a_node_back_as_standby_waits_for_an_admission_made_after_it_came_back(server):
     """n9 was admitted once (its record stays in the store); released, it registers again as a standby node. The old
     record names it, but its layout is gone: the new standby waits for an admission made since it came back (here

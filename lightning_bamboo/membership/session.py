@@ -455,6 +455,7 @@ class Session:
                                          gone=lambda: self.detector.lost & set(order))
         self.generation = generation
         self.nodes = list(order)
+        self.leavers &= set(order)  # a leaver the new layout does not hold is served (or the job restarted without it)
         self.detector.stop()
         self.detector = self._watch(self.nodes)
         return rank, world

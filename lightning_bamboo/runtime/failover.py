@@ -79,7 +79,6 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
             raise BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts")
     finally:
         faulthandler.cancel_dump_traceback_later()
-    session.leavers &= set(session.nodes)  # a leaver this failover already served needs no second one
     seconds = time.monotonic() - started
     # a released node may have left before another survivor decided: the lost set then names it too
     released = set(plan.released) | session.released() if base["pipelines"] > 1 else set()
