@@ -144,11 +144,24 @@ class Run:
             return None
 
     # ------------------------------------------------------------------ changes
+    def workers(self) -> list[str]:
+        """Workers running on machines that are up: a worker's pid file is there while it runs (``--pid-dir``)."""
+        up = set(self.alive())
+        return [p.stem for p in (self.out / "pids").glob("*.pid") if p.stem.split(".")[0] in up]
+
     def fire(self, change: Change, rng: random.Random, spares: list[str]) -> None:
         kind, _, target = change.kind.partition(":")
-        workers = len(self.alive()) * WORKERS
-        losing = {"kill_worker": 1, "notice": 1, "kill_pair": 2, "kill_machine": WORKERS, "partition": WORKERS}
-        if workers - losing.get(kind, 0) < 3 or (kind in losing and not self.training()):
+        training, workers = self.training(), self.workers()
+        # what the change would take: at least one training node must survive it (the job restarts from it) and
+        # three workers in all (else the change becomes a join)
+        takes = {"kill_worker": (1, 1), "notice": (1, 1), "kill_pair": (2, 2), "kill_machine": (WORKERS, WORKERS),
+                 "partition": (WORKERS, WORKERS)}.get(kind, (0, 0))
+        if kind in ("kill_machine", "partition") and not target and training:
+            target = rng.choice(sorted({n.split(".")[0] for n in training}))
+        if kind in ("kill_machine", "partition") and target:
+            on = [n for n in training if n.split(".")[0] == target]
+            takes = (len(on), len([n for n in workers if n.split(".")[0] == target]))
+        if len(training) - takes[0] < 1 or len(workers) - takes[1] < 3 or (takes[0] and not training):
             kind = "join"
         step = self.progress()
         if kind == "join":
@@ -159,7 +172,7 @@ class Run:
             self.start(machine, join=True)
             self.events.append(f"step {step}: {machine} joins")
         elif kind in ("kill_machine", "partition"):
-            machine = target or rng.choice(sorted({n.split(".")[0] for n in self.training()}))
+            machine = target
             if kind == "kill_machine":
                 self.net.kill_machine(machine)
                 self.killed.add(machine)
