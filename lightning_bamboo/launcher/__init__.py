@@ -379,8 +379,10 @@ def supervise(
 ) -> int:
     """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
 
-    Returns 0 if every worker here exited with 0, ``CONFIG_EXIT_CODE`` if one refused the job's configuration, else
-    the first other exit code. The machine of
+    Returns the job's outcome as this machine saw it (``launcher.outcome.machine_status``): 0 once the job finished
+    with every worker here that was still in it exiting 0 (the others exited 0 or were SIGKILLed, a vanished node),
+    ``CONFIG_EXIT_CODE`` if one refused the job's configuration, a failed worker's status, or 1 when the job ended
+    without finishing. The machine of
     the first node publishes the address of the initial process group in the store (``addr``
     and a free port there); the others wait for it (at most ``timeout`` s). A worker that dies is
     announced in the store at once, so its peers fail over in milliseconds. Every process group
@@ -425,10 +427,9 @@ def supervise(
                                   lambda worker: cluster.spawn(worker, command, plan.nodes.index(worker), plan.nodes),
                                   plan.workers[1:])
             _wait_for_workers(cluster, stop, announce_always=True)
-        failed = [cluster.codes[w] for w in plan.workers if cluster.codes[w] != 0]
-        if CONFIG_EXIT_CODE in failed:  # a refusal: the others here were stopped for it (killed), not failed
-            return CONFIG_EXIT_CODE
-        return failed[0] if failed else 0
+        from lightning_bamboo.launcher.outcome import machine_status
+
+        return machine_status(cluster, plan.workers)
     finally:
         cluster.close()
 
