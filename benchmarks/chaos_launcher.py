@@ -59,7 +59,7 @@ from lightning_bamboo.testing import faults  # noqa: E402
 PYTHON = sys.executable
 WORKERS = 2  # workers per machine
 MACHINES = 3  # machines the job starts with
-SPARES = 4  # spare machines that can join
+SPARES = 8  # spare machines that can join
 PRELOAD = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
 KINDS = ("kill_worker", "kill_machine", "partition", "notice", "join", "kill_pair", "in_failover",
          "in_reconfiguration")
@@ -229,8 +229,9 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
     machines = [f"host{i}" for i in range(MACHINES)]
     spares = [f"host{i}" for i in range(MACHINES, MACHINES + SPARES)]
     initial = [f"{m}.{w}" for m in machines for w in range(WORKERS)]
-    armed = [f"{rng.choice(initial)}@{'failover' if c.kind == 'in_failover' else 'reconfigure'}"
-             for c in schedule if c.kind in ("in_failover", "in_reconfiguration")]
+    inside = [c for c in schedule if c.kind in ("in_failover", "in_reconfiguration")]
+    armed = [f"{node}@{'failover' if c.kind == 'in_failover' else 'reconfigure'}"
+             for node, c in zip(rng.sample(initial, min(len(inside), len(initial))), inside, strict=False)]
     pending = [c for c in schedule if c.kind not in ("in_failover", "in_reconfiguration")]
     started = time.monotonic()
     with NetnsCluster(machines + spares) as net:
