@@ -285,7 +285,7 @@ class ResilientPipelineEngine:
         try:
             return self._train_batch(data_iter)
         except FatalLoss as err:
-            if isinstance(err, JobRestarted) or self.runner.session is None or not self.runner.session.active:
+            if isinstance(err, JobRestarted) or not self.runner.can_restart(err):
                 self._failed = True
                 raise
             self._restart(err)
@@ -378,7 +378,7 @@ class ResilientPipelineEngine:
                 path, lambda: self._meta(client_state), with_optimizer=True, is_global_zero=dist.get_rank() == 0,
                 barrier=lambda _name: dist.barrier(), step=self.host.step))
         except FatalLoss as err:
-            if self.runner.session is None or not self.runner.session.active:
+            if not self.runner.can_restart(err):
                 self._failed = True
                 raise
             self._restart(err)  # nothing of this save was committed; the job is back at the last checkpoint

@@ -236,6 +236,7 @@ def train(args: argparse.Namespace) -> int:
         stages=None if args.stages == 1 and args.redundancy != "off" else args.stages, micro_batch_size=args.micro_batch_size, seed=0,
         partition=[int(x) for x in args.partition.split(",")] if args.partition[0].isdigit() else args.partition,
         redundancy=args.redundancy, timeout=60, detection_timeout=args.detection_timeout, audit_replicas=args.audit,
+        restart_on_fatal_loss=False,  # the demo's controller restarts the job (counting how it recovered)
         config=config,
     )
     checkpoints = pl.callbacks.ModelCheckpoint(

@@ -39,6 +39,10 @@ class BambooConfig:
     precision: str = "32"
     #: layers per activation-checkpointed segment (0: none; ``BambooPipelineModule.checkpoint_every``)
     activation_checkpointing: int = 0
+    #: after a fatal loss under the launcher, the survivors restart the job from the last complete checkpoint in
+    #: their processes (True); False: ``FatalLoss`` ends the node's fit, for an orchestrator that restarts jobs
+    #: itself (the demo's controller)
+    restart_on_fatal_loss: bool = True
 
     def __post_init__(self) -> None:
         stages, micro = self.stages, self.micro_batch_size
@@ -70,6 +74,9 @@ class BambooConfig:
         object.__setattr__(self, "detection_timeout", float(self.detection_timeout))
         object.__setattr__(self, "deepspeed", dict(self.deepspeed or {}))
         resolve(self.precision, self.deepspeed, None)  # refuses what cannot run exactly, before anything starts
+        if not isinstance(self.restart_on_fatal_loss, bool):
+            raise BambooConfigError(f"restart_on_fatal_loss must be True or False (restart_on_fatal_loss: "
+                                    f"{self.restart_on_fatal_loss!r})")
         every = self.activation_checkpointing
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise BambooConfigError(f"activation_checkpointing is the layers per checkpointed segment, an integer >= 0 "

@@ -268,8 +268,8 @@ class PipelineRunner:
     # ------------------------------------------------------------------ a fatal loss: the job restarts
     def can_restart(self, err: BaseException) -> bool:
         """Whether ``err`` is a fatal loss this node restarts the job from (under membership, still a member)."""
-        return (isinstance(err, FatalLoss) and self.session is not None and self.session.active
-                and self.stage.engine is not None)  # (a loss before the stage was built ends the start instead)
+        return (isinstance(err, FatalLoss) and self.config.restart_on_fatal_loss and self.session is not None
+                and self.session.active and self.stage.engine is not None)  # (before the stage: the start fails)
 
     def restart(self, err: FatalLoss) -> tuple[int, int]:
         """After a fatal loss: the survivors form the job's next layout (``runtime.restart``); returns this node's

@@ -90,6 +90,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         replica_placement: str = "auto",
         replica_memory_budget: int | None = None,
         activation_checkpointing: int = 0,
+        restart_on_fatal_loss: bool = True,
         **kwargs: Any,
     ) -> None:
         """
@@ -129,6 +130,8 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
                 moving its state there and back each step. On CPU the replica is in host memory.
             activation_checkpointing: layers per activation-checkpointed segment (0: off): a segment keeps only its
                 input and runs its forward again in its backward, with the same dropout masks (bit-exact).
+            restart_on_fatal_loss: under the Bamboo launcher a loss no replica covers restarts ``fit`` in the
+                surviving processes from the last complete checkpoint (default); False raises ``FatalLoss`` instead.
             replica_memory_budget: bytes of GPU memory a replica may take under ``"auto"`` (default: what
                 is free once the stage is built, less a quarter of the GPU's memory for activations).
             process_group_backend: ``None`` (default) or ``"nccl"``: the abortable backend
@@ -142,10 +145,9 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
             timeout=timeout, detection_timeout=detection_timeout, deepspeed=dict(config or {}), rf_costs=rf_costs,
             audit_replicas=audit_replicas, replica_placement=replica_placement,
             replica_memory_budget=replica_memory_budget, activation_checkpointing=activation_checkpointing,
+            restart_on_fatal_loss=restart_on_fatal_loss,
         )
-        super().__init__(
-            process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout), **kwargs
-        )
+        super().__init__(process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout), **kwargs)
         self.runner = PipelineRunner(self.options, LightningHost(self))
         self.data = PipelineData()
         self._loaded_path: Path | None = None
@@ -160,7 +162,6 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         self.restarts = FitRestarts()
 
     # ------------------------------------------------------------------ runner state
-
     @property
     def engine(self) -> BambooPipelineEngine | None:
         """The DeepSpeed pipeline engine running this process's stage (after ``setup``)."""
