@@ -13,15 +13,29 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_bamboo.membership import EmbeddedServer
 from lightning_bamboo.runtime.collectives import StoreValueError, decode, encode
-from tests.test_session_protocol import job, on_threads, server  # noqa: F401 - ``server`` is a fixture
+from tests.test_session_protocol import job
 
 pytestmark = [pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    with EmbeddedServer() as running:
+        yield running
 
 
 class Payload:
@@ -41,7 +55,7 @@ def pickled(obj: object) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def test_a_store_value_made_to_run_code_when_unpickled_is_refused_and_runs_nothing(server, tmp_path):  # noqa: F811
+def test_a_store_value_made_to_run_code_when_unpickled_is_refused_and_runs_nothing(server, tmp_path):
     """Someone who can write under the job's prefix puts n1's part of the next collective before n1 does: n0 reads
     it in the real collective and refuses it; the file the pickle would create does not exist."""
     marker = tmp_path / "ran"
@@ -54,3 +68,125 @@ def test_a_store_value_made_to_run_code_when_unpickled_is_refused_and_runs_nothi
             decode(parts[1])
     assert not marker.exists(), "unpickling the store value ran its code"
     assert "nothing in it is unpickled or run" in str(err.value)
+
+
+# ---------------------------------------------------------------------- the embedded store's requests
+def ask(sock: socket.socket, reader: io.BufferedReader, line: bytes) -> dict:
+    sock.sendall(line)
+    return json.loads(reader.readline())
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    (b"not json at all\n", r"^a request is one JSON object a line \(JSONDecodeError\)$"),
+    (b"[1, 2, 3]\n", "a request is a JSON object, not a list"),
+    (b'{"op": "exec", "code": "print(1)"}\n', "unknown op 'exec'"),
+    (b'{"op": "__init__"}\n', "unknown op '__init__'"),
+    (b'{"key": "/a"}\n', "unknown op 'None'"),
+    (b'{"op": "put", "key": 7, "value": "x"}\n', "'put''s key is a string, not a int"),
+    (b'{"op": "put", "key": "/a"}\n', r"'put' takes key, value, lease \(unknown: \[\], missing: \['value'\]\)"),
+    (b'{"op": "get", "key": "/a", "shell": "rm -rf /"}\n', r"unknown: \['shell'\]"),
+    (b'{"op": "grant", "ttl": NaN}\n', "'grant''s ttl is a finite number of seconds >= 0, not 'nan'"),
+    (b'{"op": "keep_alive", "lease": -1}\n', "'keep_alive''s lease is a whole number >= 0, not '-1'"),
+    (b'{"op": "put", "key": "/a", "value": "x", "guard": "anything"}\n', r"a guard is \[KEY, LEASE\]"),
+    (b"[" * 100_000 + b"\n", r"^a request is one JSON object a line \(RecursionError\)$"),
+])
+def test_malformed_and_unknown_requests_get_errors_and_the_store_keeps_serving(line, error):
+    from lightning_bamboo.membership import EmbeddedServer, connect
+
+    with EmbeddedServer() as running:
+        client = connect(running.url)
+        try:
+            client.put("/job/kept", "1")
+            host, port = running.url.removeprefix("embedded://").rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=10) as sock, sock.makefile("rb") as reader:
+                resp = ask(sock, reader, line)
+                assert resp["ok"] is False and resp["error"] == "bad_request", resp
+                assert re.search(error, resp["message"]), resp["message"]
+                # the same connection is still served, and so is the job's client
+                assert ask(sock, reader, b'{"op": "get", "key": "/job/kept"}\n')["kv"]["value"] == "1"
+            assert client.get("/job/kept").value == "1"
+            assert [kv.key for kv in client.get_prefix("").kvs] == ["/job/kept"]  # nothing else was written
+        finally:
+            client.close()
+
+
+def test_an_oversized_request_is_refused_unread_and_the_store_keeps_serving():
+    from lightning_bamboo.membership import EmbeddedServer, StoreError, connect
+    from lightning_bamboo.membership.wire import MAX_REQUEST_BYTES
+
+    with EmbeddedServer() as running:
+        client = connect(running.url)
+        try:
+            host, port = running.url.removeprefix("embedded://").rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=30) as sock, sock.makefile("rb") as reader:
+                huge = b'{"op": "put", "key": "/job/big", "value": "' + b"x" * MAX_REQUEST_BYTES + b'"}\n'
+                try:
+                    sock.sendall(huge)
+                except OSError:
+                    pass  # the server may close before it all arrived
+                resp = json.loads(reader.readline())
+                assert resp == {"ok": False, "error": "bad_request",
+                                "message": f"a request is at most {MAX_REQUEST_BYTES} bytes; this connection is closed"}
+                assert reader.readline() == b""  # closed: the rest of the line is never read as a request
+            assert client.get("/job/big") is None
+            client.put("/job/small", "fine")
+            assert client.get("/job/small").value == "fine"
+            # the client says so before it sends one
+            with pytest.raises(StoreError, match=f"over the embedded store's limit of {MAX_REQUEST_BYTES}"):
+                client.put("/job/big", "x" * MAX_REQUEST_BYTES)
+        finally:
+            client.close()
+
+
+# ---------------------------------------------------------------------- the embedded store's token
+def test_beyond_loopback_the_embedded_store_refuses_to_start_without_a_token(monkeypatch):
+    from lightning_bamboo.membership import EmbeddedServer, StoreCredentialsError
+    from lightning_bamboo.membership.credentials import TOKEN_ENV
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(StoreCredentialsError, match=r"would listen on 0\.0\.0\.0, beyond loopback.*BAMBOO_STORE_TOKEN"):
+        EmbeddedServer("0.0.0.0")
+    EmbeddedServer("127.0.0.1").start().stop()  # loopback stays tokenless
+
+
+def test_the_embedded_stores_command_refuses_beyond_loopback_in_one_line_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "BAMBOO_STORE_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "lightning_bamboo.membership.embedded", "--host", "0.0.0.0"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (error,) = [line for line in proc.stderr.splitlines() if "error" in line]  # one line, no traceback
+    assert error.startswith("python -m lightning_bamboo.membership.embedded: error: the embedded store would listen on "
+                            "0.0.0.0, beyond loopback"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_with_a_token_every_request_without_it_is_refused_and_the_job_keeps_being_served(monkeypatch):
+    from lightning_bamboo.membership import EmbeddedServer, StoreCredentialsError, connect
+    from lightning_bamboo.membership.credentials import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret-token")
+    with EmbeddedServer("0.0.0.0") as running:
+        port = int(running.url.rsplit(":", 1)[1])
+        url = f"embedded://127.0.0.1:{port}"
+        job = connect(url)  # with the token from the environment
+        try:
+            job.put("/job/nodes/n0", "member")
+            for token in (None, "s3cret-tokeN", ""):
+                if token is None:
+                    monkeypatch.delenv(TOKEN_ENV)
+                else:
+                    monkeypatch.setenv(TOKEN_ENV, token)
+                with pytest.raises(StoreCredentialsError, match="refused the request: this store needs its shared "
+                                   "token in every request") as err:
+                    connect(url)
+                assert "s3cret" not in str(err.value)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock, sock.makefile("rb") as reader:
+                for line in (b'{"op": "delete_prefix", "prefix": ""}\n',
+                             b'{"op": "put", "key": "/job/nodes/evil", "value": "x", "token": "guess"}\n',
+                             b'{"op": "put", "key": "/job/nodes/evil", "value": "x", "token": 12}\n'):
+                    assert ask(sock, reader, line)["error"] == "unauthorized"
+            assert [kv.key for kv in job.get_prefix("/job/").kvs] == ["/job/nodes/n0"]  # nothing changed
+            job.put("/job/nodes/n1", "member")  # and the job is served all along
+            assert len(job.get_prefix("/job/").kvs) == 2
+        finally:
+            job.close()

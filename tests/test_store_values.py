@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from lightning_bamboo.engine import audit
+from lightning_bamboo.membership import EmbeddedServer
 from lightning_bamboo.runtime.collectives import (
     StoreValueError,
     UnsendableValueError,
@@ -24,9 +26,15 @@ from lightning_bamboo.runtime.collectives import (
     encode,
     gather_values,
 )
-from tests.test_session_protocol import job, on_threads, server  # noqa: F401 - ``server`` is a fixture
+from tests.test_session_protocol import job, on_threads
 
 pytestmark = [pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    with EmbeddedServer() as running:
+        yield running
 
 #: what travels through ``strategy.broadcast`` and ``reduce``/``all_gather`` between steps, by who sends it
 SENT: dict[str, Any] = {
@@ -102,7 +110,7 @@ def test_a_value_that_cannot_travel_is_refused_when_sent_naming_its_type_and_the
     assert "never as pickles" in str(err.value) and "dataclasses.asdict(x)" in str(err.value)
 
 
-def test_a_refused_value_stops_every_node_at_that_collective(server):  # noqa: F811 - the fixture
+def test_a_refused_value_stops_every_node_at_that_collective(server):
     """n0 broadcasts an object that cannot travel: n0 raises at once; n1, which sends nothing, is not left waiting
     for n0's part: it gets the same refusal, naming n0. The next collective works on both."""
     with job(server, "refused", ["n0", "n1"]) as s:

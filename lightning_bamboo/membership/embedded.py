@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from lightning_bamboo.membership.credentials import MAKE_TOKEN, TOKEN_ENV, is_loopback, store_token
 from lightning_bamboo.membership.protocol import (
     FIRST_ATTEMPT_SECONDS,
     Change,
@@ -27,11 +28,13 @@ from lightning_bamboo.membership.protocol import (
     LeaseExpiredError,
     PutIfAbsentFromCAS,
     Snapshot,
+    StoreCredentialsError,
     StoreError,
     StoreTimeoutError,
     StoreUnavailableError,
     deadline_for,
 )
+from lightning_bamboo.membership.wire import MAX_REQUEST_BYTES, BadRequest, Unauthorized, parse_request
 
 #: Events kept for ``wait_for_change``; older waits get ``Change(compacted=True)``.
 HISTORY_EVENTS = 100_000
@@ -214,39 +217,49 @@ class _Handler(socketserver.StreamRequestHandler):
         self.server.track(self.connection, add=True)
         try:
             while not state.stopping:
-                line = self.rfile.readline()
+                line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
                 if not line:
                     return
+                if len(line) > MAX_REQUEST_BYTES:  # refused unread: the rest of it is never looked at
+                    self._answer({"ok": False, "error": "bad_request", "message": f"a request is at most "
+                                  f"{MAX_REQUEST_BYTES} bytes; this connection is closed"})
+                    return
                 try:
-                    req = json.loads(line)
-                    op = getattr(state, "op_" + req.pop("op"))
-                    guard = req.pop("guard", None)
+                    name, args, guard = parse_request(line, self.server.token)
+                    op = getattr(state, "op_" + name)
                     with state.cond:
                         if state.stopping:
                             return
-                        if guard is not None and not state.holds(str(guard[0]), int(guard[1])):
+                        if guard is not None and not state.holds(*guard):
                             resp = {"ok": False, "error": "fenced", "message": f"{guard[0]!r} is not held by lease "
                                     f"{guard[1]} any more: its owner may have been declared lost"}
                         else:
-                            resp = {"ok": True, **op(**req)}
+                            resp = {"ok": True, **op(**args)}
+                except Unauthorized as e:
+                    resp = {"ok": False, "error": "unauthorized", "message": str(e)}
+                except BadRequest as e:
+                    resp = {"ok": False, "error": "bad_request", "message": str(e)}
                 except LeaseExpiredError as e:
                     resp = {"ok": False, "error": "lease", "message": str(e)}
                 except Exception as e:  # a malformed request must not kill the server
                     resp = {"ok": False, "error": "bad_request", "message": f"{type(e).__name__}: {e}"}
-                self.wfile.write(json.dumps(resp).encode() + b"\n")
-                self.wfile.flush()
+                self._answer(resp)
         except OSError:
             return
         finally:
             self.server.track(self.connection, add=False)
+
+    def _answer(self, resp: dict[str, Any]) -> None:
+        self.wfile.write(json.dumps(resp).encode() + b"\n")
+        self.wfile.flush()
 
 
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], state: _State) -> None:
-        self.state = state
+    def __init__(self, addr: tuple[str, int], state: _State, token: str | None) -> None:
+        self.state, self.token = state, token
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         super().__init__(addr, _Handler)
@@ -270,11 +283,22 @@ class EmbeddedServer:
 
     ``start()`` returns once the port is bound and serving; ``stop()`` closes every connection,
     wakes every waiter and joins the threads (bounded). Usable as a context manager.
+
+    ``token``: a shared secret every request must carry (compared in constant time); by default
+    ``$BAMBOO_STORE_TOKEN``, or none. A server that listens beyond loopback refuses to start without one:
+    anyone who reaches its port could otherwise write the job's membership.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> None:
+        token = token if token is not None else store_token()
+        if token is None and not is_loopback(host):
+            raise StoreCredentialsError(
+                f"the embedded store would listen on {host}, beyond loopback, where anyone who reaches the port "
+                f"could change the job's membership; set a shared token in the environment of the store and of every "
+                f"launcher ({MAKE_TOKEN}), or listen on 127.0.0.1"
+            )
         self._state = _State()
-        self._server = _Server((host, port), self._state)
+        self._server = _Server((host, port), self._state, token)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -328,9 +352,10 @@ def _with_guard(req: dict[str, Any], guard: Guard | None) -> dict[str, Any]:
 class EmbeddedStore(PutIfAbsentFromCAS):
     """Client of an ``EmbeddedServer`` (``embedded://HOST:PORT``); see ``Store`` for the contract."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0, token: str | None = None) -> None:
         self.url = f"embedded://{host}:{port}"
         self._addr = (host, port)
+        self._token = token if token is not None else store_token()
         self._pool: list[tuple[socket.socket, Any]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -365,7 +390,10 @@ class EmbeddedStore(PutIfAbsentFromCAS):
     def _call(self, req: dict[str, Any], timeout: float, extra: float = 0.0) -> dict[str, Any]:
         """Send one request; retry while the server is unreachable, up to ``timeout`` (+``extra`` for waits)."""
         deadline = time.monotonic() + timeout
-        payload = json.dumps(req).encode() + b"\n"
+        payload = json.dumps(req if self._token is None else {**req, "token": self._token}).encode() + b"\n"
+        if len(payload) > MAX_REQUEST_BYTES:
+            raise StoreError(f"a {req['op']!r} request of {len(payload)} bytes is over the embedded store's limit of "
+                             f"{MAX_REQUEST_BYTES} (etcd's default is 1.5 MiB); send less through the store")
         delay = 0.02
         last: str | None = None
         while True:
@@ -409,6 +437,10 @@ class EmbeddedStore(PutIfAbsentFromCAS):
                 return resp
             if resp["error"] == "fenced":
                 raise Fenced(f"membership store {self.url} refused a guarded {req['op']!r}: {resp['message']}")
+            if resp["error"] == "unauthorized":
+                raise StoreCredentialsError(
+                    f"membership store {self.url} refused the request: {resp['message']}. Give every launcher the "
+                    f"store's token in ${TOKEN_ENV}" + ("" if self._token is None else " (this one's differs)"))
             if resp["error"] == "lease":
                 raise LeaseExpiredError(
                     f"{resp['message']} at {self.url}; grant a new lease and put the keys again"
@@ -516,7 +548,8 @@ class EmbeddedStore(PutIfAbsentFromCAS):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run a server in the foreground: prints its URL on the first stdout line; stops on SIGTERM/SIGINT."""
+    """Run a server in the foreground: prints its URL on the first stdout line; stops on SIGTERM/SIGINT.
+    Beyond loopback it needs $BAMBOO_STORE_TOKEN, a shared secret every client gives too."""
     p = argparse.ArgumentParser(
         prog="python -m lightning_bamboo.membership.embedded", description=main.__doc__
     )
@@ -526,7 +559,12 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with EmbeddedServer(args.host, args.port) as server:
+    try:
+        server = EmbeddedServer(args.host, args.port)
+    except StoreCredentialsError as err:  # the rule and the fix, without a traceback
+        print(f"python -m lightning_bamboo.membership.embedded: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    with server.start():
         print(server.url, flush=True)
         while not stop.wait(1.0):
             pass

@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any
 
+from lightning_bamboo.membership.credentials import EtcdCredentials
 from lightning_bamboo.membership.protocol import (
     FIRST_ATTEMPT_SECONDS,
     Change,
@@ -74,7 +75,8 @@ class EtcdStore(PutIfAbsentFromCAS):
     whole seconds (rounded up); etcd's minimum TTL also depends on its election timeout.
     """
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0,
+                 credentials: EtcdCredentials | None = None) -> None:
         try:
             import etcd3gw
             import requests
