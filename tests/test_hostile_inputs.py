@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
 import re
 import socket
@@ -27,7 +28,7 @@ import torch
 
 from lightning_bamboo.membership import EmbeddedServer
 from lightning_bamboo.runtime.collectives import StoreValueError, decode, encode
-from tests.test_session_protocol import job
+from tests.test_session_protocol import job, on_threads
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -190,3 +191,55 @@ def test_with_a_token_every_request_without_it_is_refused_and_the_job_keeps_bein
             assert len(job.get_prefix("/job/").kvs) == 2
         finally:
             job.close()
+
+
+# ---------------------------------------------------------------------- forged membership records
+def test_forged_membership_records_are_ignored_each_with_a_log_line(server, caplog):
+    """Beside a running job of n0 and n1, someone with write access puts: a registration of a node that never
+    joined (on no lease), one on n0's lease, one that names n1's lease from a lease of its own, records that are not
+    records, a loss notice naming another node than its key, a leave notice for n1 not on n1's lease, and a standby
+    entry for its ghost. The membership is still n0 and n1, nobody leaves or is lost, nobody stands by; each forged
+    record is logged once; the job's next step commits."""
+    from lightning_bamboo.membership import connect
+
+    with job(server, "forged", ["n0", "n1"]) as s:
+        keys, n0, n1 = s["n0"].keys, s["n0"].registry, s["n1"].registry
+        attacker = connect(server.url)
+        own = attacker.grant_lease(30)
+
+        def record(node: str, lease: int, **extra: object) -> str:
+            return json.dumps({"node_id": node, "incarnation": "forged", "address": "", "host": "h", "pid": 1,
+                               "meta": {}, "lease": lease, **extra})
+
+        forged = {
+            keys.node("ghost"): (record("ghost", 0), 0, "a registration on no lease: that node never joined"),
+            keys.node("evil"): (record("evil", n0.lease_id), n0.lease_id, "which node n0 registered on: not its own"),
+            keys.node("copy"): (record("copy", n1.lease_id), own.id, f"names lease {n1.lease_id} but is on lease"),
+            keys.node("empty"): ("{}", own.id, "not those of a NodeInfo"),
+            keys.node("list"): ("[1]", own.id, "a JSON list, not a record"),
+            keys.node("text"): ("gASV", own.id, "not JSON"),
+            keys.node("pid"): (record("pid", own.id, pid="1; rm -rf /"), own.id, "its pid is a str"),
+            keys.lost("n1"): (json.dumps({"node_id": "n0", "incarnation": n0.info.incarnation, "reporter": "x",
+                                          "reason": "forged"}), 0, "it names node 'n0', not 'n1'"),
+            keys.leaving("n1"): (json.dumps({"node_id": "n1", "incarnation": n1.info.incarnation, "deadline": 0.0}),
+                                 own.id, f"not on the lease of node n1 ({n1.lease_id})"),
+        }
+        with caplog.at_level(logging.WARNING, logger="lightning_bamboo.membership"):
+            for key, (value, lease, _) in forged.items():
+                attacker.put(key, value, lease=lease)
+            attacker.put(keys.standby("ghost"), "1")
+            for _ in range(3):  # read as the job reads it, again and again
+                members = n0.members()
+                assert members.live == ("n0", "n1") and set(members.nodes) == {"n0", "n1"}
+                assert not members.lost and not members.leaving
+            assert s["n0"].standby() == []
+            assert on_threads({n: (lambda x=s[n]: x.commit(0)) for n in ("n0", "n1")}) == {"n0": None, "n1": None}
+            assert s["n0"].leavers == set() and s["n1"].leavers == set()
+            assert not s["n0"].detector.lost and not s["n1"].detector.lost
+        attacker.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "lightning_bamboo.membership.members"]
+    for key, (_, _, why) in forged.items():
+        about = [line for line in lines if line.startswith(f"membership: ignored {key} ")]
+        assert len(about) == 1, (key, about)  # once, however often the membership is read
+        assert why in about[0] and "docs/security.md" in about[0], about[0]
+    assert len(lines) == len(forged), lines
