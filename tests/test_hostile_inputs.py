@@ -243,3 +243,18 @@ def test_forged_membership_records_are_ignored_each_with_a_log_line(server, capl
         assert len(about) == 1, (key, about)  # once, however often the membership is read
         assert why in about[0] and "docs/security.md" in about[0], about[0]
     assert len(lines) == len(forged), lines
+
+
+def test_a_shared_buffer_offer_made_to_run_code_is_not_taken_and_runs_nothing(tmp_path, caplog):
+    """The replica holder's offer of its shared gradient buffer comes over the process group; it is JSON now. An
+    offer made to run code when unpickled (as the offers once were) is not taken, and runs nothing."""
+    import pickle
+
+    from lightning_bamboo.engine.shared_buffer import map_offered_buffer
+
+    marker = tmp_path / "ran"
+    with caplog.at_level(logging.WARNING, logger="lightning_bamboo.engine.shared_buffer"):
+        assert map_offered_buffer(pickle.dumps(Payload(marker)), 1000) is None
+        assert map_offered_buffer(b'["host", 1, 2, -3, 1000]', 1000) is None
+    assert not marker.exists(), "unpickling the offer ran its code"
+    assert caplog.text.count("the replica holder's offer of a shared buffer is not one: not taken") == 2

@@ -470,7 +470,7 @@ class NodeStage:
             reports = self.gather(report)
         elif torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
             reports = [None] * torch_dist.get_world_size()
-            torch_dist.all_gather_object(reports, report)
+            torch_dist.all_gather_object(reports, report)  # trusted: the job's own process group, as torch.distributed
         else:
             reports = [report]
         audit.check([audit.NodeDigest(**r) for r in reports], self.host.global_step(), when)
