@@ -220,10 +220,14 @@ class _Handler(socketserver.StreamRequestHandler):
                 line = self.rfile.readline(MAX_REQUEST_BYTES + 1)
                 if not line:
                     return
-                if len(line) > MAX_REQUEST_BYTES:  # refused unread: the rest of it is never looked at
+                if len(line) > MAX_REQUEST_BYTES:  # refused unread: the rest of the line is skipped, never kept
+                    while not line.endswith(b"\n") and not state.stopping:
+                        line = self.rfile.readline(1 << 16)
+                        if not line:
+                            return
                     self._answer({"ok": False, "error": "bad_request", "message": f"a request is at most "
-                                  f"{MAX_REQUEST_BYTES} bytes; this connection is closed"})
-                    return
+                                  f"{MAX_REQUEST_BYTES} bytes; this one was skipped unread"})
+                    continue
                 try:
                     name, args, guard = parse_request(line, self.server.token)
                     op = getattr(state, "op_" + name)
