@@ -110,7 +110,7 @@ class EtcdStore(PutIfAbsentFromCAS):
             except etcd3gw.exceptions.Etcd3Exception as e:
                 cause = e.__context__ if e.__context__ is not None else e
                 last = f"{type(cause).__name__}: {str(cause)[:200]}"
-                if isinstance(cause, requests.exceptions.SSLError) or "HTTP request to an HTTPS server" in str(e):
+                if _certificate_refused(str(cause)) or "HTTP request to an HTTPS server" in str(e):
                     raise self._tls_refused(cause) from None
             if time.monotonic() + 0.1 >= deadline:
                 raise self._unavailable(last, connect_timeout)
@@ -200,9 +200,9 @@ class EtcdStore(PutIfAbsentFromCAS):
                     f"etcd at {self.url} accepted {path} but did not answer within {remaining:.1f} s; "
                     "etcd may be overloaded or frozen"
                 ) from e
-            except rq.exceptions.SSLError as e:  # a certificate refused: no retry will change that
-                raise self._tls_refused(e) from None
             except rq.exceptions.RequestException as e:  # refused, reset, or a reply cut short
+                if _certificate_refused(str(e)):  # no retry will change that (a TLS EOF, a reset: retried below)
+                    raise self._tls_refused(e) from None
                 last = f"{type(e).__name__}: {e}"
                 if not idempotent and not (isinstance(e, rq.exceptions.ConnectionError) and _not_sent(e)):
                     raise _Ambiguous(last) from e
@@ -465,6 +465,15 @@ def _session(requests: Any, creds: EtcdCredentials) -> Any:
     if creds.cert is not None:
         session.cert = (creds.cert, creds.key)
     return session
+
+
+#: what OpenSSL says when a certificate is refused, by either side (not a connection cut short: that is retried)
+_CERTIFICATE_REFUSALS = ("CERTIFICATE_VERIFY_FAILED", "ALERT_BAD_CERTIFICATE", "ALERT_UNKNOWN_CA",
+                         "CERTIFICATE_REQUIRED", "ALERT_CERTIFICATE_", "WRONG_VERSION_NUMBER", "ALERT_HANDSHAKE_FAILURE")
+
+
+def _certificate_refused(text: str) -> bool:
+    return any(refusal in text for refusal in _CERTIFICATE_REFUSALS)
 
 
 def _token_expired(body: str) -> bool:
