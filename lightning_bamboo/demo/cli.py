@@ -229,10 +229,11 @@ def _copy_atomically(source: str, path: str) -> None:
 
 def _check_store_reachable(url: str) -> None:
     from lightning_bamboo.membership import connect
+    from lightning_bamboo.membership.keys import job_prefix
 
     store = connect(url, timeout=3.0)
     try:
-        store.get("/bamboo/ping", timeout=3.0)
+        store.get(job_prefix("demo0") + "ping", timeout=3.0)  # under the demo's jobs: an etcd role may fence them
     finally:
         store.close()
 

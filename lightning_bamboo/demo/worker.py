@@ -261,7 +261,7 @@ def train(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     trainer.fit(model, ckpt_path=args.resume)
     seconds = time.perf_counter() - start
-    trainer.save_checkpoint(out / "final.ckpt", weights_only=False)  # weights and optimizer state; no Lightning warning
+    trainer.save_checkpoint(out / "final.ckpt", weights_only=False)  # trusted: a save, no load (weights and optimizer state)
     if trainer.is_global_zero:
         runner = strategy.runner
         report = {

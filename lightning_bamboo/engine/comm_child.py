@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import threading
 import warnings
 from collections.abc import Sequence
@@ -23,6 +24,30 @@ from multiprocessing.reduction import recvfds
 from typing import Any
 
 import torch
+
+
+class UntrustedChannel(RuntimeError):
+    """The socket a communication process was given could lead to another process than its own worker's."""
+
+
+def private_channel(fd: int) -> tuple[socket.socket, Connection]:
+    """The socket ``fd`` and a ``Connection`` on it, once it is known to lead only to this user's own process.
+
+    What comes through it is unpickled (``Connection.recv``: the worker's requests and CUDA IPC handles), so it must
+    be an unnamed Unix socket (an end of a ``socketpair`` its worker made and passed down: no path or port anyone
+    else could connect to) whose peer runs as this user; anything else is refused (``UntrustedChannel``)."""
+    sock = socket.socket(fileno=fd)
+    named = sock.family != socket.AF_UNIX or bool(sock.getsockname()) or bool(sock.getpeername())
+    peer_uid = os.getuid()
+    if not named and hasattr(socket, "SO_PEERCRED"):
+        _, peer_uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if named or peer_uid != os.getuid():
+        sock.detach()
+        raise UntrustedChannel(
+            f"a communication process unpickles what comes through its socket, so it takes only an unnamed Unix socket "
+            f"to a process of its own user (got {sock.family!r}, named: {named}, peer uid {peer_uid}, "
+            f"this uid {os.getuid()}); start it through comm_process.CommProcess")
+    return sock, Connection(os.dup(fd))
 
 
 def zygote_main(fd: int) -> None:
@@ -36,15 +61,14 @@ def zygote_main(fd: int) -> None:
     # Everything here so far is torch's import, kept for the process's life: the exit's full collection need not
     # walk it (at a job's end every node's worker and zygote exit at once; on 2 cores that took seconds, issue 41)
     gc.freeze()
-    sock = socket.socket(fileno=fd)
-    conn = Connection(os.dup(fd))
+    sock, conn = private_channel(fd)
     try:
         conn.send("up")
     except OSError:  # the worker ended while torch was imported
         return
     while True:
         try:
-            conn.recv()
+            conn.recv()  # trusted: its worker, through private_channel
             (child_fd,) = recvfds(sock, 1)
         except (EOFError, OSError):
             return  # the worker closed its end: it exits
@@ -66,11 +90,10 @@ def zygote_main(fd: int) -> None:
 
 def _child_main(fd: int) -> None:
     """A forked communication process: told which generation to serve, serves it."""
-    sock = socket.socket(fileno=fd)
-    conn = Connection(os.dup(fd))
+    sock, conn = private_channel(fd)
     try:
         conn.send("up")
-        start = conn.recv()
+        start = conn.recv()  # trusted: its worker, through private_channel
     except (EOFError, OSError):  # never used: the worker ended
         return
     if start is None:
@@ -155,7 +178,7 @@ def _serve(host: str, port: int, prefix: str, timeout: float, conn: Any, sock: s
     reply(-1, None)  # connected to the store: ready
     while True:
         try:
-            request = conn.recv()
+            request = conn.recv()  # trusted: its worker, through private_channel
         except (EOFError, ConnectionResetError):  # the caller died or exited (a clean close sends None): nothing
             # more to do, nobody to tell
             # its groups' threads die with the interpreter, and torch's C++ says so ("terminate called without an

@@ -183,7 +183,7 @@ class CommProcess:
                 raise CommAborted(f"{self.name}: the communication process did not reach the store at {host}:{port} "
                                   f"({why})")
         try:
-            self._conn.recv()
+            self._conn.recv()  # trusted: its own communication process, over a socketpair made here
         except EOFError:
             raise CommAborted(f"{self.name}: the communication process died before it reached the store at "
                               f"{host}:{port}") from None
@@ -305,7 +305,7 @@ class CommProcess:
     def _read(self) -> None:
         while True:
             try:
-                op_id, outcome = self._conn.recv()
+                op_id, outcome = self._conn.recv()  # trusted: its own communication process, over a socketpair made here
             except (EOFError, OSError):
                 self._end("the communication process ended (aborted, or it died)")
                 return

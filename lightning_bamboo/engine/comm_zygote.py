@@ -120,11 +120,11 @@ def fork_child() -> tuple[Child, socket.socket, Connection]:
                 proc, sock, conn, up = _start_zygote()
                 try:
                     if not up[0]:
-                        conn.recv()  # "up": torch is imported
+                        conn.recv()  # "up": torch is imported. trusted: its zygote, over a socketpair made here
                         up[0] = True
                     conn.send("fork")
                     sendfds(sock, [theirs.fileno()])
-                    pid = conn.recv()
+                    pid = conn.recv()  # trusted: its zygote, over a socketpair made here
                 except (EOFError, OSError):
                     proc.kill()
                     proc.wait()
@@ -134,7 +134,7 @@ def fork_child() -> tuple[Child, socket.socket, Connection]:
             theirs.close()
         child = Connection(os.dup(mine.fileno()))
         try:
-            child.recv()  # "up"
+            child.recv()  # "up". trusted: its communication process, over a socketpair made here
         except EOFError:
             continue
         return Child(int(pid)), mine, child

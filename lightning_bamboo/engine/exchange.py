@@ -119,7 +119,7 @@ def set_flat_grads(module: nn.Module, flat: torch.Tensor, mask: torch.Tensor) ->
 #: the gradients travel over the process group in chunks of whole parameters of at least this many
 #: elements (1 MiB of fp32); sender and receiver derive the same chunks, and tags, from their layers
 CHUNK_NUMEL = 1 << 18
-#: the size of an offer message (a pickled host identity, token and shared-memory handle)
+#: the size of an offer message (JSON of a host identity, token and shared-memory handle)
 OFFER_BYTES = 1024
 #: bytes after the mask: the token of the shared buffer this step's gradients are in, then the next step's (0: none)
 _HEADER = 16

@@ -3,9 +3,9 @@ on one host (``engine.exchange``, rule 3 of its protocol)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import secrets
 import socket
 import weakref
@@ -39,7 +39,7 @@ def offer_shared_buffer(numel: int) -> tuple[torch.Tensor, int, bytes]:
     memory, fd = new_memory_file(f"bamboo-grads-{token}", _gradient_bytes(numel))
     buffer = memory.view(torch.get_default_dtype())
     weakref.finalize(buffer, os.close, fd)  # open for the peer while the buffer lives (its mapping needs none)
-    return buffer, token, pickle.dumps((host_identity(), token, os.getpid(), fd, numel))
+    return buffer, token, json.dumps([host_identity(), token, os.getpid(), fd, numel]).encode()
 
 
 def _gradient_bytes(numel: int) -> int:
@@ -48,8 +48,17 @@ def _gradient_bytes(numel: int) -> int:
 
 def map_offered_buffer(payload: bytes, numel: int) -> tuple[torch.Tensor, int] | None:
     """The buffer a peer offered (``offer_shared_buffer``) and its token, mapped here; None if this
-    process cannot map it (another machine, another size, no access to the peer's descriptors)."""
-    host, token, pid, fd, offered = pickle.loads(payload)
+    process cannot map it (another machine, another size, no access to the peer's descriptors). The offer is JSON
+    (it was a pickle: nothing a peer sends is unpickled here); one of another form is not taken."""
+    try:
+        host, token, pid, fd, offered = json.loads(payload)
+    except (ValueError, TypeError):
+        log.warning("the replica holder's offer of a shared buffer is not one: not taken")
+        return None
+    if not (isinstance(host, str) and all(isinstance(n, int) and n > 0 for n in (token, pid, offered))
+            and isinstance(fd, int) and fd >= 0):
+        log.warning("the replica holder's offer of a shared buffer is not one: not taken")
+        return None
     if host != host_identity() or offered != numel:
         return None
     path = f"/proc/{pid}/fd/{fd}"

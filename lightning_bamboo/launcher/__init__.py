@@ -443,6 +443,21 @@ def _wait_for_key(store: Any, key: str, timeout: float, what: str) -> dict[str, 
     return dict(json.loads(kv.value))
 
 
+def store_with_credentials(args: argparse.Namespace) -> str:
+    """``--store`` with ``--cacert``/``--cert``/``--key``/``--user``/``--password-file`` in its query: the URL
+    the workers inherit names them (paths and a name; the password stays in the environment or its file)."""
+    from lightning_bamboo.membership.credentials import with_credentials
+
+    options = {name: getattr(args, name) for name in ("cacert", "cert", "key", "user", "password_file")}
+    if not any(options.values()):
+        return str(args.store)
+    if not str(args.store).startswith("etcd://"):
+        given = ", ".join(f"--{k.replace('_', '-')}" for k, v in options.items() if v)
+        raise BambooConfigError(f"{given} are etcd's credentials; give them with --store etcd://HOST:PORT (the "
+                                f"embedded store takes a shared token from $BAMBOO_STORE_TOKEN instead)")
+    return with_credentials(str(args.store), **options)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_bamboo.launcher", description=__doc__.splitlines()[0],
                                      epilog=worker_env_help() + "\n\nOne worker per GPU: --workers K (or auto) gives "
@@ -471,7 +486,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --node: this machine's IP address that its peers reach (process groups bind to its interface); "
                         "'auto': the one it reaches the store from")
     parser.add_argument("--timeout", type=float, default=300.0, help="with --node: seconds to wait for the first node")
-    parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
+    parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT (credentials: "
+                        "below, or in the URL's query under the same names: etcd://HOST:PORT?cacert=CA.pem&user=NAME)")
+    for option, what in (("cacert", "the CA certificate that signed etcd's (TLS)"),
+                         ("cert", "this machine's client certificate for etcd (TLS, with --key)"),
+                         ("key", "the client certificate's private key"),
+                         ("user", "the etcd user the job runs as; its password from $ETCDCTL_PASSWORD or --password-file, "
+                                  "never the command line"),
+                         ("password-file", "a file holding the etcd user's password")):
+        parser.add_argument(f"--{option}", default=None, metavar="NAME" if option == "user" else "PATH",
+                            help=f"etcd: {what} (etcdctl's name; docs/security.md)")
     parser.add_argument("--job", default="bamboo")
     parser.add_argument("--stop-grace", type=float, default=STOP_GRACE_SECONDS,
                         help="seconds the workers get to hand over after SIGTERM/SIGINT/SIGHUP to this launcher (they get "
@@ -487,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="check the arguments, print what would run, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
     args = parser.parse_args(argv)
+    args.store = store_with_credentials(args)
     preload = [m.strip() for m in args.preload.split(",") if m.strip()]
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

@@ -35,6 +35,7 @@ import queue
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -322,6 +323,14 @@ def _reap(conn: Connection | dict[int, Connection]) -> None:
                 to.send_bytes(json.dumps(["exit", pid, os.waitstatus_to_exitcode(status)]).encode())
 
 
+def same_user(sock: socket.socket) -> bool:
+    """Whether the process at the other end of the Unix socket ``sock`` runs as this process's user."""
+    if not hasattr(socket, "SO_PEERCRED"):  # pragma: no cover - Linux has it; elsewhere the socket's mode decides
+        return True
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return bool(uid == os.getuid())
+
+
 def serve_shared(address: str, modules: Sequence[str]) -> None:
     """A shared server's loop (``start_shared``): listen at ``address``, import ``modules``, then answer each
     launcher that connects (whether its workers' environment is the one imported in) and fork its workers."""
@@ -333,6 +342,7 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
     # connect between bind and listen is refused (a launcher then falls back to a process of its own)
     binding = f"{address}.{os.getpid()}"
     listener.bind(binding)
+    os.chmod(binding, 0o600)  # a request here runs a command: only this user may connect (and ``accept`` checks)
     listener.listen(64)
     os.rename(binding, address)
     _preload(modules)
@@ -360,6 +370,9 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
         for source in ready:
             if source is listener:
                 sock, _ = listener.accept()
+                if not same_user(sock):  # whoever else reached the socket is not served (nor told why)
+                    sock.close()
+                    continue
                 conn = Connection(os.dup(sock.fileno()))
                 try:
                     if not conn.poll(GREETING_SECONDS):  # one that never greets must not hold every other launcher

@@ -6,9 +6,11 @@ import base64
 import json
 import logging
 import math
+import re
 import time
 from typing import Any
 
+from lightning_bamboo.membership.credentials import PASSWORD_ENV, EtcdCredentials
 from lightning_bamboo.membership.protocol import (
     DEFAULT_TIMEOUT,
     FIRST_ATTEMPT_SECONDS,
@@ -22,7 +24,9 @@ from lightning_bamboo.membership.protocol import (
     LeaseExpiredError,
     PutIfAbsentFromCAS,
     Snapshot,
+    StoreCredentialsError,
     StoreError,
+    StorePermissionError,
     StoreTimeoutError,
     StoreUnavailableError,
     deadline_for,
@@ -80,9 +84,8 @@ class EtcdStore(PutIfAbsentFromCAS):
     ``request_timeout`` bounds a call given no timeout of its own.
     """
 
-    def __init__(
-        self, host: str, port: int, *, connect_timeout: float = 5.0, request_timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 5.0, request_timeout: float = DEFAULT_TIMEOUT,
+                 credentials: EtcdCredentials | None = None) -> None:
         try:
             import etcd3gw
             import requests
@@ -93,11 +96,17 @@ class EtcdStore(PutIfAbsentFromCAS):
                 "or use --store embedded"
             ) from e
         self._requests = requests
-        self.url = f"etcd://{host}:{port}"
         self.request_timeout = deadline_for(request_timeout)
-        self._client = etcd3gw.client(host=host, port=port, timeout=connect_timeout)
+        creds = self._credentials = credentials or EtcdCredentials()
+        query = creds.query()
+        self.url = f"etcd://{host}:{port}" + (f"?{query}" if query else "")
+        creds.check_files(self.url)
+        session = _session(requests, creds)
+        self._client = etcd3gw.client(host=host, port=port, timeout=connect_timeout,
+                                      protocol="https" if creds.tls else "http", session=session)
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=32)
         self._client.session.mount("http://", adapter)
+        self._client.session.mount("https://", adapter)
         self._closed = False
         deadline = time.monotonic() + connect_timeout
         last = ""
@@ -108,21 +117,73 @@ class EtcdStore(PutIfAbsentFromCAS):
             except etcd3gw.exceptions.Etcd3Exception as e:
                 cause = e.__context__ if e.__context__ is not None else e
                 last = f"{type(cause).__name__}: {str(cause)[:200]}"
+                if _certificate_refused(str(cause)) or "HTTP request to an HTTPS server" in str(e):
+                    raise self._tls_refused(cause) from None
             if time.monotonic() + 0.1 >= deadline:
                 raise self._unavailable(last, connect_timeout)
             time.sleep(0.1)
+        if creds.user is not None:
+            self._authenticate(connect_timeout)
+
+    def _tls_refused(self, cause: BaseException) -> StoreCredentialsError:
+        if not self._credentials.tls:
+            return StoreCredentialsError(f"etcd at {self.url} serves TLS: give cacert= (the CA that signed its "
+                                         "certificate) and, if it asks for one, cert= and key= (--cacert, --cert, --key)")
+        found = re.search(r"\[SSL[^\]]*\][^()'\"]*", str(cause))
+        reason = found.group(0).strip() if found else _one_line(str(cause))[-200:]
+        return StoreCredentialsError(
+            f"TLS with etcd at {self.url} failed ({reason}); check cacert= (the CA that signed etcd's certificate) "
+            "and cert=/key= (a client certificate signed by a CA etcd trusts)")
+
+    def _authenticate(self, timeout: float) -> None:
+        """Log in as the URL's user (its password from the environment or a file: ``credentials``); every request
+        then carries the token etcd gave (and logs in again when etcd says the token expired)."""
+        password = self._credentials.password(self.url)
+        self._client.session.headers.pop("Authorization", None)
+        resp = self._post("auth/authenticate", {"name": self._credentials.user, "password": password}, timeout,
+                          login=False)
+        self._client.session.headers["Authorization"] = str(resp["token"])
 
     def _unavailable(self, why: str, timeout: float) -> StoreUnavailableError:
-        host, port = self._client.host, self._client.port
+        host, port, scheme = self._client.host, self._client.port, self._client.protocol
         return StoreUnavailableError(
             f"etcd at {self.url} did not answer within {timeout:.1f} s ({why}). Start etcd there, e.g. "
-            f"`etcd --listen-client-urls http://{host}:{port} --advertise-client-urls http://{host}:{port}`, "
+            f"`etcd --listen-client-urls {scheme}://{host}:{port} --advertise-client-urls {scheme}://{host}:{port}`, "
             "or check --store (use --store embedded for a single machine)"
+            + ("" if self._credentials.tls else "; if etcd serves TLS, give cacert= (and cert=, key=) in the URL")
         )
+
+    def _refused(self, path: str, payload: dict[str, Any], body: str) -> StoreError | None:
+        """The error for etcd's refusal of a request on the grounds of who asks (None: not such a refusal)."""
+        user = self._credentials.user
+        if "authentication failed" in body:
+            return StoreCredentialsError(
+                f"etcd at {self.url} refused user {user!r}: {body}; check the password in ${PASSWORD_ENV} or the "
+                "file password-file= names")
+        if "user name is empty" in body or "user name not found" in body:
+            return StoreCredentialsError(
+                f"etcd at {self.url} has authentication on and this process gave no user it knows ({body}); give "
+                f"user=NAME (--user) and its password in ${PASSWORD_ENV} or a file named by password-file=")
+        if "CommonName of client" in body:
+            return StoreCredentialsError(
+                f"etcd at {self.url} refuses, through its JSON gateway (this client's way in) and with authentication "
+                "on, a client certificate that has a CommonName (it cannot map it to a user); use cert=/key= of a "
+                "certificate without a CN (e.g. subject /O=NAME), and user= with its password for who you are")
+        if "authentication is not enabled" in body:
+            return StoreCredentialsError(f"etcd at {self.url} has authentication off, but user={user} was given; "
+                                         "drop user=, or turn authentication on (etcdctl auth enable)")
+        if "permission denied" in body:
+            key = _unb64(payload.get("key") or _txn_key(payload))
+            what = f"{key!r}" if key else f"lease {payload.get('ID')} (its keys)"
+            return StorePermissionError(
+                f"etcd at {self.url} refused {path} on {what} to user {user!r}: permission denied; nothing was "
+                f"changed. Give the user's role readwrite on the job's prefix (etcdctl role grant-permission ROLE "
+                f"readwrite --prefix=true {_job_prefix_of(key) if key else '/bamboo/JOB/'})")
+        return None
 
     # -- transport --
     def _post(
-        self, path: str, payload: dict[str, Any], timeout: float, *, idempotent: bool = True
+        self, path: str, payload: dict[str, Any], timeout: float, *, idempotent: bool = True, login: bool = True
     ) -> dict[str, Any]:
         if self._closed:
             raise StoreError(f"etcd store client {self.url} is closed")
@@ -148,6 +209,8 @@ class EtcdStore(PutIfAbsentFromCAS):
                     "etcd may be overloaded or frozen"
                 ) from e
             except rq.exceptions.RequestException as e:  # refused, reset, or a reply cut short
+                if _certificate_refused(str(e)):  # no retry will change that (a TLS EOF, a reset: retried below)
+                    raise self._tls_refused(e) from None
                 last = f"{type(e).__name__}: {e}"
                 if not idempotent and not (isinstance(e, rq.exceptions.ConnectionError) and _not_sent(e)):
                     raise _Ambiguous(last) from e
@@ -160,6 +223,13 @@ class EtcdStore(PutIfAbsentFromCAS):
             if resp.status_code == 200:
                 return resp.json()
             body = _error_body(resp)
+            if login and self._credentials.user is not None and _token_expired(body):
+                self._authenticate(max(remaining, FIRST_ATTEMPT_SECONDS))  # then the request again, as it was
+                login = False
+                continue
+            refused = self._refused(path, payload, body)
+            if refused is not None:
+                raise refused
             if resp.status_code in _RETRY_STATUS:
                 last = f"HTTP {resp.status_code}: {body}"
                 if not idempotent:
@@ -318,9 +388,10 @@ class EtcdStore(PutIfAbsentFromCAS):
             try:
                 if resp.status_code != 200:
                     last = f"HTTP {resp.status_code}: {_error_body(resp)}"
+                    self._after_refusal(last, create)
                     time.sleep(0.05)
                     continue
-                change = self._read_watch(resp, after)
+                change = self._read_watch(resp, after, create)
             except (rq.exceptions.RequestException, ValueError):
                 change = None  # read timeout (nothing happened), or etcd went away mid-wait: re-watch
             finally:
@@ -330,7 +401,16 @@ class EtcdStore(PutIfAbsentFromCAS):
             # The stream ended early (etcd closing): pause briefly so a flapping server cannot cause a tight loop.
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
-    def _read_watch(self, resp: Any, after: int) -> Change | None:
+    def _after_refusal(self, why: str, create: dict[str, Any]) -> None:
+        """A watch refused: log in again when the token expired; raise when the credentials do not allow it."""
+        if self._credentials.user is not None and _token_expired(why):
+            self._authenticate(FIRST_ATTEMPT_SECONDS)
+            return
+        refused = self._refused("watch", create, why)
+        if refused is not None:
+            raise refused
+
+    def _read_watch(self, resp: Any, after: int, create: dict[str, Any]) -> Change | None:
         """Read one watch stream until it yields events or a compaction notice; None if it ended."""
         buf = b""
         for chunk in resp.iter_content(chunk_size=None):
@@ -340,6 +420,9 @@ class EtcdStore(PutIfAbsentFromCAS):
                 if not line.strip():
                     continue
                 result = json.loads(line).get("result", {})
+                if result.get("canceled") and result.get("cancel_reason"):
+                    self._after_refusal(str(result["cancel_reason"]), create)
+                    return None
                 compact = int(result.get("compact_revision", 0))
                 if compact:
                     return Change((), max(after, compact - 1), compacted=True)
@@ -377,6 +460,57 @@ def _not_sent(e: Exception) -> bool:
         return True
     reason = getattr(e.args[0], "reason", None) if e.args else None
     return isinstance(reason, (u.NewConnectionError, u.ConnectTimeoutError))
+
+
+def _session(requests: Any, creds: EtcdCredentials) -> Any:
+    """A requests session that verifies etcd's certificate with ``cacert`` (even where $REQUESTS_CA_BUNDLE is set:
+    requests lets that variable override a session's own CA) and presents the client certificate."""
+
+    class Session(requests.Session):  # type: ignore[misc,name-defined]
+        def merge_environment_settings(self, *args: Any, **kwargs: Any) -> Any:
+            settings = super().merge_environment_settings(*args, **kwargs)
+            if creds.cacert is not None:
+                settings["verify"] = creds.cacert
+            return settings
+
+    session = Session()
+    if creds.cacert is not None:
+        session.verify = creds.cacert
+    if creds.cert is not None:
+        session.cert = (creds.cert, creds.key)
+    return session
+
+
+#: what OpenSSL says when a certificate is refused, by either side (not a connection cut short: that is retried)
+_CERTIFICATE_REFUSALS = ("CERTIFICATE_VERIFY_FAILED", "ALERT_BAD_CERTIFICATE", "ALERT_UNKNOWN_CA",
+                         "CERTIFICATE_REQUIRED", "ALERT_CERTIFICATE_", "WRONG_VERSION_NUMBER", "ALERT_HANDSHAKE_FAILURE")
+
+
+def _certificate_refused(text: str) -> bool:
+    return any(refusal in text for refusal in _CERTIFICATE_REFUSALS)
+
+
+def _token_expired(body: str) -> bool:
+    """etcd's answer to a request whose token it no longer takes (expired, or its auth store changed)."""
+    return "invalid auth token" in body or "revision of auth store is old" in body
+
+
+def _txn_key(payload: dict[str, Any]) -> str | None:
+    for op in payload.get("success", []):
+        for request in op.values():
+            if isinstance(request, dict) and request.get("key"):
+                return str(request["key"])
+    return None
+
+
+def _job_prefix_of(key: str) -> str:
+    """``/bamboo/<job>/`` of a job's key (the prefix an etcd role grants), else the key itself."""
+    parts = key.split("/")
+    return "/".join(parts[:3]) + "/" if len(parts) > 3 and parts[1] == "bamboo" else key
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _error_body(resp: Any) -> str:

@@ -45,6 +45,16 @@ class StoreURLError(BambooConfigError):
     """A store URL is malformed or names an unknown backend."""
 
 
+class StoreCredentialsError(StoreError, BambooConfigError):
+    """The store refused this process's credentials (a token, a certificate, a user and password), or they are
+    missing: a configuration to fix, said in one line before any worker starts."""
+
+
+class StorePermissionError(StoreError):
+    """The store refused an operation the credentials are not allowed (an etcd role without write access to the
+    key); nothing was changed."""
+
+
 @dataclass(frozen=True)
 class KeyValue:
     """One key as stored. ``create_revision`` and ``mod_revision`` are store revisions; ``lease`` 0 = none."""

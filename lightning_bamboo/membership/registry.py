@@ -10,11 +10,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.keys import JobKeys, check_name, job_prefix
+from lightning_bamboo.membership.members import LeaveNotice, LossNotice, Membership, NodeInfo
 from lightning_bamboo.membership.protocol import (
     Guard,
     KeyValue,
@@ -34,110 +35,6 @@ DEFAULT_TTL = 8.0
 
 class NodeIdInUseError(StoreError):
     """Another live incarnation already holds this node id."""
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """What a node registers under ``nodes/<node_id>``; ``incarnation`` differs every time a process joins."""
-
-    node_id: str
-    incarnation: str
-    address: str = ""
-    host: str = ""
-    pid: int = 0
-    meta: Mapping[str, Any] = field(default_factory=dict)
-    revision: int = 0  # the store revision at which this incarnation registered (filled in on read)
-
-
-@dataclass(frozen=True)
-class LossNotice:
-    """``lost/<node_id>``: someone saw ``node_id`` (that incarnation) fail; written once, by the first reporter."""
-
-    node_id: str
-    incarnation: str
-    reporter: str
-    reason: str
-    revision: int = 0
-
-
-@dataclass(frozen=True)
-class LeaveNotice:
-    """``leaving/<node_id>``: the node itself got a preemption notice and will be gone by ``deadline`` (unix s)."""
-
-    node_id: str
-    incarnation: str
-    deadline: float
-    reason: str = "preemption notice"
-    revision: int = 0
-
-
-@dataclass(frozen=True)
-class Membership:
-    """The job's membership as of store ``revision``.
-
-    ``nodes``: registered incarnations whose lease is alive. ``lost``: loss notices (they stay
-    until ``Registry.clear_loss``). ``leaving``: preemption notices of still-registered nodes.
-    A node is *live* when registered and no loss notice names its current incarnation.
-    """
-
-    revision: int
-    nodes: Mapping[str, NodeInfo]
-    lost: Mapping[str, LossNotice]
-    leaving: Mapping[str, LeaveNotice]
-
-    @property
-    def live(self) -> tuple[str, ...]:
-        """Sorted ids of live nodes."""
-        return tuple(
-            sorted(
-                n
-                for n, info in self.nodes.items()
-                if not (n in self.lost and self.lost[n].incarnation == info.incarnation)
-            )
-        )
-
-    def gone_since(self, before: Membership) -> tuple[str, ...]:
-        """Nodes live in ``before`` that are not live now, or that came back as another incarnation."""
-        return tuple(
-            sorted(
-                n
-                for n in before.live
-                if n not in self.live or self.nodes[n].incarnation != before.nodes[n].incarnation
-            )
-        )
-
-    def joined_since(self, before: Membership) -> tuple[str, ...]:
-        """Nodes live now that were not live (as this incarnation) in ``before``."""
-        return tuple(
-            sorted(
-                n
-                for n in self.live
-                if n not in before.live or self.nodes[n].incarnation != before.nodes[n].incarnation
-            )
-        )
-
-    @classmethod
-    def from_snapshot(cls, job: str, snap: Snapshot) -> Membership:
-        base = job_prefix(job)
-        nodes: dict[str, NodeInfo] = {}
-        lost: dict[str, LossNotice] = {}
-        leaving: dict[str, LeaveNotice] = {}
-        for kv in snap.kvs:
-            kind, _, name = kv.key[len(base) :].partition("/")
-            if not name or "/" in name:
-                continue  # barriers and other sub-trees
-            try:
-                data = json.loads(kv.value)
-            except ValueError:
-                continue
-            if kind == "nodes":
-                nodes[name] = NodeInfo(**{**data, "revision": kv.create_revision})
-            elif kind == "lost":
-                lost[name] = LossNotice(**{**data, "revision": kv.mod_revision})
-            elif kind == "leaving":
-                leaving[name] = LeaveNotice(**{**data, "revision": kv.mod_revision})
-        leaving = {n: v for n, v in leaving.items() if n in nodes and nodes[n].incarnation == v.incarnation}
-        return cls(snap.revision, nodes, lost, leaving)
 
 
 _MEMBERSHIP_KINDS = ("leaving", "lost", "nodes")
@@ -297,6 +194,7 @@ class Registry:
         sent = time.monotonic()
         lease = self.store.grant_lease(self.ttl, timeout=timeout)
         self.lease_id = lease.id
+        self.info = replace(self.info, lease=lease.id)  # the record names its lease (``members``: else ignored)
         self.renewed_at = sent
         won, kv = self.store.put_if_absent(
             self.node_key(self.node_id), self._info_json(self.info), lease=lease.id, timeout=timeout

@@ -263,7 +263,10 @@ class Session:
             snap = self.store.get_prefix(prefix)
             if {kv.key[len(prefix):] for kv in snap.kvs} >= set(self.nodes):
                 leaving = self.store.get_prefix(self.keys.leaving())
-                self.leavers = {kv.key.rsplit("/", 1)[1] for kv in leaving.kvs} & set(self.nodes) - {self.node}
+                if leaving.kvs:  # rare: read the membership then, whose notices count only on their node's lease
+                    self.leavers = set(self.registry.members().leaving) & set(self.nodes) - {self.node}
+                else:
+                    self.leavers = set()
                 if self.admitting:
                     kv = self.store.get(joiners_key)
                     self.joiners = json.loads(kv.value) if kv is not None else []

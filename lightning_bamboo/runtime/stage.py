@@ -30,7 +30,7 @@ from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
 from lightning_bamboo.engine.transfer import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, BambooError
-from lightning_bamboo.runtime.collectives import decode, encode
+from lightning_bamboo.runtime.collectives import gather_values
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.session import Session
@@ -470,7 +470,7 @@ class NodeStage:
             reports = self.gather(report)
         elif torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
             reports = [None] * torch_dist.get_world_size()
-            torch_dist.all_gather_object(reports, report)
+            torch_dist.all_gather_object(reports, report)  # trusted: the job's own process group, as torch.distributed
         else:
             reports = [report]
         audit.check([audit.NodeDigest(**r) for r in reports], self.host.global_step(), when)
@@ -481,8 +481,9 @@ class NodeStage:
         self.engine, self.session = None, None
 
     def gather(self, obj: Any, send: bool = True) -> list[Any]:
-        """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""
-        return [None if not part else decode(part) for part in self.require_session().gather(encode(obj) if send else "")]
+        """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store (as JSON
+        and raw tensors: ``runtime.collectives``; nothing read back is unpickled)."""
+        return gather_values(self.require_session(), obj, send)
 
 
 

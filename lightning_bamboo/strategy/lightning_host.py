@@ -60,4 +60,4 @@ class LightningHost:
         return self.strategy.global_micro_batches  # known once the training data is set up
 
     def training_state(self) -> dict[str, Any]:
-        return self.strategy.checkpoint_meta(self._trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+        return self.strategy.checkpoint_meta(self._trainer._checkpoint_connector.dump_checkpoint(weights_only=False))  # trusted: a save, no load
