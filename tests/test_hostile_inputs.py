@@ -256,3 +256,19 @@ def test_a_shared_buffer_offer_made_to_run_code_is_not_taken_and_runs_nothing(tm
         assert map_offered_buffer(b'["host", 1, 2, -3, 1000]', 1000) is None
     assert not marker.exists(), "unpickling the offer ran its code"
     assert caplog.text.count("the replica holder's offer of a shared buffer is not one: not taken") == 2
+
+
+def test_a_restart_loads_no_checkpoint_the_store_names_unless_the_node_knows_it_as_the_jobs(tmp_path):
+    """The survivors of a fatal loss agree through the store on the checkpoint to resume from. A path put there by
+    anyone else (a file it made, to be loaded with pickle) is refused; the job's own checkpoint is taken."""
+    from lightning_bamboo.errors import BambooError
+    from lightning_bamboo.runtime.restart import known_checkpoint
+
+    ours = [(10, str(tmp_path / "checkpoints" / "step-00000010")), (20, str(tmp_path / "checkpoints" / "step-00000020"))]
+    assert known_checkpoint({"step": 20, "path": ours[1][1]}, lambda: ours) == ours[1]
+    assert known_checkpoint({"step": None, "path": None}, lambda: ours) is None
+    forged = {"step": 99, "path": str(tmp_path / "elsewhere" / "step-00000099")}
+    with pytest.raises(BambooError, match="is not one this node knows of .* it is not loaded"):
+        known_checkpoint(forged, lambda: ours)
+    with pytest.raises(BambooError, match="is not one this node knows of"):  # a known path, a forged step: the path
+        known_checkpoint({"step": 20, "path": str(tmp_path / "step-00000020")}, lambda: ours)

@@ -304,12 +304,7 @@ class ResilientPipelineEngine:
         if self.rebalancer is not None:
             self.rebalancer.layout = None  # a new layout: no node in it is overloaded
             self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
-        latest = self._checkpoints / "latest" if self._checkpoints is not None else None
-        candidates = []
-        if latest is not None and latest.exists():
-            path = self._checkpoints / latest.read_text().strip()  # type: ignore[operator]
-            candidates.append((int(ckpt.read_meta(path)["bamboo"].get("global_steps", 0)), str(path)))
-        agreed = runner.restart_checkpoint(candidates)
+        agreed = runner.restart_checkpoint(self._restart_candidates)
         loaded = None
         if agreed is not None:
             loaded, _ = self.load_checkpoint(Path(agreed[1]).parent, tag=Path(agreed[1]).name)
@@ -318,6 +313,15 @@ class ResilientPipelineEngine:
         record = runner.restarted(loaded, self.host.step)
         assert record is not None
         self.restarts.append(record.as_dict())
+
+    def _restart_candidates(self) -> list[tuple[int, str]]:
+        """The complete checkpoint a restart may resume from: the one ``latest`` names in the directory of the last
+        save or load (``(global steps, path)``), if any."""
+        latest = self._checkpoints / "latest" if self._checkpoints is not None else None
+        if latest is None or not latest.exists():
+            return []
+        path = latest.parent / latest.read_text().strip()
+        return [(int(ckpt.read_meta(path)["bamboo"].get("global_steps", 0)), str(path))]
 
     def _train_batch(self, data_iter: Iterator[Any] | None) -> torch.Tensor:
         it = data_iter if data_iter is not None else self._default_iterator()

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
@@ -91,6 +92,21 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     stage.assign(stages)
     return PendingRestart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages, rank=rank,
                           world=world, step=step, reason=str(err), started=started)
+
+
+def known_checkpoint(agreed: dict[str, Any], candidates: Callable[[], Iterable[tuple[int, str]]]) -> tuple[int, str] | None:
+    """``(step, path)`` of the checkpoint the nodes agreed on through the store (None: none, the job's start), if it
+    is one of this node's own ``candidates()``; else ``BambooError``. The store is not trusted (docs/security.md) and
+    a checkpoint is code to the loader: a value put there by anyone else cannot make a node load a file it does not
+    know as one of the job's checkpoints."""
+    if agreed.get("path") is None:
+        return None
+    path = str(agreed["path"])
+    known = {p: step for step, p in candidates()}
+    if path not in known:
+        raise BambooError(f"the restart's agreed checkpoint {path!r} is not one this node knows of "
+                          f"({sorted(known) or 'none'}); it is not loaded (a checkpoint is code to its loader)")
+    return known[path], path
 
 
 def restarted(stage: NodeStage, pending: PendingRestart, checkpoint: str | None, from_step: int) -> Restart:

@@ -21,7 +21,12 @@ from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
 from lightning_bamboo.runtime.refusal import stop_if_refused
-from lightning_bamboo.runtime.restart import PendingRestart, reform_after_fatal_loss, restarted
+from lightning_bamboo.runtime.restart import (
+    PendingRestart,
+    known_checkpoint,
+    reform_after_fatal_loss,
+    restarted,
+)
 from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
@@ -283,15 +288,16 @@ class PipelineRunner:
         """Between :meth:`restart` and :meth:`restarted`."""
         return self._restart is not None
 
-    def restart_checkpoint(self, candidates: Iterable[tuple[int, str]]) -> tuple[int, str] | None:
+    def restart_checkpoint(self, candidates: Callable[[], Iterable[tuple[int, str]]]) -> tuple[int, str] | None:
         """The checkpoint the restarted job resumes from, the same on every node: each proposes the newest of its
-        ``candidates`` (``(step, path)`` of complete checkpoints it knows of), and the first proposal in the store
-        wins. None: no complete checkpoint (the job starts again from its start)."""
+        ``candidates()`` (``(step, path)`` of complete checkpoints it knows of), and the first proposal in the store
+        wins. None: no complete checkpoint (the job starts again from its start). A checkpoint is code to the loader,
+        and the store is not trusted (docs/security.md): the agreed path must be one of this node's own candidates
+        (asked again, for a checkpoint committed meanwhile), else ``BambooError``."""
         assert self._restart is not None, "restart_checkpoint() comes after restart()"
-        best = max(candidates, default=None)
+        best = max(candidates(), default=None)
         proposal = {"step": best[0], "path": best[1]} if best is not None else {"step": None, "path": None}
-        agreed = self.agree("restart-checkpoint", self._restart.step, proposal)
-        return None if agreed["path"] is None else (int(agreed["step"]), str(agreed["path"]))
+        return known_checkpoint(self.agree("restart-checkpoint", self._restart.step, proposal), candidates)
 
     def restarted(self, checkpoint: str | None, from_step: int) -> Restart | None:
         """The restart is done (the stage built, ``checkpoint`` loaded, at ``from_step``): its record, logged once

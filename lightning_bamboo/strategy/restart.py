@@ -80,7 +80,7 @@ def restart_fit(strategy: Any, trainer: Any, err: FatalLoss, fit_args: tuple[Any
     trainer._logger_connector.teardown()
     strategy.forget_start()  # an admission's state, a resume's RNG: not this attempt's
     strategy._assigned = runner.restart(err)
-    agreed = runner.restart_checkpoint(restarts.candidates(trainer))
+    agreed = runner.restart_checkpoint(lambda: restarts.candidates(trainer))
     if agreed is None:
         log.warning("%s: no complete checkpoint to restart from; the job starts again from step 0",
                     runner.session.node if runner.session is not None else "this node")
