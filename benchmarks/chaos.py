@@ -248,7 +248,7 @@ def demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_
     shape = shape or Shape()
     if not etcd:
         return _demo(out, steps, schedule, timeout, step_delay, "embedded", detection_timeout, dropout, shape, numerics)
-    from tests.etcd_server import EtcdServer
+    from lightning_bamboo.testing.etcd_server import EtcdServer
 
     with EtcdServer() as server:
         done = threading.Event()

@@ -1,6 +1,6 @@
 """Chaos on the main path: the launcher a user runs, one supervisor per emulated machine, a user's Lightning script.
 
-Machines are network namespaces (``tests/netns.py``: an address and a host name of their own on one bridge, etcd on
+Machines are network namespaces (``lightning_bamboo/testing/netns.py``: an address and a host name of their own on one bridge, etcd on
 an address of its own). Three machines of two workers start the job (``--workers 2 --min-nodes 6``) of
 ``benchmarks/spot_user.py`` (``examples/gpt.py``'s model, lazy replicas, ``RebalanceCallback``, ``AsyncCheckpoint``,
 ``PreemptionCallback``): one pipeline of six stages, or with ``--pipelines 2`` two of three. Spare machines join
@@ -221,7 +221,7 @@ class Run:
 
 def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Change], seed: int) -> dict[str, Any]:
     """One chaos run on fresh namespaces; what the judge needs of it."""
-    from tests.netns import NetnsCluster
+    from lightning_bamboo.testing.netns import NetnsCluster
 
     out = root / name
     (out / "fired").mkdir(parents=True)

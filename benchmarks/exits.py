@@ -6,7 +6,7 @@ The job is ``tests/scripts/slow_mlp.py`` (an 11-layer MLP under ``BambooStrategy
 * local launcher (``python -m lightning_bamboo.launcher --nodes N``): N in ``--nodes``, one pipeline of N
   stages, every redundancy of ``--modes``, clean and with ``node1`` SIGKILLed at the start of step
   ``steps // 2`` (``BAMBOO_FAIL_AT``);
-* a cluster of network namespaces (``tests/netns.py``, needs root; ``--no-netns`` skips it): 2 machines of 2
+* a cluster of network namespaces (``lightning_bamboo/testing/netns.py``, needs root; ``--no-netns`` skips it): 2 machines of 2
   workers (one supervisor ``--node M --workers 2`` per machine, etcd on an address of its own) as one pipeline
   of 4 stages, lazy, clean and with every process of machine ``m1`` SIGKILLed once ``m1.0`` reported step
   ``steps // 2``.
@@ -22,7 +22,7 @@ supervisor's (and -9 for the killed machine's workers).
 
 Each case runs in a process group of its own with a timeout; the group is SIGKILLed at its end, whatever
 happened (a cluster case runs in a child process that removes its namespaces; namespaces a killed child
-left are removed by ``tests.netns.sweep_stale``). Prints a table, the output's end of each wrong case,
+left are removed by ``lightning_bamboo.testing.netns.sweep_stale``). Prints a table, the output's end of each wrong case,
 which cases missed the bound, and exits 1 if any case is wrong.
 
     python benchmarks/exits.py [--nodes 2,3,4,6] [--modes off,lazy,eager] [--steps 10] [--sleep 0.3]
@@ -235,7 +235,7 @@ def run_local(case: Case, steps: int, sleep: float) -> Outcome:
 
 def run_netns(case: Case, steps: int, sleep: float) -> Outcome:
     """The cluster case, in a child process of its own (its namespaces go with it)."""
-    from tests.netns import sweep_stale
+    from lightning_bamboo.testing.netns import sweep_stale
 
     cmd = [PYTHON, __file__, "--netns-case", case.mode, "--steps", str(steps), "--sleep", str(sleep)]
     if case.kill:
@@ -256,7 +256,7 @@ def run_netns(case: Case, steps: int, sleep: float) -> Outcome:
 def netns_case(mode: str, kill: bool, steps: int, sleep: float) -> Outcome:
     """2 machines of 2 workers on network namespaces, one supervisor each; ``kill``: every process of m1 once m1.0
     reported step ``steps // 2``."""
-    from tests.netns import NetnsCluster
+    from lightning_bamboo.testing.netns import NetnsCluster
     from tests.test_cluster_netns import worker_env
 
     case, victim = Case("netns", len(MACHINES) * WORKERS, mode, kill), MACHINES[-1]

@@ -150,7 +150,7 @@ def main() -> None:
         worker(args)
         return
 
-    from tests.netns import NetnsCluster
+    from lightning_bamboo.testing.netns import NetnsCluster
 
     out = Path(tempfile.mkdtemp(prefix="bamboo-placement-"))
     rates = args.rate.split(",")

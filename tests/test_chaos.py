@@ -139,7 +139,7 @@ def test_the_demo_controller_waits_for_a_restarting_etcd():
     from lightning_bamboo.demo.controller import PatientStore
     from lightning_bamboo.membership import connect
     from lightning_bamboo.membership.protocol import StoreUnavailableError
-    from tests.etcd_server import EtcdServer
+    from lightning_bamboo.testing.etcd_server import EtcdServer
 
     with EtcdServer() as etcd:
         client = connect(etcd.url)

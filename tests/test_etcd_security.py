@@ -25,7 +25,7 @@ from lightning_bamboo.membership import StoreCredentialsError, StorePermissionEr
 from lightning_bamboo.membership.credentials import PASSWORD_ENV
 from lightning_bamboo.membership.registry import Registry
 from lightning_bamboo.membership.session import Session
-from tests.etcd_server import Certificates, EtcdServer, etcd_binary, openssl_binary
+from lightning_bamboo.testing.etcd_server import Certificates, EtcdServer, etcd_binary, openssl_binary
 from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run
 from tests.test_session_protocol import Groups, on_threads
 

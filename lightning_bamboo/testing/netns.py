@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tests.etcd_server import etcd_binary
+from lightning_bamboo.testing.etcd_server import etcd_binary
 
 SUBNET = "10.77.0"
 ETCD = "etcd"
