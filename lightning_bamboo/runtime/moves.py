@@ -13,6 +13,7 @@ from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.engine.transfer import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
+from lightning_bamboo.membership.node import rejoin_as_standby
 from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import Layout
@@ -121,9 +122,16 @@ def start_admitted(stage: NodeStage, model: PipelineModel, record: Reconfigurati
         held = move_layers(moves, session.node, order, {})
         return held, exchange_objects(None, send_to=None, recv_from=order.index(record.sender))
 
-    held, meta = session.guard().run(receive)
-    stage.resolve_precision(meta["bamboo"].get("loss_scale"), gradient_clipping)  # fp16: the running nodes' scale
-    pipelines = record.pipelines
-    layout = Layout(len(order) // pipelines, pipelines, record.parts)
-    stage.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
+    try:
+        held, meta = session.guard().run(receive)
+        stage.resolve_precision(meta["bamboo"].get("loss_scale"), gradient_clipping)  # fp16: the running nodes' scale
+        pipelines = record.pipelines
+        layout = Layout(len(order) // pipelines, pipelines, record.parts)
+        stage.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
+    except (PeerLost, BarrierTimeoutError, FatalLoss) as err:
+        # the running nodes go back to their last layout (or restart without this node): it stands by again, as a
+        # node released from a dropped pipeline does
+        log.warning("%s: a node was lost while this node was admitted at step %d (%s); it stands by again",
+                    session.node, record.step, err)
+        rejoin_as_standby()
     return meta
