@@ -267,10 +267,14 @@ def test_a_standby_node_that_stops_answering_or_whose_machine_lost_a_node_is_not
 
 
 def test_a_leaver_that_the_next_layout_does_not_hold_is_not_served_again(server):
-    """n1 announces at step 0's commit that it leaves. The survivors re-form without it (a restart after a fatal
-    loss, say, before they switched at a step start): n1 is then no leaver of theirs any more, so the next step
-    starts no failover for it."""
+    """n1 announces at step 0's commit that it leaves, and the standby list of that commit names n9. The survivors
+    re-form without n1 (a restart after a fatal loss, say, before they switched at a step start): n1 is then no
+    leaver of theirs any more, so the next step starts no failover for it, and the standby list waits for the new
+    generation's first commit (a restart that admitted the old list's nodes at once, gone by then, failed again
+    at every restart)."""
     with job(server, "leaver", ["n0", "n1", "n2"]) as s:
+        for x in s.values():
+            x.joiners = ["n9"]  # what step 0's commit would have said
         s["n1"].leave_requested = lambda: True
         assert on_threads({n: (lambda x=x: x.commit(0)) for n, x in s.items()}) == dict.fromkeys(s)
         assert s["n0"].leavers == {"n1"} and s["n2"].leavers == {"n1"}
@@ -278,6 +282,7 @@ def test_a_leaver_that_the_next_layout_does_not_hold_is_not_served_again(server)
         assert on_threads({n: (lambda n=n: s[n].reform(order, tag="restart")) for n in order}) == {
             "n0": (0, 2), "n2": (1, 2)}
         assert s["n0"].leavers == set() and s["n2"].leavers == set()
+        assert s["n0"].joiners == [] and s["n2"].joiners == []
 
 
 def test_a_node_back_as_standby_waits_for_an_admission_made_after_it_came_back(server):

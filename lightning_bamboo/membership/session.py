@@ -459,6 +459,7 @@ class Session:
         self.generation = generation
         self.nodes = list(order)
         self.leavers &= set(order)  # a leaver the new layout does not hold is served (or the job restarted without it)
+        self.joiners = []  # the standby nodes of the last generation's commits: the new one's first commit says again
         self.detector.stop()
         self.detector = self._watch(self.nodes)
         return rank, world

@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: restarts after fatal losses with no step trained in between, after which a fatal loss ends the job: one that
+#: fails by itself at every restart (a bug, a node that cannot start) would otherwise restart for ever
+MAX_RESTARTS_IN_A_ROW = 4
+
 
 class PipelineRunner:
     """Runs one node of a Bamboo pipeline: it composes the node's :class:`~lightning_bamboo.runtime.stage.NodeStage`
@@ -64,6 +68,7 @@ class PipelineRunner:
         self._inside_resilient = False
         self._restart: PendingRestart | None = None  # a restart after a fatal loss, until its checkpoint is loaded
         self._trained = False  # a step of this job committed here (before: a loss may be a worker's refusal)
+        self._restarts_in_a_row = 0  # restarts after fatal losses with no step trained in between
 
     @property
     def config(self) -> BambooConfig:
@@ -215,7 +220,7 @@ class PipelineRunner:
                 faulthandler.dump_traceback_later(session.rendezvous_timeout * 0.75, repeat=False)
             try:
                 loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share, first_micro_batch=first)
-                self._trained = True
+                self._trained, self._restarts_in_a_row = True, 0
                 self.stage.settle_placement()  # after an engine's first step on a GPU: where its replica lives
                 if session is not None and session.leaving:
                     session.depart()
@@ -272,13 +277,19 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ a fatal loss: the job restarts
     def can_restart(self, err: BaseException) -> bool:
-        """Whether ``err`` is a fatal loss this node restarts the job from (under membership, still a member)."""
+        """Whether ``err`` is a fatal loss this node restarts the job from (under membership, still a member; see
+        ``MAX_RESTARTS_IN_A_ROW`` for the bound :meth:`restart` puts on restarts that train nothing)."""
         return (isinstance(err, FatalLoss) and self.config.restart_on_fatal_loss and self.session is not None
                 and self.session.active and self.stage.engine is not None)  # (before the stage: the start fails)
 
     def restart(self, err: FatalLoss) -> tuple[int, int]:
         """After a fatal loss: the survivors form the job's next layout (``runtime.restart``); returns this node's
         (rank, world size). Next :meth:`start` the stage, load :meth:`restart_checkpoint`, then :meth:`restarted`."""
+        if self._restarts_in_a_row >= MAX_RESTARTS_IN_A_ROW:
+            log.error("%s: the job restarted %d times in a row without training a step; it stops (%s)",
+                      self.stage.node, self._restarts_in_a_row, err)
+            raise err
+        self._restarts_in_a_row += 1
         self._restart = reform_after_fatal_loss(self.stage, err, self.host.global_step())
         self.catching_up = False
         return self._restart.rank, self._restart.world
