@@ -162,6 +162,8 @@ class Run:
             on = [n for n in training if n.split(".")[0] == target]
             takes = (len(on), len([n for n in workers if n.split(".")[0] == target]))
         if len(training) - takes[0] < 1 or len(workers) - takes[1] < 3 or (takes[0] and not training):
+            self.events.append(f"step {self.progress()}: {kind} held back ({len(training)} training, {len(workers)} "
+                               f"workers up): a join instead")
             kind = "join"
         step = self.progress()
         if kind == "join":

@@ -153,7 +153,7 @@ def test_a_bad_notices_entry_is_refused_with_the_known_sources():
         bamboo_options({"bamboo": {"notices": ["ec2"]}})
     with pytest.raises(BambooConfigError, match="notice_interval"):
         bamboo_options({"bamboo": {"notices": ["aws"], "notice_interval": 0}})
-    assert bamboo_options({"bamboo": {"notices": {"aws": "http://127.0.0.1:1"}}})["notices"] == {"aws": "http://127.0.0.1:1"}
+    assert bamboo_options({"bamboo": {"notices": {"aws": "http://127.0.0.1:1"}}}).notices == {"aws": "http://127.0.0.1:1"}
 
 
 def test_notices_outside_the_bamboo_launcher_are_refused(monkeypatch):
@@ -172,11 +172,12 @@ def test_notices_outside_the_bamboo_launcher_are_refused(monkeypatch):
 
 
 def test_a_bad_rebalance_entry_is_refused_naming_the_rule():
-    from lightning_bamboo.deepspeed_api import bamboo_options, rebalancer_from_config
+    from lightning_bamboo.deepspeed_api import bamboo_options
+    from lightning_bamboo.runtime.rebalance import from_config as rebalancer_from_config
 
-    with pytest.raises(BambooConfigError, match=r'"bamboo.rebalance" must be true, false or a dict'):
+    with pytest.raises(BambooConfigError, match=r'"bamboo" section: rebalance must be true, false or a dict'):
         bamboo_options({"bamboo": {"rebalance": "yes"}})
-    with pytest.raises(BambooConfigError, match=r"unknown keys in \"bamboo.rebalance\": \['depth'\]; known keys"):
+    with pytest.raises(BambooConfigError, match=r"unknown keys in rebalance: \['depth'\]; known keys"):
         bamboo_options({"bamboo": {"rebalance": {"depth": 4}}})
     with pytest.raises(BambooConfigError, match=r"Rebalancer\(stages=0\): the preferred depth must be >= 1"):
         bamboo_options({"bamboo": {"rebalance": {"stages": 0}}})

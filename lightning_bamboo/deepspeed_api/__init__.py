@@ -10,13 +10,10 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS, DEFAULT_TIMEOUT_SECONDS, BambooConfig
 from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly
-from lightning_bamboo.topology.layout import REDUNDANCY_MODES
 
 BAMBOO_KEY = "bamboo"
-BAMBOO_DEFAULTS: dict[str, Any] = {"redundancy": "off", "timeout": 300.0, "detection_timeout": 10.0,
-                                   "audit_replicas": False, "notices": [], "notice_interval": 3.0,
-                                   "rebalance": False}
 _TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 
@@ -34,43 +31,15 @@ def _refused_once(door: Callable[..., Any]) -> Callable[..., Any]:
     return checked
 
 
-def bamboo_options(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``"bamboo"`` section of a DeepSpeed config, checked and completed with defaults."""
-    section = config.get(BAMBOO_KEY) or {}
-    if not isinstance(section, dict):
-        raise BambooConfigError(f'the "{BAMBOO_KEY}" config entry must be a dict (got {type(section).__name__})')
-    unknown = sorted(set(section) - set(BAMBOO_DEFAULTS))
-    if unknown:
-        raise BambooConfigError(
-            f'unknown keys in the "{BAMBOO_KEY}" config entry: {unknown}; known keys: {sorted(BAMBOO_DEFAULTS)}'
-        )
-    options = {**BAMBOO_DEFAULTS, **section}
-    if options["redundancy"] not in REDUNDANCY_MODES:
-        raise BambooConfigError(
-            f'"{BAMBOO_KEY}.redundancy" must be one of {REDUNDANCY_MODES} (got {options["redundancy"]!r})'
-        )
-    if not isinstance(options["timeout"], (int, float)) or options["timeout"] <= 0:
-        raise BambooConfigError(f'"{BAMBOO_KEY}.timeout" must be a positive number of seconds (got {options["timeout"]!r})')
-    if not isinstance(options["notice_interval"], (int, float)) or options["notice_interval"] <= 0:
-        raise BambooConfigError(f'"{BAMBOO_KEY}.notice_interval" must be a positive number of seconds between polls '
-                                f'(got {options["notice_interval"]!r}); AWS gives two minutes of notice, 3 s is enough')
-    from lightning_bamboo.runtime.notices import pollers_from_config
-
-    pollers_from_config(options["notices"], f'"{BAMBOO_KEY}.notices"')  # checked now, polled under the launcher
-    rebalancer_from_config(options["rebalance"])  # checked now, run under the launcher
-    return options
-
-
-def rebalancer_from_config(entry: Any) -> Any:
-    """The ``"bamboo.rebalance"`` entry as a ``Rebalancer`` (None for ``false``); see ``runtime.rebalance.from_config``."""
-    from lightning_bamboo.runtime.rebalance import from_config
-
-    return from_config(entry, f'"{BAMBOO_KEY}.rebalance"')
+def bamboo_options(config: dict[str, Any]) -> BambooConfig:
+    """The ``"bamboo"`` section of a DeepSpeed config as the ``BambooConfig`` both doors run (checked; what the
+    ``PipelineModule`` and the rest of the config give is added when the engine is built)."""
+    return BambooConfig.from_deepspeed(config.get(BAMBOO_KEY))
 
 
 @_refused_once
-def init_distributed(timeout: float = BAMBOO_DEFAULTS["timeout"], dist_backend: str | None = None,
-                     detection_timeout: float = BAMBOO_DEFAULTS["detection_timeout"], **kwargs: Any) -> None:
+def init_distributed(timeout: float = DEFAULT_TIMEOUT_SECONDS, dist_backend: str | None = None,
+                     detection_timeout: float = DEFAULT_DETECTION_SECONDS, **kwargs: Any) -> None:
     """``deepspeed.init_distributed`` with ``timeout`` for the default group *and* every group made later.
 
     Call it before building a ``PipelineModule``: DeepSpeed creates the pipeline's process
@@ -158,21 +127,21 @@ def initialize(
         resilient = ResilientPipelineEngine(model, config, options, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                             training_data=training_data, collate_fn=collate_fn)
         return resilient, resilient.optimizer, resilient.training_dataloader, resilient.lr_scheduler
-    if options["redundancy"] != "off":
+    if options.redundant:
         raise BambooConfigError(
-            f'"{BAMBOO_KEY}.redundancy" = {options["redundancy"]!r} needs the Bamboo launcher, whose membership store '
+            f'"{BAMBOO_KEY}.redundancy" = {options.redundancy!r} needs the Bamboo launcher, whose membership store '
             "finds a lost node: start the script with python -m lightning_bamboo.launcher --nodes N -- python SCRIPT "
             '(lightning_bamboo.init_distributed() then joins the job), or use "redundancy": "off"'
         )
-    if options["rebalance"]:
+    if options.rebalance:
         raise BambooConfigError(
-            f'"{BAMBOO_KEY}.rebalance" = {options["rebalance"]!r} moves layers between the nodes of a job and admits '
+            f'"{BAMBOO_KEY}.rebalance" = {options.rebalance!r} moves layers between the nodes of a job and admits '
             "standby nodes, which needs the Bamboo launcher's membership; start the script with python -m "
             'lightning_bamboo.launcher --nodes N -- python SCRIPT, or leave "rebalance" out'
         )
-    if options["notices"]:
+    if options.notices:
         raise BambooConfigError(
-            f'"{BAMBOO_KEY}.notices" = {options["notices"]!r}: a node leaves at a notice and the others take its '
+            f'"{BAMBOO_KEY}.notices" = {list(options.notices)!r}: a node leaves at a notice and the others take its '
             "stage, which needs the Bamboo launcher's membership; start the script with python -m "
             'lightning_bamboo.launcher --nodes N -- python SCRIPT, or leave "notices" out'
         )
@@ -182,7 +151,7 @@ def initialize(
     from lightning_bamboo.engine.build import build_engine, init_deepspeed_comm
     from lightning_bamboo.engine.pipe import EngineOptions
 
-    timeout = timedelta(seconds=float(options["timeout"]))
+    timeout = timedelta(seconds=options.timeout)
     init_deepspeed_comm(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=distributed_port,
@@ -190,7 +159,7 @@ def initialize(
         timeout=timeout,
     )
     engine = build_engine(
-        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, options=EngineOptions(options["redundancy"]),
+        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, options=EngineOptions(options.redundancy),
         args=args, model_parameters=model_parameters, training_data=training_data,
         dist_init_required=dist_init_required, collate_fn=collate_fn,
     )

@@ -29,12 +29,10 @@ import torch.distributed as dist
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.errors import BambooConfigError, FatalLoss, JobRestarted
+from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.rebalance import from_config, runtime_placement
 
 log = logging.getLogger(__name__)
-
-#: the ``"bamboo"`` section's keys this engine reads besides ``redundancy`` and ``timeout``
-RESILIENT_KEYS = {"detection_timeout": 10.0, "audit_replicas": False, "rebalance": False}
 
 #: DeepSpeed's optimizer ``type`` names (lower case) -> a torch optimizer; "adam" is AdamW unless adam_w_mode is false
 _OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
@@ -154,14 +152,14 @@ class ResilientPipelineEngine:
     failover that is another engine, with other layers.
     """
 
-    def __init__(self, module: Any, config: dict[str, Any], options: dict[str, Any], optimizer: Any = None,
+    def __init__(self, module: Any, config: dict[str, Any], options: BambooConfig, optimizer: Any = None,
                  lr_scheduler: Any = None, training_data: Any = None, collate_fn: Any = None) -> None:
-        from lightning_bamboo.runtime import BambooConfig, PipelineRunner
+        from lightning_bamboo.runtime import PipelineRunner
         from lightning_bamboo.runtime.session import launched_by_bamboo
 
         if not launched_by_bamboo():
             raise BambooConfigError(
-                f'"bamboo.redundancy" = {options["redundancy"]!r} needs the Bamboo launcher (its membership store '
+                f'"bamboo.redundancy" = {options.redundancy!r} needs the Bamboo launcher (its membership store '
                 "finds a lost node); start the script with python -m lightning_bamboo.launcher --nodes N -- python "
                 'SCRIPT, or use "redundancy": "off"'
             )
@@ -177,11 +175,10 @@ class ResilientPipelineEngine:
         self.pipelines_at_start = world // stages
         self.micro_batches = accumulation  # per pipeline of the job's start, as DeepSpeed counts them
         rest = {k: v for k, v in config.items() if k not in _TAKEN}
-        self.config = BambooConfig(
+        # the section's options, with what the module and the rest of the DeepSpeed config give
+        self.config = options.replace(
             stages=stages, micro_batch_size=micro, partition=getattr(module, "partition_method", "parameters"),
-            seed=int(getattr(module, "base_seed", 1234)), redundancy=options["redundancy"],
-            timeout=float(options["timeout"]), detection_timeout=float(options["detection_timeout"]),
-            deepspeed=rest, audit_replicas=bool(options["audit_replicas"]),
+            seed=int(getattr(module, "base_seed", 1234)), deepspeed=rest,
             # DeepSpeed's activation_checkpoint_interval, run by the stage itself (exact with the per-layer streams)
             activation_checkpointing=int(getattr(module, "activation_checkpoint_interval", 0) or 0),
         )
@@ -193,7 +190,7 @@ class ResilientPipelineEngine:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         self.runner = runner = PipelineRunner(self.config, self.host, device=device)
         runner.open_session(session=_SESSION.pop("session", None))
-        self.rebalancer = from_config(options["rebalance"])
+        self.rebalancer = from_config(self.config.rebalance)
         self.training_dataloader = self._loader(training_data, collate_fn, micro) if training_data is not None else None
         self._data: Iterator[Any] | None = None
         self.drawn = 0  # micro-batches drawn from the data so far (a checkpoint keeps it: ``data_position``)
@@ -214,7 +211,7 @@ class ResilientPipelineEngine:
             self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
         _watch_exit(self)
         _leave_on_sigterm()
-        self.notices = _watch_notices(options)
+        self.notices = _watch_notices(self.config)
 
     def _join(self, record: Any, module: Any) -> None:
         """A standby node admitted by ``record``: leave the standby world (``open_job``), enter the job's process group,
@@ -537,17 +534,17 @@ def _leave_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda _signum, _frame: request_leave())
 
 
-def _watch_notices(options: dict[str, Any]) -> Any:
-    """The ``"bamboo"`` section's ``"notices"`` (``["aws"]``, ``{"aws": endpoint}``), polled every
-    ``"notice_interval"`` seconds on a thread: a notice is taken as SIGTERM is, the node leaving after the step in
-    flight commits. None without notice sources."""
+def _watch_notices(config: BambooConfig) -> Any:
+    """The config's spot-notice sources (``["aws"]``, ``{"aws": endpoint}``), polled every ``notice_interval``
+    seconds on a thread: a notice is taken as SIGTERM is, the node leaving after the step in flight commits. None
+    without notice sources."""
     from lightning_bamboo.runtime.notices import NoticeWatcher, pollers_from_config
     from lightning_bamboo.runtime.session import request_leave
 
-    pollers = pollers_from_config(options["notices"], '"bamboo.notices"')
+    pollers = pollers_from_config(config.notices, '"bamboo.notices"')
     if not pollers:
         return None
-    watcher = NoticeWatcher(pollers, lambda _notice: request_leave(), interval=float(options["notice_interval"]))
+    watcher = NoticeWatcher(pollers, lambda _notice: request_leave(), interval=config.notice_interval)
     watcher.start()
     return watcher
 

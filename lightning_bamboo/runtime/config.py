@@ -12,11 +12,19 @@ from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_option
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+DEFAULT_DETECTION_SECONDS = 10.0
+DEFAULT_NOTICE_INTERVAL_SECONDS = 3.0  # AWS gives two minutes of notice; a poll every 3 s is enough
+
+#: the options a DeepSpeed config's ``"bamboo"`` section may set (``BambooConfig.from_deepspeed``); the others come
+#: from the ``PipelineModule`` and the rest of the DeepSpeed config
+DEEPSPEED_SECTION = ("redundancy", "timeout", "detection_timeout", "audit_replicas", "notices", "notice_interval",
+                     "rebalance", "replica_placement", "replica_memory_budget", "rf_costs", "restart_on_fatal_loss")
 
 
 @dataclass(frozen=True)
 class BambooConfig:
-    """What ``BambooStrategy(...)`` takes (see its docstring for each option), checked on construction.
+    """Every option of both doors: what ``BambooStrategy(...)`` takes (see its docstring for each option) and what a
+    DeepSpeed config's ``"bamboo"`` section sets (:meth:`from_deepspeed`), checked on construction.
 
     Frozen: a change is a new config, checked again (:meth:`replace`; the strategy's option setters,
     which ``HydrozoaTuner`` uses, go through it before the engine is built). ``stages`` is the depth
@@ -29,7 +37,7 @@ class BambooConfig:
     seed: int | None = None
     redundancy: str = "off"
     timeout: float = DEFAULT_TIMEOUT_SECONDS
-    detection_timeout: float = 10.0
+    detection_timeout: float = DEFAULT_DETECTION_SECONDS
     deepspeed: dict[str, Any] = field(default_factory=dict)
     rf_costs: Any = "measured"
     audit_replicas: bool = False
@@ -43,6 +51,13 @@ class BambooConfig:
     #: their processes (True); False: ``FatalLoss`` ends the node's fit, for an orchestrator that restarts jobs
     #: itself (the demo's controller)
     restart_on_fatal_loss: bool = True
+    #: spot-notice sources polled while training (``["aws"]``, ``{"aws": endpoint}``: ``runtime.notices``); a notice
+    #: is taken as SIGTERM is. The DeepSpeed door polls them itself; with Lightning, ``PreemptionCallback`` does
+    notices: Any = ()
+    notice_interval: float = DEFAULT_NOTICE_INTERVAL_SECONDS
+    #: rebalance at step boundaries (``runtime.rebalance.from_config``: False, True or the ``Rebalancer``'s arguments);
+    #: the DeepSpeed door runs it itself; with Lightning, ``RebalanceCallback`` does
+    rebalance: Any = False
 
     def __post_init__(self) -> None:
         stages, micro = self.stages, self.micro_batch_size
@@ -77,10 +92,40 @@ class BambooConfig:
         if not isinstance(self.restart_on_fatal_loss, bool):
             raise BambooConfigError(f"restart_on_fatal_loss must be True or False (restart_on_fatal_loss: "
                                     f"{self.restart_on_fatal_loss!r})")
+        from lightning_bamboo.runtime.notices import pollers_from_config
+        from lightning_bamboo.runtime.rebalance import from_config
+
+        if isinstance(self.notice_interval, bool) or not isinstance(self.notice_interval, (int, float)) \
+                or self.notice_interval <= 0:
+            raise BambooConfigError(f"notice_interval must be a positive number of seconds between polls (notice_interval: "
+                                    f"{self.notice_interval!r}); AWS gives two minutes of notice, 3 s is enough")
+        pollers_from_config(self.notices, "notices")  # the sources are checked now, polled under the launcher
+        object.__setattr__(self, "notices", dict(self.notices) if isinstance(self.notices, dict) else
+                           ((self.notices,) if isinstance(self.notices, str) else tuple(self.notices)))
+        from_config(self.rebalance, "rebalance")
         every = self.activation_checkpointing
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise BambooConfigError(f"activation_checkpointing is the layers per checkpointed segment, an integer >= 0 "
                                     f"(activation_checkpointing: {every!r}); 0 turns it off, 1 checkpoints every layer")
+
+    @classmethod
+    def from_deepspeed(cls, section: Any, **derived: Any) -> BambooConfig:
+        """The config of a DeepSpeed config's ``"bamboo"`` section (its keys: ``DEEPSPEED_SECTION``, each a field of
+        the same name) with ``derived`` (what the ``PipelineModule`` and the rest of the DeepSpeed config give)."""
+        if section is None:
+            section = {}
+        if not isinstance(section, dict):
+            raise BambooConfigError(f'the DeepSpeed config\'s "bamboo" entry must be a dict (got {type(section).__name__})')
+        unknown = sorted(set(section) - set(DEEPSPEED_SECTION))
+        if unknown:
+            given = sorted(set(unknown) & {f.name for f in dataclasses.fields(cls)})
+            raise BambooConfigError(
+                f'unknown keys in the "bamboo" config entry: {unknown}; known keys: {sorted(DEEPSPEED_SECTION)}'
+                + (f" ({given} come from the PipelineModule and the DeepSpeed config)" if given else ""))
+        try:
+            return cls(**{**derived, **section})
+        except BambooConfigError as err:
+            raise BambooConfigError(f'the DeepSpeed config\'s "bamboo" section: {err}') from None
 
     def replace(self, **changes: Any) -> BambooConfig:
         """This config with ``changes``, checked again as on construction (``BambooConfigError`` names the rule)."""

@@ -25,7 +25,7 @@ from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.runtime import collectives
-from lightning_bamboo.runtime.config import DEFAULT_TIMEOUT_SECONDS, BambooConfig
+from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS, DEFAULT_TIMEOUT_SECONDS, BambooConfig
 from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly, stop_if_refused
 from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import joining, launched_by_bamboo
@@ -82,7 +82,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         seed: int | None = None,
         redundancy: str = "off",
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
-        detection_timeout: float = 10.0,
+        detection_timeout: float = DEFAULT_DETECTION_SECONDS,
         config: dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         rf_costs: str | dict[str, float] = "measured",
