@@ -24,13 +24,13 @@ from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
-from lightning_bamboo.runtime import collectives
 from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS, DEFAULT_TIMEOUT_SECONDS, BambooConfig
 from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly, stop_if_refused
 from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import joining, launched_by_bamboo
 from lightning_bamboo.strategy import patches
 from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_bamboo.strategy.collectives import ResilientCollectives
 from lightning_bamboo.strategy.lightning_host import LightningHost
 from lightning_bamboo.strategy.loading import PipelineData
 from lightning_bamboo.strategy.options import StrategyOptions
@@ -58,7 +58,7 @@ else:
 log = logging.getLogger(__name__)
 
 
-class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
+class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollectives):
     """Train a LightningModule as a DeepSpeed pipeline: ``stages`` deep, ``devices // stages`` pipelines wide.
 
     The module defines ``configure_pipeline()`` (the layers, in order), ``pipeline_loss(outputs,
@@ -520,53 +520,6 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks):
         update = self.pl_package("utilities.data")._update_dataloader
         return self.data.loader(dataloader, training, self.pipelines, self.pipeline_rank,
                                 lambda loader, sampler: update(loader, sampler, mode=running.TRAINING if training else None))
-
-    # ------------------------------------------------------------------ collectives that survive a loss
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        runner = self.runner
-        if runner.catching_up:
-            return
-        if runner.between_steps:
-            runner.resilient(lambda: runner.gather(None, send=False))
-            return
-        runner.resilient(lambda: super(_BambooStrategyMixin, self).barrier(*args, **kwargs))
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        runner = self.runner
-        if runner.catching_up:
-            return obj  # same program, same arguments: what rank ``src`` had at start-up
-        if runner.between_steps:
-            # the rank is read at each attempt: after a failover ``src`` names a rank of the new group
-            return runner.resilient(lambda: runner.gather(obj, send=self.global_rank == src)[src])
-        return runner.resilient(lambda: super(_BambooStrategyMixin, self).broadcast(obj, src))
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        runner = self.runner
-        if runner.catching_up:  # start-up checks (e.g. "every rank's dataloader has a length"): the local value
-            return tensor
-        if runner.between_steps:
-            if not isinstance(tensor, torch.Tensor):
-                return tensor  # as Lightning's DDP strategy: only tensors are reduced
-            kind = collectives.reduce_kind(reduce_op)
-            return runner.resilient(
-                lambda: collectives.reduced(runner.gather(tensor.detach().cpu()), kind).to(tensor.device)
-            )
-        return runner.resilient(lambda: super(_BambooStrategyMixin, self).reduce(tensor, group, reduce_op))
-
-    @override
-    def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
-        runner = self.runner
-        if runner.between_steps:
-            if sync_grads:
-                raise BambooConfigError(
-                    "strategy='bamboo' gathers between steps through the membership store, without gradients "
-                    "(all_gather(sync_grads=True)); gather detached values"
-                )
-            return runner.resilient(lambda: torch.stack(runner.gather(tensor.detach().cpu())).to(tensor.device))
-        return runner.resilient(lambda: super(_BambooStrategyMixin, self).all_gather(tensor, group, sync_grads))
 
     # ------------------------------------------------------------------ teardown
     @override
