@@ -231,10 +231,20 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
     machines = [f"host{i}" for i in range(MACHINES)]
     spares = [f"host{i}" for i in range(MACHINES, MACHINES + SPARES)]
     initial = [f"{m}.{w}" for m in machines for w in range(WORKERS)]
-    inside = [c for c in schedule if c.kind in ("in_failover", "in_reconfiguration")]
-    armed = [f"{node}@{'failover' if c.kind == 'in_failover' else 'reconfigure'}"
-             for node, c in zip(rng.sample(initial, min(len(inside), len(initial))), inside, strict=False)]
-    pending = [c for c in schedule if c.kind not in ("in_failover", "in_reconfiguration")]
+    # one worker armed for each kind of recovery at most: every armed item fires in the first recovery of its kind
+    # its node takes part in, so several would be one loss of several nodes at once (a whole pipeline gone in one
+    # failover); a later one of the same kind is a drawn kill instead
+    armed: list[str] = []
+    pending: list[Change] = []
+    free = rng.sample(initial, len(initial))
+    for change in schedule:
+        if change.kind in ("in_failover", "in_reconfiguration"):
+            point = "failover" if change.kind == "in_failover" else "reconfigure"
+            if not any(item.endswith("@" + point) for item in armed):
+                armed.append(f"{free.pop()}@{point}")
+                continue
+            change = Change(change.step, "kill_worker")
+        pending.append(change)
     started = time.monotonic()
     with NetnsCluster(machines + spares) as net:
         job = Run(net, net.start_etcd(), out, stages, steps, armed=armed)

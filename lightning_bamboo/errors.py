@@ -32,6 +32,13 @@ class JobRestarted(FatalLoss):
         self.step, self.data_position = step, data_position
 
 
+class Released(BambooError):
+    """This node left the job's layout and waits as a standby node in its own process: its pipeline was dropped
+    after a loss (several pipelines), or a loss interrupted its admission. The front door puts its training away
+    and takes it up again from the running nodes when a reconfiguration admits it (``PipelineRunner.wait_admission``),
+    or ends it when the job finishes first."""
+
+
 class PeerLost(BambooError):
     """A peer of this pipeline is gone; the step in flight did not commit here. ``lost``: the peers known lost."""
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.errors import BambooConfigError, FatalLoss, JobRestarted
+from lightning_bamboo.errors import BambooConfigError, FatalLoss, JobRestarted, Released
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.rebalance import from_config, runtime_placement
 
@@ -201,7 +201,7 @@ class ResilientPipelineEngine:
         self._model = _Model(module)
         admission = _SESSION.pop("admission", None)
         if admission is not None:
-            self._join(admission, module)
+            self._join(admission)
         else:
             runner.start(self._model, world, dist.get_rank(), fitting=True)
             if dist.get_rank() == 0 and runner.session is not None:
@@ -213,7 +213,7 @@ class ResilientPipelineEngine:
         _leave_on_sigterm()
         self.notices = _watch_notices(self.config)
 
-    def _join(self, record: Any, module: Any) -> None:
+    def _join(self, record: Any) -> None:
         """A standby node admitted by ``record``: leave the standby world (``open_job``), enter the job's process group,
         take the layers the record gives this node and the training state (step, data position, scheduler) from the
         running nodes, as a resume from a checkpoint would."""
@@ -278,7 +278,11 @@ class ResilientPipelineEngine:
         back to its step, and ``restarts`` records it. With the training data's loader the step at that position is
         then trained and its loss returned, so a ``while engine.global_steps < N`` loop goes on by itself. With a
         ``data_iter`` of the caller's, ``JobRestarted`` (a ``FatalLoss``) is raised once the job has restarted: rewind
-        the iterator to its ``data_position`` micro-batches and go on."""
+        the iterator to its ``data_position`` micro-batches and go on.
+
+        A node released from the layout (its pipeline dropped after a loss) stands by in its process until a
+        reconfiguration admits it again, and goes on the same way from the running nodes' step (``JobRestarted``
+        for a ``data_iter`` of the caller's); the job's end while it stands by ends it with ``SystemExit(0)``."""
         try:
             return self._train_batch(data_iter)
         except FatalLoss as err:
@@ -286,11 +290,22 @@ class ResilientPipelineEngine:
                 self._failed = True
                 raise
             self._restart(err)
+            what = f"the job restarted from step {self.host.step} after a fatal loss"
+        except Released:
+            self._stand_by()
+            what = f"this node was admitted again into the running job at step {self.host.step}"
         if data_iter is not None:
-            raise JobRestarted(f"the job restarted from step {self.host.step} after a fatal loss; rewind data_iter to "
-                               f"micro-batch {self.drawn} (engine.drawn) and call train_batch again", self.host.step,
-                               self.drawn)
+            raise JobRestarted(f"{what}; rewind data_iter to micro-batch {self.drawn} (engine.drawn) and call "
+                               "train_batch again", self.host.step, self.drawn)
         return self.train_batch()
+
+    def _stand_by(self) -> None:
+        """Out of the layout (``Released``): wait in this process for an admission, then take the stage and the
+        training state from the running nodes (``_join``); ``SystemExit(0)`` when the job finishes first."""
+        record = self.runner.wait_admission()
+        if record is None:
+            raise SystemExit(0)
+        self._join(record)
 
     def _restart(self, err: FatalLoss) -> None:
         """The survivors' layout and fresh stages (``PipelineRunner.restart``), then the last complete checkpoint this
@@ -383,6 +398,9 @@ class ResilientPipelineEngine:
                 self._failed = True
                 raise
             self._restart(err)  # nothing of this save was committed; the job is back at the last checkpoint
+            return False
+        except Released:  # out of the layout: the others save without this node
+            self._stand_by()
             return False
         if save_latest and dist.get_rank() == 0:
             ckpt.atomic_save(tag.encode(), Path(save_dir) / "latest")

@@ -358,6 +358,15 @@ class Session:
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
             revision = change.revision
 
+    def stand_by(self) -> None:
+        """This node left the layout (released: ``release`` said so first, or its admission failed) and stands by in
+        its process, under the same registration: no pipeline, nothing watched, its standby key put again (an
+        admission of it from now on is one made for the node that waits now)."""
+        self.detector.watch([])
+        self.nodes, self.joining = [], True
+        self.leaving, self.leavers, self.joiners = False, set(), []
+        self._standing_since = self.store.put(self.keys.standby(self.node), "1")
+
     def enter(self, record: Reconfiguration) -> tuple[int, int]:
         """Join the process group of an admission record (as a standby node); returns (rank, world size)."""
         self.generation = record.generation - 1

@@ -5,11 +5,11 @@ from __future__ import annotations
 import faulthandler
 import logging
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_bamboo.engine.placement import must_fit
 from lightning_bamboo.engine.ties import held_layers
-from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
+from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost, Released
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Failover
 from lightning_bamboo.runtime.stage import NodeStage
@@ -122,17 +122,11 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
                       lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
     return plan, rank, world
 
-def _release(stage: NodeStage, step: int) -> None:
-    """Leave the layout (this node's pipeline was dropped) and come back as a standby node, in a fresh process."""
-    from lightning_bamboo.membership.node import rejoin_as_standby
-
+def _release(stage: NodeStage, step: int) -> NoReturn:
+    """Leave the layout (this node's pipeline was dropped) and stand by in this process (``Released``)."""
     session = stage.require_session()
-    log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); joining again "
-                "as a standby node", session.node, step)
-    try:
-        session.release()
-        session.registry.leave(timeout=2.0)  # its id is free at once for the standby incarnation
-    finally:
-        session.stop()
-    rejoin_as_standby()
-
+    log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); it stands by in "
+                "its process", session.node, step)
+    session.release()
+    stage.stand_by()
+    raise Released(f"{session.node} was released at step {step}: its pipeline lost a node")

@@ -11,9 +11,8 @@ from lightning_bamboo.engine.build import ensure_deepspeed_comm
 from lightning_bamboo.engine.reconfigure import move_layers
 from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.engine.transfer import exchange_objects
-from lightning_bamboo.errors import BambooConfigError, FatalLoss, PeerLost
+from lightning_bamboo.errors import BambooConfigError, FatalLoss, PeerLost, Released
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
-from lightning_bamboo.membership.node import rejoin_as_standby
 from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import Layout
@@ -133,5 +132,6 @@ def start_admitted(stage: NodeStage, model: PipelineModel, record: Reconfigurati
         # node released from a dropped pipeline does
         log.warning("%s: a node was lost while this node was admitted at step %d (%s); it stands by again",
                     session.node, record.step, err)
-        rejoin_as_standby()
+        stage.stand_by()
+        raise Released(f"{session.node}'s admission at step {record.step} failed: {err}") from err
     return meta

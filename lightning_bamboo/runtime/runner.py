@@ -27,7 +27,7 @@ from lightning_bamboo.runtime.restart import (
     reform_after_fatal_loss,
     restarted,
 )
-from lightning_bamboo.runtime.session import LEAVE, Session, joining, launched_by_bamboo, start_session
+from lightning_bamboo.runtime.session import LEAVE, Session, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.layout import micro_batches, pipeline_share
 
@@ -99,10 +99,10 @@ class PipelineRunner:
         return self.session
 
     def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Reconfiguration | None:
-        """A node joining a running job: standby until a reconfiguration admits it (its record), or the job
-        finishes (None)."""
+        """A standby node (one the launcher starts to join, or one that left the layout: ``Released``): standby
+        until a reconfiguration admits it (its record; :meth:`enter` it next), or the job finishes (None)."""
         session = self.open_session(leave_requested)
-        assert session is not None and joining(), "wait_admission() is for a node the launcher starts to join"
+        assert session is not None and session.joining, "wait_admission() is for a standby node"
         try:
             record = session.wait_admission()
         except FatalLoss:  # the job was abandoned: this node leaves it (its process may serve the next one)

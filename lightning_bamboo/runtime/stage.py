@@ -476,6 +476,17 @@ class NodeStage:
         audit.check([audit.NodeDigest(**r) for r in reports], self.host.global_step(), when)
         self.audits += 1
 
+    def stand_by(self) -> None:
+        """Leave the layout and wait as a standby node (``Session.stand_by``): the generation's communication is
+        aborted (the others re-formed without this node) and the stage, its engine and replica are dropped; an
+        admission builds the stage again from the running nodes' layers."""
+        session = self.require_session()
+        session.groups.abort()
+        if self.engine is not None:
+            self.engine.release_exchange()
+        self.engine, self.layout = None, None
+        session.stand_by()
+
     def close(self) -> None:
         """Drop the engine and the session (the runner stopped it): the process is ending or leaving the job."""
         self.engine, self.session = None, None

@@ -232,6 +232,19 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
         check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
 
+    def admit(self, record: Reconfiguration | None) -> None:
+        """A standby node's admission ``record`` (None: the job finished first, and this node ends with status 0):
+        enter the job's process group at the rank it gives; ``setup`` then takes the stage and the training state
+        from the running nodes."""
+        from lightning_bamboo.membership.node import leave_idle_priority
+
+        if record is None:
+            raise SystemExit(0)
+        self._admission = record
+        leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
+        self._assigned = self.runner.enter(record)
+        self.set_world_ranks()
+
     def forget_start(self) -> None:
         """Drop what the last start of ``fit`` read (an admission, a resume's RNG): a restart reads its own."""
         self._admission = self._admitted_checkpoint = None
@@ -252,7 +265,6 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         from lightning_bamboo.callbacks.preemption import (
             leave_requested,  # (callbacks import the strategy's package)
         )
-        from lightning_bamboo.membership.node import leave_idle_priority
 
         runner = self.runner
         backend = self._get_process_group_backend()
@@ -268,13 +280,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         if joining() and runner.session is None:
             # A node joining a running job: standby until a reconfiguration admits it, then its
             # process group is the job's (Lightning finds it initialised and keeps it).
-            record = runner.wait_admission(leave_requested)
-            if record is None:
-                raise SystemExit(0)
-            self._admission = record
-            leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
-            self._assigned = runner.enter(record)
-            self.set_world_ranks()
+            self.admit(runner.wait_admission(leave_requested))
         resolve_stages(self.world_size, self.runner.stage.depth)  # fail before joining a group (an admission set the depth)
         if runner.session is None and runner.open_session(leave_requested) is not None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
@@ -395,7 +401,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
     def connect(self, model: Any) -> None:
         with refused_quietly():  # under the Bamboo launcher: before the membership rendezvous
             # a joining node takes the running job's layout and data; a restart the survivors' (checked at the start)
-            if launched_by_bamboo() and not joining() and not self.runner.restarting:
+            if launched_by_bamboo() and not joining() and not self.runner.restarting and self._admission is None:
                 self.check_before_launch(model, model._trainer)
                 self._data_checked = check_batches(model._trainer, self.micro_batch_size, self.pipelines, early=True)
             self._check_model(model)

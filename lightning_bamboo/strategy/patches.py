@@ -14,7 +14,7 @@ import torch.distributed as torch_dist
 
 from lightning_bamboo.engine.comm_process import abort_generation
 from lightning_bamboo.engine.groups import reset_group_names
-from lightning_bamboo.errors import FatalLoss
+from lightning_bamboo.errors import FatalLoss, Released
 from lightning_bamboo.runtime.session import request_leave
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,9 @@ class _PreflightLauncherMixin:
 
     def _restarting(self, fit: Callable, trainer: Any) -> Callable:
         """``fit``, run again from the last complete checkpoint each time a fatal loss ends it under the Bamboo
-        launcher (``strategy.restart``): the user's ``trainer.fit`` returns when the job is done."""
-        from lightning_bamboo.strategy.restart import restart_fit
+        launcher, and from the running nodes' state each time this node, released from the layout, is admitted again
+        (``strategy.restart``): the user's ``trainer.fit`` returns when the job is done."""
+        from lightning_bamboo.strategy.restart import restart_fit, stand_by_fit
 
         strategy = self._bamboo_strategy
 
@@ -122,6 +123,8 @@ class _PreflightLauncherMixin:
                     if not strategy.runner.can_restart(err):
                         raise
                     args = restart_fit(strategy, trainer, err, args)
+                except Released:  # out of the layout: stand by in this process until admitted again
+                    args = stand_by_fit(strategy, trainer, args)
 
         return fit_through_fatal_losses
 

@@ -63,11 +63,11 @@ class FitRestarts:
                 yield from checkpoints()
 
 
-def restart_fit(strategy: Any, trainer: Any, err: FatalLoss, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """After ``err`` ended ``trainer.fit``: re-form the survivors and put the failed attempt away; returns the
-    arguments to run Lightning's fit again with (``ckpt_path``: the agreed checkpoint, or None)."""
+def put_away(strategy: Any, trainer: Any) -> None:
+    """What an attempt of ``fit`` that a fatal loss or a release ended leaves: an asynchronous write waiting for
+    shards that will never come, its data iterators, the callbacks' and the module's set-up (their ``teardown``:
+    the next attempt's ``setup`` calls them again), the strategy's start (an admission, a resume's RNG)."""
     call = strategy.pl_package("trainer.call")
-    runner, restarts = strategy.runner, strategy.restarts
     for callback in trainer.callbacks:  # before the teardown hooks, which wait for what is in flight
         before = getattr(callback, "before_restart", None)
         if callable(before):
@@ -78,7 +78,26 @@ def restart_fit(strategy: Any, trainer: Any, err: FatalLoss, fit_args: tuple[Any
     trainer.fit_loop.teardown()
     trainer.fit_loop._combined_loader = None  # the data again, cut for the pipelines of the new layout
     trainer._logger_connector.teardown()
-    strategy.forget_start()  # an admission's state, a resume's RNG: not this attempt's
+    strategy.forget_start()
+
+
+def stand_by_fit(strategy: Any, trainer: Any, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """This node left the layout (``Released``) and stands by in its process: its attempt put away, it waits for an
+    admission (then ``fit`` runs again from the running nodes' state) or the job's end (``SystemExit(0)``)."""
+    from lightning_bamboo.callbacks.preemption import (
+        leave_requested,  # (callbacks import the strategy's package)
+    )
+
+    put_away(strategy, trainer)
+    strategy.admit(strategy.runner.wait_admission(leave_requested))
+    return fit_args
+
+
+def restart_fit(strategy: Any, trainer: Any, err: FatalLoss, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """After ``err`` ended ``trainer.fit``: re-form the survivors and put the failed attempt away; returns the
+    arguments to run Lightning's fit again with (``ckpt_path``: the agreed checkpoint, or None)."""
+    runner, restarts = strategy.runner, strategy.restarts
+    put_away(strategy, trainer)
     strategy._assigned = runner.restart(err)
     agreed = runner.restart_checkpoint(lambda: restarts.candidates(trainer))
     if agreed is None:
