@@ -243,8 +243,7 @@ def test_no_module_is_longer_than_600_lines():
 #: preloaded heap they share with their worker
 #: the processes that end without the interpreter's teardown (``membership.teardown.leave_without_teardown``, the
 #: package's one ``os._exit``): forked helpers that run none of a worker's code, by file with their count of calls
-NEVER_RAN = {"lightning_bamboo/membership/standby.py": 1, "lightning_bamboo/engine/comm_zygote.py": 1,
-             "lightning_bamboo/engine/comm_child.py": 1}
+NEVER_RAN = {"lightning_bamboo/engine/comm_zygote.py": 1, "lightning_bamboo/engine/comm_child.py": 1}
 
 
 def test_the_engines_state_is_made_in_its_constructor():

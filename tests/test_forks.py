@@ -293,50 +293,6 @@ def started():
         signal_worker(proc, signal.SIGKILL, wait=True)
 
 
-@pytest.mark.timeout(120)
-def test_a_released_node_comes_back_as_the_fork_taken_at_its_start_under_the_same_process_id(server, started, tmp_path):
-    """``rejoin_as_standby`` in a forked job node: its standby zygote (forked before the node ran anything) becomes
-    the standby process (preloaded, no import), the released process becomes a proxy holding its process id, which
-    passes signals on and ends with the standby's status; a zygote never told ends with its worker."""
-    from lightning_bamboo.launcher.cluster import signal_worker
-    from lightning_bamboo.membership.node import process_alive
-
-    env = {"PYTHONPATH": str(REPO), "BAMBOO_NODE": "n0"}
-    released, out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env, started)
-    first, second = _lines(out, 2)
-    assert first["pid"] == released.pid and first["join"] is None and first["preloaded"] and first["zygote"]
-    assert second["pid"] == first["zygote"] and second["ppid"] == released.pid  # the proxy's child
-    assert second["preloaded"] and second["join"] == "1" and second["node"] == "n0" and second["argv"] == ["wait"]
-    assert second["threads"] == 1  # nothing of the released process (its blocked thread) came along
-    from lightning_bamboo.membership.node import idle_priority_supported
-
-    assert second["idle"] == idle_priority_supported()  # a standby waits at idle priority where it can come back
-    with open(f"/proc/{released.pid}/cmdline", "rb") as f:
-        assert f.read().split(b"\0")[3].endswith(b"membership/proxy.py")  # python -I -S .../proxy.py PID
-    assert second["zygote"] and process_alive(second["zygote"])  # released again, it would come back the same way
-    released.send_signal(signal.SIGUSR1)  # to the process id its supervisor knows: the proxy passes it on
-    assert released.wait(60) == 7
-    assert not process_alive(second["pid"])
-
-    # SIGKILL of a worker and its descendants (a machine that vanishes) reaches the standby process too
-    again, again_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "wait", env, started)
-    _, standby_process = _lines(again_out, 2)
-    signal_worker(again, signal.SIGKILL, wait=True)
-    assert again.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 10
-    while process_alive(standby_process["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not process_alive(standby_process["pid"])
-
-    ending, ending_out = _probe_module(server, tmp_path, "tests.scripts.release_probe", "end", env, started)
-    assert ending.wait(60) == 0
-    (report,) = _lines(ending_out, 1)
-    deadline = time.monotonic() + 10
-    while process_alive(report["zygote"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not process_alive(report["zygote"])  # never told: it ended with its worker
-
-
 def _probe_module(server: ForkServer, tmp_path, module: str, how: str, env: dict[str, str],
                   started: list) -> tuple[object, object]:
     out = tmp_path / f"out-{how}-{len(list(tmp_path.iterdir()))}.log"

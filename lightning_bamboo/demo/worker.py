@@ -198,7 +198,6 @@ def main() -> int:
 
 def _assigned(assignment: dict) -> argparse.Namespace:
     """Take on an assignment (``offer_process``): its node's environment, its job's log; its arguments, parsed."""
-    from lightning_bamboo.membership import node
 
     if assignment.get("log"):  # the output of the job it runs now goes with that job's
         sys.stdout.flush()
@@ -208,7 +207,6 @@ def _assigned(assignment: dict) -> argparse.Namespace:
         os.dup2(fd, 2)
         os.close(fd)
     os.environ.update(assignment["env"])  # a standby node's process may join the next job as one again
-    node.standby_command = [sys.executable, "-m", "lightning_bamboo.demo.worker", *assignment["args"]]
     return parse(assignment["args"])
 
 

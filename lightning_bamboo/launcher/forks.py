@@ -45,8 +45,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
 from typing import IO, Any, NoReturn, cast
 
-from lightning_bamboo.membership import standby
-from lightning_bamboo.membership.node import NODE_ENV, die_with_parent, process_alive
+from lightning_bamboo.membership.node import die_with_parent, process_alive
 
 #: the address (a Unix socket's path) of a shared fork server (``start_shared``) that launchers asked to preload use
 SHARED_ENV = "BAMBOO_FORK_SERVER"
@@ -440,10 +439,8 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> NoReturn:
     threads = request["env"].get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # read when torch was imported: the server's value, not this worker's
-    if NODE_ENV in request["env"]:  # a job's node: released, it comes back as a fork taken now (membership.standby)
-        standby.fork_zygote(lambda go: _become_worker({**request, **go, "session": False}, 1, 2))
     module, script = request["module"], request["script"]
-    # the command line it stands for (a released node starts it again with it: membership.node.rejoin_as_standby)
+    # the command line it stands for
     sys.orig_argv = [sys.executable, *(["-m", module] if module else [script]), *request["argv"]]
     # sys.path[0] as python sets it: the script's directory, or the working directory for -m
     sys.path[0] = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()

@@ -4,11 +4,8 @@ leaving or rejoining the job (idle CPU priority, a fresh standby process)."""
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import sys
 import threading
-from typing import NoReturn
 
 STORE_ENV, JOB_ENV, NODE_ENV, NODES_ENV = "BAMBOO_STORE", "BAMBOO_JOB", "BAMBOO_NODE", "BAMBOO_NODES"
 #: set to "1" for a node that joins a running job: it waits as standby until a reconfiguration admits it
@@ -108,35 +105,6 @@ def joiner_env(name: str) -> dict[str, str]:
     """The environment that makes worker ``name`` join a running job as a standby node (with the store and
     job variables of the job it joins)."""
     return {NODES_ENV: name, NODE_ENV: name, JOIN_ENV: "1", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
-
-
-#: the command line a released node starts again with (``rejoin_as_standby``); None: this process's own. A
-#: worker that took over another job's arguments in its process (a restart in place) sets it.
-standby_command: list[str] | None = None
-
-
-def rejoin_as_standby() -> NoReturn:
-    """Replace this worker by a fresh process of the same command that joins the job as a standby node.
-
-    For a node released from a running layout (its pipeline was dropped after a loss): same
-    process id, so its supervisor (``Cluster``, ``supervise``) still sees it running; nothing of
-    the old process (threads blocked on the old process group included) survives the ``exec``.
-    It waits at idle CPU priority where it may come back from it (``idle_priority_supported``),
-    as ``Cluster.spawn_joiner(idle=True)`` starts standby nodes. A worker forked from a preloaded interpreter
-    has a fork of itself taken before it ran anything, which becomes the standby process instead of a new
-    ``python`` (``membership.standby``: milliseconds instead of the imports' seconds).
-    """
-    from lightning_bamboo.membership import standby
-
-    env = {**os.environ, **joiner_env(os.environ.get(NODE_ENV, ""))}
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    argv = standby_command or [sys.executable, *sys.orig_argv[1:]]
-    standby.hand_over(argv, env, idle_priority_supported())  # a fork taken at its start becomes it, if it has one
-    if idle_priority_supported():
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread: the new main thread
-    os.execve(argv[0], argv, env)
 
 
 @functools.cache

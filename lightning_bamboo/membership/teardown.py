@@ -8,8 +8,7 @@ from typing import NoReturn
 
 
 def leave_without_teardown(flush: bool) -> NoReturn:
-    """End a forked helper that ran none of a worker's code (a standby zygote never told, the communication zygote,
-    a communication process) with status 0 and without the interpreter's teardown: that teardown writes every page
+    """End a forked helper that ran none of a worker's code (the communication zygote, a communication process) with status 0 and without the interpreter's teardown: that teardown writes every page
     of the preloaded heap the helper shares with its worker (0.8 s of a core per process here, at every job's end)
     and makes torch's C++ complain about its process groups' threads. Nobody reads such a helper's status.
 

@@ -10,6 +10,7 @@ from lightning_bamboo.engine.placement import check_placement
 from lightning_bamboo.engine.precision import resolve
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_option
+from lightning_bamboo.topology.policy import rebalance_arguments
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_DETECTION_SECONDS = 10.0
@@ -93,7 +94,6 @@ class BambooConfig:
             raise BambooConfigError(f"restart_on_fatal_loss must be True or False (restart_on_fatal_loss: "
                                     f"{self.restart_on_fatal_loss!r})")
         from lightning_bamboo.runtime.notices import pollers_from_config
-        from lightning_bamboo.runtime.rebalance import from_config
 
         if isinstance(self.notice_interval, bool) or not isinstance(self.notice_interval, (int, float)) \
                 or self.notice_interval <= 0:
@@ -102,7 +102,7 @@ class BambooConfig:
         pollers_from_config(self.notices, "notices")  # the sources are checked now, polled under the launcher
         object.__setattr__(self, "notices", dict(self.notices) if isinstance(self.notices, dict) else
                            ((self.notices,) if isinstance(self.notices, str) else tuple(self.notices)))
-        from_config(self.rebalance, "rebalance")
+        rebalance_arguments(self.rebalance, "rebalance")
         every = self.activation_checkpointing
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise BambooConfigError(f"activation_checkpointing is the layers per checkpointed segment, an integer >= 0 "

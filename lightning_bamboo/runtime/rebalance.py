@@ -26,7 +26,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.records import Failover, Restart
 from lightning_bamboo.topology.apart import apart_warning
 from lightning_bamboo.topology.layout import machine_of
@@ -34,7 +33,9 @@ from lightning_bamboo.topology.policy import (
     Decision,
     Placement,
     PolicyConfig,
+    check_rebalancer,
     moved_nodes,
+    rebalance_arguments,
     reconfigure,
     split_micro_batches,
 )
@@ -65,15 +66,7 @@ class Rebalancer:
     def __init__(
         self, stages: int | None = None, min_stages: int = 2, max_overloaded_fraction: float = 0.05, admit: bool = True
     ) -> None:
-        name = type(self).__name__
-        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
-            raise BambooConfigError(f"{name}(stages={stages!r}): the preferred depth must be >= 1 (an integer), or None")
-        if isinstance(min_stages, bool) or not isinstance(min_stages, int) or min_stages < 1:
-            raise BambooConfigError(f"{name}(min_stages={min_stages!r}) must be >= 1 (an integer)")
-        if not isinstance(max_overloaded_fraction, (int, float)) or not 0.0 <= max_overloaded_fraction <= 1.0:
-            raise BambooConfigError(
-                f"{name}(max_overloaded_fraction={max_overloaded_fraction!r}) must be in [0, 1]; use e.g. 0.05"
-            )
+        check_rebalancer(type(self).__name__, stages, min_stages, max_overloaded_fraction)
         self.stages, self.min_stages, self.admit = stages, min_stages, bool(admit)
         self.max_overloaded_fraction = float(max_overloaded_fraction)
         self.layout: Placement | None = None  # the policy's view: lost nodes stay in it until a decision drops them
@@ -212,19 +205,10 @@ class Rebalancer:
 
 def from_config(entry: Any, name: str = '"bamboo.rebalance"') -> Rebalancer | None:
     """A config entry as a ``Rebalancer`` (None for ``false``): ``true`` for the defaults, or a dict of its arguments
-    (``stages``, ``min_stages``, ``max_overloaded_fraction``, ``admit``); ``name`` is the entry's, for the errors."""
-    if entry is False or entry is None:
-        return None
-    if entry is True:
-        return Rebalancer()
-    if not isinstance(entry, dict):
-        raise BambooConfigError(f"{name} must be true, false or a dict of stages, min_stages, max_overloaded_fraction "
-                                f'and admit (got {entry!r}); e.g. "rebalance": {{"stages": 4}}')
-    known = ("stages", "min_stages", "max_overloaded_fraction", "admit")
-    unknown = sorted(set(entry) - set(known))
-    if unknown:
-        raise BambooConfigError(f"unknown keys in {name}: {unknown}; known keys: {list(known)}")
-    return Rebalancer(**entry)
+    (``stages``, ``min_stages``, ``max_overloaded_fraction``, ``admit``); ``name`` is the entry's, for the errors
+    (``topology.policy.rebalance_arguments`` checks it)."""
+    arguments = rebalance_arguments(entry, name)
+    return None if arguments is None else Rebalancer(**arguments)
 
 
 def runtime_placement(runner: PipelineRunner, global_micro_batches: int | None) -> Placement:

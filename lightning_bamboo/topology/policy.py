@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.topology.apart import apart_warning, place_apart
@@ -449,3 +450,33 @@ def reconfigure(
             f"rebuild {pipelines} x {depth}",
         )
     return Decision("keep", layout, "no rule applies" if not lost else f"{len(over)} overloaded, within risk")
+
+
+def check_rebalancer(name: str, stages: Any, min_stages: Any, max_overloaded_fraction: Any) -> None:
+    """The rebalancer's arguments (``runtime.rebalance.Rebalancer``), checked: ``BambooConfigError`` naming the rule."""
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise BambooConfigError(f"{name}(stages={stages!r}): the preferred depth must be >= 1 (an integer), or None")
+    if isinstance(min_stages, bool) or not isinstance(min_stages, int) or min_stages < 1:
+        raise BambooConfigError(f"{name}(min_stages={min_stages!r}) must be >= 1 (an integer)")
+    if not isinstance(max_overloaded_fraction, (int, float)) or not 0.0 <= max_overloaded_fraction <= 1.0:
+        raise BambooConfigError(f"{name}(max_overloaded_fraction={max_overloaded_fraction!r}) must be in [0, 1]; use "
+                                "e.g. 0.05")
+
+
+def rebalance_arguments(entry: Any, name: str) -> dict[str, Any] | None:
+    """A config's rebalancing entry as the rebalancer's arguments (None for ``false``): ``true`` for the defaults, or
+    a dict of ``stages``, ``min_stages``, ``max_overloaded_fraction``, ``admit``; checked, ``name`` in the errors."""
+    if entry is False or entry is None:
+        return None
+    if entry is True:
+        return {}
+    if not isinstance(entry, dict):
+        raise BambooConfigError(f"{name} must be true, false or a dict of stages, min_stages, max_overloaded_fraction "
+                                f'and admit (got {entry!r}); e.g. "rebalance": {{"stages": 4}}')
+    known = ("stages", "min_stages", "max_overloaded_fraction", "admit")
+    unknown = sorted(set(entry) - set(known))
+    if unknown:
+        raise BambooConfigError(f"unknown keys in {name}: {unknown}; known keys: {list(known)}")
+    check_rebalancer("Rebalancer", entry.get("stages"), entry.get("min_stages", 2),
+                     entry.get("max_overloaded_fraction", 0.05))
+    return dict(entry)
