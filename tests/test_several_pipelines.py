@@ -12,6 +12,7 @@ run's samples, every run exiting 0.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -55,3 +56,28 @@ def test_a_node_of_every_pipeline_killed_at_once_adds_nothing_to_the_regrouping(
     # every step trained once, on the same samples as the other run (the global batch, whoever trained it)
     assert chaos.sample_problems(left["samples"], killed["samples"], STEPS) == []
     assert chaos.sample_problems(killed["samples"], left["samples"], STEPS) == []
+
+
+def test_released_nodes_stand_by_in_their_processes_and_come_back_as_a_pipeline(tmp_path):
+    """Three pipelines of two stages (a user's Lightning script under the launcher, ``RebalanceCallback``): node1
+    and node2, each of another pipeline, are SIGKILLed in step 8. Their pipelines are dropped and their survivors
+    released; each stands by in its own process (no exec: the launcher started each worker once) and the rebalancer
+    admits the two back as a second pipeline. Every worker but the killed ones exits 0."""
+    from lightning_bamboo.testing import faults
+    from tests.helpers import launcher_exit_codes
+
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "6", "--", PYTHON, "benchmarks/spot_user.py",
+                "--stages", "2", "--steps", "40", "--out", str(tmp_path)], timeout=400,
+               env=faults.environment(["node1@8", "node2@8"]))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": -9, "node2": 0, "node3": 0, "node4": 0,
+                                                "node5": 0} | {"node2": -9}, proc.stdout[-3000:]
+    released = sorted(set(re.findall(r"(node\d): released at step 8 .* it stands by in its process", proc.stdout)))
+    assert len(released) == 2, proc.stdout[-4000:]
+    for node in released:
+        assert len(re.findall(rf"\[launcher\] {node}: pid \d+", proc.stdout)) == 1  # started once: no new process
+        assert re.search(rf"{node}: admitted as rank \d of 4 at step \d+", proc.stdout), proc.stdout[-4000:]
+    records = [json.loads(line) for path in tmp_path.glob("steps-*.jsonl") for line in path.read_text().splitlines()]
+    assert max(len(r["nodes"]) for r in records if r["step"] > 8) == 4  # two pipelines again, with both
+    assert {"node4", "node5"} <= {n for r in records if r["step"] > 8 for n in r["nodes"]} | set(released)
+    assert "training_step is not called" not in proc.stdout.split("released at step 8", 1)[1]  # said at the start only

@@ -409,7 +409,9 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         utils = self.pl_package("utilities.model_helpers")
         for hook in ("training_step", "validation_step", "test_step"):
             if utils.is_overridden(hook, model):
-                if hook == "training_step" and not self.runner.restarting:  # (said once, at the first start)
+                if getattr(getattr(model, hook), "__func__", None) is patches.pipeline_step_placeholder:
+                    continue  # ours, from an earlier start of fit in this process (a restart, an admission)
+                if hook == "training_step":
                     log.warning(
                         "%s.training_step is not called with strategy='bamboo': the pipeline runs "
                         "configure_pipeline() layers and pipeline_loss(); log from on_train_batch_end instead",
