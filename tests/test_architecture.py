@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 
 PACKAGE = REPO / "lightning_bamboo"
@@ -379,3 +381,23 @@ def test_no_module_writes_the_runners_or_the_stages_fields():
                 if name in ("runner", "stage"):
                     found.append(f"{module}:{node.lineno}: {ast.unparse(target)}")
     assert not found, "fields of a runner or a stage written from outside; add an operation:\n" + "\n".join(found)
+
+
+def test_the_architecture_document_names_every_module():
+    """docs/architecture.md's module map names every module of the package (a new one is added there)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    missing = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                     if f"`{path.relative_to(PACKAGE)}`" not in text)
+    assert not missing, "docs/architecture.md does not name these modules (add them to its module map):\n" + \
+        "\n".join(missing)
+
+
+@pytest.mark.parametrize("module", ["lightning_bamboo.topology", "lightning_bamboo.schedule", "lightning_bamboo.errors",
+                                    "lightning_bamboo.planner.costmodel", "lightning_bamboo.planner.solver",
+                                    "lightning_bamboo.planner.plan"])
+def test_the_layer_zero_modules_the_document_calls_torch_free_import_no_torch(module):
+    """What docs/architecture.md says of layer 0: these import no torch (torch hidden: importing it would fail)."""
+    code = f"import sys; sys.modules['torch'] = None; import {module}; print(sorted(m for m in ('deepspeed', " \
+           "'lightning') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
