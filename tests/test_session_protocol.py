@@ -308,6 +308,29 @@ def test_a_node_back_as_standby_waits_for_an_admission_made_after_it_came_back(s
             back.stop()
 
 
+def test_a_standby_node_whose_lease_lapsed_registers_again_and_waits_on(server):
+    """A standby node's keep-alives starve (a loaded machine) until its lease may have lapsed: instead of stopping
+    with ``Fenced`` at its next write it registers again (it held no stage) and goes on waiting, live."""
+    with job(server, "starved", ["n0"]) as s:
+        spare = session(server, "starved", "n8", [], joining=True).open()
+        try:
+            spare.registry.stop_heartbeat()
+            wait_until(s["n0"].store, JobKeys("starved").node(), lambda live: "n8" not in live)  # its lease ended
+            assert spare.store.fenced
+            seen: list[bool] = []
+
+            def finish_once_back() -> None:
+                wait_until(s["n0"].store, JobKeys("starved").node(), lambda live: "n8" in live)
+                seen.append(True)
+                s["n0"].finish()
+
+            assert on_threads({"n8": lambda: spare.wait_admission(poll=0.2), "n0": finish_once_back}) == {
+                "n8": None, "n0": None}
+            assert seen and not spare.store.fenced
+        finally:
+            spare.stop()
+
+
 def test_a_standby_node_stops_waiting_when_every_node_of_its_job_is_gone(server):
     """The job's only node freezes (its lease ends) and nobody finishes the job: the standby node gives up a
     detection timeout later with ``FatalLoss`` instead of waiting for ever (its launcher returns)."""

@@ -194,6 +194,7 @@ class Registry:
         sent = time.monotonic()
         lease = self.store.grant_lease(self.ttl, timeout=timeout)
         self.lease_id = lease.id
+        self.lease_lost.clear()  # a new lease (a standby registering again): the old one's end is not its
         self.info = replace(self.info, lease=lease.id)  # the record names its lease (``members``: else ignored)
         self.renewed_at = sent
         won, kv = self.store.put_if_absent(
@@ -255,7 +256,7 @@ class Registry:
     def lease_may_have_expired(self) -> bool:
         """True once the store may have let this node's lease expire (and its peers declared it lost): the
         store said so, or no keep-alive has succeeded for a TTL. From then on this node must not act as a
-        member (``membership.fence``); it never becomes False again."""
+        member (``membership.fence``); it never becomes False again for that lease (only ``join`` takes a new one)."""
         if self.lease_lost.is_set():
             return True
         if self.renewed_at is not None and time.monotonic() - self.renewed_at >= self.ttl:

@@ -21,7 +21,7 @@ from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.protocol import Store, request_timeout_for, wait_riding_out
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
-from lightning_bamboo.membership.registry import LossDetector, Registry
+from lightning_bamboo.membership.registry import LossDetector, NodeIdInUseError, Registry
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import machine_of
 
@@ -354,7 +354,10 @@ class Session:
                 return None
             alive.check()
             beat += 1  # this node still answers (the running nodes offer only standby nodes that do)
-            self.store.put(self.keys.standby(self.node), str(beat))
+            try:
+                self.store.put(self.keys.standby(self.node), str(beat))
+            except Fenced as err:  # a standby holds nothing of the job's: it may register again (a loaded machine)
+                self._register_again(err)
             change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
             revision = change.revision
 
@@ -365,6 +368,22 @@ class Session:
         self.detector.watch([])
         self.nodes, self.joining = [], True
         self.leaving, self.leavers, self.joiners = False, set(), []
+        self._standing_since = self.store.put(self.keys.standby(self.node), "1")
+
+    def _register_again(self, why: Fenced) -> None:
+        """A standby node whose lease may have lapsed (its keep-alives starved: a loaded machine, a slow store)
+        registers again instead of stopping: it held no stage, so nobody failed anything over for it."""
+        log.warning("%s: %s; as a standby node it registers again", self.node, why)
+        self.registry.leave(timeout=self.detection_timeout)  # its old lease and keys go now (if they have not)
+        deadline = time.monotonic() + 3 * self.registry.ttl
+        while True:
+            try:
+                self.registry.join()
+                break
+            except NodeIdInUseError:  # the store still holds the old incarnation's key: its lease ends by itself
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)  # bounded (a few leases) poll of the store's key
         self._standing_since = self.store.put(self.keys.standby(self.node), "1")
 
     def enter(self, record: Reconfiguration) -> tuple[int, int]:
