@@ -30,13 +30,18 @@ def test_a_seed_of_launcher_chaos_ends_exact_with_every_supervisor_right(tmp_pat
         check_netns()
     except NetnsUnavailable as err:
         pytest.fail(f"the launcher's chaos emulates machines with network namespaces: {err}")
-    proc = subprocess.run([PYTHON, "benchmarks/chaos_launcher.py", "--pipelines", "1", "--seeds", "1",
-                           "--first-seed", "15", "--changes", "6", "--steps", "100", "--keep", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=840, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert re.search(r"^seed 15: ok in \d+ s; weights 0 \(with the key biases 0\), optimizer 0;", proc.stdout, re.M), \
-        proc.stdout[-3000:]
-    assert "1 runs of 100 steps, 6 changes each: 0 failed" in proc.stdout
-    assert "armed: " in proc.stdout and " joins" in proc.stdout  # the schedule's changes were made, not skipped
+    proc = subprocess.Popen([PYTHON, "benchmarks/chaos_launcher.py", "--pipelines", "1", "--seeds", "1",
+                             "--first-seed", "15", "--changes", "6", "--steps", "100", "--keep", str(tmp_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=840)
+    finally:
+        if proc.poll() is None:  # its SIGTERM handler removes its namespaces and processes
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, out[-4000:] + err[-3000:]
+    assert re.search(r"^seed 15: ok in \d+ s; weights 0 \(with the key biases 0\), optimizer 0;", out, re.M), out[-3000:]
+    assert "1 runs of 100 steps, 6 changes each: 0 failed" in out
+    assert "armed: " in out and " joins" in out  # the schedule's changes were made, not skipped
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"bb{proc.pid}x" not in listed  # it removed every namespace it made

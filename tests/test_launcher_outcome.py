@@ -43,6 +43,7 @@ def finish(c: Cluster, nodes: list[str]) -> None:
     ({"m0.0": 0, "m0.1": KILLED}, ["m0.0", "m0.1"], 1),  # m0.1 was still in the job at its end, and was killed
     ({"m0.0": CONFIG_EXIT_CODE, "m0.1": KILLED}, None, CONFIG_EXIT_CODE),  # a refusal, whatever the job did
     ({"m0.0": 1, "m0.1": 0}, ["m0.1"], 1),  # a worker failed (Fenced, a crash)
+    ({"m0.0": 0, "m0.1": 0}, None, 0),  # both ended cleanly (one left after a notice, say): no wait for the end
 ])
 def test_a_machines_status_is_its_workers_where_they_decide_else_the_jobs_end(cluster, codes, finished, status):
     cluster.codes.update(codes)

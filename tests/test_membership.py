@@ -35,9 +35,7 @@ from lightning_bamboo.membership.registry import (
     job_prefix,
     wait_for_key,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from etcd_server import Certificates, EtcdServer, etcd_binary, openssl_binary  # noqa: E402
+from lightning_bamboo.testing.etcd_server import Certificates, EtcdServer, etcd_binary, openssl_binary
 
 STORE_TOKEN = secrets.token_hex(16)
 ETCD_PASSWORD = secrets.token_hex(16)

@@ -23,9 +23,7 @@ from lightning_bamboo.membership import connect
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.registry import wait_for_key
-
-sys.path.insert(0, str(Path(__file__).parent))
-from etcd_server import EtcdServer, etcd_binary  # noqa: E402
+from lightning_bamboo.testing.etcd_server import EtcdServer, etcd_binary
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -127,19 +127,21 @@ def test_layers_are_built_under_the_seed_whatever_is_kept():
 @pytest.mark.parametrize(
     "section, message",
     [
-        ({"redundancy": "always"}, r'"bamboo.redundancy" must be one of'),
-        ({"timeout": 0}, r'"bamboo.timeout" must be a positive number of seconds \(got 0\)'),
+        ({"redundancy": "always"}, r'"bamboo" section: redundancy must be one of'),
+        ({"timeout": 0}, r'"bamboo" section: timeout must be a positive number of seconds \(timeout: 0\)'),
         ({"retries": 3}, r"unknown keys in the \"bamboo\" config entry: \['retries'\]"),
+        ({"stages": 3}, r"\['stages'\] come from the PipelineModule and the DeepSpeed config"),
     ],
 )
 def test_initialize_bamboo_options_are_checked(section, message):
+    """The DeepSpeed config's "bamboo" section is a BambooConfig, field for field, checked as the strategy's options are."""
     from lightning_bamboo.deepspeed_api import bamboo_options
+    from lightning_bamboo.runtime.config import BambooConfig
 
     with pytest.raises(BambooConfigError, match=message):
         bamboo_options({"bamboo": section})
-    assert bamboo_options({"bamboo": {"timeout": 60}}) == {"redundancy": "off", "timeout": 60, "detection_timeout": 10.0,
-                                                          "audit_replicas": False, "notices": [], "notice_interval": 3.0,
-                                                          "rebalance": False}
+    assert bamboo_options({"bamboo": {"timeout": 60}}) == BambooConfig(timeout=60)
+    assert bamboo_options({}) == BambooConfig()
 
 
 def test_initialize_with_replicas_outside_the_bamboo_launcher_is_refused_with_how_to_start_it(tmp_path, monkeypatch):

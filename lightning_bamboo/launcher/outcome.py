@@ -1,9 +1,10 @@
 """A machine's supervisor's exit status: the job's outcome as this machine saw it.
 
-Its workers may be gone long before the job ends (SIGKILLed as a vanished spot node, left after a notice, released),
-so a supervisor whose workers all ended cleanly or were killed waits for the job to end, and reports that: 0 once
-a node of the job marked it finished (``Session.finish``), 1 once no node of the job has been live for a while
-(nobody will finish it). A worker that refused the configuration makes it 2, one that failed (any other status)
+Its workers may be gone long before the job ends: a supervisor whose workers all exited 0 (each finished the job,
+left after a notice, or was told as a standby that the job finished) reports 0; one some of whose workers were
+SIGKILLed (vanished spot nodes) and the rest exited 0 waits for the job to end, and reports that: 0 once a node of
+the job marked it finished (``Session.finish``), 1 once no node of the job has been live for a while (nobody will
+finish it). A worker that refused the configuration makes it 2, one that failed (any other status)
 that status; a worker still in the job when it finished must have exited 0.
 """
 
@@ -38,6 +39,8 @@ def machine_status(cluster: Any, workers: Sequence[str], poll: float = 1.0, gone
     decided = worker_status(cluster.codes, workers)
     if decided is not None:
         return decided
+    if not any(cluster.codes.get(w) == -signal.SIGKILL for w in workers):
+        return 0  # every worker here ended cleanly (finished, left after a notice, or told the job finished)
     said, gone_since = False, None
     while True:
         finished = cluster.finished_nodes()
