@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     total = args.warmup + len(MODES) * args.steps
     data = token_dataset(CONFIG, total * MICRO * args.micro_batches)
     engine, _, _, _ = lightning_bamboo.initialize(model=model, training_data=data, config=config)
-    stage = engine.runner.stage.engine
+    stage = engine.runner.engine
     replica, peers, options = stage.replica, stage.replica_peers, stage.options
     times, modes = [], []
     for step in range(total):

@@ -231,9 +231,9 @@ def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, prec
         if DEVICE.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    assert runner.stage.engine is not None
+    assert runner.engine is not None
     peak = torch.cuda.max_memory_allocated(DEVICE) if DEVICE.startswith("cuda") else 0
-    engine = runner.stage.engine
+    engine = runner.engine
     wanted = measures.split(",")
     (out / f"{session.node}.json").write_text(json.dumps({
         "times": times, "failovers": [f.as_dict() for f in runner.failovers], "peak_bytes": peak,

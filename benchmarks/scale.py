@@ -47,10 +47,10 @@ def _need(runner) -> dict[str, int]:  # noqa: ANN001 - the strategy's runner
     module with a copy in another process: a receive buffer of that copy's gradients (4 bytes per parameter)."""
     from lightning_bamboo.engine.ties import held_layers
 
-    engine = runner.stage.engine
+    engine = runner.engine
     own = sum(p.numel() for p in engine.module.parameters())
     replica = sum(p.numel() for p in engine.replica.module.parameters()) if engine.replica is not None else 0
-    shipped = own if runner.stage.layout.stages > 1 and engine.replica is not None else 0
+    shipped = own if runner.layout.stages > 1 and engine.replica is not None else 0
     held = held_layers(engine.module)
     tied = 0
     for layers in (getattr(engine.module, "ties", None) or {}).values():

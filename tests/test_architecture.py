@@ -330,20 +330,22 @@ def test_no_module_reads_another_modules_private_attribute():
 #: (``stage``), its ``StageCheckpoints`` (``checkpoints``) and its session; what a stage is and does is the stage's
 #: own surface. A change here is made on purpose: the door is meant to stay narrow, never to grow by accident.
 RUNNER_OPERATIONS = (
-    "admit_standby agree before_step can_restart close enter eval_step finish gather open_session publish reconfigure "
-    "resilient restart restart_checkpoint restarted start start_admitted start_without_lost train_step wait_admission"
+    "admit_standby agree audit before_step can_restart close configure enter eval_step finish gather layer_costs "
+    "open_session place precision_meta probe publish reconfigure resilient resolve_precision restart "
+    "restart_checkpoint restarted start start_admitted start_without_lost train_step wait_admission"
 ).split()
 #: ... its read-only views (properties)
-RUNNER_VIEWS = "before_step_hooks between_steps config failovers nodes restarting session standby".split()
+RUNNER_VIEWS = ("audits backend before_step_hooks between_steps config depth engine failovers gradient_clipping layout "
+                "micro_batches node nodes precision restarting seed session standby").split()
 #: ... and its public fields (assigned in ``__init__``)
-RUNNER_FIELDS = "catching_up checkpoints host stage".split()
+RUNNER_FIELDS = "catching_up checkpoints host".split()
 
 
 def test_the_runners_public_surface_is_the_listed_one():
     from lightning_bamboo.runtime import PipelineRunner
     from lightning_bamboo.runtime.stage import NodeStage
 
-    assert not issubclass(PipelineRunner, NodeStage), "the runner composes its stage (runner.stage), it is not one"
+    assert not issubclass(PipelineRunner, NodeStage), "the runner composes its stage (runner._stage), it is not one"
     names = [n for n in dir(PipelineRunner) if not n.startswith("_")]
     views = sorted(n for n in names if isinstance(getattr(PipelineRunner, n), property))
     operations = sorted(n for n in names if n not in views)
@@ -378,7 +380,7 @@ def test_no_module_writes_the_runners_or_the_stages_fields():
                     continue
                 owner = target.value
                 name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
-                if name in ("runner", "stage"):
+                if name in ("runner", "stage", "_stage"):
                     found.append(f"{module}:{node.lineno}: {ast.unparse(target)}")
     assert not found, "fields of a runner or a stage written from outside; add an operation:\n" + "\n".join(found)
 
@@ -401,3 +403,16 @@ def test_the_layer_zero_modules_the_document_calls_torch_free_import_no_torch(mo
            "'lightning') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_front_ends_see_the_stage_only_through_the_runners_views():
+    """Outside ``runtime/`` nothing reaches a runner's stage (``runner._stage``, formerly the public ``runner.stage``):
+    the front doors, callbacks, demo and launcher use the runner's views and verbs."""
+    found = sorted(
+        f"{path.relative_to(REPO)}:{number}"
+        for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0] != "runtime"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "runner._stage" in line or "runner.stage." in line
+    )
+    assert not found, "the stage reached through the runner outside runtime/; add a view to PipelineRunner:\n" + \
+        "\n".join(found)

@@ -235,9 +235,9 @@ def test_options_are_a_frozen_config_changed_only_by_a_checked_replacement():
     # and nothing changes
     with pytest.raises(BambooConfigError, match="partition"):
         strategy.stages = 3
-    assert strategy.options.stages == 2 and runner.config is strategy.options and runner.stage.depth == 2
+    assert strategy.options.stages == 2 and runner.config is strategy.options and runner.depth == 2
     strategy.update_options(stages=3, partition=[0, 2, 5, 8], micro_batch_size=2)  # together, as the tuner does
     assert (strategy.stages, strategy.partition, strategy.micro_batch_size) == (3, [0, 2, 5, 8], 2)
-    assert runner.config is strategy.options and runner.stage.depth == 3
+    assert runner.config is strategy.options and runner.depth == 3
     strategy.seed = 5
     assert runner.config.seed == 5 and runner.config.stages == 3

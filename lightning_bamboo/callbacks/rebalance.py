@@ -55,7 +55,7 @@ class RebalanceCallback(Rebalancer, Callback):
             self.split_for = tuner.split_for
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.begin(self._runtime(trainer), trainer.strategy.runner.stage.layer_costs())
+        self.begin(self._runtime(trainer), trainer.strategy.runner.layer_costs())
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.detach()

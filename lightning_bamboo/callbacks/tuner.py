@@ -79,7 +79,7 @@ def _strategy_seed(strategy: Any) -> int:
     """The seed BambooStrategy builds the layers under (its ``seed``, else the ``seed_everything`` seed, else 0)."""
     runner = getattr(strategy, "runner", None)
     if runner is not None:
-        return int(runner.stage.seed)
+        return int(runner.seed)
     seed = getattr(strategy, "seed", None)
     return int(seed) if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 

@@ -208,7 +208,7 @@ class ResilientPipelineEngine:
                 runner.publish(_START_WORLD, str(world))  # a node admitted later builds its PipelineModule at this size
         if self.rebalancer is not None and runner.session is not None:
             self.rebalancer.attach(runner, micro)
-            self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
+            self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.layer_costs())
         _watch_exit(self)
         _leave_on_sigterm()
         self.notices = _watch_notices(self.config)
@@ -222,7 +222,7 @@ class ResilientPipelineEngine:
         runner = self.runner
         dist.destroy_process_group()
         runner.enter(record)
-        ensure_deepspeed_comm(runner.stage.backend)
+        ensure_deepspeed_comm(runner.backend)
         meta = runner.start_admitted(self._model, record)
         self.host.step = int(meta["bamboo"].get("global_steps", 0))
         self.drawn = int(meta.get("data_position", 0))
@@ -230,7 +230,7 @@ class ResilientPipelineEngine:
             self.host.scheduler.load_state_dict(meta["lr_scheduler"])
         if self.rebalancer is not None and meta.get("rebalance") is not None:
             self.rebalancer.load_state_dict(meta["rebalance"])  # the running nodes' view and preferred depth
-        log.warning("%s: joined the running job at step %d (%d micro-batches drawn before it)", runner.stage.node,
+        log.warning("%s: joined the running job at step %d (%d micro-batches drawn before it)", runner.node,
                     self.host.step, self.drawn)
 
     # ------------------------------------------------------------------ DeepSpeed's surface
@@ -312,10 +312,10 @@ class ResilientPipelineEngine:
         engine saved or loaded loaded into them (the job's start without one)."""
         runner = self.runner
         rank, world = runner.restart(err)
-        runner.start(self._model, world, rank, fitting=True, gradient_clipping=runner.stage.gradient_clipping)
+        runner.start(self._model, world, rank, fitting=True, gradient_clipping=runner.gradient_clipping)
         if self.rebalancer is not None:
             self.rebalancer.layout = None  # a new layout: no node in it is overloaded
-            self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
+            self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.layer_costs())
         agreed = runner.restart_checkpoint(self._restart_candidates)
         loaded = None
         if agreed is not None:
@@ -340,8 +340,8 @@ class ResilientPipelineEngine:
         count = self.host.global_micro_batches() or self.micro_batches
         micro = [next(it) for _ in range(count)]
         batch = _concatenate(micro)
-        if self.runner.stage.engine is not None:  # DeepSpeed's own counter (its prints), in the engine of now
-            self.runner.stage.engine.global_steps = self.host.step
+        if self.runner.engine is not None:  # DeepSpeed's own counter (its prints), in the engine of now
+            self.runner.engine.global_steps = self.host.step
         try:
             loss = self.runner.train_step(batch)
         except FatalLoss:
@@ -351,7 +351,7 @@ class ResilientPipelineEngine:
             raise  # (a node leaving after a notice ends with SystemExit(0), after its last step committed)
         # counted once the step is done: a node admitted at this step's start was told the position before it
         self.drawn += count
-        engine = self.runner.stage.engine
+        engine = self.runner.engine
         finished = engine.finished if engine is not None else None
         if self.host.scheduler is not None and not (finished is not None and finished.overflow):
             self.host.scheduler.step()  # DeepSpeed steps its scheduler after each applied step
@@ -364,7 +364,7 @@ class ResilientPipelineEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self, client_state: dict[str, Any] | None = None) -> dict[str, Any]:
-        layout, engine = self.runner.stage.layout, self.runner.stage.engine
+        layout, engine = self.runner.layout, self.runner.engine
         assert layout is not None and engine is not None
         scheduler = self.host.scheduler
         return {
@@ -372,9 +372,9 @@ class ResilientPipelineEngine:
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rebalance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
             "bamboo": ckpt.bamboo_meta(layout.num_layers, layout.parts, layout.pipelines, engine.optimizer,
-                                       ties=getattr(engine.module, "ties", None), global_steps=self.host.step, seed=self.runner.stage.seed,
+                                       ties=getattr(engine.module, "ties", None), global_steps=self.host.step, seed=self.runner.seed,
                                        redundancy=self.config.redundancy, world_size=dist.get_world_size(),
-                                       **self.runner.stage.precision_meta()),
+                                       **self.runner.precision_meta()),
         }
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None,
@@ -425,7 +425,7 @@ class ResilientPipelineEngine:
         self._checkpoints = Path(load_dir)
         runner = self.runner
         runner.checkpoints.resume_from(path, meta)
-        runner.stage.resolve_precision(meta["bamboo"].get("loss_scale"))
+        runner.resolve_precision(meta["bamboo"].get("loss_scale"))
         runner.checkpoints.load_weights(strict=load_module_strict)
         if load_optimizer_states and not load_module_only:
             runner.checkpoints.load_optimizer()
@@ -437,8 +437,8 @@ class ResilientPipelineEngine:
                 self.host.scheduler.load_state_dict(meta["lr_scheduler"])
             if self.rebalancer is not None and meta.get("rebalance") is not None:
                 self.rebalancer.load_state_dict(meta["rebalance"])
-                self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.stage.layer_costs())
-        runner.resilient(lambda: runner.stage.audit("resumed before"))
+                self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.layer_costs())
+        runner.resilient(lambda: runner.audit("resumed before"))
         return str(path), {**meta.get("client_state", {}), "data_position": int(meta.get("data_position", 0))}
 
     def finish(self, completed: bool = True) -> None:

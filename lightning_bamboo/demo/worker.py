@@ -269,8 +269,8 @@ def train(args: argparse.Namespace) -> int:
             "train_seconds": seconds,
             "resumed_from": args.resume,
             "world_size": trainer.world_size,
-            "parts": list(runner.stage.layout.parts),
-            "micro_batches": runner.stage.micro_batches,
+            "parts": list(runner.layout.parts),
+            "micro_batches": runner.micro_batches,
         }
         torch.save(lightning_bamboo.consolidate_checkpoint(out / "final.ckpt"), out / "weights.pt")
         (out / "report.json").write_text(json.dumps(report))

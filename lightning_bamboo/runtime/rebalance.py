@@ -110,19 +110,19 @@ class Rebalancer:
     # ------------------------------------------------------------------ at every step
     def at_step_start(self, runner: PipelineRunner, step: int) -> None:
         """Decide (agreed through the store) and reconfigure if the decision changes the pipeline."""
-        if runner.session is None or self.layout is None or runner.stage.layout is None:
+        if runner.session is None or self.layout is None or runner.layout is None:
             return
         self._follow_failovers(runner.failovers)
-        mine = self.decide(runner.nodes, runner.standby, runner.stage.layout.num_layers)
+        mine = self.decide(runner.nodes, runner.standby, runner.layout.num_layers)
         proposal = {"action": mine.action, "reason": mine.reason, "moved": list(mine.moved), "layout": layout_json(mine.layout),
-                    "by": runner.stage.node}
+                    "by": runner.node}
         agreed = runner.agree("rebalance", step, proposal)
         if agreed["action"] == "keep":
             return
         new = layout_from_json(agreed["layout"])
         elastic = runner.host.global_micro_batches() is not None
         idle = sorted(set(runner.nodes) - set(new.nodes)) if new is not None else []
-        if new is None or idle or (new.pipelines != runner.stage.layout.pipelines and not elastic):
+        if new is None or idle or (new.pipelines != runner.layout.pipelines and not elastic):
             reason = f"{agreed['action']} deferred: " + (
                 "no layout (too few nodes)" if new is None else
                 f"{new.stages}-stage pipelines leave {idle} of the {len(runner.nodes)} running nodes without layers, "
@@ -215,13 +215,13 @@ def runtime_placement(runner: PipelineRunner, global_micro_batches: int | None) 
     """The pipeline ``runner`` runs now, as the policy's ``Placement`` (its ``layout`` is the runner's).
 
     ``global_micro_batches``: the micro-batches of a step over all pipelines when the data is loaded by
-    global steps (the pipelines share them); None: each pipeline has ``runner.stage.micro_batches`` of its own."""
-    runtime, names = runner.stage.layout, runner.nodes
+    global steps (the pipelines share them); None: each pipeline has ``runner.micro_batches`` of its own."""
+    runtime, names = runner.layout, runner.nodes
     assert runtime is not None, "the runner's stage is built (start) before the rebalancer begins"
     grid = tuple(tuple(names[s * runtime.pipelines + p] for s in range(runtime.stages)) for p in range(runtime.pipelines))
     if global_micro_batches:
         return Placement(grid, tuple(runtime.parts), split_micro_batches(int(global_micro_batches), runtime.pipelines))
-    return Placement(grid, tuple(runtime.parts), (runner.stage.micro_batches,) * runtime.pipelines)
+    return Placement(grid, tuple(runtime.parts), (runner.micro_batches,) * runtime.pipelines)
 
 
 def _no_hook() -> None:

@@ -29,7 +29,7 @@ from lightning_bamboo.runtime.restart import (
 )
 from lightning_bamboo.runtime.session import LEAVE, Session, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage
-from lightning_bamboo.topology.layout import micro_batches, pipeline_share
+from lightning_bamboo.topology.layout import Layout, micro_batches, pipeline_share
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,11 @@ class PipelineRunner:
 
     def __init__(self, config: BambooConfig, host: RunnerHost, device: torch.device | str = "cpu",
                  backend: str = BACKEND) -> None:
-        #: what this process runs: its stage, the engine around it, its replica (configure and place it there)
-        self.stage = NodeStage(config, host, device, backend)
+        #: what this process runs: its stage, the engine around it, its replica (the runner's own: the views and
+        #: verbs below are what the front doors see of it)
+        self._stage = NodeStage(config, host, device, backend)
         #: the stage's part of the job's checkpoints: saves, an asynchronous save's shard, the resume
-        self.checkpoints = StageCheckpoints(self.stage)
+        self.checkpoints = StageCheckpoints(self._stage)
         self.host = host
         #: a node joining a running job, between its admission and its first step: the running nodes are past
         #: the barriers and broadcasts of the framework's start-up (they are training), so it meets them alone
@@ -70,20 +71,99 @@ class PipelineRunner:
         self._trained = False  # a step of this job committed here (before: a loss may be a worker's refusal)
         self._restarts_in_a_row = 0  # restarts after fatal losses with no step trained in between
 
+    # ------------------------------------------------------------------ the stage, as the front doors see it
+    @property
+    def engine(self) -> Any:
+        """The DeepSpeed pipeline engine running this node's stage (None before ``start``, or standing by)."""
+        return self._stage.engine
+
+    @property
+    def layout(self) -> Layout | None:
+        """The running layout (stages x pipelines, the layer split); None before ``start``."""
+        return self._stage.layout
+
+    @property
+    def depth(self) -> int | None:
+        """The pipeline depth this node runs, or will run at ``start`` (None: the world's)."""
+        return self._stage.depth
+
+    @property
+    def seed(self) -> int:
+        """The seed the layers are built under."""
+        return self._stage.seed
+
+    @property
+    def node(self) -> str:
+        """This node's name."""
+        return self._stage.node
+
+    @property
+    def backend(self) -> str:
+        """The process group backend the stage's groups form on."""
+        return self._stage.backend
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step of this node's pipeline."""
+        return self._stage.micro_batches
+
+    @property
+    def gradient_clipping(self) -> float:
+        """The global norm gradients are clipped to (0: none)."""
+        return self._stage.gradient_clipping
+
+    @property
+    def precision(self) -> Any:
+        """The precision the stage computes in (``engine.precision.Precision``; None before it is resolved)."""
+        return self._stage.precision
+
+    @property
+    def audits(self) -> int:
+        """Replica audits run so far."""
+        return self._stage.audits
+
+    def place(self, device: torch.device | str | None = None, backend: str | None = None) -> None:
+        """Where the stage will live and which backend its groups use (before ``start``)."""
+        self._stage.place(device, backend)
+
+    def configure(self, config: BambooConfig) -> None:
+        """The options the stage is built with (before ``start``)."""
+        self._stage.configure(config)
+
+    def probe(self, model: PipelineModel) -> Any:
+        """The model's layer census (names, parameter counts), without building a stage."""
+        return self._stage.probe(model)
+
+    def layer_costs(self) -> tuple[float, ...] | None:
+        """The relative cost of each layer the partition weighs (None: equal)."""
+        return self._stage.layer_costs()
+
+    def precision_meta(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the precision (its name, fp16's loss scale)."""
+        return self._stage.precision_meta()
+
+    def resolve_precision(self, loss_scale: dict[str, Any] | None = None, gradient_clipping: float | None = None) -> Any:
+        """The precision the stage computes in (a checkpoint's fp16 loss scale goes on)."""
+        return self._stage.resolve_precision(loss_scale, gradient_clipping)
+
+    def audit(self, when: str) -> None:
+        """Compare every replica with its owner's live stage (with ``audit_replicas``; ``when`` for the message)."""
+        self._stage.audit(when)
+
     @property
     def config(self) -> BambooConfig:
         """The options the stage runs with (``stage.configure`` changes them before it is built)."""
-        return self.stage.config
+        return self._stage.config
 
     @property
     def session(self) -> Session | None:
         """The node's membership session under the Bamboo launcher (:meth:`open_session`), else None."""
-        return self.stage.session
+        return self._stage.session
 
     @property
     def between_steps(self) -> bool:
         """Whether collectives go through the membership store (``NodeStage.between_steps``)."""
-        return self.stage.between_steps
+        return self._stage.between_steps
 
     # ------------------------------------------------------------------ membership
     def open_session(self, leave_requested: Callable[[], bool] = LEAVE.is_set,
@@ -92,10 +172,10 @@ class PipelineRunner:
         one opened already (the DeepSpeed door opens it before the engine is asked for), taken as it is."""
         if self.session is None:
             if session is None and launched_by_bamboo():
-                stage = self.stage
+                stage = self._stage
                 session = start_session(self.config.detection_timeout, self.config.timeout, stage.backend,
                                         leave_requested)
-            self.stage.attach(session)
+            self._stage.attach(session)
         return self.session
 
     def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Reconfiguration | None:
@@ -115,10 +195,10 @@ class PipelineRunner:
 
     def enter(self, record: Reconfiguration) -> tuple[int, int]:
         """Join the job's process group as its admission ``record`` says; returns (rank, world size)."""
-        rank, world = self.stage.require_session().enter(record)
-        self.stage.assign(world // record.pipelines, rank)
+        rank, world = self._stage.require_session().enter(record)
+        self._stage.assign(world // record.pipelines, rank)
         self.catching_up = True  # until its first step (see ``catching_up``)
-        log.warning("%s: admitted as rank %d of %d at step %d", self.stage.node, rank, world, record.step)
+        log.warning("%s: admitted as rank %d of %d at step %d", self._stage.node, rank, world, record.step)
         return rank, world
 
     def start_without_lost(self) -> tuple[int, int]:
@@ -129,14 +209,14 @@ class PipelineRunner:
         if any, loads into any layout). A data-parallel job, or too few nodes left, stops with
         ``FatalLoss``: the launcher starts it again with the nodes that are up. Returns (rank, world).
         """
-        session = self.stage.require_session()
+        session = self._stage.require_session()
         stop_if_refused(session)  # the node that died refused the configuration: the job stops, it does not shrink
-        stages = self.stage.depth
+        stages = self._stage.depth
         if stages is not None and stages != len(session.nodes):
             raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; a job of {len(session.nodes)} "
                             f"nodes in {stages}-stage pipelines starts again with the nodes that are up")
         assigned = session.start_without(min_nodes=2 if self.config.redundant else 1)
-        self.stage.assign(assigned[1])
+        self._stage.assign(assigned[1])
         return assigned
 
     def before_step(self, hook: Callable[[PipelineRunner, int], None]) -> Callable[[], None]:
@@ -155,7 +235,7 @@ class PipelineRunner:
         """The job's nodes in rank order (under membership; else one name per rank of the layout)."""
         if self.session is not None:
             return list(self.session.nodes)
-        layout = self.stage.layout
+        layout = self._stage.layout
         return [f"rank{r}" for r in range(layout.world_size if layout is not None else 1)]
 
     @property
@@ -181,19 +261,19 @@ class PipelineRunner:
 
     def agree(self, topic: str, step: int, proposal: dict[str, Any]) -> dict[str, Any]:
         """One value for ``topic`` at ``step`` on every node: the first proposal put in the store wins."""
-        session = self.stage.require_session()
+        session = self._stage.require_session()
         _, kv = session.store.put_if_absent(session.keys.agreement(topic, session.generation, step), json.dumps(proposal))
         return dict(json.loads(kv.value))
 
     # ------------------------------------------------------------------ steps
     def start(self, model: PipelineModel, world: int, rank: int, fitting: bool, gradient_clipping: float = 0.0) -> None:
         """Build this process's stage of a fresh layout (``world`` processes), its engine and its replica."""
-        self.stage.start(model, world, rank, fitting, gradient_clipping)
+        self._stage.start(model, world, rank, fitting, gradient_clipping)
 
     def start_admitted(self, model: PipelineModel, record: Reconfiguration, gradient_clipping: float = 0.0) -> dict[str, Any]:
         """A joining node's stage, from the running nodes (see ``runtime.moves.start_admitted``); returns the
         training state the sender's host gave."""
-        return start_admitted(self.stage, model, record, self.stage.rank, gradient_clipping)
+        return start_admitted(self._stage, model, record, self._stage.rank, gradient_clipping)
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """Train the step ``host.global_step()`` on ``batch``; if a peer is lost, fail over and redo it (unless
@@ -211,7 +291,7 @@ class PipelineRunner:
             for hook in list(self._before_step):
                 hook(self, step)
         for _ in range(len(session.nodes) if session is not None else 1):
-            engine, _layout = self.stage.require_stage()
+            engine, _layout = self._stage.require_stage()
             chunks, share, first = self._split(batch, global_batch=self.host.global_micro_batches() is not None)
             engine.set_micro_batches(len(chunks))
             if session is not None:
@@ -221,7 +301,7 @@ class PipelineRunner:
             try:
                 loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share, first_micro_batch=first)
                 self._trained, self._restarts_in_a_row = True, 0
-                self.stage.settle_placement()  # after an engine's first step on a GPU: where its replica lives
+                self._stage.settle_placement()  # after an engine's first step on a GPU: where its replica lives
                 if session is not None and session.leaving:
                     session.depart()
                 return loss
@@ -229,17 +309,17 @@ class PipelineRunner:
                 if session is None:
                     raise
                 if self._fail_over(err, step):
-                    kept = self.stage.require_stage()[0].last_loss  # the committed step's, kept by the failover
+                    kept = self._stage.require_stage()[0].last_loss  # the committed step's, kept by the failover
                     assert kept is not None
                     return kept
             finally:
                 if session is not None:
                     faulthandler.cancel_dump_traceback_later()
-        raise BambooConfigError(f"step {step} failed over {len(self.stage.require_session().nodes)} times; giving up")
+        raise BambooConfigError(f"step {step} failed over {len(self._stage.require_session().nodes)} times; giving up")
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (this pipeline's share), with no update."""
-        engine, _ = self.stage.require_stage()
+        engine, _ = self._stage.require_stage()
         chunks, _, _ = self._split(batch)
         engine.set_micro_batches(len(chunks))
         return engine.eval_batch(data_iter=iter(chunks), num_micro_batches=len(chunks))
@@ -252,7 +332,7 @@ class PipelineRunner:
             raise batch_form_error(batch)
         inputs, targets = batch
         b = self.config.micro_batch_size
-        pipelines, pipeline_rank = self.stage.pipelines, self.stage.pipeline_rank
+        pipelines, pipeline_rank = self._stage.pipelines, self._stage.pipeline_rank
         share: tuple[int, int] | None = None
         if global_batch:
             first, m, total = pipeline_share(len(inputs), b, pipelines, pipeline_rank)
@@ -268,11 +348,11 @@ class PipelineRunner:
         configuration: then the job stops (``stop_if_refused``)."""
         if not self._trained and self._restart is None:
             stop_if_refused(self.session)
-        return fail_over(self.stage, err, step, in_flight)
+        return fail_over(self._stage, err, step, in_flight)
 
     def reconfigure(self, order: list[str], parts: tuple[int, ...], reason: str = "", pipelines: int = 1) -> float:
         """Change the layout between two steps, with no loss (see ``runtime.moves.reconfigure``); the seconds it took."""
-        return reconfigure(self.stage, order, parts, reason, pipelines,
+        return reconfigure(self._stage, order, parts, reason, pipelines,
                            elastic=self.host.global_micro_batches() is not None)
 
     # ------------------------------------------------------------------ a fatal loss: the job restarts
@@ -280,17 +360,17 @@ class PipelineRunner:
         """Whether ``err`` is a fatal loss this node restarts the job from (under membership, still a member; see
         ``MAX_RESTARTS_IN_A_ROW`` for the bound :meth:`restart` puts on restarts that train nothing)."""
         return (isinstance(err, FatalLoss) and self.config.restart_on_fatal_loss and self.session is not None
-                and self.session.active and self.stage.engine is not None)  # (before the stage: the start fails)
+                and self.session.active and self._stage.engine is not None)  # (before the stage: the start fails)
 
     def restart(self, err: FatalLoss) -> tuple[int, int]:
         """After a fatal loss: the survivors form the job's next layout (``runtime.restart``); returns this node's
         (rank, world size). Next :meth:`start` the stage, load :meth:`restart_checkpoint`, then :meth:`restarted`."""
         if self._restarts_in_a_row >= MAX_RESTARTS_IN_A_ROW:
             log.error("%s: the job restarted %d times in a row without training a step; it stops (%s)",
-                      self.stage.node, self._restarts_in_a_row, err)
+                      self._stage.node, self._restarts_in_a_row, err)
             raise err
         self._restarts_in_a_row += 1
-        self._restart = reform_after_fatal_loss(self.stage, err, self.host.global_step())
+        self._restart = reform_after_fatal_loss(self._stage, err, self.host.global_step())
         self.catching_up = False
         return self._restart.rank, self._restart.world
 
@@ -314,7 +394,7 @@ class PipelineRunner:
         """The restart is done (the stage built, ``checkpoint`` loaded, at ``from_step``): its record, logged once
         (None when no restart was under way)."""
         pending, self._restart = self._restart, None
-        return restarted(self.stage, pending, checkpoint, from_step) if pending is not None else None
+        return restarted(self._stage, pending, checkpoint, from_step) if pending is not None else None
 
     # ------------------------------------------------------------------ collectives that survive a loss
     def resilient(self, fn: Callable[[], T]) -> T:
@@ -325,7 +405,7 @@ class PipelineRunner:
         outermost call retries the whole operation in the new layout.
         """
         session = self.session
-        if session is None or self.stage.engine is None or self._inside_resilient:
+        if session is None or self._stage.engine is None or self._inside_resilient:
             return fn()
         step = self.host.global_step()
         for _ in range(len(session.nodes)):
@@ -341,7 +421,7 @@ class PipelineRunner:
 
     def gather(self, obj: Any, send: bool = True) -> list[Any]:
         """Every node's ``obj`` (None for a node that does not ``send``), in rank order, through the store."""
-        return self.stage.gather(obj, send)
+        return self._stage.gather(obj, send)
 
     # ------------------------------------------------------------------ the end
     def finish(self, completed: bool) -> None:
@@ -357,5 +437,5 @@ class PipelineRunner:
         if self.session is not None:
             self.session.stop()
             keep.append(getattr(self.session.groups, "tcp_store", None))
-        self.stage.close()
+        self._stage.close()
         return keep

@@ -165,7 +165,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
     @property
     def engine(self) -> BambooPipelineEngine | None:
         """The DeepSpeed pipeline engine running this process's stage (after ``setup``)."""
-        return self.runner.stage.engine
+        return self.runner.engine
 
     @property
     def resilience(self) -> Session | None:
@@ -174,11 +174,11 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
 
     @property
     def layout(self) -> Layout | None:
-        return self.runner.stage.layout
+        return self.runner.layout
 
     @property
     def audits(self) -> int:
-        return self.runner.stage.audits
+        return self.runner.audits
 
     @property
     def keep_global_batch(self) -> bool:
@@ -228,7 +228,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         stages, pipelines = resolve_stages(self.world_size, self.stages)
         if model is not None:
             self._check_model(model)
-            probe = self.runner.stage.probe(model)
+            probe = self.runner.probe(model)
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
         check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
 
@@ -268,7 +268,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
 
         runner = self.runner
         backend = self._get_process_group_backend()
-        runner.stage.place(backend=backend)  # before any group forms (an admission forms one here)
+        runner.place(backend=backend)  # before any group forms (an admission forms one here)
         if backend == BACKEND:
             self._use_transport()
             comm_zygote.prepare()  # its torch import overlaps the rendezvous
@@ -281,7 +281,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
             # A node joining a running job: standby until a reconfiguration admits it, then its
             # process group is the job's (Lightning finds it initialised and keeps it).
             self.admit(runner.wait_admission(leave_requested))
-        resolve_stages(self.world_size, self.runner.stage.depth)  # fail before joining a group (an admission set the depth)
+        resolve_stages(self.world_size, self.runner.depth)  # fail before joining a group (an admission set the depth)
         if runner.session is None and runner.open_session(leave_requested) is not None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
             if runner.session is not None and runner.session.start_lost:
@@ -372,7 +372,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
 
     @property
     def pipelines(self) -> int:
-        return resolve_stages(self.world_size, self.runner.stage.depth)[1]  # the running layout's depth, not the option
+        return resolve_stages(self.world_size, self.runner.depth)[1]  # the running layout's depth, not the option
 
     @property
     def pipeline_rank(self) -> int:
@@ -436,14 +436,14 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         if self.global_rank == 0:
             warn_if_replicas_cannot_help(self.redundancy)
             if not joining():
-                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.runner.stage.depth)[0],
+                warn_if_replicas_share_machines(self.redundancy, resolve_stages(self.world_size, self.runner.depth)[0],
                                                 self.world_size)
         patches.no_sigterm_broadcast_under_membership(trainer)
         add_failover_metrics(trainer)  # failovers, recovery seconds and live nodes in the trainer's loggers
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         runner = self.runner
-        runner.stage.place(self.root_device, self._get_process_group_backend())
+        runner.place(self.root_device, self._get_process_group_backend())
         model: Any = self.lightning_module
         clipping = float(trainer.gradient_clip_val or 0.0)
         fitting = trainer.state.fn == self.pl_package("trainer.states").TrainerFn.FITTING
@@ -472,7 +472,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         with refused_quietly():  # a batch that only the step could check (an iterable dataset's)
             loss = self.runner.train_step(batch)
         # a node lost (or gone after a notice) meanwhile fails the audit's collective: fail over, audit again
-        self.runner.resilient(lambda: self.runner.stage.audit("after"))
+        self.runner.resilient(lambda: self.runner.audit("after"))
         trainer = self._module.trainer
         self.data.advance(trainer.current_epoch, len(batch[0]), self.pipelines)
         self._module.log("train_loss", loss, prog_bar=True, on_step=True, sync_dist=False)

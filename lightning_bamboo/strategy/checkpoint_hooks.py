@@ -56,15 +56,15 @@ class CheckpointHooks(_Lightning):
 
     def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """``meta.pt``: Lightning's checkpoint dict without weights, plus what a reader of any layout needs."""
-        engine, layout = self.runner.stage.engine, self.runner.stage.layout
+        engine, layout = self.runner.engine, self.runner.layout
         assert layout is not None and engine is not None, "saving a checkpoint needs setup() first"
         optimizer = engine.optimizer if self.optimizers else None
         out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         out["optimizer_states"] = []
         out["bamboo"] = ckpt.bamboo_meta(
             layout.num_layers, layout.parts, layout.pipelines, optimizer, ties=getattr(engine.module, "ties", None), cursor=self.data.state(),
-            seed=self.runner.stage.seed, redundancy=self.redundancy, world_size=self.world_size,
-            step=checkpoint.get("global_step"), **self.runner.stage.precision_meta(),
+            seed=self.runner.seed, redundancy=self.redundancy, world_size=self.world_size,
+            step=checkpoint.get("global_step"), **self.runner.precision_meta(),
         )
         return out
 
@@ -105,7 +105,7 @@ class CheckpointHooks(_Lightning):
         self._loaded_path = checkpoint_path
         self.restarts.loaded_checkpoint(checkpoint_path, meta)
         self.runner.checkpoints.resume_from(checkpoint_path, meta)
-        precision = self.runner.stage.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
+        precision = self.runner.resolve_precision(meta["bamboo"].get("loss_scale"))  # fp16: the saved loss scale goes on
         saved_precision = meta["bamboo"].get("precision", "32")
         if saved_precision != precision.name:
             log.warning(
@@ -141,7 +141,7 @@ class CheckpointHooks(_Lightning):
         if admitted is None and self._loaded_path is not None:
             # a resume (also a restart from a checkpoint): replicas must be the loaded stages before a failover
             # can take one over (an admitted node was audited with the nodes that admitted it)
-            self.runner.resilient(lambda: self.runner.stage.audit("resumed before"))
+            self.runner.resilient(lambda: self.runner.audit("resumed before"))
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]  # (set: training starts)
         self.restarts.training_started(trainer)
         if self.runner.restarting:  # after a fatal loss: its one record, now that the checkpoint is loaded

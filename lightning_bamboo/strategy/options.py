@@ -39,7 +39,7 @@ class StrategyOptions:
         """Take ``options`` (a checked ``BambooConfig``) here and in the runner; refused once the engine is built."""
         if options is self.options:
             return
-        self.runner.stage.configure(options)
+        self.runner.configure(options)
         self.options = options
 
     stages = _Option("stages")

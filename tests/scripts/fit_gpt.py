@@ -47,7 +47,7 @@ def StageDevice(pl):  # noqa: N802 - a Callback class for the namespace in use
         """Where the stage trains (after fit, Lightning's teardown has moved the module to the CPU)."""
 
         def on_train_batch_end(self, trainer, *args):
-            STAGE_DEVICE["seen"] = str(next(trainer.strategy.runner.stage.engine.module.parameters()).device)
+            STAGE_DEVICE["seen"] = str(next(trainer.strategy.runner.engine.module.parameters()).device)
 
     return _StageDevice
 
@@ -84,7 +84,7 @@ def StepLog(pl):  # noqa: N802 - a Callback class for the namespace in use
 
         def on_train_batch_end(self, trainer, *args):
             finished = trainer.strategy.engine.finished
-            state = trainer.strategy.runner.stage.precision.state
+            state = trainer.strategy.runner.precision.state
             if trainer.is_global_zero:
                 print(json.dumps({"step_end": trainer.global_step, "norm": finished.norm if finished else None,
                                   "overflow": finished.overflow if finished else None,
@@ -221,7 +221,7 @@ def main() -> None:
             "failovers": [f.as_dict() for f in res.failovers] if res is not None else [], "world_size": trainer.world_size,
             "audits": trainer.strategy.audits,
             "grad_norm": float(trainer.callback_metrics.get("grad_norm", float("nan"))),
-            "loss_scale": trainer.strategy.runner.stage.precision_meta().get("loss_scale"),
+            "loss_scale": trainer.strategy.runner.precision_meta().get("loss_scale"),
         }))
 
 

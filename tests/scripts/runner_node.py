@@ -95,10 +95,10 @@ def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu", redund
             # which layers of the new stage and replica are the node's own objects from before (taken over, not built)
             taken = {part: sorted(i for i, layer in after[part].items() if id(layer) in before) for part in after}
         runner.train_step(batch(step))
-    assert runner.stage.engine is not None and runner.stage.layout is not None
-    torch.save(runner.stage.engine.own_states(), out / f"{session.node}.pt")
-    report = {"failovers": [f.as_dict() for f in runner.failovers], "parts": list(runner.stage.layout.parts), "nodes": runner.nodes,
-              "device": str(next(runner.stage.engine.module.parameters()).device),
+    assert runner.engine is not None and runner.layout is not None
+    torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
+    report = {"failovers": [f.as_dict() for f in runner.failovers], "parts": list(runner.layout.parts), "nodes": runner.nodes,
+              "device": str(next(runner.engine.module.parameters()).device),
               "taken_over": taken}
     (out / f"{session.node}.json").write_text(json.dumps(report))
     runner.finish(completed=True)
@@ -107,7 +107,7 @@ def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu", redund
 
 
 def _layer_objects(runner: PipelineRunner) -> dict[str, dict[int, nn.Module]]:
-    engine = runner.stage.engine
+    engine = runner.engine
     assert engine is not None
     children = {"stage": engine.module, "replica": engine.replica.module if engine.replica is not None else nn.Module()}
     return {part: {int(n): m for n, m in module.named_children() if n.isdigit()} for part, module in children.items()}
