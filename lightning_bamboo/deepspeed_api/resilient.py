@@ -235,7 +235,7 @@ class ResilientPipelineEngine:
 
     # ------------------------------------------------------------------ DeepSpeed's surface
     def __getattr__(self, name: str) -> Any:
-        engine = self.__dict__.get("runner") and self.__dict__["runner"].stage.engine
+        engine = self.__dict__.get("runner") and self.__dict__["runner"].engine
         if engine is None:
             raise AttributeError(name)
         return getattr(engine, name)
