@@ -411,3 +411,16 @@ def test_demo_defaults_show_events_live_and_verify_the_weights(tmp_path, args, k
         assert out.index("verify: the same 12 steps without preemptions") > summary
         assert "weights equal a run without preemptions (max difference 0)" in out
         assert result["verify_max_difference"] == 0.0
+
+
+def test_a_job_that_starts_on_one_node_grows_by_every_node_that_joins_exact(clean, tmp_path):
+    """One node, then a node joining every 5 steps: each is admitted at once (the pipeline deepens by one: the
+    policy grows one pipeline below its preferred depth by every standby node), and the run ends with the clean
+    4-node run's weights (one pipeline all along: every layout is exact)."""
+    _, clean_weights = clean
+    report, weights = demo(tmp_path, "--preempt", "", "--join", "spare1@3,spare2@8,spare3@13", "--step-delay", "0.5",
+                           nodes=1)
+    depths = [len(r["order"]) for r in report["reconfigurations"]]
+    assert depths == [2, 3, 4] and all(r["reason"].startswith("change_depth") for r in report["reconfigurations"])
+    assert report["steps_completed"] == STEPS and report["joins"] == 3
+    assert max_abs_diff(weights, clean_weights) == 0.0

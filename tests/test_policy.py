@@ -128,17 +128,23 @@ def test_change_depth_when_too_few_nodes_remain_and_back_when_they_return():
     assert d2.action == "change_depth" and d2.layout.stages == 3
 
 
-def test_a_lone_stage_without_replica_grows_as_soon_as_nodes_stand_by():
-    """A lone survivor restarted from a checkpoint runs one stage, which nothing covers: standby nodes are
-    taken at once, even fewer than the preferred depth (which waits for all of them otherwise)."""
+def test_one_pipeline_below_its_preferred_depth_grows_by_every_node_that_stands_by():
+    """A lone survivor restarted from a checkpoint, or a job that started on fewer nodes than its preferred depth,
+    runs one pipeline below that depth: standby nodes are taken at once, even fewer than the preferred depth (a job
+    grows past its start; every live node trains). Several pipelines keep their depth and batch: a standby node
+    waits there until it completes a pipeline."""
     cfg = PolicyConfig(stages=4, layers=8, global_micro_batches=4)
     alone = layout_of([["a"]], cfg)
     assert reconfigure(["a"], [], alone, (), cfg).action == "keep"
     d = reconfigure(["a", "x", "y"], ["x", "y"], alone, (), cfg)
     assert d.action == "change_depth" and d.layout.stages == 3 and d.layout.grid[0][0] == "a"
-    # with two stages or more, fewer nodes than the preferred depth do not change it
     pair = layout_of([["a", "b"]], cfg)
-    assert reconfigure(["a", "b", "x"], ["x"], pair, (), cfg).action == "keep"
+    d = reconfigure(["a", "b", "x"], ["x"], pair, (), cfg)
+    assert d.action == "change_depth" and (d.layout.stages, d.layout.pipelines) == (3, 1)
+    assert reconfigure(["a", "b", "c", "d"], [], layout_of([["a", "b", "c", "d"]], cfg), (), cfg).action == "keep"
+    two = layout_of([["a", "b"], ["c", "d"]], PolicyConfig(stages=2, layers=8, global_micro_batches=4))
+    assert reconfigure(["a", "b", "c", "d", "x"], ["x"], two,
+                       (), PolicyConfig(stages=2, layers=8, global_micro_batches=4)).action == "keep"
 
 
 def test_suspend_below_min_stages():

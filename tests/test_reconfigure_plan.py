@@ -221,8 +221,8 @@ class _Runner:
 
         self.nodes, self.standby, self.failovers = list(nodes), [], []
         self.session, self.host = object(), SimpleNamespace(global_micro_batches=lambda: 4)
-        self.stage = SimpleNamespace(layout=Layout(len(nodes) // pipelines, pipelines, tuple(parts)), node=nodes[0],
-                                     micro_batches=1)
+        self.layout, self.node = Layout(len(nodes) // pipelines, pipelines, tuple(parts)), nodes[0]
+        self.micro_batches = 1
         self.reconfigured = []
 
     def agree(self, topic, step, proposal):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_bamboo.demo.events import ClusterEvent
-from lightning_bamboo.demo.plan import STANDBY_PROCESSES, layout_for
+from lightning_bamboo.demo.plan import DEMO_LAYERS, STANDBY_PROCESSES, layout_for
 from lightning_bamboo.demo.recovery import RecoveryClock
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.membership.keys import JobKeys
@@ -108,6 +108,10 @@ class _Run:
 
         self.args, self.stages, self.workdir, self.prefix = args, stages, workdir, prefix
         self.width = len(nodes)  # the nodes of the layout the job starts with: width // stages pipelines of stages
+        # the depth the policy brings the job back to (``--preferred-stages``): the start's; a job that starts on one
+        # node grows past it, one pipeline as deep as the nodes that join make it (exact: its pipeline count stays 1)
+        joins = sum(1 for e in events if e.kind == "join")
+        self.preferred = min(1 + joins, DEMO_LAYERS) if self.width == 1 and joins else stages
         self.state = state = DemoState(args.steps, args.global_batch, list(nodes), quiet=args.quiet)
         self.no_redundancy = args.redundancy == "off"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -155,8 +159,9 @@ class _Run:
         pool = [n for n in self.alive if n in self.kept] if self.kept else self.alive
         count, self.depth = layout_for(len(pool), self.stages, self.width, args.global_batch, args.micro_batch)
         running = pool[:count]
-        # a lone survivor of a fatal loss keeps its redundancy on: it grows back to pipelines by admissions
-        self.grows = not self.no_redundancy and count == 1 and bool(self.kept)
+        # a lone node keeps its redundancy on, so it grows by admissions: a survivor of a fatal loss back to pipelines,
+        # a job that starts on one node past its start
+        self.grows = not self.no_redundancy and count == 1 and (bool(self.kept) or self.preferred > 1)
         self.waiting = [n for n in self.alive if n not in running] if not self.no_redundancy and (count > 1 or self.grows) else []
         self.worker_args = worker_args = self._worker_args(count)
         self.command = [sys.executable, "-m", WORKER_MODULE, *worker_args]
@@ -194,7 +199,7 @@ class _Run:
             "--global-batch", str(args.global_batch),
             "--redundancy", "off" if no_redundancy or (depth == 1 and not self.grows) else args.redundancy, "--checkpoint-dir", str(self.ckpt_dir),
             "--checkpoint-every", str(args.checkpoint_every), "--out", str(self.out), "--step-delay", str(args.step_delay),
-            "--preferred-stages", str(self.stages),
+            "--preferred-stages", str(self.preferred),
         ] + (["--resume", self.resume] if self.resume else []) + (args.worker_extra if depth == self.stages else [])
         worker_args += ["--optimizer", args.optimizer, "--dropout", str(args.dropout),
                         "--detection-timeout", str(args.detection_timeout)]
@@ -308,7 +313,7 @@ class _Run:
         """Start waiting nodes as standby processes while there is room for them."""
         # Standby nodes are real processes here, on the same cores as the pipeline: start as many
         # as can be used (the pipeline's missing stages, plus one spare), the rest when a place frees.
-        while self.waiting and len(self.cluster.running) < self.width + STANDBY_PROCESSES:
+        while self.waiting and len(self.cluster.running) < max(self.width, self.preferred) + STANDBY_PROCESSES:
             name = self.waiting.pop(0)
             self.joiners.add(name)
             if self.pool.take(name, self.worker_args, None, [name], self.out / "workers.log"):

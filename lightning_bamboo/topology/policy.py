@@ -10,7 +10,8 @@ is lost or already overloaded cannot be served any more (a fatal, adjacent loss)
 
 1. ``start``/``recover``: no placement yet, or a stage lost both copies -> build a fresh placement.
 2. ``suspend``: fewer usable nodes than the shallowest pipeline the model fits in -> no placement.
-3. ``change_depth``: the current depth is below the preferred one and enough nodes are back.
+3. ``change_depth``: the current depth is below the preferred one and enough nodes are back; or one pipeline
+   below it gets standby nodes (it grows by them, as deep as they make it).
 4. ``rebalance``: standby nodes can relieve every overloaded node -> they take the lost places.
 5. ``add_pipeline``: usable nodes are enough for more pipelines of the current depth.
 6. ``restore_redundancy``: overloaded nodes are too large a share of the active ones
@@ -427,6 +428,9 @@ def reconfigure(
         return build("change_depth", f"{len(usable)} nodes are back: depth {layout.stages} -> {pref}")
     if layout.stages == 1 < depth:  # one stage has no replica (a lone survivor restarted): cover it at once
         return build("change_depth", f"one stage has no replica; {len(usable)} nodes: depth 1 -> {depth}")
+    if not lost and standby_list and layout.pipelines == 1 and layout.stages < depth:
+        # one pipeline below its preferred depth: every node that joins is used at once (a job grows past its start)
+        return build("change_depth", f"{len(standby_list)} node(s) joined: depth {layout.stages} -> {depth}")
     if lost and len(standby_list) >= len(lost):
         if pipelines > layout.pipelines and depth == layout.stages:
             return build(
