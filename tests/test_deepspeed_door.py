@@ -341,3 +341,27 @@ def test_a_pipeline_module_with_tied_first_and_last_layers_ends_bit_exact_throug
     assert meta["bamboo"]["ties"] == {"io": [0, last]} and not any(k.startswith(f"{last}.") for k in weights)
     saved = ckpt.read_layers(tmp_path / "kill" / "final", [0, last])
     assert all(torch.equal(saved[0]["weights"][k], saved[last]["weights"][k]) for k in ("weight", "bias"))
+
+
+def _draws(stdout: str) -> dict[tuple[int, int], float]:
+    return {(r["rank"], r["step"]): r["draw"] for r in map(json.loads, re.findall(r'\{"rank": [^{}]*\}', stdout))}
+
+
+def test_the_door_audits_every_step_and_a_resume_restores_each_processes_random_state(tmp_path):
+    """As the Lightning door does: with ``"audit_replicas": true`` every step's replicas are audited, and a resume
+    in as many processes as saved continues each process's random generator where it was saved (the draws after
+    it equal an uninterrupted run's)."""
+    script = REPO / "tests" / "scripts" / "door_own_iterator.py"
+
+    def door(out, steps, *extra):
+        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", PYTHON, str(script), "--steps",
+                    str(steps), "--stages", "2", "--save-dir", str(out), "--redundancy", "lazy", *extra], timeout=240)
+        assert proc.returncode == 0 and launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": 0}, proc.stdout[-3000:]
+        return proc.stdout
+
+    whole = door(tmp_path / "whole", 2 * STEPS, "--audit")
+    assert int(re.search(r"audits (\d+)", whole).group(1)) >= 2 * STEPS, whole[-2000:]  # every step's, at least
+    door(tmp_path / "part", STEPS)  # saves its last step
+    resumed = door(tmp_path / "part", 2 * STEPS, "--resume")
+    after = {key: value for key, value in _draws(resumed).items() if key[1] > STEPS}
+    assert len(after) == 2 * STEPS and after == {key: value for key, value in _draws(whole).items() if key[1] > STEPS}

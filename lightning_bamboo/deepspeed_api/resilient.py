@@ -260,7 +260,10 @@ class ResilientPipelineEngine:
         # order DeepSpeed's loader gives a single pipeline (a DistributedSampler of one replica, seed 0, no set_epoch).
         sampler: torch.utils.data.Sampler[int] = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0,
                                                                                       shuffle=True, seed=0)
-        return torch.utils.data.DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+        # Its iterators' seeds come from a generator of its own, not torch's: a resume that skips the micro-batches
+        # drawn before the checkpoint then leaves the process's random state as the checkpoint restored it.
+        return torch.utils.data.DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+                                           drop_last=True, generator=torch.Generator().manual_seed(0))
 
     def _default_iterator(self) -> Iterator[Any]:
         if self.training_dataloader is None:
@@ -364,17 +367,12 @@ class ResilientPipelineEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def _meta(self, client_state: dict[str, Any] | None = None) -> dict[str, Any]:
-        layout, engine = self.runner.layout, self.runner.engine
-        assert layout is not None and engine is not None
         scheduler = self.host.scheduler
         return {
             "client_state": dict(client_state or {}), "data_position": self.drawn,
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rebalance": self.rebalancer.state_dict() if self.rebalancer is not None else None,
-            "bamboo": ckpt.bamboo_meta(layout.num_layers, layout.parts, layout.pipelines, engine.optimizer,
-                                       ties=getattr(engine.module, "ties", None), global_steps=self.host.step, seed=self.runner.seed,
-                                       redundancy=self.config.redundancy, world_size=dist.get_world_size(),
-                                       **self.runner.precision_meta()),
+            "bamboo": self.runner.checkpoints.bamboo_meta(global_steps=self.host.step),
         }
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None,
@@ -429,7 +427,10 @@ class ResilientPipelineEngine:
         runner.checkpoints.load_weights(strict=load_module_strict)
         if load_optimizer_states and not load_module_only:
             runner.checkpoints.load_optimizer()
+        rng = runner.checkpoints.saved_rng(path, meta)
         runner.checkpoints.resumed()
+        if rng is not None and not load_module_only:
+            ckpt.restore_rng(rng)  # the loop draws on from where the saved run was, as the Lightning door does
         if not load_module_only:
             self.host.step = int(meta["bamboo"].get("global_steps", 0))
             self.drawn, self._data = int(meta.get("data_position", 0)), None

@@ -3,12 +3,15 @@ and the resume that loads any saved layout into the stage and its replica."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.runtime.stage import NodeStage, States
 from lightning_bamboo.testing import faults
+
+log = logging.getLogger(__name__)
 
 
 class StageCheckpoints:
@@ -19,6 +22,18 @@ class StageCheckpoints:
         self._stage = stage
         self._resume: tuple[Any, dict[str, Any]] | None = None  # (path, meta) of the checkpoint being loaded
         self._saved_reads: dict[tuple[int, int], States] = {}  # layer files read for that resume
+
+    def bamboo_meta(self, with_optimizer: bool = True, **door: Any) -> dict[str, Any]:
+        """The checkpoint manifest's ``"bamboo"`` entry for the running stage (``checkpoint.bamboo_meta``: the layout,
+        the optimizer's hyperparameters, ties, seed, redundancy, world size, precision), with what the front door
+        adds (``door``: Lightning's data ``cursor`` and ``step``, the DeepSpeed door's ``global_steps``). Both doors
+        build their manifests here."""
+        stage = self._stage
+        engine, layout = stage.require_stage()
+        return ckpt.bamboo_meta(layout.num_layers, layout.parts, layout.pipelines,
+                                engine.optimizer if with_optimizer else None, ties=getattr(engine.module, "ties", None),
+                                seed=stage.seed, redundancy=stage.config.redundancy, world_size=layout.world_size,
+                                **stage.precision_meta(), **door)
 
     def shard(self, meta: Callable[[], dict[str, Any]] | None, with_optimizer: bool,
               reuse: ckpt.Shard | None = None) -> ckpt.Shard:
@@ -49,6 +64,20 @@ class StageCheckpoints:
                           is_global_zero=is_global_zero, writes_layers=stage.pipeline_rank == 0,
                           barrier=barrier_between, rank=stage.rank,
                           fence=session.confirm_member if session is not None else None)
+
+    def saved_rng(self, path: Any, meta: dict[str, Any]) -> dict[str, Any] | None:
+        """This process's random number generators as the checkpoint at ``path`` saved them, when it was saved by as
+        many processes as run now (a stream belongs to a process); else None, said once in a warning. Both doors
+        restore them before the first step they train after the resume."""
+        stage = self._stage
+        saved, world = meta["bamboo"].get("world_size"), stage.layout.world_size if stage.layout is not None else None
+        if saved is not None and saved == world:
+            return ckpt.read_rng(path, stage.rank)
+        if saved is not None:
+            log.warning("checkpoint %s was saved by %s processes, this run has %s: random number generators are not "
+                        "restored (their streams belong to processes); weights, optimizer state and data order are",
+                        path, saved, world)
+        return None
 
     def resume_from(self, path: Any, meta: dict[str, Any]) -> None:
         """The checkpoint the next :meth:`load_weights` and :meth:`load_optimizer` read (any saved layout)."""

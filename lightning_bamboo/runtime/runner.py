@@ -278,7 +278,13 @@ class PipelineRunner:
     def train_step(self, batch: Any) -> torch.Tensor:
         """Train the step ``host.global_step()`` on ``batch``; if a peer is lost, fail over and redo it (unless
         it had committed). The batch is cut into this pipeline's micro-batches at every attempt: a failover
-        or a reconfiguration may have changed the number of pipelines (the global batch stays)."""
+        or a reconfiguration may have changed the number of pipelines (the global batch stays). With
+        ``audit_replicas`` every replica is then audited against its owner (a loss meanwhile: fail over, again)."""
+        loss = self._train_step(batch)
+        self.resilient(lambda: self._stage.audit("after"))
+        return loss
+
+    def _train_step(self, batch: Any) -> torch.Tensor:
         step = self.host.global_step()
         session = self.session
         joined_now, self.catching_up = self.catching_up, False

@@ -471,8 +471,6 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         batch = args[0] if args else kwargs["batch"]
         with refused_quietly():  # a batch that only the step could check (an iterable dataset's)
             loss = self.runner.train_step(batch)
-        # a node lost (or gone after a notice) meanwhile fails the audit's collective: fail over, audit again
-        self.runner.resilient(lambda: self.runner.audit("after"))
         trainer = self._module.trainer
         self.data.advance(trainer.current_epoch, len(batch[0]), self.pipelines)
         self._module.log("train_loss", loss, prog_bar=True, on_step=True, sync_dist=False)

@@ -56,16 +56,10 @@ class CheckpointHooks(_Lightning):
 
     def checkpoint_meta(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """``meta.pt``: Lightning's checkpoint dict without weights, plus what a reader of any layout needs."""
-        engine, layout = self.runner.engine, self.runner.layout
-        assert layout is not None and engine is not None, "saving a checkpoint needs setup() first"
-        optimizer = engine.optimizer if self.optimizers else None
         out = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         out["optimizer_states"] = []
-        out["bamboo"] = ckpt.bamboo_meta(
-            layout.num_layers, layout.parts, layout.pipelines, optimizer, ties=getattr(engine.module, "ties", None), cursor=self.data.state(),
-            seed=self.runner.seed, redundancy=self.redundancy, world_size=self.world_size,
-            step=checkpoint.get("global_step"), **self.runner.precision_meta(),
-        )
+        out["bamboo"] = self.runner.checkpoints.bamboo_meta(bool(self.optimizers), cursor=self.data.state(),
+                                                            step=checkpoint.get("global_step"))
         return out
 
     def checkpoint_shard(self, checkpoint: dict[str, Any], reuse: ckpt.Shard | None = None) -> ckpt.Shard:
@@ -116,16 +110,7 @@ class CheckpointHooks(_Lightning):
                 else "",
             )
         self.data.restore(meta["bamboo"])
-        self._resume_rng = None
-        saved_world = meta["bamboo"].get("world_size")
-        if saved_world == self.world_size:
-            self._resume_rng = ckpt.read_rng(checkpoint_path, self.global_rank)
-        elif saved_world is not None:
-            log.warning(
-                "checkpoint %s was saved by %s processes, this run has %s: random number generators are not "
-                "restored (their streams belong to processes); weights, optimizer state and data order are",
-                checkpoint_path, saved_world, self.world_size,
-            )
+        self._resume_rng = self.runner.checkpoints.saved_rng(checkpoint_path, meta)
         return {**meta, "state_dict": {}}
 
     @override

@@ -1,12 +1,17 @@
 """examples/deepspeed_spot.py's model and data with a loop that owns its data iterator (``train_batch(data_iter=it)``)
 and rewinds it when a fatal loss restarted the job (``lightning_bamboo.JobRestarted``). ``--redundancy`` sets the
-"bamboo" section's (``off``: every loss is fatal, and the job restarts from its last checkpoint in place)."""
+"bamboo" section's (``off``: every loss is fatal, and the job restarts from its last checkpoint in place);
+``--audit`` turns the replica audit on; ``--resume`` loads the latest checkpoint of ``--save-dir`` first. Every rank
+prints one draw of torch's generator after each step (``{"draw": ...}``: whether a resume restored it), and rank 0 the
+replica audits run at the end."""
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
+import torch
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
@@ -28,6 +33,8 @@ def main():
     parser.add_argument("--save-dir", default="ckpt")
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--redundancy", default="off")
+    parser.add_argument("--audit", action="store_true")
+    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
 
     lightning_bamboo.init_distributed()
@@ -36,10 +43,11 @@ def main():
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "bamboo": {"redundancy": args.redundancy},
+        "bamboo": {"redundancy": args.redundancy, "audit_replicas": args.audit},
     }
     engine, _, loader, _ = lightning_bamboo.initialize(model=model, training_data=Regression(), config=config)
-    it = micro_batches(loader, 0)
+    drawn = engine.load_checkpoint(args.save_dir)[1]["data_position"] if args.resume else 0
+    it = micro_batches(loader, drawn)
     restarts = 0
     while engine.global_steps < args.steps:
         try:
@@ -49,11 +57,13 @@ def main():
             it = micro_batches(loader, restarted.data_position)
             print(f"rewound to micro-batch {restarted.data_position} at step {restarted.step}", flush=True)
             continue
+        print(json.dumps({"rank": engine.global_rank, "step": engine.global_steps, "draw": torch.rand(1).item()}),
+              flush=True)
         if args.save_every and engine.global_steps % args.save_every == 0:
             engine.save_checkpoint(args.save_dir)
     engine.save_checkpoint(args.save_dir, tag="final")
     if engine.global_rank == 0:
-        print(f"step {engine.global_steps}: loss {loss.item():.4f}; restarts {restarts}")
+        print(f"step {engine.global_steps}: loss {loss.item():.4f}; restarts {restarts}; audits {engine.runner.audits}")
 
 
 if __name__ == "__main__":
