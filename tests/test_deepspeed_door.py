@@ -365,3 +365,16 @@ def test_the_door_audits_every_step_and_a_resume_restores_each_processes_random_
     resumed = door(tmp_path / "part", 2 * STEPS, "--resume")
     after = {key: value for key, value in _draws(resumed).items() if key[1] > STEPS}
     assert len(after) == 2 * STEPS and after == {key: value for key, value in _draws(whole).items() if key[1] > STEPS}
+
+
+def test_a_node_lost_while_the_job_starts_is_started_without_as_on_the_lightning_door(tmp_path, clean):
+    """node2 registers and is SIGKILLed before the first rendezvous: the three others start a 3-stage pipeline at
+    once (the script's PipelineModule was built for 4 stages, in a world of the launch's size), train to the end,
+    and end with the clean 4-stage run's weights and optimizer state (nothing had trained)."""
+    stdout = _train(tmp_path / "out", kill=["node2@start"], extra=("--save-every", "6"))
+    for node in ("node0", "node1", "node3"):
+        assert f"{node}: ['node2'] died while the job started; starting with 3 nodes" in stdout, stdout[-3000:]
+    weights, states, meta = _final(tmp_path / "out")
+    clean_weights, clean_states, _ = _final(clean)
+    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
+    assert len(meta["bamboo"]["parts"]) == 4  # saved by the 3-stage job

@@ -202,6 +202,13 @@ class ResilientPipelineEngine:
         admission = _SESSION.pop("admission", None)
         if admission is not None:
             self._join(admission)
+        elif _SESSION.pop("start_lost", False):  # the survivors of a start: their group, not the launch's world
+            from lightning_bamboo.engine.build import ensure_deepspeed_comm
+
+            dist.destroy_process_group()
+            rank, world = runner.start_without_lost()
+            ensure_deepspeed_comm(runner.backend)
+            runner.start(self._model, world, rank, fitting=True)
         else:
             runner.start(self._model, world, dist.get_rank(), fitting=True)
             if dist.get_rank() == 0 and runner.session is not None:
@@ -496,13 +503,18 @@ def open_job(timeout: float, detection_timeout: float) -> None:
         dist.init_process_group("fake", rank=world - 1, world_size=world)  # (rank 0 prints DeepSpeed's banners)
         ensure_deepspeed_comm("fake")
         return
+    _SESSION["session"] = session
     if session.start_lost:
+        # Nodes died before the process group formed: the job starts without them, as the Lightning door does
+        # (``PipelineRunner.start_without_lost``, in ``initialize``: the survivors' group). The script builds its
+        # module meanwhile in a world of the launch's size, so its topology is the one it was written for.
         from lightning_bamboo.runtime.refusal import stop_if_refused
 
         stop_if_refused(session)
-        raise FatalLoss(f"{sorted(session.start_lost)} died while the job started; start it again with the nodes "
-                        "that are up")
-    _SESSION["session"] = session
+        _SESSION["start_lost"] = True
+        dist.init_process_group("fake", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        ensure_deepspeed_comm("fake")
+        return
     dist.init_process_group(comm_process.BACKEND, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     ensure_deepspeed_comm(comm_process.BACKEND)
 
