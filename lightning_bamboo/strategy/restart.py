@@ -79,6 +79,10 @@ def put_away(strategy: Any, trainer: Any) -> None:
     trainer.fit_loop._combined_loader = None  # the data again, cut for the pipelines of the new layout
     trainer._logger_connector.teardown()
     strategy.forget_start()
+    model = strategy.lightning_module
+    if model is not None and hasattr(model, "_bamboo_stage"):
+        del model._bamboo_stage  # the old stage's layers: not held while this node stands by, or builds its next
+    strategy.optimizers = []  # (their parameters too)
 
 
 def stand_by_fit(strategy: Any, trainer: Any, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
