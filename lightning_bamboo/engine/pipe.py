@@ -472,7 +472,21 @@ class BambooPipelineEngine(PipelineEngine):
             for param in self.module.parameters():
                 if param.grad is not None:
                     param.grad.mul_(weight)
+        if pipelines == 1 and self.pipeline_enable_backward_allreduce:
+            # One pipeline: DeepSpeed's all-reduce over a group of one process would copy every gradient into a
+            # flat bucket and a transfer buffer that stays (4 + 4 bytes per parameter) to add nothing and divide by 1.
+            # What it does besides is kept: a parameter without a gradient gets zeros, as with several pipelines.
+            self._get_gradients_for_reduction()
+            return
         PipelineEngine._exec_reduce_grads(self)
+
+    def _broadcast_model(self) -> None:
+        """DeepSpeed's broadcast of the weights over the data-parallel group; not over a group of one process (it
+        would leave a transfer buffer of each parameter's size behind and send nothing)."""
+        import deepspeed.comm as ds_dist
+
+        if ds_dist.get_world_size(group=self.seq_data_parallel_group) > 1:
+            super()._broadcast_model()
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

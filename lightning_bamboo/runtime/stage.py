@@ -163,6 +163,7 @@ class NodeStage:
         self.engine = self._new_engine(module, optimizer, self.layout)
         if fitting:
             self._arm(self.engine)
+        trim_buffers()  # DeepSpeed's start-up broadcasts: their transfer buffers are not used again
 
     def resolve_precision(self, loss_scale: dict[str, Any] | None = None,
                           gradient_clipping: float | None = None) -> Precision:
