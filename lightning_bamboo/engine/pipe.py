@@ -13,6 +13,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine import heap
 from lightning_bamboo.engine.exchange import GradientExchange
 from lightning_bamboo.engine.guard import StepGuard, is_comm_error
 from lightning_bamboo.engine.layer_rng import StepKeys
@@ -354,6 +355,7 @@ class BambooPipelineEngine(PipelineEngine):
         if skip:
             self._skip_step()
         else:
+            heap.give_back()  # what the activations left: the update's temporaries would come on top of it
             PipelineEngine._exec_optimizer_step(self)
         self._update_loss_scale()
         exchange = self._exchange

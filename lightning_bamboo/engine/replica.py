@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine import heap
 from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
 from lightning_bamboo.engine.placement import copy_to_device, must_fit
 
@@ -155,6 +156,7 @@ class Replica:
             if self.hosted:
                 self._step_on_device()
             else:
+                heap.give_back()  # the freed heap and the update's temporaries would add up
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.due = False

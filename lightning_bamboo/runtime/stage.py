@@ -14,7 +14,7 @@ import torch
 import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine import audit
+from lightning_bamboo.engine import audit, heap
 from lightning_bamboo.engine.build import (
     build_engine,
     build_pipeline_module,
@@ -75,6 +75,7 @@ class NodeStage:
         self.param_counts: list[int] = []  # trainable parameters per layer, measured by probe()
         self.layer_names: list[str] = []  # each layer's class name, measured by probe()
         self.audits = 0  # replica audits passed by this process
+        heap.keep_heap_small()  # the process's RSS follows what its tensors hold (``engine.heap``)
         self._census: tuple[PipelineModel, int, LayerCensus] | None = None  # probe()'s, for its model and seed
 
     @property
