@@ -85,3 +85,15 @@ def test_a_step_of_one_pipeline_leaves_no_transfer_buffer_of_its_gradients(one_p
     for mine, theirs in zip(module.parameters(), reference.parameters(), strict=True):
         assert torch.equal(mine, theirs)
     assert not torch.equal(layers[2].unused, torch.ones(WIDTH))  # stepped: AdamW's weight decay moved it
+
+
+def test_a_one_off_transfer_gives_its_buffer_back_at_once(one_process):
+    """A message of 64 MiB or more (a layer's weights and optimizer state in a failover) comes once: its transfer
+    buffer, mapped by the worker and its communication process, goes when the operation is done; a smaller one stays
+    for the next message of its size."""
+    large = torch.ones(comm_process.ONE_OFF_BYTES // 4)
+    dist.all_reduce(large)
+    assert comm_process.buffer_bytes() == 0 and torch.equal(large, torch.ones_like(large))
+    small = torch.ones(1 << 20)
+    dist.all_reduce(small)
+    assert comm_process.buffer_bytes() == 4 << 20

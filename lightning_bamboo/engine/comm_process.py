@@ -52,6 +52,11 @@ BACKEND = "bamboo"
 
 _COLLECTIVES = ("allreduce", "broadcast", "allgather", "allgather_base", "barrier")
 _OPS = ("send", "recv", *_COLLECTIVES)
+#: transfer buffers of this size or more are given back as soon as their operation is done, not kept for the next
+#: message of their size: messages that large (a layer's weights and optimizer state in a failover or a move) come
+#: once, and their buffer, mapped by the worker and its communication process, held the layer's size again until the
+#: next trim (a pipeline's activations, a tied gradient's pieces and the exchange's chunks are far smaller)
+ONE_OFF_BYTES = 64 << 20
 #: the environment variable that picks the transport of the groups formed through torch's env:// route
 TRANSPORT_ENV = "BAMBOO_COMM_TRANSPORT"
 #: a folder: each process writes there the sends and receives it posts, in order (``PID.jsonl``), for
@@ -88,7 +93,10 @@ class CommWork:
             except Exception as err:  # noqa: BLE001 - the caller's wait raises it; the reader thread goes on
                 error = f"the result could not be copied into the caller's tensor: {err!r}"
         self.error = error
-        self._owner._slabs.give(self._lent)
+        slabs = self._owner._slabs
+        slabs.give(self._lent)
+        if any(slabs.size(sid) >= ONE_OFF_BYTES for sid in self._lent):
+            self._owner.trim(ONE_OFF_BYTES)  # a one-off transfer (a layer in a failover): its buffer goes now
         with self._owner._lock:
             self.done.set()
             future = self._future
