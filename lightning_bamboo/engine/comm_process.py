@@ -529,6 +529,14 @@ def buffer_bytes() -> int:
     return comm.buffer_bytes if comm is not None else 0
 
 
+def communication_pids() -> list[int]:
+    """The pids of this worker's communication processes: its zygote's and the current generation's child's."""
+    from lightning_bamboo.engine.comm_zygote import zygote_pid
+
+    comm = _GENERATION["comm"]
+    return [pid for pid in (zygote_pid(), comm.child_pid if comm is not None else None) if pid is not None]
+
+
 def trim_buffers(min_bytes: int = 1 << 20) -> int:
     """Give back the memory of the current generation's idle transfer buffers of ``min_bytes`` or more: those of a
     transfer that will not come again (a failover's layers, the first steps' gradients before they go through shared

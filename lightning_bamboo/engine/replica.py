@@ -39,6 +39,10 @@ class StageContainer(nn.Module):
     def forward(self, inputs: Any) -> Any:
         return self.run(inputs)
 
+    def calls(self) -> list[tuple[int, Any]]:
+        """Every layer with its global index, in order (plain callables included)."""
+        return list(zip(self.indices, self._calls, strict=True))
+
     def run(self, inputs: Any, keys: StepKeys | None = None, micro_batch: int = 0) -> Any:
         """``forward``; with ``keys``, each layer draws its random numbers as on the stage that owns it
         (``layer_rng``), for local micro-batch ``micro_batch``."""

@@ -211,6 +211,7 @@ class PipelineRunner:
             try:
                 loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share, first_micro_batch=first)
                 self._trained = True
+                self.stage.tell_memory(rebuilt=bool(self.failovers))  # after an engine's first step: its memory
                 self.stage.settle_placement()  # after an engine's first step on a GPU: where its replica lives
                 if session is not None and session.leaving:
                     session.depart()

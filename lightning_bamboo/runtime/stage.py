@@ -30,6 +30,7 @@ from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
 from lightning_bamboo.engine.transfer import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, BambooError
+from lightning_bamboo.runtime import memory
 from lightning_bamboo.runtime.collectives import decode, encode
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
@@ -75,6 +76,9 @@ class NodeStage:
         self.param_counts: list[int] = []  # trainable parameters per layer, measured by probe()
         self.layer_names: list[str] = []  # each layer's class name, measured by probe()
         self.audits = 0  # replica audits passed by this process
+        #: the process's RSS before it built a stage (its interpreter, imports, framework): the model's baseline
+        self.baseline_bytes = 0
+        self._memory_told: BambooPipelineEngine | None = None  # the engine whose memory was logged
         heap.keep_heap_small()  # the process's RSS follows what its tensors hold (``engine.heap``)
         self._census: tuple[PipelineModel, int, LayerCensus] | None = None  # probe()'s, for its model and seed
 
@@ -159,6 +163,7 @@ class NodeStage:
                         "torch.distributed.init_process_group(%r, ...) (lightning_bamboo.engine.comm_process.BACKEND) "
                         "to end such waits at once.", self.session.node, torch_dist.get_backend(), BACKEND)
         ensure_deepspeed_comm(self.backend)
+        self.baseline_bytes = self.baseline_bytes or memory.resident_bytes()  # (before the first stage is built)
         module = self._stage_module(self.layout, self.layout.stage_of_rank(rank))
         optimizer = self.host.setup_optimizers(module) if fitting else None
         self.engine = self._new_engine(module, optimizer, self.layout)
@@ -219,6 +224,22 @@ class NodeStage:
             ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         self.host.adopt_stage(module)
         return module
+
+    def tell_memory(self, rebuilt: bool) -> None:
+        """After the first step of each engine (``rebuilt``: a failover's, a reconfiguration's): log the node's
+        predicted peak by owner against its measured peak (``runtime.memory``)."""
+        engine, layout = self.engine, self.layout
+        if engine is None or layout is None or engine is self._memory_told or not self.param_counts:
+            return
+        self._memory_told = engine
+        why = "its first step since its stage was rebuilt" if rebuilt else "its first step"
+        try:
+            predicted = memory.predict(engine, layout, self.rank, self.param_counts, self.baseline_bytes,
+                                       self.config.activation_checkpointing)
+        except (BambooConfigError, ValueError, ZeroDivisionError) as err:  # a log line must not stop training
+            log.warning("%s: no memory prediction after %s: %s", self.node, why, err)
+            return
+        log.log(*memory.report(self.node, why, predicted))
 
     def settle_placement(self) -> None:
         """Once per engine, after its first step on a GPU under ``replica_placement="auto"`` without a budget: keep the
