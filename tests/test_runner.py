@@ -87,6 +87,7 @@ def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_cle
         assert [(f["step"], f["lost"]) for f in report["failovers"]] == [(2, ["node2"])]
         assert report["parts"] == [0, 3, 6] and report["nodes"] == ["node0", "node1"]
         assert report["device"] == ("cuda:0" if device == "cuda" else "cpu")
+        assert report["engines"] == 1  # the two replaced engines' weights and optimizer state went with them
     # the reconfiguration builds only the layers that arrive: layer 2 (node1 -> node0) in node0's stage and in
     # node1's replica (node1's old object of it served its stage, whose optimizer the framework may still touch: a
     # stage's objects never become a replica's); every other layer is the node's own object from before

@@ -202,6 +202,7 @@ class PipelineRunner:
                 hook(self, step)
         for _ in range(len(session.nodes) if session is not None else 1):
             engine, _layout = self.stage.require_stage()
+            self.stage.collect_retired()  # an engine this one replaced: its memory goes before this step
             chunks, share, first = self._split(batch, global_batch=self.host.global_micro_batches() is not None)
             engine.set_micro_batches(len(chunks))
             if session is not None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -20,6 +22,7 @@ from lightning_bamboo.engine.build import (
     build_pipeline_module,
     deepspeed_config,
     ensure_deepspeed_comm,
+    retire,
 )
 from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
@@ -79,6 +82,7 @@ class NodeStage:
         #: the process's RSS before it built a stage (its interpreter, imports, framework): the model's baseline
         self.baseline_bytes = 0
         self._memory_told: BambooPipelineEngine | None = None  # the engine whose memory was logged
+        self._retired: list[weakref.ref[BambooPipelineEngine]] = []  # engines replaced, until they are collected
         heap.keep_heap_small()  # the process's RSS follows what its tensors hold (``engine.heap``)
         self._census: tuple[PipelineModel, int, LayerCensus] | None = None  # probe()'s, for its model and seed
 
@@ -163,9 +167,13 @@ class NodeStage:
                         "torch.distributed.init_process_group(%r, ...) (lightning_bamboo.engine.comm_process.BACKEND) "
                         "to end such waits at once.", self.session.node, torch_dist.get_backend(), BACKEND)
         ensure_deepspeed_comm(self.backend)
-        self.baseline_bytes = self.baseline_bytes or memory.resident_bytes()  # (before the first stage is built)
+        if not self.baseline_bytes:  # the first stage this process builds
+            self.baseline_bytes = memory.resident_bytes()
+            gc.freeze()  # what lives until now lives on: later full collections scan only what is made from now on
         module = self._stage_module(self.layout, self.layout.stage_of_rank(rank))
         optimizer = self.host.setup_optimizers(module) if fitting else None
+        if self.engine is not None:  # a restart: the engine before it runs no more
+            self._retire(self.engine)
         self.engine = self._new_engine(module, optimizer, self.layout)
         if fitting:
             self._arm(self.engine)
@@ -224,6 +232,20 @@ class NodeStage:
             ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         self.host.adopt_stage(module)
         return module
+
+    def _retire(self, engine: BambooPipelineEngine) -> None:
+        retire(engine)  # what the garbage collector cannot see
+        self._retired.append(weakref.ref(engine))
+
+    def collect_retired(self) -> None:
+        """Before a step, while an engine that was replaced (a failover, a reconfiguration, a restart) is alive: a full
+        garbage collection. DeepSpeed's engine is in reference cycles (its module's forward hooks and closures of its
+        constructor call it back) that only such a collection frees, and a long-running process runs one rarely: the
+        old engine's stage, weights and optimizer state stayed resident beside the new one's. Cheap: the objects of
+        before the first stage are frozen (``start``)."""
+        if any(ref() is not None for ref in self._retired):
+            gc.collect()
+        self._retired = [ref for ref in self._retired if ref() is not None]
 
     def tell_memory(self, rebuilt: bool) -> None:
         """After the first step of each engine (``rebuilt``: a failover's, a reconfiguration's): log the node's
@@ -437,7 +459,9 @@ class NodeStage:
             trim_buffers()  # the layers' transfer buffers: idle for the rest of this generation
             return engine
 
-        self.engine = session.guard().run(build_and_arm)
+        old, self.engine = self.engine, session.guard().run(build_and_arm)
+        if old is not None:
+            self._retire(old)
         if isinstance(hyper, torch.optim.Optimizer):
             self.host.rebind_optimizer(hyper, optimizer)
         self.audit("membership change before")
