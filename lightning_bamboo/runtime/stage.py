@@ -170,10 +170,12 @@ class NodeStage:
         if not self.baseline_bytes:  # the first stage this process builds
             self.baseline_bytes = memory.resident_bytes()
             gc.freeze()  # what lives until now lives on: later full collections scan only what is made from now on
+        if self.engine is not None:  # a restart: the engine before runs no more, and goes before the new one is built
+            self._retire(self.engine)
+            self.engine = None
+            self.collect_retired()
         module = self._stage_module(self.layout, self.layout.stage_of_rank(rank))
         optimizer = self.host.setup_optimizers(module) if fitting else None
-        if self.engine is not None:  # a restart: the engine before it runs no more
-            self._retire(self.engine)
         self.engine = self._new_engine(module, optimizer, self.layout)
         if fitting:
             self._arm(self.engine)
