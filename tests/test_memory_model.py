@@ -67,7 +67,9 @@ def test_lazy_two_stages_through_shared_memory_by_hand():
     base = 1000 + 2 * (800 + 1600) + 2 * SLAB  # the stage's and its replica's weights and AdamW state
     # stage 0 updates its replica before its first gradient (the warm-up's 2 micro-batches in flight), and its own
     # gradients' half (800) waits for stage 1, whose update comes at the end of its step
+    # before its last backward it copies its gradients so far into their half: one micro-batch still in flight
     assert _phases(first) == {"forward-backward": base + 800 + 2 * 2010 + 20 + 800,
+                              "write-ahead": base + 800 + 800 + 800 + 2010 + 20,
                               "replica update": base + 2 * 2010 + 800 + 800 + 480,
                               "update": base + 800 + 480}
     assert (first.peak.name, first.peak_bytes, first.replica_stage) == ("replica update", base + 6100, 1)

@@ -288,6 +288,9 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
     halves = [Item("buffers", "own gradients' shared half", 4 * own)] if shared else []
     previous = [Item("buffers", "own gradients' shared half, the last step's", 4 * own)] if shared and (
         updates_replica_at_end((stage - 1) % p, p, eager)) else []  # until the predecessor's late update
+    # a tied copy's reduction waits for the first stage, the last to finish its schedule: what comes after it on this
+    # node (a late update, the ship) comes after the predecessor's late update too
+    after_tie = [] if tie_slabs else previous
     replica_half = [Item("buffers", "replica's gradients' shared half", 4 * rep)] if shared else []
     written = grads if last or not shared else halves  # the own gradients at the step's end: views of their half
 
@@ -298,6 +301,10 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
         successor_act, _ = stage_activations(layers, held, successor == p - 1)
         flight.append(Item("activations", "eager's kept redundant forwards", forwards * successor_act))
     phases = [Phase("forward-backward", tuple(base + grads + flight + previous))]
+    if shared and not last:  # before the last backward the gradients so far are copied into their half
+        kept = [item for item in flight if item.what.startswith("eager")]
+        phases.append(Phase("write-ahead", tuple(base + grads + halves + previous + kept + [
+            Item("activations", "the last micro-batch in flight", per_micro_batch), flight[1]])))
     reduce = [Item("stage", "tied copy received", tie_received)] if tie_received else []
     if pipelines > 1:
         reduce.append(Item("stage", "all-reduce's flat bucket", 4 * own))
@@ -308,17 +315,42 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
         rep_temps = [Item("replica", "update's temporaries",
                           temps * 4 * max((layers[i].largest for i in held), default=0))]
         if updates_replica_at_end(stage, p, eager):  # after the gradient reduction, before the ship
-            phases.append(Phase("replica update", tuple(base + written + previous + replica_half + rep_temps)))
+            phases.append(Phase("replica update", tuple(base + written + after_tie + replica_half + rep_temps)))
         else:  # before the next step's first gradient (under eager the later half: before any micro-batch)
             warm = 0 if eager and 2 * stage > p - 1 else in_flight * per_micro_batch
             waiting = [Item("activations", f"{in_flight} warm-up micro-batch(es)", warm)] if warm else []
             # the last step's own gradients, until the predecessor's update (it waits longer for its first gradient)
             phases.append(Phase("replica update", tuple(base + waiting + halves + replica_half + rep_temps)))
     if last and shared:  # the ship copies the own gradients into their half
-        phases.append(Phase("ship", tuple(base + grads + halves + previous)))
+        phases.append(Phase("ship", tuple(base + grads + halves + after_tie)))
     update = [Item("stage", "update's temporaries", temps * 4 * largest)]
     phases.append(Phase("update", tuple(base + written + (halves if last else []) + update)))
     return NodeMemory(stage, successor if redundant else None, tuple(phases), settings.communication_bytes)
+
+
+def moving_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int, moved: Sequence[int], *,
+                  redundancy: str = "lazy", settings: MemorySettings | None = None) -> Phase:
+    """A failover or a move, on the node that ran ``stage`` of ``parts`` and sends or receives the layers ``moved``
+    (the replica ring's, a move's): its old stage and replica are still held while a layer travels, one per message,
+    serialised with its optimizer state (``engine.transfer.exchange_objects``) and copied into a transfer buffer (the
+    larger layer counts twice)."""
+    settings = settings or MemorySettings()
+    ranges = _ranges(parts, len(layers))
+    p = len(ranges)
+    mine = ranges[stage]
+    held = ranges[(stage + 1) % p] if redundancy != "off" and p > 1 else range(0)
+    per_param = 4 + settings.optimizer_bytes_per_param
+    largest = max((per_param * layers[i].params for i in moved), default=0)
+    tie_slabs, _ = _tie_buffers(layers, mine, ranges)
+    last = stage == p - 1
+    return Phase("failover", (
+        Item("baseline", "interpreter, imports", settings.baseline_bytes),
+        Item("baseline", "framework: engine, groups, allocator", settings.framework_bytes),
+        Item("stage", "weights and optimizer state, before it", per_param * sum(layers[i].params for i in mine)),
+        Item("replica", "weights and optimizer state, before it", per_param * sum(layers[i].params for i in held)),
+        Item("buffers", "tied gradient's transfer buffers", tie_slabs),
+        Item("activations", "the last micro-batch's output, kept", 2 * layers[mine.stop - 1].output_bytes if last else 0),
+        Item("buffers", "a layer in transit: serialised, and its transfer buffer", 2 * largest)))
 
 
 def pipeline_memory(layers: Sequence[LayerMemory], parts: Sequence[int], micro_batches: int, **options: object
