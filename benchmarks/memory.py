@@ -184,6 +184,20 @@ def with_failover(memory, shape: str, block: int, mode: str, before: tuple[int, 
     return dataclasses.replace(memory, phases=(*memory.phases, phase))
 
 
+def with_previous_stage(memory, shape: str, block: int, before: tuple[int, ...], stage: int):
+    """``memory`` through a restart (``off`` after a fatal loss): the previous stage's weights and optimizer state stay
+    referenced by the framework's objects of the fit before (its optimizer, the module's stage) until the first step
+    after the restart has run, beside the new stage."""
+    import dataclasses
+
+    from lightning_bamboo.planner.memory import Item, Phase
+
+    layers = layer_memory(shape, block)
+    previous = Item("stage", "the stage before the restart, through its first step",
+                    12 * sum(layers[i].params for i in range(before[stage], before[stage + 1])))
+    return dataclasses.replace(memory, phases=tuple(Phase(p.name, (*p.items, previous)) for p in memory.phases))
+
+
 def run(args: argparse.Namespace, shape: str, block: int, mode: str, every: int) -> list[dict]:
     from common import run_under_launcher
 
@@ -234,6 +248,8 @@ def run(args: argparse.Namespace, shape: str, block: int, mode: str, every: int)
             memory = predict(shape, block, mode, every, after, stage)
             if mode != "off":  # the failover's layers in transit: those its new replica lacks, those it sends
                 memory = with_failover(memory, shape, block, mode, parts, k, after, stage)
+            else:  # a restart: its previous stage is held through the first step after it (see docs/memory.md)
+                memory = with_previous_stage(memory, shape, block, parts, k)
             post = {"layout": after, "stage": stage, "memory": memory}
         worst = max([pre] + ([post] if post else []), key=lambda x: x["memory"].peak_bytes)
         rows.append({"node": r["node"], "steps": steps, "before": r["before"], "measured_before": before,
