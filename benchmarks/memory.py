@@ -18,7 +18,7 @@ Then, at GPT-2 small with sequence 128, what ``lazy`` adds per process over ``of
 model's replica owner: weights, AdamW's moments, its update's temporaries) and what the rest costs.
 
     python benchmarks/memory.py [--shapes small-32,small-128,medium-128] [--modes off,lazy,eager] [--checkpointing 0,1]
-                                [--kill-at 4] [--steps 6] [--tree DIR]
+                                [--kill-at 4] [--steps 6] [--skip small-32:eager,...] [--tree DIR] [--reports DIR]
 
 ``--tree DIR``: measure the ``lightning_bamboo`` of another source tree (``git archive COMMIT | tar -x -C DIR``: the
 code before a cut), predicted by this one's model.
@@ -308,6 +308,8 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=4, help="node2 is SIGKILLed at the start of this step (0: none)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tree", default=None, help="the source tree whose lightning_bamboo the job runs")
+    parser.add_argument("--skip", default="", metavar="SHAPE-SEQUENCE:MODE,...",
+                        help="configurations not to run (e.g. medium-128:lazy: a machine without the memory for them)")
     parser.add_argument("--reports", default=None, metavar="DIR",
                         help="keep each job's reports and output in DIR; a configuration found there is not run again, "
                              "only predicted again")
@@ -327,6 +329,10 @@ def main() -> int:
         shape, block = re.fullmatch(r"(\w+)-(\d+)", spec).groups()  # type: ignore[union-attr]
         for every in every_of:
             for mode in args.modes.split(","):
+                if f"{spec}:{mode}" in args.skip.split(","):
+                    if every == every_of[0]:
+                        print(f"\nnot run: GPT-2 {shape}, sequence {block}, {mode} (--skip)")
+                    continue
                 label = (f"GPT-2 {shape} ({SHAPES[shape][0]} x {SHAPES[shape][1]}), sequence {block}, {mode}, "
                          f"activation checkpointing {'every ' + str(every) + ' layer(s)' if every else 'off'}")
                 print(f"\n{label}")
