@@ -28,6 +28,9 @@ simulator's inputs. No run of part 2 starts after
 has no idle bubbles to hide the redundant forward in, so ``lazy`` costs there what it would not
 with a GPU per stage: this part shows that it runs and stays exact, not its overhead.
 
+Then ``lazy`` with the replica in pinned host memory (``replica_placement="host"``): its peak GPU memory against
+``off``'s (issue 64: at most 1.05x).
+
 Part 3, with ``--largest`` (issue 38; not part of ``make gpu-check``): the largest GPT of width
 ``--largest-width`` (4096) that trains 4 steps on the GPU in 2 stages sharing it, bf16 (autocast
 over fp32 masters), ``lazy``, AdamW: first the most blocks that fit by ``LARGEST_BYTES_PER_PARAMETER``
@@ -167,7 +170,7 @@ def comm_part(results: dict) -> None:
 # ------------------------------------------------------------------ part 2: a node of the pipeline
 
 def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, precision: str = "32",
-         measures: str = "digests") -> None:
+         measures: str = "digests", placement: str = "auto") -> None:
     """One node of a run; ``measures``: what it reports beside its step times and peak memory, of "digests" (its
     states, for the bit-for-bit comparisons) and "snapshot" (``snapshot_seconds``), comma-separated: each copies
     the whole stage to host memory, GBs on a GPU."""
@@ -215,7 +218,7 @@ def node(out: Path, steps: int, redundancy: str, n_embd: int, n_layer: int, prec
 
     host = Host()
     runner = PipelineRunner(BambooConfig(redundancy=redundancy, micro_batch_size=MICRO, seed=0, timeout=60.0,
-                                         precision=precision,
+                                         precision=precision, replica_placement=placement,
                                          detection_timeout=3.0), host, device=DEVICE)
     session = runner.open_session()
     assert session is not None, "run under lightning_bamboo.launcher.launch"
@@ -277,7 +280,7 @@ def digests(states: dict) -> dict:
 
 
 def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], kill: str | None = None,
-                 precision: str = "32", measures: str = "digests") -> dict:
+                 precision: str = "32", measures: str = "digests", placement: str = "auto") -> dict:
     from lightning_bamboo.launcher import launch
     from lightning_bamboo.testing import faults
 
@@ -286,7 +289,7 @@ def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], 
     if kill:
         env.update(faults.environment([kill]))
     codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy, *map(str, size), precision,
-                    measures], 2, env=env, timeout=600)
+                    measures, placement], 2, env=env, timeout=600)
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     layers: dict = {}
     for name in sorted(reports):
@@ -324,6 +327,11 @@ def pipeline_part(results: dict, steps: int, kill_at: int, size: tuple[int, int]
                 results["model_parameters"] = sum(r["parameters"] for r in run["reports"].values())
             if node0.get("snapshot_s"):
                 results["snapshot_first_s"], results["snapshot_s"] = node0["snapshot_s"]
+        if "off" in runs and in_budget("lazy-host"):  # issue 64: the replica in pinned host memory, none on the GPU
+            hosted = pipeline_run(Path(tmp) / "lazy-host", steps, "lazy", size, measures="", placement="host")
+            if hosted["reports"] and "peak_off_gib" in results:
+                results["peak_lazy_host_gib"] = max(r["peak_bytes"] for r in hosted["reports"].values()) / 2**30
+                results["lazy_host_over_off_peak"] = results["peak_lazy_host_gib"] / results["peak_off_gib"]
         results["model_shape"], results["context"] = list(size), BLOCK  # (width, blocks), positions
         results["tokens_per_step"] = MICRO * MICRO_BATCHES * BLOCK
         for mode in MODES[1:]:
@@ -442,6 +450,10 @@ def report(results: dict, kill_at: int, skip_pipeline: bool) -> list[str]:
                      + f" (lazy {results.get('lazy_over_off', nan):.3f}x, eager {results.get('eager_over_off', nan):.3f}x)"
                      "; peak memory of a process " + ", ".join(
                          f"{mode} {results.get(f'peak_{mode}_gib', nan):.2f} GiB" for mode in MODES))
+        if "peak_lazy_host_gib" in results:
+            lines.append(f"lazy with the replica in pinned host memory (replica_placement='host'): peak memory of a "
+                         f"process {results['peak_lazy_host_gib']:.2f} GiB, {results['lazy_host_over_off_peak']:.3f}x "
+                         "of off's (issue 64's target: at most 1.05x)")
         lines.append(f"snapshot of stage 0 to host memory (the asynchronous checkpoint's pause): "
                      f"{results.get('snapshot_s', nan):.3f} s ({results.get('snapshot_first_s', nan):.3f} s the "
                      "first, which allocates its buffers)")
@@ -472,7 +484,7 @@ def passed(results: dict, skip_pipeline: bool) -> bool:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["node"]:
-        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]), argv[6], argv[7])
+        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]), argv[6], argv[7], *argv[8:9])
         return
     args = parse_args(argv)
     if not torch.cuda.is_available():

@@ -85,6 +85,13 @@ def test_the_report_reads_the_measured_numbers():
     assert gpu.passed(MEASURED, skip_pipeline=False)
 
 
+def test_the_report_says_what_a_replica_in_host_memory_costs_the_gpu_when_it_was_measured():
+    lines = gpu.report({**MEASURED, "peak_lazy_host_gib": 10.75, "lazy_host_over_off_peak": 10.75 / 10.5}, 12,
+                       skip_pipeline=False)
+    assert lines[6] == ("lazy with the replica in pinned host memory (replica_placement='host'): peak memory of a "
+                        "process 10.75 GiB, 1.024x of off's (issue 64's target: at most 1.05x)")
+
+
 def test_a_number_not_measured_reads_nan_and_fails_the_check():
     partial = {k: v for k, v in MEASURED.items() if k not in ("nccl_abort_s", "exact_after_freeze")}
     lines = gpu.report(partial, 12, skip_pipeline=True)

@@ -127,7 +127,7 @@ def _exchange_worker(rank: int, same_host: bool, mode: str, results) -> None:
     else:
         replica = Replica(0, StageContainer({0: _Stage()}), torch.optim.SGD(_Stage().parameters(), lr=0.1))
         exchange = GradientExchange(replica, send_to=None, recv_from=0)
-        got, shared = replica.module.get_submodule("0"), []
+        got, shared, given_back = replica.module.get_submodule("0"), [], []
         for step in range(STEPS):
             shared.append(exchange.holder.owner_writes_shared)
             exchange.post_receive()
@@ -140,18 +140,28 @@ def _exchange_worker(rank: int, same_host: bool, mode: str, results) -> None:
                 assert want is None or torch.equal(want, have), (step, name)
             replica.pending = False
             free([replica.module])  # the update was applied: the receive buffer is free again
+            before = _resident_shared()
             exchange.acknowledge()  # and the shared one: the owner's next ship into it waits for this
+            given_back.append(before - _resident_shared())
         exchange.finish_send()  # its "read"s are gone
         results.put(("holder", shared))
+        results.put(("holder's half given back (bytes)", given_back))
+
+
+def _resident_shared() -> int:
+    """This process's resident shared memory (``RssShmem``), in bytes."""
+    line = next(line for line in open("/proc/self/status").read().splitlines() if line.startswith("RssShmem:"))
+    return int(line.split()[1]) * 1024
 
 
 @pytest.mark.parametrize("mode", ["shipped", "written-ahead", "optimizer-writes-grads"])
 @pytest.mark.parametrize("same_host", [True, False], ids=["shared-memory", "another-host"])
-def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same_host, mode):
+def test_gradients_arrive_exactly_through_shared_memory_or_over_the_group(same_host, mode):
     """Four chunks and a parameter without a gradient: the holder gets the owner's gradients bit for bit
-    (and None where the owner has none), step after step. On one host, the first two steps go over the
-    process group while the owner takes the holder's offer, and the rest through shared memory; an owner
-    on another host declines the offer and every step goes over the process group.
+    (and None where the owner has none), step after step. On one host every step goes through shared memory, the
+    first too (the owner takes the holder's offer at its first ship; the holder learns it from the first header); an
+    owner on another host declines the offer and every step goes over the process group. Once the replica's update
+    used a half, its pages are given back (the half of 450,500 gradients: 1.7 MiB): the owner writes it anew.
 
     Written ahead (``GradientExchange.write_ahead`` before the last backward), the owner's gradients are views
     of the half shipped, and the last backward accumulates into it; d, whose first gradient comes in that
@@ -160,14 +170,17 @@ def test_gradients_arrive_exactly_over_the_group_then_through_shared_memory(same
     and the holder still reads what the owner shipped, after the owner's step."""
     assert len(chunk_plan(p.numel() for p in _Stage().parameters())) == 4
     results = _run_pair(_exchange_worker, same_host, mode)
-    seen = dict(results.get(timeout=5) for _ in range(4))
+    seen = dict(results.get(timeout=5) for _ in range(5))
+    given_back = seen.pop("holder's half given back (bytes)")
     if same_host:
-        assert seen == {"owner": [False] + [True] * 4, "holder": [False, False] + [True] * 3,
-                        "owner's gradients in shared memory": [False] * 3 + [mode == "written-ahead"] * 2,
+        assert seen == {"owner": [True] * STEPS, "holder": [False] + [True] * 4,
+                        "owner's gradients in shared memory": [False] + [mode == "written-ahead"] * 4,
                         "gradients left alone": mode != "optimizer-writes-grads"}
+        assert min(given_back) >= 4 * 450_500 - 2 * 4096, given_back
     else:
         assert seen == {"owner": [False] * STEPS, "holder": [False] * STEPS,
                         "owner's gradients in shared memory": [False] * STEPS, "gradients left alone": None}
+        assert given_back == [0] * STEPS
 
 
 def test_the_exchanges_messages_pair_alike_by_tag_and_by_place_in_their_nccl_lane(tmp_path):
@@ -286,7 +299,7 @@ class _WatchedHolder(HolderEnd):
 
 
 def _hold_worker(rank: int, events, read_sent, results) -> None:
-    """Five steps through one host (steps 2 and 4 write the first half of the shared buffer, step 3 the
+    """Five steps through one host (steps 0, 2 and 4 write the first half of the shared buffer, 1 and 3 the
     second): the holder keeps step 2's gradients unread while the owner ships steps 3 and 4."""
     stage = _Stage()
     if rank == 0:
@@ -308,8 +321,8 @@ def _hold_worker(rank: int, events, read_sent, results) -> None:
             exchange.post_receive()
             if step == 3:
                 dist.barrier()  # the owner goes on to ship 4 while step 2's gradients are still unread
-                before = []
-                while (event := events.get(timeout=30))[0] != "waits for read":
+                before = []  # until ship 4 waits
+                while (event := events.get(timeout=30))[0] != "waits for read" or ("shipped", 3) not in before:
                     before.append(event)
                 holder.saw_wait = True
                 # ship 3 wrote the other half without waiting; ship 4 waits, before its copy, for the "read" of
@@ -346,11 +359,14 @@ def test_the_owner_writes_a_half_of_the_shared_buffer_again_only_after_the_repli
     events, read_sent = ctx.Queue(), ctx.Event()
     results = _run_pair(_hold_worker, events, read_sent)
     ([(before, waits, intact)], sent) = results.get(timeout=5)
-    # ships 0-3 went without waiting for a "read"; ship 4 waited for the first half's, with step 2's gradients intact
-    assert (before, waits, intact) == ([("shipped", step) for step in range(4)], ("waits for read", 0), True)
-    # the holder's first "read" was for that half, sent only once ship 4 waited; the wait ended after it was sent
+    # ships 2 and 3 found the "read"s of steps 0 and 1 there; ship 4 waited for the first half's, with step 2's
+    # gradients intact
+    assert (before, waits, intact) == ([("shipped", 0), ("shipped", 1), ("waits for read", 0), ("read came", 0, True),
+                                        ("shipped", 2), ("waits for read", 1), ("read came", 1, True), ("shipped", 3)],
+                                       ("waits for read", 0), True)
+    # the holder's "read" for step 2's half was sent only once ship 4 waited; the wait ended after it was sent
     came = next(event for event in iter(lambda: events.get(timeout=5), None) if event[:2] == ("read came", 0))
-    assert (sent[0], came) == ((0, True), ("read came", 0, True))
+    assert (sent[:3], came) == ([(0, False), (1, False), (0, True)], ("read came", 0, True))
 
 
 # ---------------------------------------------------------------------------------------------------------------

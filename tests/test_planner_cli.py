@@ -57,9 +57,12 @@ def test_eager_plans_count_the_replicas_and_price_the_redundant_forwards(capsys,
 
 
 def test_memory_too_small_is_a_clear_error(capsys) -> None:
-    assert cli.run(parse("--world-size", "2", "--json", "--n-layer", "1", "--memory-gib", "0.0001")) == 2
+    # 0.6155 GiB: a quarter of a MiB beyond what a worker holds besides its layers (planner.memory.fixed_bytes)
+    assert cli.run(parse("--world-size", "2", "--json", "--n-layer", "1", "--memory-gib", "0.6155")) == 2
     err = capsys.readouterr().err
     assert "MiB" in err and "limit" in err
+    assert cli.run(parse("--world-size", "2", "--json", "--n-layer", "1", "--memory-gib", "0.5")) == 2
+    assert "leaves nothing for the model: a worker holds 0.62 GiB besides its layers" in capsys.readouterr().err
 
 
 def test_the_console_dispatcher_runs_it(capsys, monkeypatch) -> None:

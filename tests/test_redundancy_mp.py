@@ -41,13 +41,13 @@ def test_replicas_equal_their_originals_after_every_step(tmp_path, stages, optim
     assert [c["replica_check"] for c in checks] == [1, 2, 3, 4, 5]
     assert all(c["problems"] == [] for c in checks), checks
     assert all(c["kept_after_commit"] == [False] * stages for c in checks), checks  # freed when the step commits
-    # one host: every stage's gradients go through its holder's shared buffer once it took the offer, at its
-    # second step (and the replicas above are still exact)
-    assert [c["shared_memory"] for c in checks] == [[False] * stages] + [[True] * stages] * 4, checks
-    # from the fourth step on (once the optimizer was seen to leave its gradients alone, at the third), every stage
+    # one host: every stage's gradients go through its holder's shared buffer from the first step on, the owner
+    # having taken the offer at its first ship (and the replicas above are still exact)
+    assert [c["shared_memory"] for c in checks] == [[True] * stages] * 5, checks
+    # from the second step on (once the optimizer was seen to leave its gradients alone, at the first), every stage
     # but the last wrote its gradients there before its last backward, which accumulated into them in place: its
     # ship copied nothing (``GradientExchange.write_ahead``)
-    assert [c["written_ahead"] for c in checks] == [[n] * (stages - 1) + [0] for n in (0, 0, 0, 1, 2)], checks
+    assert [c["written_ahead"] for c in checks] == [[n] * (stages - 1) + [0] for n in range(5)], checks
     # eager: each rank ran the successor's forwards the schedule places in its bubbles, every step; lazy: none.
     # Steps 1-4 place them with the model's costs (F = 1, B = 2) while each rank times its own forwards
     # and backwards; step 5 with the measured ratio, as each rank logged.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def _assert_same_weights(clean: Path, chaos: Path) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_clean_runs_weights(tmp_path, device):
+def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_clean_runs_weights(tmp_path, device,
+                                                                                               capfd):
     """Every layer has dropout: after the failover node1 runs node2's layers, and after the reconfiguration
     a layer moves, yet each draws the clean run's masks (``engine.layer_rng``). On ``cuda`` the three nodes
     share one GPU: stages, replicas and the redundant forward run there, the groups move GPU tensors through
@@ -67,14 +69,25 @@ def test_a_runner_without_lightning_steps_fails_over_and_reconfigures_to_the_cle
     assert clean == {"node0": 0, "node1": 0, "node2": 0}
     # node2 SIGKILLs itself at the start of step 2; node1 serves its stage from the replica, then at
     # step 4 the two survivors re-split the six layers evenly (a layer moves, replicas are rebuilt)
-    codes = _run(tmp_path / "chaos", env={"BAMBOO_FAIL_AT": "node2@2"}, reconfigure_at=4, device=device)
+    capfd.readouterr()
+    codes = _run(tmp_path / "chaos", env={"BAMBOO_FAIL_AT": "node2@2", "BAMBOO_LOG_LEVEL": "INFO"}, reconfigure_at=4,
+                 device=device)
     assert codes == {"node0": 0, "node1": 0, "node2": -9}
+    # each node logs its predicted and measured memory once per stage it builds: at its first step, and at the first
+    # step after the failover and after the reconfiguration (``runtime.memory``)
+    logs = "".join(capfd.readouterr())
+    for node in ("node0", "node1"):
+        told = re.findall(rf"{node}: memory after (its first step[^:]*): predicted peak [\d.]+ GiB \(stage [\d.]+, "
+                          r"replica [\d.]+, activations [\d.]+, buffers [\d.]+, communication process [\d.]+, baseline "
+                          r"[\d.]+; the worker [\d.]+ GiB at its [\w -]+\), measured [\d.]+ GiB", logs)
+        assert told == ["its first step"] + ["its first step since its stage was rebuilt"] * 2, logs[-3000:]
     reports = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "chaos").glob("*.json")}
     assert set(reports) == {"node0", "node1"}
     for report in reports.values():
         assert [(f["step"], f["lost"]) for f in report["failovers"]] == [(2, ["node2"])]
         assert report["parts"] == [0, 3, 6] and report["nodes"] == ["node0", "node1"]
         assert report["device"] == ("cuda:0" if device == "cuda" else "cpu")
+        assert report["engines"] == 1  # the two replaced engines' weights and optimizer state went with them
     # the reconfiguration builds only the layers that arrive: layer 2 (node1 -> node0) in node0's stage and in
     # node1's replica (node1's old object of it served its stage, whose optimizer the framework may still touch: a
     # stage's objects never become a replica's); every other layer is the node's own object from before

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.planner.costmodel import Hardware, ModelProfile
+from lightning_bamboo.planner.memory import fixed_bytes
 from lightning_bamboo.planner.plan import Plan, PlanTable, plan_table
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,12 @@ def _strategy_seed(strategy: Any) -> int:
 
 
 def _default_memory_bytes(device: torch.device, local_workers: int) -> int:
-    """90% of the device's memory (a GPU's, or this host's RAM shared by its local workers)."""
+    """90% of the device's memory (a GPU's, or this host's RAM shared by its local workers, less what each worker
+    holds besides its layers: ``planner.memory.fixed_bytes``)."""
     if device.type == "cuda":
         return int(0.9 * torch.cuda.get_device_properties(device).total_memory)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(0.9 * total / max(1, local_workers))
+    return max(1, int(0.9 * total / max(1, local_workers)) - fixed_bytes())
 
 
 class HydrozoaTuner(Callback):

@@ -137,6 +137,12 @@ class SlabPool:
                 if tensor is not None:  # (none after ``release``)
                     self._free[int(tensor.numel())].append(sid)
 
+    def size(self, sid: int) -> int:
+        """The bytes of buffer ``sid`` (0 once it was dropped)."""
+        with self._lock:
+            tensor = self.tensors.get(sid)
+            return int(tensor.numel()) if tensor is not None else 0
+
     @property
     def total_bytes(self) -> int:
         """The bytes of every buffer this pool holds, lent or idle."""

@@ -52,6 +52,11 @@ BACKEND = "bamboo"
 
 _COLLECTIVES = ("allreduce", "broadcast", "allgather", "allgather_base", "barrier")
 _OPS = ("send", "recv", *_COLLECTIVES)
+#: transfer buffers of this size or more are given back as soon as their operation is done, not kept for the next
+#: message of their size: messages that large (a layer's weights and optimizer state in a failover or a move) come
+#: once, and their buffer, mapped by the worker and its communication process, held the layer's size again until the
+#: next trim (a pipeline's activations, a tied gradient's pieces and the exchange's chunks are far smaller)
+ONE_OFF_BYTES = 64 << 20
 #: the environment variable that picks the transport of the groups formed through torch's env:// route
 TRANSPORT_ENV = "BAMBOO_COMM_TRANSPORT"
 #: a folder: each process writes there the sends and receives it posts, in order (``PID.jsonl``), for
@@ -88,7 +93,10 @@ class CommWork:
             except Exception as err:  # noqa: BLE001 - the caller's wait raises it; the reader thread goes on
                 error = f"the result could not be copied into the caller's tensor: {err!r}"
         self.error = error
-        self._owner._slabs.give(self._lent)
+        slabs = self._owner._slabs
+        slabs.give(self._lent)
+        if any(slabs.size(sid) >= ONE_OFF_BYTES for sid in self._lent):
+            self._owner.trim(ONE_OFF_BYTES)  # a one-off transfer (a layer in a failover): its buffer goes now
         with self._owner._lock:
             self.done.set()
             future = self._future
@@ -519,6 +527,14 @@ def buffer_bytes() -> int:
     """The bytes of the current generation's transfer buffers (0 without one)."""
     comm = _GENERATION["comm"]
     return comm.buffer_bytes if comm is not None else 0
+
+
+def communication_pids() -> list[int]:
+    """The pids of this worker's communication processes: its zygote's and the current generation's child's."""
+    from lightning_bamboo.engine.comm_zygote import zygote_pid
+
+    comm = _GENERATION["comm"]
+    return [pid for pid in (zygote_pid(), comm.child_pid if comm is not None else None) if pid is not None]
 
 
 def trim_buffers(min_bytes: int = 1 << 20) -> int:

@@ -111,6 +111,12 @@ def _start_zygote(fork: bool = False) -> tuple[subprocess.Popen | _ForkedZygote,
     return zygote
 
 
+def zygote_pid() -> int | None:
+    """The pid of this worker's zygote, while it runs (None before the first generation, or after it ended)."""
+    zygote = _ZYGOTE["proc"]
+    return zygote[0].pid if zygote is not None and zygote[0].poll() is None else None
+
+
 def fork_child() -> tuple[Child, socket.socket, Connection]:
     """A new communication process from the zygote (started, or started again, if needed)."""
     for _ in range(2):

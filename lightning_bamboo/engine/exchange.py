@@ -36,11 +36,15 @@ The protocol between a stage's owner (``OwnerEnd``) and its replica's holder (``
    ``CHUNK_TAGS + i``); both ends derive the chunks from the same layers, and post them in chunk order (NCCL sends
    them all on one lane: ``comm_cuda.lane_of``).
 3. The holder offers a shared buffer of two halves once, at its first ``post_receive`` (``OFFER_TAG``; always
-   sent, empty when it has none); the owner receives it from its first ship on and takes it at its second, so
-   the first two steps go over the process group, the later ones through shared memory if the owner could map it.
+   sent, empty when it has none), where its first step waits, long before the owner's first ship; the owner posts
+   its receive where its step waits and takes it at its first ship, so every step goes through shared memory if the
+   owner could map it, and over the process group if not. The holder posts the chunks' receives of its first step
+   only once the header said they come (it cannot know before), and knows from then on.
 4. The owner writes a half again only once the holder's "read" for it came (``READ_TAGS[half]``), which
    the holder sends once the replica's update has used the gradients there (they are views of the half); the
-   halves are written by turns, so a ship never waits for the update of the step just before it.
+   halves are written by turns, so a ship never waits for the update of the step just before it. The holder gives
+   the half's pages back before it answers (they would stay resident in both processes until the half is written
+   again, two steps later): the replica's gradients live only as long as its update needs them.
 5. Both ends switch at the step the header names (its "next" token). The owner lets its last backward accumulate
    straight into the half (``write_ahead``) only once its optimizer was seen to leave the gradients alone and set
    them to None: the holder reads them during the next step.
@@ -63,7 +67,7 @@ from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG, OFFER_TAG,
 from lightning_bamboo.engine.comm_process import gpu_direct, trim_buffers
 from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
-from lightning_bamboo.engine.shared_buffer import map_offered_buffer, offer_shared_buffer
+from lightning_bamboo.engine.shared_buffer import give_back_pages, map_offered_buffer, offer_shared_buffer
 from lightning_bamboo.engine.transfer import wait_all
 from lightning_bamboo.errors import BambooError
 
@@ -193,13 +197,17 @@ class OwnerEnd:
         return self._peer_half(self._half)[0] if self._peer_shared is not None else None
 
     def post_reads(self) -> None:
-        """Post the receives of the holder's "read"s awaited (where the step waits)."""
+        """Post the receives of the holder's offer (once) and of its "read"s awaited (where the step waits)."""
+        if self._offer_in is None and not self._offer_answered:
+            message = torch.zeros(OFFER_BYTES, dtype=torch.uint8)
+            self._offer_in = (message, dist.irecv(message, self.holder, group=self.group, tag=OFFER_TAG))
         for half in (0, 1):
             self._post_read(half)
 
     def ship(self, own: nn.Module) -> None:
         """Send ``own``'s (final) gradients without waiting (the ship before's are waited for first)."""
         self._finish_requests()
+        self._take_offer(sum(p.numel() for p in own.parameters() if p.requires_grad))  # rule 3, at the first ship
         shared = self._peer_half(self._half) if self._peer_shared is not None else None
         written, self._written = self._written == self._half, None
         if shared is not None and written:  # the gradients are in the half already, but those begun since
@@ -226,7 +234,6 @@ class OwnerEnd:
             numels = [p.numel() for p in own.parameters() if p.requires_grad]
             requests = [dist.isend(flat[start:end], self.holder, group=self.group, tag=CHUNK_TAGS + index)
                         for index, (_, _, start, end) in enumerate(chunk_plan(numels))]
-            self._take_offer(sum(numels))  # rule 3: the next step's gradients go through it, if there is one
         following = self._peer_half(self._half)[1] if self._peer_shared is not None else 0
         message = _header(mask, shared[1] if shared is not None else 0, following)
         requests.append(dist.isend(message, self.holder, group=self.group, tag=HEADER_TAG))
@@ -312,14 +319,13 @@ class OwnerEnd:
                                f"{token}: the gradient exchange is out of step")
 
     def _take_offer(self, numel: int) -> None:
-        """The holder's offer: received from the first ship on, taken at the second, when the holder has long
-        sent it (at its first wait in the first step); its buffer is mapped if it is on this host."""
+        """The holder's offer, taken at the first ship: the holder sent it at its first wait of the first step, and
+        its first wait never depends on this ship. Its buffer is mapped if it is on this host."""
         if self._offer_answered:
             return
         if self._offer_in is None:
-            message = torch.zeros(OFFER_BYTES, dtype=torch.uint8)
-            self._offer_in = (message, dist.irecv(message, self.holder, group=self.group, tag=OFFER_TAG))
-            return
+            self.post_reads()
+        assert self._offer_in is not None
         message, request = self._offer_in
         request.wait()
         self._offer_answered = True
@@ -350,10 +356,10 @@ class HolderEnd:
         # views of one until its deferred update is applied, during the next step
         self._recv_buffers: list[torch.Tensor] = []
         # its shared buffer (two halves) and the first half's token (the second's is one more), the offer in
-        # flight, whether the owner writes there
+        # flight, whether the owner writes there (None: not known until the first header, rule 3)
         self._shared: tuple[torch.Tensor, int] | None = None
         self._offer: tuple[torch.Tensor, Any] | None = None
-        self._owner_writes_shared = False
+        self._owner_writes_shared: bool | None = None
         # per half, the last "read" sent (kept alive until it is gone: the owner receives it at its next ship
         # into that half at the latest, which comes after the gradients it reads now)
         self._read_sent: list[tuple[torch.Tensor, Any] | None] = [None, None]
@@ -362,7 +368,7 @@ class HolderEnd:
     @property
     def owner_writes_shared(self) -> bool:
         """Whether the owner writes the next gradients into this holder's shared buffer (the last header said so)."""
-        return self._owner_writes_shared
+        return bool(self._owner_writes_shared)
 
     @property
     def shared_half(self) -> tuple[int, torch.Tensor] | None:
@@ -379,19 +385,21 @@ class HolderEnd:
         params = [p for p in self.replica.module.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in params)
         self._offer_shared(numel)
+        if self._shared is None:
+            self._owner_writes_shared = False  # nothing offered: every step comes over the process group
         mask = torch.zeros(len(params) + _HEADER, dtype=torch.uint8)
         requests = [dist.irecv(mask, self.owner, group=self.group, tag=HEADER_TAG)]
-        flat = None  # through shared memory the replica reads the owner's buffer: no receive buffer
-        if self._owner_writes_shared:
-            if self._recv_buffers:
-                self._recv_buffers = []  # those of the first steps, over the process group, are not used again
-                trim_buffers()  # nor are the transfer buffers their chunks went through
-        else:
-            flat = self._receive_buffer(numel)
-            for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
-                requests.append(dist.irecv(flat[start:end], self.owner, group=self.group,
-                                           tag=CHUNK_TAGS + index))
+        # through shared memory the replica reads the owner's buffer: no receive buffer; not known yet (the first
+        # step): the chunks' receives are posted once the header said they come (rule 3)
+        flat = self._post_chunks(params, requests) if self._owner_writes_shared is False else None
         self._recv = (mask, flat, requests)
+
+    def _post_chunks(self, params: list[nn.Parameter], requests: list[Any]) -> torch.Tensor:
+        """Post the receives of the gradients' chunks (over the process group) into a receive buffer; the buffer."""
+        flat = self._receive_buffer(sum(p.numel() for p in params))
+        for index, (_, _, start, end) in enumerate(chunk_plan(p.numel() for p in params)):
+            requests.append(dist.irecv(flat[start:end], self.owner, group=self.group, tag=CHUNK_TAGS + index))
+        return flat
 
     def receive(self) -> None:
         """Wait for the replica's gradients and hand them to it (``replica.pending``)."""
@@ -403,6 +411,10 @@ class HolderEnd:
         self._recv = None
         wait_all(requests)
         this, following = _tokens(message)
+        if not this and received is None and self._owner_writes_shared is None:  # the first step's, over the group
+            chunks: list[Any] = []
+            received = self._post_chunks([p for p in self.replica.module.parameters() if p.requires_grad], chunks)
+            wait_all(chunks)
         own = (self._shared[1], self._shared[1] + 1) if self._shared is not None else ()
         if {this, following} - {0, *own} or (received is None) != bool(this):
             raise RuntimeError(f"the replica's gradients name shared buffer {this or following} (expected "
@@ -426,6 +438,7 @@ class HolderEnd:
         sent = self._read_sent[half]
         if sent is not None:  # the "read" two steps ago: the owner took it at the ship of what was just read
             sent[1].wait()
+        give_back_pages(self._half_of(self._unread))  # rule 4: read; resident again when the owner writes it
         read = torch.tensor([self._unread], dtype=torch.int64)
         self._unread = None
         self._read_sent[half] = (read, dist.isend(read, self.owner, group=self.group, tag=READ_TAGS[half]))
@@ -451,7 +464,7 @@ class HolderEnd:
     def _offer_shared(self, numel: int) -> None:
         """Once: offer the owner a shared buffer for the gradients (it takes it if it runs on this host).
 
-        The owner waits for this message at its second ship (rule 3), so it is always sent: empty when this
+        The owner waits for this message at its first ship (rule 3), so it is always sent: empty when this
         holder has no shared memory to offer.
         """
         if self._offer is not None:

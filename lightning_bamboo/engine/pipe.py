@@ -13,10 +13,12 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine import heap
 from lightning_bamboo.engine.exchange import GradientExchange
 from lightning_bamboo.engine.guard import StepGuard, is_comm_error
 from lightning_bamboo.engine.layer_rng import StepKeys
 from lightning_bamboo.engine.precision import Precision, StepFinish, StepResult, scaled_loss
+from lightning_bamboo.engine.probe import measure_layers
 from lightning_bamboo.engine.program import (
     BambooTrainSchedule,
     RecvReplicaSync,
@@ -126,6 +128,9 @@ class BambooPipelineEngine(PipelineEngine):
         self._action_seconds: dict[str, list[float]] = {"forward": [], "backward": []}
         self._exchange: GradientExchange | None = None
         self._exchange_key: Any = None
+        #: per layer, what one micro-batch of it holds (saved bytes, output bytes): measured at the engine's first
+        #: training forward (``engine.probe``), and the replica's at its first redundant forward
+        self.layer_memory: dict[int, tuple[int, int]] = {}
         super().__init__(*args, **kwargs)
 
     def wire(self, wiring: Wiring) -> None:
@@ -232,6 +237,10 @@ class BambooPipelineEngine(PipelineEngine):
         return batch
 
     def _exec_forward_keeping_output(self, buffer_id: int) -> None:
+        if self.phase == "schedule" and self.module._local_start not in self.layer_memory:
+            self.layer_memory.update(measure_layers(enumerate(self.module.forward_funcs, start=self.module._local_start),
+                                                    self.module, self.pipe_buffers["inputs"][buffer_id],
+                                                    self.precision.autocast(self.device)))
         self._timed("forward", lambda: PipelineEngine._exec_forward_pass(self, buffer_id))
         if self.redundant is not None and not self.is_last_stage():
             self.redundant.inputs.append(_on_host(_detached(self.pipe_buffers["outputs"][buffer_id])))
@@ -246,6 +255,10 @@ class BambooPipelineEngine(PipelineEngine):
         # is built by the runtime, with a seed), and the process's streams are left as they were.
         keys = self.module.keys
         assert keys is not None, "redundant forwards run only in an engine built with a seed (NodeStage)"
+        if self.replica.module.indices[0] not in self.layer_memory:
+            self.layer_memory.update(measure_layers(self.replica.module.calls(), self.replica.module,
+                                                    _to_device(self.redundant.inputs[micro_batch], self.device),
+                                                    self.precision.autocast(self.device)))
         with torch.enable_grad(), _saved_on_host(self.device), self.precision.autocast(self.device):
             leaf = _leaf(_to_device(self.redundant.inputs[micro_batch], self.device))
             self.redundant.kept[micro_batch] = (leaf, self.replica.compute_module().run(leaf, keys, micro_batch))
@@ -354,6 +367,7 @@ class BambooPipelineEngine(PipelineEngine):
         if skip:
             self._skip_step()
         else:
+            heap.give_back()  # what the activations left: the update's temporaries would come on top of it
             PipelineEngine._exec_optimizer_step(self)
         self._update_loss_scale()
         exchange = self._exchange
@@ -472,7 +486,21 @@ class BambooPipelineEngine(PipelineEngine):
             for param in self.module.parameters():
                 if param.grad is not None:
                     param.grad.mul_(weight)
+        if pipelines == 1 and self.pipeline_enable_backward_allreduce:
+            # One pipeline: DeepSpeed's all-reduce over a group of one process would copy every gradient into a
+            # flat bucket and a transfer buffer that stays (4 + 4 bytes per parameter) to add nothing and divide by 1.
+            # What it does besides is kept: a parameter without a gradient gets zeros, as with several pipelines.
+            self._get_gradients_for_reduction()
+            return
         PipelineEngine._exec_reduce_grads(self)
+
+    def _broadcast_model(self) -> None:
+        """DeepSpeed's broadcast of the weights over the data-parallel group; not over a group of one process (it
+        would leave a transfer buffer of each parameter's size behind and send nothing)."""
+        import deepspeed.comm as ds_dist
+
+        if ds_dist.get_world_size(group=self.seq_data_parallel_group) > 1:
+            super()._broadcast_model()
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

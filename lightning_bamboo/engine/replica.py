@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_bamboo import checkpoint as ckpt
+from lightning_bamboo.engine import heap
 from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
 from lightning_bamboo.engine.placement import copy_to_device, must_fit
 
@@ -37,6 +38,10 @@ class StageContainer(nn.Module):
 
     def forward(self, inputs: Any) -> Any:
         return self.run(inputs)
+
+    def calls(self) -> list[tuple[int, Any]]:
+        """Every layer with its global index, in order (plain callables included)."""
+        return list(zip(self.indices, self._calls, strict=True))
 
     def run(self, inputs: Any, keys: StepKeys | None = None, micro_batch: int = 0) -> Any:
         """``forward``; with ``keys``, each layer draws its random numbers as on the stage that owns it
@@ -155,6 +160,7 @@ class Replica:
             if self.hosted:
                 self._step_on_device()
             else:
+                heap.give_back()  # the freed heap and the update's temporaries would add up
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.due = False

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.planner.costmodel import Hardware, ModelProfile
+from lightning_bamboo.planner.memory import fixed_bytes
 from lightning_bamboo.planner.plan import plan, plan_table
 
 GiB = 2**30
@@ -35,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Hydrozoa mode: --global-batch is per pipeline and the step's batch grows with the pipelines",
     )
     parser.add_argument("--micro-batch-sizes", type=_sizes, default=(1, 2, 4, 8), help="candidates, e.g. 1,2,4,8")
-    parser.add_argument("--memory-gib", type=float, default=8.0, help="usable memory per worker")
+    parser.add_argument("--memory-gib", type=float, default=8.0,
+                        help="memory per worker (a machine's divided by its workers); what a worker holds besides the "
+                             "model's layers (its interpreter, framework and communication processes, planner.memory) "
+                             "is taken off first")
     parser.add_argument("--bandwidth-gbps", type=float, default=1.0, help="GB/s between workers")
     parser.add_argument("--latency-ms", type=float, default=0.05, help="per message")
     parser.add_argument("--micro-batch-overhead-ms", type=float, default=0.0,
@@ -88,8 +92,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.world_size < 1:
             raise BambooConfigError(f"--world-size must be >= 1 (got {args.world_size})")
+        usable = int(args.memory_gib * GiB) - fixed_bytes()
+        if usable <= 0:
+            raise BambooConfigError(f"--memory-gib {args.memory_gib} leaves nothing for the model: a worker holds "
+                                    f"{fixed_bytes() / GiB:.2f} GiB besides its layers (its interpreter, framework and "
+                                    f"communication processes); give it more than that")
         hw = Hardware(
-            memory_bytes=int(args.memory_gib * GiB),
+            memory_bytes=usable,
             bandwidth_bytes_per_second=args.bandwidth_gbps * 1e9,
             latency_seconds=args.latency_ms / 1e3,
             micro_batch_overhead_seconds=args.micro_batch_overhead_ms / 1e3,
@@ -120,4 +129,9 @@ def run(args: argparse.Namespace) -> int:
           f"{' per pipeline (scaled)' if args.scale_batch else ''}")
     print(table.format())
     print(f"planned {args.world_size} world size(s) in {elapsed * 1e3:.1f} ms")
+    chosen = table.plans[args.world_size - 1]
+    if chosen is not None and chosen.node_memory:
+        print(f"each node's predicted peak memory at {args.world_size} worker(s), by owner (GiB; planner.memory: "
+              f"docs/memory.md):")
+        print(chosen.format_memory())
     return 0

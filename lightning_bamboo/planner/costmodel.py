@@ -17,6 +17,9 @@ Model (every term is per micro-batch unless it says otherwise):
 - Memory of stage ``k`` (0-based): parameters, gradients and optimizer state of its layers, plus
   ``min(m, p - k)`` micro-batches in flight (1F1B warm-up depth), each holding the activations
   saved for backward and the stage's input and output buffers.
+- The optimizer's update comes after the activations are freed and allocates ``UPDATE_TEMPORARIES`` tensors of the
+  stage's largest parameter (torch's single-tensor AdamW): a stage needs the larger of the two
+  (``planner.memory`` models every phase of a node; this is its worker's peak without the fixed costs and buffers).
 - Activation checkpointing every ``e`` layers (``checkpoint_every``; segments of ``e`` layers from the stage's
   first, as ``engine.layer_rng.run_layers_checkpointed`` cuts them): a micro-batch in flight keeps only each
   segment's input (and the stage's input and output); one backward at a time holds a whole segment's
@@ -32,6 +35,7 @@ from itertools import pairwise
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.planner.memory import UPDATE_TEMPORARIES
 
 
 def _check_non_negative(owner: str, **values: float) -> None:
@@ -69,6 +73,8 @@ class LayerProfile:
     optimizer_bytes: int
     update_seconds: float
     costs: tuple[tuple[int, LayerCost], ...]  # (micro_batch_size, cost), sizes ascending
+    #: its largest trainable parameter tensor: an update's temporaries are of its size (0: not measured)
+    largest_param_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_non_negative(
@@ -77,6 +83,7 @@ class LayerProfile:
             grad_bytes=self.grad_bytes,
             optimizer_bytes=self.optimizer_bytes,
             update_seconds=self.update_seconds,
+            largest_param_bytes=self.largest_param_bytes,
         )
         sizes = [size for size, _ in self.costs]
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
@@ -303,12 +310,13 @@ def estimate_step(
         in_bytes = costs[a - 1].output_bytes if a > 0 else 0
         out_bytes = costs[b - 1].output_bytes if b < L else 0
         static = sum(layer.static_bytes for layer in profile.layers[a:b])
+        update = UPDATE_TEMPORARIES * max(layer.largest_param_bytes for layer in profile.layers[a:b])
         if checkpoint_every:
             kept, transient = checkpointed_bytes(costs, a, b, checkpoint_every)
-            memory = static + transient + n * (kept + in_bytes + out_bytes)
+            memory = static + max(update, transient + n * (kept + in_bytes + out_bytes))
             bwd += fwd  # each segment's forward again, in its backward
         else:
-            memory = static + n * (sum(c.activation_bytes for c in costs[a:b]) + in_bytes + out_bytes)
+            memory = static + max(update, n * (sum(c.activation_bytes for c in costs[a:b]) + in_bytes + out_bytes))
         busy = fwd + bwd + comm + hw.micro_batch_overhead_seconds
         stages.append(StageEstimate(a, b, fwd, bwd, comm, busy, tail, memory, n))
     steady = (micro_batches - 1) * max(s.busy_seconds for s in stages)

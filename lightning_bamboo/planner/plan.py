@@ -16,6 +16,7 @@ from lightning_bamboo.planner.costmodel import (
     StageEstimate,
     redundancy_cost,
 )
+from lightning_bamboo.planner.memory import LayerMemory, MemorySettings, pipeline_memory
 from lightning_bamboo.planner.solver import NoSplit, SegmentTables, replica_bytes, solve_split
 
 
@@ -89,6 +90,9 @@ class Plan:
     #: activation checkpointing's layers per segment the plan was made with (0: off; ``checkpoint_every`` of
     #: ``estimate_step``): memory and backward times count it
     activation_checkpointing: int = 0
+    #: per stage, its node's predicted peak (``planner.memory``): ``total_bytes`` (the worker's peak and its
+    #: communication processes), ``worker_bytes``, the ``phase`` of the peak and ``owners`` (bytes by owner)
+    node_memory: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         parts = list(self.partition)
@@ -144,7 +148,40 @@ class Plan:
             Alternative(**{**a, "partition": tuple(a["partition"])}) for a in raw.get("alternatives", ())
         )
         raw["infeasible"] = tuple(Infeasible(**i) for i in raw.get("infeasible", ()))
+        raw["node_memory"] = tuple(raw.get("node_memory", ()))
         return cls(**raw)
+
+    def format_memory(self) -> str:
+        """Each node's predicted peak by owner, in GiB (``lightning-bamboo plan``)."""
+        gib = 2**30
+        return "\n".join(
+            f"  node {k}: {node['total_bytes'] / gib:.2f} GiB at its {node['phase']} ("
+            + ", ".join(f"{owner} {value / gib:.2f}" for owner, value in node["owners"].items()) + ")"
+            for k, node in enumerate(self.node_memory))
+
+
+def memory_layers(profile: ModelProfile, micro_batch_size: int) -> list[LayerMemory]:
+    """The profile's layers as ``planner.memory`` counts them at ``micro_batch_size`` (fp32 gradients: 4 bytes per
+    trainable parameter)."""
+    out = []
+    for layer in profile.layers:
+        cost = layer.at(micro_batch_size)
+        params = layer.grad_bytes // 4
+        out.append(LayerMemory(params, min(layer.largest_param_bytes // 4, params), cost.activation_bytes,
+                               cost.output_bytes))
+    return out
+
+
+def node_memory_of(profile: ModelProfile, partition: tuple[int, ...], micro_batch_size: int, micro_batches: int,
+                   pipelines: int, redundancy: str, checkpoint_every: int) -> tuple[dict[str, Any], ...]:
+    """Every node's predicted peak for a layout (``Plan.node_memory``), with the profiled optimizer's state."""
+    params = sum(layer.grad_bytes for layer in profile.layers) // 4
+    optimizer = sum(layer.optimizer_bytes for layer in profile.layers)
+    settings = MemorySettings(optimizer_bytes_per_param=round(optimizer / params) if params else 0)
+    nodes = pipeline_memory(memory_layers(profile, micro_batch_size), partition, micro_batches, redundancy=redundancy,
+                            pipelines=pipelines, checkpoint_every=checkpoint_every, settings=settings)
+    return tuple({"total_bytes": node.total_bytes, "worker_bytes": node.peak_bytes, "phase": node.peak.name,
+                  "owners": node.by_owner()} for node in nodes)
 
 
 def _layouts(world_size: int, num_layers: int, allow_idle: bool) -> list[tuple[int, int]]:
@@ -289,6 +326,9 @@ def plan(
         redundant_forward_bytes=priced.kept_bytes if redundancy == "eager" else (),
         stage_memory_without_replica_bytes=tuple(int(s.memory_bytes) for s in est.stages),
         activation_checkpointing=activation_checkpointing,
+        node_memory=node_memory_of(profile, best.partition, best.micro_batch_size, best.micro_batches, best.pipelines,
+                                   redundancy if redundancy != "off" else "lazy" if replica else "off",
+                                   activation_checkpointing),
     )
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.planner.costmodel import LayerCost, LayerProfile, ModelProfile
+from lightning_bamboo.planner.memory import LayerMemory
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -120,7 +121,7 @@ def profile_layers(
         torch.set_num_threads(threads_before)
     profiles = []
     for i, layer in enumerate(layers):
-        param_bytes, grad_bytes, opt_bytes, update = static[i]
+        param_bytes, grad_bytes, opt_bytes, update, largest = static[i]
         profiles.append(
             LayerProfile(
                 name=f"{i}:{type(layer).__name__}",
@@ -129,6 +130,7 @@ def profile_layers(
                 optimizer_bytes=opt_bytes,
                 update_seconds=update,
                 costs=tuple((size, per_size[size][i]) for size in sizes),
+                largest_param_bytes=largest,
             )
         )
     return ModelProfile(tuple(profiles), device=str(dev))
@@ -143,7 +145,7 @@ def _measure(
     make_optimizer: OptimizerFactory,
     repeats: int,
     warmup: int,
-) -> tuple[list[tuple[int, int, int, float]], dict[int, list[LayerCost]]]:
+) -> tuple[list[tuple[int, int, int, float, int]], dict[int, list[LayerCost]]]:
     """Everything that runs the layers: on deep copies, with the caller's RNG streams restored after."""
     with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
         copies = []
@@ -161,14 +163,15 @@ def _measure(
 
 def _static(
     twin: nn.Module, make_optimizer: OptimizerFactory, dev: torch.device, repeats: int, warmup: int
-) -> tuple[int, int, int, float]:
-    """Parameter, gradient and optimizer-state bytes, and the optimizer step's median time."""
+) -> tuple[int, int, int, float, int]:
+    """Parameter, gradient and optimizer-state bytes, the optimizer step's median time and the largest trainable
+    parameter's bytes."""
     params = list(twin.parameters())
     param_bytes = sum(_nbytes(p) for p in params)
     trainable = [p for p in params if p.requires_grad]
     grad_bytes = sum(_nbytes(p) for p in trainable)
     if not trainable:
-        return param_bytes, 0, 0, 0.0
+        return param_bytes, 0, 0, 0.0, 0
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt = make_optimizer(trainable)
@@ -177,7 +180,7 @@ def _static(
     for p in trainable:
         p.grad = None
     del opt
-    return param_bytes, grad_bytes, opt_bytes, statistics.median(times)
+    return param_bytes, grad_bytes, opt_bytes, statistics.median(times), max(_nbytes(p) for p in trainable)
 
 
 def _costs(
@@ -217,3 +220,42 @@ def _costs(
         )
         x = out.detach()
     return out_costs
+
+
+def memory_of_layers(layers: Sequence[nn.Module | Callable[[torch.Tensor], torch.Tensor]], sample: torch.Tensor,
+                     ties: dict[str, Sequence[int]] | None = None) -> list[LayerMemory]:
+    """What ``planner.memory`` needs of each layer for the micro-batch ``sample`` (the first layer's input): its
+    trainable parameters, its largest one, the bytes its forward saves for backward and its output's. One forward
+    per layer, on the layers themselves, nothing timed and nothing kept; the global random stream is left as it was.
+    A plain callable (a tied head: ``functools.partial(tied_logits, embedding)``) is counted with the parameters of
+    the module it calls. ``ties``: a ``TiedLayerSpec`` key per group of layer indices."""
+    tie_of = {i: key for key, indices in (ties or {}).items() for i in indices}
+    out: list[LayerMemory] = []
+    x = sample
+    with torch.random.fork_rng(), torch.enable_grad():
+        for index, layer in enumerate(layers):
+            owner = layer if isinstance(layer, nn.Module) else getattr(layer, "args", (None,))[0]
+            params = [p for p in owner.parameters() if p.requires_grad] if isinstance(owner, nn.Module) else []
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            y, saved = _saved_bytes_of(layer, inp, params)
+            out.append(LayerMemory(sum(p.numel() for p in params), max((p.numel() for p in params), default=0), saved,
+                                   _nbytes(y), tie_of.get(index, "")))
+            x = y.detach()
+    return out
+
+
+def _saved_bytes_of(layer: Callable[[torch.Tensor], torch.Tensor], inp: torch.Tensor,
+                    params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """``_saved_bytes`` for a layer or a plain callable over ``params``."""
+    held = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in held:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(inp)
+    return out, sum(seen.values())

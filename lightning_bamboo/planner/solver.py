@@ -30,6 +30,7 @@ from lightning_bamboo.planner.costmodel import (
     in_flight,
     transfer_seconds,
 )
+from lightning_bamboo.planner.memory import UPDATE_TEMPORARIES
 
 _INF = float("inf")
 _PAIR_CHUNK = 4096  # threshold pairs per vectorised DP pass (bounds memory: layers x chunk floats)
@@ -88,6 +89,11 @@ class SegmentTables:
         self.grad = seg(prefix([layer.grad_bytes for layer in profile.layers]))
         self.update = seg(prefix([scale * layer.update_seconds for layer in profile.layers]))
         self.static = seg(prefix([layer.static_bytes for layer in profile.layers]))
+        # the update's temporaries (after the activations are freed): of the segment's largest parameter
+        largest = np.zeros((L + 1, L + 1))
+        for i in range(L):
+            largest[i, i + 1:] = np.maximum.accumulate([layer.largest_param_bytes for layer in profile.layers[i:]])
+        self.temporaries = UPDATE_TEMPORARIES * largest
         boundary = np.zeros(L + 1)  # bytes of the tensor crossing boundary j (0 at the ends)
         for j in range(1, L):
             boundary[j] = costs[j - 1].output_bytes
@@ -123,7 +129,8 @@ class SegmentTables:
         return self._tails[pipelines]
 
     def memory(self, stage: int, stages: int, micro_batches: int) -> np.ndarray:
-        return self.static + self.transient + in_flight(stage, stages, micro_batches) * self.per_micro_batch
+        activations = self.transient + in_flight(stage, stages, micro_batches) * self.per_micro_batch
+        return self.static + np.maximum(self.temporaries, activations)
 
     def positions(self, stage: int, stages: int) -> np.ndarray:
         """Segments stage ``stage`` may take while every stage keeps at least one layer."""

@@ -298,6 +298,7 @@ class PipelineRunner:
                 hook(self, step)
         for _ in range(len(session.nodes) if session is not None else 1):
             engine, _layout = self._stage.require_stage()
+            self._stage.collect_retired()  # an engine this one replaced: its memory goes before this step
             chunks, share, first = self._split(batch, global_batch=self.host.global_micro_batches() is not None)
             engine.set_micro_batches(len(chunks))
             if session is not None:
@@ -307,6 +308,7 @@ class PipelineRunner:
             try:
                 loss = engine.train_batch(data_iter=iter(chunks), step=step, share=share, first_micro_batch=first)
                 self._trained, self._restarts_in_a_row = True, 0
+                self._stage.tell_memory(rebuilt=bool(self.failovers))  # after an engine's first step: its memory
                 self._stage.settle_placement()  # after an engine's first step on a GPU: where its replica lives
                 if session is not None and session.leaving:
                     session.depart()

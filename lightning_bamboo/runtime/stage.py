@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -14,12 +16,13 @@ import torch
 import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.engine import audit
+from lightning_bamboo.engine import audit, heap
 from lightning_bamboo.engine.build import (
     build_engine,
     build_pipeline_module,
     deepspeed_config,
     ensure_deepspeed_comm,
+    retire,
 )
 from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
@@ -30,6 +33,7 @@ from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
 from lightning_bamboo.engine.transfer import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, BambooError
+from lightning_bamboo.runtime import memory
 from lightning_bamboo.runtime.collectives import gather_values
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
@@ -75,6 +79,11 @@ class NodeStage:
         self.param_counts: list[int] = []  # trainable parameters per layer, measured by probe()
         self.layer_names: list[str] = []  # each layer's class name, measured by probe()
         self.audits = 0  # replica audits passed by this process
+        #: the process's RSS before it built a stage (its interpreter, imports, framework): the model's baseline
+        self.baseline_bytes = 0
+        self._memory_told: BambooPipelineEngine | None = None  # the engine whose memory was logged
+        self._retired: list[weakref.ref[BambooPipelineEngine]] = []  # engines replaced, until they are collected
+        heap.keep_heap_small()  # the process's RSS follows what its tensors hold (``engine.heap``)
         self._census: tuple[PipelineModel, int, LayerCensus] | None = None  # probe()'s, for its model and seed
 
     @property
@@ -158,11 +167,19 @@ class NodeStage:
                         "torch.distributed.init_process_group(%r, ...) (lightning_bamboo.engine.comm_process.BACKEND) "
                         "to end such waits at once.", self.session.node, torch_dist.get_backend(), BACKEND)
         ensure_deepspeed_comm(self.backend)
+        if not self.baseline_bytes:  # the first stage this process builds
+            self.baseline_bytes = memory.resident_bytes()
+            gc.freeze()  # what lives until now lives on: later full collections scan only what is made from now on
+        if self.engine is not None:  # a restart: the engine before runs no more, and goes before the new one is built
+            self._retire(self.engine)
+            self.engine = None
+            self.collect_retired()
         module = self._stage_module(self.layout, self.layout.stage_of_rank(rank))
         optimizer = self.host.setup_optimizers(module) if fitting else None
         self.engine = self._new_engine(module, optimizer, self.layout)
         if fitting:
             self._arm(self.engine)
+        trim_buffers()  # DeepSpeed's start-up broadcasts: their transfer buffers are not used again
 
     def resolve_precision(self, loss_scale: dict[str, Any] | None = None,
                           gradient_clipping: float | None = None) -> Precision:
@@ -217,6 +234,36 @@ class NodeStage:
             ckpt.load_weights(module, {i: s for i, s in states.items() if i not in prebuilt}, strict=not prebuilt)
         self.host.adopt_stage(module)
         return module
+
+    def _retire(self, engine: BambooPipelineEngine) -> None:
+        retire(engine)  # what the garbage collector cannot see
+        self._retired.append(weakref.ref(engine))
+
+    def collect_retired(self) -> None:
+        """Before a step, while an engine that was replaced (a failover, a reconfiguration, a restart) is alive: a full
+        garbage collection. DeepSpeed's engine is in reference cycles (its module's forward hooks and closures of its
+        constructor call it back) that only such a collection frees, and a long-running process runs one rarely: the
+        old engine's stage, weights and optimizer state stayed resident beside the new one's. Cheap: the objects of
+        before the first stage are frozen (``start``)."""
+        if any(ref() is not None for ref in self._retired):
+            gc.collect()
+        self._retired = [ref for ref in self._retired if ref() is not None]
+
+    def tell_memory(self, rebuilt: bool) -> None:
+        """After the first step of each engine (``rebuilt``: a failover's, a reconfiguration's): log the node's
+        predicted peak by owner against its measured peak (``runtime.memory``)."""
+        engine, layout = self.engine, self.layout
+        if engine is None or layout is None or engine is self._memory_told or not self.param_counts:
+            return
+        self._memory_told = engine
+        why = "its first step since its stage was rebuilt" if rebuilt else "its first step"
+        try:
+            predicted = memory.predict(engine, layout, self.rank, self.param_counts, self.baseline_bytes,
+                                       self.config.activation_checkpointing)
+        except (BambooConfigError, ValueError, ZeroDivisionError) as err:  # a log line must not stop training
+            log.warning("%s: no memory prediction after %s: %s", self.node, why, err)
+            return
+        log.log(*memory.report(self.node, why, predicted))
 
     def settle_placement(self) -> None:
         """Once per engine, after its first step on a GPU under ``replica_placement="auto"`` without a budget: keep the
@@ -414,7 +461,9 @@ class NodeStage:
             trim_buffers()  # the layers' transfer buffers: idle for the rest of this generation
             return engine
 
-        self.engine = session.guard().run(build_and_arm)
+        old, self.engine = self.engine, session.guard().run(build_and_arm)
+        if old is not None:
+            self._retire(old)
         if isinstance(hyper, torch.optim.Optimizer):
             self.host.rebind_optimizer(hyper, optimizer)
         self.audit("membership change before")

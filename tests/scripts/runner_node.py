@@ -11,6 +11,7 @@ a kill at a given schedule step finds a known number of them run.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_bamboo.engine.comm_process import BACKEND
+from lightning_bamboo.engine.pipe import BambooPipelineEngine
 from lightning_bamboo.runtime import BambooConfig, PipelineRunner
 from lightning_bamboo.topology import even_parts
 
@@ -99,7 +101,10 @@ def main(out: Path, steps: int, reconfigure_at: int, device: str = "cpu", redund
     torch.save(runner.engine.own_states(), out / f"{session.node}.pt")
     report = {"failovers": [f.as_dict() for f in runner.failovers], "parts": list(runner.layout.parts), "nodes": runner.nodes,
               "device": str(next(runner.engine.module.parameters()).device),
-              "taken_over": taken}
+              "taken_over": taken,
+              # engines alive now, without a collection of this script's own: the ones the failover and the
+              # reconfiguration replaced are gone (``NodeStage.collect_retired``)
+              "engines": sum(isinstance(o, BambooPipelineEngine) for o in gc.get_objects())}
     (out / f"{session.node}.json").write_text(json.dumps(report))
     runner.finish(completed=True)
     runner.close()

@@ -1,0 +1,47 @@
+"""The C allocator, told to give memory back: a node's RSS then follows what its tensors hold, step after step.
+
+glibc serves allocations below its mmap threshold from its heap and keeps their memory when they are freed, and the
+threshold rises to the size of the largest block freed so far (up to 32 MiB): after the first large tensor is freed,
+every activation, logit and optimizer temporary below that size comes from the heap. RSS counts the heap's free
+memory too. Measured on GPT-2 small's shape in 4 stages (``benchmarks/memory.py``), it grew by up to 0.5 GiB a node
+over six steps, and an optimizer step's temporaries came on top of what the step's activations had left.
+
+``keep_heap_small`` fixes the threshold (``MMAP_THRESHOLD``: a tensor of that size or more is mapped on its own and
+unmapped when freed); ``give_back`` returns the heap's free pages (``malloc_trim``) where a step has freed its
+activations and an update is about to allocate its temporaries. Elsewhere than on glibc both do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from typing import Any
+
+#: allocations of this many bytes or more are mapped on their own and given back when freed (``keep_heap_small``)
+MMAP_THRESHOLD = 4 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 - both are glibc's: elsewhere nothing is done
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def keep_heap_small() -> bool:
+    """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD` for this process (setting it also stops glibc from raising
+    it as large blocks are freed); False where the allocator is not glibc. Call it before the stage is built."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+def give_back() -> bool:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim(0)``: every arena, the free chunks between
+    used ones too); False where there is nothing to give back or the allocator has no such call."""
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))
