@@ -8,6 +8,12 @@ Targets (issue 3): eager <= 1.10x and lazy <= 1.03x step time at 2 stages x 8 mi
 recovery <= 5 s + one step.
 
     python benchmarks/rc_overhead.py [--steps 20] [--warmup 5] [--repeats 3] [--shapes 2x8,4x8] [--record]
+    python benchmarks/rc_overhead.py --pipelines 2 --modes off,lazy,auto --shapes 2x8 --no-kills   # issue 63
+
+``--pipelines P`` runs every shape as P data-parallel pipelines (P x stages processes); ``--modes`` picks the
+redundancy modes compared (``auto``: replicas only of stages with no data-parallel copy on another machine; each
+process spawned by Lightning is its own machine, so at 2 pipelines auto keeps none, and in the paired runs an auto
+step holds what ``topology.replicas`` decides for the layout).
 
 With ``--record`` it writes eager's overhead at 2 x 8 and its failover pause to the simulator's
 ``redundancy_overhead`` and ``failover_seconds`` defaults.
@@ -44,6 +50,8 @@ def config_for(block_size: int, n_embd: int = CONFIG.n_embd) -> GPTConfig:
     return dataclasses.replace(CONFIG, block_size=block_size, n_embd=n_embd)
 
 MODES = ("off", "lazy", "eager")
+#: every mode ``--modes`` may name
+ALL_MODES = ("off", "lazy", "eager", "auto")
 #: "PRECISION:CLIP" for every worker of the call (``--precision``, ``--clip``)
 PRECISION_ENV = "BAMBOO_BENCH_PRECISION"
 PRECISION_CONFIGS = {"32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True}}}
@@ -66,57 +74,73 @@ def worker(args: argparse.Namespace) -> None:
             self.ends.append(time.time())
 
     timer = Timer()
-    rotate = Rotate(args.warmup)
+    modes = tuple(args.modes.split(","))
+    rotate = Rotate(args.warmup, modes)
     precision, clip = os.environ.get(PRECISION_ENV, "32:0").split(":")
     strategy = lightning_bamboo.BambooStrategy(
         stages=args.stages, micro_batch_size=MICRO, partition="uniform", seed=0, redundancy=args.redundancy,
         detection_timeout=5, process_group_backend=args.backend or None, config=PRECISION_CONFIGS[precision],
     )
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages, max_steps=args.steps,
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=args.stages * args.pipelines, max_steps=args.steps,
                          gradient_clip_val=float(clip) or None,
                          callbacks=[timer, rotate] if args.rotate else [timer], logger=False, enable_checkpointing=False, enable_model_summary=False,
                          enable_progress_bar=False)
-    trainer.fit(BenchGPT(config_for(args.block_size, args.n_embd), args.steps * batch, batch))
+    trainer.fit(BenchGPT(config_for(args.block_size, args.n_embd), args.steps * batch * args.pipelines, batch))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, (peak, dict(strategy.engine.replica_seconds)))
+    replica = strategy.engine.replica
+    torch.distributed.all_gather_object(gathered, (peak, dict(strategy.engine.replica_seconds),
+                                                   replica.stage if replica is not None else None))
     if trainer.is_global_zero:
         res = strategy.resilience
         Path(args.out).write_text(json.dumps({
             "times": timer.times, "ends": timer.ends, "peak_bytes": [g[0] for g in gathered],
-            "replica_seconds": [g[1] for g in gathered],
+            "replica_seconds": [g[1] for g in gathered], "replicas": [g[2] for g in gathered],
             "failovers": [f.as_dict() for f in res.failovers] if res is not None else [],
             "modes": rotate.modes,
         }))
 
 
 class Rotate(pl.Callback):
-    """Switches the engine between "off", "lazy" and "eager" at every step, after ``warmup`` eager steps.
+    """Switches the engine between ``modes`` ("off", "lazy" and "eager" by default; "auto") at every step, after
+    ``warmup`` eager steps (lazy ones when eager is not compared).
 
     Off, lazy and eager steps then alternate in the same processes, so a drift of the machine's speed
     (tens of percent here between runs minutes apart) hits the three modes alike. The engine is built
-    with redundancy="eager"; an "off" step runs without replica and exchange (a plain DeepSpeed step),
-    a "lazy" step without the redundant forwards. Each redundant step pays one replica update (the one
-    the redundant step before it deferred) and one gradient exchange, as in a run of that mode alone.
+    with redundancy="eager" (or "lazy"); an "off" step runs without replica and exchange (a plain DeepSpeed step),
+    a "lazy" step without the redundant forwards, an "auto" step with the replicas and exchange peers
+    ``topology.replicas`` keeps for the layout (the program without the others' actions). Each redundant step pays
+    one replica update (the one the redundant step before it deferred) and one gradient exchange, as in a run of
+    that mode alone.
     """
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.modes, self.saved = warmup, [], None
+    def __init__(self, warmup: int, modes: tuple[str, ...] = MODES) -> None:
+        self.warmup, self.rotation, self.modes, self.saved = warmup, modes, [], None
 
     def on_train_batch_start(self, trainer, *_):
-        engine = trainer.strategy.engine
+        from lightning_bamboo.topology.replicas import held_stage, kept_replicas, replica_peers
+
+        strategy = trainer.strategy
+        engine = strategy.engine
         if self.saved is None:
             self.saved = (engine.replica, engine.replica_peers, engine.options)
         replica, peers, options = self.saved
         step = len(self.modes)
         # the warm-up is eager: its steps 1-3 measure the costs eager places its forwards with
-        mode = "eager" if step < self.warmup else MODES[(step - self.warmup) % len(MODES)]
+        warm = "eager" if "eager" in self.rotation else "lazy"
+        mode = warm if step < self.warmup else self.rotation[(step - self.warmup) % len(self.rotation)]
+        engine.kept = None
         if mode == "off":
             engine.replica, engine.replica_peers = None, (None, None)
+        elif mode == "auto":
+            layout, rank = strategy.layout, trainer.global_rank
+            kept = kept_replicas(strategy.runner.nodes, layout.stages, "auto")
+            engine.replica = replica if held_stage(layout, rank, kept) is not None else None
+            engine.replica_peers, engine.kept = replica_peers(layout, rank, kept), kept
         else:
             engine.replica, engine.replica_peers = replica, peers
-        keep_exchange(engine, self, mode)
-        engine.options = dataclasses.replace(options, redundancy="lazy" if mode == "off" else mode)
+        keep_exchange(engine, self, "off" if engine.replica is None and engine.replica_peers == (None, None) else mode)
+        engine.options = dataclasses.replace(options, redundancy="eager" if mode == "eager" else "lazy")
         self.modes.append(mode)
 
 
@@ -142,17 +166,23 @@ def keep_exchange(engine, holder, mode: str) -> None:
 
 def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out: Path, kill: str | None = None,
                block_size: int = CONFIG.block_size, rotate: bool = False, warmup: int = 5, script: str = __file__,
-               backend: str = "", n_embd: int = CONFIG.n_embd, launcher: bool = False) -> dict:
+               backend: str = "", n_embd: int = CONFIG.n_embd, launcher: bool = False, pipelines: int = 1,
+               modes: tuple[str, ...] = MODES) -> dict:
     """Run ``script``'s worker (this one's, or one that wraps it) on a fresh set of processes; its result.
 
     ``launcher`` (always with a ``kill``): under the Bamboo launcher, with the membership failover needs (every
-    step commits, in every mode); without it Lightning spawns the workers and no step commits."""
+    step commits, in every mode); without it Lightning spawns the workers and no step commits. ``pipelines``:
+    data-parallel pipelines (``pipelines * stages`` processes); ``modes``: the rotation of a ``rotate`` run."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
     env.pop("LOCAL_RANK", None)
     cmd = [sys.executable, script, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
            "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size), "--warmup", str(warmup)]
     if n_embd != CONFIG.n_embd:
         cmd += ["--n-embd", str(n_embd)]
+    if pipelines != 1:
+        cmd += ["--pipelines", str(pipelines)]
+    if modes != MODES:
+        cmd += ["--modes", ",".join(modes)]
     if rotate:
         cmd.append("--rotate")
     if backend:
@@ -160,7 +190,7 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
     if kill:
         env.update(faults.environment([kill]))
     if kill or launcher:
-        cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--", *cmd]
+        cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages * pipelines), "--", *cmd]
     started = time.time()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
     result = json.loads(out.read_text())
@@ -209,6 +239,10 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-embd", type=int, default=CONFIG.n_embd,
                         help="the GPT's width (default %(default)s; 768 gives 43M parameters, whose weights and AdamW "
                              "state outweigh the framework's memory, to see what the replica costs)")
+    parser.add_argument("--pipelines", type=int, default=1,
+                        help="data-parallel pipelines of each shape (pipelines x stages processes; default 1)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"the redundancy modes compared, of {','.join(ALL_MODES)} (default %(default)s; off first)")
     parser.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="", help="process_group_backend (default: the strategy's, 'bamboo' on CPU)")
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -237,47 +271,55 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
+    modes = tuple(args.modes.split(","))
+    if not set(modes) <= set(ALL_MODES) or modes[0] != "off" or len(set(modes)) != len(modes):
+        parser.error(f"--modes lists distinct modes of {','.join(ALL_MODES)}, off first (got {args.modes!r})")
     os.environ[PRECISION_ENV] = f"{args.precision}:{args.clip}"
     print(f"precision {args.precision}, gradient clipping {args.clip or 'off'}"
-          + (", every run under the Bamboo launcher (a commit per step)" if args.launcher else ""))
+          + (", every run under the Bamboo launcher (a commit per step)" if args.launcher else "")
+          + f"; {args.pipelines} pipeline(s) of each shape ({args.pipelines} x stages processes); modes {args.modes}")
 
     rows = {}
     costs: dict[tuple[int, int, str], dict[str, list[float]]] = {}
+    held: dict[tuple[int, int, str], list[int | None]] = {}  # per rank, the stage whose replica it kept
     with tempfile.TemporaryDirectory() as tmp:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
         for stages, m in shapes:
-            medians: dict[str, list[float]] = {mode: [] for mode in MODES}
-            peaks: dict[str, list[int]] = {mode: [] for mode in MODES}
+            medians: dict[str, list[float]] = {mode: [] for mode in modes}
+            peaks: dict[str, list[int]] = {mode: [] for mode in modes}
             # modes interleaved and repeated: a burst of load elsewhere on the machine hits all of them alike
             for repeat in range(args.repeats):
-                for mode in MODES:
+                for mode in modes:
                     r = run_config(stages, m, mode, args.steps, Path(tmp, f"{stages}-{m}-{mode}-{repeat}.json"),
                                    block_size=args.block_size, warmup=args.warmup, n_embd=args.n_embd,
-                                   launcher=args.launcher)
+                                   launcher=args.launcher, pipelines=args.pipelines)
+                    held[(stages, m, mode)] = r["replicas"]
                     times = sorted(r["times"][args.warmup:])
                     medians[mode].append(times[len(times) // 2])
                     peaks[mode].append(max(r["peak_bytes"]))
                     if mode != "off" and repeat == 0:
                         per_step = {k: [s[k] / args.steps for s in r["replica_seconds"]] for k in r["replica_seconds"][0]}
                         costs[(stages, m, mode)] = per_step
-            for mode in MODES:
+            for mode in modes:
                 rows[(stages, m, mode)] = (statistics.median(medians[mode]), max(peaks[mode]))
         # the same shapes with the three modes alternating step by step in one run (see Rotate)
         paired: dict[tuple[int, int], list[dict[str, float]]] = {}
         for stages, m in shapes if args.paired_steps else []:
             for repeat in range(args.repeats):
-                r = run_config(stages, m, "eager", args.warmup + len(MODES) * args.paired_steps,
+                r = run_config(stages, m, "eager" if "eager" in modes else "lazy",
+                               args.warmup + len(modes) * args.paired_steps,
                                Path(tmp, f"paired-{stages}-{m}-{repeat}.json"), block_size=args.block_size, rotate=True, warmup=args.warmup,
-                               n_embd=args.n_embd, launcher=args.launcher)
+                               n_embd=args.n_embd, launcher=args.launcher, pipelines=args.pipelines, modes=modes)
                 by_mode = {mode: sorted(t for t, md in list(zip(r["times"], r["modes"], strict=True))[args.warmup:] if md == mode)
-                           for mode in MODES}
+                           for mode in modes}
                 paired.setdefault((stages, m), []).append({mode: ts[len(ts) // 2] for mode, ts in by_mode.items()})
         layer: dict[tuple[int, int], dict[str, list[float]]] = {}
         for stages, m in shapes if args.layer_cost else []:
             for repeat in range(args.repeats):
                 for backend in ("gloo", "bamboo"):
                     r = run_config(stages, m, "off", args.steps, Path(tmp, f"layer-{stages}-{m}-{backend}-{repeat}.json"),
-                                   block_size=args.block_size, warmup=args.warmup, backend=backend, n_embd=args.n_embd)
+                                   block_size=args.block_size, warmup=args.warmup, backend=backend, n_embd=args.n_embd,
+                                   pipelines=args.pipelines)
                     times = sorted(r["times"][args.warmup:])
                     layer.setdefault((stages, m), {}).setdefault(backend, []).append(times[len(times) // 2])
         kill_step = args.steps // 2
@@ -301,23 +343,36 @@ def main() -> None:
         per_stage = params / stages
         print(f"at {stages} stages a stage holds about {per_stage / 1e6:.1f}M parameters: a replica of one adds about "
               f"{per_stage * 16 / 2**20:.0f} MiB (weights, gradients and AdamW's two moments in fp32, 16 bytes each)")
+    for (stages, m, mode), ranks in held.items():
+        print(f"{mode} {stages} stages x {m} micro-batches x {args.pipelines} pipeline(s): replica kept by each rank "
+              "(the stage it holds; - none): " + " ".join("-" if s is None else str(s) for s in ranks))
     for (stages, m, mode), per_step in costs.items():
         print(f"{mode} {stages} stages x {m} micro-batches, ms per step on each rank: "
               + ", ".join(f"{k} " + "/".join(f"{v * 1e3:.1f}" for v in values) for k, values in per_step.items()))
-    if (2, 8, "off") in rows:
+    if (2, 8, "lazy") in rows and (2, 8, "eager") in rows:
         base = rows[(2, 8, "off")][0]
         print(f"targets at 2 stages x 8 micro-batches: lazy {rows[(2, 8, 'lazy')][0] / base:.3f}x (<= 1.03x), "
               f"eager {rows[(2, 8, 'eager')][0] / base:.3f}x (<= 1.10x)")
+    if "auto" in modes and "lazy" in modes:
+        for stages, m in shapes:
+            (auto, auto_peak), (lazy, lazy_peak) = rows[(stages, m, "auto")], rows[(stages, m, "lazy")]
+            print(f"auto against lazy at {stages} stages x {m} micro-batches x {args.pipelines} pipeline(s), separate "
+                  f"runs: step {auto / lazy:.3f}x, peak memory per process {auto_peak / lazy_peak:.3f}x "
+                  f"({(auto_peak - lazy_peak) / 2**20:+.0f} MiB)")
     if paired:
-        print(f"paired: off, lazy and eager alternating step by step in the same processes, {args.paired_steps} steps "
+        print(f"paired: {', '.join(modes)} alternating step by step in the same processes, {args.paired_steps} steps "
               f"of each per run, median step per mode; ratio to off per run (median of {args.repeats} runs)")
         print(f"{'stages':>6} {'micro-b':>7} {'mode':>5} {'step ms':>9} {'x off':>6}  per run")
         for (stages, m), runs in paired.items():
-            for mode in MODES:
+            for mode in modes:
                 ratios = [run[mode] / run["off"] for run in runs]
                 print(f"{stages:>6} {m:>7} {mode:>5} {statistics.median(run[mode] for run in runs) * 1e3:>9.1f} "
                       f"{statistics.median(ratios):>6.3f}  " + " ".join(f"{x:.3f}" for x in ratios))
-        if (2, 8) in paired:
+            if "auto" in modes and "lazy" in modes:
+                ratios = [run["auto"] / run["lazy"] for run in runs]
+                print(f"paired auto against lazy at {stages} stages x {m} micro-batches x {args.pipelines} "
+                      f"pipeline(s): {statistics.median(ratios):.3f}x  per run " + " ".join(f"{x:.3f}" for x in ratios))
+        if (2, 8) in paired and {"lazy", "eager"} <= set(modes):
             runs = paired[(2, 8)]
             lazy, eager = (statistics.median(run[mode] / run["off"] for run in runs) for mode in ("lazy", "eager"))
             print(f"targets at 2 stages x 8 micro-batches, paired: lazy {lazy:.3f}x (<= 1.03x), eager {eager:.3f}x "
@@ -327,7 +382,7 @@ def main() -> None:
         print(f"communication layer at {stages} stages x {m} micro-batches, redundancy off: plain gloo {gloo * 1e3:.1f} ms, "
               f"abortable 'bamboo' backend {bamboo * 1e3:.1f} ms per step: {bamboo / gloo:.3f}x, "
               f"{(bamboo - gloo) * 1e3:+.1f} ms per step (median of {args.repeats})")
-    if args.record and (2, 8, "off") in rows:
+    if args.record and (2, 8, "eager") in rows and args.pipelines == 1:
         record_overhead(rows[(2, 8, "eager")][0] / rows[(2, 8, "off")][0] - 1, args)
     if args.record and kills:
         record_failover(kills["eager"]["failovers"][0]["seconds"])

@@ -1,12 +1,14 @@
 """A user's Lightning script, as the launcher's chaos runs it: ``examples/gpt.py``'s ``GPTModule`` under the Bamboo
-launcher, written as a user would write it for spot machines (``BambooStrategy(redundancy="lazy")``,
+launcher, written as a user would write it for spot machines (``BambooStrategy(redundancy="lazy")``, or
+``--redundancy``,
 ``RebalanceCallback``, ``AsyncCheckpoint``, ``PreemptionCallback``), plus one callback that records what happened.
 
     python -m lightning_bamboo.launcher --store etcd://HOST:2379 --node host0 --workers 2 --min-nodes 6 --addr ADDR \\
         -- python benchmarks/spot_user.py --stages 6 --steps 300 --out OUT
 
 Every worker appends one JSON line per trained step to ``OUT/steps-<node>.jsonl``: the step, a digest of the global
-batch it trained on (the samples), the job's nodes in rank order and the layout's depth. After ``fit`` every worker
+batch it trained on (the samples), the job's nodes in rank order, the layout's depth, the stage whose replica the
+worker keeps (None: none) and its resident memory. After ``fit`` every worker
 takes part in ``trainer.save_checkpoint(OUT/final)`` (per-layer weights and optimizer state, any layout).
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,8 +54,13 @@ class StepRecord(pl.Callback):
                            batch_idx: int) -> None:
         strategy: Any = trainer.strategy
         layout = strategy.layout
+        engine = strategy.engine
+        replica = engine.replica if engine is not None else None
         record = {"step": trainer.global_step - 1, "batch": hashlib.sha1(batch[0].numpy().tobytes()).hexdigest()[:16],
-                  "nodes": strategy.runner.nodes, "stages": layout.stages if layout is not None else None}
+                  "nodes": strategy.runner.nodes, "stages": layout.stages if layout is not None else None,
+                  # the stage whose replica this worker keeps (None: none), and its resident memory
+                  "replica": replica.stage if replica is not None else None,
+                  "rss": psutil.Process().memory_info().rss}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -67,12 +75,13 @@ def main() -> None:
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks (the pipeline has 2 more layers)")
     p.add_argument("--batch-size", type=int, default=16, help="the DataLoader's batch (per pipeline at the start)")
     p.add_argument("--nudge", action="store_true", help="one weight one ulp higher at the start (a noise floor)")
+    p.add_argument("--redundancy", default="lazy", choices=("off", "lazy", "eager", "auto"))
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        strategy=lightning_bamboo.BambooStrategy(stages=args.stages, micro_batch_size=4, redundancy="lazy", timeout=60,
+        strategy=lightning_bamboo.BambooStrategy(stages=args.stages, micro_batch_size=4, redundancy=args.redundancy, timeout=60,
                                                  detection_timeout=args.detection_timeout),
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # the workers of one machine, as Lightning counts them

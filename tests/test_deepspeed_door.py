@@ -70,11 +70,13 @@ def clean(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mode, kill", [("lazy", "node2@5"), ("eager", "node1@5:6"), ("lazy", "node2@5:3!term")],
-                         ids=["lazy", "eager-mid-step", "sigterm-notice"])
+@pytest.mark.parametrize("mode, kill", [("lazy", "node2@5"), ("eager", "node1@5:6"), ("lazy", "node2@5:3!term"),
+                                        ("auto", "node2@5")],
+                         ids=["lazy", "eager-mid-step", "sigterm-notice", "auto-one-pipeline"])
 def test_a_sigkilled_node_is_taken_over_and_the_run_ends_bit_exact(tmp_path, clean, mode, kill):
     """A SIGKILL is taken over from the replica and the step redone; a SIGTERM (a notice) mid-step lets the node
-    finish the step and leave with exit 0, its stage served from the replica from the next step on."""
+    finish the step and leave with exit 0, its stage served from the replica from the next step on. With one
+    pipeline, ``"auto"`` keeps every replica (no stage has a copy elsewhere) and fails over as lazy does."""
     script = tmp_path / "spot.py"
     script.write_text(SPOT.read_text().replace('"redundancy": "lazy"', f'"redundancy": "{mode}"'))
     stdout = _train(tmp_path / "out", script=script, kill=[kill])

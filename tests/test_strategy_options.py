@@ -28,7 +28,7 @@ def test_registered_in_both_namespaces():
     [
         ({"stages": 0}, r"stages must be a positive integer or None \(stages: 0\)"),
         ({"micro_batch_size": 0}, r"micro_batch_size must be a positive integer \(micro_batch_size: 0\)"),
-        ({"redundancy": "always"}, r"redundancy must be one of \('off', 'lazy', 'eager'\) \(redundancy: 'always'\)"),
+        ({"redundancy": "always"}, r"redundancy must be one of \('off', 'lazy', 'eager', 'auto'\) \(redundancy: 'always'\)"),
         ({"redundancy": "lazy", "stages": 1}, r"needs at least 2 stages.*\(stages: 1\); use stages >= 2"),
         ({"stages": 3, "partition": [0, 2, 2, 4]}, r"partition \[0, 2, 2, 4\] leaves stage 1 empty"),
         ({"timeout": 0}, r"timeout must be a positive number of seconds"),

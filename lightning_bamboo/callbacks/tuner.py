@@ -25,8 +25,9 @@ _STRATEGY_OPTIONS = ("stages", "micro_batch_size", "partition", "update_options"
 
 
 def _holds_replica(strategy: Any) -> bool:
-    """Whether each worker also holds its successor's stage in the memory the plan fills: under ``redundancy`` lazy
-    or eager, unless the replica is placed in host memory while the stages run on a GPU."""
+    """Whether each worker also holds its successor's stage in the memory the plan fills: under ``redundancy`` lazy,
+    eager or auto (which may keep it: counted, an upper bound), unless the replica is placed in host memory while the
+    stages run on a GPU."""
     options = getattr(strategy, "options", None)
     if options is None or getattr(options, "redundancy", "off") == "off":
         return False
@@ -215,6 +216,9 @@ class HydrozoaTuner(Callback):
         self.replica = _holds_replica(strategy)
         options = getattr(strategy, "options", None)
         redundancy = getattr(options, "redundancy", "off") if options is not None else "off"
+        # "auto" keeps lazy's replicas where a stage has no copy on another machine, which the plan cannot know:
+        # priced as lazy, an upper bound
+        redundancy = "lazy" if redundancy == "auto" else redundancy
         self.checkpoint_every = int(getattr(options, "activation_checkpointing", 0) or 0) if options is not None else 0
         return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch,
                           replica=self.replica, redundancy=redundancy, activation_checkpointing=self.checkpoint_every)

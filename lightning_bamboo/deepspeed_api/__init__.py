@@ -92,8 +92,9 @@ def initialize(
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)`` where ``engine`` is, under the Bamboo
     launcher, a :class:`~lightning_bamboo.deepspeed_api.resilient.ResilientPipelineEngine` (replicas and failover),
     elsewhere a :class:`~lightning_bamboo.engine.pipe.BambooPipelineEngine`. Bamboo's options live under
-    the config's ``"bamboo"`` key: ``{"redundancy": "off" | "lazy" | "eager", "timeout": seconds, "notices": [...],
-    "rebalance": true | {...}}``; replicas, notices and rebalancing need the Bamboo launcher (docs/deepspeed.md).
+    the config's ``"bamboo"`` key: ``{"redundancy": "off" | "lazy" | "eager" | "auto", "timeout": seconds,
+    "notices": [...], "rebalance": true | {...}}``; replicas, notices and rebalancing need the Bamboo launcher
+    (docs/deepspeed.md).
     """
     from deepspeed.pipe import PipelineModule
 

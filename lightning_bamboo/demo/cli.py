@@ -40,9 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default="embedded", help="embedded (default) or etcd://HOST:PORT")
     parser.add_argument("--report", default=None, help="write the run's report JSON here")
     parser.add_argument("--save-weights", default=None, help="write the final consolidated fp32 state_dict here")
-    parser.add_argument("--redundancy", choices=("off", "lazy", "eager"), default="lazy",
+    parser.add_argument("--redundancy", choices=("off", "lazy", "eager", "auto"), default="lazy",
                         help="lazy (default): replicas, failover from them; eager: also the successor's forward in the "
-                        "pipeline bubbles; off: no replicas, every loss restarts from a checkpoint")
+                        "pipeline bubbles; auto: replicas only of stages with no data-parallel copy on another machine "
+                        "(with several pipelines a loss drops the damaged one); off: no replicas, every loss restarts "
+                        "from a checkpoint")
     parser.add_argument("--no-redundancy", dest="redundancy", action="store_const", const="off",
                         help="the same as --redundancy off")
     parser.add_argument("--verify", action="store_true", help="then train the same steps without preemptions and "

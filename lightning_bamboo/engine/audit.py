@@ -58,12 +58,25 @@ class NodeDigest:
     replica: dict[int, LayerDigest]
 
 
-def mismatches(reports: Sequence[NodeDigest], step: int, when: str) -> list[str]:
-    """Every difference between a replica and the live stage it covers, one line each, naming layer, step and node."""
+def mismatches(reports: Sequence[NodeDigest], step: int, when: str,
+               kept: Sequence[bool] | None = None) -> list[str]:
+    """Every difference between a replica and the live stage it covers, one line each, naming layer, step and node;
+    with ``kept`` (per stage: whether its replica is kept, ``topology.replicas.kept_replicas``), also every kept
+    replica that no node holds and every replica held of a stage that keeps none."""
     problems: list[str] = []
     owners = {(r.pipeline, r.stage): r for r in reports}
+    if kept is not None:
+        held = {(r.pipeline, r.replica_stage) for r in reports if r.replica_stage is not None}
+        for report in reports:
+            if kept[report.stage] and (report.pipeline, report.stage) not in held:
+                problems.append(f"{when} step {step}: no node holds the replica of stage {report.stage} of pipeline "
+                                f"{report.pipeline} (run by {report.node}), which the layout keeps")
     for holder in reports:
         if holder.replica_stage is None:
+            continue
+        if kept is not None and not kept[holder.replica_stage]:
+            problems.append(f"{when} step {step}: {holder.node} holds a replica of stage {holder.replica_stage} of "
+                            f"pipeline {holder.pipeline}, which the layout keeps none of")
             continue
         owner = owners.get((holder.pipeline, holder.replica_stage))
         if owner is None:
@@ -83,9 +96,10 @@ def mismatches(reports: Sequence[NodeDigest], step: int, when: str) -> list[str]
     return problems
 
 
-def check(reports: Sequence[NodeDigest], step: int, when: str) -> None:
-    """Raise ``ReplicaAuditError`` naming every mismatch (the first 20) if any replica differs from its stage."""
-    problems = mismatches(reports, step, when)
+def check(reports: Sequence[NodeDigest], step: int, when: str, kept: Sequence[bool] | None = None) -> None:
+    """Raise ``ReplicaAuditError`` naming every mismatch (the first 20) if any replica differs from its stage, or
+    (with ``kept``) a kept replica is missing or one not kept is held."""
+    problems = mismatches(reports, step, when, kept)
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise ReplicaAuditError(

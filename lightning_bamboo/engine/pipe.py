@@ -77,6 +77,9 @@ class Wiring:
     guard: StepGuard | None = None
     replica: Replica | None = None
     replica_peers: tuple[int | None, int | None] = (None, None)
+    #: per stage of the pipeline, whether its replica is held (``topology.replicas.kept_replicas``); None: every
+    #: stage's where the engine has a replica or a holder (the program has the replica actions of those only)
+    kept: tuple[bool, ...] | None = None
 
 
 class BambooPipelineEngine(PipelineEngine):
@@ -98,6 +101,8 @@ class BambooPipelineEngine(PipelineEngine):
         self.replica: Replica | None = None
         #: global ranks this process ships its gradients to / receives its replica's from
         self.replica_peers: tuple[int | None, int | None] = (None, None)
+        #: the stages of the pipeline whose replicas are held (None: every one; ``Wiring.kept``)
+        self.kept: tuple[bool, ...] | None = None
         #: called after the schedule ran, before the update; raises PeerLost if the step does not commit
         self.commit: Callable[[int], None] | None = None
         #: the watchdog running train_batch; None runs it on the calling thread
@@ -137,6 +142,7 @@ class BambooPipelineEngine(PipelineEngine):
         """Connect the engine to its replica, its exchange peers and (under membership) its commit and watchdog."""
         self.node_id, self.commit, self.guard = wiring.node, wiring.commit, wiring.guard
         self.replica, self.replica_peers = wiring.replica, wiring.replica_peers
+        self.kept = wiring.kept
 
     # ------------------------------------------------------------------ eager redundancy
     @property
@@ -160,8 +166,14 @@ class BambooPipelineEngine(PipelineEngine):
             self.program = None
             return super()._train_schedule()
         costs = self.rf_costs if redundancy == "eager" else None
-        self.program = BambooTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, redundancy, costs)
+        self.program = BambooTrainSchedule(self.micro_batches, self.num_stages, self.stage_id, redundancy, costs,
+                                           self._kept())
         return self.program
+
+    def _kept(self) -> tuple[bool, ...] | None:
+        """The stages whose replica actions the program has: ``kept``, or (None) every one."""
+        kept = self.kept
+        return kept if kept is not None and len(kept) == self.num_stages and not all(kept) else None
 
     # ------------------------------------------------------------------ where eager's RFs go
     #: training steps whose forward and backward times are measured (after the first, which allocates)
@@ -536,7 +548,9 @@ class BambooPipelineEngine(PipelineEngine):
 
         mode = self.redundancy
         costs = self.rf_costs if mode == "eager" else None
-        return format_table(build_schedule(self.num_stages, self.micro_batches, mode, costs=costs), error_at=error_at)
+        kept = self._kept() if mode != "off" else None
+        return format_table(build_schedule(self.num_stages, self.micro_batches, mode, costs=costs, kept=kept),
+                            error_at=error_at)
 
 
 _FP32 = Precision()

@@ -55,11 +55,12 @@ def _instruction(name: str, kwargs: dict[str, int]) -> ds_schedule.PipeInstructi
 
 
 @functools.lru_cache(maxsize=64)
-def program_steps(stages: int, micro_batches: int, stage_id: int, redundancy: str,
-                  costs: Costs | None = None) -> tuple[tuple[tuple[str, dict[str, int]], ...], ...]:
-    """The steps of one stage as (instruction name, kwargs), built once per shape, mode and costs (eager's
-    placement simulates every rank: milliseconds, not to be paid every step)."""
-    schedule = build_schedule(stages, micro_batches, redundancy, costs=costs if redundancy == "eager" else None)
+def program_steps(stages: int, micro_batches: int, stage_id: int, redundancy: str, costs: Costs | None = None,
+                  kept: tuple[bool, ...] | None = None) -> tuple[tuple[tuple[str, dict[str, int]], ...], ...]:
+    """The steps of one stage as (instruction name, kwargs), built once per shape, mode, costs and kept replicas
+    (eager's placement simulates every rank: milliseconds, not to be paid every step)."""
+    schedule = build_schedule(stages, micro_batches, redundancy, costs=costs if redundancy == "eager" else None,
+                              kept=kept)
     return tuple(tuple((name, kwargs) for name, kwargs, _action in step)
                  for step in deepspeed_steps(schedule, stage_id))
 
@@ -67,13 +68,15 @@ def program_steps(stages: int, micro_batches: int, stage_id: int, redundancy: st
 class BambooTrainSchedule(ds_schedule.TrainSchedule):
     """DeepSpeed's ``TrainSchedule`` running ``build_schedule(stages, micro_batches, redundancy)``'s program of
     ``stage_id`` (``redundancy`` ``"lazy"`` or ``"eager"``; ``costs``: where eager's RFs are placed, None for
-    the schedule model's F = 1, B = 2). ``steps()`` yields all but the replica receives, :attr:`after_loss`."""
+    the schedule model's F = 1, B = 2; ``kept``: the stages whose replicas are held, None for every one: a rank
+    holding no replica gets no ``U``/``S<``, a stage without one no ``S>``). ``steps()`` yields all but the replica
+    receives, :attr:`after_loss`."""
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int, redundancy: str,
-                 costs: Costs | None = None) -> None:
+                 costs: Costs | None = None, kept: tuple[bool, ...] | None = None) -> None:
         super().__init__(micro_batches, stages, stage_id)
-        self.redundancy, self.costs = redundancy, costs
-        self.program = program_steps(stages, micro_batches, stage_id, redundancy, costs)
+        self.redundancy, self.costs, self.kept = redundancy, costs, kept
+        self.program = program_steps(stages, micro_batches, stage_id, redundancy, costs, kept)
         #: the receives of the replica's gradients, run by the engine once the step's loss went out
         self.after_loss = [_instruction(name, kwargs) for step in self.program for name, kwargs in step
                            if name == "RecvReplicaSync"]

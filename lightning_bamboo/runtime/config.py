@@ -137,7 +137,9 @@ class BambooConfig:
 
     @property
     def redundant(self) -> bool:
-        """Whether every node keeps a replica of its successor's stage."""
+        """Whether a loss is served without a restart: nodes keep replicas of their successors' stages (every one
+        under lazy and eager; under auto those of stages with no data-parallel copy on another machine:
+        ``topology.replicas``), and a pipeline that lost a node is dropped while whole ones train on."""
         return self.redundancy != "off"
 
 

@@ -17,6 +17,7 @@ from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.apart import apart_warning, rows_of
 from lightning_bamboo.topology.failover import layout_tag, plan_loss
 from lightning_bamboo.topology.layout import Layout
+from lightning_bamboo.topology.replicas import kept_replicas
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
         "layers": (held_layers(old.module), held_layers(old.replica.module) if old.replica else {}),
         # which pipeline's copies this node's layers are: a neighbour of the same lineage needs none of them sent
         "lineage": layout.pipeline_of_rank(stage.rank),
+        # which stages' replicas the old layout kept: a pipeline fails over only from those
+        "kept": stage.kept(layout),
         "optimizer": old.optimizer,
         "last_loss": old.last_loss,
         # eager: the successor's forwards of the failed step, reused when this node takes its stage over
@@ -96,17 +99,20 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
 def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step: int) -> tuple[Any, int, int]:
     session = stage.require_session()
     lost = session.decide_lost(tuple(suspected), base["nodes"])
-    plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=stage.config.redundant)
+    plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=stage.config.redundant,
+                     kept=base["kept"])
     log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", session.node, sorted(lost),
                 step, plan.order, plan.pipelines, plan.parts,
                 f"; released {list(plan.released)}" if plan.released else "")
     if session.node in plan.released:
         _release(stage, step)
     # a failover moves no data, so it cannot re-place a fatal pair it leaves on one machine: say so, once per node
-    if warning := apart_warning(rows_of(plan.order, len(plan.order) // plan.pipelines),
+    new_stages = len(plan.order) // plan.pipelines
+    if warning := apart_warning(rows_of(plan.order, new_stages),
                                 where=f"{session.node}: the failover of step {step}",
                                 fix="a failover moves no data, so a reconfiguration does it (RebalanceCallback, "
-                                    "once the overloaded share passes its max_overloaded_fraction)"):
+                                    "once the overloaded share passes its max_overloaded_fraction)",
+                                kept=kept_replicas(plan.order, new_stages, stage.config.redundancy)):
         log.warning("%s", warning)
     # The group's tag names its members: survivors that saw a released node's lease end (it left)
     # and those that did not agree on the same layout, so they must meet in the same group.

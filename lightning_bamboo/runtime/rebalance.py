@@ -39,6 +39,7 @@ from lightning_bamboo.topology.policy import (
     reconfigure,
     split_micro_batches,
 )
+from lightning_bamboo.topology.replicas import kept_in_rows
 
 if TYPE_CHECKING:
     from lightning_bamboo.runtime.runner import PipelineRunner
@@ -79,6 +80,8 @@ class Rebalancer:
         #: relative cost per layer for the policy's splits, from the runner's ``partition`` (None: equal)
         self.layer_costs: tuple[float, ...] | None = None
         self.micro_batch_size = 1
+        #: the job's redundancy (the runner's, at ``attach``): which replicas a layout keeps (``PolicyConfig``)
+        self.redundancy = "lazy"
         #: called with each decision that changed something (the Lightning callback logs it as metrics)
         self.on_decision: Callable[[dict[str, Any]], None] = _ignore
 
@@ -90,6 +93,7 @@ class Rebalancer:
         self.detach()
         self._unhook = runner.before_step(self.at_step_start)
         self.micro_batch_size = max(int(micro_batch_size or 1), 1)
+        self.redundancy = runner.config.redundancy
 
     def detach(self) -> None:
         self._unhook()
@@ -138,7 +142,8 @@ class Rebalancer:
         parts = tuple(new.parts)
         # the policy keeps every pair of nodes whose joint loss is fatal on two machines where the nodes allow it
         warning = apart_warning(new.grid, [*runner.nodes, *runner.standby], machine_of,
-                                where=f"{type(self).__name__}: the {agreed['action']} layout of step {step}")
+                                where=f"{type(self).__name__}: the {agreed['action']} layout of step {step}",
+                                kept=kept_in_rows(new.grid, self.redundancy))
         self.layout, self._deferred = new, None  # before the move: a joining node gets this state
         seconds = runner.reconfigure(order, parts, reason=f"{agreed['action']}: {agreed['reason']}",
                                      pipelines=new.pipelines)
@@ -178,6 +183,7 @@ class Rebalancer:
             stages=self.stages, layers=layers, global_micro_batches=micro,
             min_stages=min(self.min_stages, self.stages), max_overloaded_fraction=self.max_overloaded_fraction,
             layer_costs=self.layer_costs if self.layer_costs is not None and len(self.layer_costs) == layers else None,
+            redundancy=self.redundancy,
         )
         # a machine's workers (launcher --workers) are one failure domain: placed nodes avoid a neighbour of their own
         domains = {n: machine_of(n) for n in [*nodes, *standby]}

@@ -22,8 +22,9 @@ from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Restart
 from lightning_bamboo.runtime.stage import NodeStage
-from lightning_bamboo.topology.apart import order_of, place_apart, rows_of
+from lightning_bamboo.topology.apart import order_of, rows_of
 from lightning_bamboo.topology.failover import layout_tag
+from lightning_bamboo.topology.replicas import place_for
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,12 @@ def restart_depth(survivors: int, stages: int) -> int:
     return stages if survivors % stages == 0 else survivors
 
 
-def restart_order(survivors: Sequence[str], stages: int) -> list[str]:
+def restart_order(survivors: Sequence[str], stages: int, redundancy: str = "lazy") -> list[str]:
     """The restarted job's rank order: every node loads its stage from the checkpoint, so the survivors may sit
     anywhere; each pair of nodes whose joint loss is fatal on two machines where they allow it (``survivors`` in
-    their old rank order: every survivor computes the same order)."""
-    return list(order_of(place_apart(rows_of(survivors, stages))))
+    their old rank order: every survivor computes the same order; ``redundancy``: which replicas the order keeps,
+    ``topology.replicas.place_for``)."""
+    return list(order_of(place_for(rows_of(survivors, stages), redundancy)))
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
         if session.node not in order:
             raise err
         stages = restart_depth(len(order), layout.stages)
-        order = restart_order(order, stages)
+        order = restart_order(order, stages, stage.config.redundancy)
         try:
             rank, world = session.reform(order, tag=layout_tag(order))
             break

@@ -39,6 +39,7 @@ from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
 from lightning_bamboo.runtime.session import Session
 from lightning_bamboo.topology.layout import Layout, check_replica_memory, partition_weights, resolve_stages
+from lightning_bamboo.topology.replicas import describe_kept, held_stage, kept_replicas, replica_peers
 
 log = logging.getLogger(__name__)
 
@@ -297,33 +298,41 @@ class NodeStage:
         with _deepspeed_device(self.device):
             return build_engine(
                 module, optimizer, config, timedelta(seconds=self.config.timeout),
-                options=EngineOptions(redundancy=self.config.redundancy, rf_costs=self.config.rf_costs, seed=self.seed,
-                                      precision=precision),
+                # "auto" runs lazy's program where it keeps replicas (``_arm`` wires which)
+                options=EngineOptions(redundancy="lazy" if self.config.redundancy == "auto" else self.config.redundancy,
+                                      rf_costs=self.config.rf_costs, seed=self.seed, precision=precision),
             )
 
-    def _rank_of(self, layout: Layout, stage: int, pipeline: int) -> int:
-        return stage * layout.pipelines + pipeline
+    def order(self, layout: Layout) -> list[str]:
+        """The nodes of ``layout`` in rank order: the session's under membership, else one name per rank (each then
+        its own machine)."""
+        nodes = list(self.session.nodes) if self.session is not None else []
+        return nodes if len(nodes) == layout.world_size else [f"rank{r}" for r in range(layout.world_size)]
 
-    def _replica_peers(self, layout: Layout, rank: int) -> tuple[int, int]:
-        stage, pipeline = layout.stage_of_rank(rank), layout.pipeline_of_rank(rank)
-        return (self._rank_of(layout, (stage - 1) % layout.stages, pipeline),
-                self._rank_of(layout, (stage + 1) % layout.stages, pipeline))
+    def kept(self, layout: Layout) -> tuple[bool, ...]:
+        """Per stage of ``layout``: whether its replica is kept (``topology.replicas.kept_replicas`` of the config's
+        redundancy and the node order: every rank computes the same)."""
+        return kept_replicas(self.order(layout), layout.stages, self.config.redundancy)
 
     def _arm(self, engine: BambooPipelineEngine, replica_states: States | None = None,
              replica_layers: Mapping[int, torch.nn.Module] | None = None) -> None:
-        """Wire the engine: its replica (of the successor's stage, from ``replica_states`` or the seed; the layer
-        objects ``replica_layers`` taken over as they are), its exchange peers, and under membership its node name,
-        commit hook and watchdog."""
+        """Wire the engine: its replica (of the successor's stage where it is kept, from ``replica_states`` or the
+        seed; the layer objects ``replica_layers`` taken over as they are), its exchange peers, and under membership
+        its node name, commit hook and watchdog."""
         layout = self.layout
         assert layout is not None
         wiring = Wiring()
-        if self.config.redundant and layout.stages > 1:
-            successor = (layout.stage_of_rank(self.rank) + 1) % layout.stages
-            layers = layout.layers_of_stage(successor)
-            wiring.replica = self._new_replica(engine, layers, successor, replica_states,
-                                               self._replica_device(layers, check=replica_states is None),
-                                               replica_layers)
-            wiring.replica_peers = self._replica_peers(layout, self.rank)
+        kept = self.kept(layout)
+        if any(kept):
+            successor = held_stage(layout, self.rank, kept)
+            if successor is not None:
+                layers = layout.layers_of_stage(successor)
+                wiring.replica = self._new_replica(engine, layers, successor, replica_states,
+                                                   self._replica_device(layers, check=replica_states is None),
+                                                   replica_layers)
+            wiring.replica_peers, wiring.kept = replica_peers(layout, self.rank, kept), kept
+        if self.config.redundancy == "auto" and self.rank == 0:
+            log.info("%s: %s", self.node, describe_kept(kept, "auto"))
         if self.session is not None:
             session = self.session
             wiring.node = session.node
@@ -455,8 +464,9 @@ class NodeStage:
             # Collectives with the new peers: bounded by the new membership watch like a step.
             engine = self._new_engine(module, optimizer, layout)
             replica = None
-            if self.config.redundant and layout.stages > 1:
-                replica = self._ring(engine, layout, rank, held, replica_objects, lineage, stage_lineage)
+            kept = self.kept(layout)  # the new layout's: replicas it keeps are built, those it drops are not
+            if any(kept):
+                replica = self._ring(engine, layout, rank, held, replica_objects, lineage, stage_lineage, kept)
             self._arm(engine, *(replica or (None, None)))
             trim_buffers()  # the layers' transfer buffers: idle for the rest of this generation
             return engine
@@ -469,20 +479,22 @@ class NodeStage:
         self.audit("membership change before")
 
     def _ring(self, engine: BambooPipelineEngine, layout: Layout, rank: int, held: States,
-              pool: Mapping[int, torch.nn.Module], lineage: int | None,
-              stage_lineage: int | None) -> tuple[States, dict[int, torch.nn.Module]]:
-        """Restore the replica ring: every node keeps its successor's stage. The states and layer objects of the
+              pool: Mapping[int, torch.nn.Module], lineage: int | None, stage_lineage: int | None,
+              kept_stages: tuple[bool, ...]) -> tuple[States, dict[int, torch.nn.Module]]:
+        """Restore the replica ring: every node keeps its successor's stage where ``kept_stages`` keeps it (a node
+        keeping none only serves its holder, if its own stage has one). The states and layer objects of the
         new replica: the layers this node holds already as copies of the same lineage are taken over, the others
         come from the successor, one layer per message (a serialised layer at a time on each side, not a stage)."""
-        before, after = self._replica_peers(layout, rank)
-        wanted = layout.layers_of_stage((layout.stage_of_rank(rank) + 1) % layout.stages)
+        before, after = replica_peers(layout, rank, kept_stages)
+        successor = held_stage(layout, rank, kept_stages)
+        wanted = layout.layers_of_stage(successor) if successor is not None else range(0)
         # 1. lineages go the way the stages go: a node learns whether its successor's layers are its own copies
         successor_lineage = exchange_objects(stage_lineage, send_to=before, recv_from=after)
         same = lineage is not None and successor_lineage == lineage
         kept = {i: pool[i] for i in wanted if same and i in pool}
         lacking = [i for i in wanted if i not in kept]
         # 2. each node tells its successor what it lacks, and learns what its predecessor lacks
-        to_send = exchange_objects(lacking, send_to=after, recv_from=before)
+        to_send = exchange_objects(lacking, send_to=after, recv_from=before) or []
         # 3. the layers, one per message each way (the stage's own tensors, serialised as they are)
         own = engine.own_states(copy=False)
         received: States = {}
@@ -522,7 +534,9 @@ class NodeStage:
             torch_dist.all_gather_object(reports, report)  # trusted: the job's own process group, as torch.distributed
         else:
             reports = [report]
-        audit.check([audit.NodeDigest(**r) for r in reports], self.host.global_step(), when)
+        # an armed engine's layout keeps the replicas ``kept`` says, no more, no fewer
+        kept = self.kept(layout) if engine.kept is not None else None
+        audit.check([audit.NodeDigest(**r) for r in reports], self.host.global_step(), when, kept)
         self.audits += 1
 
     def stand_by(self) -> None:

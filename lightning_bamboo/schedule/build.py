@@ -130,7 +130,7 @@ def _freeze(programs: list[list[list[Action]]]) -> tuple[tuple[Tick, ...], ...]:
 
 
 def build_schedule(stages: int, micro_batches: int, redundancy: str = "off", *, costs: Costs | None = None,
-                   rf_budget: int | None = None) -> Schedule:
+                   rf_budget: int | None = None, kept: Sequence[bool] | None = None) -> Schedule:
     """One healthy training step.
 
     ``"off"``: DeepSpeed's TrainSchedule, action for action. ``"lazy"``: the same plus the replica's actions
@@ -141,8 +141,14 @@ def build_schedule(stages: int, micro_batches: int, redundancy: str = "off", *, 
     waits, given ``costs``; the micro-batches left out are recomputed on failure (F and B on the replica). An
     int ``rf_budget`` caps RFs per rank at that number and puts those that fit no wait just before TIE
     (outside the bubbles, costing time): ``rf_budget=micro_batches`` computes every RF.
+    ``kept`` (lazy and eager; per stage, ``topology.replicas.kept_replicas``): only the replicas of the stages it
+    marks are held (``redundancy="auto"``); a rank holding none has no ``U``, ``S<`` or RF, a stage whose replica
+    is not kept no ``S>``. None: every stage's.
     """
     check_shape(stages, micro_batches, redundancy)
+    if kept is not None and (len(kept) != stages or redundancy == "off"):
+        raise ScheduleError(f"kept names one flag per stage, for lazy or eager (stages: {stages}, redundancy: "
+                            f"{redundancy!r}, kept: {list(kept)})")
     if rf_budget is not None and (not isinstance(rf_budget, int) or isinstance(rf_budget, bool) or rf_budget < 0):
         raise ScheduleError(f"rf_budget must be None (waits only) or an int >= 0, got {rf_budget!r}")
     if rf_budget is not None and redundancy != "eager":
@@ -150,7 +156,8 @@ def build_schedule(stages: int, micro_batches: int, redundancy: str = "off", *, 
     p, m = stages, micro_batches
     layout = tuple(range(p))
     replicas: tuple[int | None, ...] = (tuple(None for _ in range(p)) if redundancy == "off"
-                                        else tuple(replica_stage(r, p) for r in range(p)))
+                                        else tuple(replica_stage(r, p) if kept is None or kept[replica_stage(r, p)]
+                                                   else None for r in range(p)))
     programs = _assemble(p, m, layout, replicas, None)
     if redundancy == "eager":
         programs = _place_rf(programs, p, m, layout, replicas, costs or Costs(), rf_budget)
@@ -159,14 +166,15 @@ def build_schedule(stages: int, micro_batches: int, redundancy: str = "off", *, 
 
 
 def build_failover(stages: int, micro_batches: int, dead: int, *, redundancy: str = "lazy",
-                   reuse_rf: Iterable[int] = ()) -> Schedule:
+                   reuse_rf: Iterable[int] = (), kept: Sequence[bool] | None = None) -> Schedule:
     """The step run right after node ``dead`` is lost (the step in flight, redone once): its predecessor in
     the ring, ``replica_holder(dead)``, runs its own stage and ``dead``'s stage from the replica (for
     ``dead == 0`` that is rank ``stages - 1`` running stages ``stages - 1`` and 0). The merged rank's step
     ``t`` holds both stages' step ``t`` (the hand-off between adjacent stages is local). Micro-batches in
     ``reuse_rf`` (eager only; see ``Schedule.redundant_forwards``) skip the dead stage's forward: the kept RF
     output is sent on and their backward is ``RB``. Replicas still backed by a live holder keep being synced;
-    the dead stage's and its successor's are gone until the pipeline is rebuilt. No RF is placed."""
+    the dead stage's and its successor's are gone until the pipeline is rebuilt. No RF is placed. ``kept``: as in
+    ``build_schedule``; the dead stage's replica must be one of them."""
     check_shape(stages, micro_batches, redundancy)
     if redundancy == "off":
         raise ScheduleError("a failover step needs the replica: redundancy must be 'lazy' or 'eager', got 'off'")
@@ -175,10 +183,14 @@ def build_failover(stages: int, micro_batches: int, dead: int, *, redundancy: st
     reuse = frozenset(reuse_rf)
     if reuse and redundancy != "eager":
         raise ScheduleError(f"reuse_rf={sorted(reuse)} needs redundancy='eager' (lazy keeps no RF outputs)")
+    if kept is not None and (len(kept) != stages or not kept[dead]):
+        raise ScheduleError(f"a failover of rank {dead} needs its replica: kept names one flag per stage and marks "
+                            f"stage {dead} (kept: {list(kept)})")
     p, m = stages, micro_batches
     holder = replica_holder(dead, p)
     layout = tuple(holder if s == dead else s for s in range(p))
-    replicas = tuple(None if r in (dead, holder) else replica_stage(r, p) for r in range(p))
+    replicas = tuple(None if r in (dead, holder) or (kept is not None and not kept[replica_stage(r, p)])
+                     else replica_stage(r, p) for r in range(p))
     programs = _assemble(p, m, layout, replicas, dead, reuse)
     return Schedule(p, m, redundancy, _freeze(programs), layout, replicas, dead, reuse)
 
@@ -198,7 +210,9 @@ def _place_rf(programs: list[list[list[Action]]], p: int, m: int, layout: Sequen
     out: list[list[list[Action]]] = []
     for rank, program in enumerate(programs):
         target = replicas[rank]
-        assert target is not None
+        if target is None:  # this rank keeps no replica (``kept``): nothing to place
+            out.append(program)
+            continue
         cap = m if budget is None else budget
         ready: list[int] = []
         placed: list[int] = []

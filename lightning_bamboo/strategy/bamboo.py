@@ -109,6 +109,11 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
                 ``"eager"``: lazy, plus the successor's forward run redundantly in the pipeline
                 bubbles, its graph kept (host memory) until the step commits; a failover then skips
                 the dead stage's forward for those micro-batches and runs only its backward.
+                ``"auto"``: lazy's replica only of the stages with no data-parallel copy on another machine
+                (a launcher's ``--workers`` are one machine): with one pipeline every stage (as lazy); with
+                pipelines whose copies of each stage sit on different machines none, and a loss drops the
+                damaged pipeline while the whole ones train on (a loss in every pipeline then restarts from
+                the checkpoint). Rebuilt with the layout at every failover and reconfiguration.
             timeout: seconds any communication may block before the run fails (never 30 minutes).
             detection_timeout: under the Bamboo launcher, the most seconds a survivor needs to learn
                 that a node is gone (the node lease's TTL is a bit below it).

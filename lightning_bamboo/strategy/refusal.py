@@ -54,13 +54,15 @@ def warn_if_replicas_share_machines(redundancy: str, stages: int, world: int) ->
     any."""
     from lightning_bamboo.membership.node import NODES_ENV
     from lightning_bamboo.topology.machines import fatal_conflicts, replica_placement_report
+    from lightning_bamboo.topology.replicas import kept_replicas
 
     nodes = [n for n in os.environ.get(NODES_ENV, "").split(",") if n]
     if redundancy == "off" or not launched_by_bamboo() or len(nodes) != world or world < 2 or world % stages:
         return None
-    if not fatal_conflicts(nodes, stages):
+    kept = kept_replicas(nodes, stages, redundancy)  # "auto": only the pairs of the replicas it keeps
+    if not fatal_conflicts(nodes, stages, kept=kept):
         return None
-    message = "machines as failure domains: " + replica_placement_report(nodes, stages)
+    message = "machines as failure domains: " + replica_placement_report(nodes, stages, kept=kept)
     logging.getLogger("lightning_bamboo.strategy").warning("%s", message)
     return message
 

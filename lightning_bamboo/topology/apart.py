@@ -40,14 +40,17 @@ def order_of(grid: Sequence[Sequence[str]]) -> tuple[str, ...]:
     return tuple(row[s] for s in range(len(grid[0])) for row in grid) if grid else ()
 
 
-def fatal_pairs(grid: Sequence[Sequence[str]]) -> tuple[tuple[str, str], ...]:
-    """Every pair of nodes of ``grid`` (rows: pipelines, each a ring) whose joint loss is fatal, stage order."""
-    return tuple((row[a], row[b]) for row in grid for a, b in fatal_stage_pairs(len(row)))
+def fatal_pairs(grid: Sequence[Sequence[str]], kept: Sequence[bool] | None = None) -> tuple[tuple[str, str], ...]:
+    """Every pair of nodes of ``grid`` (rows: pipelines, each a ring) whose joint loss is fatal, stage order
+    (``kept``: per stage, whether its replica is kept, ``replicas.kept_replicas``; None: every one)."""
+    flags = tuple(kept) if kept is not None else None
+    return tuple((row[a], row[b]) for row in grid for a, b in fatal_stage_pairs(len(row), flags))
 
 
-def shared_pairs(grid: Sequence[Sequence[str]], machine: Machine = machine_of) -> tuple[tuple[str, str, str], ...]:
+def shared_pairs(grid: Sequence[Sequence[str]], machine: Machine = machine_of,
+                 kept: Sequence[bool] | None = None) -> tuple[tuple[str, str, str], ...]:
     """``(node, node, machine)`` for every fatal pair of ``grid`` whose two nodes run on one machine."""
-    return tuple((a, b, machine(a)) for a, b in fatal_pairs(grid) if machine(a) == machine(b))
+    return tuple((a, b, machine(a)) for a, b in fatal_pairs(grid, kept) if machine(a) == machine(b))
 
 
 def most_on(machines: int, stages: int) -> int:
@@ -218,11 +221,12 @@ def _build(nodes: list[str], pipelines: int, stages: int, machine: Machine,
 
 
 def apart_warning(grid: Sequence[Sequence[str]], available: Sequence[str] = (), machine: Machine = machine_of,
-                  where: str = "the layout", fix: str | None = None) -> str | None:
+                  where: str = "the layout", fix: str | None = None, kept: Sequence[bool] | None = None) -> str | None:
     """One line for a log's WARNING when ``grid`` puts a fatal pair on one machine (None when it does not): the
     pairs and their machine, whether the ``available`` nodes (placed ones included) could keep them apart (``fix``:
-    how, where they can), and, where they cannot, the rule and what would. ``where``: which layout."""
-    shared = shared_pairs(grid, machine)
+    how, where they can), and, where they cannot, the rule and what would. ``where``: which layout. ``kept``: the
+    stages whose replicas the layout keeps (``redundancy="auto"``; None: every one): only their pairs count."""
+    shared = shared_pairs(grid, machine, kept)
     if not shared:
         return None
     stages, pipelines = len(grid[0]), len(grid)

@@ -41,26 +41,37 @@ class FailoverPlan:
         return tuple(s for s in self.segments if s.node == node)
 
 
-def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[str]) -> FailoverPlan:
+def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[str],
+                  kept: Sequence[bool] | None = None) -> FailoverPlan:
     """Serve every stage of a pipeline from a survivor's own copy or its replica, with no data moved.
 
     ``nodes[s]`` ran stage ``s`` (layers ``parts[s]..parts[s+1]-1``) and holds the replica of
-    stage ``s + 1`` (the ring: the last node holds stage 0's). A lost stage is served by its
+    stage ``s + 1`` (the ring: the last node holds stage 0's) where ``kept[s + 1]`` (None: every
+    replica is kept; ``replicas.kept_replicas``). A lost stage is served by its
     replica holder; the holder then runs two adjacent stages, one contiguous layer range. When
     stage 0 is lost its holder is the last node, whose own stage is not adjacent to stage 0: it
     keeps stage 0 and hands its own last stage to that stage's replica holder. Raises
-    ``FatalLoss`` when a lost stage's replica holder is lost too.
+    ``FatalLoss`` when a lost stage's replica holder is lost too, or its replica is not kept.
     """
     stages = len(nodes)
     lost = set(lost)
     unknown = lost - set(nodes)
     if unknown:
         raise BambooError(f"lost nodes {sorted(unknown)} are not in the pipeline {list(nodes)}")
+    kept = tuple(kept) if kept is not None else (True,) * stages
+    if len(kept) != stages:
+        raise BambooError(f"kept names one flag per stage (stages: {stages}, flags: {len(kept)})")
     serving: list[Segment] = []
     for stage, node in enumerate(nodes):
         if node not in lost:
             serving.append(Segment(stage, node, "own"))
             continue
+        if not kept[stage]:
+            raise FatalLoss(
+                f"stage {stage} (node {node}) is lost and no replica of it is kept (redundancy='auto' keeps none of a "
+                f"stage with a data-parallel copy on another machine; lost: {sorted(lost)}); this pipeline cannot "
+                "fail over"
+            )
         holder = nodes[replica_holder(stage, stages)]
         if holder in lost or holder == node:
             raise FatalLoss(
@@ -73,10 +84,11 @@ def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[s
     first, last = serving[0], serving[-1]
     if stages > 1 and first.node == last.node and any(s.node != first.node for s in serving):
         holder = nodes[replica_holder(stages - 1, stages)]
-        if holder in lost:
+        if holder in lost or not kept[stages - 1]:
+            why = f"{holder} is lost" if holder in lost else f"{holder} keeps no replica of it"
             raise FatalLoss(
                 f"stage {stages - 1} must move to its replica holder {holder} (its node also serves stage 0), "
-                f"but {holder} is lost (lost: {sorted(lost)}); the run must restore its last checkpoint"
+                f"but {why} (lost: {sorted(lost)}); the run must restore its last checkpoint"
             )
         serving[-1] = Segment(stages - 1, holder, "replica")
     order: list[str] = []
@@ -93,32 +105,37 @@ def plan_failover(nodes: Sequence[str], parts: Sequence[int], lost: Collection[s
 
 
 @cache
-def fatal_stage_pairs(stages: int) -> tuple[tuple[int, int], ...]:
+def fatal_stage_pairs(stages: int, kept: tuple[bool, ...] | None = None) -> tuple[tuple[int, int], ...]:
     """The pairs of stages ``(a, b)``, ``a < b``, of one pipeline of ``stages`` stages whose nodes lost together are
-    fatal: :func:`plan_failover` raises ``FatalLoss`` for them. Asked of the planner itself, pair by pair, so the
-    rule that keeps such pairs on two machines cannot drift from it.
+    fatal: :func:`plan_failover` raises ``FatalLoss`` for them and for neither alone. Asked of the planner itself,
+    pair by pair, so the rule that keeps such pairs on two machines cannot drift from it.
 
-    Today that is a node and its replica holder (neighbours in the ring, stage ``p - 1`` and stage 0 included) and,
-    from 4 stages, stage 0 and stage ``p - 2``: when stage 0 is lost its holder, the last node, takes it and hands
-    its own stage to stage ``p - 2``'s node. One stage has no replica (every loss is fatal): no pair to keep apart.
+    With every replica kept (``kept`` None) that is a node and its replica holder (neighbours in the ring, stage
+    ``p - 1`` and stage 0 included) and, from 4 stages, stage 0 and stage ``p - 2``: when stage 0 is lost its holder,
+    the last node, takes it and hands its own stage to stage ``p - 2``'s node. One stage has no replica (every loss
+    is fatal): no pair to keep apart; nor is there one with a stage whose loss alone ends the pipeline
+    (``redundancy="auto"`` keeps no replica of a stage with a data-parallel copy on another machine, which trains on).
     """
     if stages < 2:
         return ()
     nodes = [str(s) for s in range(stages)]
     parts = range(stages + 1)
-    pairs = []
-    for a in range(stages):
-        for b in range(a + 1, stages):
-            try:
-                plan_failover(nodes, parts, (nodes[a], nodes[b]))
-            except FatalLoss:
-                pairs.append((a, b))
-    return tuple(pairs)
+
+    def fatal(lost: tuple[str, ...]) -> bool:
+        try:
+            plan_failover(nodes, parts, lost, kept)
+        except FatalLoss:
+            return True
+        return False
+
+    alone = [fatal((node,)) for node in nodes]
+    return tuple((a, b) for a in range(stages) for b in range(a + 1, stages)
+                 if not alone[a] and not alone[b] and fatal((nodes[a], nodes[b])))
 
 
 def plan_loss(
     nodes: Sequence[str], pipelines: int, parts: Sequence[int], lost: Collection[str], replicas: bool = True,
-    machine: Callable[[str], str] = machine_of,
+    machine: Callable[[str], str] = machine_of, kept: Sequence[bool] | None = None,
 ) -> FailoverPlan:
     """The layout after losing ``lost`` from ``pipelines`` data-parallel pipelines (``nodes`` in rank order).
 
@@ -131,12 +148,15 @@ def plan_loss(
     are released. ``FatalLoss`` when
     none can. Without ``replicas`` (``redundancy="off"``: a plain pipeline) every loss is fatal, also
     with several pipelines: such a job restarts from its checkpoint, as checkpoint-restart systems do.
+    ``kept`` (per stage: whether its replica is kept, ``replicas.kept_replicas``; None: every one) limits a
+    pipeline's failover to the replicas that exist: under ``redundancy="auto"`` with every stage's copies on two
+    machines none is kept, so a whole pipeline trains on and a loss in every pipeline is fatal.
     """
     lost = set(lost)
     if not replicas:
         raise FatalLoss(f"lost {sorted(lost)} with redundancy='off': the job restarts from its last checkpoint")
     if pipelines == 1:
-        plan = plan_failover(nodes, parts, lost)
+        plan = plan_failover(nodes, parts, lost, kept)
         return FailoverPlan(plan.order, plan.parts, plan.segments, rows=(tuple(nodes),))
     if len(nodes) % pipelines:
         raise BambooError(f"{len(nodes)} nodes do not form {pipelines} pipelines of equal depth")
@@ -153,7 +173,7 @@ def plan_loss(
     problems, plans = [], []
     for row in sorted(rows, key=lambda r: -sum(n not in lost for n in r)):
         try:
-            plans.append((row, plan_failover(row, parts, lost & set(row))))
+            plans.append((row, plan_failover(row, parts, lost & set(row), kept)))
         except FatalLoss as err:
             problems.append(str(err))
     if not plans:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from lightning_bamboo.errors import BambooConfigError
 
-REDUNDANCY_MODES = ("off", "lazy", "eager")
+#: ``"auto"`` keeps a replica only of the stages without a data-parallel copy on another machine (``replicas``)
+REDUNDANCY_MODES = ("off", "lazy", "eager", "auto")
 
 
 @dataclass(frozen=True)

@@ -91,12 +91,13 @@ def replica_conflicts(order: Sequence[str], stages: int,
             if machine(order[r]) == machine(order[(r - pipelines) % n])]
 
 
-def fatal_conflicts(order: Sequence[str], stages: int,
-                    machine: Callable[[str], str] = machine_of) -> list[tuple[str, str, str]]:
+def fatal_conflicts(order: Sequence[str], stages: int, machine: Callable[[str], str] = machine_of,
+                    kept: Sequence[bool] | None = None) -> list[tuple[str, str, str]]:
     """``(node, node, machine)`` for every pair of nodes whose joint loss is fatal (``apart.fatal_pairs``) that runs
-    on one machine (``order``: the job's nodes by rank, run as pipelines of ``stages`` stages)."""
+    on one machine (``order``: the job's nodes by rank, run as pipelines of ``stages`` stages; ``kept``: the stages
+    whose replicas are kept, ``replicas.kept_replicas``, None: every one)."""
     _pipelines(len(order), stages)
-    return list(shared_pairs(rows_of(order, stages), machine))
+    return list(shared_pairs(rows_of(order, stages), machine, kept))
 
 
 def _rank_pairs(n: int, stages: int) -> list[tuple[int, int]]:
@@ -216,7 +217,8 @@ def cross_machine_traffic(order: Sequence[str], stages: int, machine: Callable[[
     return Traffic(count(activations), count(replica), count(allreduce))
 
 
-def replica_placement_report(order: Sequence[str], stages: int, machine: Callable[[str], str] = machine_of) -> str:
+def replica_placement_report(order: Sequence[str], stages: int, machine: Callable[[str], str] = machine_of,
+                             kept: Sequence[bool] | None = None) -> str:
     """One line on whether ``order`` at depth ``stages`` keeps every pair of nodes whose joint loss is fatal (a node
     and its replica holder; stage 0 and stage ``S - 2``) on two machines; where not, which pairs share a machine,
     why (no order can) and the fix."""
@@ -224,6 +226,6 @@ def replica_placement_report(order: Sequence[str], stages: int, machine: Callabl
         return f"depth {stages}: no replicas"
     warning = apart_warning(rows_of(order, stages), (), machine, where=f"depth {stages}",
                             fix=f"start every launcher with --stages {stages} so that it orders the nodes for this "
-                                "depth")
+                                "depth", kept=kept)
     return warning or (f"depth {stages}: every replica holder is on another machine than the stage it holds, and no "
                        "machine holds two nodes whose joint loss is fatal")

@@ -24,7 +24,10 @@ evenly as possible (pipelines may differ by one micro-batch). With ``pipeline_mi
 every pipeline runs that many instead and the global batch follows the number of pipelines. Every placement it builds
 keeps each pair of nodes whose joint loss is fatal on two failure domains (machines) where the nodes at hand allow it
 (``apart.place_apart``; else the fewest such pairs, and ``Decision.warning`` says so), and then as many nodes as
-possible on the stage they already hold, so that the least state moves. No torch here.
+possible on the stage they already hold, so that the least state moves. Under ``redundancy="auto"``
+(``PolicyConfig.redundancy``) a stage keeps a replica only where every data-parallel copy of it shares one machine
+(``replicas.kept_in_rows``); only the pairs of those replicas count, and pipelines whose copies of every stage span
+two machines are left as they are (``replicas.place_for``). No torch here.
 """
 
 from __future__ import annotations
@@ -34,14 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.topology.apart import apart_warning, place_apart
+from lightning_bamboo.topology.apart import apart_warning
 from lightning_bamboo.topology.layout import (
+    REDUNDANCY_MODES,
     Layout,
     balanced_parts,
     even_parts,
     machine_of,
     split_micro_batches,
 )
+from lightning_bamboo.topology.replicas import kept_in_rows, place_for
 
 ACTIONS = (
     "keep",
@@ -80,6 +85,9 @@ class PolicyConfig:
     max_overloaded_fraction: float = 0.05  # rebuild when 2*overloaded/active exceeds this
     layer_costs: tuple[float, ...] | None = None  # relative compute time per layer (None: equal)
     pipeline_micro_batches: int | None = None  # None: global batch fixed; n: n per pipeline
+    #: the job's redundancy: which replicas a placement keeps (``replicas.kept_in_rows``), hence which pairs of nodes
+    #: it keeps on two machines; "lazy" (every replica) as the rules above assume
+    redundancy: str = "lazy"
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -108,6 +116,8 @@ class PolicyConfig:
                 f"pipeline_micro_batches must be >= 1 or None (got {self.pipeline_micro_batches}); "
                 "use None to keep the global batch fixed"
             )
+        if self.redundancy not in REDUNDANCY_MODES:
+            raise PolicyError(f"redundancy must be one of {REDUNDANCY_MODES} (got {self.redundancy!r})")
         if self.layer_costs is not None:
             if len(self.layer_costs) != self.layers or any(c <= 0 for c in self.layer_costs):
                 raise PolicyError(
@@ -287,7 +297,7 @@ def fresh_placement(
             "use fewer pipelines or stages, or add nodes"
         )
     rows = [[nodes[s * pipelines + p] for s in range(stages)] for p in range(pipelines)]
-    grid = place_apart(rows, nodes[need:], machine_in(domains))
+    grid = place_for(rows, config.redundancy, nodes[need:], machine_in(domains))
     return Placement(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
@@ -332,7 +342,7 @@ def _rebuild(
                 row[s] = leftovers.pop(0)
     full = [[n for n in row if n is not None] for row in rows]
     holds = {n: s for row in old.grid for s, n in enumerate(row) if n in alive}
-    grid = place_apart(full, leftovers, machine_in(domains), holds)
+    grid = place_for(full, config.redundancy, leftovers, machine_in(domains), holds)
     return Placement(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
@@ -411,7 +421,8 @@ def reconfigure(
 
     def build(action: str, reason: str, p: int = pipelines, d: int = depth) -> Decision:
         new = _rebuild(layout, usable, standby_list, p, d, config, domains)
-        warning = apart_warning(new.grid, usable, machine_in(domains), where=f"the {action} layout")
+        warning = apart_warning(new.grid, usable, machine_in(domains), where=f"the {action} layout",
+                                kept=kept_in_rows(new.grid, config.redundancy, machine_in(domains)))
         return Decision(action, new, reason, moved_nodes(layout, new), warning)
 
     if layout is None:

@@ -1,0 +1,69 @@
+"""``redundancy="auto"`` in a real job: two pipelines of one node per machine keep no replica, and a SIGKILL drops
+the damaged pipeline as under ``lazy``, ending with the lazy run's weights and optimizer state; the pipeline left
+alone then keeps replicas (one pipeline: auto is lazy). The Lightning door under the Bamboo launcher
+(``benchmarks/spot_user.py``); the DeepSpeed door's one-pipeline failover is in ``tests/test_deepspeed_door.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_bamboo import consolidate_checkpoint
+from lightning_bamboo.testing import faults
+from tests.helpers import PYTHON, launcher_exit_codes, max_abs_diff, optimizer_states, run
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS, AT = 16, 8
+
+
+def _job(out, redundancy: str, killed: tuple[str, ...] = ("node1",)) -> tuple[str, dict[str, list[dict]]]:
+    """Four nodes (each its own machine) as two pipelines of two stages (node ``i``: stage ``i // 2`` of pipeline
+    ``i % 2``), ``killed`` SIGKILLed at the start of step AT, a checkpoint every 4 steps. Returns the output and each
+    node's step records."""
+    proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, "benchmarks/spot_user.py",
+                "--stages", "2", "--steps", str(STEPS), "--checkpoint-every", "4", "--redundancy", redundancy,
+                "--out", str(out)], timeout=400, env=faults.environment([f"{node}@{AT}" for node in killed]))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {f"node{i}": -9 if f"node{i}" in killed else 0 for i in range(4)}, \
+        proc.stdout[-3000:]
+    records = {path.stem.removeprefix("steps-"): [json.loads(line) for line in path.read_text().splitlines()]
+               for path in out.glob("steps-*.jsonl")}
+    return proc.stdout, records
+
+
+def test_two_pipelines_keep_no_replica_and_a_kill_drops_the_damaged_one_as_lazy_does(tmp_path):
+    auto, auto_steps = _job(tmp_path / "auto", "auto")
+    lazy, lazy_steps = _job(tmp_path / "lazy", "lazy")
+    for stdout in (auto, lazy):  # the same failover: pipeline 1 dropped, its survivor released, no restart
+        assert f"lost ['node1'] at step {AT}; new layout ('node0', 'node2') (1 pipeline(s))" in stdout, stdout[-3000:]
+        assert "released ['node3']" in stdout and "restarted after a fatal loss" not in stdout
+    # two pipelines on four machines: every stage has a copy on another machine, so auto keeps no replica; once one
+    # pipeline is left each survivor keeps its successor's stage, as lazy's nodes do from the start
+    for node, successor in (("node0", 1), ("node1", 1), ("node2", 0), ("node3", 0)):
+        before = [r for r in auto_steps[node] if r["step"] < AT]
+        assert [r["step"] for r in before] == list(range(AT)) and {r["replica"] for r in before} == {None}, node
+        assert {r["replica"] for r in lazy_steps[node] if r["step"] < AT} == {successor}, node
+    for node, successor in (("node0", 1), ("node2", 0)):
+        after = [r for r in auto_steps[node] if r["step"] >= AT]
+        assert [r["step"] for r in after] == list(range(AT, STEPS)) and {r["replica"] for r in after} == {successor}
+        assert {len(r["nodes"]) for r in after} == {2}
+    # every step on the same samples in both runs, and the same model and optimizer state at the end, bit for bit
+    assert [r["batch"] for r in auto_steps["node0"]] == [r["batch"] for r in lazy_steps["node0"]]
+    assert max_abs_diff(consolidate_checkpoint(tmp_path / "auto" / "final"),
+                        consolidate_checkpoint(tmp_path / "lazy" / "final")) == 0.0
+    assert max_abs_diff(optimizer_states(tmp_path / "auto" / "final"),
+                        optimizer_states(tmp_path / "lazy" / "final")) == 0.0
+
+
+def test_a_loss_in_every_pipeline_without_kept_replicas_restarts_from_the_checkpoint(tmp_path):
+    """node1 (stage 0 of pipeline 1) and node2 (stage 1 of pipeline 0) at once: no pipeline is whole and auto kept no
+    replica to fail one over from, so the survivors restart the job in their processes from the last checkpoint, as
+    one pipeline, which then keeps every replica."""
+    stdout, steps = _job(tmp_path, "auto", killed=("node1", "node2"))
+    assert f"restarted after a fatal loss at step {AT} (every pipeline lost a node and none can fail over" in stdout
+    assert "no replica of it is kept" in stdout and "step-00000004, step 4" in stdout, stdout[-3000:]
+    for node, successor in (("node0", 1), ("node3", 0)):
+        again = [r for r in steps[node] if len(r["nodes"]) == 2]
+        assert [r["step"] for r in again] == list(range(4, STEPS)) and {r["replica"] for r in again} == {successor}
