@@ -64,21 +64,22 @@ def test_off_two_stages_by_hand():
 
 def test_lazy_two_stages_through_shared_memory_by_hand():
     first, last = pipeline_memory(LAYERS, (0, 2, 4), 4, redundancy="lazy", settings=PLAIN)
-    base = 1000 + 2 * (800 + 1600) + 2 * SLAB  # the stage's and its replica's weights and AdamW state
-    # stage 0 updates its replica before its first gradient (the warm-up's 2 micro-batches in flight), and its own
-    # gradients' half (800) waits for stage 1, whose update comes at the end of its step
-    # before its last backward it copies its gradients so far into their half: one micro-batch still in flight
-    assert _phases(first) == {"forward-backward": base + 800 + 2 * 2010 + 20 + 800,
-                              "write-ahead": base + 800 + 800 + 800 + 2010 + 20,
-                              "replica update": base + 2 * 2010 + 800 + 800 + 480,
-                              "update": base + 800 + 480}
-    assert (first.peak.name, first.peak_bytes, first.replica_stage) == ("replica update", base + 6100, 1)
+    # the stage's and its replica's weights and AdamW state; both halves of the own gradients' and of the replica's
+    # shared buffers (2 x 800 each), resident once written
+    base = 1000 + 2 * (800 + 1600) + 2 * SLAB + 2 * 1600
+    # stage 0 updates its replica before its first gradient (the warm-up's 2 micro-batches in flight); its own
+    # gradients are views of their half from its last backward on (one micro-batch still in flight then)
+    assert _phases(first) == {"forward-backward": base + 800 + 2 * 2010 + 20,
+                              "write-ahead": base + 800 + 2010 + 20,
+                              "replica update": base + 2 * 2010 + 480,
+                              "update": base + 480}
+    assert (first.peak.name, first.peak_bytes, first.replica_stage) == ("forward-backward", base + 4840, 1)
     # stage 1 (last): updates at the end, before its ship; the ship copies its gradients into their half
     base = base + 20
-    assert _phases(last) == {"forward-backward": base + 800 + 2070, "replica update": base + 800 + 800 + 480,
-                             "ship": base + 800 + 800, "update": base + 800 + 800 + 480}
+    assert _phases(last) == {"forward-backward": base + 800 + 2070, "replica update": base + 800 + 480,
+                             "ship": base + 800, "update": base + 800 + 480}
     assert last.peak.by_owner() == {"stage": 800 + 1600 + 800, "replica": 2400, "activations": 20 + 2070,
-                                    "buffers": 2 * SLAB, "communication process": 0, "baseline": 1000}
+                                    "buffers": 2 * SLAB + 3200, "communication process": 0, "baseline": 1000}
 
 
 def test_over_the_network_the_exchange_keeps_its_buffers():
@@ -90,7 +91,7 @@ def test_over_the_network_the_exchange_keeps_its_buffers():
     # the chunks' of the own gradients (4 + 4); no shared halves
     buffers = 12 * 200 + 8 * 200
     assert _phases(network)["update"] == 1000 + 2 * 2400 + 2 * SLAB + buffers + 800 + 480
-    assert _phases(network)["forward-backward"] == _phases(shared)["forward-backward"] - 800 + buffers
+    assert _phases(network)["forward-backward"] == _phases(shared)["forward-backward"] - 3200 + buffers
 
 
 def test_activation_checkpointing_keeps_the_segments_inputs():
@@ -151,9 +152,9 @@ def test_the_planner_counts_an_updates_temporaries_and_reports_every_nodes_memor
     assert len(chosen.node_memory) == chosen.stages
     first = node_memory_of(_profile(400), (0, 2, 4), 1, 4, 1, "lazy", 0)[0]
     # planner.memory's node: 100 parameters a layer, AdamW's 8 bytes each (the profile's 800 bytes of state); its
-    # peak is its replica's update (stage 0 updates before its first gradient): the replica's weights and state and
-    # two temporaries of its largest parameter
-    assert (first["phase"], first["owners"]["replica"]) == ("replica update", 200 * (4 + 8) + 2 * 400)
+    # peak is its forward-backward (its gradients and two micro-batches in flight weigh more than the replica
+    # update's two temporaries of its largest parameter): the replica's weights and state
+    assert (first["phase"], first["owners"]["replica"]) == ("forward-backward", 200 * (4 + 8))
     assert first["total_bytes"] == sum(first["owners"].values())
     assert Plan.from_json(chosen.to_json()).node_memory == chosen.node_memory
     assert chosen.format_memory().startswith("  node 0: ")

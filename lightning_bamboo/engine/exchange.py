@@ -42,9 +42,9 @@ The protocol between a stage's owner (``OwnerEnd``) and its replica's holder (``
    only once the header said they come (it cannot know before), and knows from then on.
 4. The owner writes a half again only once the holder's "read" for it came (``READ_TAGS[half]``), which
    the holder sends once the replica's update has used the gradients there (they are views of the half); the
-   halves are written by turns, so a ship never waits for the update of the step just before it. The holder gives
-   the half's pages back before it answers (they would stay resident in both processes until the half is written
-   again, two steps later): the replica's gradients live only as long as its update needs them.
+   halves are written by turns, so a ship never waits for the update of the step just before it. A half's pages
+   stay resident: given back at the "read", they were freed under a failover that still needed them (the DeepSpeed
+   door's eager run through a kill mid-step ended 2e-3 away from the clean run's weights).
 5. Both ends switch at the step the header names (its "next" token). The owner lets its last backward accumulate
    straight into the half (``write_ahead``) only once its optimizer was seen to leave the gradients alone and set
    them to None: the holder reads them during the next step.
@@ -67,7 +67,7 @@ from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG, OFFER_TAG,
 from lightning_bamboo.engine.comm_process import gpu_direct, trim_buffers
 from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
-from lightning_bamboo.engine.shared_buffer import give_back_pages, map_offered_buffer, offer_shared_buffer
+from lightning_bamboo.engine.shared_buffer import map_offered_buffer, offer_shared_buffer
 from lightning_bamboo.engine.transfer import wait_all
 from lightning_bamboo.errors import BambooError
 
@@ -438,7 +438,6 @@ class HolderEnd:
         sent = self._read_sent[half]
         if sent is not None:  # the "read" two steps ago: the owner took it at the ship of what was just read
             sent[1].wait()
-        give_back_pages(self._half_of(self._unread))  # rule 4: read; resident again when the owner writes it
         read = torch.tensor([self._unread], dtype=torch.int64)
         self._unread = None
         self._read_sent[half] = (read, dist.isend(read, self.owner, group=self.group, tag=READ_TAGS[half]))

@@ -17,6 +17,7 @@ from lightning_bamboo.engine import heap
 from lightning_bamboo.engine.exchange import GradientExchange
 from lightning_bamboo.engine.guard import StepGuard, is_comm_error
 from lightning_bamboo.engine.layer_rng import StepKeys
+from lightning_bamboo.engine.placement import as_leaf, detached, on_host, saved_on_host, to_device
 from lightning_bamboo.engine.precision import Precision, StepFinish, StepResult, scaled_loss
 from lightning_bamboo.engine.probe import measure_layers
 from lightning_bamboo.engine.program import (
@@ -245,7 +246,7 @@ class BambooPipelineEngine(PipelineEngine):
     def _next_batch(self) -> Any:
         batch = super()._next_batch()
         if self.redundant is not None and self.is_last_stage() and self.replica is not None and self.replica.stage == 0:
-            self.redundant.inputs.append(_on_host(batch[0]))  # stage 0's RF runs on the loaded inputs
+            self.redundant.inputs.append(on_host(batch[0]))  # stage 0's RF runs on the loaded inputs
         return batch
 
     def _exec_forward_keeping_output(self, buffer_id: int) -> None:
@@ -255,7 +256,7 @@ class BambooPipelineEngine(PipelineEngine):
                                                     self.precision.autocast(self.device)))
         self._timed("forward", lambda: PipelineEngine._exec_forward_pass(self, buffer_id))
         if self.redundant is not None and not self.is_last_stage():
-            self.redundant.inputs.append(_on_host(_detached(self.pipe_buffers["outputs"][buffer_id])))
+            self.redundant.inputs.append(on_host(detached(self.pipe_buffers["outputs"][buffer_id])))
 
     def _exec_redundant_forward(self, stage: int, micro_batch: int, buffer_id: int) -> None:
         assert self.redundant is not None and self.replica is not None
@@ -269,10 +270,10 @@ class BambooPipelineEngine(PipelineEngine):
         assert keys is not None, "redundant forwards run only in an engine built with a seed (NodeStage)"
         if self.replica.module.indices[0] not in self.layer_memory:
             self.layer_memory.update(measure_layers(self.replica.module.calls(), self.replica.module,
-                                                    _to_device(self.redundant.inputs[micro_batch], self.device),
+                                                    to_device(self.redundant.inputs[micro_batch], self.device),
                                                     self.precision.autocast(self.device)))
-        with torch.enable_grad(), _saved_on_host(self.device), self.precision.autocast(self.device):
-            leaf = _leaf(_to_device(self.redundant.inputs[micro_batch], self.device))
+        with torch.enable_grad(), saved_on_host(self.device), self.precision.autocast(self.device):
+            leaf = as_leaf(to_device(self.redundant.inputs[micro_batch], self.device))
             self.redundant.kept[micro_batch] = (leaf, self.replica.compute_module().run(leaf, keys, micro_batch))
         self.redundant_forwards_run += 1
         self.replica_seconds["redundant_forward"] += time.perf_counter() - started
@@ -554,43 +555,6 @@ class BambooPipelineEngine(PipelineEngine):
 
 
 _FP32 = Precision()
-
-
-def _detached(value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.detach()
-    return tuple(_detached(v) for v in value)
-
-
-def _on_host(value: Any) -> Any:
-    """``value`` in host memory: as it is on CPU, else a pinned copy (the copy runs asynchronously)."""
-    if torch.is_tensor(value):
-        if value.device.type == "cpu":
-            return value
-        return torch.empty_like(value, device="cpu", pin_memory=True).copy_(value, non_blocking=True)
-    return tuple(_on_host(v) for v in value)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if torch.is_tensor(value):
-        return value.to(device)
-    return tuple(_to_device(v, device) for v in value)
-
-
-def _leaf(value: Any) -> Any:
-    """A graph leaf with ``value``'s data (floating tensors require grad, so a lazy backward yields their gradient)."""
-    if torch.is_tensor(value):
-        return value.detach().clone().requires_grad_(value.is_floating_point())
-    return tuple(_leaf(v) for v in value)
-
-
-def _saved_on_host(device: torch.device) -> Any:
-    """Keep the tensors an RF's graph saves in host memory (pinned) on an accelerator; on CPU they are there already."""
-    import contextlib
-
-    if device.type == "cpu":
-        return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
 class _FailureInjector:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -156,3 +157,42 @@ def gather_to_host(pieces: Sequence[torch.Tensor], out: torch.Tensor | None = No
             offset += piece.numel()
     stream.synchronize()  # the pieces (made on the current stream) may be freed once this returns
     return out
+
+
+def detached(value: Any) -> Any:
+    """``value`` (a tensor or a tuple of them) detached from its graph."""
+    if torch.is_tensor(value):
+        return value.detach()
+    return tuple(detached(v) for v in value)
+
+
+def on_host(value: Any) -> Any:
+    """``value`` in host memory: as it is on CPU, else a pinned copy (the copy runs asynchronously)."""
+    if torch.is_tensor(value):
+        if value.device.type == "cpu":
+            return value
+        return torch.empty_like(value, device="cpu", pin_memory=True).copy_(value, non_blocking=True)
+    return tuple(on_host(v) for v in value)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` (a tensor or a tuple of them) on ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    return tuple(to_device(v, device) for v in value)
+
+
+def as_leaf(value: Any) -> Any:
+    """A graph leaf with ``value``'s data (floating tensors require grad, so a lazy backward yields their gradient)."""
+    if torch.is_tensor(value):
+        return value.detach().clone().requires_grad_(value.is_floating_point())
+    return tuple(as_leaf(v) for v in value)
+
+
+def saved_on_host(device: torch.device) -> Any:
+    """Keep the tensors an RF's graph saves in host memory (pinned) on an accelerator; on CPU they are there already."""
+    import contextlib
+
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)

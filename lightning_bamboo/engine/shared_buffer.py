@@ -3,10 +3,8 @@ on one host (``engine.exchange``, rule 3 of its protocol)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -72,14 +70,3 @@ def map_offered_buffer(payload: bytes, numel: int) -> tuple[torch.Tensor, int] |
         log.debug("could not map the replica holder's shared buffer %s: %s", path, err)
         return None
 
-
-def give_back_pages(part: torch.Tensor) -> bool:
-    """Free the memory pages that lie wholly inside ``part`` of a mapped memory file, in every process that maps it
-    (``MADV_REMOVE``); they read zeros until written again. False where the system refuses."""
-    start = part.data_ptr()
-    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (start + part.numel() * part.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end <= first:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), mmap.MADV_REMOVE) == 0

@@ -14,12 +14,11 @@ What a worker holds, in the moments of a step that need the most (its *phases*; 
   (the earlier half of the stages: the warm-up's micro-batches in flight) or at the end of the schedule.
 - **gradient reduction** (tied layers, several pipelines): the received copies and the flat bucket.
 
-Buffers: the gradient exchange's. Through shared memory (its replica's holder on the same host) a half of the buffer
-holds one step's gradients, 4 bytes per parameter, from the moment they are written until the holder's update used
-them; its pages are given back then (``engine.exchange``, rule 4). A node maps the halves its own gradients leave in
-and those its replica's arrive in. Over the process group (another host) the owner keeps a send buffer and the
-transfer buffers its chunks are copied into (4 + 4 per own parameter), the holder two receive buffers and the
-transfer buffers (8 + 4 per replica parameter). The transfer buffers of the communication process are shared memory
+Buffers: the gradient exchange's. Through shared memory (its replica's holder on the same host) each half of the buffer
+holds one step's gradients, 4 bytes per parameter, and stays resident once written (``engine.exchange``, rule 4). A
+node maps the two halves its own gradients leave in and the two its replica's arrive in. Over the process group
+(another host) the owner keeps a send buffer and the transfer buffers its chunks are copied into (4 + 4 per own
+parameter), the holder two receive buffers and the transfer buffers (8 + 4 per replica parameter). The transfer buffers of the communication process are shared memory
 mapped by the worker too: the pipeline's messages (one of each size sent and received), a tied gradient's pieces
 (``TIE_ROUNDS`` rounds of ``TIE_PIECE_BYTES`` each way), several pipelines' all-reduce (4 per own parameter).
 
@@ -235,12 +234,9 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
     data-parallel degree (more than one all-reduces the gradients). ``checkpoint_every``: activation checkpointing's
     layers per segment (0: off).
 
-    Through shared memory a half of the exchange's buffer counts in a process's RSS from the moment it touches it
-    until the holder gives it back after its update (``engine.exchange``, rule 4): the owner writes a step's gradients
-    there before its last backward (the last stage at its ship, after its replica's update), the holder reads them in
-    its update of the next step (``updates_replica_at_end``: before its first gradient, or after the step's gradient
-    reduction), and gives the half back at once. A step's own gradients thus stay in the owner's RSS until its
-    holder's update of the next step; the replica's count only during that update.
+    Through shared memory both halves of an exchange's buffer count in the RSS of both processes that map them from
+    the second step on (``engine.exchange``, rule 4): the owner's gradients are views of a half from its last
+    backward on (the last stage copies them there at its ship), the holder's replica reads them in its update.
     """
     settings = settings or MemorySettings()
     ranges = _ranges(parts, len(layers))
@@ -285,14 +281,11 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
                  Item("buffers", "replica's chunks' transfer buffers", 4 * rep),
                  Item("buffers", "own gradients' send buffer", 4 * own),
                  Item("buffers", "own chunks' transfer buffers", 4 * own)]
-    halves = [Item("buffers", "own gradients' shared half", 4 * own)] if shared else []
-    previous = [Item("buffers", "own gradients' shared half, the last step's", 4 * own)] if shared and (
-        updates_replica_at_end((stage - 1) % p, p, eager)) else []  # until the predecessor's late update
-    # a tied copy's reduction waits for the first stage, the last to finish its schedule: what comes after it on this
-    # node (a late update, the ship) comes after the predecessor's late update too
-    after_tie = [] if tie_slabs else previous
-    replica_half = [Item("buffers", "replica's gradients' shared half", 4 * rep)] if shared else []
-    written = grads if last or not shared else halves  # the own gradients at the step's end: views of their half
+    if shared:  # both halves of both exchanges stay resident once written (``engine.exchange``, rule 4)
+        base += [Item("buffers", "own gradients' shared halves", 8 * own),
+                 Item("buffers", "replica's gradients' shared halves", 8 * rep)]
+    # the own gradients at the step's end: views of their half (counted above) but on the last stage
+    written = grads if last or not shared else []
 
     flight = [Item("activations", f"{in_flight} micro-batch(es) in flight", in_flight * per_micro_batch),
               Item("activations", "one backward's working set", once)]
@@ -300,31 +293,30 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
         forwards = m if eager_forwards is None else eager_forwards
         successor_act, _ = stage_activations(layers, held, successor == p - 1)
         flight.append(Item("activations", "eager's kept redundant forwards", forwards * successor_act))
-    phases = [Phase("forward-backward", tuple(base + grads + flight + previous))]
+    phases = [Phase("forward-backward", tuple(base + grads + flight))]
     if shared and not last:  # before the last backward the gradients so far are copied into their half
         kept = [item for item in flight if item.what.startswith("eager")]
-        phases.append(Phase("write-ahead", tuple(base + grads + halves + previous + kept + [
+        phases.append(Phase("write-ahead", tuple(base + grads + kept + [
             Item("activations", "the last micro-batch in flight", per_micro_batch), flight[1]])))
     reduce = [Item("stage", "tied copy received", tie_received)] if tie_received else []
     if pipelines > 1:
         reduce.append(Item("stage", "all-reduce's flat bucket", 4 * own))
     if reduce:
-        phases.append(Phase("gradient reduction", tuple(base + written + previous + reduce)))
+        phases.append(Phase("gradient reduction", tuple(base + written + reduce)))
     largest = max((layers[i].largest for i in mine), default=0)
     if rep:
         rep_temps = [Item("replica", "update's temporaries",
                           temps * 4 * max((layers[i].largest for i in held), default=0))]
         if updates_replica_at_end(stage, p, eager):  # after the gradient reduction, before the ship
-            phases.append(Phase("replica update", tuple(base + written + after_tie + replica_half + rep_temps)))
+            phases.append(Phase("replica update", tuple(base + written + rep_temps)))
         else:  # before the next step's first gradient (under eager the later half: before any micro-batch)
             warm = 0 if eager and 2 * stage > p - 1 else in_flight * per_micro_batch
             waiting = [Item("activations", f"{in_flight} warm-up micro-batch(es)", warm)] if warm else []
-            # the last step's own gradients, until the predecessor's update (it waits longer for its first gradient)
-            phases.append(Phase("replica update", tuple(base + waiting + halves + replica_half + rep_temps)))
+            phases.append(Phase("replica update", tuple(base + waiting + rep_temps)))
     if last and shared:  # the ship copies the own gradients into their half
-        phases.append(Phase("ship", tuple(base + grads + halves + after_tie)))
+        phases.append(Phase("ship", tuple(base + grads)))
     update = [Item("stage", "update's temporaries", temps * 4 * largest)]
-    phases.append(Phase("update", tuple(base + written + (halves if last else []) + update)))
+    phases.append(Phase("update", tuple(base + written + update)))
     return NodeMemory(stage, successor if redundant else None, tuple(phases), settings.communication_bytes)
 
 
