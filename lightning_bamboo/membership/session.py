@@ -290,6 +290,10 @@ class Session:
         return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs} >= set(self.nodes)
 
     # ------------------------------------------------------------------ standby nodes and admission
+    def standing_by(self) -> set[str]:
+        """Every node that stands by now (its standby key is in the store), whether it can come or not."""
+        return {kv.key.rsplit("/", 1)[1] for kv in self.store.get_prefix(self.keys.standby()).kvs}
+
     def standby(self) -> list[str]:
         """Live nodes waiting to join (registered as standby, not in the pipeline) that can come now, sorted.
 
@@ -566,8 +570,7 @@ class _JobAlive:
 
     def check(self) -> None:
         s = self.session
-        standing = {kv.key.rsplit("/", 1)[1] for kv in s.store.get_prefix(s.keys.standby()).kvs}
-        running = set(s.registry.members().live) - standing - {s.node, "launcher"}
+        running = set(s.registry.members().live) - s.standing_by() - {s.node, "launcher"}
         if running:
             self.seen, self.gone_since = True, None
             return
