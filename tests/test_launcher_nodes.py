@@ -141,3 +141,23 @@ def test_dry_run_prints_the_plan_and_starts_nothing(capsys):
     assert code == 0
     assert "m2.0: rank 2 of 6" in out and "m2.1: rank 5 of 6" in out
     assert "command: python train.py --stages 3" in out and "GLOO_SOCKET_IFNAME=" in out
+
+
+def test_a_free_port_is_drawn_below_the_ephemeral_range_whatever_the_process_seeded():
+    """A server's port is picked before the server binds it: from the ephemeral range, another process's outgoing
+    connection could take it meanwhile (a job whose process group never formed on a busy machine). Drawn below it,
+    with the system's randomness: two processes seeded alike (Lightning's ``seed_everything``) do not draw alike."""
+    import random
+    import socket
+
+    from lightning_bamboo.membership.address import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    drawn = []
+    for _ in range(8):
+        random.seed(0)
+        drawn.append(free_port())
+    assert all(1024 <= port < low for port in drawn), drawn
+    assert len(set(drawn)) > 1, drawn  # 8 draws alike from some 20000 ports: only if the seed decided them
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", drawn[-1]))  # still free

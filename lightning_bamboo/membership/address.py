@@ -12,8 +12,35 @@ class AddressError(BambooConfigError):
     """``--addr`` is not an IP address this machine owns."""
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections and binds to port 0 (Linux's default where unknown)."""
+    try:
+        low, high = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the kernel's pick for a bind to port 0)."""
+    """A TCP port free on ``host`` now, for a server that binds it later (a process group's store, etcd).
+
+    Drawn below the kernel's ephemeral range, where no outgoing connection takes its source port: a port the kernel
+    picks for a bind to 0 comes from that range, and on a busy machine (gloo's connections, store clients) another
+    process's connection took it between the pick and the server's bind, and the job's process group never formed.
+    Falls back to the kernel's pick if no port there is free after a few tries.
+    """
+    import random
+
+    low, _high = _ephemeral_range()
+    start = 10000 if low > 20000 else 1024
+    # the system's randomness: a process seeded as the job's others are (seed_everything) draws other ports
+    for port in random.SystemRandom().sample(range(start, low), k=min(64, max(low - start, 0))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
