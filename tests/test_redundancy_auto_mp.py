@@ -75,6 +75,6 @@ def test_a_loss_in_every_pipeline_without_kept_replicas_restarts_from_the_checkp
     assert resumed == 4 if not when else resumed in (4, 8), stdout[-3000:]
     for node, successor in (("node0", 1), ("node3", 0)):
         again = [r for r in steps[node] if len(r["nodes"]) == 2 and r["step"] >= resumed]
+        assert again, (node, stdout[-3000:])
         assert [r["step"] for r in again] == list(range(again[0]["step"], STEPS)) and {r["replica"] for r in again} == {successor}
-        assert again[0]["step"] <= resumed + 4, (node, again[0])  # back within a few steps of the restart
     assert [r["step"] for r in steps["node0"] if r["step"] >= resumed][-(STEPS - resumed):] == list(range(resumed, STEPS))

@@ -441,10 +441,11 @@ class Session:
         """The lost nodes for the next generation: a set in the store that only grows, so all agree.
 
         Each survivor adds what it knows (its suspicions, the detector, dead leases) with a
-        compare-and-swap; a loss seen later by anyone makes everyone retry with the larger set.
+        compare-and-swap; a loss seen later by anyone makes everyone retry with the larger set. A node in it that
+        stands by (released by an earlier attempt of the failover) lost no machine (``lost_machine``).
         """
         lost = self._decide_lost(suspected, nodes)
-        self.lost_machine(lost)
+        self.lost_machine(lost - self.standing_by())
         return lost
 
     def _decide_lost(self, suspected: tuple[str, ...], nodes: list[str]) -> set[str]:

@@ -66,13 +66,17 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
     old.release_exchange()  # the old engine never runs again: its gradient buffers go now, not when it is collected
     log.info("%s: state captured (%.2f s)", session.node, time.monotonic() - started)
     suspected = set(getattr(err, "lost", ()))
+    # nodes an attempt released (their pipeline was dropped): they stand by at once and take part in no later
+    # attempt, so a loss inside the failover makes every survivor decide again without them (they join the agreed
+    # set; a survivor that comes late reads them there), and the rebalancer admits them once the job trains again
+    released_before: set[str] = set()
     # A failover should take well under a detection timeout; if one does not, every thread's stack
     # goes to stderr (the node's log) so the wait can be named.
     faulthandler.dump_traceback_later(max(4 * stage.config.detection_timeout, 10.0), repeat=True)
     try:
         for _attempt in range(len(base["nodes"])):
             try:
-                plan, rank, world = _fail_over_once(stage, base, suspected, step)
+                plan, rank, world = _fail_over_once(stage, base, suspected, step, released_before)
                 break
             except (PeerLost, BarrierTimeoutError) as again:
                 suspected |= set(getattr(again, "lost", ())) | session.detector.lost
@@ -84,7 +88,7 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
         faulthandler.cancel_dump_traceback_later()
     seconds = time.monotonic() - started
     # a released node may have left before another survivor decided: the lost set then names it too
-    released = set(plan.released) | session.released() if base["pipelines"] > 1 else set()
+    released = set(plan.released) | session.released() | released_before if base["pipelines"] > 1 else set()
     session.record_failover(Failover(
         step=step, lost=tuple(sorted(set(base["nodes"]) - set(plan.order) - released)), committed=committed,
         seconds=seconds, redone=in_flight and not committed, order=tuple(plan.order), parts=tuple(plan.parts),
@@ -96,9 +100,10 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
         stage.require_stage()[0].last_loss = base["last_loss"]
     return committed
 
-def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step: int) -> tuple[Any, int, int]:
+def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step: int,
+                    released_before: set[str]) -> tuple[Any, int, int]:
     session = stage.require_session()
-    lost = session.decide_lost(tuple(suspected), base["nodes"])
+    lost = session.decide_lost(tuple(suspected | released_before), base["nodes"])
     plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=stage.config.redundant,
                      kept=base["kept"])
     log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", session.node, sorted(lost),
@@ -106,6 +111,7 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
                 f"; released {list(plan.released)}" if plan.released else "")
     if session.node in plan.released:
         _release(stage, step)
+    released_before |= set(plan.released)
     # a failover moves no data, so it cannot re-place a fatal pair it leaves on one machine: say so, once per node
     new_stages = len(plan.order) // plan.pipelines
     if warning := apart_warning(rows_of(plan.order, new_stages),

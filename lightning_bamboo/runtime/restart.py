@@ -76,10 +76,9 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     suspected: set[str] = set()
     for _attempt in range(len(before)):
         lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
-        # a survivor released by a decision before this one (a loss inside that failover made it fatal) stands by,
-        # waiting for an admission: it is not in the restart, and the rebalancer admits it once the job runs again
-        standing = session.standing_by() - {session.node}
-        order = [n for n in before if n not in lost and n not in standing]
+        # (a survivor released by the failover that a loss inside it made fatal is in ``lost``: it stands by, waiting
+        # for an admission, and the rebalancer admits it once the job runs again)
+        order = [n for n in before if n not in lost]
         if session.node not in order:
             raise err
         stages = restart_depth(len(order), layout.stages)
