@@ -19,7 +19,14 @@ class OutOfDeviceMemory(BambooError, MemoryError):
 
 
 class FatalLoss(BambooError):
-    """A lost stage has no live replica (a node and its replica holder were lost together)."""
+    """A lost stage has no live replica (a node and its replica holder were lost together).
+
+    ``standing``: nodes of the layout the loss broke that stand by instead of restarting (the joiners of a
+    reconfiguration it interrupted: every survivor names the same ones), left out of the restart."""
+
+    def __init__(self, message: str = "", standing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.standing = tuple(standing)
 
 
 class JobRestarted(FatalLoss):

@@ -93,8 +93,9 @@ def reconfigure(stage: NodeStage, order: list[str], parts: tuple[int, ...], reas
                        pool=(_without(objects[0], received), _without(objects[1], received)), lineage=lineage,
                        stage_lineage=lineage if same else None)
     except (PeerLost, BarrierTimeoutError) as err:
+        # the joiners stand by again (``start_admitted``): the restart is of the nodes that ran before
         raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
-                        "the run must restore its last checkpoint") from err
+                        "the run must restore its last checkpoint", standing=tuple(joiners)) from err
     seconds = time.monotonic() - started
     session.record_reconfiguration(dataclasses.replace(record, seconds=seconds))
     log.warning("%s: reconfigured in %.2f s (rank %d of %d)", session.node, seconds, rank, world)

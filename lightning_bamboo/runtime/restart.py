@@ -76,9 +76,10 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     suspected: set[str] = set()
     for _attempt in range(len(before)):
         lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
-        # (a survivor released by the failover that a loss inside it made fatal is in ``lost``: it stands by, waiting
-        # for an admission, and the rebalancer admits it once the job runs again)
-        order = [n for n in before if n not in lost]
+        # (a survivor released by the failover that a loss inside it made fatal is in ``lost``, and the joiners of a
+        # reconfiguration it interrupted in ``err.standing``: they stand by, waiting for an admission, and the
+        # rebalancer admits them once the job runs again)
+        order = [n for n in before if n not in lost and n not in err.standing]
         if session.node not in order:
             raise err
         stages = restart_depth(len(order), layout.stages)
