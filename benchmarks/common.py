@@ -43,18 +43,6 @@ class BenchGPT(pl.LightningModule):
         return torch.utils.data.DataLoader(token_dataset(self.config, self.samples), batch_size=self.batch_size)
 
 
-def proc_status(field: str, pid: int | str = "self") -> int:
-    """A ``/proc/PID/status`` field in bytes: ``VmRSS`` (resident now), ``VmHWM`` (the peak), ``RssShmem`` (its shared
-    memory); 0 when the process is gone or has no such field."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def run_under_launcher(nodes: int, worker: list[str], kills: list[str] = (), timeout: float = 3000,  # type: ignore[assignment]
                        tree: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m lightning_bamboo.launcher --nodes N -- WORKER...`` as a user runs it, its output captured; ``kills``:

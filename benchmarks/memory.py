@@ -69,7 +69,7 @@ def _anonymous(pid: int) -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from common import proc_status
+    from lightning_bamboo.runtime.memory import proc_status
 
     before = proc_status("VmRSS")  # imports done, nothing built
     import lightning.pytorch as pl

@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 TOLERANCE = 1.10
 
 
-def _status(field: str, pid: int | str = "self") -> int:
-    """A ``/proc/PID/status`` field in bytes (``VmRSS``: resident now, ``VmHWM``: the peak); 0 where there is none."""
+def proc_status(field: str, pid: int | str = "self") -> int:
+    """A ``/proc/PID/status`` field in bytes: ``VmRSS`` (resident now), ``VmHWM`` (the peak), ``RssShmem`` (its shared
+    memory); 0 when the process is gone or has no such field."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -31,12 +32,12 @@ def _status(field: str, pid: int | str = "self") -> int:
 
 def resident_bytes() -> int:
     """This process's resident memory now (RSS)."""
-    return _status("VmRSS")
+    return proc_status("VmRSS")
 
 
 def peak_resident_bytes() -> int:
     """This process's peak resident memory so far (``VmHWM``)."""
-    return _status("VmHWM")
+    return proc_status("VmHWM")
 
 
 def communication_bytes() -> int:
