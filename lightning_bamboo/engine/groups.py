@@ -67,9 +67,9 @@ def reform_process_group(
         dist.destroy_process_group()
     reset_group_names()
     prefix = f"bamboo{generation}{tag}"
-    if backend == BACKEND:
-        open_generation(address["host"] if rank else host, tcp.port, prefix, timeout, abort_if=lambda: bool(gone()))
     try:
+        if backend == BACKEND:  # (its communication process may not come up if a peer is lost meanwhile)
+            open_generation(address["host"] if rank else host, tcp.port, prefix, timeout, abort_if=lambda: bool(gone()))
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, tcp), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
     except CommAborted as err:

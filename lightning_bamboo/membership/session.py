@@ -562,7 +562,8 @@ class Session:
 class _JobAlive:
     """A standby node's view of whether the job it waits for still runs: ``check`` raises ``FatalLoss`` once no node
     of the job (a live member that is not standing by) has been live for the detection timeout, having been seen
-    live before (a standby machine may come up before the job forms)."""
+    live before or the job having formed before this node came (a standby machine may come up before the job
+    forms)."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -576,7 +577,11 @@ class _JobAlive:
             self.seen, self.gone_since = True, None
             return
         if not self.seen:
-            return
+            # the job formed before this node came (its nodes passed the start), and has nobody running now: it
+            # may have ended while this node came up, and then nobody would ever admit it or finish the job
+            if not s.store.get_prefix(s.keys.start_passed()).kvs:
+                return  # (a standby machine may come up before the job forms)
+            self.seen = True
         now = time.monotonic()
         self.gone_since = self.gone_since if self.gone_since is not None else now
         if now - self.gone_since > s.detection_timeout:

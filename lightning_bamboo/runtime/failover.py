@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any, NoReturn
 
+from lightning_bamboo.engine.comm_process import CommAborted
 from lightning_bamboo.engine.placement import must_fit
 from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost, Released
@@ -78,7 +79,7 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
             try:
                 plan, rank, world = _fail_over_once(stage, base, suspected, step, released_before)
                 break
-            except (PeerLost, BarrierTimeoutError) as again:
+            except (PeerLost, BarrierTimeoutError, CommAborted) as again:
                 suspected |= set(getattr(again, "lost", ())) | session.detector.lost
                 log.warning("%s: another loss during the failover (%s); trying again with %s", session.node,
                             again, sorted(suspected))

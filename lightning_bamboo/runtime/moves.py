@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lightning_bamboo.engine.build import ensure_deepspeed_comm
+from lightning_bamboo.engine.comm_process import CommAborted
 from lightning_bamboo.engine.reconfigure import move_layers
 from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.engine.transfer import exchange_objects
@@ -92,7 +93,7 @@ def reconfigure(stage: NodeStage, order: list[str], parts: tuple[int, ...], reas
         stage.rebuild(Layout(world // pipelines, pipelines, parts), rank, held, hyper,
                        pool=(_without(objects[0], received), _without(objects[1], received)), lineage=lineage,
                        stage_lineage=lineage if same else None)
-    except (PeerLost, BarrierTimeoutError) as err:
+    except (PeerLost, BarrierTimeoutError, CommAborted) as err:
         # the joiners stand by again (``start_admitted``): the restart is of the nodes that ran before
         raise FatalLoss(f"a node was lost while the pipeline was reconfigured at step {step} ({err}); "
                         "the run must restore its last checkpoint", standing=tuple(joiners)) from err
@@ -128,7 +129,7 @@ def start_admitted(stage: NodeStage, model: PipelineModel, record: Reconfigurati
         pipelines = record.pipelines
         layout = Layout(len(order) // pipelines, pipelines, record.parts)
         stage.rebuild(layout, rank, held, meta["bamboo"]["param_groups"], fresh_optimizer=True)
-    except (PeerLost, BarrierTimeoutError, FatalLoss) as err:
+    except (PeerLost, BarrierTimeoutError, CommAborted, FatalLoss) as err:
         # the running nodes go back to their last layout (or restart without this node): it stands by again, as a
         # node released from a dropped pipeline does
         log.warning("%s: a node was lost while this node was admitted at step %d (%s); it stands by again",

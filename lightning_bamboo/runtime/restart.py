@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_bamboo.engine.comm_process import CommAborted
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Restart
@@ -87,7 +88,7 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
         try:
             rank, world = session.reform(order, tag=layout_tag(order))
             break
-        except (PeerLost, BarrierTimeoutError) as again:
+        except (PeerLost, BarrierTimeoutError, CommAborted) as again:
             suspected |= set(getattr(again, "lost", ())) | session.detector.lost
             log.warning("%s: another loss while the job restarted (%s); trying again with %s", session.node, again,
                         sorted(suspected | lost))
