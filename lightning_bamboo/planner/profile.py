@@ -65,18 +65,7 @@ def _batch(sample: torch.Tensor | Callable[[int], torch.Tensor], size: int, devi
 
 def _saved_bytes(layer: nn.Module, inp: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Run a forward and count the bytes autograd keeps for backward (not parameters, each storage once)."""
-    param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer(inp)
-    return out, sum(seen.values())
+    return _saved_bytes_of(layer, inp, list(layer.parameters()))
 
 
 def profile_layers(
