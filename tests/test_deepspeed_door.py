@@ -275,12 +275,18 @@ def _wait_until_standing_by(url, job, node, proc, timeout=60.0):
     assert kv is not None, f"{node} did not stand by within {timeout} s"
 
 
-def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_exact(tmp_path, clean):
+@pytest.mark.parametrize("interrupted", [False, True], ids=["admitted", "admission-interrupted"])
+def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_exact(tmp_path, clean, interrupted):
     """``"rebalance": true``: four nodes (a local launcher) and a fifth machine standing by (``--node node4 --join``,
     another launcher on the same store). node2 is killed at step 5; node1 serves its stage from the replica, and at
     the next step boundary the rebalancer admits node4 as the fourth stage: it builds its PipelineModule, gets its
     layers, the step, the data position and the optimizer state from the running nodes, and trains to the end.
-    The weights and optimizer state end bit-equal to the clean run's, every step on the clean run's samples."""
+    The weights and optimizer state end bit-equal to the clean run's, every step on the clean run's samples.
+
+    ``admission-interrupted``: node0, which admits node4, is killed once the admission is published, while node4
+    enters the new layout's process group. node1 and node3 restart the job without either (from step 0: nothing
+    was saved); node4 stands by again in its process, and the next admission takes it in, into the layout of then.
+    """
     from lightning_bamboo.membership import resolve_store
 
     script = tmp_path / "spot.py"
@@ -296,7 +302,8 @@ def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"})
         _wait_until_standing_by(url, "door", "node4", standby)  # else the kill may come before it stands by
         proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--store", url, "--job", "door",
-                    *command], timeout=240, env=faults.environment(["node2@5"]))
+                    *command], timeout=240,
+                   env=faults.environment(["node2@5", "node0@admit"] if interrupted else ["node2@5"]))
         joined, _ = standby.communicate(timeout=60)
     finally:
         if standby is not None and standby.poll() is None:
@@ -304,15 +311,20 @@ def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_
             standby.communicate()
         server.stop()
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": 0, "node2": -9, "node3": 0}, proc.stdout[-3000:]
+    assert launcher_exit_codes(proc.stdout) == {"node0": -9 if interrupted else 0, "node1": 0, "node2": -9,
+                                                "node3": 0}, proc.stdout[-3000:]
     assert standby.returncode == 0, joined[-4000:]
     assert "lost ['node2'] at step 5" in proc.stdout
-    assert re.search(r"Rebalancer: step \d+ rebalance \(1 standby nodes relieve 1 overloaded nodes\) -> "
-                     r"\['node0', 'node1', 'node4', 'node3'\]", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"node3: reconfiguring at step \d+: .* -> \['node0', 'node1', 'node4', 'node3'\] .*\(rebalance: "
+                     r"1 standby nodes relieve 1 overloaded nodes\)", proc.stdout), proc.stdout[-3000:]
+    if interrupted:
+        assert re.search(r"node4: a node was lost while this node was admitted at step \d+ .*it stands by again",
+                         joined), joined[-3000:]
+        assert len(re.findall(r"(node[13]): restarted after a fatal loss", proc.stdout)) == 2, proc.stdout[-3000:]
     found = re.search(r"node4: joined the running job at step (\d+) \((\d+) micro-batches", joined)
     assert found, joined[-3000:]
     step, drawn = int(found[1]), int(found[2])
-    assert 5 < step < STEPS and drawn == step * 4  # it draws the global batch from where the others are
+    assert (0 if interrupted else 5) < step < STEPS and drawn == step * 4  # the global batch from where the others are
     assert "Traceback" not in joined and "Traceback" not in proc.stdout
     weights, states, meta = _final(tmp_path / "out")
     clean_weights, clean_states, _ = _final(clean)

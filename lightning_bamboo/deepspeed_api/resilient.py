@@ -220,17 +220,29 @@ class ResilientPipelineEngine:
         _leave_on_sigterm()
         self.notices = _watch_notices(self.config)
 
-    def _join(self, record: Any) -> None:
-        """A standby node admitted by ``record``: leave the standby world (``open_job``), enter the job's process group,
-        take the layers the record gives this node and the training state (step, data position, scheduler) from the
-        running nodes, as a resume from a checkpoint would."""
+    def _join(self, record: Any | None) -> None:
+        """A standby node admitted by ``record`` (None: not yet; wait for an admission): leave the standby world
+        (``open_job``) or the old layout's, enter the job's process group (an admission a loss interrupts waits for
+        the next: ``PipelineRunner.join``), take the layers the record gives this node and the training state (step,
+        data position, scheduler) from the running nodes, as a resume from a checkpoint would; an admission a loss
+        interrupts while the layers come stands this node by again, and it waits for the next. ``SystemExit(0)``
+        when the job finishes first."""
         from lightning_bamboo.engine.build import ensure_deepspeed_comm
 
         runner = self.runner
-        dist.destroy_process_group()
-        runner.enter(record)
-        ensure_deepspeed_comm(runner.backend)
-        meta = runner.start_admitted(self._model, record)
+        while True:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            joined = runner.join(record)
+            if joined is None:
+                raise SystemExit(0)
+            record = joined[0]
+            ensure_deepspeed_comm(runner.backend)
+            try:
+                meta = runner.start_admitted(self._model, record)
+                break
+            except Released:  # it stands by again (``start_admitted``)
+                record = None
         self.host.step = int(meta["bamboo"].get("global_steps", 0))
         self.drawn = int(meta.get("data_position", 0))
         if self.host.scheduler is not None and meta.get("lr_scheduler") is not None:
@@ -312,10 +324,7 @@ class ResilientPipelineEngine:
     def _stand_by(self) -> None:
         """Out of the layout (``Released``): wait in this process for an admission, then take the stage and the
         training state from the running nodes (``_join``); ``SystemExit(0)`` when the job finishes first."""
-        record = self.runner.wait_admission()
-        if record is None:
-            raise SystemExit(0)
-        self._join(record)
+        self._join(None)
 
     def _restart(self, err: FatalLoss) -> None:
         """The survivors' layout and fresh stages (``PipelineRunner.restart``), then the last complete checkpoint this

@@ -62,6 +62,7 @@ def reconfigure(stage: NodeStage, order: list[str], parts: tuple[int, ...], reas
                              reason=reason, pipelines=pipelines, old_pipelines=layout.pipelines)
     if joiners and session.node == old_order[0]:
         session.admit(record)
+        faults.reached(session.node, "admit")  # fault injection (BAMBOO_FAIL_AT=node@admit)
     meta = stage.host.training_state() if joiners and session.node == sender else None
     # The old engine never runs again: its layers' own tensors (no copy), and the layer objects, which the new stage
     # and replica take over where they keep a layer (nothing built or loaded again)

@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_bamboo.engine.comm_process import BACKEND
+from lightning_bamboo.engine.comm_process import BACKEND, CommAborted
 from lightning_bamboo.errors import BambooConfigError, BambooError, FatalLoss, PeerLost, batch_form_error
+from lightning_bamboo.membership.collectives import BarrierTimeoutError
+from lightning_bamboo.membership.node import leave_idle_priority
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
 from lightning_bamboo.runtime.checkpoints import StageCheckpoints
 from lightning_bamboo.runtime.config import BambooConfig
@@ -48,7 +50,7 @@ class PipelineRunner:
     The verbs a training loop drives: :meth:`start` (build the stage), :meth:`train_step` (a step that survives a
     loss: fail over and redo it), :meth:`eval_step`, :meth:`resilient` and :meth:`gather` (collectives that survive
     a loss), :meth:`reconfigure`, :meth:`agree` and :meth:`publish`; for membership :meth:`open_session`,
-    :meth:`wait_admission`, :meth:`enter`, :meth:`start_admitted`, :meth:`start_without_lost`, :meth:`before_step`,
+    :meth:`wait_admission`, :meth:`join`, :meth:`start_admitted`, :meth:`start_without_lost`, :meth:`before_step`,
     :meth:`admit_standby`; and the end, :meth:`finish` and :meth:`close`. The framework around it is reached only
     through a :class:`~lightning_bamboo.runtime.host.RunnerHost`; it can be driven without one of Lightning's.
     """
@@ -180,7 +182,7 @@ class PipelineRunner:
 
     def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Reconfiguration | None:
         """A standby node (one the launcher starts to join, or one that left the layout: ``Released``): standby
-        until a reconfiguration admits it (its record; :meth:`enter` it next), or the job finishes (None)."""
+        until a reconfiguration admits it (its record; :meth:`join` it next), or the job finishes (None)."""
         session = self.open_session(leave_requested)
         assert session is not None and session.joining, "wait_admission() is for a standby node"
         try:
@@ -193,13 +195,32 @@ class PipelineRunner:
             session.stop()
         return record
 
-    def enter(self, record: Reconfiguration) -> tuple[int, int]:
-        """Join the job's process group as its admission ``record`` says; returns (rank, world size)."""
-        rank, world = self._stage.require_session().enter(record)
-        self._stage.assign(world // record.pipelines, rank)
-        self.catching_up = True  # until its first step (see ``catching_up``)
-        log.warning("%s: admitted as rank %d of %d at step %d", self._stage.node, rank, world, record.step)
-        return rank, world
+    def join(self, record: Reconfiguration | None = None,
+             leave_requested: Callable[[], bool] = LEAVE.is_set) -> tuple[Reconfiguration, int, int] | None:
+        """A standby node's way into the job: enter the process group of its admission ``record`` (None: wait for
+        one first, :meth:`wait_admission`). An admission that a loss interrupts before the group formed (a node of
+        the new layout lost, cut off or frozen meanwhile: the running nodes restart without this node, or go back to
+        their layout) stands this node by again, and it waits for the next one: whatever the membership did
+        meanwhile, it takes the layout of the record it is admitted by. Returns (the record entered, rank, world
+        size); None when the job finished first. An abandoned job ends the wait with ``FatalLoss``."""
+        while True:
+            if record is None:
+                record = self.wait_admission(leave_requested)
+                if record is None:
+                    return None
+            leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
+            try:
+                rank, world = self._stage.require_session().enter(record)
+            except (PeerLost, BarrierTimeoutError, CommAborted, FatalLoss) as err:
+                log.warning("%s: a node was lost while this node was admitted at step %d (%s); it stands by again",
+                            self._stage.node, record.step, err)
+                self._stage.stand_by()
+                record = None
+                continue
+            self._stage.assign(world // record.pipelines, rank)
+            self.catching_up = True  # until its first step (see ``catching_up``)
+            log.warning("%s: admitted as rank %d of %d at step %d", self._stage.node, rank, world, record.step)
+            return record, rank, world
 
     def start_without_lost(self) -> tuple[int, int]:
         """Nodes died before the job's process group formed: start one pipeline of the nodes that are up.

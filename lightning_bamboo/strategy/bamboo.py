@@ -237,17 +237,15 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
         check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
 
-    def admit(self, record: Reconfiguration | None) -> None:
-        """A standby node's admission ``record`` (None: the job finished first, and this node ends with status 0):
-        enter the job's process group at the rank it gives; ``setup`` then takes the stage and the training state
-        from the running nodes."""
-        from lightning_bamboo.membership.node import leave_idle_priority
-
-        if record is None:
+    def admit(self, leave_requested: Callable[[], bool]) -> None:
+        """A standby node: wait for an admission and enter the job's process group at the rank it gives
+        (``PipelineRunner.join``: an admission a loss interrupts waits for the next); ``setup`` then takes the stage
+        and the training state from the running nodes. The job finished first: this node ends with status 0."""
+        joined = self.runner.join(None, leave_requested)
+        if joined is None:
             raise SystemExit(0)
-        self._admission = record
-        leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
-        self._assigned = self.runner.enter(record)
+        self._admission, rank, world = joined
+        self._assigned = (rank, world)
         self.set_world_ranks()
 
     def forget_start(self) -> None:
@@ -285,7 +283,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         if joining() and runner.session is None:
             # A node joining a running job: standby until a reconfiguration admits it, then its
             # process group is the job's (Lightning finds it initialised and keeps it).
-            self.admit(runner.wait_admission(leave_requested))
+            self.admit(leave_requested)
         resolve_stages(self.world_size, self.runner.depth)  # fail before joining a group (an admission set the depth)
         if runner.session is None and runner.open_session(leave_requested) is not None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one

@@ -96,7 +96,7 @@ def stand_by_fit(strategy: Any, trainer: Any, fit_args: tuple[Any, ...]) -> tupl
     # no rank while it stands by: Lightning's rank-zero work (a logger's last save when the job's end ends this wait)
     # belongs to the running layout's rank 0, which may write the same files (it was this node's rank before)
     strategy.pl_package("utilities.rank_zero").rank_zero_only.rank = -1
-    strategy.admit(strategy.runner.wait_admission(leave_requested))
+    strategy.admit(leave_requested)
     return fit_args
 
 

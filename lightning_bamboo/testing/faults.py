@@ -14,6 +14,8 @@ raises ``torch.OutOfMemoryError`` there, as a GPU short of memory would):
 - ``NODE@asyncwrite<STEP>``: in ``AsyncCheckpoint``'s writer thread, once the first layer file of the
   checkpoint of step STEP is written (the training thread has moved on);
 - ``NODE@apply<STEP>``: step STEP committed on every node, its update not applied yet;
+- ``NODE@admit``: in a live reconfiguration that admits standby nodes, on the node that admits them, once their
+  admission is published (they are entering the new layout's process group);
 - ``NODE@reconfigure``: in a live reconfiguration, after the layers moved, before the new stage forms
   its process groups;
 - ``NODE@failover``: in its first failover, once the new process group formed, before the stage is rebuilt.
