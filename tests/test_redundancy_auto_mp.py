@@ -59,7 +59,7 @@ def test_two_pipelines_keep_no_replica_and_a_kill_drops_the_damaged_one_as_lazy_
                         optimizer_states(tmp_path / "lazy" / "final")) == 0.0
 
 
-@pytest.mark.parametrize("when", [()], ids=["together"])
+@pytest.mark.parametrize("when", [(), ("node1@8", "node2@8:3")], ids=["together", "inside-the-failover"])
 def test_a_loss_in_every_pipeline_without_kept_replicas_restarts_from_the_checkpoint(tmp_path, when):
     """node1 (stage 0 of pipeline 1) and node2 (stage 1 of pipeline 0): no pipeline is whole and auto kept no
     replica to fail one over from, so the survivors restart the job in their processes from the last checkpoint, as

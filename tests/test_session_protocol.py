@@ -285,6 +285,22 @@ def test_a_leaver_that_the_next_layout_does_not_hold_is_not_served_again(server)
         assert s["n0"].joiners == [] and s["n2"].joiners == []
 
 
+def test_a_rendezvous_gives_up_at_once_on_a_node_released_from_the_layout_it_forms(server):
+    """Two pipelines: n1 lost; n3 decides first, on {n1}, and leaves the next layout released (its pipeline was
+    dropped). n0 saw n2 lost too before deciding, so its order, a restart of n0 and n3, still names n3, who will not
+    come: the rendezvous names n3 released at once (not after the rendezvous timeout), and the decision taken again
+    with it names n3 lost without counting its machine lost (it stands by, and may be admitted soon)."""
+    with job(server, "released", ["n0", "n1", "n2", "n3"]) as s:
+        assert s["n3"].decide_lost(("n1",), s["n3"].nodes) == {"n1"}
+        s["n3"].release()
+        started = time.monotonic()
+        with pytest.raises(PeerLost, match=r"\['n3'\] released from the layout") as raised:
+            s["n0"].reform(["n0", "n3"], tag="restart")
+        assert time.monotonic() - started < RENDEZVOUS / 4 and set(raised.value.lost) == {"n3"}
+        assert s["n0"].decide_lost(("n2", *raised.value.lost), s["n0"].nodes) == {"n1", "n2", "n3"}
+        assert "n3" not in s["n0"]._machine_lost and {"n1", "n2"} <= set(s["n0"]._machine_lost)
+
+
 def test_a_node_back_as_standby_waits_for_an_admission_made_after_it_came_back(server):
     """n9 was admitted once (its record stays in the store); released, it registers again as a standby node. The old
     record names it, but its layout is gone: the new standby waits for an admission made since it came back (here

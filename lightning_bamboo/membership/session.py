@@ -445,7 +445,7 @@ class Session:
         stands by (released by an earlier attempt of the failover) lost no machine (``lost_machine``).
         """
         lost = self._decide_lost(suspected, nodes)
-        self.lost_machine(lost - self.standing_by())
+        self.lost_machine(lost - self.standing_by() - self.released(self.generation + 1))
         return lost
 
     def _decide_lost(self, suspected: tuple[str, ...], nodes: list[str]) -> set[str]:
@@ -469,7 +469,9 @@ class Session:
         """Join the process group of ``order`` for the next generation; returns (rank, world size).
 
         The rendezvous waits in short slices and gives up at once (``PeerLost``) when a node it
-        waits for is lost, so a failover never waits on a dead node.
+        waits for is lost, so a failover never waits on a dead node; or when one left this generation's layout
+        released (it acted on a smaller lost set than the one this node formed its order from: it stands by, and
+        will not come), which then counts as lost for the order.
         """
         generation = self.generation + 1
         prefix = self.keys.rdzv(generation, tag)
@@ -480,6 +482,9 @@ class Session:
             gone = self.detector.lost & set(order)
             if gone:
                 raise PeerLost(f"{sorted(gone)} lost while re-forming the pipeline", gone)
+            away = self.released(generation) & set(order) - {self.node}
+            if away:
+                raise PeerLost(f"{sorted(away)} released from the layout while re-forming the pipeline", away)
             try:
                 barrier(self.store, prefix, self.node, order, timeout=0.5)
                 break
@@ -523,9 +528,10 @@ class Session:
         """Say that this node leaves the layout of the next generation released, not lost (see ``released``)."""
         self.store.put(self.keys.released(self.generation + 1, self.node), "1")
 
-    def released(self) -> set[str]:
-        """The nodes released from the layout of the current generation (read after the failover that formed it)."""
-        prefix = self.keys.released(self.generation)
+    def released(self, generation: int | None = None) -> set[str]:
+        """The nodes released from the layout of ``generation`` (default: the current one, read after the failover
+        that formed it; ``generation + 1`` while a failover or a restart forms the next)."""
+        prefix = self.keys.released(self.generation if generation is None else generation)
         return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs}
 
     def record_failover(self, record: Failover | Restart) -> None:

@@ -77,10 +77,12 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     suspected: set[str] = set()
     for _attempt in range(len(before)):
         lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
-        # (a survivor released by the failover that a loss inside it made fatal is in ``lost``, and the joiners of a
-        # reconfiguration it interrupted in ``err.standing``: they stand by, waiting for an admission, and the
-        # rebalancer admits them once the job runs again)
-        order = [n for n in before if n not in lost and n not in err.standing]
+        # Nodes that stand by, waiting for an admission (the rebalancer admits them once the job runs again), are
+        # not in the restart: a survivor released by the failover that a loss inside it made fatal (in ``lost``
+        # when this node's attempt saw it, else by its key: it acted on the smaller set before the loss inside was
+        # seen), and the joiners of a reconfiguration the loss interrupted (``err.standing``)
+        away = set(err.standing) | session.released(session.generation + 1)
+        order = [n for n in before if n not in lost and n not in away]
         if session.node not in order:
             raise err
         stages = restart_depth(len(order), layout.stages)
