@@ -28,6 +28,11 @@ weights do not depend on where the nodes run):
 
     python benchmarks/chaos_launcher.py [--pipelines 1|2] [--seeds 5] [--changes 20] [--steps 300] [--first-seed 0]
     python benchmarks/chaos_launcher.py --scenario machines --pipelines 2   # issue 61's: kill 60, join 100, cut 180
+    python benchmarks/chaos_launcher.py --scenario machines --secure        # the same against etcd as deployed
+
+``--secure``: etcd as it is deployed (TLS only, client certificates its CA signed, authentication on), and every
+supervisor connects as an etcd user whose role may touch only the job's prefix (``/bamboo/chaos/``), its password
+from ``$ETCDCTL_PASSWORD``; certificates and passwords are made for the run.
 
 Prints one line per run and a table; exits 1 if any run fails its judgement.
 """
@@ -54,6 +59,7 @@ sys.path.insert(0, str(REPO))
 
 from lightning_bamboo import checkpoint as ckpt  # noqa: E402
 from lightning_bamboo import consolidate_checkpoint  # noqa: E402
+from lightning_bamboo.membership.credentials import PASSWORD_ENV  # noqa: E402
 from lightning_bamboo.testing import faults  # noqa: E402
 
 PYTHON = sys.executable
@@ -96,6 +102,8 @@ class Run:
     stages: int
     steps: int
     armed: list[str] = field(default_factory=list)
+    #: with ``--secure``: the launcher's store options (CA, client certificate, user) and the user's password
+    secure: tuple[list[str], str] | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     killed: set[str] = field(default_factory=set)
     cut: set[str] = field(default_factory=set)
@@ -107,12 +115,15 @@ class Run:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                      "BAMBOO_FORK_SERVER"):
             env.pop(name, None)
+        if self.secure is not None:
+            env[PASSWORD_ENV] = self.secure[1]
         return env
 
     def start(self, machine: str, join: bool = False) -> None:
         cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", self.url, "--job", "chaos", "--node", machine,
                "--workers", str(WORKERS), *(["--join"] if join else ["--min-nodes", str(MACHINES * WORKERS)]),
-               "--addr", self.net.addrs[machine], "--pid-dir", str(self.out / "pids"), "--",
+               "--addr", self.net.addrs[machine], "--pid-dir", str(self.out / "pids"),
+               *(self.secure[0] if self.secure is not None else []), "--",
                PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(self.stages), "--steps",
                str(self.steps), "--out", str(self.out)]
         with open(self.out / f"{machine}.log", "w") as log:
@@ -221,8 +232,10 @@ class Run:
         return True
 
 
-def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Change], seed: int) -> dict[str, Any]:
-    """One chaos run on fresh namespaces; what the judge needs of it."""
+def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Change], seed: int,
+            secure: bool = False) -> dict[str, Any]:
+    """One chaos run on fresh namespaces (``secure``: against etcd with TLS and authentication); what the judge needs
+    of it."""
     from lightning_bamboo.testing.netns import NetnsCluster
 
     out = root / name
@@ -247,7 +260,11 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
         pending.append(change)
     started = time.monotonic()
     with NetnsCluster(machines + spares) as net:
-        job = Run(net, net.start_etcd(), out, stages, steps, armed=armed)
+        if secure:
+            url, options, password = secured_etcd(net, out / "pki")
+            job = Run(net, url, out, stages, steps, armed=armed, secure=(options, password))
+        else:
+            job = Run(net, net.start_etcd(), out, stages, steps, armed=armed)
         job.events += [f"armed: {item}" for item in armed]
         for machine in machines:
             job.start(machine)
@@ -263,6 +280,23 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
     return {"name": name, "ended": ended, "codes": codes, "killed": sorted(job.killed), "cut": sorted(job.cut),
             "events": job.events, "records": step_records(out), "final": out / "final",
             "seconds": time.monotonic() - started}
+
+
+def secured_etcd(net: Any, pki: Path) -> tuple[str, list[str], str]:
+    """etcd as it is deployed, in ``net``'s etcd namespace: TLS with client certificates (a PKI made in ``pki`` for
+    its address) and authentication, a ``trainer`` user whose role may read and write only the job's prefix. Returns
+    its URL, the launcher's options for it (CA, client certificate, user) and the trainer's password."""
+    import secrets
+
+    from lightning_bamboo.testing.etcd_server import Certificates
+    from lightning_bamboo.testing.netns import ETCD
+
+    tls = Certificates.make(pki, ips=[net.addrs[ETCD]])
+    url = net.start_etcd(tls=tls)
+    password = secrets.token_hex(12)
+    net.enable_auth(secrets.token_hex(12), {"trainer": (password, [("READWRITE", "/bamboo/chaos/")])})
+    pem, key = tls.pair("client")
+    return url, ["--cacert", str(tls.ca), "--cert", str(pem), "--key", str(key), "--user", "trainer"], password
 
 
 def clean_run(root: Path, name: str, nodes: int, stages: int, steps: int, batch: int = 16,
@@ -376,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="a fixed schedule instead of drawn ones (run --seeds times)")
     p.add_argument("--keep", default=None, help="keep every run's files in this directory")
+    p.add_argument("--secure", action="store_true",
+                   help="etcd with TLS, client certificates and authentication; the job runs as a user fenced to "
+                        "its prefix")
     args = p.parse_args(argv)
     # a stopped run still removes its namespaces and processes (the cluster's context manager)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM"))
@@ -391,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     failed, grown_floor = 0, None
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         schedule = SCENARIOS[args.scenario] if args.scenario else draw(seed, args.changes, args.steps)
-        run = run_job(root, f"seed{seed}", stages, args.steps, schedule, seed)
+        run = run_job(root, f"seed{seed}", stages, args.steps, schedule, seed, secure=args.secure)
         bound = floor
         if floor == 0.0 and most_pipelines(run) > 1:
             # joins grew the job to two pipelines (growth past the start): its gradients were summed in another
@@ -414,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    PROBLEM: {problem}", flush=True)
     runs = args.seeds
     print(f"\npipelines {args.pipelines} ({stages} stages), {runs} runs of {args.steps} steps, "
-          f"{'scenario ' + args.scenario if args.scenario else f'{args.changes} changes each'}: {failed} failed; "
+          f"{'scenario ' + args.scenario if args.scenario else f'{args.changes} changes each'}"
+          f"{', etcd with TLS, client certificates and authentication' if args.secure else ''}: {failed} failed; "
           f"files in {root}")
     return 1 if failed else 0
 

@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,9 @@ class Certificates:
         return self.dir / f"{name}.pem", self.dir / f"{name}.key"
 
     @classmethod
-    def make(cls, directory: str | os.PathLike[str]) -> Certificates:
+    def make(cls, directory: str | os.PathLike[str], ips: Sequence[str] = ("127.0.0.1",)) -> Certificates:
+        """Make the PKI in ``directory``; etcd's server certificate names ``ips`` (an etcd on a namespace machine's
+        address needs that address)."""
         openssl = openssl_binary()
         if openssl is None:
             raise RuntimeError("making the TLS tests' certificates needs the openssl binary (apt install openssl)")
@@ -66,7 +69,8 @@ class Certificates:
         ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
         for ca in ("ca", "rogue-ca"):
             run("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=bamboo {ca}")
-        leaves = {"server": ("ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth"),
+        names = ",".join([*(f"IP:{ip}" for ip in ips), "DNS:localhost"])
+        leaves = {"server": ("ca", f"subjectAltName={names}\nextendedKeyUsage=serverAuth,clientAuth"),
                   "client": ("ca", "extendedKeyUsage=clientAuth"), "rogue": ("rogue-ca", "extendedKeyUsage=clientAuth")}
         for name, (ca, ext) in leaves.items():
             (d / f"{name}.ext").write_text(ext + "\n")
@@ -202,24 +206,11 @@ class EtcdServer:
 
     def api(self, path: str, body: dict[str, object], token: str | None = None) -> dict[str, object]:
         """One call of etcd's JSON gateway (``/v3/<path>``) as the tests' administrator; raises on an error."""
-        request = urllib.request.Request(f"{self.scheme}://127.0.0.1:{self.client_port}/v3/{path}",
-                                         data=json.dumps(body).encode(), method="POST",
-                                         headers={"Authorization": token} if token else {})
-        with urllib.request.urlopen(request, timeout=10.0, context=self._ssl_context()) as r:
-            return dict(json.loads(r.read()))
+        return gateway_call(f"{self.scheme}://127.0.0.1:{self.client_port}", path, body, self._ssl_context(), token)
 
-    def enable_auth(self, root_password: str, users: dict[str, tuple[str, list[tuple[str, str]]]]) -> None:
-        """Turn etcd's authentication on, with ``root`` and ``users``: name -> (password, [(permission, prefix)])
-        where permission is READ, WRITE or READWRITE on every key under the prefix (one role per user)."""
-        for name, (password, grants) in {"root": (root_password, []), **users}.items():
-            self.api("auth/user/add", {"name": name, "password": password})
-            self.api("auth/role/add", {"name": name})
-            for permission, prefix in grants:
-                end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-                self.api("auth/role/grant", {"name": name, "perm": {
-                    "permType": permission, "key": _b64(prefix), "range_end": _b64(end)}})
-            self.api("auth/user/grant", {"user": name, "role": name})
-        self.api("auth/enable", {})
+    def enable_auth(self, root_password: str, users: Users) -> None:
+        """Turn etcd's authentication on, with ``root`` and ``users`` (see ``enable_auth``)."""
+        enable_auth(self.api, root_password, users)
 
     def log_tail(self, n: int = 2000) -> str:
         try:
@@ -253,5 +244,58 @@ class EtcdServer:
         self.stop()
 
 
+#: etcd users to make: name -> (password, [(permission, prefix)])
+Users = dict[str, tuple[str, list[tuple[str, str]]]]
+
+
+def gateway_call(base: str, path: str, body: dict[str, object], context: ssl.SSLContext | None,
+                 token: str | None = None) -> dict[str, object]:
+    """One call of the JSON gateway of the etcd at ``base`` (``https://HOST:PORT``): ``/v3/<path>``."""
+    request = urllib.request.Request(f"{base}/v3/{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": token} if token else {})
+    with urllib.request.urlopen(request, timeout=10.0, context=context) as r:
+        return dict(json.loads(r.read()))
+
+
+def enable_auth(api: Callable[[str, dict[str, object]], object], root_password: str, users: Users) -> None:
+    """Turn an etcd's authentication on through ``api`` (a gateway call), with ``root`` and ``users``: name ->
+    (password, [(permission, prefix)]) where permission is READ, WRITE or READWRITE on every key under the prefix
+    (one role per user)."""
+    for name, (password, grants) in {"root": (root_password, []), **users}.items():
+        api("auth/user/add", {"name": name, "password": password})
+        api("auth/role/add", {"name": name})
+        for permission, prefix in grants:
+            end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+            api("auth/role/grant", {"name": name, "perm": {
+                "permType": permission, "key": _b64(prefix), "range_end": _b64(end)}})
+        api("auth/user/grant", {"user": name, "role": name})
+    api("auth/enable", {})
+
+
+#: where ``python -m lightning_bamboo.testing.etcd_server enable-auth`` reads its passwords and roles (JSON: root's
+#: password and ``Users``): an environment variable, so that no password is on a command line
+AUTH_ENV = "BAMBOO_TEST_ETCD_AUTH"
+
+
+def _enable_auth_main(argv: Sequence[str]) -> int:
+    """``enable-auth BASE CA CERT KEY``: turn on the authentication of the etcd at ``BASE`` (run where it is reached:
+    an etcd in a network namespace is reached from inside it), as the client certificate ``CERT``/``KEY``."""
+    if len(argv) != 5 or argv[0] != "enable-auth":
+        print("usage: python -m lightning_bamboo.testing.etcd_server enable-auth BASE CA CERT KEY "
+              f"(passwords and roles in ${AUTH_ENV})", file=sys.stderr)
+        return 2
+    base, ca, cert, key = argv[1:]
+    context = ssl.create_default_context(cafile=ca)
+    context.load_cert_chain(cert, key)
+    auth = json.loads(os.environ[AUTH_ENV])
+    enable_auth(lambda path, body: gateway_call(base, path, body, context), auth["root"],
+                {name: (password, [tuple(g) for g in grants]) for name, (password, grants) in auth["users"].items()})
+    return 0
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode("ascii")
+
+
+if __name__ == "__main__":
+    sys.exit(_enable_auth_main(sys.argv[1:]))

