@@ -330,7 +330,7 @@ def test_no_module_reads_another_modules_private_attribute():
 #: (``stage``), its ``StageCheckpoints`` (``checkpoints``) and its session; what a stage is and does is the stage's
 #: own surface. A change here is made on purpose: the door is meant to stay narrow, never to grow by accident.
 RUNNER_OPERATIONS = (
-    "admit_standby agree audit before_step can_restart close configure enter eval_step finish gather layer_costs "
+    "admit_standby agree audit before_step can_restart close configure join eval_step finish gather layer_costs "
     "open_session place precision_meta probe publish reconfigure resilient resolve_precision restart "
     "restart_checkpoint restarted start start_admitted start_without_lost train_step wait_admission"
 ).split()

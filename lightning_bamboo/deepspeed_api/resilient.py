@@ -489,7 +489,6 @@ def open_job(timeout: float, detection_timeout: float) -> None:
     """
     from lightning_bamboo.engine import comm_process, comm_zygote
     from lightning_bamboo.engine.build import ensure_deepspeed_comm
-    from lightning_bamboo.errors import FatalLoss
     from lightning_bamboo.membership.node import leave_idle_priority
     from lightning_bamboo.runtime.session import joining, start_session
 
@@ -497,14 +496,8 @@ def open_job(timeout: float, detection_timeout: float) -> None:
     comm_zygote.prepare()
     session = start_session(detection_timeout, timeout, comm_process.BACKEND)
     if joining():
-        try:
-            record = session.wait_admission()
-        except FatalLoss:  # the job was abandoned after a fatal loss: this node leaves with it
-            session.stop()
-            raise
+        record = session.wait_as_standby()
         if record is None:
-            session.stop()
-            log.warning("%s: the job finished before this standby node was needed", session.node)
             raise SystemExit(0)
         leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
         _SESSION["session"], _SESSION["admission"] = session, record

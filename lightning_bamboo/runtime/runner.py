@@ -185,15 +185,7 @@ class PipelineRunner:
         until a reconfiguration admits it (its record; :meth:`join` it next), or the job finishes (None)."""
         session = self.open_session(leave_requested)
         assert session is not None and session.joining, "wait_admission() is for a standby node"
-        try:
-            record = session.wait_admission()
-        except FatalLoss:  # the job was abandoned: this node leaves it (its process may serve the next one)
-            session.stop()
-            raise
-        if record is None:
-            log.warning("%s: the job finished before this standby node was needed", session.node)
-            session.stop()
-        return record
+        return session.wait_as_standby()
 
     def join(self, record: Reconfiguration | None = None,
              leave_requested: Callable[[], bool] = LEAVE.is_set) -> tuple[Reconfiguration, int, int] | None:

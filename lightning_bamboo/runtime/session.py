@@ -7,6 +7,7 @@ imports no torch; here is what it needs of torch: ``TorchGroups`` forms and abor
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from lightning_bamboo.engine.comm_process import BACKEND, abort_generation
 from lightning_bamboo.engine.groups import reform_process_group
 from lightning_bamboo.engine.guard import StepGuard
-from lightning_bamboo.errors import PeerLost
+from lightning_bamboo.errors import FatalLoss, PeerLost
 from lightning_bamboo.membership import session as membership
 from lightning_bamboo.membership.protocol import Store
 from lightning_bamboo.membership.records import Reconfiguration
@@ -22,6 +23,8 @@ from lightning_bamboo.membership.session import GroupFormer, joining, launched_b
 
 __all__ = ["LEAVE", "GroupFormer", "PeerLost", "Reconfiguration", "Session", "TorchGroups", "joining", "launched_by_bamboo",
            "start_session", "request_leave"]
+
+log = logging.getLogger(__name__)
 
 #: set (from a signal handler, a notice poller, anywhere) to leave the job at the end of the step
 LEAVE = threading.Event()
@@ -53,6 +56,19 @@ class TorchGroups:
 
 class Session(membership.Session):
     """A node's membership session (``membership.session.Session``) plus the guard its steps run under."""
+
+    def wait_as_standby(self) -> Reconfiguration | None:
+        """A standby node's wait, as both doors wait: the admission that names it, or None when the job finished
+        first (the session stopped). A job abandoned after a fatal loss stops the session and raises ``FatalLoss``."""
+        try:
+            record = self.wait_admission()
+        except FatalLoss:  # the job was abandoned: this node leaves it
+            self.stop()
+            raise
+        if record is None:
+            log.warning("%s: the job finished before this standby node was needed", self.node)
+            self.stop()
+        return record
 
     def guard(self) -> StepGuard:
         """A ``StepGuard`` watching this session's peers: a loss ends the guarded step at once (``PeerLost``)."""
