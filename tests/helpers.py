@@ -284,3 +284,18 @@ def callback_from_yaml(cls: type, init_args: str) -> object:
     parser.add_argument("--callback", type=cls)
     config = parser.parse_string(f"callback:\n  class_path: {cls.__module__}.{cls.__qualname__}\n  init_args: {init_args}\n")
     return parser.instantiate_classes(config).callback
+
+
+def wait_until_standing_by(url: str, job: str, node: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until ``node`` is registered as a standby of ``job`` in the store at ``url`` (its launcher ``proc`` alive)."""
+    from lightning_bamboo.membership import connect
+    from lightning_bamboo.membership.keys import JobKeys
+    from lightning_bamboo.membership.registry import wait_for_key
+
+    store = connect(url)
+    try:
+        kv = wait_for_key(store, JobKeys(job).standby(node), timeout, abort=lambda: proc.poll() is not None)
+    finally:
+        store.close()
+    assert proc.poll() is None, f"the standby launcher exited with {proc.returncode} before standing by"
+    assert kv is not None, f"{node} did not stand by within {timeout} s"

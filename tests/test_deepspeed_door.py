@@ -22,7 +22,15 @@ from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo import consolidate_checkpoint
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.testing import faults
-from tests.helpers import PYTHON, REPO, launcher_exit_codes, max_abs_diff, optimizer_states, run
+from tests.helpers import (
+    PYTHON,
+    REPO,
+    launcher_exit_codes,
+    max_abs_diff,
+    optimizer_states,
+    run,
+    wait_until_standing_by,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -260,21 +268,6 @@ def test_two_pipelines_with_a_kill_end_within_float_rounding(tmp_path):
     assert meta["data_position"] == clean_meta["data_position"] == STEPS * 8
 
 
-def _wait_until_standing_by(url, job, node, proc, timeout=60.0):
-    """Until ``node`` is registered as a standby of ``job`` in the store at ``url`` (its launcher ``proc`` alive)."""
-    from lightning_bamboo.membership import connect
-    from lightning_bamboo.membership.keys import JobKeys
-    from lightning_bamboo.membership.registry import wait_for_key
-
-    store = connect(url)
-    try:
-        kv = wait_for_key(store, JobKeys(job).standby(node), timeout, abort=lambda: proc.poll() is not None)
-    finally:
-        store.close()
-    assert proc.poll() is None, f"the standby launcher exited with {proc.returncode} before standing by"
-    assert kv is not None, f"{node} did not stand by within {timeout} s"
-
-
 @pytest.mark.parametrize("interrupted", [False, True], ids=["admitted", "admission-interrupted"])
 def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_exact(tmp_path, clean, interrupted):
     """``"rebalance": true``: four nodes (a local launcher) and a fifth machine standing by (``--node node4 --join``,
@@ -300,7 +293,7 @@ def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_
                                     "--node", "node4", "--join", *command], cwd=REPO, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"})
-        _wait_until_standing_by(url, "door", "node4", standby)  # else the kill may come before it stands by
+        wait_until_standing_by(url, "door", "node4", standby)  # else the kill may come before it stands by
         proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--store", url, "--job", "door",
                     *command], timeout=240,
                    env=faults.environment(["node2@5", "node0@admit"] if interrupted else ["node2@5"]))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from tests.helpers import (
     optimizer_states,
     reference_weights,
     run,
+    wait_until_standing_by,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -160,6 +164,56 @@ def test_a_node_killed_while_its_async_checkpoint_is_written_is_failed_over_and_
     assert [p.name for p in committed] == [ckpt.step_name(8), ckpt.step_name(12)]
     for path, step in zip(committed, (8, 12), strict=True):
         assert max_abs_diff(consolidate_checkpoint(path), reference_weights(step, 8, 1, 2)) <= 1e-5
+
+
+def test_a_checkpoint_whose_writer_a_standby_replaced_in_an_equal_layout_is_abandoned_not_waited_for(tmp_path):
+    """``benchmarks/spot_user.py`` (``AsyncCheckpoint`` every 4 steps, ``RebalanceCallback``), 2 stages, and a third
+    machine standing by. node1 is SIGKILLed in its writer thread of the step-4 checkpoint; node0 takes its stage
+    over, and the rebalancer admits node2 in its place: the same world size and layout as the snapshot's, other
+    writers. The step-4 checkpoint is given up at the next save (node1's shard will never come), not waited for for
+    the commit timeout while node2 waits for node0 in the save's collective and gives up the job; the run ends with
+    the clean run's weights and optimizer state, and every later checkpoint is committed."""
+    from lightning_bamboo import checkpoint as ckpt
+    from lightning_bamboo.membership import resolve_store
+
+    steps = 16
+    script = [PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", "2", "--steps", str(steps),
+              "--checkpoint-every", "4"]
+    # every worker computes with one thread, wherever it runs: the standby machine's launcher would give its one
+    # worker every core, and a matrix product summed over other threads rounds otherwise
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    clean = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", *script, "--out", str(tmp_path / "clean")],
+                timeout=240, env=one_thread)
+    assert clean.returncode == 0, clean.stdout[-4000:]
+    url, server = resolve_store("embedded")  # one store for both launchers, as etcd would be
+    assert server is not None
+    command = ["--store", url, "--job", "replaced", "--", *script, "--out", str(tmp_path / "out")]
+    standby = None
+    try:
+        standby = subprocess.Popen([PYTHON, "-m", "lightning_bamboo.launcher", "--node", "node2", "--join", *command],
+                                   cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **one_thread})
+        wait_until_standing_by(url, "replaced", "node2", standby)
+        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", *command], timeout=240,
+                   env={**one_thread, **faults.environment(["node1@asyncwrite4"])})
+        joined, _ = standby.communicate(timeout=60)
+    finally:
+        if standby is not None and standby.poll() is None:
+            os.killpg(standby.pid, signal.SIGKILL)
+            standby.communicate()
+        server.stop()
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": -9}, proc.stdout[-3000:]
+    assert standby.returncode == 0, joined[-4000:]
+    assert "injected SIGKILL at step asyncwrite4" in proc.stdout
+    assert "node2: admitted as rank 1 of 2" in joined, joined[-3000:]
+    assert "abandoning asynchronous checkpoint" in proc.stdout and "Traceback" not in proc.stdout + joined
+    committed = [p.name for p in ckpt.complete_checkpoints(tmp_path / "out" / "checkpoints")]
+    assert ckpt.step_name(4) not in committed and ckpt.step_name(steps) in committed, committed
+    assert max_abs_diff(consolidate_checkpoint(tmp_path / "out" / "final"),
+                        consolidate_checkpoint(tmp_path / "clean" / "final")) == 0.0
+    assert max_abs_diff(optimizer_states(tmp_path / "out" / "final"),
+                        optimizer_states(tmp_path / "clean" / "final")) == 0.0
 
 
 def test_a_resumed_job_keeps_its_replicas_exact_and_a_kill_after_it_is_bit_exact(tmp_path):

@@ -113,7 +113,7 @@ class AsyncCheckpoint(pl.Callback):
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_shard: ckpt.Shard | None = None  # being written
-        self._pending_world: tuple[int, Any] | None = None  # (world size, layout) of the processes writing it
+        self._pending_world: tuple[int, Any, tuple[str, ...] | None] | None = None  # who writes it (``_world``)
         self._cancel = threading.Event()
         self._written: ckpt.Shard | None = None  # on disk: its buffers are reused by the next snapshot
         self._pending_path: Path | None = None
@@ -279,8 +279,13 @@ class AsyncCheckpoint(pl.Callback):
         return stall
 
     @staticmethod
-    def _world(trainer: pl.Trainer) -> tuple[int, Any]:
-        return trainer.world_size, getattr(trainer.strategy, "layout", None)
+    def _world(trainer: pl.Trainer) -> tuple[int, Any, tuple[str, ...] | None]:
+        """Who writes a snapshot taken now: the world size, the layout and, under the Bamboo launcher, the nodes in
+        rank order (a node lost and another admitted in its place give an equal layout of other writers: the
+        snapshot's shard of the lost one will never come)."""
+        runner = getattr(trainer.strategy, "runner", None)
+        nodes = tuple(runner.nodes) if runner is not None and getattr(runner, "session", None) is not None else None
+        return trainer.world_size, getattr(trainer.strategy, "layout", None), nodes
 
     def abandon_pending(self) -> None:
         """Give up the checkpoint in flight if it is not committed yet (its writers changed); not an error.
