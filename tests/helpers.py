@@ -299,3 +299,32 @@ def wait_until_standing_by(url: str, job: str, node: str, proc: subprocess.Popen
         store.close()
     assert proc.poll() is None, f"the standby launcher exited with {proc.returncode} before standing by"
     assert kv is not None, f"{node} did not stand by within {timeout} s"
+
+
+def launch_beside_a_standby_machine(job: str, nodes: int, standby: str, command: Sequence[str],
+                                    env: dict[str, str] | None = None, standby_env: dict[str, str] | None = None,
+                                    timeout: float = 240) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """A job of ``nodes`` local workers (``python -m lightning_bamboo.launcher --nodes N``, ``env``) and a machine
+    ``standby`` standing by before it starts (another launcher, ``--node NAME --join``, ``standby_env``) on one
+    embedded store, as etcd would be, both running ``command`` (the script and its arguments). Returns both
+    launchers' outcomes (output merged), every process and the store stopped."""
+    from lightning_bamboo.membership import resolve_store
+
+    url, server = resolve_store("embedded")
+    assert server is not None
+    common = ["--store", url, "--job", job, "--", *command]
+    waiting = None
+    try:
+        waiting = subprocess.Popen([PYTHON, "-m", "lightning_bamboo.launcher", "--node", standby, "--join", *common],
+                                   cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                                "DS_ACCELERATOR": "cpu", **(standby_env or {})})
+        wait_until_standing_by(url, job, standby, waiting)  # else a kill may come before it stands by
+        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", str(nodes), *common], timeout=timeout, env=env)
+        joined, _ = waiting.communicate(timeout=60)
+    finally:
+        if waiting is not None and waiting.poll() is None:
+            os.killpg(waiting.pid, signal.SIGKILL)
+            waiting.communicate()
+        server.stop()
+    return proc, subprocess.CompletedProcess(waiting.args, waiting.returncode, joined, None)

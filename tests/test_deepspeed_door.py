@@ -7,11 +7,8 @@ import contextlib
 import difflib
 import http.server
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import threading
 import time
 
@@ -25,11 +22,11 @@ from lightning_bamboo.testing import faults
 from tests.helpers import (
     PYTHON,
     REPO,
+    launch_beside_a_standby_machine,
     launcher_exit_codes,
     max_abs_diff,
     optimizer_states,
     run,
-    wait_until_standing_by,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -280,29 +277,13 @@ def test_rebalancing_admits_a_standby_machine_after_a_kill_and_the_run_ends_bit_
     enters the new layout's process group. node1 and node3 restart the job without either (from step 0: nothing
     was saved); node4 stands by again in its process, and the next admission takes it in, into the layout of then.
     """
-    from lightning_bamboo.membership import resolve_store
 
     script = tmp_path / "spot.py"
     script.write_text(SPOT.read_text().replace('"redundancy": "lazy"', '"redundancy": "lazy", "rebalance": True'))
-    url, server = resolve_store("embedded")  # one store for both launchers, as etcd would be
-    assert server is not None
-    command = ["--", PYTHON, str(script), "--steps", str(STEPS), "--stages", "4", "--save-dir", str(tmp_path / "out")]
-    standby = None
-    try:
-        standby = subprocess.Popen([PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "door",
-                                    "--node", "node4", "--join", *command], cwd=REPO, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"})
-        wait_until_standing_by(url, "door", "node4", standby)  # else the kill may come before it stands by
-        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--store", url, "--job", "door",
-                    *command], timeout=240,
-                   env=faults.environment(["node2@5", "node0@admit"] if interrupted else ["node2@5"]))
-        joined, _ = standby.communicate(timeout=60)
-    finally:
-        if standby is not None and standby.poll() is None:
-            os.killpg(standby.pid, signal.SIGKILL)
-            standby.communicate()
-        server.stop()
+    proc, standby = launch_beside_a_standby_machine(
+        "door", 4, "node4", [PYTHON, str(script), "--steps", str(STEPS), "--stages", "4", "--save-dir", str(tmp_path / "out")],
+        env=faults.environment(["node2@5", "node0@admit"] if interrupted else ["node2@5"]))
+    joined = standby.stdout
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert launcher_exit_codes(proc.stdout) == {"node0": -9 if interrupted else 0, "node1": 0, "node2": -9,
                                                 "node3": 0}, proc.stdout[-3000:]

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 
 import pytest
 import torch
@@ -17,12 +14,12 @@ from lightning_bamboo.testing import faults
 from tests.helpers import (
     PYTHON,
     REPO,
+    launch_beside_a_standby_machine,
     launcher_exit_codes,
     max_abs_diff,
     optimizer_states,
     reference_weights,
     run,
-    wait_until_standing_by,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -174,8 +171,6 @@ def test_a_checkpoint_whose_writer_a_standby_replaced_in_an_equal_layout_is_aban
     the commit timeout while node2 waits for node0 in the save's collective and gives up the job; the run ends with
     the clean run's weights and optimizer state, and every later checkpoint is committed."""
     from lightning_bamboo import checkpoint as ckpt
-    from lightning_bamboo.membership import resolve_store
-
     steps = 16
     script = [PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", "2", "--steps", str(steps),
               "--checkpoint-every", "4"]
@@ -185,23 +180,10 @@ def test_a_checkpoint_whose_writer_a_standby_replaced_in_an_equal_layout_is_aban
     clean = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", *script, "--out", str(tmp_path / "clean")],
                 timeout=240, env=one_thread)
     assert clean.returncode == 0, clean.stdout[-4000:]
-    url, server = resolve_store("embedded")  # one store for both launchers, as etcd would be
-    assert server is not None
-    command = ["--store", url, "--job", "replaced", "--", *script, "--out", str(tmp_path / "out")]
-    standby = None
-    try:
-        standby = subprocess.Popen([PYTHON, "-m", "lightning_bamboo.launcher", "--node", "node2", "--join", *command],
-                                   cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **one_thread})
-        wait_until_standing_by(url, "replaced", "node2", standby)
-        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", *command], timeout=240,
-                   env={**one_thread, **faults.environment(["node1@asyncwrite4"])})
-        joined, _ = standby.communicate(timeout=60)
-    finally:
-        if standby is not None and standby.poll() is None:
-            os.killpg(standby.pid, signal.SIGKILL)
-            standby.communicate()
-        server.stop()
+    proc, standby = launch_beside_a_standby_machine(
+        "replaced", 2, "node2", [*script, "--out", str(tmp_path / "out")], standby_env=one_thread,
+        env={**one_thread, **faults.environment(["node1@asyncwrite4"])})
+    joined = standby.stdout
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": -9}, proc.stdout[-3000:]
     assert standby.returncode == 0, joined[-4000:]
