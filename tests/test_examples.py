@@ -80,12 +80,16 @@ def spot_clean(tmp_path_factory):
 @pytest.mark.parametrize("step, resumed", [(12, "step-00000010"), (3, None)], ids=["from-checkpoint", "from-start"])
 def test_a_node_and_its_replica_holder_killed_together_restart_the_job_by_itself_bit_exact(tmp_path, spot_clean,
                                                                                           step, resumed):
-    """The example to copy, as a user runs it: node1 and node2 (node2's replica holder) SIGKILLed in the same step.
+    """The example to copy, as a user runs it: node1 and node2 (node2's replica holder) SIGKILLed together, as the
+    previous step committed.
     No replica of stage 2 is left, so node0 and node3 restart ``trainer.fit`` in their processes from the last
     complete asynchronous checkpoint (before the first one: from the job's start, with a warning), as 2 stages.
     The launcher exits 0, the survivors 0, and the final checkpoint holds the clean run's weights and optimizer
     state bit for bit."""
-    stdout = _spot_gpt(tmp_path, kill=[f"node1@{step}", f"node2@{step}"])
+    # both die once step - 1 committed everywhere, before they apply it: with nothing sent between the commit and
+    # that point, neither can meet the other's loss first (killed at the start of a step, a node slowed by a loaded
+    # machine could meet it in the step's start-up, fail it over alone and die in a later failover of its own)
+    stdout = _spot_gpt(tmp_path, kill=[f"node1@apply{step - 1}", f"node2@apply{step - 1}"])
     assert launcher_exit_codes(stdout) == {"node0": 0, "node1": -9, "node2": -9, "node3": 0}, stdout[-3000:]
     source = rf"\S+{resumed}, step {int(resumed[5:])}" if resumed else r"the job's start \(no complete checkpoint.*\), step 0"
     restarts = re.findall(rf"(node\d): restarted after a fatal loss at step {step} \(stage 2 \(node node2\) and its "
