@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {run}: exit {done.returncode} in {seconds:.0f} s; " + " | ".join(summaries), flush=True)
             for line in failures:
                 print(f"    {line}", flush=True)
-            if done.returncode != 0 and not summaries:
-                print(done.stdout[-3000:], flush=True)
+            if done.returncode != 0:  # what failed, as pytest said it (its first 200 lines), to find why
+                text = done.stdout
+                start = text.find("= FAILURES =")
+                print("\n".join(text[start:].splitlines()[:200]) if start >= 0 else text[-3000:], flush=True)
         load = os.getloadavg()
         print(f"\n{green} of {args.runs} runs green (load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
               f"on {os.cpu_count()} cores)")
