@@ -66,6 +66,23 @@ def test_a_forked_worker_gets_its_own_environment_arguments_output_and_status(se
 
 
 @pytest.mark.timeout(120)
+def test_a_forked_worker_keeps_ignored_what_its_client_ignores_as_an_exec_would(server, tmp_path):
+    """A shell's background job runs with SIGINT ignored, and an interpreter it starts keeps it ignored: a worker
+    forked for such a client does too (it had Python's handler, so a suite started in the background failed here)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        worker, out = _probe(server, tmp_path, "0")
+        assert worker.wait(60) == 0
+        fresh = subprocess.run([sys.executable, "-m", PROBE, "0"], cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    signals = json.loads(fresh.stdout.splitlines()[0])["signals"]
+    assert signals["SIGINT"] == str(int(signal.SIG_IGN))  # (the probe prints a disposition's number)
+    assert _report(out)["signals"] == signals
+
+
+@pytest.mark.timeout(120)
 def test_a_forked_worker_that_raises_or_is_killed_reports_it(server, tmp_path):
     failing, failing_out = _probe(server, tmp_path, "raise")
     assert failing.wait(60) == 1
@@ -232,8 +249,8 @@ def _report_of(output: str) -> dict:
 
 
 def test_preload_is_refused_for_a_module_it_cannot_import_and_on_a_machine_with_gpus(monkeypatch):
-    from lightning_bamboo import launcher
     from lightning_bamboo.errors import BambooConfigError
+    from lightning_bamboo.launcher import jobs as launcher
 
     launcher.check_preload([])  # nothing to preload: nothing to check
     launcher.check_preload(["torch", "lightning.pytorch"])  # importable here, no GPU here

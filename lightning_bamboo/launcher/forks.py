@@ -159,7 +159,8 @@ class ForkServer:
         module = command[1] == "-m"
         request = {"module": command[2] if module else None, "script": None if module else command[1],
                    "argv": list(command[3:] if module else command[2:]), "env": dict(env),
-                   "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(), "session": start_new_session}
+                   "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(), "session": start_new_session,
+                   "ignored": inherited_ignores()}
         with self._lock:
             if self.lost:
                 raise OSError("the fork server has ended")
@@ -407,6 +408,20 @@ def serve_shared(address: str, modules: Sequence[str]) -> None:
                 drop(conn)
 
 
+def inherited_ignores() -> list[int]:
+    """The signals this process ignores that a child it started would inherit ignored: every one but those that
+    ``subprocess`` restores to the default before an exec (SIGPIPE, SIGXFSZ)."""
+    restored = {signal.SIGPIPE, signal.SIGXFSZ}
+    return [int(number) for number in signal.valid_signals()
+            if number not in restored and _ignored(number)]
+
+
+def _ignored(number: int) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        return signal.getsignal(number) == signal.SIG_IGN
+    return False
+
+
 def _become_worker(request: dict[str, Any], out: int, err: int) -> NoReturn:
     import random
     import runpy
@@ -414,14 +429,16 @@ def _become_worker(request: dict[str, Any], out: int, err: int) -> NoReturn:
     if request.get("session"):
         os.setsid()
 
-    # the dispositions a fresh interpreter starts with: Python's handler for SIGINT, SIGPIPE and SIGXFSZ ignored (a
-    # write to a closed pipe or socket raises BrokenPipeError instead of killing the process), the rest the default
-    ignored = {signal.SIGPIPE, signal.SIGXFSZ}
+    # the dispositions a fresh interpreter its client started would have: what the client ignores stays ignored
+    # across an exec (SIGINT included: Python then leaves it ignored), SIGPIPE and SIGXFSZ ignored by Python itself (a
+    # write to a closed pipe or socket raises BrokenPipeError instead of killing the process), Python's handler for
+    # SIGINT, the rest the default
+    ignored = {signal.SIGPIPE, signal.SIGXFSZ, *map(signal.Signals, request.get("ignored", ()))}
     for number in signal.valid_signals():
         with contextlib.suppress(OSError, ValueError):
             if number not in (signal.SIGKILL, signal.SIGSTOP):
-                signal.signal(number, signal.default_int_handler if number == signal.SIGINT else
-                              signal.SIG_IGN if number in ignored else signal.SIG_DFL)
+                signal.signal(number, signal.SIG_IGN if number in ignored else
+                              signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.closerange(3, max(os.sysconf("SC_OPEN_MAX"), 1024))
