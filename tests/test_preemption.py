@@ -23,7 +23,6 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_bamboo.callbacks import preemption as preemption_module
 from lightning_bamboo.callbacks.notices import (
     AwsSpotPoller,
     AzureScheduledEventsPoller,
@@ -34,6 +33,7 @@ from lightning_bamboo.callbacks.notices import (
 )
 from lightning_bamboo.callbacks.preemption import PreemptionCallback, preemption_pending
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.runtime.leave import LEAVE
 
 pytestmark = pytest.mark.timeout(150)
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def no_callback_left_active() -> Iterator[None]:
     yield
-    assert preemption_module._ACTIVE == ()  # every callback a test started was stopped (teardown ran)
+    assert LEAVE.attached == ()  # every callback a test started was stopped (teardown ran)
 
 
 # --------------------------------------------------------------------------- a local metadata server

@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_bamboo.errors import BambooConfigError
+from lightning_bamboo.runtime.leave import LEAVE
 from lightning_bamboo.runtime.notices import (
     SOURCES,
     Notice,
@@ -33,25 +34,15 @@ OnNotice = Literal["auto", "checkpoint", "stop", "log"]
 _ACTIONS = ("auto", "checkpoint", "stop", "log")
 _SHORTHANDS: dict[str, Callable[..., NoticePoller]] = SOURCES
 
-# Flags of the installed callbacks; read by `preemption_pending()` from inside a step. A tuple replaced
-# whole (never mutated), so readers on any thread see a consistent value without a lock.
-_ACTIVE: tuple[SignalFlag, ...] = ()
-
 
 def preemption_pending() -> bool:
     """True when any installed :class:`PreemptionCallback` holds a notice this process has not yet acted on.
 
     Local and lock-free (a few attribute reads): cheap enough to call between micro-batches inside a step.
     It says "this rank was warned", not that the ranks agreed; agreement happens at the step boundary.
+    An installed callback's flag is attached to the process's one request to leave (``runtime.leave.LEAVE``).
     """
-    return any(flag.notice is not None for flag in _ACTIVE)
-
-
-def leave_requested() -> bool:
-    """A preemption notice for this node: a SIGTERM (``runtime.session.request_leave``) or a callback's notice."""
-    from lightning_bamboo.runtime.session import LEAVE
-
-    return LEAVE.is_set() or preemption_pending()
+    return LEAVE.notice_pending()
 
 
 def _is_lightning_sigterm_notifier(handler: object) -> bool:
@@ -301,20 +292,16 @@ class PreemptionCallback(Callback):
 
     # ----------------------------------------------------------------- lifecycle
     def _start(self) -> None:
-        global _ACTIVE
-        if self.flag not in _ACTIVE:
-            _ACTIVE = (*_ACTIVE, self.flag)
-        if self._watcher is None and self.pollers:
-            self._watcher = NoticeWatcher(self.pollers, self.notify, interval=self.poll_interval)
-            self._watcher.start()
+        LEAVE.attach(self.flag)
+        if self._watcher is None:
+            self._watcher = LEAVE.watch(self.pollers, self.poll_interval, self.notify)
 
     def _stop(self) -> None:
-        global _ACTIVE
         self.restore_signal_handlers()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
-        _ACTIVE = tuple(f for f in _ACTIVE if f is not self.flag)
+        LEAVE.detach(self.flag)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

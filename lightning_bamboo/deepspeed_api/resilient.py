@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch.distributed as dist
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.errors import BambooConfigError, FatalLoss, JobRestarted, Released
 from lightning_bamboo.runtime.config import BambooConfig
+from lightning_bamboo.runtime.leave import LEAVE
+from lightning_bamboo.runtime.notices import pollers_from_config
 from lightning_bamboo.runtime.rebalance import from_config, runtime_placement
 
 log = logging.getLogger(__name__)
@@ -189,7 +192,8 @@ class ResilientPipelineEngine:
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         self.runner = runner = PipelineRunner(self.config, self.host, device=device)
-        runner.open_session(session=_SESSION.pop("session", None))
+        opened = OPENED.take()  # the job init_distributed opened (None: a test's or a caller's own session)
+        runner.open_session(session=opened.session if opened is not None else None)
         self.rebalancer = from_config(self.config.rebalance)
         self.training_dataloader = self._loader(training_data, collate_fn, micro) if training_data is not None else None
         self._data: Iterator[Any] | None = None
@@ -199,10 +203,9 @@ class ResilientPipelineEngine:
         self.restarts: list[dict[str, Any]] = []
         self._checkpoints: Path | None = None  # the directory of the last save or load: a restart loads its latest
         self._model = _Model(module)
-        admission = _SESSION.pop("admission", None)
-        if admission is not None:
-            self._join(admission)
-        elif _SESSION.pop("start_lost", False):  # the survivors of a start: their group, not the launch's world
+        if opened is not None and opened.admission is not None:
+            self._join(opened.admission)
+        elif opened is not None and opened.start_lost:  # the survivors of a start: their group, not the launch's world
             from lightning_bamboo.engine.build import ensure_deepspeed_comm
 
             dist.destroy_process_group()
@@ -217,8 +220,11 @@ class ResilientPipelineEngine:
             self.rebalancer.attach(runner, micro)
             self.rebalancer.begin(runtime_placement(runner, self.host.global_micro_batches()), runner.layer_costs())
         _watch_exit(self)
-        _leave_on_sigterm()
-        self.notices = _watch_notices(self.config)
+        # SIGTERM (a spot notice, a scheduler's stop) and the section's notice sources: this node leaves after the
+        # step in flight commits, its stage served from its replica by the others, and exits 0 from train_batch
+        LEAVE.on_sigterm()
+        self.notices = LEAVE.watch(pollers_from_config(self.config.notices, '"bamboo.notices"'),
+                                   self.config.notice_interval)
 
     def _join(self, record: Any | None) -> None:
         """A standby node admitted by ``record`` (None: not yet; wait for an admission): leave the standby world
@@ -473,8 +479,34 @@ class ResilientPipelineEngine:
             dist.destroy_process_group()  # its communication process ends with it, not with a reset connection
 
 
-#: a membership session opened by ``init_distributed`` for the engine ``initialize`` builds next
-_SESSION: dict[str, Any] = {}
+@dataclass(frozen=True)
+class OpenedJob:
+    """What ``init_distributed`` opened under the launcher, for the engine ``initialize`` builds next: the node's
+    membership ``session``; the ``admission`` of a standby that waited for one; ``start_lost`` when nodes died
+    before the job's process group formed (the engine starts without them)."""
+
+    session: Any
+    admission: Any = None
+    start_lost: bool = False
+
+
+class Handover:
+    """The one thing a DeepSpeed script's two calls, ``init_distributed`` and ``initialize``, have in common: this
+    process. ``put`` keeps the job the first opened; ``take`` gives it to the engine once."""
+
+    def __init__(self) -> None:
+        self._job: OpenedJob | None = None
+
+    def put(self, job: OpenedJob) -> None:
+        self._job = job
+
+    def take(self) -> OpenedJob | None:
+        job, self._job = self._job, None
+        return job
+
+
+#: the job ``init_distributed`` opened in this process, until ``initialize`` builds its engine on it
+OPENED = Handover()
 
 
 def open_job(timeout: float, detection_timeout: float) -> None:
@@ -500,12 +532,12 @@ def open_job(timeout: float, detection_timeout: float) -> None:
         if record is None:
             raise SystemExit(0)
         leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)
-        _SESSION["session"], _SESSION["admission"] = session, record
+        OPENED.put(OpenedJob(session, admission=record))
         world = _start_world(session)
         dist.init_process_group("fake", rank=world - 1, world_size=world)  # (rank 0 prints DeepSpeed's banners)
         ensure_deepspeed_comm("fake")
         return
-    _SESSION["session"] = session
+    OPENED.put(OpenedJob(session, start_lost=bool(session.start_lost)))
     if session.start_lost:
         # Nodes died before the process group formed: the job starts without them, as the Lightning door does
         # (``PipelineRunner.start_without_lost``, in ``initialize``: the survivors' group). The script builds its
@@ -513,7 +545,6 @@ def open_job(timeout: float, detection_timeout: float) -> None:
         from lightning_bamboo.runtime.refusal import stop_if_refused
 
         stop_if_refused(session)
-        _SESSION["start_lost"] = True
         dist.init_process_group("fake", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         ensure_deepspeed_comm("fake")
         return
@@ -553,33 +584,6 @@ def _concatenate(micro: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
                 f"{type(item).__name__}); return them from the dataset or collate_fn"
             )
     return torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
-
-
-def _leave_on_sigterm() -> None:
-    """SIGTERM (a spot notice, a scheduler's stop) is a notice: this node leaves after the step in flight commits,
-    its stage served from its replica by the others, and its process exits 0 from ``train_batch``."""
-    import signal
-    import threading
-
-    from lightning_bamboo.runtime.session import request_leave
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda _signum, _frame: request_leave())
-
-
-def _watch_notices(config: BambooConfig) -> Any:
-    """The config's spot-notice sources (``["aws"]``, ``{"aws": endpoint}``), polled every ``notice_interval``
-    seconds on a thread: a notice is taken as SIGTERM is, the node leaving after the step in flight commits. None
-    without notice sources."""
-    from lightning_bamboo.runtime.notices import NoticeWatcher, pollers_from_config
-    from lightning_bamboo.runtime.session import request_leave
-
-    pollers = pollers_from_config(config.notices, '"bamboo.notices"')
-    if not pollers:
-        return None
-    watcher = NoticeWatcher(pollers, lambda _notice: request_leave(), interval=config.notice_interval)
-    watcher.start()
-    return watcher
 
 
 def _watch_exit(engine: ResilientPipelineEngine) -> None:

@@ -12,7 +12,6 @@ import dataclasses
 import gc
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -172,8 +171,8 @@ def main() -> int:
     # milliseconds instead of a fifth of a second each.
     gc.freeze()
     if pooled:
-        from lightning_bamboo.launcher import offer_process
         from lightning_bamboo.membership.node import die_with_parent
+        from lightning_bamboo.membership.offers import offer_process
 
         die_with_parent(True)
         assignment = offer_process(timeout=POOL_WAIT_SECONDS)
@@ -211,8 +210,8 @@ def _assigned(assignment: dict) -> argparse.Namespace:
 
 
 def _restart_in_place() -> dict | None:
-    """Free the failed job and wait to be given the next one (``lightning_bamboo.launcher.offer_process``)."""
-    from lightning_bamboo.launcher import offer_process
+    """Free the failed job and wait to be given the next one (``lightning_bamboo.membership.offers.offer_process``)."""
+    from lightning_bamboo.membership.offers import offer_process
     from lightning_bamboo.strategy.patches import release_for_restart
 
     release_for_restart()
@@ -248,9 +247,9 @@ def train(args: argparse.Namespace) -> int:
         callbacks.append(RebalanceCallback(stages=args.preferred_stages))
     # SIGTERM is a preemption notice: a flag-only handler; the node announces that it leaves
     # before its next commit and exits once that step committed (see Session.commit).
-    from lightning_bamboo.runtime.session import request_leave
+    from lightning_bamboo.runtime.leave import LEAVE
 
-    signal.signal(signal.SIGTERM, lambda *_: request_leave())
+    LEAVE.on_sigterm()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", args.stages)),
         max_steps=args.steps, callbacks=callbacks, logger=False, enable_progress_bar=False,

@@ -21,6 +21,7 @@ from lightning_bamboo.runtime.checkpoints import StageCheckpoints
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
+from lightning_bamboo.runtime.leave import LEAVE
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
 from lightning_bamboo.runtime.refusal import stop_if_refused
 from lightning_bamboo.runtime.restart import (
@@ -29,7 +30,7 @@ from lightning_bamboo.runtime.restart import (
     reform_after_fatal_loss,
     restarted,
 )
-from lightning_bamboo.runtime.session import LEAVE, Session, launched_by_bamboo, start_session
+from lightning_bamboo.runtime.session import Session, launched_by_bamboo, start_session
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.layout import Layout, micro_batches, pipeline_share
 
@@ -168,7 +169,7 @@ class PipelineRunner:
         return self._stage.between_steps
 
     # ------------------------------------------------------------------ membership
-    def open_session(self, leave_requested: Callable[[], bool] = LEAVE.is_set,
+    def open_session(self, leave_requested: Callable[[], bool] = LEAVE.requested,
                      session: Session | None = None) -> Session | None:
         """Under the Bamboo launcher: register this node and pass the job's start rendezvous (else None). ``session``:
         one opened already (the DeepSpeed door opens it before the engine is asked for), taken as it is."""
@@ -180,7 +181,7 @@ class PipelineRunner:
             self._stage.attach(session)
         return self.session
 
-    def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.is_set) -> Reconfiguration | None:
+    def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.requested) -> Reconfiguration | None:
         """A standby node (one the launcher starts to join, or one that left the layout: ``Released``): standby
         until a reconfiguration admits it (its record; :meth:`join` it next), or the job finishes (None)."""
         session = self.open_session(leave_requested)
@@ -188,7 +189,7 @@ class PipelineRunner:
         return session.wait_as_standby()
 
     def join(self, record: Reconfiguration | None = None,
-             leave_requested: Callable[[], bool] = LEAVE.is_set) -> tuple[Reconfiguration, int, int] | None:
+             leave_requested: Callable[[], bool] = LEAVE.requested) -> tuple[Reconfiguration, int, int] | None:
         """A standby node's way into the job: enter the process group of its admission ``record`` (None: wait for
         one first, :meth:`wait_admission`). An admission that a loss interrupts before the group formed (a node of
         the new layout lost, cut off or frozen meanwhile: the running nodes restart without this node, or go back to

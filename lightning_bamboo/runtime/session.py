@@ -8,7 +8,6 @@ imports no torch; here is what it needs of torch: ``TorchGroups`` forms and abor
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -20,20 +19,12 @@ from lightning_bamboo.membership import session as membership
 from lightning_bamboo.membership.protocol import Store
 from lightning_bamboo.membership.records import Reconfiguration
 from lightning_bamboo.membership.session import GroupFormer, joining, launched_by_bamboo
+from lightning_bamboo.runtime.leave import LEAVE
 
-__all__ = ["LEAVE", "GroupFormer", "PeerLost", "Reconfiguration", "Session", "TorchGroups", "joining", "launched_by_bamboo",
-           "start_session", "request_leave"]
+__all__ = ["GroupFormer", "PeerLost", "Reconfiguration", "Session", "TorchGroups", "joining", "launched_by_bamboo",
+           "start_session"]
 
 log = logging.getLogger(__name__)
-
-#: set (from a signal handler, a notice poller, anywhere) to leave the job at the end of the step
-LEAVE = threading.Event()
-
-
-def request_leave() -> None:
-    """Flag-only (safe in a signal handler): this node leaves after the step in flight commits."""
-    LEAVE.set()
-
 
 class TorchGroups:
     """The ``GroupFormer`` of a worker: ``torch.distributed`` process groups on ``backend`` (the abortable
@@ -77,7 +68,7 @@ class Session(membership.Session):
 
 
 def start_session(detection_timeout: float, rendezvous_timeout: float, backend: str = BACKEND,
-                 leave_requested: Callable[[], bool] = LEAVE.is_set) -> Session:
+                 leave_requested: Callable[[], bool] = LEAVE.requested) -> Session:
     """The session of a worker the Bamboo launcher started: registered, past the start rendezvous (or standing by,
     when it joins a running job), forming its groups on ``backend``."""
     session = Session.from_environment(detection_timeout, rendezvous_timeout, TorchGroups(backend), leave_requested)

@@ -25,6 +25,7 @@ from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS, DEFAULT_TIMEOUT_SECONDS, BambooConfig
+from lightning_bamboo.runtime.leave import LEAVE
 from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly, stop_if_refused
 from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import joining, launched_by_bamboo
@@ -237,7 +238,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
         check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
 
-    def admit(self, leave_requested: Callable[[], bool]) -> None:
+    def admit(self, leave_requested: Callable[[], bool] = LEAVE.requested) -> None:
         """A standby node: wait for an admission and enter the job's process group at the rank it gives
         (``PipelineRunner.join``: an admission a loss interrupts waits for the next); ``setup`` then takes the stage
         and the training state from the running nodes. The job finished first: this node ends with status 0."""
@@ -265,10 +266,6 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
     # ------------------------------------------------------------------ environment
     @override
     def setup_environment(self) -> None:
-        from lightning_bamboo.callbacks.preemption import (
-            leave_requested,  # (callbacks import the strategy's package)
-        )
-
         runner = self.runner
         backend = self._get_process_group_backend()
         runner.place(backend=backend)  # before any group forms (an admission forms one here)
@@ -283,9 +280,9 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         if joining() and runner.session is None:
             # A node joining a running job: standby until a reconfiguration admits it, then its
             # process group is the job's (Lightning finds it initialised and keeps it).
-            self.admit(leave_requested)
+            self.admit()
         resolve_stages(self.world_size, self.runner.depth)  # fail before joining a group (an admission set the depth)
-        if runner.session is None and runner.open_session(leave_requested) is not None:
+        if runner.session is None and runner.open_session() is not None:
             # before the process group: its TCPStore rendezvous cannot tell a dead node from a slow one
             if runner.session is not None and runner.session.start_lost:
                 self._assigned = runner.start_without_lost()

@@ -15,7 +15,7 @@ import torch.distributed as torch_dist
 from lightning_bamboo.engine.comm_process import abort_generation
 from lightning_bamboo.engine.groups import reset_group_names
 from lightning_bamboo.errors import FatalLoss, Released
-from lightning_bamboo.runtime.session import request_leave
+from lightning_bamboo.runtime.leave import request_leave
 
 log = logging.getLogger(__name__)
 

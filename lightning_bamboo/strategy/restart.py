@@ -88,15 +88,11 @@ def put_away(strategy: Any, trainer: Any) -> None:
 def stand_by_fit(strategy: Any, trainer: Any, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
     """This node left the layout (``Released``) and stands by in its process: its attempt put away, it waits for an
     admission (then ``fit`` runs again from the running nodes' state) or the job's end (``SystemExit(0)``)."""
-    from lightning_bamboo.callbacks.preemption import (
-        leave_requested,  # (callbacks import the strategy's package)
-    )
-
     put_away(strategy, trainer)
     # no rank while it stands by: Lightning's rank-zero work (a logger's last save when the job's end ends this wait)
     # belongs to the running layout's rank 0, which may write the same files (it was this node's rank before)
     strategy.pl_package("utilities.rank_zero").rank_zero_only.rank = -1
-    strategy.admit(leave_requested)
+    strategy.admit()
     return fit_args
 
 
