@@ -28,7 +28,6 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("strategy", "callbacks", "deepspeed_api", "launcher"), 4),
     **dict.fromkeys(("demo", "sim", "cli", "_registration", "__init__"), 5),
 }
-MAX_LINES = 600
 
 
 def module_name(path: Path) -> str:
@@ -230,14 +229,21 @@ def test_the_layer_table_covers_every_module():
         layer_of(module)
 
 
-OVER_600 = sorted(
-    f"{path.relative_to(REPO)} ({n} lines)"
-    for path in PACKAGE.rglob("*.py") if (n := len(path.read_text().splitlines())) > MAX_LINES
-)
+#: what a front end (layer 4 and up) may import of ``runtime/``: the runner's door, its options, the membership
+#: session it opens, the host protocol it implements, leaving, notices, rebalancing, refusals and the reductions of
+#: values its collectives gather; never the modules
+#: behind the door (the stage, the failover, the restart, the layout moves, the stage's checkpoints)
+RUNTIME_DOOR = {f"lightning_bamboo.runtime{suffix}" for suffix in (
+    "", ".runner", ".config", ".session", ".host", ".leave", ".notices", ".rebalance", ".refusal", ".collectives")}
 
 
-def test_no_module_is_longer_than_600_lines():
-    assert not OVER_600, f"modules over {MAX_LINES} lines; split them by concept:\n" + "\n".join(OVER_600)
+def test_a_front_end_imports_no_runner_internals():
+    found = sorted(f"{module} imports {target} (line {line})" for module, targets in GRAPH.items()
+                   if layer_of(module)[1] >= LAYERS["strategy"]
+                   for target, line in targets.items()
+                   if target.startswith("lightning_bamboo.runtime") and target not in RUNTIME_DOOR)
+    assert not found, ("a front end reaches behind the runner's door; add a verb or a view to PipelineRunner:\n"
+                       + "\n".join(found))
 
 
 #: the processes that may end with ``os._exit``: ones that run no line of a worker's (a zygote, a communication
@@ -246,6 +252,65 @@ def test_no_module_is_longer_than_600_lines():
 #: the processes that end without the interpreter's teardown (``membership.teardown.leave_without_teardown``, the
 #: package's one ``os._exit``): forked helpers that run none of a worker's code, by file with their count of calls
 NEVER_RAN = {"lightning_bamboo/engine/comm_zygote.py": 1, "lightning_bamboo/engine/comm_child.py": 1}
+
+
+#: the process state a module may keep at its top level, each with its owner's reason: one per process by nature
+#: (a worker is one node of one job), each an object with its own methods, never a bare dict written from outside
+PROCESS_STATE = {
+    "lightning_bamboo.runtime.leave": {"LEAVE"},  # the request to leave: signals and pollers set it, steps read it
+    # what init_distributed opened for initialize: a DeepSpeed script's two calls share nothing else
+    "lightning_bamboo.deepspeed_api.resilient": {"OPENED"},
+    "lightning_bamboo.engine.comm_process": {"_GENERATION"},  # the communication process of this worker
+    "lightning_bamboo.engine.comm_zygote": {"_ZYGOTE"},  # its forked template, started once per worker
+    "lightning_bamboo.engine.placement": {"_SIDE_STREAMS"},  # CUDA streams per device, made once
+    "lightning_bamboo.membership.members": {"_REPORTED"},  # malformed records already warned about
+    # Lightning subclasses made once per base; the strategies whose engines and group outlive fit() (a
+    # save_checkpoint after it needs both), released at interpreter exit or before a restart in the process
+    "lightning_bamboo.strategy.patches": {"_PATCHED", "_LAUNCHERS", "_TO_RELEASE"},
+}
+_MUTATORS = {"append", "extend", "add", "update", "pop", "popitem", "clear", "setdefault", "remove", "discard",
+             "insert", "put", "take", "set", "attach", "detach", "request", "__setitem__"}
+
+
+def module_state(path: Path) -> set[str]:
+    """Top-level names of ``path`` that its functions change: rebound under ``global``, or written through
+    (``NAME[k] = v``, ``del NAME[k]``, ``NAME.attr = v``, ``NAME.append(...)`` and the like)."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+           for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    changed: set[str] = set()
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Global):
+                changed.update(node.names)
+            targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                if isinstance(target, (ast.Subscript, ast.Attribute)) and isinstance(target.value, ast.Name):
+                    changed.add(target.value.id)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS
+                    and isinstance(node.func.value, ast.Name)):
+                changed.add(node.func.value.id)
+    return changed & top
+
+
+def test_no_module_keeps_mutable_state_outside_the_listed_few():
+    found = {module: state for module, path in MODULES.items() if (state := module_state(path))}
+    extra = {module: sorted(state - PROCESS_STATE.get(module, set())) for module, state in found.items()}
+    extra = {module: names for module, names in extra.items() if names}
+    assert not extra, ("module-level state outside PROCESS_STATE: keep it in an object its owner passes on, or list "
+                       f"it with its reason: {extra}")
+    stale = {module: sorted(names - found.get(module, set())) for module, names in PROCESS_STATE.items()}
+    assert not {m: n for m, n in stale.items() if n}, f"PROCESS_STATE lists names no module changes: {stale}"
+
+
+def test_the_state_check_finds_a_module_global_written_from_a_function(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("A = {}\nB = []\nC = 1\nD = {'k': 1}\ndef f():\n    A['x'] = 1\n    B.append(2)\n    global C\n"
+                      "    C = 2\n    return D['k']\n")
+    assert module_state(source) == {"A", "B", "C"}
 
 
 def test_the_engines_state_is_made_in_its_constructor():

@@ -23,7 +23,7 @@ import torch
 
 from lightning_bamboo.membership import StoreCredentialsError, StorePermissionError, connect
 from lightning_bamboo.membership.credentials import PASSWORD_ENV
-from lightning_bamboo.membership.registry import Registry
+from lightning_bamboo.membership.lease import Registry
 from lightning_bamboo.membership.session import Session
 from lightning_bamboo.testing.etcd_server import Certificates, EtcdServer, etcd_binary, openssl_binary
 from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights, run

@@ -9,7 +9,7 @@ import pytest
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership import EmbeddedServer, connect
 from lightning_bamboo.membership.fleet import Registered, choose_roster, fleet_rendezvous
-from lightning_bamboo.membership.registry import job_prefix
+from lightning_bamboo.membership.keys import job_prefix
 
 pytestmark = [pytest.mark.timeout(60)]
 

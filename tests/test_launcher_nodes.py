@@ -19,7 +19,7 @@ import torch
 
 from lightning_bamboo.launcher import main as launcher_main
 from lightning_bamboo.membership import connect
-from lightning_bamboo.membership.registry import job_prefix
+from lightning_bamboo.membership.keys import job_prefix
 from lightning_bamboo.testing import faults
 from lightning_bamboo.testing.etcd_server import EtcdServer, etcd_binary
 from tests.helpers import PYTHON, REPO, max_abs_diff, reference_weights

@@ -17,7 +17,7 @@ from lightning_bamboo.errors import CONFIG_EXIT_CODE
 from lightning_bamboo.launcher.cluster import Cluster
 from lightning_bamboo.launcher.outcome import machine_status
 from lightning_bamboo.membership.keys import JobKeys
-from lightning_bamboo.membership.registry import Registry
+from lightning_bamboo.membership.lease import Registry
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -24,8 +24,8 @@ from lightning_bamboo.membership import EmbeddedServer, Store, connect
 from lightning_bamboo.membership import session as session_module
 from lightning_bamboo.membership.fence import Fenced
 from lightning_bamboo.membership.keys import JobKeys
+from lightning_bamboo.membership.lease import abandon_job
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart, failover_record
-from lightning_bamboo.membership.registry import abandon_job
 from lightning_bamboo.membership.session import Session
 
 pytestmark = [pytest.mark.timeout(60)]

@@ -22,7 +22,7 @@ import pytest
 from lightning_bamboo.membership import connect
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import JOB_ENV, NODE_ENV, NODES_ENV, STORE_ENV
-from lightning_bamboo.membership.registry import wait_for_key
+from lightning_bamboo.membership.watch import wait_for_key
 from lightning_bamboo.testing.etcd_server import EtcdServer, etcd_binary
 
 pytestmark = pytest.mark.timeout(180)

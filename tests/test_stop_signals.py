@@ -125,7 +125,7 @@ def _store_waits_on(key: str) -> bool:
 def test_a_launcher_stopped_before_its_workers_start_exits_at_once(tmp_path):
     # --node with --peers: the second machine waits for the first to publish its address; nothing runs yet
     from lightning_bamboo.membership import EmbeddedServer
-    from lightning_bamboo.membership.registry import job_prefix
+    from lightning_bamboo.membership.keys import job_prefix
 
     server = EmbeddedServer().start()
     try:

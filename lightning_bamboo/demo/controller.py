@@ -350,7 +350,7 @@ class _Run:
             # they offer themselves to the next job as the survivors do (killing them made a restart with no
             # survivor start every process anew, 15-25 s on these cores). A joiner still starting is waited
             # for only while no process is kept at all and the warm pool has none ready: a new one would start no sooner.
-            from lightning_bamboo.membership.registry import abandon_job
+            from lightning_bamboo.membership.lease import abandon_job
 
             abandon_job(cluster.store, self.job, f"a fatal loss at step {self.state.progress}")
             starting = functools.partial(_starting, cluster, self.keys, self.joiners)

@@ -10,7 +10,7 @@ scale-out; a trace's "add" is then a machine that can run at once. Each process 
 once; the replacement starts at idle CPU priority (the first ones start with the job, at its priority).
 
 A pooled worker (``python -m lightning_bamboo.demo.worker --pooled``) offers its process under the
-pool's own job (``launcher.offer_process``, the same offer a survivor of a fatal loss makes) and
+pool's own job (``membership.offers.offer_process``, the same offer a survivor of a fatal loss makes) and
 runs whatever it is assigned: a rank of a job, or a node joining one as a standby node.
 """
 

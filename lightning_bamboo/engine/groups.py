@@ -12,7 +12,7 @@ from lightning_bamboo.errors import BambooError
 from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import node_address
-from lightning_bamboo.membership.registry import wait_for_key
+from lightning_bamboo.membership.watch import wait_for_key
 
 
 def reset_group_names() -> None:

@@ -1,5 +1,5 @@
 """The launcher's workers on one machine: ``Cluster`` starts, watches and announces them; ``stopping`` hands a
-supervisor's stop signal to them with a grace; ``_wait_for_workers`` waits for them, killing a worker that is
+supervisor's stop signal to them with a grace; ``wait_for_workers`` waits for them, killing a worker that is
 hung after its job finished (stopped, or idle past the grace)."""
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Cluster:
         module, and ``python SCRIPT.py`` too); other commands start as they are."""
         from lightning_bamboo.membership import connect, resolve_store
         from lightning_bamboo.membership.address import bind_env
-        from lightning_bamboo.membership.registry import Registry
+        from lightning_bamboo.membership.lease import Registry
 
         self.url, self._server = resolve_store(store)
         self.job = job
@@ -468,7 +468,7 @@ def _cpu_seconds(pid: int) -> float | None:
     return total
 
 
-class _HangWatch:
+class HangWatch:
     """Which workers are hung after the job finished: past the grace and using no CPU (or stopped), or past the limit."""
 
     def __init__(self, finished_at: float) -> None:
@@ -488,7 +488,7 @@ class _HangWatch:
         return cpu is None or (before is not None and cpu - before < 0.02)
 
 
-def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
+def wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
                       announce_always: bool = False, kill_hung: bool = False) -> set[str]:
     """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or with ``kill_hung``
     when they run on ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by
@@ -498,7 +498,7 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
     few milliseconds of CPU a second, too few to see the end and exit, and would be taken for hung. Returns the
     workers killed as hung."""
     finished_at, checked, hung = None, 0.0, set()
-    watch: _HangWatch | None = None
+    watch: HangWatch | None = None
     told_refusal = False
     while cluster.running:
         cluster.poll(announce_always=announce_always)
@@ -523,7 +523,7 @@ def _wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = No
             for name in cluster.running:
                 cluster.kill(name, signal.SIGKILL)
         if finished_at is not None:
-            watch = watch or _HangWatch(finished_at)
+            watch = watch or HangWatch(finished_at)
             for name in cluster.running:
                 if name in hung or watch.hung(name, cluster.procs[name].pid, now):
                     if name not in hung:

@@ -34,7 +34,7 @@ def worker_status(codes: Mapping[str, int], workers: Sequence[str]) -> int | Non
 
 def machine_status(cluster: Any, workers: Sequence[str], poll: float = 1.0, gone_after: float = JOB_GONE_SECONDS) -> int:
     """This machine's exit status, once its ``workers`` (of ``cluster``, a ``launcher.cluster.Cluster``) ended."""
-    from lightning_bamboo.membership.registry import read_membership
+    from lightning_bamboo.membership.watch import read_membership
 
     decided = worker_status(cluster.codes, workers)
     if decided is not None:

@@ -22,7 +22,7 @@ def check_name(kind: str, name: str) -> str:
 #: under a job's prefix: set by the node that ends the job (``Session.finish``); standby nodes and the
 #: launcher read it. Its value: the JSON list of the pipeline's nodes at the end (``"1"`` from older writers)
 FINISHED_KEY = "finished"
-#: under a job's prefix: put by whoever restarts a job that ended with a fatal loss (``registry.abandon_job``), as
+#: under a job's prefix: put by whoever restarts a job that ended with a fatal loss (``lease.abandon_job``), as
 #: an admission record that names no node (``{"generation": -1, "order": [], "abandoned": reason}``), so that
 #: standby nodes, which watch ``admit/``, stop waiting at once and may offer their process to the next job
 ABANDONED_KEY = "admit/abandoned"
@@ -165,7 +165,7 @@ class JobKeys:
         return self._under("reached", node)
 
     def offer(self, process: str | None = None) -> str:
-        """``offer/<process>``: a process that offers itself to a job (``launcher.offer_process``)."""
+        """``offer/<process>``: a process that offers itself to a job (``membership.offers.offer_process``)."""
         return self._under("offer", process)
 
     def assign(self, process: str) -> str:

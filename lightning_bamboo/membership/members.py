@@ -1,6 +1,6 @@
 """A job's membership as read from the store (``nodes/``, ``lost/``, ``leaving/``), and which records count.
 
-A record counts only if it is one the job's own nodes write (``registry.Registry``): JSON with the fields of its
+A record counts only if it is one the job's own nodes write (``lease.Registry``): JSON with the fields of its
 kind, named by its own key; a registration on a lease (a node registers on the lease it keeps alive) that names that
 lease and shares it with no earlier registration; a leave notice on the lease of the node it names. Anything else
 (a node that never joined, a lease that is not its own, a record that is not one) is ignored, with one log line per

@@ -18,10 +18,11 @@ from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError, GatherFailed, barrier, gather
 from lightning_bamboo.membership.fence import Fenced, FencedStore
 from lightning_bamboo.membership.keys import JobKeys
+from lightning_bamboo.membership.lease import NodeIdInUseError, Registry
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
 from lightning_bamboo.membership.protocol import Store, request_timeout_for, wait_riding_out
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
-from lightning_bamboo.membership.registry import LossDetector, NodeIdInUseError, Registry
+from lightning_bamboo.membership.watch import LossDetector
 from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import machine_of
 
@@ -336,7 +337,7 @@ class Session:
         """Standby until a reconfiguration names this node (its record) or the job finishes (None).
 
         A standby node is live (its lease is kept) and costs nothing; it waits as long as the job runs.
-        A job abandoned after a fatal loss (``registry.abandon_job``) ends the wait with ``FatalLoss``, as it
+        A job abandoned after a fatal loss (``lease.abandon_job``) ends the wait with ``FatalLoss``, as it
         ends the survivors' ``fit()``: the process may then serve the restarted job (``offer_process``). So does a
         job none of whose nodes has been live for a detection timeout (its nodes failed or were lost, and nobody
         will finish it): a standby node never outlives its job.
