@@ -48,7 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lightning_bamboo.testing import faults  # noqa: E402
-from tests.helpers import PYTHON, json_reports, launcher_exit_codes, run  # noqa: E402
+from lightning_bamboo.testing.jobs import json_reports, launcher_exit_codes, run_in_group  # noqa: E402
+
+PYTHON = sys.executable
 
 JOB = [PYTHON, str(REPO / "tests" / "scripts" / "slow_mlp.py")]
 #: seconds from the last step's end to the end of every process of a finished job (issue 41's acceptance)
@@ -241,11 +243,11 @@ def run_netns(case: Case, steps: int, sleep: float) -> Outcome:
     if case.kill:
         cmd.append("--kill")
     try:
-        proc = run(cmd, timeout=CASE_TIMEOUT + 60, env=child_env())
-    except AssertionError as err:  # timed out: its group was killed
+        proc = run_in_group(cmd, timeout=CASE_TIMEOUT + 60, env=child_env(), cwd=REPO)
+    except subprocess.TimeoutExpired as err:  # timed out: its group was killed
         sweep_stale()
         return Outcome(str(case), {}, {}, 0, False, wrong=[f"did not end within {CASE_TIMEOUT + 60:g} s"],
-                       tail=str(err)[-4000:])
+                       tail=(err.output or '')[-4000:])
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
             return Outcome(**json.loads(line.removeprefix(RESULT)))
@@ -253,11 +255,21 @@ def run_netns(case: Case, steps: int, sleep: float) -> Outcome:
                    tail="\n".join(proc.stdout.splitlines()[-40:]))
 
 
+def machine_env() -> dict[str, str]:
+    """A machine's launcher environment: its workers are forks of one interpreter that imported torch, DeepSpeed and
+    Lightning (``--preload``: these machines have no GPU); the interface and the address are the launcher's to find."""
+    from lightning_bamboo.launcher import PRELOAD_ENV
+
+    env = {**child_env(), PRELOAD_ENV: "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"}
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
 def netns_case(mode: str, kill: bool, steps: int, sleep: float) -> Outcome:
     """2 machines of 2 workers on network namespaces, one supervisor each; ``kill``: every process of m1 once m1.0
     reported step ``steps // 2``."""
     from lightning_bamboo.testing.netns import NetnsCluster
-    from tests.test_cluster_netns import worker_env
 
     case, victim = Case("netns", len(MACHINES) * WORKERS, mode, kill), MACHINES[-1]
     with NetnsCluster(MACHINES) as net:
@@ -266,7 +278,7 @@ def netns_case(mode: str, kill: bool, steps: int, sleep: float) -> Outcome:
             PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "exits", "--node", machine,
             "--workers", str(WORKERS), "--peers", ",".join(MACHINES), "--addr", net.addrs[machine], "--",
             *job_args(case, steps, sleep), "--detection-timeout", str(DETECTION)],
-            env=worker_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=machine_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True) for machine in MACHINES}
         killed = threading.Event()
 

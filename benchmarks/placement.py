@@ -49,10 +49,10 @@ def worker(args: argparse.Namespace) -> None:
     """One node: train the model through BambooStrategy; rank 0 prints its step times as JSON."""
     import lightning.pytorch as pl
     import torch
+    from common import token_dataset  # (this script's directory is on the path when it runs)
 
     import lightning_bamboo
     from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
-    from tests.helpers import TokenData
 
     cfg = GPTConfig(**MODEL)
 
@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(TokenData(cfg, args.steps * BATCH), batch_size=BATCH,
+            return torch.utils.data.DataLoader(token_dataset(cfg, args.steps * BATCH), batch_size=BATCH,
                                                shuffle=False)
 
     class StepTimes(pl.Callback):

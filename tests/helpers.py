@@ -4,12 +4,14 @@ job's output."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
+from lightning_bamboo.testing.jobs import json_reports, launcher_exit_codes  # noqa: F401 - the tests' names for them
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -262,20 +265,6 @@ def pairs_alike_in_nccls_lanes(trace: Path, kinds: set[int] | None = None) -> No
     assert {tag_lane(r["tag"]) for r in records if r["op"] == "send"} == (set(LANES) if kinds is None else kinds)
 
 
-def launcher_exit_codes(output: str) -> dict[str, int]:
-    """Each node's exit code from the local launcher's ``[launcher] exit codes: node0=0, node1=-9`` line in
-    ``output`` (empty if it printed none)."""
-    prefix = "[launcher] exit codes: "
-    return {node: int(code) for line in output.splitlines() if line.startswith(prefix)
-            for node, code in (item.split("=") for item in line.removeprefix(prefix).split(", "))}
-
-
-def json_reports(output: str) -> list[dict]:
-    """The one-line JSON objects that start with ``{"node": `` in ``output`` (``tests/scripts/slow_mlp.py``'s
-    reports), also where processes' lines interleave."""
-    return [json.loads(found) for found in re.findall(r'\{"node": [^{}]*\}', output)]
-
-
 def callback_from_yaml(cls: type, init_args: str) -> object:
     """``cls`` built the way LightningCLI builds a callback from YAML (``class_path`` + ``init_args``)."""
     from jsonargparse import ArgumentParser
@@ -290,7 +279,7 @@ def wait_until_standing_by(url: str, job: str, node: str, proc: subprocess.Popen
     """Until ``node`` is registered as a standby of ``job`` in the store at ``url`` (its launcher ``proc`` alive)."""
     from lightning_bamboo.membership import connect
     from lightning_bamboo.membership.keys import JobKeys
-    from lightning_bamboo.membership.registry import wait_for_key
+    from lightning_bamboo.membership.watch import wait_for_key
 
     store = connect(url)
     try:
@@ -328,3 +317,37 @@ def launch_beside_a_standby_machine(job: str, nodes: int, standby: str, command:
             waiting.communicate()
         server.stop()
     return proc, subprocess.CompletedProcess(waiting.args, waiting.returncode, joined, None)
+
+
+@contextlib.contextmanager
+def aws_metadata_with_a_notice() -> Any:
+    """A loopback stand-in for AWS's instance metadata service that has scheduled this machine's interruption
+    (IMDSv2: a token, then the instance action). Yields its URL."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            self._answer(b"token" if self.path == "/latest/api/token" else None)
+
+        def do_GET(self):
+            self._answer(json.dumps({"action": "terminate", "time": stamp}).encode()
+                         if self.path == "/latest/meta-data/spot/instance-action" else None)
+
+        def _answer(self, body):
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
