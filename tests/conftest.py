@@ -12,7 +12,7 @@ import pytest
 
 #: the files that took longest in a full run on 2 cores (minutes each; 3-6 min for the first), longest first
 LONGEST_FIRST = ("test_demo.py", "test_redundancy_mp.py", "test_chaos.py", "test_cluster_netns.py",
-                 "test_deepspeed_door.py", "test_strategy_mp.py", "test_async_checkpoint.py", "test_launcher_local.py",
+                 "test_deepspeed_door.py", "test_doors.py", "test_strategy_mp.py", "test_async_checkpoint.py", "test_launcher_local.py",
                  "test_precision_mp.py", "test_refusal.py", "test_peers.py", "test_runner.py")
 
 

@@ -54,3 +54,23 @@ def _span(share: tuple[int, int, int]) -> tuple[int, int]:
 def test_bad_shares_are_refused(args, message):
     with pytest.raises(BambooConfigError, match=message):
         pipeline_share(*args)
+
+
+def test_a_dataloader_with_its_own_distributed_sampler_is_kept_and_told_what_a_resume_does(caplog):
+    """The strategy keeps a user's ``DistributedSampler`` as it is (its shards are the pipelines'), and says, once per
+    loader, that a run resumed mid-epoch then starts the epoch again, and what to pass instead."""
+    import logging
+
+    import torch
+
+    from lightning_bamboo.strategy.loading import PipelineData
+
+    data = list(range(32))
+    own = torch.utils.data.DataLoader(data, batch_size=4, sampler=torch.utils.data.DistributedSampler(
+        data, num_replicas=1, rank=0, shuffle=True, seed=0))
+    with caplog.at_level(logging.WARNING, logger="lightning_bamboo.strategy.loading"):
+        assert PipelineData().loader(own, True, 1, 0, update=None) is own
+    assert "starts the epoch again; pass shuffle=True or False instead" in caplog.text
+    plain = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    steps = PipelineData().loader(plain, True, 1, 0, update=None)
+    assert [len(b) for b in steps.batch_sampler][:2] == [4, 4]  # the strategy's global steps, resumable

@@ -3,14 +3,9 @@ machines with a few changed lines) under the Bamboo launcher, real SIGKILLs, eve
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import http.server
-import json
 import re
 import shutil
-import threading
-import time
 
 import pytest
 import torch
@@ -98,61 +93,6 @@ def test_a_sigkilled_node_is_taken_over_and_the_run_ends_bit_exact(tmp_path, cle
     assert meta["bamboo"]["global_steps"] == STEPS
 
 
-@contextlib.contextmanager
-def _aws_metadata_with_a_notice():
-    """A loopback stand-in for AWS's instance metadata service that has scheduled this machine's interruption
-    (IMDSv2: a token, then the instance action). Yields its URL."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
-
-    class Metadata(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self):
-            self._answer(b"token" if self.path == "/latest/api/token" else None)
-
-        def do_GET(self):
-            self._answer(json.dumps({"action": "terminate", "time": stamp}).encode()
-                         if self.path == "/latest/meta-data/spot/instance-action" else None)
-
-        def _answer(self, body):
-            self.send_response(200 if body is not None else 404)
-            self.send_header("Content-Length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
-
-
-def test_an_aws_notice_hands_the_stage_over_at_a_step_boundary_bit_exact(tmp_path, clean):
-    """``"bamboo": {"notices": ...}``: node2's AWS metadata says it will be interrupted; it leaves after the step in
-    flight commits and exits 0, its stage served from the replica: the clean run's weights and optimizer state."""
-    script = tmp_path / "spot.py"
-    section = ('{"redundancy": "lazy", "notice_interval": 0.2, **({"notices": {"aws": __import__("os").environ['
-               '"NOTICE_URL"]}} if __import__("os").environ["BAMBOO_NODE"] == "node2" else {})}')
-    script.write_text(SPOT.read_text().replace('{"redundancy": "lazy"}', section))
-    with _aws_metadata_with_a_notice() as url:
-        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, str(script),
-                    "--steps", str(STEPS), "--stages", "4", "--save-dir", str(tmp_path / "out")], timeout=240,
-                   env={"NOTICE_URL": url})
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert launcher_exit_codes(proc.stdout) == {f"node{i}": 0 for i in range(4)}, proc.stdout[-3000:]
-    assert "node2: leaving after a preemption notice" in proc.stdout and "Traceback" not in proc.stdout
-    assert re.search(r"lost \['node2'\] at step \d+", proc.stdout), proc.stdout[-3000:]  # taken over, not restarted
-    weights, states, meta = _final(tmp_path / "out")
-    clean_weights, clean_states, clean_meta = _final(clean)
-    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
-    assert meta["data_position"] == clean_meta["data_position"] == STEPS * 4
-
-
 def test_a_bad_notices_entry_is_refused_with_the_known_sources():
     from lightning_bamboo.deepspeed_api import bamboo_options
 
@@ -218,23 +158,6 @@ def test_load_checkpoint_then_a_kill_ends_bit_exact_in_another_layout(tmp_path, 
     clean_weights, clean_states, _ = _final(clean)
     assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
     assert meta["data_position"] == STEPS * 4
-
-
-def test_a_fatal_loss_restarts_from_the_last_checkpoint_in_the_running_processes_bit_exact(tmp_path, clean):
-    """node1 and node2 (node2's replica holder) killed at step 8: no replica of stage 2 is left. The survivors
-    node0 and node3 restart the job in their processes as 2 stages, from global_step6 (``save_dir/latest``), and the
-    loop goes on from step 6 by itself: the clean run's weights and optimizer state at step 12, bit for bit."""
-    stdout = _train(tmp_path / "out", kill=["node1@8", "node2@8"], extra=("--save-every", "6"))
-    # one record per survivor: the cause, the checkpoint, the step resumed from, the seconds, the new layout
-    restarts = re.findall(r"(node\d): restarted after a fatal loss at step 8 \(stage 2 \(node node2\) and its replica "
-                          r"holder \(node node1\) are both lost.*\) from \S+global_step6, step 6, in [\d.]+ s: 2 stage\(s\) "
-                          r"x 1 pipeline\(s\) of node0,node3", stdout)
-    assert sorted(restarts) == ["node0", "node3"], stdout[-3000:]
-    weights, states, meta = _final(tmp_path / "out")
-    clean_weights, clean_states, _ = _final(clean)
-    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
-    assert meta["data_position"] == STEPS * 4 and meta["bamboo"]["global_steps"] == STEPS
-    assert len(meta["bamboo"]["parts"]) == 3  # saved by the restarted job: 2 stages
 
 
 def test_without_replicas_a_kill_restarts_in_place_and_a_loop_with_its_own_iterator_rewinds_it(tmp_path, clean):
@@ -329,40 +252,3 @@ def test_a_pipeline_module_with_tied_first_and_last_layers_ends_bit_exact_throug
     assert meta["bamboo"]["ties"] == {"io": [0, last]} and not any(k.startswith(f"{last}.") for k in weights)
     saved = ckpt.read_layers(tmp_path / "kill" / "final", [0, last])
     assert all(torch.equal(saved[0]["weights"][k], saved[last]["weights"][k]) for k in ("weight", "bias"))
-
-
-def _draws(stdout: str) -> dict[tuple[int, int], float]:
-    return {(r["rank"], r["step"]): r["draw"] for r in map(json.loads, re.findall(r'\{"rank": [^{}]*\}', stdout))}
-
-
-def test_the_door_audits_every_step_and_a_resume_restores_each_processes_random_state(tmp_path):
-    """As the Lightning door does: with ``"audit_replicas": true`` every step's replicas are audited, and a resume
-    in as many processes as saved continues each process's random generator where it was saved (the draws after
-    it equal an uninterrupted run's)."""
-    script = REPO / "tests" / "scripts" / "door_own_iterator.py"
-
-    def door(out, steps, *extra):
-        proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "2", "--", PYTHON, str(script), "--steps",
-                    str(steps), "--stages", "2", "--save-dir", str(out), "--redundancy", "lazy", *extra], timeout=240)
-        assert proc.returncode == 0 and launcher_exit_codes(proc.stdout) == {"node0": 0, "node1": 0}, proc.stdout[-3000:]
-        return proc.stdout
-
-    whole = door(tmp_path / "whole", 2 * STEPS, "--audit")
-    assert int(re.search(r"audits (\d+)", whole).group(1)) >= 2 * STEPS, whole[-2000:]  # every step's, at least
-    door(tmp_path / "part", STEPS)  # saves its last step
-    resumed = door(tmp_path / "part", 2 * STEPS, "--resume")
-    after = {key: value for key, value in _draws(resumed).items() if key[1] > STEPS}
-    assert len(after) == 2 * STEPS and after == {key: value for key, value in _draws(whole).items() if key[1] > STEPS}
-
-
-def test_a_node_lost_while_the_job_starts_is_started_without_as_on_the_lightning_door(tmp_path, clean):
-    """node2 registers and is SIGKILLed before the first rendezvous: the three others start a 3-stage pipeline at
-    once (the script's PipelineModule was built for 4 stages, in a world of the launch's size), train to the end,
-    and end with the clean 4-stage run's weights and optimizer state (nothing had trained)."""
-    stdout = _train(tmp_path / "out", kill=["node2@start"], extra=("--save-every", "6"))
-    for node in ("node0", "node1", "node3"):
-        assert f"{node}: ['node2'] died while the job started; starting with 3 nodes" in stdout, stdout[-3000:]
-    weights, states, meta = _final(tmp_path / "out")
-    clean_weights, clean_states, _ = _final(clean)
-    assert max_abs_diff(weights, clean_weights) == 0.0 and max_abs_diff(states, clean_states) == 0.0
-    assert len(meta["bamboo"]["parts"]) == 4  # saved by the 3-stage job

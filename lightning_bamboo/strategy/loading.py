@@ -50,6 +50,11 @@ class PipelineData:
         ``_update_dataloader``, applied to a sampler that is not the global step loader's)."""
         sampler = getattr(dataloader, "sampler", None)
         if isinstance(sampler, torch.utils.data.DistributedSampler):
+            if training:
+                log.warning("the DataLoader brings its own DistributedSampler: its shards are the pipelines' shares, "
+                            "their number stays fixed, and a run resumed mid-epoch (a restart after a fatal loss "
+                            "too) starts the epoch again; pass shuffle=True or False instead, and the strategy draws "
+                            "each step's global batch and resumes at the sample it stopped")
             return dataloader  # the user sharded it already
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         ours: torch.utils.data.Sampler
