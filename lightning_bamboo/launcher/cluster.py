@@ -489,51 +489,97 @@ class HangWatch:
 
 
 def wait_for_workers(cluster: Cluster, stop: _Stop, deadline: float | None = None,
-                      announce_always: bool = False, kill_hung: bool = False) -> set[str]:
-    """Poll until every worker exited; SIGKILL the rest when a stop's grace is over, or with ``kill_hung``
-    when they run on ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node never exits by
-    itself). Only ``launch`` asks for that: all its workers are ranks of the job or standby nodes it released; a
-    machine's supervisor also runs standby nodes, which may still be starting when the job finishes. Once the job
-    finished, every worker runs at normal priority again: a standby waiting at idle priority on busy cores gets a
-    few milliseconds of CPU a second, too few to see the end and exit, and would be taken for hung. Returns the
-    workers killed as hung."""
-    finished_at, checked, hung = None, 0.0, set()
-    watch: HangWatch | None = None
-    told_refusal = False
-    while cluster.running:
-        cluster.poll(announce_always=announce_always)
-        if stop.overdue():
-            for name in cluster.running:
-                cluster.kill(name, signal.SIGKILL)
-        now = time.monotonic()
-        if kill_hung and now - checked > 1.0:
-            checked = now
-            if finished_at is None:
-                finished_at = now if cluster.job_finished() else None
-            if finished_at is not None:  # a standby waiting at idle priority needs the CPU now to see it and exit
-                for name in cluster.running:
-                    restore_normal_priority(cluster.procs[name].pid)
-        refused = [n for n, c in cluster.codes.items() if c == CONFIG_EXIT_CODE]
-        if refused and finished_at is None and cluster.running:  # the same script refuses everywhere: stop waiting
-            if not told_refusal:
-                told_refusal = True
-                print(f"[launcher] {refused[0]} ended with exit {CONFIG_EXIT_CODE}: the job's configuration was "
-                      "refused (the worker that refused it says why): no worker trained; stopping the others",
-                      file=sys.stderr, flush=True)
-            for name in cluster.running:
-                cluster.kill(name, signal.SIGKILL)
-        if finished_at is not None:
-            watch = watch or HangWatch(finished_at)
-            for name in cluster.running:
-                if name in hung or watch.hung(name, cluster.procs[name].pid, now):
-                    if name not in hung:
-                        hung.add(name)
-                        print(f"[launcher] {name} still runs {now - finished_at:.0f} s after the job finished, "
-                              "stopped or using no CPU (hung): killed", file=sys.stderr, flush=True)
-                    cluster.kill(name, signal.SIGKILL)
-        if deadline is not None and now > deadline:
-            raise TimeoutError(f"workers still running after the launcher's timeout: {cluster.running}")
-        time.sleep(0.05)
-    # a worker that exited after the last poll (``running`` reaps it) has its code recorded, and its death announced
-    cluster.poll(announce_always=announce_always)
-    return hung
+                     announce_always: bool = False, kill_hung: bool = False) -> set[str]:
+    """Poll until every worker exited (``Supervisor``); returns the workers killed as hung."""
+    return Supervisor(cluster, stop, deadline, announce_always, kill_hung).run()
+
+
+class Supervisor:
+    """The launcher's wait for its workers, one concern a method, each asked at every poll: a stop whose grace is
+    over (``stop_overdue``), the job's end (``job_end``: every worker at normal priority again), a refused
+    configuration (``refusal``), workers still running after the end (``hung_workers``), and the launcher's own
+    ``deadline`` (``past_deadline``).
+
+    ``kill_hung``: SIGKILL the workers that run on ``FINISHED_GRACE_SECONDS`` after the job finished (a frozen node
+    never exits by itself). Only ``launch`` asks for that: all its workers are ranks of the job or standby nodes it
+    released; a machine's supervisor also runs standby nodes, which may still be starting when the job finishes.
+    ``announce_always``: announce every worker's death in the store, also a clean exit's.
+    """
+
+    def __init__(self, cluster: Cluster, stop: _Stop, deadline: float | None = None, announce_always: bool = False,
+                 kill_hung: bool = False) -> None:
+        self.cluster, self.stop, self.deadline = cluster, stop, deadline
+        self.announce_always, self.kill_hung = announce_always, kill_hung
+        self.finished_at: float | None = None  # when this supervisor saw the job finished
+        self.hung: set[str] = set()  # the workers killed as hung
+        self._checked = 0.0  # the last time the store was asked whether the job finished
+        self._watch: HangWatch | None = None
+        self._told_refusal = False
+
+    def run(self) -> set[str]:
+        """Poll until every worker exited; returns the workers killed as hung."""
+        cluster = self.cluster
+        while cluster.running:
+            cluster.poll(announce_always=self.announce_always)
+            self.stop_overdue()
+            now = time.monotonic()
+            self.job_end(now)
+            self.refusal()
+            self.hung_workers(now)
+            self.past_deadline(now)
+            time.sleep(0.05)
+        # a worker that exited after the last poll (``running`` reaps it) has its code recorded, and its death announced
+        cluster.poll(announce_always=self.announce_always)
+        return self.hung
+
+    def _kill_all(self) -> None:
+        for name in self.cluster.running:
+            self.cluster.kill(name, signal.SIGKILL)
+
+    def stop_overdue(self) -> None:
+        """A stop signal's grace is over: SIGKILL every worker still running."""
+        if self.stop.overdue():
+            self._kill_all()
+
+    def job_end(self, now: float) -> None:
+        """With ``kill_hung``, once a second: has the job finished? Then every worker runs at normal priority again:
+        a standby waiting at idle priority on busy cores gets a few milliseconds of CPU a second, too few to see the
+        end and exit, and would be taken for hung."""
+        if not self.kill_hung or now - self._checked <= 1.0:
+            return
+        self._checked = now
+        if self.finished_at is None:
+            self.finished_at = now if self.cluster.job_finished() else None
+        if self.finished_at is not None:
+            for name in self.cluster.running:
+                restore_normal_priority(self.cluster.procs[name].pid)
+
+    def refusal(self) -> None:
+        """A worker refused the job's configuration (exit ``CONFIG_EXIT_CODE``): the same script refuses everywhere,
+        so the others are stopped (said once)."""
+        refused = [n for n, c in self.cluster.codes.items() if c == CONFIG_EXIT_CODE]
+        if not refused or self.finished_at is not None or not self.cluster.running:
+            return
+        if not self._told_refusal:
+            self._told_refusal = True
+            print(f"[launcher] {refused[0]} ended with exit {CONFIG_EXIT_CODE}: the job's configuration was "
+                  "refused (the worker that refused it says why): no worker trained; stopping the others",
+                  file=sys.stderr, flush=True)
+        self._kill_all()
+
+    def hung_workers(self, now: float) -> None:
+        """After the job finished: a worker stopped or using no CPU past the grace (``HangWatch``) is SIGKILLed."""
+        if self.finished_at is None:
+            return
+        self._watch = self._watch or HangWatch(self.finished_at)
+        for name in self.cluster.running:
+            if name in self.hung or self._watch.hung(name, self.cluster.procs[name].pid, now):
+                if name not in self.hung:
+                    self.hung.add(name)
+                    print(f"[launcher] {name} still runs {now - self.finished_at:.0f} s after the job finished, "
+                          "stopped or using no CPU (hung): killed", file=sys.stderr, flush=True)
+                self.cluster.kill(name, signal.SIGKILL)
+
+    def past_deadline(self, now: float) -> None:
+        if self.deadline is not None and now > self.deadline:
+            raise TimeoutError(f"workers still running after the launcher's timeout: {self.cluster.running}")
