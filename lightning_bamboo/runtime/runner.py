@@ -21,7 +21,6 @@ from lightning_bamboo.runtime.checkpoints import StageCheckpoints
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.failover import fail_over
 from lightning_bamboo.runtime.host import PipelineModel, RunnerHost
-from lightning_bamboo.runtime.leave import LEAVE
 from lightning_bamboo.runtime.moves import reconfigure, start_admitted
 from lightning_bamboo.runtime.refusal import stop_if_refused
 from lightning_bamboo.runtime.restart import (
@@ -169,27 +168,24 @@ class PipelineRunner:
         return self._stage.between_steps
 
     # ------------------------------------------------------------------ membership
-    def open_session(self, leave_requested: Callable[[], bool] = LEAVE.requested,
-                     session: Session | None = None) -> Session | None:
+    def open_session(self, session: Session | None = None) -> Session | None:
         """Under the Bamboo launcher: register this node and pass the job's start rendezvous (else None). ``session``:
         one opened already (the DeepSpeed door opens it before the engine is asked for), taken as it is."""
         if self.session is None:
             if session is None and launched_by_bamboo():
                 stage = self._stage
-                session = start_session(self.config.detection_timeout, self.config.timeout, stage.backend,
-                                        leave_requested)
+                session = start_session(self.config.detection_timeout, self.config.timeout, stage.backend)
             self._stage.attach(session)
         return self.session
 
-    def wait_admission(self, leave_requested: Callable[[], bool] = LEAVE.requested) -> Reconfiguration | None:
+    def wait_admission(self) -> Reconfiguration | None:
         """A standby node (one the launcher starts to join, or one that left the layout: ``Released``): standby
         until a reconfiguration admits it (its record; :meth:`join` it next), or the job finishes (None)."""
-        session = self.open_session(leave_requested)
+        session = self.open_session()
         assert session is not None and session.joining, "wait_admission() is for a standby node"
         return session.wait_as_standby()
 
-    def join(self, record: Reconfiguration | None = None,
-             leave_requested: Callable[[], bool] = LEAVE.requested) -> tuple[Reconfiguration, int, int] | None:
+    def join(self, record: Reconfiguration | None = None) -> tuple[Reconfiguration, int, int] | None:
         """A standby node's way into the job: enter the process group of its admission ``record`` (None: wait for
         one first, :meth:`wait_admission`). An admission that a loss interrupts before the group formed (a node of
         the new layout lost, cut off or frozen meanwhile: the running nodes restart without this node, or go back to
@@ -198,7 +194,7 @@ class PipelineRunner:
         size); None when the job finished first. An abandoned job ends the wait with ``FatalLoss``."""
         while True:
             if record is None:
-                record = self.wait_admission(leave_requested)
+                record = self.wait_admission()
                 if record is None:
                     return None
             leave_idle_priority()  # a local standby process waited at idle priority (Cluster.spawn_joiner)

@@ -67,10 +67,10 @@ class Session(membership.Session):
                          check_fenced=lambda: self.check_member("go on with its step"))
 
 
-def start_session(detection_timeout: float, rendezvous_timeout: float, backend: str = BACKEND,
-                 leave_requested: Callable[[], bool] = LEAVE.requested) -> Session:
+def start_session(detection_timeout: float, rendezvous_timeout: float, backend: str = BACKEND) -> Session:
     """The session of a worker the Bamboo launcher started: registered, past the start rendezvous (or standing by,
-    when it joins a running job), forming its groups on ``backend``."""
-    session = Session.from_environment(detection_timeout, rendezvous_timeout, TorchGroups(backend), leave_requested)
+    when it joins a running job), forming its groups on ``backend``; it leaves when this process's one request to
+    leave says so (``runtime.leave.LEAVE``, read at each commit)."""
+    session = Session.from_environment(detection_timeout, rendezvous_timeout, TorchGroups(backend), LEAVE.requested)
     assert isinstance(session, Session)
     return session

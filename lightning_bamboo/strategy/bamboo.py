@@ -25,7 +25,6 @@ from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
 from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS, DEFAULT_TIMEOUT_SECONDS, BambooConfig
-from lightning_bamboo.runtime.leave import LEAVE
 from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly, stop_if_refused
 from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import joining, launched_by_bamboo
@@ -238,11 +237,11 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
             compute_parts(self.partition, stages, probe.param_counts, probe.names)
         check_fit_data_before_launch(fit_args, trainer, self.micro_batch_size, pipelines)
 
-    def admit(self, leave_requested: Callable[[], bool] = LEAVE.requested) -> None:
+    def admit(self) -> None:
         """A standby node: wait for an admission and enter the job's process group at the rank it gives
         (``PipelineRunner.join``: an admission a loss interrupts waits for the next); ``setup`` then takes the stage
         and the training state from the running nodes. The job finished first: this node ends with status 0."""
-        joined = self.runner.join(None, leave_requested)
+        joined = self.runner.join()
         if joined is None:
             raise SystemExit(0)
         self._admission, rank, world = joined
