@@ -17,15 +17,20 @@ from tests.helpers import PYTHON, launcher_exit_codes, max_abs_diff, optimizer_s
 pytestmark = pytest.mark.timeout(600)
 
 STEPS, AT = 16, 8
+#: the restart tests' length: a node that released itself is admitted once its standby key has been seen refreshed
+#: (``MembershipSession.standby``: it refreshes it every second), a second or two after the restart; 8 steps of this
+#: small model take less than a second, so the job runs 24 more to leave the admission that time even on a loaded
+#: machine (under the suite's other lane, 8 did not: the job ended before node3 was admitted)
+RESTART_STEPS = 40
 
 
 def _job(out, redundancy: str, killed: tuple[str, ...] = ("node1",),
-         when: tuple[str, ...] = ()) -> tuple[str, dict[str, list[dict]]]:
+         when: tuple[str, ...] = (), steps: int = STEPS) -> tuple[str, dict[str, list[dict]]]:
     """Four nodes (each its own machine) as two pipelines of two stages (node ``i``: stage ``i // 2`` of pipeline
     ``i % 2``), ``killed`` SIGKILLed at the start of step AT (or where ``when`` says, ``faults``' form), a checkpoint
     every 4 steps. Returns the output and each node's step records."""
     proc = run([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", PYTHON, "benchmarks/spot_user.py",
-                "--stages", "2", "--steps", str(STEPS), "--checkpoint-every", "4", "--redundancy", redundancy,
+                "--stages", "2", "--steps", str(steps), "--checkpoint-every", "4", "--redundancy", redundancy,
                 "--out", str(out)], timeout=400, env=faults.environment(list(when) or [f"{node}@{AT}" for node in killed]))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert launcher_exit_codes(proc.stdout) == {f"node{i}": -9 if f"node{i}" in killed else 0 for i in range(4)}, \
@@ -66,9 +71,10 @@ def test_a_loss_in_every_pipeline_without_kept_replicas_restarts_from_the_checkp
     one pipeline, which then keeps every replica. Both survivors restart where both saw both losses in their first
     decision; a survivor that saw one of them first released itself (its pipeline dropped) and stands by, so the
     other restarts alone (the restart does not wait for a node that released itself, which ended the job) and admits
-    it at once. Together: either can happen on a loaded machine. node2 lost a moment later (inside the failover of
-    node1's loss, which released node3): node0 restarts alone and admits node3, or both restart."""
-    stdout, steps = _job(tmp_path, "auto", killed=("node1", "node2"), when=when)
+    it once it sees its standby key refreshed. Together: either can happen on a loaded machine. node2 lost a moment
+    later (inside the failover of node1's loss, which released node3): node0 restarts alone and admits node3, or both
+    restart."""
+    stdout, steps = _job(tmp_path, "auto", killed=("node1", "node2"), when=when, steps=RESTART_STEPS)
     assert f"restarted after a fatal loss at step {AT} (every pipeline lost a node and none can fail over" in stdout
     assert "no replica of it is kept" in stdout, stdout[-3000:]
     resumed = int(re.search(r"restarted after a fatal loss at step 8 .* from \S+, step (\d+), in", stdout)[1])
@@ -79,8 +85,9 @@ def test_a_loss_in_every_pipeline_without_kept_replicas_restarts_from_the_checkp
     for node in ("node0", "node3"):  # both end in one pipeline of two, each holding the other's stage's replica
         again = [r for r in steps[node] if len(r["nodes"]) == 2 and r["step"] >= resumed]
         assert again, (node, stdout[-3000:])
-        assert [r["step"] for r in again] == list(range(again[0]["step"], STEPS))
+        assert [r["step"] for r in again] == list(range(again[0]["step"], RESTART_STEPS))
         assert {r["replica"] for r in again} == {1 - again[-1]["nodes"].index(node)}
     # a node that restarted trained every step from the checkpoint on
     first = restarted[0]
-    assert [r["step"] for r in steps[first] if r["step"] >= resumed][-(STEPS - resumed):] == list(range(resumed, STEPS))
+    assert [r["step"] for r in steps[first] if r["step"] >= resumed][-(RESTART_STEPS - resumed):] == \
+        list(range(resumed, RESTART_STEPS))
