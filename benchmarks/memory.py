@@ -18,7 +18,7 @@ Then, at GPT-2 small with sequence 128, what ``lazy`` adds per process over ``of
 model's replica owner: weights, AdamW's moments, its update's temporaries) and what the rest costs.
 
     python benchmarks/memory.py [--shapes small-32,small-128,medium-128] [--modes off,lazy,eager] [--checkpointing 0,1]
-                                [--kill-at 4] [--steps 6] [--skip small-32:eager,...] [--tree DIR] [--reports DIR]
+                                [--kill-at 4] [--steps 10] [--skip small-32:eager,...] [--tree DIR] [--reports DIR]
 
 ``--tree DIR``: measure the ``lightning_bamboo`` of another source tree (``git archive COMMIT | tar -x -C DIR``: the
 code before a cut), predicted by this one's model.
@@ -39,6 +39,7 @@ GiB = 2**30
 SHAPES = {"small": (12, 768, 12), "medium": (24, 1024, 16)}  # layers, width, heads
 VOCAB, STAGES, MICRO_BATCHES, VICTIM = 50257, 4, 4, "node2"
 TARGET, UNEXPLAINED = 0.10, 0.05
+HEADROOM = GiB  # beside the job's nodes: the launcher, etcd, this script
 
 
 def _descendants(pid: int) -> list[int]:
@@ -198,6 +199,22 @@ def with_previous_stage(memory, shape: str, block: int, before: tuple[int, ...],
     return dataclasses.replace(memory, phases=tuple(Phase(p.name, (*p.items, previous)) for p in memory.phases))
 
 
+def machine_need(shape: str, block: int, mode: str, every: int) -> int:
+    """What the job's nodes need together as they start, by the model: every stage's predicted peak, its worker's
+    and its communication process's (a failover raises the survivors' peaks beyond this)."""
+    parts = parts_of(shape, block)
+    return sum(m.peak_bytes + m.communication_bytes
+               for m in (predict(shape, block, mode, every, parts, k) for k in range(STAGES)))
+
+
+def memory_available() -> int:
+    """The machine's ``MemAvailable``, in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
 def run(args: argparse.Namespace, shape: str, block: int, mode: str, every: int) -> list[dict]:
     from common import run_under_launcher
 
@@ -306,7 +323,9 @@ def main() -> int:
     parser.add_argument("--modes", default="off,lazy,eager")
     parser.add_argument("--checkpointing", default="0,1", help="activation checkpointing's layers per segment (0: off)")
     parser.add_argument("--kill-at", type=int, default=4, help="node2 is SIGKILLed at the start of this step (0: none)")
-    parser.add_argument("--steps", type=int, default=6)
+    # a node's peak settles in its third step in a stage (AdamW's moments come with the first update, the exchange's
+    # halves and the replica's with the first steps they serve): 6 steps after the kill measure the failover's peak
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tree", default=None, help="the source tree whose lightning_bamboo the job runs")
     parser.add_argument("--skip", default="", metavar="SHAPE-SEQUENCE:MODE,...",
                         help="configurations not to run (e.g. medium-128:lazy: a machine without the memory for them)")
@@ -336,6 +355,13 @@ def main() -> int:
                 label = (f"GPT-2 {shape} ({SHAPES[shape][0]} x {SHAPES[shape][1]}), sequence {block}, {mode}, "
                          f"activation checkpointing {'every ' + str(every) + ' layer(s)' if every else 'off'}")
                 print(f"\n{label}")
+                needed, available = machine_need(shape, int(block), mode, every), memory_available()
+                if needed * (1 + TARGET) + HEADROOM > available and args.reports is None:
+                    print(f"not run: its {STAGES} nodes need {needed / GiB:.1f} GiB as they start (the model's "
+                          f"peaks of the workers and their communication processes); with the model's 10% and "
+                          f"{HEADROOM / GiB:.0f} GiB for the launcher, etcd and this script, more than the "
+                          f"{available / GiB:.1f} GiB this machine has available")
+                    continue
                 rows = run(args, shape, int(block), mode, every)
                 ratios += show(rows, label)
                 peaks[(shape, int(block), every)] = {**peaks.get((shape, int(block), every), {}),
