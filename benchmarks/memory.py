@@ -356,7 +356,8 @@ def main() -> int:
                          f"activation checkpointing {'every ' + str(every) + ' layer(s)' if every else 'off'}")
                 print(f"\n{label}")
                 needed, available = machine_need(shape, int(block), mode, every), memory_available()
-                if needed * (1 + TARGET) + HEADROOM > available and args.reports is None:
+                measured = args.reports is not None and Path(args.reports, f"{shape}-{block}-{mode}-{every}").exists()
+                if needed * (1 + TARGET) + HEADROOM > available and not measured:
                     print(f"not run: its {STAGES} nodes need {needed / GiB:.1f} GiB as they start (the model's "
                           f"peaks of the workers and their communication processes); with the model's 10% and "
                           f"{HEADROOM / GiB:.0f} GiB for the launcher, etcd and this script, more than the "
