@@ -17,7 +17,8 @@ from lightning_bamboo.sim.simulate import simulate
 from lightning_bamboo.sim.sweep import MTBF, mtbf_preemption_rate, parse_sweep, plot_sweep, sweep, sweep_table
 from lightning_bamboo.sim.trace import Trace, bundled_trace, read_trace, write_trace
 
-POLICY_NAMES = ("on_demand", "checkpoint", "checkpoint_oracle", "elastic", "bamboo", "recycle", "parcae")
+POLICY_NAMES = ("on_demand", "checkpoint", "checkpoint_oracle", "elastic", "bamboo", "bamboo_auto", "bamboo_in_pipeline",
+                "recycle", "parcae")
 DEFAULT_POLICIES = ("on_demand", "checkpoint", "bamboo", "recycle", "parcae")
 
 

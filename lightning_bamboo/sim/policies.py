@@ -206,9 +206,28 @@ class Bamboo(Policy):
     """
 
     name = "bamboo"
+    #: which replicas the runtime keeps: ``"lazy"`` one of every stage; ``"auto"`` only where a stage has no
+    #: data-parallel copy on another machine, i.e. in a job of one pipeline (every node is a machine of its own here)
+    redundancy = "lazy"
 
     def on_add(self, event: TraceEvent) -> None:
         self.domains[event.node] = f"t{event.ms}"
+
+    def _replicas(self, layout: Placement | None) -> bool:
+        """Whether ``layout`` keeps replicas (pays the redundancy overhead, can fail a pipeline over)."""
+        return layout is not None and (self.redundancy == "lazy" or layout.pipelines == 1)
+
+    def _set_layout(self, layout: Placement | None, **rate: bool) -> None:
+        if self._replicas(layout) and not self._replicas(self.layout):
+            # auto left with one pipeline: its replicas are built in the pause that formed it; a loss before they are
+            # is fatal (as a loss inside the runtime's failover)
+            self.replicas_ready = self.ledger.paused_until
+        super()._set_layout(layout, **rate)
+
+    def _keep_damaged(self, lost: set[str], pause: float) -> bool:
+        """A design in which a damaged pipeline trains on (:mod:`lightning_bamboo.sim.designs`); True when it did.
+        The runtime drops it."""
+        return False
 
     def __init__(self, params: SimParams, ledger: Ledger) -> None:
         super().__init__(params, ledger)
@@ -216,6 +235,7 @@ class Bamboo(Policy):
         self.domains: dict[str, str] = {}  # nodes started at the same instant share a failure domain
         self.fatal = False
         self.decisions: list[tuple[float, str, str]] = []  # (seconds, action, reason)
+        self.replicas_ready = 0.0  # when the layout's replicas exist (auto: built after a change to one pipeline)
 
     def _fail_over(self, row: tuple[str, ...], lost: set[str]) -> list[str] | None:
         """The replica holders that take over ``row``'s lost stages, or None when one cannot."""
@@ -240,16 +260,20 @@ class Bamboo(Policy):
             return
         pause = 0.0 if event.notice_seconds > 0 else self.params.failover_seconds
         lost = {n for n in self.layout.nodes if n not in self.ready}
+        if self._keep_damaged(lost, pause):
+            return
         whole = [row for row in self.layout.grid if not lost & set(row)]
         if whole:  # drop the broken pipelines; no data moves
             self._restart({n for row in self.layout.grid if row not in whole for n in row})
             layout = Placement(tuple(whole), self.layout.parts, self.config.micro_batches(len(whole)))
+            self.overloaded &= set(layout.nodes)  # a holder of a dropped pipeline (a design that keeps them) goes
             self.ledger.recoveries["redundant"] += 1
             self.ledger.pause("failover", pause)
-            self._set_layout(layout, redundancy=True, overloaded=bool(self.overloaded))
+            self._set_layout(layout, redundancy=self._replicas(layout), overloaded=bool(self.overloaded))
             return
         rows = sorted(self.layout.grid, key=lambda r: -sum(n not in lost for n in r))
-        for row in rows:
+        replicas = self._replicas(self.layout) and self.ledger.t >= self.replicas_ready
+        for row in rows if replicas else ():  # without replicas no pipeline can fail over
             holders = self._fail_over(row, lost)
             if holders is not None:
                 self.overloaded.update(holders)
@@ -259,8 +283,8 @@ class Bamboo(Policy):
                 # the layout keeps the lost nodes' places: their holders run them (see step_rate)
                 layout = Placement((row,), parts, batches) if len(rows) > 1 else self.layout
                 self._restart({n for other in self.layout.grid if other != row for n in other})
-                self.overloaded -= lost
-                self._set_layout(layout, redundancy=True, overloaded=True)
+                self.overloaded = (self.overloaded - lost) & set(row)
+                self._set_layout(layout, redundancy=self._replicas(layout), overloaded=True)
                 return
         self.fatal = True
         self.overloaded.clear()
@@ -295,5 +319,14 @@ class Bamboo(Policy):
         self.started = self.started or decision.layout is not None
         self.fatal = False
         self.overloaded.clear()
-        self._set_layout(decision.layout, redundancy=True)
+        self._set_layout(decision.layout, redundancy=self._replicas(decision.layout))
+
+
+class BambooAuto(Bamboo):
+    """Bamboo as the runtime runs ``redundancy="auto"``: replicas only in a job of one pipeline. With several, no
+    step pays for replicas; a pipeline that lost a node is dropped (its survivors stand by), and a loss in every
+    pipeline at once is fatal (no pipeline has a replica to fail over from)."""
+
+    name = "bamboo_auto"
+    redundancy = "auto"
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping
 
+from lightning_bamboo.sim.designs import BambooInPipeline
 from lightning_bamboo.sim.ledger import Ledger
 from lightning_bamboo.sim.model import young_interval
 from lightning_bamboo.sim.params import ParamError, SimParams, describe_inputs
 from lightning_bamboo.sim.policies import (
     Bamboo,
+    BambooAuto,
     CheckpointOracle,
     CheckpointRestart,
     ElasticRestart,
@@ -22,7 +24,8 @@ from lightning_bamboo.sim.trace import Trace, TraceEvent, scale_trace
 
 #: every policy the simulator replays, by name
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, ElasticRestart, Bamboo, Recycle, Parcae)
+    p.name: p for p in (OnDemand, CheckpointRestart, CheckpointOracle, ElasticRestart, Bamboo, BambooAuto,
+                        BambooInPipeline, Recycle, Parcae)
 }
 
 
