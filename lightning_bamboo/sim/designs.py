@@ -58,7 +58,9 @@ class BambooInPipeline(Bamboo):
             return False  # one pipeline fails over from its replica; a loss during a move: as the runtime
         # lost nodes not taken over yet (a taken one's predecessor runs its stage: it is overloaded)
         fresh = {n for n in lost if layout.replica_holder(n) not in self.overloaded}
-        keep, drop, holders = [], [], []
+        keep: list[tuple[str, ...]] = []
+        drop: list[tuple[str, ...]] = []
+        holders: list[str] = []
         for row in layout.grid:
             stages = [s for s, n in enumerate(row) if n in fresh]
             taken = all(row[s - 1] not in lost and row[s - 1] not in self.overloaded and row[s] not in self.overloaded
