@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,73 @@ def capacity(out: Path) -> list[str]:
     return [*lines, f"events: {report.get('events', [])}"]
 
 
+def capacity_series(out: Path, nodes: int) -> list[tuple[float, int, int]]:
+    """``(seconds since the first failover, nodes training, nodes alive)`` at every step of the run kept in ``out``
+    (the demo's report): a node trains from the step its layout includes it; it is alive from the start or its join
+    until its kill; a released survivor, or a joiner not admitted yet, is alive and idle."""
+    report = json.loads((out / "report.json").read_text())
+    at = {int(step): float(t) for step, t in report.get("step_times", [])}
+    changes = sorted([(int(f["step"]), 0, len(f["order"])) for f in report.get("failovers", [])]
+                     + [(int(c["step"]), 1, len(c["order"])) for c in report.get("reconfigurations", [])])
+    alive_changes = []
+    for event in report.get("events", []):
+        match = re.match(r"step (\d+): \S+ (preempted|joined)", event)
+        if match:
+            alive_changes.append((int(match[1]), -1 if match[2] == "preempted" else 1))
+    failovers = report.get("failovers", [])
+    start = at.get(int(failovers[0]["step"]), 0.0) if failovers else 0.0
+    series = []
+    for step in sorted(at):
+        training = next((n for s, _, n in reversed(changes) if s <= step), nodes)
+        alive = nodes + sum(d for s, d in alive_changes if s <= step)
+        series.append((at[step] - start, training, alive))
+    return series
+
+
+def idle_spells(out: Path, nodes: int) -> str:
+    """For each kill or join of the run: the seconds from it until every live node trains again, or how many stay
+    idle to the run's end (a layout of whole pipelines of the preferred depth cannot take them)."""
+    report = json.loads((out / "report.json").read_text())
+    at = {int(step): float(t) for step, t in report.get("step_times", [])}
+    series = dict(zip(sorted(at), capacity_series(out, nodes), strict=True))
+    lines = []
+    for event in report.get("events", []):
+        match = re.match(r"step (\d+): (\S+) (preempted|joined)", event)
+        if not match or int(match[1]) not in series:
+            continue
+        step, when = int(match[1]), series[int(match[1])][0]
+        whole = next((series[s] for s in sorted(series) if s >= step and series[s][1] >= series[s][2]), None)
+        if whole is not None:
+            lines.append(f"{match[2]} {match[3]} at step {step}: every live node trains {whole[0] - when:.1f} s later")
+        else:
+            _t, training, alive = series[max(series)]
+            lines.append(f"{match[2]} {match[3]} at step {step}: {alive - training} of {alive} live nodes idle to the "
+                         f"end ({series[max(series)][0] - when:.1f} s)")
+    return "\n  ".join(lines) or "no event"
+
+
+def plot_capacity(root: Path, nodes: int, path: Path) -> None:
+    """The fraction of live nodes training against time, for the runs ``kill`` and ``kill_join`` kept in ``root``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for name, label in (("kill", "a node of every pipeline killed"), ("kill_join", "killed, then two nodes join")):
+        series = capacity_series(root / name, nodes)
+        ax.step([t for t, _, _ in series], [training / alive for _, training, alive in series], where="post",
+                label=label)
+    ax.set_xlabel("seconds since the kill")
+    ax.set_ylabel("live nodes training")
+    ax.set_ylim(0, 1.05)
+    ax.legend(loc="lower right")
+    ax.set_title(f"demo, {nodes} nodes as 2 pipelines of 3 stages (benchmarks/noise_floor.py)")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
 def difference(run: dict, clean: dict) -> tuple[float, float]:
     if "weights" not in run:
         return float("inf"), float("inf")
@@ -104,12 +172,17 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=6)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--keep", default=None, help="keep every run's files in this directory")
+    p.add_argument("--plot", default=None, metavar="PNG", help="with --capacity-of: plot the fraction of live nodes "
+                   "training against time")
     p.add_argument("--capacity-of", default=None, help="only print the capacity timelines of the runs kept in this "
                    "directory by an earlier --keep")
     args = p.parse_args()
     if args.capacity_of:
         for name in ("kill", "kill_join"):
             print(f"{name}:\n  " + "\n  ".join(capacity(Path(args.capacity_of) / name)))
+            print(f"  {idle_spells(Path(args.capacity_of) / name, args.nodes)}")
+        if args.plot:
+            plot_capacity(Path(args.capacity_of), args.nodes, Path(args.plot))
         return 0
     if args.nodes % args.stages or args.nodes // args.stages < 2:
         raise SystemExit(f"--nodes {args.nodes} must be a multiple of --stages {args.stages}, with 2 or more pipelines")
@@ -159,6 +232,7 @@ def main() -> int:
               f"{row['optimizer_difference']:>9.3g} {row['over_floor']:>8.3f} {row['sample_problems']:>7}")
     for name in ("kill", "kill_join"):
         print(f"capacity, {name}:\n  " + "\n  ".join(capacity(root / name)))
+        print(f"  {idle_spells(root / name, args.nodes)}")
     print(f"\nnoise floor after {args.steps} steps (the larger of the two floor runs): {floor:.3g}")
     print(f"the kill against its notice reference (same pipelines from the same step): max difference "
           f"{kill_vs_reference:.3g}")
