@@ -1,7 +1,7 @@
 """How far several-pipeline runs may drift from their clean run by rounding alone, and the faults judged against it.
 
     python benchmarks/noise_floor.py [--steps 60] [--at 20] [--nodes 6] [--stages 3]
-    python benchmarks/noise_floor.py --capacity-of DIR   # the capacity timelines of runs kept with --keep DIR
+    python benchmarks/noise_floor.py --capacity-of DIR [--plot PNG]   # the capacity timelines of runs kept with --keep DIR
 
 With one pipeline, every failover ends bit-equal to the clean run. With several, a run whose pipeline
 count changes sums the same micro-batch gradients in another grouping: each pipeline accumulates its
