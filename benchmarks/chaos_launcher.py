@@ -108,6 +108,9 @@ class Run:
     killed: set[str] = field(default_factory=set)
     cut: set[str] = field(default_factory=set)
     events: list[str] = field(default_factory=list)
+    #: when each change took effect (wall clock): a machine's join, its kill or cut, a worker signalled
+    joined_at: dict[str, float] = field(default_factory=dict)
+    down_at: dict[str, float] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO),
@@ -183,9 +186,11 @@ class Run:
                 return
             machine = spares.pop(0)
             self.start(machine, join=True)
+            self.joined_at[machine] = time.time()
             self.events.append(f"step {step}: {machine} joins")
         elif kind in ("kill_machine", "partition"):
             machine = target
+            self.down_at[machine] = time.time()
             if kind == "kill_machine":
                 self.net.kill_machine(machine)
                 self.killed.add(machine)
@@ -211,6 +216,7 @@ class Run:
 
     def _signal(self, nodes: list[str], sig: int) -> None:
         for node in nodes:
+            self.down_at[node] = time.time()  # gone (a kill) or leaving (a notice): not idle from here
             pid = self.pid(node)
             if pid is not None:
                 try:
@@ -279,7 +285,8 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
         codes = {m: p.poll() for m, p in job.procs.items()}
     return {"name": name, "ended": ended, "codes": codes, "killed": sorted(job.killed), "cut": sorted(job.cut),
             "events": job.events, "records": step_records(out), "final": out / "final",
-            "seconds": time.monotonic() - started}
+            "seconds": time.monotonic() - started, "joined_at": job.joined_at, "down_at": job.down_at,
+            "fired_at": {path.name: path.stat().st_mtime for path in (out / "fired").iterdir()}}
 
 
 def secured_etcd(net: Any, pki: Path) -> tuple[str, list[str], str]:
@@ -381,6 +388,39 @@ def judge(run: dict[str, Any], clean: dict[str, Any], steps: int, floor: float) 
     return problems
 
 
+IDLE_SECONDS = 2.0  # issue 63: no live node idle for longer than this after any event
+
+
+def idle_spells(run: dict[str, Any], longer_than: float = IDLE_SECONDS) -> list[tuple[float, str, str]]:
+    """``(seconds, node, when)`` for every spell longer than ``longer_than`` in which a live worker trained no step:
+    between two of its steps (a failover's pause, a release until its admission), from its machine's join to its
+    first step, and from its last step to the job's last while its machine was up (a worker that never came back).
+    A worker is not live once its machine is killed or cut off, or once it was signalled (killed, or told to leave)
+    or an armed fault fired (then its spells are not counted past its last step)."""
+    times: dict[str, list[tuple[float, int]]] = {}
+    for r in run["records"]:
+        if "t" in r:
+            times.setdefault(r["node"], []).append((float(r["t"]), int(r["step"])))
+    if not times:
+        return []
+    end = max(t for points in times.values() for t, _ in points)
+    fired = {name.split("@")[0] for name in run.get("fired_at", {})}
+    spells = []
+    for node, points in times.items():
+        points.sort()
+        machine = node.split(".")[0]
+        stopped = node in run["down_at"] or node in fired
+        until = min(run["down_at"].get(machine, end), run["down_at"].get(node, end))
+        marks = ([(run["joined_at"][machine], None)] if machine in run["joined_at"] else []) + points
+        if not stopped:
+            marks.append((until, None))
+        for (a, step_a), (b, _) in zip(marks, marks[1:], strict=False):
+            if b - a > longer_than:
+                where = "after its join" if step_a is None else f"after step {step_a}"
+                spells.append((b - a, node, where))
+    return sorted(spells, reverse=True)
+
+
 def most_pipelines(run: dict[str, Any]) -> int:
     """The most pipelines the job of ``run`` trained with at any step (its step records)."""
     return max((len(r["nodes"]) // max(int(r["stages"]), 1) for r in run["records"]), default=1)
@@ -447,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{run.get('optimizer_difference', float('nan')):.3g}; codes {run['codes']}", flush=True)
         for event in run["events"]:
             print(f"    {event}")
+        spells = idle_spells(run)
+        print(f"    live workers idle over {IDLE_SECONDS:g} s: " + (", ".join(
+            f"{node} {seconds:.1f} s {where}" for seconds, node, where in spells[:6]) or "none"), flush=True)
         for problem in problems:
             print(f"    PROBLEM: {problem}", flush=True)
     runs = args.seeds

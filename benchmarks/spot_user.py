@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ class StepRecord(pl.Callback):
                   "nodes": strategy.runner.nodes, "stages": layout.stages if layout is not None else None,
                   # the stage whose replica this worker keeps (None: none), and its resident memory
                   "replica": replica.stage if replica is not None else None,
-                  "rss": psutil.Process().memory_info().rss}
+                  "rss": psutil.Process().memory_info().rss,
+                  "t": time.time()}  # when the step ended (a live node's idle spells, chaos_launcher.py)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 

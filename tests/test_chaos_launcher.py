@@ -45,3 +45,25 @@ def test_a_seed_of_launcher_chaos_ends_exact_with_every_supervisor_right(tmp_pat
     assert "armed: " in out and " joins" in out  # the schedule's changes were made, not skipped
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"bb{proc.pid}x" not in listed  # it removed every namespace it made
+
+
+def test_idle_spells_count_a_live_worker_only_while_it_is_live():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from chaos_launcher import idle_spells
+
+    def steps(node, *times):
+        return [{"node": node, "step": i, "t": t} for i, t in enumerate(times)]
+
+    run = {"records": [*steps("host0.0", 0, 1, 2, 3, 10, 11),  # a failover's pause of 7 s after step 3
+                       *steps("host1.0", 0, 1, 2),  # its machine killed at 2.5 s: not live after
+                       *steps("host3.0", 10, 11),  # its machine joined at 4 s: 6 s before its first step
+                       *steps("host2.0", 0, 1, 2, 3),  # its machine up to the end (11 s): released, never back
+                       *steps("host0.1", 0, 1, 2),  # SIGKILLed at 2.2 s
+                       *steps("host2.1", 0, 1)],  # an armed fault killed it
+           "joined_at": {"host3": 4.0}, "down_at": {"host1": 2.5, "host0.1": 2.2},
+           "fired_at": {"host2.1@failover": 1.5}}
+    assert idle_spells(run) == [(8.0, "host2.0", "after step 3"), (7.0, "host0.0", "after step 3"),
+                                (6.0, "host3.0", "after its join")]
+    assert idle_spells(run, longer_than=7.5) == [(8.0, "host2.0", "after step 3")]
