@@ -200,11 +200,14 @@ def with_previous_stage(memory, shape: str, block: int, before: tuple[int, ...],
 
 
 def machine_need(shape: str, block: int, mode: str, every: int) -> int:
-    """What the job's nodes need together as they start, by the model: every stage's predicted peak, its worker's
-    and its communication process's (a failover raises the survivors' peaks beyond this)."""
+    """What the job's nodes need of the machine together as they start, by the model: every stage's predicted peak,
+    its worker's and its communication process's, less the replica's gradient halves, which are its owner's own
+    halves mapped once more (shared memory on one host, counted in both RSS, held once)."""
     parts = parts_of(shape, block)
-    return sum(m.peak_bytes + m.communication_bytes
-               for m in (predict(shape, block, mode, every, parts, k) for k in range(STAGES)))
+    memories = [predict(shape, block, mode, every, parts, k) for k in range(STAGES)]
+    shared = sum(item.bytes for m in memories for item in m.peak.items
+                 if item.what == "replica's gradients' shared halves")
+    return sum(m.peak_bytes + m.communication_bytes for m in memories) - shared
 
 
 def memory_available() -> int:
