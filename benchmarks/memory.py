@@ -27,6 +27,7 @@ code before a cut), predicted by this one's model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -69,14 +70,22 @@ def _anonymous(pid: int) -> int:
     return 0
 
 
+def proc_status(field: str, pid: int | str = "self") -> int:
+    """A ``/proc/PID/status`` field in bytes (0: the process is gone), read here rather than with the runtime's
+    helper so that ``--tree`` can measure a tree from before it existed."""
+    with contextlib.suppress(OSError):
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        return int(fields.get(field, "0 kB").split()[0]) * 1024
+    return 0
+
+
 def worker(args: argparse.Namespace) -> None:
-    from lightning_bamboo.runtime.memory import proc_status
+    import lightning_bamboo
 
     before = proc_status("VmRSS")  # imports done, nothing built
     import lightning.pytorch as pl
     import torch
 
-    import lightning_bamboo
     from lightning_bamboo.models.gpt import GPTConfig, gpt_layer_specs, gpt_loss
 
     layers, width, heads = SHAPES[args.shape]
@@ -108,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     class Watch(pl.Callback):
         def on_train_batch_end(self, trainer, *rest) -> None:
             runner = trainer.strategy.runner
-            engine = runner.engine
+            engine = trainer.strategy.engine
             comm = [pid for pid in _descendants(os.getpid())]
             report["steps"].append({
                 "step": trainer.global_step, "peak": proc_status("VmHWM"), "rss": proc_status("VmRSS"),
