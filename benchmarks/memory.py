@@ -81,6 +81,7 @@ def proc_status(field: str, pid: int | str = "self") -> int:
 
 def worker(args: argparse.Namespace) -> None:
     import lightning_bamboo
+    import lightning_bamboo.runtime  # noqa: F401  (torch and the runtime: what "before" has counted from the first)
 
     before = proc_status("VmRSS")  # imports done, nothing built
     import lightning.pytorch as pl
