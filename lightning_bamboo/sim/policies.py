@@ -26,7 +26,7 @@ class Policy:
         self.ready: list[str] = []  # usable nodes, in the order they became ready
         self.layout: Placement | None = None
         self.started = False
-        #: nodes that left the layout alive and restart as standby processes: the replay makes each
+        #: nodes that left the layout alive and stand by to be admitted again: the replay makes each
         #: ready again ``rejoin_seconds`` later (:func:`lightning_bamboo.sim.simulate.run_policy`)
         self.restarting: list[str] = []
 
@@ -200,8 +200,8 @@ class Bamboo(Policy):
     both stages (slower steps), and the others are released. A loss that no pipeline can fail over
     (a node lost together with its replica holder, or a node already running two stages) is
     fatal: back to the last asynchronous checkpoint and restart. As in the runtime, the released
-    survivors of a dropped pipeline restart as standby processes (``runtime/failover.py``'s
-    ``_release``): they are usable again ``rejoin_seconds`` later. Every later layout change is
+    survivors of a dropped pipeline stand by in their processes (``runtime/failover.py``'s
+    ``Released``): they are usable again ``rejoin_seconds`` later. Every later layout change is
     decided by :func:`lightning_bamboo.topology.policy.reconfigure`.
     """
 
