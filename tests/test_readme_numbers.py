@@ -84,3 +84,16 @@ def test_the_checker_finds_what_it_must():
     assert texts == ["recovery 0.85 s"]
     assert [re.findall(NUMBER, _no_inline_code(r)) for r in _numbers_table(prose)] == [["2.61"]]
     assert [m[1] for m in WITH_UNIT.finditer(prose)] == ["2.61", "9.5"]
+
+
+def test_make_bench_can_record_every_result_the_readme_cites_again():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rerecord import command, readme_results
+
+    names = readme_results()
+    assert "memory" in names and "sim_ettr" in names  # the table's files are found
+    cannot = [n for n in names if command(n) is None]
+    assert not cannot, f"README results whose recorded command cannot run here as written: {cannot}"
+    assert command("memory")[0] == sys.executable and "--reports" not in command("memory")
