@@ -64,7 +64,7 @@ def run_demo(out: Path, nodes: int, stages: int, steps: int, preempt: str = "", 
             os.killpg(proc.pid, 9)
             proc.wait()
             code = f"stopped after {timeout:g} s"
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    report = report_of(out)
     result = {"exit_code": code, "steps_completed": report.get("steps_completed", 0),
               "failovers": [(f["step"], f.get("old_pipelines"), f.get("pipelines")) for f in report.get("failovers", [])]}
     if code == 0 and (out / "weights.pt").exists():
@@ -74,10 +74,9 @@ def run_demo(out: Path, nodes: int, stages: int, steps: int, preempt: str = "", 
     return result
 
 
-def capacity(out: Path) -> list[str]:
+def capacity(report: dict) -> list[str]:
     """When the run's layout changed, in seconds after its first failover: how long the job trained below its
     capacity (from the demo's report: step times, failovers and reconfigurations)."""
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     at = {int(step): float(t) for step, t in report.get("step_times", [])}
     failovers = report.get("failovers", [])
     if not failovers:
@@ -91,49 +90,45 @@ def capacity(out: Path) -> list[str]:
     return [*lines, f"events: {report.get('events', [])}"]
 
 
-def capacity_series(out: Path, nodes: int) -> list[tuple[float, int, int]]:
-    """``(seconds since the first failover, nodes training, nodes alive)`` at every step of the run kept in ``out``
-    (the demo's report): a node trains from the step its layout includes it; it is alive from the start or its join
-    until its kill; a released survivor, or a joiner not admitted yet, is alive and idle."""
-    report = json.loads((out / "report.json").read_text())
+EVENT = re.compile(r"step (\d+): (\S+) (preempted|joined)")  # the demo's report: a kill or a join
+
+
+def capacity_series(report: dict, nodes: int) -> dict[int, tuple[float, int, int]]:
+    """Step -> ``(seconds since the first failover, nodes training, nodes alive)`` for every step of a demo's
+    ``report``: a node trains from the step its layout includes it; it is alive from the start or its join until its
+    kill; a released survivor, or a joiner not admitted yet, is alive and idle."""
     at = {int(step): float(t) for step, t in report.get("step_times", [])}
     changes = sorted([(int(f["step"]), 0, len(f["order"])) for f in report.get("failovers", [])]
                      + [(int(c["step"]), 1, len(c["order"])) for c in report.get("reconfigurations", [])])
-    alive_changes = []
-    for event in report.get("events", []):
-        match = re.match(r"step (\d+): \S+ (preempted|joined)", event)
-        if match:
-            alive_changes.append((int(match[1]), -1 if match[2] == "preempted" else 1))
+    alive_changes = [(int(m[1]), -1 if m[3] == "preempted" else 1)
+                     for m in map(EVENT.match, report.get("events", [])) if m]
     failovers = report.get("failovers", [])
     start = at.get(int(failovers[0]["step"]), 0.0) if failovers else 0.0
-    series = []
-    for step in sorted(at):
-        training = next((n for s, _, n in reversed(changes) if s <= step), nodes)
-        alive = nodes + sum(d for s, d in alive_changes if s <= step)
-        series.append((at[step] - start, training, alive))
-    return series
+    return {step: (at[step] - start, next((n for s, _, n in reversed(changes) if s <= step), nodes),
+                   nodes + sum(d for s, d in alive_changes if s <= step)) for step in sorted(at)}
 
 
-def idle_spells(out: Path, nodes: int) -> str:
-    """For each kill or join of the run: the seconds from it until every live node trains again, or how many stay
-    idle to the run's end (a layout of whole pipelines of the preferred depth cannot take them)."""
-    report = json.loads((out / "report.json").read_text())
-    at = {int(step): float(t) for step, t in report.get("step_times", [])}
-    series = dict(zip(sorted(at), capacity_series(out, nodes), strict=True))
+def idle_spells(report: dict, nodes: int) -> str:
+    """For each kill or join of a demo's ``report``: the seconds from it until every live node trains again, or how
+    many stay idle to the run's end (a layout of whole pipelines of the preferred depth cannot take them)."""
+    series = capacity_series(report, nodes)
+    last = series[max(series)] if series else (0.0, 0, 0)
     lines = []
-    for event in report.get("events", []):
-        match = re.match(r"step (\d+): (\S+) (preempted|joined)", event)
+    for match in map(EVENT.match, report.get("events", [])):
         if not match or int(match[1]) not in series:
             continue
-        step, when = int(match[1]), series[int(match[1])][0]
-        whole = next((series[s] for s in sorted(series) if s >= step and series[s][1] >= series[s][2]), None)
-        if whole is not None:
-            lines.append(f"{match[2]} {match[3]} at step {step}: every live node trains {whole[0] - when:.1f} s later")
-        else:
-            _t, training, alive = series[max(series)]
-            lines.append(f"{match[2]} {match[3]} at step {step}: {alive - training} of {alive} live nodes idle to the "
-                         f"end ({series[max(series)][0] - when:.1f} s)")
+        step = int(match[1])
+        when = series[step][0]
+        whole = next((series[s] for s in series if s >= step and series[s][1] >= series[s][2]), None)
+        what = f"{match[2]} {match[3]} at step {step}"
+        lines.append(f"{what}: every live node trains {whole[0] - when:.1f} s later" if whole is not None else
+                     f"{what}: {last[2] - last[1]} of {last[2]} live nodes idle to the end ({last[0] - when:.1f} s)")
     return "\n  ".join(lines) or "no event"
+
+
+def report_of(out: Path) -> dict:
+    """The demo's report of the run kept in ``out`` (empty when it wrote none)."""
+    return json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
 
 
 def plot_capacity(root: Path, nodes: int, path: Path) -> None:
@@ -145,7 +140,7 @@ def plot_capacity(root: Path, nodes: int, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for name, label in (("kill", "a node of every pipeline killed"), ("kill_join", "killed, then two nodes join")):
-        series = capacity_series(root / name, nodes)
+        series = capacity_series(report_of(root / name), nodes).values()
         ax.step([t for t, _, _ in series], [training / alive for _, training, alive in series], where="post",
                 label=label)
     ax.set_xlabel("seconds since the kill")
@@ -179,8 +174,9 @@ def main() -> int:
     args = p.parse_args()
     if args.capacity_of:
         for name in ("kill", "kill_join"):
-            print(f"{name}:\n  " + "\n  ".join(capacity(Path(args.capacity_of) / name)))
-            print(f"  {idle_spells(Path(args.capacity_of) / name, args.nodes)}")
+            report = report_of(Path(args.capacity_of) / name)
+            print(f"{name}:\n  " + "\n  ".join(capacity(report)))
+            print(f"  {idle_spells(report, args.nodes)}")
         if args.plot:
             plot_capacity(Path(args.capacity_of), args.nodes, Path(args.plot))
         return 0
@@ -231,8 +227,9 @@ def main() -> int:
         print(f"{row['run'][:78]:<78} {row['exit_code']!s:>4} {row['steps_completed']:>5} {row['weights_difference']:>9.3g} "
               f"{row['optimizer_difference']:>9.3g} {row['over_floor']:>8.3f} {row['sample_problems']:>7}")
     for name in ("kill", "kill_join"):
-        print(f"capacity, {name}:\n  " + "\n  ".join(capacity(root / name)))
-        print(f"  {idle_spells(root / name, args.nodes)}")
+        report = report_of(root / name)
+        print(f"capacity, {name}:\n  " + "\n  ".join(capacity(report)))
+        print(f"  {idle_spells(report, args.nodes)}")
     print(f"\nnoise floor after {args.steps} steps (the larger of the two floor runs): {floor:.3g}")
     print(f"the kill against its notice reference (same pipelines from the same step): max difference "
           f"{kill_vs_reference:.3g}")
