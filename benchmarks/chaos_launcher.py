@@ -286,7 +286,7 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
     return {"name": name, "ended": ended, "codes": codes, "killed": sorted(job.killed), "cut": sorted(job.cut),
             "events": job.events, "records": step_records(out), "final": out / "final",
             "seconds": time.monotonic() - started, "joined_at": job.joined_at, "down_at": job.down_at,
-            "fired_at": {path.name: path.stat().st_mtime for path in (out / "fired").iterdir()}}
+            "fired": sorted(path.name for path in (out / "fired").iterdir())}
 
 
 def secured_etcd(net: Any, pki: Path) -> tuple[str, list[str], str]:
@@ -404,7 +404,7 @@ def idle_spells(run: dict[str, Any], longer_than: float = IDLE_SECONDS) -> list[
     if not times:
         return []
     end = max(t for points in times.values() for t, _ in points)
-    fired = {name.split("@")[0] for name in run.get("fired_at", {})}
+    fired = {item.split("@")[0] for item in run.get("fired", ())}  # the armed faults that fired, by node
     spells = []
     for node, points in times.items():
         points.sort()

@@ -220,18 +220,15 @@ def machine_need(shape: str, block: int, mode: str, every: int) -> int:
     return sum(m.peak_bytes + m.communication_bytes for m in memories) - shared
 
 
-def memory_available() -> int:
-    """The machine's ``MemAvailable``, in bytes."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+def job_name(shape: str, block: int, mode: str, every: int) -> str:
+    """A configuration's name, and its folder under ``--reports``."""
+    return f"{shape}-{block}-{mode}-{every}"
 
 
 def run(args: argparse.Namespace, shape: str, block: int, mode: str, every: int) -> list[dict]:
     from common import run_under_launcher
 
-    name = f"{shape}-{block}-{mode}-{every}"
+    name = job_name(shape, block, mode, every)
     if args.reports is not None and Path(args.reports, name, "output.txt").exists():  # measured before: predict again
         out_dir = Path(args.reports, name)
         output = (out_dir / "output.txt").read_text()
@@ -350,6 +347,8 @@ def main() -> int:
         args.checkpointing = int(args.checkpointing)
         worker(args)
         return 0
+    import psutil
+
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this tree's model
     every_of = [int(e) for e in args.checkpointing.split(",")]
     print(f"GPT-2 shapes, vocabulary {VOCAB}, embedding tied to the head; {STAGES} stages by parameters under the "
@@ -368,8 +367,8 @@ def main() -> int:
                 label = (f"GPT-2 {shape} ({SHAPES[shape][0]} x {SHAPES[shape][1]}), sequence {block}, {mode}, "
                          f"activation checkpointing {'every ' + str(every) + ' layer(s)' if every else 'off'}")
                 print(f"\n{label}")
-                needed, available = machine_need(shape, int(block), mode, every), memory_available()
-                measured = args.reports is not None and Path(args.reports, f"{shape}-{block}-{mode}-{every}").exists()
+                needed, available = machine_need(shape, int(block), mode, every), psutil.virtual_memory().available
+                measured = args.reports is not None and Path(args.reports, job_name(shape, int(block), mode, every)).exists()
                 if needed * (1 + TARGET) + HEADROOM > available and not measured:
                     print(f"not run: its {STAGES} nodes need {needed / GiB:.1f} GiB as they start (the model's "
                           f"peaks of the workers and their communication processes); with the model's 10% and "

@@ -63,7 +63,7 @@ def test_idle_spells_count_a_live_worker_only_while_it_is_live():
                        *steps("host0.1", 0, 1, 2),  # SIGKILLed at 2.2 s
                        *steps("host2.1", 0, 1)],  # an armed fault killed it
            "joined_at": {"host3": 4.0}, "down_at": {"host1": 2.5, "host0.1": 2.2},
-           "fired_at": {"host2.1@failover": 1.5}}
+           "fired": ["host2.1@failover"]}
     assert idle_spells(run) == [(8.0, "host2.0", "after step 3"), (7.0, "host0.0", "after step 3"),
                                 (6.0, "host3.0", "after its join")]
     assert idle_spells(run, longer_than=7.5) == [(8.0, "host2.0", "after step 3")]

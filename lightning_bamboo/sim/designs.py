@@ -38,8 +38,9 @@ class BambooInPipeline(Bamboo):
     ``failover_seconds``); it then runs both stages (``failover_slowdown``), and the damaged pipeline trains a share
     of the global batch matched to its speed (:func:`matched_share_slowdown`). A loss its pipeline cannot take (the
     predecessor lost too, or already running two stages) drops that pipeline as the runtime does; a stage with no
-    copy left is fatal; a loss while a stage is on its way is handled as the runtime handles it. Standby nodes take the lost places at the next decision of the reconfiguration policy, whose
-    risk rule (rebuild when too many nodes run two stages) protects replicas, which this design does not rely on.
+    copy left is fatal; a loss while a stage is on its way is handled as the runtime handles it. Standby nodes take
+    the lost places at the next decision of the reconfiguration policy, whose risk rule (rebuild when too many nodes
+    run two stages) protects replicas, which this design does not rely on.
     One pipeline keeps replicas and fails over as Bamboo does (``redundancy="auto"``).
     """
 

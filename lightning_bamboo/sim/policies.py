@@ -210,6 +210,14 @@ class Bamboo(Policy):
     #: data-parallel copy on another machine, i.e. in a job of one pipeline (every node is a machine of its own here)
     redundancy = "lazy"
 
+    def __init__(self, params: SimParams, ledger: Ledger) -> None:
+        super().__init__(params, ledger)
+        self.overloaded: set[str] = set()
+        self.domains: dict[str, str] = {}  # nodes started at the same instant share a failure domain
+        self.fatal = False
+        self.decisions: list[tuple[float, str, str]] = []  # (seconds, action, reason)
+        self.replicas_ready = 0.0  # when the layout's replicas exist (auto: built after a change to one pipeline)
+
     def on_add(self, event: TraceEvent) -> None:
         self.domains[event.node] = f"t{event.ms}"
 
@@ -228,14 +236,6 @@ class Bamboo(Policy):
         """A design in which a damaged pipeline trains on (:mod:`lightning_bamboo.sim.designs`); True when it did.
         The runtime drops it."""
         return False
-
-    def __init__(self, params: SimParams, ledger: Ledger) -> None:
-        super().__init__(params, ledger)
-        self.overloaded: set[str] = set()
-        self.domains: dict[str, str] = {}  # nodes started at the same instant share a failure domain
-        self.fatal = False
-        self.decisions: list[tuple[float, str, str]] = []  # (seconds, action, reason)
-        self.replicas_ready = 0.0  # when the layout's replicas exist (auto: built after a change to one pipeline)
 
     def _fail_over(self, row: tuple[str, ...], lost: set[str]) -> list[str] | None:
         """The replica holders that take over ``row``'s lost stages, or None when one cannot."""
