@@ -219,7 +219,9 @@ def main() -> int:
     kill, reference = runs[next(n for n in runs if n.startswith("kill:"))], runs[next(n for n in runs if n.startswith("reference"))]
     kill_vs_reference = (chaos.max_difference(kill["weights"], reference["weights"])
                          if "weights" in kill and "weights" in reference else float("inf"))
-    ok &= kill_vs_reference == 0.0
+    # the kill's released nodes come back as a second pipeline at the step that sees them (timing decides which),
+    # while the reference keeps one pipeline: the two agree within the floor, bit-equal only while their pipelines do
+    ok &= kill_vs_reference <= floor
     for row in rows:
         print(json.dumps({"noise_floor_run": row}), flush=True)
     print(f"\n{'run':<78} {'exit':>4} {'steps':>5} {'w diff':>9} {'opt diff':>9} {'/ floor':>8} {'samples':>7}")
@@ -231,10 +233,10 @@ def main() -> int:
         print(f"capacity, {name}:\n  " + "\n  ".join(capacity(report)))
         print(f"  {idle_spells(report, args.nodes)}")
     print(f"\nnoise floor after {args.steps} steps (the larger of the two floor runs): {floor:.3g}")
-    print(f"the kill against its notice reference (same pipelines from the same step): max difference "
-          f"{kill_vs_reference:.3g}")
-    print("every fault within the floor, every step on the clean run's samples, every run exit 0, the kill equal "
-          f"to its reference: {ok}")
+    print(f"the kill against its notice reference (one pipeline from the same step; the kill's released nodes train "
+          f"a second one from the step they are admitted at): max difference {kill_vs_reference:.3g}")
+    print("every fault within the floor, every step on the clean run's samples, every run exit 0, the kill within "
+          f"the floor of its reference: {ok}")
     return 0 if ok else 1
 
 

@@ -14,10 +14,14 @@ from lightning_bamboo.topology import (
     even_parts,
     fresh_placement,
     reconfigure,
+    shape_for,
     split_micro_batches,
+    step_units,
 )
 
 CFG = PolicyConfig(stages=3, layers=6, global_micro_batches=12, min_stages=2, max_overloaded_fraction=0.05)
+#: the same job with a model that needs 3 stages: four nodes make one pipeline of 3 and a standby node
+CFG3 = PolicyConfig(stages=3, layers=6, global_micro_batches=12, min_stages=3, max_overloaded_fraction=0.05)
 
 
 def names(n: int, prefix: str = "n") -> list[str]:
@@ -55,7 +59,7 @@ def test_a_placement_numbers_its_nodes_as_its_layout_numbers_ranks():
 
 def test_keep_when_nothing_changed():
     old = layout_of([["a", "b", "c"]])
-    d = reconfigure(["a", "b", "c", "x"], ["x"], old, (), CFG)
+    d = reconfigure(["a", "b", "c", "x"], ["x"], old, (), CFG3)
     assert d.action == "keep" and d.layout is old and not d.changed
 
 
@@ -110,8 +114,8 @@ def test_keep_running_degraded_while_the_overloaded_share_is_small():
 
 def test_restore_redundancy_fills_holes_with_nodes_that_already_hold_that_stage():
     old = layout_of([["a", "b", "c"], ["d", "e", "f"]])
-    # b and f lost (not adjacent): a and e overloaded; 4 usable nodes -> 1 pipeline of 3
-    d = reconfigure(["a", "c", "d", "e"], [], old, ["a", "e"], CFG)
+    # b and f lost (not adjacent): a and e overloaded; 4 usable nodes of a model that needs 3 stages -> 1 x 3
+    d = reconfigure(["a", "c", "d", "e"], [], old, ["a", "e"], CFG3)
     assert d.action == "restore_redundancy"
     # keep pipeline 0 (2 live), its stage-1 hole gets e, which runs stage 1 already
     assert d.layout.grid == (("a", "e", "c"),)
@@ -162,9 +166,38 @@ def test_suspend_below_min_stages():
 def test_recover_after_adjacent_losses():
     old = layout_of([["a", "b", "c"], ["d", "e", "f"]])
     # b and c lost: c's replica lived on b -> stage 2 of pipeline 0 is gone
-    d = reconfigure(["a", "d", "e", "f"], [], old, ["a"], CFG)
+    d = reconfigure(["a", "d", "e", "f"], [], old, ["a"], CFG3)
     assert d.action == "recover"
     assert d.layout.grid == (("d", "e", "f"),)
+    # a model that fits 2 stages restarts on all four: 2 x 2
+    d = reconfigure(["a", "d", "e", "f"], [], old, ["a"], CFG)
+    assert d.action == "recover" and (d.layout.pipelines, d.layout.stages) == (2, 2)
+    assert sorted(d.layout.nodes) == ["a", "d", "e", "f"]
+
+
+def test_nodes_the_preferred_depth_leaves_idle_train_in_shallower_pipelines():
+    """Every live node trains where min_stages allows: a depth that trains more nodes in a shorter step wins over the
+    preferred one; a count the preferred depth divides keeps it; no pipeline of one stage (it has no replica)."""
+    assert shape_for(4, CFG) == (2, 2) and shape_for(5, CFG) == (2, 2)
+    assert shape_for(6, CFG) == (2, 3) and shape_for(7, CFG) == (2, 3)  # 3 x 2 trains no more nodes than 2 x 3
+    assert shape_for(4, CFG3) == (1, 3)  # the model needs 3 stages: one node stands by
+    assert shape_for(2, CFG) == (1, 2)
+    loose = PolicyConfig(stages=3, layers=6, global_micro_batches=12, min_stages=1)
+    assert shape_for(5, loose) == (2, 2)  # not 5 pipelines of one stage
+    # a shorter step per micro-batch: 2 x 2 runs (6 + 1) / 2 units, 1 x 3 runs (12 + 2) / 3
+    assert step_units(2, 2, CFG) < step_units(1, 3, CFG)
+    # at the start, after a release came back, and after a loss: all four train
+    assert reconfigure(names(4), names(4), None, (), CFG).layout.grid == (("n1", "n3"), ("n2", "n4"))
+    d = reconfigure(["a", "b", "c", "x"], ["x"], layout_of([["a", "b", "c"]]), (), CFG)
+    assert d.action == "change_depth" and (d.layout.pipelines, d.layout.stages) == (2, 2)
+    assert sorted(d.layout.nodes) == ["a", "b", "c", "x"] and d.layout.micro_batches == (6, 6)
+    old = layout_of([["a", "b", "c"], ["d", "e", "f"]])
+    d = reconfigure(["a", "c", "d", "e"], [], old, ["a", "e"], CFG)
+    assert d.action == "restore_redundancy" and (d.layout.pipelines, d.layout.stages) == (2, 2)
+    # and back to the preferred depth once it trains every node
+    d2 = reconfigure([*d.layout.nodes, "x", "y"], ["x", "y"], d.layout, (), CFG)
+    assert d2.action == "change_depth" and (d2.layout.pipelines, d2.layout.stages) == (2, 3)
+    assert reconfigure([*d2.layout.nodes], [], d2.layout, (), CFG).action == "keep"
 
 
 def test_domains_keep_nodes_started_together_off_neighbouring_stages():

@@ -234,12 +234,17 @@ class _Runner:
 
 
 def test_a_preferred_depth_that_would_leave_running_nodes_idle_is_deferred_with_the_fix(caplog):
-    """stages=3 on two healthy pipelines of 2: the policy's layout of 3 stages has no place for one running node,
-    and a reconfiguration never drops one; nothing moves, and the warning names the rule and the fix (once)."""
+    """stages=3 on two healthy pipelines of 2, for a model that needs 3 stages: the policy's layout of 3 stages has no
+    place for one running node, and a reconfiguration never drops one; nothing moves, and the warning names the rule
+    and the fix (once)."""
     from lightning_bamboo.runtime.rebalance import Rebalancer, runtime_placement
 
     runner = _Runner(["a0", "b0", "a1", "b1"], [0, 4, 8], pipelines=2)
-    rebalancer = Rebalancer(stages=3)
+    shallower = Rebalancer(stages=3)  # a model that fits 2 stages: 2 x 2 trains every node, nothing to change
+    shallower.begin(runtime_placement(runner, 4), None)
+    shallower.at_step_start(runner, 0)
+    assert runner.reconfigured == [] and shallower.decisions == []
+    rebalancer = Rebalancer(stages=3, min_stages=3)
     rebalancer.begin(runtime_placement(runner, 4), None)
     with caplog.at_level("WARNING"):
         rebalancer.at_step_start(runner, 0)

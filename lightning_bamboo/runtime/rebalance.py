@@ -56,8 +56,10 @@ class Rebalancer:
     Args:
         stages: the preferred pipeline depth (default: the depth the job started with). When
             fewer nodes remain the pipeline gets shallower; when standby nodes come back it gets
-            this deep again.
-        min_stages: the shallowest pipeline to run (default 2: a replica needs a second stage).
+            this deep again. Where this depth would leave live nodes idle (four nodes at 3 stages), shallower
+            pipelines that train every one in a shorter step are run instead (``topology.policy.shape_for``).
+        min_stages: the shallowest pipeline to run, and the fewest stages the model (with its replicas) fits in
+            (default 2: a replica needs a second stage).
         max_overloaded_fraction: Bamboo's risk rule: rebuild as soon as ``2 * overloaded / active``
             exceeds this (default 0.05, i.e. any overloaded node in a small job).
         admit: let standby nodes join (they are started with ``BAMBOO_JOIN=1``, see

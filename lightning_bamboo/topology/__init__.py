@@ -50,6 +50,8 @@ from lightning_bamboo.topology.policy import (
     fresh_placement,
     moved_nodes,
     reconfigure,
+    shape_for,
+    step_units,
 )
 from lightning_bamboo.topology.transfer import Move, transfer_plan
 
@@ -92,7 +94,9 @@ __all__ = [
     "replica_conflicts",
     "replica_holder",
     "resolve_stages",
+    "shape_for",
     "shared_pairs",
     "split_micro_batches",
+    "step_units",
     "transfer_plan",
 ]

@@ -8,10 +8,15 @@ is lost or already overloaded cannot be served any more (a fatal, adjacent loss)
 
 :func:`reconfigure` applies, in order (Bamboo's rules plus a depth change Bamboo lacks):
 
+Every layout it builds has the shape ``shape_for`` gives the usable nodes.
+
 1. ``start``/``recover``: no placement yet, or a stage lost both copies -> build a fresh placement.
 2. ``suspend``: fewer usable nodes than the shallowest pipeline the model fits in -> no placement.
 3. ``change_depth``: the current depth is below the preferred one and enough nodes are back; or one pipeline
-   below it gets standby nodes (it grows by them, as deep as they make it).
+   below it gets standby nodes (it grows by them, as deep as they make it); or, with nothing lost, another depth
+   trains more of the usable nodes than the current layout does (``shape_for``: the preferred depth unless it leaves
+   nodes idle and shallower pipelines, not below ``min_stages``, train more of them in a shorter step; four nodes
+   at a preferred depth of 3 make 2 x 2, not 1 x 3 and an idle node).
 4. ``rebalance``: standby nodes can relieve every overloaded node -> they take the lost places.
 5. ``add_pipeline``: usable nodes are enough for more pipelines of the current depth.
 6. ``restore_redundancy``: overloaded nodes are too large a share of the active ones
@@ -301,6 +306,44 @@ def fresh_placement(
     return Placement(grid, config.parts(stages), config.micro_batches(pipelines))
 
 
+def _pipelines(nodes: int, depth: int, config: PolicyConfig) -> int:
+    """Pipelines of ``depth`` stages that ``nodes`` nodes make (no more than the global batch feeds)."""
+    pipelines = nodes // depth
+    return pipelines if config.max_pipelines is None else min(pipelines, config.max_pipelines)
+
+
+def step_units(pipelines: int, depth: int, config: PolicyConfig) -> float:
+    """The time of a step of ``pipelines x depth`` per micro-batch it trains, in units of one micro-batch through the
+    whole model on one node: a 1F1B pipeline of ``depth`` stages running ``m`` micro-batches takes ``m + depth - 1``
+    slots of its widest stage (its bubble is ``depth - 1`` of them), a slot is that stage's share of the model (its
+    layers, weighed by ``layer_costs`` where given, as ``parts`` splits them), and the slowest pipeline (the one with
+    the most micro-batches) sets the step. Communication is left out: it is what the preferred depth pays."""
+    micro = config.micro_batches(pipelines)
+    parts = config.parts(depth)
+    costs = config.layer_costs or (1.0,) * config.layers
+    widest = max(sum(costs[a:b]) for a, b in zip(parts, parts[1:], strict=False)) / sum(costs)
+    return (max(micro) + depth - 1) * widest / sum(micro)
+
+
+def shape_for(nodes: int, config: PolicyConfig) -> tuple[int, int]:
+    """``(pipelines, depth)`` for ``nodes`` usable nodes.
+
+    The preferred depth (``config.stages``; one pipeline as deep as the nodes when fewer), unless it leaves nodes
+    idle and a shallower depth, not below ``min_stages`` nor below 2 (a replica needs a second stage), trains more of
+    them in less time per micro-batch (``step_units``). Four nodes at a preferred depth of 3 make 2 x 2, not 1 x 3
+    and an idle node; six make 2 x 3, as they divide. The layers must fit the shallower stages, as ``min_stages``
+    promises: that is what it means.
+    """
+    if nodes < config.stages:
+        return (1 if nodes else 0), nodes
+    best = _pipelines(nodes, config.stages, config), config.stages
+    for depth in range(config.stages - 1, max(config.min_stages, 2) - 1, -1):
+        pipelines = _pipelines(nodes, depth, config)
+        if pipelines * depth > best[0] * best[1] and step_units(pipelines, depth, config) < step_units(*best, config):
+            best = pipelines, depth
+    return best
+
+
 def _rebuild(
     old: Placement | None,
     usable: Sequence[str],
@@ -404,7 +447,7 @@ def reconfigure(
 
     usable = [n for n in (layout.nodes if layout is not None else ()) if n in alive] + standby_list
     pref = config.stages
-    depth = pref if len(usable) >= pref else len(usable)
+    pipelines, depth = shape_for(len(usable), config)
     if depth < config.min_stages:
         if layout is None:
             return Decision(
@@ -415,9 +458,6 @@ def reconfigure(
             None,
             f"{len(usable)} usable nodes left, the model needs at least min_stages={config.min_stages}",
         )
-    pipelines = len(usable) // depth
-    if config.max_pipelines is not None:
-        pipelines = min(pipelines, config.max_pipelines)
 
     def build(action: str, reason: str, p: int = pipelines, d: int = depth) -> Decision:
         new = _rebuild(layout, usable, standby_list, p, d, config, domains)
@@ -435,13 +475,17 @@ def reconfigure(
             "recover",
             f"stages of {uncovered} lost with their replica holders: rebuild {pipelines} x {depth} from a checkpoint",
         )
-    if layout.stages < pref <= len(usable):
+    if layout.stages < pref == depth:
         return build("change_depth", f"{len(usable)} nodes are back: depth {layout.stages} -> {pref}")
     if layout.stages == 1 < depth:  # one stage has no replica (a lone survivor restarted): cover it at once
         return build("change_depth", f"one stage has no replica; {len(usable)} nodes: depth 1 -> {depth}")
     if not lost and standby_list and layout.pipelines == 1 and layout.stages < depth:
         # one pipeline below its preferred depth: every node that joins is used at once (a job grows past its start)
         return build("change_depth", f"{len(standby_list)} node(s) joined: depth {layout.stages} -> {depth}")
+    if not lost and depth != layout.stages and pipelines * depth > len(layout.nodes):
+        # the preferred depth would leave live nodes idle: pipelines of another depth train every one (or more)
+        return build("change_depth", f"{len(usable)} usable nodes: {layout.pipelines} x {layout.stages} -> "
+                                     f"{pipelines} x {depth} trains {pipelines * depth} of them in a shorter step")
     if lost and len(standby_list) >= len(lost):
         if pipelines > layout.pipelines and depth == layout.stages:
             return build(
