@@ -194,6 +194,22 @@ def test_two_pipelines_that_each_lose_a_node_keep_one_failing_over(clean, tmp_pa
     assert max_abs_diff(weights, clean_weights) <= 1e-5
 
 
+def test_two_pipelines_of_three_that_each_lose_a_node_train_every_survivor_as_two_of_two(clean, tmp_path):
+    """6 nodes as 2 pipelines of 3 (node0 -> node2 -> node4, node1 -> node3 -> node5); node2 and node3 are killed at
+    step 4. One pipeline fails over and the other's survivors are released; once they stand by, the four usable nodes
+    train as two pipelines of 2 (the policy's ``shape_for``), not as one of 3 beside an idle node."""
+    _, clean_weights = clean
+    report, weights = demo(tmp_path, "--stages", "3", "--preempt", "node2@4,node3@4", "--step-delay", "0.5", nodes=6)
+    assert report["steps_completed"] == STEPS and report["preemptions"] == 2
+    assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
+    (failover,) = report["failovers"]
+    assert sorted(failover["lost"]) == ["node2", "node3"] and len(failover["released"]) == 2
+    last = report["reconfigurations"][-1]
+    assert set(last["order"]) == {"node0", "node1", "node4", "node5"} and len(last["parts"]) == 3  # 2 x 2
+    assert report["nodes_at_end"] == 4
+    assert max_abs_diff(weights, clean_weights) <= 1e-5
+
+
 def test_two_pipelines_that_each_lose_a_node_and_its_replica_holder_restart_from_the_checkpoint(clean, tmp_path):
     """6 nodes as 2 pipelines of 3 stages (node0 -> node2 -> node4, node1 -> node3 -> node5); node0 and node2,
     node3 and node5 are killed at step 10: no pipeline can fail over, so the two survivors restart from the
