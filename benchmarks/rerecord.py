@@ -1,5 +1,6 @@
 """Record results again from the commands their files name: ``make bench`` runs the README's.
 
+    python benchmarks/rerecord.py --all               # every result whose command runs on this machine
     python benchmarks/rerecord.py --readme            # every result the README's numbers table cites
     python benchmarks/rerecord.py memory sim_ettr      # these (benchmarks/results/NAME.txt)
     python benchmarks/rerecord.py --readme --list      # what would run, and what cannot here
@@ -57,16 +58,23 @@ def readme_results() -> list[str]:
     return sorted({m for m in re.findall(r"`([a-z0-9_]+)\.txt`", table) if (RESULTS / f"{m}.txt").exists()})
 
 
+def all_results() -> list[str]:
+    """Every result file in ``results/`` (by name, without ``.txt``)."""
+    return sorted(path.stem for path in RESULTS.glob("*.txt"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("names", nargs="*", help="result names (benchmarks/results/NAME.txt)")
     p.add_argument("--readme", action="store_true", help="every result the README's numbers table cites")
+    p.add_argument("--all", action="store_true", help="every result whose command runs here (those written for "
+                   "another machine are listed, not run, and do not fail the call)")
     p.add_argument("--list", action="store_true", help="print what would run and what cannot, run nothing")
     args = p.parse_args(argv)
-    names = sorted(set(args.names) | set(readme_results() if args.readme else ()),
-                   key=lambda n: header(n).get("date", ""))
+    chosen = set(args.names) | set(readme_results() if args.readme else ()) | set(all_results() if args.all else ())
+    names = sorted(chosen, key=lambda n: header(n).get("date", ""))
     if not names:
-        p.error("name a result, or pass --readme")
+        p.error("name a result, or pass --readme or --all")
     runnable = {n: command(n) for n in names}
     skipped = [n for n, c in runnable.items() if c is None]
     for name in names:
@@ -79,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: exit {code}", flush=True)
     if skipped:
         print(f"not run here ({len(skipped)}): {', '.join(skipped)}")
-    return 1 if skipped and not args.list else 0
+    # a result named, or cited by the README, must be recordable here; --all alone runs what can
+    required = [n for n in skipped if n in set(args.names) | set(readme_results() if args.readme else ())]
+    return 1 if required and not args.list else 0
 
 
 if __name__ == "__main__":

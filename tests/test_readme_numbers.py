@@ -97,3 +97,29 @@ def test_make_bench_can_record_every_result_the_readme_cites_again():
     cannot = [n for n in names if command(n) is None]
     assert not cannot, f"README results whose recorded command cannot run here as written: {cannot}"
     assert command("memory")[0] == sys.executable and "--reports" not in command("memory")
+
+
+def test_make_bench_runs_every_result_that_fits_this_machine():
+    """``make bench`` (``rerecord.py --all``) takes every result file; only those written for another machine are left
+    out, listed and not failing the call, while a result named on the command line that cannot run here fails it."""
+    import shlex
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from rerecord import RESULTS, all_results, command
+
+    names = all_results()
+    assert len(names) == len(list(RESULTS.glob("*.txt"))) and "sim_ettr" in names
+    listed = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rerecord.py"), "--all", "--list"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    left_out = [n for n in names if command(n) is None]
+    assert all(f"{n}: not here" in listed.stdout for n in left_out)
+    lines = dict(line.split(": ", 1) for line in listed.stdout.splitlines() if ": " in line)
+    assert all(lines[n] == shlex.join(command(n)) for n in names if n not in left_out)
+    assert "gpu" in left_out  # a GPU machine's result is not run here
+    # named, it must run here: it cannot, so the call fails (having run nothing)
+    refused = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rerecord.py"), "gpu"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "gpu: not here" in refused.stdout and "not run here (1): gpu" in refused.stdout
