@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lightning_bamboo.testing import faults  # noqa: E402
-from lightning_bamboo.testing.jobs import json_reports, launcher_exit_codes, run_in_group  # noqa: E402
+from lightning_bamboo.testing.job_output import json_reports, launcher_exit_codes, run_in_group  # noqa: E402
 
 PYTHON = sys.executable
 

@@ -62,12 +62,12 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.pipe import PipelineModule  # noqa: E402
 
-from lightning_bamboo.engine.build import skip_shm_op  # noqa: E402
+from lightning_bamboo.engine.construct import skip_shm_op  # noqa: E402
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 
 #: the demo's model (lightning_bamboo.demo.worker.CONFIG; importing that module would import Lightning)
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=48)
-GLOBAL_BATCH, MICRO_BATCH = 8, 2  # lightning_bamboo.demo.plan.GLOBAL_BATCH, the demo worker's micro-batch
+GLOBAL_BATCH, MICRO_BATCH = 8, 2  # lightning_bamboo.demo.shape.GLOBAL_BATCH, the demo worker's micro-batch
 
 
 class Events:

@@ -68,7 +68,7 @@ from lightning_bamboo.demo.cli import exit_on_stop_signals
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "lightning_bamboo" / "data"
 PEER_SCRIPT = Path(__file__).resolve().parent / "peer_train.py"
-GLOBAL_BATCH = 8  # lightning_bamboo.demo.plan.GLOBAL_BATCH; peer_train.GLOBAL_BATCH
+GLOBAL_BATCH = 8  # lightning_bamboo.demo.shape.GLOBAL_BATCH; peer_train.GLOBAL_BATCH
 #: torchrun's rendezvous: the store is external (here); a restart's last call for late agents, in seconds
 LAST_CALL_SECONDS = 2
 #: ... and the interval of its heartbeats (torch's default): an agent that missed 3 is dropped from the next round.
@@ -499,7 +499,7 @@ def ettr_check(args: argparse.Namespace, views: dict, results: dict, events: lis
                save: float) -> float:
     """Prints measured against predicted ETTR per run (samples in the first ``--wall`` s over those of the run's
     undisturbed step time); returns the largest relative error."""
-    from lightning_bamboo.demo.plan import STANDBY_PROCESSES
+    from lightning_bamboo.demo.shape import STANDBY_PROCESSES
 
     print(f"\nthe simulator's ETTR against these runs (the same events, each run's measured inputs; ETTR = samples in "
           f"the first {args.wall:g} s over {args.wall:g} s at the run's undisturbed step time; the pause of "

@@ -157,7 +157,7 @@ def run_cluster_demo(
 def cluster_trace(trace_csv: Path, time_scale: float, ready: float):
     """The demo's view of the slice as a simulator trace, shifted so that its first step is at ``ready``: its six
     nodes, and a joining node started only while fewer than six nodes plus one spare run (``STANDBY_PROCESSES``)."""
-    from lightning_bamboo.demo.plan import STANDBY_PROCESSES
+    from lightning_bamboo.demo.shape import STANDBY_PROCESSES
     from lightning_bamboo.sim.demo import run_trace
 
     events = events_from_trace(read_trace(trace_csv), CLUSTER_NODES, time_scale)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
-from lightning_bamboo.testing.jobs import json_reports, launcher_exit_codes  # noqa: F401 - the tests' names for them
+from lightning_bamboo.testing.job_output import json_reports, launcher_exit_codes  # noqa: F401 - the tests' names for them
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

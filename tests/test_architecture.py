@@ -262,7 +262,7 @@ PROCESS_STATE = {
     "lightning_bamboo.deepspeed_api.resilient": {"OPENED"},
     "lightning_bamboo.engine.comm_process": {"_GENERATION"},  # the communication process of this worker
     "lightning_bamboo.engine.comm_zygote": {"_ZYGOTE"},  # its forked template, started once per worker
-    "lightning_bamboo.engine.placement": {"_SIDE_STREAMS"},  # CUDA streams per device, made once
+    "lightning_bamboo.engine.replica_location": {"_SIDE_STREAMS"},  # CUDA streams per device, made once
     "lightning_bamboo.membership.members": {"_REPORTED"},  # malformed records already warned about
     # Lightning subclasses made once per base; the strategies whose engines and group outlive fit() (a
     # save_checkpoint after it needs both), released at interpreter exit or before a restart in the process

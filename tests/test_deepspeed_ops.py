@@ -16,7 +16,7 @@ def test_a_stale_extension_lock_does_not_hold_deepspeeds_start(tmp_path):
     lock_dir.mkdir(parents=True)
     (lock_dir / "lock").touch()
     code = textwrap.dedent("""
-        from lightning_bamboo.engine.build import skip_shm_op
+        from lightning_bamboo.engine.construct import skip_shm_op
         skip_shm_op()
         from deepspeed.comm.torch import build_shm_op
         assert build_shm_op() is None

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from lightning_bamboo.demo.plan import default_preempt, layout_for
 from lightning_bamboo.demo.recovery import RecoveryClock
+from lightning_bamboo.demo.shape import default_preempt, layout_for
 from lightning_bamboo.testing import faults
 from tests.helpers import PYTHON, max_abs_diff, run
 

@@ -181,7 +181,7 @@ def test_workers_auto_takes_the_gpu_count_and_is_refused_without_gpus():
 
 
 def test_the_strategy_warns_at_start_where_a_replica_holder_shares_its_machine(monkeypatch, caplog):
-    from lightning_bamboo.strategy.refusal import check_local_rank, warn_if_replicas_share_machines
+    from lightning_bamboo.strategy.checks import check_local_rank, warn_if_replicas_share_machines
 
     monkeypatch.setenv("BAMBOO_STORE", "etcd://127.0.0.1:1")
     monkeypatch.setenv("BAMBOO_NODES", ",".join(interleaved(fleet(3), 2)))

@@ -158,7 +158,7 @@ def test_the_deepspeed_door_builds_what_deepspeed_builds_with_seed_layers(tmp_pa
     from deepspeed.pipe import PipelineModule
 
     from lightning_bamboo.deepspeed_api.resilient import _Model
-    from lightning_bamboo.engine.build import ensure_deepspeed_comm
+    from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule reads it
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lightning_bamboo.engine.exchange import flat_grads
-from lightning_bamboo.engine.placement import ACTIVATION_RESERVE, replica_bytes, replica_device
 from lightning_bamboo.engine.replica import Replica, StageContainer
+from lightning_bamboo.engine.replica_location import ACTIVATION_RESERVE, replica_bytes, replica_device
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.runtime.config import BambooConfig
 
@@ -123,7 +123,7 @@ def test_a_replica_update_that_runs_out_of_gpu_memory_ends_with_what_did_not_fit
 
 @CUDA
 def test_a_real_cuda_out_of_memory_names_the_gpus_memory():
-    from lightning_bamboo.engine.placement import must_fit
+    from lightning_bamboo.engine.replica_location import must_fit
     from lightning_bamboo.errors import OutOfDeviceMemory
 
     device = torch.device("cuda", 0)
@@ -147,7 +147,7 @@ def test_gradients_on_the_gpu_gathered_for_a_gpu_to_gpu_transport_stay_on_the_gp
 
 
 def test_after_its_first_step_a_replica_stays_or_moves_by_what_the_steps_peak_left_of_the_gpu():
-    from lightning_bamboo.engine.placement import STEP_MARGIN, replica_stays_on_gpu
+    from lightning_bamboo.engine.replica_location import STEP_MARGIN, replica_stays_on_gpu
 
     params, total = 2**28, 80 * GiB  # a replica of 4 GiB (weights 1 GiB of it, on the GPU already when hosted)
     margin = int(total * STEP_MARGIN)

@@ -67,7 +67,7 @@ def test_the_loss_scale_follows_deepspeeds_dynamic_loss_scaler(tmp_path):
     import torch.distributed as dist
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from lightning_bamboo.engine.build import ensure_deepspeed_comm
+    from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     ensure_deepspeed_comm("gloo")  # DeepSpeed's scaler logs an overflow with the rank

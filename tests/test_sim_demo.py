@@ -274,4 +274,4 @@ def test_the_simulator_imports_only_the_demos_pure_modules():
         tree = ast.parse(file.read_text())
         demo = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and node.module and node.module.startswith("lightning_bamboo.demo")}
-        assert demo <= {"lightning_bamboo.demo.events", "lightning_bamboo.demo.plan"}, (file.name, demo)
+        assert demo <= {"lightning_bamboo.demo.events", "lightning_bamboo.demo.shape"}, (file.name, demo)

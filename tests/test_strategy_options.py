@@ -150,7 +150,7 @@ def test_initialize_with_replicas_outside_the_bamboo_launcher_is_refused_with_ho
     from deepspeed.pipe import PipelineModule
 
     import lightning_bamboo
-    from lightning_bamboo.engine.build import ensure_deepspeed_comm
+    from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule reads it
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

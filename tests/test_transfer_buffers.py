@@ -42,7 +42,7 @@ def _layers() -> list[nn.Module]:
 def one_process(monkeypatch):
     import deepspeed.comm.comm as ds_comm
 
-    from lightning_bamboo.engine.build import ensure_deepspeed_comm
+    from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule reads it
     port = free_port()
@@ -60,7 +60,7 @@ def one_process(monkeypatch):
 
 
 def test_a_step_of_one_pipeline_leaves_no_transfer_buffer_of_its_gradients(one_process):
-    from lightning_bamboo.engine.build import build_engine, build_pipeline_module, deepspeed_config
+    from lightning_bamboo.engine.construct import build_engine, build_pipeline_module, deepspeed_config
     from lightning_bamboo.topology.layout import Layout
 
     layers = _layers()

@@ -66,7 +66,7 @@ def init_distributed(timeout: float = DEFAULT_TIMEOUT_SECONDS, dist_backend: str
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         if isinstance(getattr(c10d, name, None), timedelta):
             setattr(c10d, name, delta)
-    from lightning_bamboo.engine.build import init_deepspeed_comm
+    from lightning_bamboo.engine.construct import init_deepspeed_comm
 
     init_deepspeed_comm(dist_backend=dist_backend, timeout=delta, **kwargs)
 
@@ -149,7 +149,7 @@ def initialize(
 
     from deepspeed.accelerator import get_accelerator
 
-    from lightning_bamboo.engine.build import build_engine, init_deepspeed_comm
+    from lightning_bamboo.engine.construct import build_engine, init_deepspeed_comm
     from lightning_bamboo.engine.pipe import EngineOptions
 
     timeout = timedelta(seconds=options.timeout)

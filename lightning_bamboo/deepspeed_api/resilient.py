@@ -206,7 +206,7 @@ class ResilientPipelineEngine:
         if opened is not None and opened.admission is not None:
             self._join(opened.admission)
         elif opened is not None and opened.start_lost:  # the survivors of a start: their group, not the launch's world
-            from lightning_bamboo.engine.build import ensure_deepspeed_comm
+            from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 
             dist.destroy_process_group()
             rank, world = runner.start_without_lost()
@@ -233,7 +233,7 @@ class ResilientPipelineEngine:
         data position, scheduler) from the running nodes, as a resume from a checkpoint would; an admission a loss
         interrupts while the layers come stands this node by again, and it waits for the next. ``SystemExit(0)``
         when the job finishes first."""
-        from lightning_bamboo.engine.build import ensure_deepspeed_comm
+        from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 
         runner = self.runner
         while True:
@@ -520,7 +520,7 @@ def open_job(timeout: float, detection_timeout: float) -> None:
     the one the script was written for; ``initialize`` leaves it for the job's process group.
     """
     from lightning_bamboo.engine import comm_process, comm_zygote
-    from lightning_bamboo.engine.build import ensure_deepspeed_comm
+    from lightning_bamboo.engine.construct import ensure_deepspeed_comm
     from lightning_bamboo.membership.node import leave_idle_priority
     from lightning_bamboo.runtime.session import joining, start_session
 

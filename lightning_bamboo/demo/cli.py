@@ -20,7 +20,7 @@ from lightning_bamboo.demo.events import (
     parse_join,
     parse_preempt,
 )
-from lightning_bamboo.demo.plan import DEMO_LAYERS, GLOBAL_BATCH, default_preempt, layout_for
+from lightning_bamboo.demo.shape import DEMO_LAYERS, GLOBAL_BATCH, default_preempt, layout_for
 from lightning_bamboo.errors import BambooConfigError
 
 #: the command that makes a plan for the demo's model (the fix shown when a --plan does not fit it)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_bamboo.demo.events import ClusterEvent
-from lightning_bamboo.demo.plan import DEMO_LAYERS, STANDBY_PROCESSES, layout_for
 from lightning_bamboo.demo.recovery import RecoveryClock
+from lightning_bamboo.demo.shape import DEMO_LAYERS, STANDBY_PROCESSES, layout_for
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart, failover_record

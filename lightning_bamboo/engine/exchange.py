@@ -65,8 +65,8 @@ from torch import nn
 # the tags of its messages (``comm_cuda`` lists every tag in use: a receive posted early must never match another's)
 from lightning_bamboo.engine.comm_cuda import CHUNK_TAGS, HEADER_TAG, OFFER_TAG, READ_TAGS
 from lightning_bamboo.engine.comm_process import gpu_direct, trim_buffers
-from lightning_bamboo.engine.placement import gather_to_host
 from lightning_bamboo.engine.replica import Replica
+from lightning_bamboo.engine.replica_location import gather_to_host
 from lightning_bamboo.engine.shared_buffer import map_offered_buffer, offer_shared_buffer
 from lightning_bamboo.engine.transfer import wait_all
 from lightning_bamboo.errors import BambooError

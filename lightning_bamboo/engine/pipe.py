@@ -17,7 +17,6 @@ from lightning_bamboo.engine import heap
 from lightning_bamboo.engine.exchange import GradientExchange
 from lightning_bamboo.engine.guard import StepGuard, is_comm_error
 from lightning_bamboo.engine.layer_rng import StepKeys
-from lightning_bamboo.engine.placement import as_leaf, detached, on_host, saved_on_host, to_device
 from lightning_bamboo.engine.precision import Precision, StepFinish, StepResult, scaled_loss
 from lightning_bamboo.engine.probe import measure_layers
 from lightning_bamboo.engine.program import (
@@ -29,6 +28,7 @@ from lightning_bamboo.engine.program import (
     redundant_forwards_placed,
 )
 from lightning_bamboo.engine.replica import Replica
+from lightning_bamboo.engine.replica_location import as_leaf, detached, on_host, saved_on_host, to_device
 from lightning_bamboo.errors import BambooConfigError, PeerLost
 from lightning_bamboo.schedule import REDUNDANCY_MODES, Costs
 from lightning_bamboo.testing import faults

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine import heap
 from lightning_bamboo.engine.layer_rng import StepKeys, run_layers
-from lightning_bamboo.engine.placement import copy_to_device, must_fit
+from lightning_bamboo.engine.replica_location import copy_to_device, must_fit
 
 log = logging.getLogger(__name__)
 

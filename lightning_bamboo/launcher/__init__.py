@@ -45,7 +45,7 @@ from lightning_bamboo.launcher.cluster import (
 )
 from lightning_bamboo.launcher.command import main, store_with_credentials, supervise
 from lightning_bamboo.launcher.jobs import PRELOAD_ENV, JobResult, check_preload, launch, run_job
-from lightning_bamboo.launcher.plan import NodePlan, job_nodes, plan_node, resolve_workers
+from lightning_bamboo.launcher.node_plan import NodePlan, job_nodes, plan_node, resolve_workers
 
 __all__ = [
     "ASSIGN_KEY", "FINISHED_GRACE_SECONDS", "FINISHED_LIMIT_SECONDS", "INTERFACE_VARS", "OFFER_KEY", "PRELOAD_ENV",

@@ -24,7 +24,7 @@ from lightning_bamboo.launcher.cluster import (
     worker_env_help,
 )
 from lightning_bamboo.launcher.jobs import PRELOAD_ENV, check_preload, run_job
-from lightning_bamboo.launcher.plan import plan_node, resolve_workers
+from lightning_bamboo.launcher.node_plan import plan_node, resolve_workers
 from lightning_bamboo.membership.address import free_port
 
 DESCRIPTION = "A local launcher whose workers survive each other's death: one process per node, a store, a watcher."

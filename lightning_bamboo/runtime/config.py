@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_bamboo.engine.placement import check_placement
 from lightning_bamboo.engine.precision import resolve
+from lightning_bamboo.engine.replica_location import check_placement
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_option
 from lightning_bamboo.topology.policy import rebalance_arguments

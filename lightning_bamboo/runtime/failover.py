@@ -8,7 +8,7 @@ import time
 from typing import Any, NoReturn
 
 from lightning_bamboo.engine.comm_process import CommAborted
-from lightning_bamboo.engine.placement import must_fit
+from lightning_bamboo.engine.replica_location import must_fit
 from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost, Released
 from lightning_bamboo.membership.collectives import BarrierTimeoutError

@@ -7,8 +7,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from lightning_bamboo.engine.build import ensure_deepspeed_comm
 from lightning_bamboo.engine.comm_process import CommAborted
+from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 from lightning_bamboo.engine.reconfigure import move_layers
 from lightning_bamboo.engine.ties import held_layers
 from lightning_bamboo.engine.transfer import exchange_objects

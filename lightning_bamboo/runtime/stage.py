@@ -17,20 +17,20 @@ import torch.distributed as torch_dist
 
 from lightning_bamboo import checkpoint as ckpt
 from lightning_bamboo.engine import audit, heap
-from lightning_bamboo.engine.build import (
+from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
+from lightning_bamboo.engine.construct import (
     build_engine,
     build_pipeline_module,
     deepspeed_config,
     ensure_deepspeed_comm,
     retire,
 )
-from lightning_bamboo.engine.comm_process import BACKEND, trim_buffers
 from lightning_bamboo.engine.module import BuiltLayers, LayerCensus, Splice, build_layers, census_layers
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.engine.pipe import BambooPipelineEngine, EngineOptions, Wiring
-from lightning_bamboo.engine.placement import must_fit, replica_device, replica_stays_on_gpu
 from lightning_bamboo.engine.precision import Precision, ScaleState, resolve
 from lightning_bamboo.engine.replica import Replica, StageContainer, copy_hyperparameters
+from lightning_bamboo.engine.replica_location import must_fit, replica_device, replica_stays_on_gpu
 from lightning_bamboo.engine.transfer import exchange_objects
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.runtime import memory

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_bamboo.demo.events import ClusterEvent
-from lightning_bamboo.demo.plan import DEMO_LAYERS, STANDBY_PROCESSES
+from lightning_bamboo.demo.shape import DEMO_LAYERS, STANDBY_PROCESSES
 from lightning_bamboo.errors import FatalLoss
 from lightning_bamboo.sim.params import DEFAULT_PATH, DemoParams, ParamError
 from lightning_bamboo.topology.failover import plan_failover

@@ -30,11 +30,7 @@ from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import joining, launched_by_bamboo
 from lightning_bamboo.strategy import patches
 from lightning_bamboo.strategy.checkpoint_hooks import CheckpointHooks
-from lightning_bamboo.strategy.collectives import ResilientCollectives
-from lightning_bamboo.strategy.lightning_host import LightningHost
-from lightning_bamboo.strategy.loading import PipelineData
-from lightning_bamboo.strategy.options import StrategyOptions
-from lightning_bamboo.strategy.refusal import (
+from lightning_bamboo.strategy.checks import (
     check_batches,
     check_fit_data_before_launch,
     check_trainer,
@@ -42,6 +38,10 @@ from lightning_bamboo.strategy.refusal import (
     warn_if_replicas_cannot_help,
     warn_if_replicas_share_machines,
 )
+from lightning_bamboo.strategy.collectives import ResilientCollectives
+from lightning_bamboo.strategy.lightning_host import LightningHost
+from lightning_bamboo.strategy.loading import PipelineData
+from lightning_bamboo.strategy.options import StrategyOptions
 from lightning_bamboo.strategy.restart import FitRestarts
 from lightning_bamboo.topology.layout import resolve_stages
 
