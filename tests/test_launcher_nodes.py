@@ -134,6 +134,24 @@ def test_workers_bind_to_the_interface_of_their_address_and_interleave_machines(
     assert single.workers == ("m1",) and single.nodes == ("m0", "m1")
 
 
+def test_a_plan_formed_by_count_orders_the_chosen_machines_or_stands_by():
+    """``--min-nodes``: the plan knows no nodes until the rendezvous chose the machines; ``formed`` then orders them as
+    ``--peers`` would have (the supervisor runs what ``plan_node`` checked, nothing planned twice), or stands the
+    machine by when the job formed without it."""
+    from lightning_bamboo.launcher import plan_node
+
+    by_count = plan_node(["python", "train.py"], "m1", store="etcd://10.0.0.1:2379", min_nodes=6, addr="127.0.0.3",
+                         workers=2, job="j1")
+    assert by_count.nodes == () and not by_count.joining and (by_count.store, by_count.job) == ("etcd://10.0.0.1:2379", "j1")
+    formed = by_count.formed(["m0", "m1", "m2"])
+    given = plan_node(["python", "train.py"], "m1", store="etcd://10.0.0.1:2379", peers=["m0", "m1", "m2"],
+                      addr="127.0.0.3", workers=2, job="j1")
+    assert formed == given and not formed.joining and formed.publisher == "m0.0"
+    left_out = by_count.formed(None)
+    assert left_out.joining and left_out.nodes == () and left_out.publisher is None and left_out.workers == ("m1.0", "m1.1")
+    assert plan_node(["true"], "m3", store="etcd://10.0.0.1:2379", join=True, addr="127.0.0.3").joining
+
+
 def test_dry_run_prints_the_plan_and_starts_nothing(capsys):
     code = launcher_main(["--store", "etcd://10.0.0.1:2379", "--node", "m2", "--peers", "m0,m1,m2", "--workers", "2",
                           "--addr", "127.0.0.4", "--dry-run", "--", "python", "train.py", "--stages", "3"])

@@ -24,33 +24,25 @@ from lightning_bamboo.launcher.cluster import (
     worker_env_help,
 )
 from lightning_bamboo.launcher.jobs import PRELOAD_ENV, check_preload, run_job
-from lightning_bamboo.launcher.node_plan import plan_node, resolve_workers
+from lightning_bamboo.launcher.node_plan import NodePlan, plan_node, resolve_workers
 from lightning_bamboo.membership.address import free_port
 
 DESCRIPTION = "A local launcher whose workers survive each other's death: one process per node, a store, a watcher."
 
 
 def supervise(
-    command: Sequence[str],
-    node: str,
+    plan: NodePlan,
     *,
-    store: str,
-    peers: Sequence[str] = (),
-    addr: str = "127.0.0.1",
-    join: bool = False,
-    workers: int | None = None,
-    job: str = "bamboo",
     env: Mapping[str, str] | None = None,
     timeout: float = 300.0,
-    min_nodes: int | None = None,
-    max_nodes: int | None = None,
     stop_grace: float = STOP_GRACE_SECONDS,
     report: bool = False,
     pid_dir: str | None = None,
-    stages: int | None = None,
     preload: Sequence[str] = (),
 ) -> int:
-    """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine).
+    """Run one machine's nodes of a job whose other nodes run elsewhere (one supervisor per machine), as ``plan``
+    (``plan_node``, from the command line's ``--node``, ``--peers`` or ``--min-nodes`` or ``--join``, ``--workers``,
+    ``--stages``, ``--store``, ``--job``, ``--addr``) says.
 
     Returns the job's outcome as this machine saw it (``launcher.outcome.machine_status``): 0 once the job finished
     with every worker here that was still in it exiting 0 (the others exited 0 or were SIGKILLed, a vanished node),
@@ -63,8 +55,7 @@ def supervise(
     """
     from lightning_bamboo.membership.keys import JobKeys, job_prefix
 
-    plan = plan_node(command, node, store=store, peers=peers, addr=addr, join=join, workers=workers, job=job,
-                     min_nodes=min_nodes, max_nodes=max_nodes, stages=stages)
+    store, job, node, command = plan.store, plan.job, plan.machine, list(plan.command)
     check_preload(preload)
     chosen = {k: os.environ[k] for k in INTERFACE_VARS if k in os.environ}  # the user's choice wins over ours
     cluster = Cluster(store, job, {**plan.env, **chosen, **(env or {})},
@@ -73,17 +64,15 @@ def supervise(
                       preload_runs=("*",))
     try:
         with stopping(cluster, stop_grace) as stop:
-            if min_nodes is not None:
+            if plan.min_nodes is not None:
                 from lightning_bamboo.membership.fleet import fleet_rendezvous
 
-                roster = fleet_rendezvous(cluster.store, job_prefix(job), node, len(plan.workers), min_nodes, max_nodes,
-                                          timeout)
-                join = roster is None
-                plan = plan_node(command, node, store=store, peers=roster or (), addr=addr, join=join, workers=workers,
-                                 job=job, stages=stages)
-                print(f"[launcher] {node}: " + ("the job formed without this machine: standby" if join else
+                roster = fleet_rendezvous(cluster.store, job_prefix(job), node, len(plan.workers), plan.min_nodes,
+                                          plan.max_nodes, timeout)
+                plan = plan.formed(roster)
+                print(f"[launcher] {node}: " + ("the job formed without this machine: standby" if plan.joining else
                                                 f"the job formed of {','.join(plan.nodes)}"), file=sys.stderr)
-            if join:
+            if plan.joining:
                 for worker in plan.workers:
                     cluster.spawn_joiner(worker, command)
             else:
@@ -194,16 +183,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.node is not None:
         peers = [p for p in args.peers.split(",") if p]
         args.workers = resolve_workers(args.workers, visible_gpus() if args.workers == "auto" else 0)
+        plan = plan_node(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
+                         workers=args.workers, job=args.job, min_nodes=args.min_nodes, max_nodes=args.max_nodes,
+                         stages=args.stages)
         if args.dry_run:
-            plan = plan_node(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
-                             workers=args.workers, job=args.job, min_nodes=args.min_nodes, max_nodes=args.max_nodes,
-                             stages=args.stages)
             print(plan.describe())
             return 0
-        code = supervise(command, args.node, store=args.store, peers=peers, addr=args.addr, join=args.join,
-                         workers=args.workers, job=args.job, timeout=args.timeout, min_nodes=args.min_nodes,
-                         max_nodes=args.max_nodes, stop_grace=args.stop_grace, report=True, pid_dir=args.pid_dir,
-                         stages=args.stages, preload=preload)
+        code = supervise(plan, timeout=args.timeout, stop_grace=args.stop_grace, report=True, pid_dir=args.pid_dir,
+                         preload=preload)
         print(f"[launcher] {args.node} exit code: {code}", file=sys.stderr)
         return code if code in (0, CONFIG_EXIT_CODE) else 1
     if args.workers is not None or args.stages is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.membership.node import ADDR_ENV, MACHINE_ENV
@@ -33,6 +33,22 @@ class NodePlan:
     max_nodes: int | None = None
     #: --stages: the pipeline depth the nodes are ordered for (None: every depth where one order serves them all)
     stages: int | None = None
+    #: --store and --job: the job's store and name
+    store: str = ""
+    job: str = "bamboo"
+    #: --workers as given (None: one worker named after the machine)
+    worker_count: int | None = None
+
+    @property
+    def joining(self) -> bool:
+        """A standby machine (``--join``, or a job formed by count without it): its workers wait for an admission."""
+        return not self.nodes and self.min_nodes is None
+
+    def formed(self, roster: Sequence[str] | None) -> NodePlan:
+        """This plan once a job formed by count (``--min-nodes``) chose its machines, ``roster`` (None: the job formed
+        without this machine, which then stands by)."""
+        nodes = tuple(job_nodes(roster, self.worker_count, self.stages)) if roster else ()
+        return replace(self, nodes=nodes, publisher=nodes[0] if nodes else None, min_nodes=None, max_nodes=None)
 
     def rank(self, worker: str) -> int | None:
         return self.nodes.index(worker) if worker in self.nodes else None
@@ -174,4 +190,5 @@ def plan_node(
     env = {ADDR_ENV: addr, **bind_env(addr), MACHINE_ENV: node}
     return NodePlan(machine=node, workers=tuple(mine), nodes=tuple(nodes), addr=addr, env=env,
                     command=tuple(command), publisher=nodes[0] if nodes else None,
-                    min_nodes=min_nodes, max_nodes=max_nodes, stages=stages)
+                    min_nodes=min_nodes, max_nodes=max_nodes, stages=stages, store=store, job=job,
+                    worker_count=workers)
