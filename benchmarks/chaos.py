@@ -50,8 +50,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,6 +63,7 @@ sys.path.insert(0, str(REPO))
 
 from lightning_bamboo import checkpoint as ckpt  # noqa: E402
 from lightning_bamboo.testing import faults  # noqa: E402
+from lightning_bamboo.testing.job_output import run_demo  # noqa: E402
 
 NODES = 4
 CHECKPOINT_EVERY = 4
@@ -287,7 +286,7 @@ def _restart_etcd(server, steps: list[int], done: threading.Event) -> None:
 def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step_delay: float, store: str,
           detection_timeout: float, dropout: float, shape: Shape, numerics: Numerics) -> dict:
     report = out / "report.json"
-    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(shape.nodes), "--steps", str(steps),
+    cmd = ["--nodes", str(shape.nodes), "--steps", str(steps),
            "--checkpoint-every", str(CHECKPOINT_EVERY), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
            "--store", store, "--detection-timeout", str(detection_timeout), "--dropout", str(dropout),
            "--report", str(report), "--save-weights", str(out / "weights.pt"),
@@ -305,15 +304,9 @@ def _demo(out: Path, steps: int, schedule: Schedule | None, timeout: float, step
     if schedule is not None and schedule.fail_at:
         (out / "fired").mkdir()
         env.update(faults.environment(schedule.fail_at, once_dir=out / "fired"))  # a node started again is spared
-    with (out / "demo.log").open("w") as log:
-        # its own process group: a run over the timeout is stopped with every worker it started
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code: int | str = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = f"none: stopped after the {timeout:g} s timeout"
+    # its own process group: a run over the timeout is stopped with every worker it started
+    status = run_demo(cmd, out / "demo.log", timeout, env=env, cwd=REPO)
+    code: int | str = f"none: stopped after the {timeout:g} s timeout" if status is None else status
     result = json.loads(report.read_text()) if report.exists() else {"steps_completed": 0, "recovery_seconds": []}
     result["exit_code"] = code
     result["log_tail"] = (out / "demo.log").read_text(errors="replace")[-3000:]

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import chaos  # noqa: E402
 
+from lightning_bamboo.testing.job_output import run_demo as run_demo_process  # noqa: E402
+
 PERTURB_ENV = "BAMBOO_DEMO_PERTURB"  # read by lightning_bamboo/demo/worker.py
 
 
@@ -48,22 +49,16 @@ def run_demo(out: Path, nodes: int, stages: int, steps: int, preempt: str = "", 
              perturb: bool = False, timeout: float = 1200.0) -> dict:
     """One demo run in ``out``: its report, exit status, final weights, AdamW state and samples by step."""
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(nodes), "--stages", str(stages),
-           "--steps", str(steps), "--optimizer", "adamw", "--quiet", "--workdir", str(out / "work"),
-           "--report", str(out / "report.json"), "--save-weights", str(out / "weights.pt"), "--preempt", preempt]
-    cmd += ["--join", join] if join else []
+    demo_args = ["--nodes", str(nodes), "--stages", str(stages), "--steps", str(steps), "--optimizer", "adamw",
+                 "--quiet", "--workdir", str(out / "work"), "--report", str(out / "report.json"),
+                 "--save-weights", str(out / "weights.pt"), "--preempt", preempt]
+    demo_args += ["--join", join] if join else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop(PERTURB_ENV, None)
     if perturb:
         env[PERTURB_ENV] = "ulp"
-    with (out / "demo.log").open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code: int | str = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            code = f"stopped after {timeout:g} s"
+    status = run_demo_process(demo_args, out / "demo.log", timeout, env=env, cwd=REPO)
+    code: int | str = f"stopped after {timeout:g} s" if status is None else status
     report = report_of(out)
     result = {"exit_code": code, "steps_completed": report.get("steps_completed", 0),
               "failovers": [(f["step"], f.get("old_pipelines"), f.get("pipelines")) for f in report.get("failovers", [])]}

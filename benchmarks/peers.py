@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_bamboo.demo.cli import exit_on_stop_signals
+from lightning_bamboo.testing.job_output import run_demo as run_demo_process
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "lightning_bamboo" / "data"
@@ -178,26 +179,12 @@ def run_demo(label: str, args: argparse.Namespace, trace: Path | None, every: in
     """``lightning-bamboo demo`` on the slice (None: no preemption); its report (``--report``), with ``"wall"``."""
     report = workdir / f"{label}.json"
     events = ["--trace", str(trace), "--time-scale", str(args.time_scale)] if trace is not None else ["--preempt", ""]
-    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(args.nodes),
-           "--steps", str(steps or args.steps), *events, "--checkpoint-every", str(every),
-           "--step-delay", str(args.step_delay), "--quiet", "--report", str(report), "--workdir", str(workdir / "demo"),
-           *extra]
+    demo_args = ["--nodes", str(args.nodes), "--steps", str(steps or args.steps), *events, "--checkpoint-every",
+                 str(every), "--step-delay", str(args.step_delay), "--quiet", "--report", str(report),
+                 "--workdir", str(workdir / "demo"), *extra]
     log = workdir / f"{label}.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        began = time.monotonic()
-        try:
-            code = proc.wait(timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            if proc.poll() is None:  # the demo kills its workers on SIGTERM; SIGKILL its group if it does not end
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=10)
+    began = time.monotonic()
+    code = run_demo_process(demo_args, log, args.run_timeout, cwd=REPO)
     if code != 0 or not report.exists():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
         workers = sorted((workdir / "demo").glob("run*/workers.log"))

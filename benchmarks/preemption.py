@@ -19,21 +19,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from lightning_bamboo.testing.job_output import run_demo
 
 TRACE = Path(__file__).resolve().parents[1] / "lightning_bamboo" / "data" / "aws-p3-trace.csv"
 
 
 def demo(label: str, out: Path, args: argparse.Namespace, *extra: str) -> dict:
     report = out / f"{label}.json"
-    cmd = [sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", "6", "--stages", str(args.stages),
-           "--steps", str(args.steps),
-           "--trace", str(TRACE), "--time-scale", str(args.time_scale), "--checkpoint-every", str(args.checkpoint_every),
-           "--quiet", "--report", str(report), *extra]
-    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+    demo_args = ["--nodes", "6", "--stages", str(args.stages), "--steps", str(args.steps), "--trace", str(TRACE),
+                 "--time-scale", str(args.time_scale), "--checkpoint-every", str(args.checkpoint_every), "--quiet",
+                 "--report", str(report), *extra]
+    code = run_demo(demo_args, None, 1800)
+    if not report.exists():
+        raise RuntimeError(f"the demo ({label}) wrote no report (exit {code}); run it by hand: lightning-bamboo demo "
+                           + " ".join(demo_args))
     return json.loads(report.read_text())
 
 

@@ -33,14 +33,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from lightning_bamboo.sim.calibration import clean_steps, mean_of, parse_progress, save_steps, step_intervals
 from lightning_bamboo.sim.params import record_measurement
+from lightning_bamboo.testing.job_output import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_PER_STEP = 8  # the demo's global batch
@@ -60,38 +58,15 @@ NO_REDUNDANCY_KILL = 80
 def timed_demo(steps: int, preempt: str, extra: tuple[str, ...], workdir: Path) -> dict:
     """Run the demo, stamping every stdout line; returns its report and the stamped lines."""
     report = workdir / "report.json"
-    cmd = [
-        sys.executable,
-        "-u",
-        "-m",
-        "lightning_bamboo.cli",
-        "demo",
-        "--nodes",
-        "6",
-        "--steps",
-        str(steps),
-        "--preempt",
-        preempt,
-        "--checkpoint-every",
-        str(CHECKPOINT_EVERY),
-        "--report",
-        str(report),
-        # the simulator's demo model starts each joined node's interpreter when it joins (no warm pool)
-        "--warm-pool",
-        "0",
-        *extra,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.monotonic()
+    cmd = ["--nodes", "6", "--steps", str(steps), "--preempt", preempt, "--checkpoint-every", str(CHECKPOINT_EVERY),
+           "--report", str(report),
+           # the simulator's demo model starts each joined node's interpreter when it joins (no warm pool)
+           "--warm-pool", "0", *extra]
     lines: list[tuple[float, str]] = []
-    with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT
-    ) as proc:
-        assert proc.stdout is not None
-        for text in proc.stdout:
-            lines.append((time.monotonic() - start, text.rstrip("\n")))
+    code = run_demo(cmd, None, 3600, env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}, cwd=ROOT,
+                    lines=lines)
     if not report.exists():
-        raise RuntimeError(f"the demo wrote no report (exit {proc.returncode}); run {' '.join(cmd)} by hand")
+        raise RuntimeError(f"the demo wrote no report (exit {code}); run lightning-bamboo demo {' '.join(cmd)} by hand")
     return {"cmd": cmd, "lines": lines, "report": json.loads(report.read_text())}
 
 

@@ -42,8 +42,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -51,6 +49,7 @@ from lightning_bamboo.demo.events import events_from_trace
 from lightning_bamboo.sim.demo import DemoPrediction, load_demo_params, replay_demo
 from lightning_bamboo.sim.report import compare_with_demo, relative_error
 from lightning_bamboo.sim.trace import bundled_trace, read_trace, slice_trace, write_trace
+from lightning_bamboo.testing.job_output import run_demo as run_demo_process
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES = [f"node{i}" for i in range(6)]
@@ -60,10 +59,6 @@ MODES = {"bamboo": (), "no_redundancy": ("--no-redundancy",)}
 def run_demo(trace_csv: Path, args: argparse.Namespace, extra: tuple[str, ...], out: Path) -> dict:
     report = out / "report.json"
     cmd = [
-        sys.executable,
-        "-m",
-        "lightning_bamboo.cli",
-        "demo",
         "--nodes",
         str(len(NODES)),
         "--steps",
@@ -82,18 +77,9 @@ def run_demo(trace_csv: Path, args: argparse.Namespace, extra: tuple[str, ...], 
         "0",
         *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(
-        cmd,
-        check=False,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        timeout=1200,
-        env=env,
-        cwd=ROOT,
-    )
+    code = run_demo_process(cmd, None, 1200, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     if not report.exists():
-        raise RuntimeError(f"the demo wrote no report; run by hand: {' '.join(cmd)}")
+        raise RuntimeError(f"the demo wrote no report (exit {code}); run by hand: lightning-bamboo demo {' '.join(cmd)}")
     return json.loads(report.read_text())
 
 
@@ -143,14 +129,13 @@ def run_cluster_demo(
     report = out / "report.json"
     source = ["--trace", str(trace_csv), "--time-scale", str(args.time_scale)] if trace_csv else ["--preempt", ""]
     cmd = [
-        sys.executable, "-m", "lightning_bamboo.cli", "demo", "--nodes", str(nodes), "--stages", "3",
+        "--nodes", str(nodes), "--stages", "3",
         "--steps", str(steps), "--checkpoint-every", str(args.checkpoint_every), "--quiet",
         "--report", str(report), "--warm-pool", "0", *source, *extra,  # the simulator models no warm pool
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200, env=env, cwd=ROOT)
+    code = run_demo_process(cmd, None, 1200, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     if not report.exists():
-        raise RuntimeError(f"the demo wrote no report; run by hand: {' '.join(cmd)}")
+        raise RuntimeError(f"the demo wrote no report (exit {code}); run by hand: lightning-bamboo demo {' '.join(cmd)}")
     return json.loads(report.read_text())
 
 

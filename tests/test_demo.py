@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -440,3 +442,32 @@ def test_a_job_that_starts_on_one_node_grows_by_every_node_that_joins_exact(clea
     assert depths == [2, 3, 4] and all(r["reason"].startswith("change_depth") for r in report["reconfigurations"])
     assert report["steps_completed"] == STEPS and report["joins"] == 3
     assert max_abs_diff(weights, clean_weights) == 0.0
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Processes whose environment holds ``marker`` (a demo started with it, and every worker it started)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_the_benchmarks_demo_runner_returns_its_status_and_stops_a_demo_past_its_timeout(tmp_path):
+    """``testing.job_output.run_demo``, how every benchmark starts the demo: the demo's exit status; past the timeout
+    None, the demo asked to stop and nothing of it left (its workers included)."""
+    from lightning_bamboo.testing.job_output import run_demo
+
+    lines: list[tuple[float, str]] = []
+    assert run_demo(["--nodes", "two"], None, 60, lines=lines) == 2  # argparse's refusal, its line stamped
+    marker = f"BAMBOO_RUN_DEMO_TEST={tmp_path.name}"
+    env = {**os.environ, "BAMBOO_RUN_DEMO_TEST": tmp_path.name}
+    began = time.monotonic()
+    status = run_demo(["--nodes", "2", "--steps", "500", "--step-delay", "1", "--quiet", "--workdir", str(tmp_path / "work")],
+                      tmp_path / "demo.log", 15, env=env)
+    assert status is None and time.monotonic() - began < 15 + 35
+    assert (tmp_path / "work").exists()  # it ran until it was stopped
+    assert _processes_with(marker) == []

@@ -1,6 +1,7 @@
 """Reading and running a launcher's job from outside it, for the tests and the benchmarks alike: each node's exit
-code from the launcher's summary line, the JSON reports its workers print, and a command run in a process group of
-its own that leaves no process behind."""
+code from the launcher's summary line, the JSON reports its workers print, a command run in a process group of
+its own that leaves no process behind, and the demo run as a user runs it (``run_demo``, every benchmark's way to
+start one)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
-__all__ = ["json_reports", "launcher_exit_codes", "run_in_group"]
+__all__ = ["DEMO", "json_reports", "launcher_exit_codes", "run_demo", "run_in_group"]
+
+#: ``lightning-bamboo demo`` with this interpreter
+DEMO = (sys.executable, "-m", "lightning_bamboo.cli", "demo")
+#: seconds a demo asked to stop (SIGTERM: it stops its workers) has before its whole group is killed
+DEMO_STOP_GRACE = 30.0
 
 #: the line the local launcher prints when its job ended (``[launcher] exit codes: node0=0, node1=-9``)
 EXIT_CODES_LINE = "[launcher] exit codes: "
@@ -50,3 +59,41 @@ def run_in_group(cmd: Sequence[str], timeout: float, env: Mapping[str, str] | No
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, None)
+
+
+def run_demo(args: Sequence[str], log: Path | None, timeout: float, env: Mapping[str, str] | None = None,
+             cwd: str | Path | None = None, lines: list[tuple[float, str]] | None = None) -> int | None:
+    """``lightning-bamboo demo ARGS`` in a session of its own, its output and errors written to ``log`` (None:
+    discarded), or with ``lines`` given each output line appended as ``(seconds since the start, text)``. Past
+    ``timeout`` seconds it is asked to stop (SIGTERM: the demo stops its workers), and its whole group is killed
+    ``DEMO_STOP_GRACE`` s later if it has not; whatever happens, no process of its group outlives the call. Returns
+    its exit status, or None when it was stopped."""
+    out: int | IO[str] = subprocess.PIPE if lines is not None else log.open("w") if log is not None else subprocess.DEVNULL
+    start = time.monotonic()
+    proc = subprocess.Popen([*DEMO, *args], cwd=cwd, env=dict(env) if env is not None else None, stdout=out,
+                            stderr=subprocess.DEVNULL if lines is not None else subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        if lines is not None:
+            assert proc.stdout is not None
+            for text in proc.stdout:  # the timeout is checked between lines: the demo prints every step
+                lines.append((time.monotonic() - start, text.rstrip("\n")))
+                if time.monotonic() - start > timeout:
+                    break
+        return proc.wait(timeout=max(0.0, timeout - (time.monotonic() - start)))
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=DEMO_STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if not isinstance(out, int):
+            out.close()
