@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError, GatherFailed, barrier, gather
@@ -27,6 +27,7 @@ from lightning_bamboo.testing import faults
 from lightning_bamboo.topology.layout import machine_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: a standby node whose key has not changed for this long (it refreshes it about once a second while it waits) is
 #: not offered for admission: it may be cut off or frozen while its lease still runs (``Session.standby``)
@@ -203,9 +204,10 @@ class Session:
         (rank, world size). Nothing has trained yet, so nothing is lost but the dead nodes' places.
         Fewer than ``min_nodes`` left: ``FatalLoss`` (the job starts again when more are up).
         """
-        launched, suspected = list(self.nodes), set(self.start_lost)
+        launched = list(self.nodes)
         passed_prefix = self.keys.start_passed()
-        for _attempt in range(len(launched)):
+
+        def attempt(suspected: set[str]) -> tuple[int, int, set[str]]:
             lost = self.decide_lost(tuple(suspected), launched)
             order = [n for n in launched if n not in lost]
             passed = {kv.key[len(passed_prefix):] for kv in self.store.get_prefix(passed_prefix).kvs}
@@ -218,15 +220,14 @@ class Session:
             if len(order) < min_nodes:
                 raise FatalLoss(f"{sorted(lost)} died while the job started, leaving {len(order)} of {len(launched)} "
                                 f"nodes (at least {min_nodes} needed); start again with the nodes that are up")
-            try:
-                rank, world = self.reform(order, tag="start-" + "-".join(sorted(lost)))
-            except (PeerLost, BarrierTimeoutError) as again:
-                suspected |= set(getattr(again, "lost", ())) | self.detector.lost
-                continue
-            log.warning("%s: %s died while the job started; starting with %d nodes", self.node, sorted(lost), world)
-            self.start_lost = frozenset()
-            return rank, world
-        raise FatalLoss(f"the start without lost nodes did not converge after {len(launched)} attempts")
+            return (*self.reform(order, tag="start-" + "-".join(sorted(lost))), lost)
+
+        rank, world, lost = self.until_agreed(
+            attempt, set(self.start_lost), len(launched), (PeerLost, BarrierTimeoutError),
+            lambda: FatalLoss(f"the start without lost nodes did not converge after {len(launched)} attempts"))
+        log.warning("%s: %s died while the job started; starting with %d nodes", self.node, sorted(lost), world)
+        self.start_lost = frozenset()
+        return rank, world
 
     def _watch(self, nodes: list[str]) -> LossDetector:
         peers = [n for n in nodes if n != self.node]
@@ -438,6 +439,25 @@ class Session:
         return parts
 
     # ------------------------------------------------------------------ failover
+    def until_agreed(self, attempt: Callable[[set[str]], T], suspected: set[str], attempts: int,
+                     retry_on: tuple[type[BaseException], ...], exhausted: Callable[[], BaseException],
+                     during: str = "") -> T:
+        """Recovery's loop, one for every recovery (a failover, a restart after a fatal loss, a start without the
+        lost): ``attempt(suspected)`` agrees on the lost set (``decide_lost``), re-forms and returns; a loss it meets
+        (``retry_on``, naming the nodes it lost) joins ``suspected`` with every node the detector has seen lost, and
+        the survivors agree again on the larger set. Each retry loses one more node, so at most ``attempts`` (the
+        nodes) tries; then ``exhausted()`` is raised. ``during`` names the recovery in the log of a retry (empty:
+        none logged)."""
+        for _attempt in range(attempts):
+            try:
+                return attempt(suspected)
+            except retry_on as again:
+                suspected |= set(getattr(again, "lost", ())) | self.detector.lost
+                if during:
+                    log.warning("%s: another loss %s (%s); trying again with %s", self.node, during, again,
+                                sorted(suspected))
+        raise exhausted()
+
     def decide_lost(self, suspected: tuple[str, ...], nodes: list[str]) -> set[str]:
         """The lost nodes for the next generation: a set in the store that only grows, so all agree.
 

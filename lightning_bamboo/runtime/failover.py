@@ -75,16 +75,11 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
     # goes to stderr (the node's log) so the wait can be named.
     faulthandler.dump_traceback_later(max(4 * stage.config.detection_timeout, 10.0), repeat=True)
     try:
-        for _attempt in range(len(base["nodes"])):
-            try:
-                plan, rank, world = _fail_over_once(stage, base, suspected, step, released_before)
-                break
-            except (PeerLost, BarrierTimeoutError, CommAborted) as again:
-                suspected |= set(getattr(again, "lost", ())) | session.detector.lost
-                log.warning("%s: another loss during the failover (%s); trying again with %s", session.node,
-                            again, sorted(suspected))
-        else:
-            raise BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts")
+        plan, rank, world = session.until_agreed(
+            lambda lost: _fail_over_once(stage, base, lost, step, released_before), suspected, len(base["nodes"]),
+            (PeerLost, BarrierTimeoutError, CommAborted),
+            lambda: BambooError(f"failover at step {step} did not converge after {len(base['nodes'])} attempts"),
+            during="during the failover")
     finally:
         faulthandler.cancel_dump_traceback_later()
     seconds = time.monotonic() - started

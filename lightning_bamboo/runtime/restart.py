@@ -74,8 +74,8 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     started = time.monotonic()
     before = list(session.nodes)
     layout = stage.require_stage()[1]
-    suspected: set[str] = set()
-    for _attempt in range(len(before)):
+
+    def attempt(suspected: set[str]) -> tuple[int, int, int, list[str]]:
         lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
         # Nodes that stand by, waiting for an admission (the rebalancer admits them once the job runs again), are
         # not in the restart: a survivor released by the failover that a loss inside it made fatal (in ``lost``
@@ -87,15 +87,12 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
             raise err
         stages = restart_depth(len(order), layout.stages)
         order = restart_order(order, stages, stage.config.redundancy)
-        try:
-            rank, world = session.reform(order, tag=layout_tag(order))
-            break
-        except (PeerLost, BarrierTimeoutError, CommAborted) as again:
-            suspected |= set(getattr(again, "lost", ())) | session.detector.lost
-            log.warning("%s: another loss while the job restarted (%s); trying again with %s", session.node, again,
-                        sorted(suspected | lost))
-    else:
-        raise BambooError(f"the restart after a fatal loss did not converge after {len(before)} attempts")
+        return (*session.reform(order, tag=layout_tag(order)), stages, order)
+
+    rank, world, stages, order = session.until_agreed(
+        attempt, set(), len(before), (PeerLost, BarrierTimeoutError, CommAborted),
+        lambda: BambooError(f"the restart after a fatal loss did not converge after {len(before)} attempts"),
+        during="while the job restarted")
     stage.enter_group(rank, world)
     stage.assign(stages)
     return PendingRestart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages, rank=rank,
