@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -73,23 +74,29 @@ def run_demo(args: Sequence[str], log: Path | None, timeout: float, env: Mapping
     proc = subprocess.Popen([*DEMO, *args], cwd=cwd, env=dict(env) if env is not None else None, stdout=out,
                             stderr=subprocess.DEVNULL if lines is not None else subprocess.STDOUT, text=True,
                             start_new_session=True)
+    stopped = threading.Event()
+
+    def stop() -> None:  # past the timeout, even while no line comes: SIGTERM, then the group after the grace
+        stopped.set()
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=DEMO_STOP_GRACE)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, stop)
+    timer.daemon = True
+    timer.start()
     try:
         if lines is not None:
             assert proc.stdout is not None
-            for text in proc.stdout:  # the timeout is checked between lines: the demo prints every step
+            for text in proc.stdout:  # ends when the group's last writer is gone
                 lines.append((time.monotonic() - start, text.rstrip("\n")))
-                if time.monotonic() - start > timeout:
-                    break
-        return proc.wait(timeout=max(0.0, timeout - (time.monotonic() - start)))
-    except subprocess.TimeoutExpired:
-        return None
+        code = proc.wait()
+        return None if stopped.is_set() else code
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=DEMO_STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                pass
+        timer.cancel()
+        timer.join()  # a stop under way finishes first
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
