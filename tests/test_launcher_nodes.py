@@ -150,6 +150,10 @@ def test_a_plan_formed_by_count_orders_the_chosen_machines_or_stands_by():
     left_out = by_count.formed(None)
     assert left_out.joining and left_out.nodes == () and left_out.publisher is None and left_out.workers == ("m1.0", "m1.1")
     assert plan_node(["true"], "m3", store="etcd://10.0.0.1:2379", join=True, addr="127.0.0.3").joining
+    one = plan_node(["true"], "m1", store="etcd://10.0.0.1:2379", min_nodes=2, addr="127.0.0.3")  # no --workers
+    assert one.formed(["m0", "m1"]).nodes == ("m0", "m1")
+    assert plan_node(["true"], "m1", store="etcd://10.0.0.1:2379", min_nodes=2, addr="127.0.0.3",
+                     workers=1).formed(["m0", "m1"]).nodes == ("m0.0", "m1.0")
 
 
 def test_dry_run_prints_the_plan_and_starts_nothing(capsys):

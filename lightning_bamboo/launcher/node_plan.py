@@ -36,8 +36,6 @@ class NodePlan:
     #: --store and --job: the job's store and name
     store: str = ""
     job: str = "bamboo"
-    #: --workers as given (None: one worker named after the machine)
-    worker_count: int | None = None
 
     @property
     def joining(self) -> bool:
@@ -47,7 +45,9 @@ class NodePlan:
     def formed(self, roster: Sequence[str] | None) -> NodePlan:
         """This plan once a job formed by count (``--min-nodes``) chose its machines, ``roster`` (None: the job formed
         without this machine, which then stands by)."""
-        nodes = tuple(job_nodes(roster, self.worker_count, self.stages)) if roster else ()
+        # --workers as given: None where the machine's one worker carries its name
+        count = None if self.workers == (self.machine,) else len(self.workers)
+        nodes = tuple(job_nodes(roster, count, self.stages)) if roster else ()
         return replace(self, nodes=nodes, publisher=nodes[0] if nodes else None, min_nodes=None, max_nodes=None)
 
     def rank(self, worker: str) -> int | None:
@@ -190,5 +190,4 @@ def plan_node(
     env = {ADDR_ENV: addr, **bind_env(addr), MACHINE_ENV: node}
     return NodePlan(machine=node, workers=tuple(mine), nodes=tuple(nodes), addr=addr, env=env,
                     command=tuple(command), publisher=nodes[0] if nodes else None,
-                    min_nodes=min_nodes, max_nodes=max_nodes, stages=stages, store=store, job=job,
-                    worker_count=workers)
+                    min_nodes=min_nodes, max_nodes=max_nodes, stages=stages, store=store, job=job)
