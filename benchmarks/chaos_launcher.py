@@ -61,6 +61,7 @@ from lightning_bamboo import checkpoint as ckpt  # noqa: E402
 from lightning_bamboo import consolidate_checkpoint  # noqa: E402
 from lightning_bamboo.membership.credentials import PASSWORD_ENV  # noqa: E402
 from lightning_bamboo.testing import faults  # noqa: E402
+from lightning_bamboo.testing.chaos import IDLE_SECONDS, idle_spells, max_difference, optimizer_states  # noqa: E402
 
 PYTHON = sys.executable
 WORKERS = 2  # workers per machine
@@ -333,18 +334,6 @@ def step_records(out: Path) -> list[dict[str, Any]]:
     return found
 
 
-def optimizer_states(path: Path) -> dict[str, torch.Tensor]:
-    layers = ckpt.read_layers(path, range(ckpt.read_meta(path)["bamboo"]["num_layers"]))
-    return {f"{layer}.{name}.{key}": torch.as_tensor(value) for layer, state in layers.items()
-            for name, saved in state["optimizer"].items() for key, value in saved["state"].items()}
-
-
-def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    if sorted(a) != sorted(b):
-        return float("inf")
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
 def without_key_biases(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` less the attention's key biases (the middle third of every ``qkv.bias``). Adding a constant to
     every key leaves the attention's softmax unchanged, so their gradient is zero but for rounding, which AdamW
@@ -371,11 +360,11 @@ def judge(run: dict[str, Any], clean: dict[str, Any], steps: int, floor: float) 
         problems.append("no final checkpoint: the job did not finish")
         return problems
     final, reference = consolidate_checkpoint(run["final"]), consolidate_checkpoint(clean["final"])
-    run["all_weights_difference"] = difference(final, reference)
+    run["all_weights_difference"] = max_difference(final, reference)
     if floor > 0.0:
         final, reference = without_key_biases(final), without_key_biases(reference)
-    weights = difference(final, reference)
-    state = difference(optimizer_states(run["final"]), optimizer_states(clean["final"]))
+    weights = max_difference(final, reference)
+    state = max_difference(optimizer_states(run["final"]), optimizer_states(clean["final"]))
     run["weights_difference"], run["optimizer_difference"] = weights, state
     if (floor == 0.0 and (weights != 0.0 or state != 0.0)) or weights > floor:
         problems.append(f"weights differ by {weights:.3g} (optimizer state by {state:.3g}); bound {floor:.3g}")
@@ -386,39 +375,6 @@ def judge(run: dict[str, Any], clean: dict[str, Any], steps: int, floor: float) 
         problems.append(f"steps on other samples than the clean run's: {wrong[:10]}; steps never trained: "
                         f"{missing[:10]}")
     return problems
-
-
-IDLE_SECONDS = 2.0  # issue 63: no live node idle for longer than this after any event
-
-
-def idle_spells(run: dict[str, Any], longer_than: float = IDLE_SECONDS) -> list[tuple[float, str, str]]:
-    """``(seconds, node, when)`` for every spell longer than ``longer_than`` in which a live worker trained no step:
-    between two of its steps (a failover's pause, a release until its admission), from its machine's join to its
-    first step, and from its last step to the job's last while its machine was up (a worker that never came back).
-    A worker is not live once its machine is killed or cut off, or once it was signalled (killed, or told to leave)
-    or an armed fault fired (then its spells are not counted past its last step)."""
-    times: dict[str, list[tuple[float, int]]] = {}
-    for r in run["records"]:
-        if "t" in r:
-            times.setdefault(r["node"], []).append((float(r["t"]), int(r["step"])))
-    if not times:
-        return []
-    end = max(t for points in times.values() for t, _ in points)
-    fired = {item.split("@")[0] for item in run.get("fired", ())}  # the armed faults that fired, by node
-    spells = []
-    for node, points in times.items():
-        points.sort()
-        machine = node.split(".")[0]
-        stopped = node in run["down_at"] or node in fired
-        until = min(run["down_at"].get(machine, end), run["down_at"].get(node, end))
-        marks = ([(run["joined_at"][machine], None)] if machine in run["joined_at"] else []) + points
-        if not stopped:
-            marks.append((until, None))
-        for (a, step_a), (b, _) in zip(marks, marks[1:], strict=False):
-            if b - a > longer_than:
-                where = "after its join" if step_a is None else f"after step {step_a}"
-                spells.append((b - a, node, where))
-    return sorted(spells, reverse=True)
 
 
 def most_pipelines(run: dict[str, Any]) -> int:
@@ -434,7 +390,7 @@ def measured_floor(root: Path, clean: dict[str, Any], name: str, nodes: int, sta
     other = clean_run(root, f"clean-{name}", nodes, stages, steps, batch=batch)
     ulp = clean_run(root, f"clean-{name}-one-ulp", MACHINES * WORKERS, stages, steps, nudge=True)
     weights = without_key_biases(consolidate_checkpoint(clean["final"]))
-    floors = [difference(without_key_biases(consolidate_checkpoint(r["final"])), weights) for r in (other, ulp)]
+    floors = [max_difference(without_key_biases(consolidate_checkpoint(r["final"])), weights) for r in (other, ulp)]
     print(f"noise floor {max(floors):.3g} (the clean run against {nodes // stages} pipeline(s) of {stages}: "
           f"{floors[0]:.3g}; against itself with one weight one ulp higher: {floors[1]:.3g})", flush=True)
     return max(floors)

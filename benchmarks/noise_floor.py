@@ -30,17 +30,15 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import chaos  # noqa: E402
+from lightning_bamboo.testing import chaos
+from lightning_bamboo.testing.job_output import run_demo as run_demo_process
 
-from lightning_bamboo.testing.job_output import run_demo as run_demo_process  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PERTURB_ENV = "BAMBOO_DEMO_PERTURB"  # read by lightning_bamboo/demo/worker.py
 

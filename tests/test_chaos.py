@@ -1,17 +1,15 @@
-"""The chaos harness (benchmarks/chaos.py): its schedules, and one seeded run of the demo against a clean run."""
+"""The chaos harness (``benchmarks/chaos.py``, its schedules and judgements in ``lightning_bamboo.testing.chaos``): the
+schedules, and one seeded run of the demo against a clean run."""
 
 from __future__ import annotations
 
 import collections
 import json
-import sys
 
 import pytest
 
+from lightning_bamboo.testing import chaos
 from tests.helpers import PYTHON, REPO, run
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import chaos  # noqa: E402
 
 
 def _replay(schedule: chaos.Schedule, nodes: int = chaos.NODES) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 
+from lightning_bamboo.testing.chaos import idle_spells
 from lightning_bamboo.testing.etcd_server import etcd_binary
 from lightning_bamboo.testing.netns import NetnsUnavailable, check_netns
 from tests.helpers import PYTHON, REPO
@@ -48,11 +49,6 @@ def test_a_seed_of_launcher_chaos_ends_exact_with_every_supervisor_right(tmp_pat
 
 
 def test_idle_spells_count_a_live_worker_only_while_it_is_live():
-    import sys
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from chaos_launcher import idle_spells
-
     def steps(node, *times):
         return [{"node": node, "step": i, "t": t} for i, t in enumerate(times)]
 

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 import torch
 
-from tests.helpers import PYTHON, REPO, run
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import chaos  # noqa: E402
+from lightning_bamboo.testing import chaos
+from tests.helpers import PYTHON, run
 
 pytestmark = pytest.mark.timeout(600)
 
