@@ -7,25 +7,21 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from lightning_bamboo.demo.events import ClusterEvent
+from lightning_bamboo.membership.address import free_port
+from lightning_bamboo.sim import measured
 from tests.helpers import PYTHON, REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import peers  # noqa: E402
-
-from lightning_bamboo.demo.events import ClusterEvent  # noqa: E402
-from lightning_bamboo.membership.address import free_port  # noqa: E402
 
 
 def test_young_daly_interval():
     # sqrt(2 x 0.05 s x 10 s) = 1 s of steps of 0.1 s; never below one step
-    assert peers.young_daly(0.05, 10.0, 0.1) == 10
-    assert peers.young_daly(0.001, 1.0, 10.0) == 1
+    assert measured.young_daly(0.05, 10.0, 0.1) == 10
+    assert measured.young_daly(0.001, 1.0, 10.0) == 1
 
 
 def test_kills_of_running_nodes_only():
@@ -38,8 +34,8 @@ def test_kills_of_running_nodes_only():
         ClusterEvent("preempt", "spare3", at_seconds=3.5),  # never ours: no kill
         ClusterEvent("preempt", "node1", at_seconds=9.0),  # beyond the horizon
     ]
-    assert peers.kills_of_running(events, nodes, width=2, horizon=5.0) == 2
-    assert peers.kills_of_running(events, nodes, width=2, horizon=10.0) == 3
+    assert measured.kills_of_running(events, nodes, width=2, horizon=5.0) == 2
+    assert measured.kills_of_running(events, nodes, width=2, horizon=10.0) == 3
 
 
 def test_equal_wall_time_counts_the_most_steps_finished_within_it():
@@ -47,11 +43,11 @@ def test_equal_wall_time_counts_the_most_steps_finished_within_it():
     lines = [{"event": "step", "step": s, "t": 100.0 + t, "pid": 1, "rank": 0}
              for s, t in ((1, 0.0), (2, 0.5), (3, 1.0), (4, 1.5), (5, 2.0))]
     lines += [{"event": "step", "step": s, "t": 100.0 + t, "pid": 2, "rank": 0} for s, t in ((4, 3.5), (5, 4.0), (6, 4.5), (7, 5.0))]
-    times = peers.summarize_peer(lines, [], 7)["step_times"]
+    times = measured.summarize_peer(lines, [], 7)["step_times"]
     assert times == [[1, 0.0], [2, 0.5], [3, 1.0], [4, 1.5], [5, 2.0], [6, 4.5], [7, 5.0]]
-    assert peers.progress_at(times, 3.0) == 5 and peers.progress_at(times, 4.6) == 6 and peers.progress_at(times, 99) == 7
-    assert peers.progress_at([], 3.0) == 0
-    assert peers.steps_for(10.0, 0.5) == 24 and peers.steps_for(0.1, 10.0) == 1  # a fifth more than the wall needs
+    assert measured.progress_at(times, 3.0) == 5 and measured.progress_at(times, 4.6) == 6 and measured.progress_at(times, 99) == 7
+    assert measured.progress_at([], 3.0) == 0
+    assert measured.steps_for(10.0, 0.5) == 24 and measured.steps_for(0.1, 10.0) == 1  # a fifth more than the wall needs
 
 
 def _events(path: Path) -> list[dict]:
@@ -123,10 +119,8 @@ def test_the_simulators_view_of_a_run_keeps_at_most_cap_nodes_running():
         (0, "add", "node0"), (0, "add", "node1"), (2500, "remove", "node1"), (2500, "add", "spare1")]
 
 
-def _wall_args(**changes):
-    import argparse
-
-    return argparse.Namespace(**{"nodes": 2, "wall": 100.0, "step_delay": 0.0, **changes})
+def _wall(wall: float = 100.0) -> dict:
+    return {"nodes": 2, "wall": wall, "step_delay": 0.0}
 
 
 def test_the_predicted_samples_of_an_undisturbed_run_are_its_steps_in_the_wall_time():
@@ -134,7 +128,7 @@ def test_the_predicted_samples_of_an_undisturbed_run_are_its_steps_in_the_wall_t
               "reconfigure_seconds": 0.0, "ready": 0.0, "checkpoint_save_seconds": 0.0,
               "checkpoint_interval_seconds": 20.0, "step_seconds": 0.5}
     # 100 s of 0.5 s steps of 8 samples, and the first step's, which the run's clock starts after
-    assert peers.predict_samples(inputs, [], _wall_args(), cap=2) == pytest.approx(100 / 0.5 * 8 + 8)
+    assert measured.predict_samples(inputs, [], **_wall(), cap=2) == pytest.approx(100 / 0.5 * 8 + 8)
 
 
 def test_the_predicted_samples_count_the_most_the_run_had_reached_through_a_rollback():
@@ -145,9 +139,9 @@ def test_the_predicted_samples_count_the_most_the_run_had_reached_through_a_roll
               "reconfigure_seconds": 0.0, "ready": 0.0, "checkpoint_save_seconds": 0.01,
               "checkpoint_interval_seconds": 20.0, "step_seconds": 0.5}
     kill = [ClusterEvent("preempt", "node1", at_seconds=50.0)]
-    assert peers.predict_samples(inputs, kill, _wall_args(wall=55.0), cap=2) == pytest.approx(50 / 0.5 * 8 + 8, rel=1e-3)
+    assert measured.predict_samples(inputs, kill, **_wall(55.0), cap=2) == pytest.approx(50 / 0.5 * 8 + 8, rel=1e-3)
     # at 100 s: 40 s kept, restarted at 60 s, 40 s at 0.8 s a step: 50 more steps
-    assert peers.predict_samples(inputs, kill, _wall_args(), cap=2) == pytest.approx((80 + 50) * 8 + 8, rel=1e-3)
+    assert measured.predict_samples(inputs, kill, **_wall(), cap=2) == pytest.approx((80 + 50) * 8 + 8, rel=1e-3)
 
 
 def test_the_peers_restart_is_the_mean_recovery_that_no_other_kill_interrupted():
@@ -156,12 +150,12 @@ def test_the_peers_restart_is_the_mean_recovery_that_no_other_kill_interrupted()
     per_kill = [{"at": 0.0, "recovery": 30.0}, {"at": 10.0, "recovery": 25.0}, {"at": 100.0, "recovery": 20.0},
                 {"at": 200.0, "recovery": None}]
     result = {"per_kill": per_kill, "recovery_seconds": [30.0, 25.0, 20.0]}
-    inputs = peers.sim_inputs("torchrun", result, every=3, step=0.5, save=0.04)
+    inputs = measured.sim_inputs("torchrun", result, every=3, step=0.5, save=0.04)
     assert inputs["restart_seconds"] == pytest.approx(22.5) and inputs["policy"] == "elastic"
     assert inputs["checkpoint_interval_seconds"] == pytest.approx(1.5) and inputs["checkpoint_save_seconds"] == 0.04
 
 
-def test_a_kept_run_is_reported_again_with_the_simulators_ettr(tmp_path, capsys):
+def test_a_kept_run_is_reported_again_with_the_simulators_ettr(tmp_path):
     # a 2-node peer run, kept: steps of 0.5 s from t=100; node1 killed at t=130 (30 s after the first step); the
     # job that recovered started at t=131, loaded step 60 at t=160 and stepped on until t=200
     lines = [{"event": "start", "pid": 1, "t": 99.0, "rank": 0}, {"event": "loaded", "pid": 1, "t": 99.5, "rank": 0,
@@ -171,19 +165,20 @@ def test_a_kept_run_is_reported_again_with_the_simulators_ettr(tmp_path, capsys)
               {"event": "loaded", "pid": 2, "t": 160.0, "rank": 0, "step": 60,
                "optimizer": "loaded", "world": 1}]
     lines += [{"event": "step", "step": s, "t": 160.0 + 0.5 * (s - 60), "pid": 2, "rank": 0} for s in range(61, 141)]
-    result = peers.summarize_peer(lines, [(130.0, "node1")], 140)
+    result = measured.summarize_peer(lines, [(130.0, "node1")], 140)
     result.update(wall=120.0, joins=0, codes={}, agent_restarts=0)
     (tmp_path / "trace.csv").write_text("0,add,a\n0,add,b\n30000,remove,b\n")
     args = {"nodes": 2, "wall": 100.0, "step_delay": 0.0, "time_scale": 1.0, "mtbf": "1m", "steps": 140,
             "run_steps": {"torchrun": 140}, "clean_steps": {"torchrun": 0.5}, "save_seconds": 0.01}
     saved = {"args": args, "trace_file": str(tmp_path / "trace.csv"), "every": 4, "results": {"torchrun": result}}
     (tmp_path / "results.json").write_text(json.dumps(saved))
-    code = peers.main(["--from", str(tmp_path)])
-    out = capsys.readouterr().out
+    proc = subprocess.run([PYTHON, str(REPO / "benchmarks" / "peers.py"), "--from", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout
     row = next(line for line in out.splitlines() if line.startswith("torchrun") and "elastic" in line).split()
     # measured ETTR: the most steps finished 100 s after the first step, over 100 s of 0.5 s steps
-    measured = peers.progress_at(result["step_times"], 100.0) * 8 / (100.0 / 0.5 * 8)
-    assert float(row[6]) == pytest.approx(measured, abs=1e-3)
+    ettr = measured.progress_at(result["step_times"], 100.0) * 8 / (100.0 / 0.5 * 8)
+    assert float(row[6]) == pytest.approx(ettr, abs=1e-3)
     assert float(row[4]) == pytest.approx(result["recovery_seconds"][0], abs=0.01)  # the restart the replay pauses
     error = abs(float(row[7]) - float(row[6])) / float(row[6])
-    assert code == (0 if error <= 0.15 else 1)
+    assert proc.returncode == (0 if error <= 0.15 else 1), proc.stderr[-2000:]
