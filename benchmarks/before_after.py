@@ -8,6 +8,11 @@ the machine's load between the first and the last run hits both sides alike. Eac
 comes. At the end, every line that every run printed (its text with the numbers taken out) is compared: the median
 of each of its numbers before and after, and their ratio after / before. Nothing is judged: the reader compares the
 ratios with the spread between the runs of one side, which the table also prints.
+
+    python benchmarks/before_after.py --before-outputs B1.txt B2.txt --after-outputs A1.txt A2.txt
+
+compares outputs kept from earlier runs (a recorded result at two commits, ``git show REV:PATH``; runs on another
+machine) the same way, running nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +56,13 @@ def run(tree: Path, command: list[str], label: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
+def read_output(path: Path) -> list[str]:
+    """The lines of a kept output (a result file's ``#`` header lines are not output)."""
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (give the kept output of a run)")
+    return [line for line in path.read_text().splitlines() if not line.startswith("# ")]
+
+
 def numbers_by_line(lines: list[str]) -> dict[str, list[float]]:
     """Each output line with numbers, keyed by its text with the numbers replaced by ``#`` (the first such line of a
     text; later repeats get ``[2]``, ``[3]`` ... so that a table's rows stay apart)."""
@@ -90,12 +102,27 @@ def compare(before: list[dict[str, list[float]]], after: list[dict[str, list[flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", required=True, help="the commit to compare against (e.g. HEAD~3, a sha)")
+    parser.add_argument("--before", help="the commit to compare against (e.g. HEAD~3, a sha)")
+    parser.add_argument("--before-outputs", nargs="+", type=Path, metavar="FILE",
+                        help="instead of running: outputs kept from runs before (compared with --after-outputs)")
+    parser.add_argument("--after-outputs", nargs="+", type=Path, metavar="FILE", help="outputs kept from runs after")
     parser.add_argument("--rounds", type=int, default=3, help="runs on each side (default 3)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- then the benchmark script and its arguments, run with this interpreter")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.before_outputs or args.after_outputs:
+        if args.before or command or not (args.before_outputs and args.after_outputs):
+            raise SystemExit("--before-outputs and --after-outputs go together, without --before and a benchmark")
+        kept = {side: [numbers_by_line(read_output(path)) for path in paths]
+                for side, paths in (("before", args.before_outputs), ("after", args.after_outputs))}
+        print(f"=== after / before: the median of {len(args.before_outputs)} kept output(s) before and "
+              f"{len(args.after_outputs)} after, each side's range in brackets")
+        for line in compare(kept["before"], kept["after"]):
+            print(line)
+        return
+    if not args.before:
+        raise SystemExit("give --before REV (the commit to compare against), or --before-outputs and --after-outputs")
     if not command:
         raise SystemExit("give the benchmark after --, e.g. -- benchmarks/rc_overhead.py --shapes 2x8")
     if args.rounds < 1:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lightning_bamboo.testing.job_output import our_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "bad_input.py"
@@ -42,9 +43,6 @@ RULES = {
     "bamboo section": '"bamboo.redundancy" must be one of',
 }
 PRELOAD = "torch,lightning,deepspeed"
-#: what DeepSpeed's PipelineModule prints when it is built (rank 0): a plain DeepSpeed run prints it too
-PIPELINE_MODULE = re.compile(r"SEED_LAYERS=|Using topology:|stage=\d+ layers=|\s+\d+: |\s+loss: ")
-BANNER = ("GPU available:", "TPU available:", "💡 Tip:", "HPU available:")
 SECONDS_BOUND, LINES_BOUND = 10.0, 5
 
 
@@ -55,9 +53,7 @@ def run(cmd: list[str]) -> tuple[int, float, list[str]]:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           start_new_session=True)
     seconds = time.perf_counter() - start
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()
-             and not re.match(r"\[launcher\] node\d+: pid", line) and not line.startswith(BANNER)
-             and not PIPELINE_MODULE.match(line)]
+    lines = our_lines(proc.stdout + proc.stderr)
     return proc.returncode, seconds, lines
 
 

@@ -1,22 +1,19 @@
 """``benchmarks/before_after.py``: how two commits' outputs of one benchmark are compared, and its refusals.
 
-The runs themselves are a benchmark's; what is compared is a pure function of their output lines, checked here
-against lines shaped like ``rc_overhead.py``'s.
+The runs themselves are a benchmark's; what is compared is a function of their output lines alone, checked here
+through ``--before-outputs``/``--after-outputs`` (kept outputs, nothing run) with lines shaped like
+``rc_overhead.py``'s.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.helpers import REPO
 
-sys.path.insert(0, str(REPO / "benchmarks"))  # its sibling record.py, as when it runs as a script
-SPEC = importlib.util.spec_from_file_location("bench_before_after", REPO / "benchmarks" / "before_after.py")
-assert SPEC is not None and SPEC.loader is not None
-before_after = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(before_after)
+SCRIPT = str(REPO / "benchmarks" / "before_after.py")
 
 
 def _run(off: float, lazy: float, failover: float) -> list[str]:
@@ -30,23 +27,38 @@ def _run(off: float, lazy: float, failover: float) -> list[str]:
     ]
 
 
-def test_lines_are_matched_by_their_text_and_each_number_compared():
-    before = [before_after.numbers_by_line(_run(200.0, 204.0, 0.50)), before_after.numbers_by_line(_run(210.0, 214.0, 0.60))]
-    after = [before_after.numbers_by_line(_run(220.0, 231.0, 0.55)), before_after.numbers_by_line(_run(220.0, 229.0, 0.65))]
-    report = "\n".join(before_after.compare(before, after))
+def _compare(tmp: Path, before: list[list[str]], after: list[list[str]]) -> list[str]:
+    """The report of ``before_after.py`` on these outputs, kept as files (a result file's header first)."""
+    files: dict[str, list[str]] = {"before": [], "after": []}
+    for side, runs in (("before", before), ("after", after)):
+        for i, lines in enumerate(runs):
+            path = tmp / f"{side}{i}.txt"
+            path.write_text("# command: benchmarks/rc_overhead.py --shapes 2x8\n# date: 2026-12-02T02:00:00Z\n"
+                            + "\n".join(lines) + "\n")
+            files[side].append(str(path))
+    proc = subprocess.run([sys.executable, SCRIPT, "--before-outputs", *files["before"], "--after-outputs",
+                           *files["after"]], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()[1:]  # after its heading
+
+
+def test_lines_are_matched_by_their_text_and_each_number_compared(tmp_path):
+    report = "\n".join(_compare(tmp_path, [_run(200.0, 204.0, 0.50), _run(210.0, 214.0, 0.60)],
+                                [_run(220.0, 231.0, 0.55), _run(220.0, 229.0, 0.65)]))
     # the off row: 205 before (200-210), 220 after, 1.073x; the constant columns (2, 8, 1.000) are left out
     assert "#3: before 205 [200-210], after 220 [220-220], after/before 1.073x" in report
     assert "#1:" not in report.split("\n")[1]
     assert "failover # s" in report and "before 0.55 [0.5-0.6], after 0.6 [0.55-0.65], after/before 1.091x" in report
     assert "[2]" in report  # the repeated row text is its own line
     assert "WARNING" not in report  # log lines are no result
+    assert "date" not in report and "command" not in report  # nor a result file's header
 
 
-def test_a_line_missing_from_one_run_is_not_compared():
-    full = before_after.numbers_by_line(_run(200.0, 204.0, 0.5))
-    short = dict(full)
-    short.pop(next(k for k in full if "recovery" in k))
-    assert all("recovery" not in line for line in before_after.compare([full], [short]))
+def test_a_line_missing_from_one_run_is_not_compared(tmp_path):
+    full = _run(200.0, 204.0, 0.5)
+    short = [line for line in _run(210.0, 214.0, 0.6) if "recovery" not in line]
+    report = _compare(tmp_path, [full], [short])
+    assert report and all("recovery" not in line for line in report)
 
 
 def test_refusals_name_the_fix():
@@ -56,3 +68,6 @@ def test_refusals_name_the_fix():
     assert no_rev.returncode != 0 and "--before no-such-rev: not a commit" in no_rev.stderr
     no_command = subprocess.run([sys.executable, script, "--before", "HEAD"], capture_output=True, text=True, timeout=60)
     assert no_command.returncode != 0 and "give the benchmark after --" in no_command.stderr
+    half = subprocess.run([sys.executable, script, "--before-outputs", script], capture_output=True, text=True,
+                          timeout=60)
+    assert half.returncode != 0 and "--before-outputs and --after-outputs go together" in half.stderr

@@ -15,7 +15,9 @@ not ``11.36`` or ``1.365``). Files are those git tracks, so a result must be com
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
+import sys
 
 from tests.helpers import REPO
 
@@ -86,39 +88,33 @@ def test_the_checker_finds_what_it_must():
     assert [m[1] for m in WITH_UNIT.finditer(prose)] == ["2.61", "9.5"]
 
 
+def _listed(*flags: str) -> dict[str, str]:
+    """What ``rerecord.py FLAGS --list`` would run: each result's name and its command, or ``not here (...)``."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rerecord.py"), *flags, "--list"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line and " " not in line.split(": ")[0])
+
+
 def test_make_bench_can_record_every_result_the_readme_cites_again():
-    import sys
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from rerecord import command, readme_results
-
-    names = readme_results()
-    assert "memory" in names and "sim_ettr" in names  # the table's files are found
-    cannot = [n for n in names if command(n) is None]
+    listed = _listed("--readme")
+    assert "memory" in listed and "sim_ettr" in listed  # the table's files are found
+    cannot = [n for n, what in listed.items() if what.startswith("not here")]
     assert not cannot, f"README results whose recorded command cannot run here as written: {cannot}"
-    assert command("memory")[0] == sys.executable and "--reports" not in command("memory")
+    memory = shlex.split(listed["memory"])
+    assert memory[0] == sys.executable and "--reports" not in memory  # this interpreter; measured again, not read
 
 
 def test_make_bench_runs_every_result_that_fits_this_machine():
     """``make bench`` (``rerecord.py --all``) takes every result file; only those written for another machine are left
     out, listed and not failing the call, while a result named on the command line that cannot run here fails it."""
-    import shlex
-    import subprocess
-    import sys
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from rerecord import RESULTS, all_results, command
-
-    names = all_results()
-    assert len(names) == len(list(RESULTS.glob("*.txt"))) and "sim_ettr" in names
-    listed = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rerecord.py"), "--all", "--list"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert listed.returncode == 0, listed.stderr
-    left_out = [n for n in names if command(n) is None]
-    assert all(f"{n}: not here" in listed.stdout for n in left_out)
-    lines = dict(line.split(": ", 1) for line in listed.stdout.splitlines() if ": " in line)
-    assert all(lines[n] == shlex.join(command(n)) for n in names if n not in left_out)
-    assert "gpu" in left_out  # a GPU machine's result is not run here
+    listed = _listed("--all")
+    assert sorted(listed) == sorted(p.stem for p in (REPO / "benchmarks" / "results").glob("*.txt"))
+    left_out = [n for n, what in listed.items() if what.startswith("not here")]
+    assert "gpu" in left_out and "sim_ettr" not in left_out  # a GPU machine's result is not run here
+    firsts = [shlex.split(what)[0] for n, what in listed.items() if n not in left_out]
+    interpreters = [f for f in firsts if re.fullmatch(r"(?:\S*/)?python3?", f)]
+    assert interpreters and set(interpreters) == {sys.executable}  # a recorded interpreter becomes this one
     # named, it must run here: it cannot, so the call fails (having run nothing)
     refused = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rerecord.py"), "gpu"],
                              cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -4,21 +4,13 @@ traceback, with exit status 2 from the launcher (issue 41: it came after the fir
 from __future__ import annotations
 
 import re
-import sys
 from typing import Any
 
 import pytest
 
 from lightning_bamboo.errors import CONFIG_EXIT_CODE
-from tests.helpers import PYTHON, REPO, launcher_exit_codes, run
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import refusal as refusal_benchmark  # noqa: E402
-
-#: what a Trainer prints when it is made, before any of our code runs (the user sees it on every run)
-LIGHTNING_TRAINER_LINES = ("GPU available:", "TPU available:", "💡 Tip:")
-#: what DeepSpeed's PipelineModule prints when it is built, on rank 0: the benchmark's pattern (benchmarks/refusal.py)
-DEEPSPEED_PIPELINE_MODULE = refusal_benchmark.PIPELINE_MODULE
+from lightning_bamboo.testing.job_output import our_lines
+from tests.helpers import PYTHON, launcher_exit_codes, run
 
 
 @pytest.mark.timeout(200)
@@ -38,8 +30,7 @@ def test_a_bad_input_is_refused_once_before_the_job_trains(mistake, rule):
     assert proc.stdout.count("the job was refused before it trained") == 1, proc.stdout[-3000:]
     assert rule in proc.stdout and "trained\n" not in proc.stdout
     assert "Traceback" not in proc.stdout and not re.search(r"warn", proc.stdout, re.I), proc.stdout[-3000:]
-    said = [line for line in proc.stdout.splitlines() if line.strip() and not re.match(r"\[launcher\] node\d: pid", line)
-            and not line.startswith(LIGHTNING_TRAINER_LINES)]
+    said = our_lines(proc.stdout)
     assert len(said) <= 5, "\n".join(said)
 
 
@@ -102,8 +93,7 @@ def test_the_deepspeed_door_refuses_a_bad_bamboo_section_once():
     assert "trained\n" not in proc.stdout
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
     # without what DeepSpeed's PipelineModule prints when it is built (its layers, on rank 0): a plain run prints it
-    said = [line for line in proc.stdout.splitlines() if line.strip() and not re.match(r"\[launcher\] node\d: pid", line)
-            and not DEEPSPEED_PIPELINE_MODULE.match(line)]
+    said = our_lines(proc.stdout)
     assert len(said) <= 5, "\n".join(said)
 
 
@@ -135,7 +125,7 @@ def test_under_lightnings_own_launcher_a_bad_input_is_refused_before_any_child_s
     assert proc.stdout.count("the job was refused before it trained") == 1, proc.stdout[-3000:]
     assert "Initializing distributed" not in proc.stdout, proc.stdout[-3000:]  # no process group, so no child
     assert "Traceback" not in proc.stdout and re.search(r"bad_input\.py:\d+: trainer\.fit\(model\)", proc.stdout), proc.stdout[-3000:]
-    said = [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith(LIGHTNING_TRAINER_LINES)]
+    said = our_lines(proc.stdout)
     assert len(said) <= 5, "\n".join(said)
     if mistake == "precision":
         full = run([PYTHON, "tests/scripts/bad_input.py", mistake], timeout=180, env={"BAMBOO_TRACEBACK": "1"})

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-__all__ = ["DEMO", "json_reports", "launcher_exit_codes", "run_demo", "run_in_group"]
+__all__ = ["DEMO", "json_reports", "launcher_exit_codes", "our_lines", "run_demo", "run_in_group"]
 
 #: ``lightning-bamboo demo`` with this interpreter
 DEMO = (sys.executable, "-m", "lightning_bamboo.cli", "demo")
@@ -34,6 +34,21 @@ def launcher_exit_codes(output: str) -> dict[str, int]:
     ``output`` (empty if it printed none)."""
     return {node: int(code) for line in output.splitlines() if line.startswith(EXIT_CODES_LINE)
             for node, code in (item.split("=") for item in line.removeprefix(EXIT_CODES_LINE).split(", "))}
+
+
+#: what Lightning's Trainer prints when it is made, before any of our code runs (a user sees it on every run)
+TRAINER_BANNER = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip:")
+#: what DeepSpeed's PipelineModule prints when it is built, on rank 0 (a plain DeepSpeed run prints it too)
+PIPELINE_MODULE_LINE = re.compile(r"SEED_LAYERS=|Using topology:|stage=\d+ layers=|\s+\d+: |\s+loss: ")
+#: the local launcher's line naming a worker's process
+WORKER_PID_LINE = re.compile(r"\[launcher\] node\d+: pid")
+
+
+def our_lines(output: str) -> list[str]:
+    """The lines of a job's ``output`` that this project printed: not blank, not the launcher's line for each worker's
+    process, and none of what Lightning's Trainer and DeepSpeed's PipelineModule print on every run."""
+    return [line for line in output.splitlines() if line.strip() and not WORKER_PID_LINE.match(line)
+            and not line.startswith(TRAINER_BANNER) and not PIPELINE_MODULE_LINE.match(line)]
 
 
 def json_reports(output: str) -> list[dict]:
