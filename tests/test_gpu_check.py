@@ -1,4 +1,5 @@
-"""`make gpu-check`'s CPU-safe parts: benchmarks/gpu.py's arguments and report, and the target's refusal without CUDA.
+"""`make gpu-check`'s CPU-safe parts: benchmarks/gpu.py's arguments, its report and verdict
+(``lightning_bamboo.testing.gpu_check``), and the target's refusal without CUDA.
 
 The measurements need a GPU; what they are turned into does not. The report is a pure function of the
 measured numbers, so its form is checked here against numbers made up for the purpose.
@@ -6,9 +7,9 @@ measured numbers, so its form is checked here against numbers made up for the pu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,19 +17,15 @@ import sys
 import pytest
 import torch
 
+from lightning_bamboo.testing import gpu_check
 from tests.helpers import REPO
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu = _script("gpu")
-sim_inputs = _script("sim_gpu_inputs")
+def _script(name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python benchmarks/NAME.py ARGS...`` as a user runs it, its output captured."""
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 MEASURED = {
     "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "nccl": "2.27.3",
@@ -48,22 +45,23 @@ MEASURED = {
 
 
 def test_arguments_default_to_10_steps_a_loss_at_step_5_and_half_a_billion_parameters_a_stage():
-    args = gpu.parse_args([])
-    assert (args.steps, args.kill_at, args.skip_pipeline, args.budget_s) == (10, 5, False, 300.0)
-    assert 0.5e9 <= gpu.gpt_parameters(args.n_embd, args.n_layer) / 2 <= 1e9  # the issue's 0.5-1B a stage
-    args = gpu.parse_args(["--steps", "8", "--kill-at", "3", "--skip-pipeline"])
-    assert (args.steps, args.kill_at, args.skip_pipeline) == (8, 3, True)
+    shown = _script("gpu", "--help")  # the help prints each option's real default
+    assert shown.returncode == 0, shown.stderr
+    defaults = {m[0]: m[1] for m in re.findall(r"--([a-z-]+) [A-Z_]+\s+[^(]*\(default ([0-9.]+)", shown.stdout)}
+    assert (defaults["steps"], defaults["kill-at"], defaults["budget-s"]) == ("10", "5", "300.0"), defaults
+    assert (defaults["largest-width"], defaults["largest-budget-s"]) == ("4096", "420.0"), defaults
+    parameters = gpu_check.gpt_parameters(int(defaults["n-embd"]), int(defaults["n-layer"]))
+    assert 0.5e9 <= parameters / 2 <= 1e9  # the issue's 0.5-1B a stage
 
 
-def test_a_loss_outside_the_run_is_refused_with_the_rule(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        gpu.parse_args(["--steps", "10", "--kill-at", "12"])
-    assert exit_.value.code == 2
-    assert "0 <= kill-at < steps (kill-at: 12, steps: 10)" in capsys.readouterr().err
+def test_a_loss_outside_the_run_is_refused_with_the_rule():
+    refused = _script("gpu", "--steps", "10", "--kill-at", "12")
+    assert refused.returncode == 2
+    assert "0 <= kill-at < steps (kill-at: 12, steps: 10)" in refused.stderr
 
 
 def test_the_report_reads_the_measured_numbers():
-    assert gpu.report(MEASURED, 12, skip_pipeline=False) == [
+    assert gpu_check.report(MEASURED, 12, skip_pipeline=False) == [
         "GPU: NVIDIA H100 80GB HBM3, torch 2.13.0, NCCL 2.27.3",
         "host transport, 4 MiB round trip between two processes on the GPU: 1.23 ms",
         "NCCL transport, all-reduce (one rank), through the layer / native (target at 64 MiB: 1.10x): 1 MiB 0.500 / "
@@ -82,11 +80,11 @@ def test_the_report_reads_the_measured_numbers():
         "node1 frozen (SIGSTOP; detection timeout 3 s) at step 12: exit codes {'node0': 0, 'node1': -9}, failovers "
         "[(12, ['node1'])], that step 3.50 s, final weights and AdamW state equal to the clean lazy run: True",
     ]
-    assert gpu.passed(MEASURED, skip_pipeline=False)
+    assert gpu_check.passed(MEASURED, skip_pipeline=False)
 
 
 def test_the_report_says_what_a_replica_in_host_memory_costs_the_gpu_when_it_was_measured():
-    lines = gpu.report({**MEASURED, "peak_lazy_host_gib": 10.75, "lazy_host_over_off_peak": 10.75 / 10.5}, 12,
+    lines = gpu_check.report({**MEASURED, "peak_lazy_host_gib": 10.75, "lazy_host_over_off_peak": 10.75 / 10.5}, 12,
                        skip_pipeline=False)
     assert lines[6] == ("lazy with the replica in pinned host memory (replica_placement='host'): peak memory of a "
                         "process 10.75 GiB, 1.024x of off's (issue 64's target: at most 1.05x)")
@@ -94,18 +92,17 @@ def test_the_report_says_what_a_replica_in_host_memory_costs_the_gpu_when_it_was
 
 def test_a_number_not_measured_reads_nan_and_fails_the_check():
     partial = {k: v for k, v in MEASURED.items() if k not in ("nccl_abort_s", "exact_after_freeze")}
-    lines = gpu.report(partial, 12, skip_pipeline=True)
+    lines = gpu_check.report(partial, 12, skip_pipeline=True)
     assert len(lines) == 5 and "NCCL all-reduce without its peer nan s" in lines[4]
-    assert not gpu.passed(partial, skip_pipeline=True)  # an abort that was not timed did not pass
-    assert not gpu.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=False)
-    assert gpu.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=True)
+    assert not gpu_check.passed(partial, skip_pipeline=True)  # an abort that was not timed did not pass
+    assert not gpu_check.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=False)
+    assert gpu_check.passed({**MEASURED, "exact_after_freeze": False}, skip_pipeline=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_without_cuda_the_script_and_make_gpu_check_say_so_and_fail():
-    with pytest.raises(SystemExit) as exit_:
-        gpu.main(["--skip-pipeline"])
-    assert "needs a CUDA GPU" in str(exit_.value.code)
+    refused = _script("gpu", "--skip-pipeline")
+    assert refused.returncode == 1 and "needs a CUDA GPU" in refused.stderr, refused.stderr
     # the target's first command stops make before any test or benchmark runs (nothing is installed: no prerequisite)
     # a make of its own, also under `make test` (whose MAKEFLAGS/MAKELEVEL would make it print its directory)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
@@ -130,23 +127,21 @@ def test_states_are_compared_bit_for_bit_by_digest():
     moment = torch.linspace(-1, 1, 6).view(2, 3)
     flipped = moment.clone()
     flipped.view(-1).view(torch.int32)[2] ^= 1  # the last bit of one element
-    assert gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(moment.clone())))
-    assert not gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(flipped)))
-    assert not gpu.same_states(gpu.digests(states(moment)), gpu.digests(states(moment.view(3, 2))))  # the shape
-    assert not gpu.same_states({}, {})  # nothing measured is not equal
+    assert gpu_check.same_states(gpu_check.digests(states(moment)), gpu_check.digests(states(moment.clone())))
+    assert not gpu_check.same_states(gpu_check.digests(states(moment)), gpu_check.digests(states(flipped)))
+    assert not gpu_check.same_states(gpu_check.digests(states(moment)), gpu_check.digests(states(moment.view(3, 2))))  # the shape
+    assert not gpu_check.same_states({}, {})  # nothing measured is not equal
 
 
 def test_the_largest_model_on_one_gpu_is_estimated_from_what_two_processes_hold_and_reported():
     """Issue 38's GPU item (``--largest``): the first try for an 80 GiB and a 141 GiB GPU, by 36 bytes a parameter
     (both processes: stage and replica at 16, autocast's bf16 copies at 2) and a fifth kept back; then its line."""
-    args = gpu.parse_args(["--skip-pipeline", "--largest"])
-    assert args.largest and args.largest_width == 4096 and args.largest_budget_s == 420.0
     for total in (80 * 2**30, 141 * 2**30):
-        layers = gpu.largest_layers(total, 4096)
-        fits = gpu.gpt_parameters(4096, layers) * gpu.LARGEST_BYTES_PER_PARAMETER
-        assert fits <= total * (1 - gpu.LARGEST_RESERVE) < fits + 36 * 12 * 4096**2 * 1.01  # the most blocks that fit
-        assert 0.3e9 <= gpu.gpt_parameters(4096, layers) <= 7e9  # the issue's sizes
-    line = gpu.report({**MEASURED, "largest_tried": [[16, False], [14, True]], "largest_layers": 14,
+        layers = gpu_check.largest_layers(total, 4096)
+        fits = gpu_check.gpt_parameters(4096, layers) * gpu_check.LARGEST_BYTES_PER_PARAMETER
+        assert fits <= total * (1 - gpu_check.LARGEST_RESERVE) < fits + 36 * 12 * 4096**2 * 1.01  # the most blocks that fit
+        assert 0.3e9 <= gpu_check.gpt_parameters(4096, layers) <= 7e9  # the issue's sizes
+    line = gpu_check.report({**MEASURED, "largest_tried": [[16, False], [14, True]], "largest_layers": 14,
                        "largest_width": 4096, "largest_parameters": 2_887_000_000, "largest_step_ms": 912.5,
                        "largest_peak_gib": 51.25}, 12, skip_pipeline=True)[-1]
     assert line == ("largest GPT on the GPU in 2 stages sharing it, bf16, lazy, AdamW: 2.89B parameters (14 blocks x "
@@ -160,7 +155,7 @@ def _record(tmp_path, results: dict, failed: bool = False):
     lines = ["# command: sh -c 'pytest ...; python benchmarks/gpu.py'", "# commit: 0123456789abcdef0123456789abcdef01234567",
              "# date: 2026-12-02T10:00:00Z", "# machine: x86_64, 16 cores", "........ [100%]", "12 passed in 30.0s",
              json.dumps({"gpu": results["gpu"], "host_abort_s": 0.01}), json.dumps(results),
-             *gpu.report(results, 5, skip_pipeline=False)]
+             *gpu_check.report(results, 5, skip_pipeline=False)]
     if failed:
         lines.append("# exit status: 1 (kept with --keep-failed: the benchmark reported a failed target)")
     path = tmp_path / "gpu_check.txt"
@@ -168,14 +163,15 @@ def _record(tmp_path, results: dict, failed: bool = False):
     return path
 
 
-def test_the_simulators_gpu_inputs_come_from_the_check_each_cited(tmp_path, capsys):
+def test_the_simulators_gpu_inputs_come_from_the_check_each_cited(tmp_path):
     from lightning_bamboo.sim.params import DEFAULT_PATH, describe_inputs, load_params
 
     params = tmp_path / "sim_params.json"
     shutil.copy(DEFAULT_PATH, params)
     before = load_params(params)
     measured = {**MEASURED, "step_off_ms": 500.0, "step_lazy_ms": 600.0, "kill_step_s": 2.1}
-    assert sim_inputs.main(["--record", str(_record(tmp_path, measured)), "--params", str(params), "--write"]) == 0
+    written = _script("sim_gpu_inputs", "--record", str(_record(tmp_path, measured)), "--params", str(params), "--write")
+    assert written.returncode == 0, written.stderr
     after = load_params(params)
     # by hand: the off run trained (6 x 1e9 + 6 x 20 x 256 x 2048) FLOPs x 8192 tokens in 0.5 s; a GPT-2 XL block's
     # micro-batch of 8 x 1024 tokens is (6 x 12 x 1600^2 + 6 x 1024 x 1600) FLOPs a token; the defaults' step is
@@ -191,20 +187,21 @@ def test_the_simulators_gpu_inputs_come_from_the_check_each_cited(tmp_path, caps
         assert described[name]["kind"] == "measured"
         assert f"{tmp_path / 'gpu_check.txt'} (commit 0123456, 2026-12-02T10:00:00Z, NVIDIA H100 80GB HBM3)" in \
             described[name]["source"]
-    assert "step_seconds = 1.4" in capsys.readouterr().out
+    assert "step_seconds = 1.4" in written.stdout
 
 
-def test_a_failed_check_or_one_without_its_pipeline_part_gives_the_simulator_nothing(tmp_path, capsys):
+def test_a_failed_check_or_one_without_its_pipeline_part_gives_the_simulator_nothing(tmp_path):
     from lightning_bamboo.sim.params import DEFAULT_PATH
 
     params = tmp_path / "sim_params.json"
     shutil.copy(DEFAULT_PATH, params)
-    assert sim_inputs.main(["--record", str(_record(tmp_path, MEASURED, failed=True)), "--params", str(params),
-                            "--write"]) == 2
-    assert "records a failed check (1 (kept with --keep-failed" in capsys.readouterr().err
+    failed = _script("sim_gpu_inputs", "--record", str(_record(tmp_path, MEASURED, failed=True)), "--params",
+                     str(params), "--write")
+    assert failed.returncode == 2 and "records a failed check (1 (kept with --keep-failed" in failed.stderr
     comm_only = {k: v for k, v in MEASURED.items() if k not in ("snapshot_s", "kill_step_s")}
-    assert sim_inputs.main(["--record", str(_record(tmp_path, comm_only)), "--params", str(params), "--write"]) == 2
-    assert "missing: snapshot_s, kill_step_s" in capsys.readouterr().err
-    assert sim_inputs.main(["--record", str(tmp_path / "none.txt"), "--params", str(params)]) == 2
-    assert "make gpu-check` on a machine with a CUDA GPU writes it" in capsys.readouterr().err
+    partial = _script("sim_gpu_inputs", "--record", str(_record(tmp_path, comm_only)), "--params", str(params),
+                      "--write")
+    assert partial.returncode == 2 and "missing: snapshot_s, kill_step_s" in partial.stderr
+    none = _script("sim_gpu_inputs", "--record", str(tmp_path / "none.txt"), "--params", str(params))
+    assert none.returncode == 2 and "make gpu-check` on a machine with a CUDA GPU writes it" in none.stderr
     assert params.read_bytes() == DEFAULT_PATH.read_bytes()  # nothing written
