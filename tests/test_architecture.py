@@ -481,3 +481,34 @@ def test_the_front_ends_see_the_stage_only_through_the_runners_views():
     )
     assert not found, "the stage reached through the runner outside runtime/; add a view to PipelineRunner:\n" + \
         "\n".join(found)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The first component of every module ``path`` imports (absolute imports; anywhere in the file)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_tests_and_benchmarks_import_nothing_of_each_other():
+    """What both need lives in the package (``lightning_bamboo.testing``, ``lightning_bamboo.sim.measured``): no test
+    imports a benchmark script (by name, a ``sys.path`` entry or its file), and no benchmark imports from ``tests/``.
+    A test runs a benchmark as a user does, as a process."""
+    benchmarks = {path.stem for path in (REPO / "benchmarks").glob("*.py")}
+    found = []
+    for path in sorted(p for p in (REPO / "tests").rglob("*.py") if p != Path(__file__)):
+        text = path.read_text()
+        named = sorted(_top_level_imports(path) & benchmarks)
+        loads = [line.strip() for line in text.splitlines()
+                 if "benchmarks" in line and ("sys.path" in line or "spec_from_file_location" in line)]
+        found += [f"{path.relative_to(REPO)} imports {m}" for m in named] + \
+                 [f"{path.relative_to(REPO)}: {line}" for line in loads]
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        if "tests" in _top_level_imports(path):
+            found.append(f"{path.relative_to(REPO)} imports from tests/")
+    assert not found, "tests and benchmarks reach into each other; move what both need into the package:\n" + \
+        "\n".join(found)
