@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -65,17 +64,17 @@ def worker(args: argparse.Namespace) -> None:
 
 def paired_runs(stages: int, micro_batches: int, steps: int, warmup: int, repeats: int) -> list[dict[str, float]]:
     """``repeats`` runs of the paired worker under the Bamboo launcher: per run, the median step of each mode."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)
+    from common import launcher_command, launcher_env, self_command
+
+    env = launcher_env(extra={"PYTHONWARNINGS": "ignore"})
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(repeats):
             out = Path(tmp, f"run{repeat}.json")
-            subprocess.run([sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages), "--",
-                            sys.executable, __file__, "--role", "worker", "--stages", str(stages),
-                            "--micro-batches", str(micro_batches), "--steps", str(steps),
-                            "--warmup", str(warmup), "--out", str(out)],
-                           env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+            command = self_command(__file__, "worker", "--stages", stages, "--micro-batches", micro_batches,
+                                   "--steps", steps, "--warmup", warmup, "--out", out)
+            subprocess.run(launcher_command(command, nodes=stages), env=env, check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=900)
             r = json.loads(out.read_text())
             pairs = list(zip(r["times"], r["modes"], strict=True))[warmup:]
             runs.append({mode: statistics.median(t for t, m in pairs if m == mode) for mode in MODES})
@@ -83,8 +82,10 @@ def paired_runs(stages: int, micro_batches: int, steps: int, warmup: int, repeat
 
 
 def main() -> None:
+    from common import add_worker_flag
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", default=None)
+    add_worker_flag(parser)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=60, help="steps of each mode per run")

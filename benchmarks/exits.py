@@ -45,9 +45,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from lightning_bamboo.testing import faults  # noqa: E402
+from common import HOST_VARIABLES, add_worker_flag, launcher_command, launcher_env, self_command  # noqa: E402
+
 from lightning_bamboo.testing.job_output import json_reports, launcher_exit_codes, run_in_group  # noqa: E402
 
 PYTHON = sys.executable
@@ -175,12 +176,9 @@ def job_args(case: Case, steps: int, sleep: float) -> list[str]:
     return [*JOB, "--stages", str(case.nodes), "--steps", str(steps), "--sleep", str(sleep), "--redundancy", case.mode]
 
 
-def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), **(extra or {})}
-    for name in (*faults.ENV_NAMES, "LOCAL_RANK"):
-        if not extra or name not in extra:
-            env.pop(name, None)
-    return env
+def child_env(kills: list[str] | None = None) -> dict[str, str]:
+    """A case's environment (unbuffered: its lines are read as they come), the faults of ``kills`` armed."""
+    return launcher_env(kills=kills or (), extra={"PYTHONUNBUFFERED": "1"})
 
 
 def judge(case: Case, output: str, followed: Followed, codes: dict[str, int | None], statuses: dict[str, int | None],
@@ -222,10 +220,9 @@ def judge(case: Case, output: str, followed: Followed, codes: dict[str, int | No
 
 def run_local(case: Case, steps: int, sleep: float) -> Outcome:
     victim = "node1"
-    env = child_env(faults.environment([f"{victim}@{steps // 2}"]) if case.kill else None)
-    proc = subprocess.Popen([PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", str(case.nodes), "--",
-                             *job_args(case, steps, sleep)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = child_env([f"{victim}@{steps // 2}"] if case.kill else None)
+    proc = subprocess.Popen(launcher_command(job_args(case, steps, sleep), nodes=case.nodes), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     followed = Followed({"launcher": proc})
     timed_out = not followed.wait(CASE_TIMEOUT)
     output = followed.text("launcher")
@@ -239,7 +236,7 @@ def run_netns(case: Case, steps: int, sleep: float) -> Outcome:
     """The cluster case, in a child process of its own (its namespaces go with it)."""
     from lightning_bamboo.testing.netns import sweep_stale
 
-    cmd = [PYTHON, __file__, "--netns-case", case.mode, "--steps", str(steps), "--sleep", str(sleep)]
+    cmd = self_command(__file__, "netns-case", "--modes", case.mode, "--steps", steps, "--sleep", sleep)
     if case.kill:
         cmd.append("--kill")
     try:
@@ -260,10 +257,8 @@ def machine_env() -> dict[str, str]:
     Lightning (``--preload``: these machines have no GPU); the interface and the address are the launcher's to find."""
     from lightning_bamboo.launcher import PRELOAD_ENV
 
-    env = {**child_env(), PRELOAD_ENV: "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"}
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
+    preload = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
+    return launcher_env(extra={"PYTHONUNBUFFERED": "1", PRELOAD_ENV: preload}, unset=HOST_VARIABLES)
 
 
 def netns_case(mode: str, kill: bool, steps: int, sleep: float) -> Outcome:
@@ -274,10 +269,9 @@ def netns_case(mode: str, kill: bool, steps: int, sleep: float) -> Outcome:
     case, victim = Case("netns", len(MACHINES) * WORKERS, mode, kill), MACHINES[-1]
     with NetnsCluster(MACHINES) as net:
         url = net.start_etcd()
-        procs = {machine: net.popen(machine, [
-            PYTHON, "-m", "lightning_bamboo.launcher", "--store", url, "--job", "exits", "--node", machine,
-            "--workers", str(WORKERS), "--peers", ",".join(MACHINES), "--addr", net.addrs[machine], "--",
-            *job_args(case, steps, sleep), "--detection-timeout", str(DETECTION)],
+        procs = {machine: net.popen(machine, launcher_command(
+            [*job_args(case, steps, sleep), "--detection-timeout", str(DETECTION)], node=machine, store=url,
+            job="exits", workers=WORKERS, peers=MACHINES, addr=net.addrs[machine]),
             env=machine_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True) for machine in MACHINES}
         killed = threading.Event()
@@ -320,11 +314,11 @@ def main() -> int:
     parser.add_argument("--sleep", type=float, default=0.3, help="seconds each step sleeps (a step as long as a real one)")
     parser.add_argument("--no-netns", action="store_true", help="skip the cases on a cluster of network namespaces")
     parser.add_argument("--json", action="store_true", help="also print each case's outcome as a JSON line")
-    parser.add_argument("--netns-case", default=None, help=argparse.SUPPRESS)  # a cluster case, in a child process
+    add_worker_flag(parser, choices=["netns-case"])  # a cluster case (of the one mode --modes names), in a child process
     parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.netns_case is not None:
-        print(RESULT + json.dumps(asdict(netns_case(args.netns_case, args.kill, args.steps, args.sleep))), flush=True)
+    if args.role == "netns-case":
+        print(RESULT + json.dumps(asdict(netns_case(args.modes, args.kill, args.steps, args.sleep))), flush=True)
         return 0
     cases = [Case("local", int(n), mode, kill) for n in args.nodes.split(",") if n for mode in args.modes.split(",")
              for kill in (False, True)]

@@ -226,7 +226,7 @@ def job_name(shape: str, block: int, mode: str, every: int) -> str:
 
 
 def run(args: argparse.Namespace, shape: str, block: int, mode: str, every: int) -> list[dict]:
-    from common import run_under_launcher
+    from common import run_under_launcher, self_command
 
     name = job_name(shape, block, mode, every)
     if args.reports is not None and Path(args.reports, name, "output.txt").exists():  # measured before: predict again
@@ -235,9 +235,8 @@ def run(args: argparse.Namespace, shape: str, block: int, mode: str, every: int)
         reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("node*.json"))]
     else:
         with tempfile.TemporaryDirectory() as out:
-            worker_cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "worker", "--out", out, "--shape",
-                          shape, "--block", str(block), "--mode", mode, "--checkpointing", str(every), "--steps",
-                          str(args.steps)]
+            worker_cmd = self_command(__file__, "worker", "--out", out, "--shape", shape, "--block", block, "--mode",
+                                      mode, "--checkpointing", every, "--steps", args.steps)
             proc = run_under_launcher(STAGES, worker_cmd, [f"{VICTIM}@{args.kill_at}"] if args.kill_at else [],
                                       tree=args.tree, env={"BAMBOO_LOG_LEVEL": "INFO"})
             output = proc.stdout
@@ -323,8 +322,10 @@ def show(rows: list[dict], label: str) -> list[float]:
 
 
 def main() -> int:
+    from common import add_worker_flag
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", default="parent", help=argparse.SUPPRESS)
+    add_worker_flag(parser)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="small", help=argparse.SUPPRESS)
     parser.add_argument("--block", type=int, default=128, help=argparse.SUPPRESS)

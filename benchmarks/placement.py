@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+
+from common import HOST_VARIABLES, add_worker_flag, launcher_command, launcher_env, self_command  # noqa: E402
 
 #: the benchmark's model: 6 pipeline layers (embedding, 4 blocks, head), about 3.3M parameters
 MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 256}
@@ -49,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     """One node: train the model through BambooStrategy; rank 0 prints its step times as JSON."""
     import lightning.pytorch as pl
     import torch
-    from common import token_dataset  # (this script's directory is on the path when it runs)
+    from common import token_dataset
 
     import lightning_bamboo
     from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
@@ -114,17 +116,14 @@ def crossing_bytes(machines: list[str]) -> dict[str, float]:
 def run_placement(net, url: str, name: str, args: argparse.Namespace, out: Path) -> dict:
     """One run of ``name``'s placement on the namespaces of ``net``; rank 0's result."""
     machines = PLACEMENTS[name]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(var, None)
+    env = launcher_env(extra={"PYTHONUNBUFFERED": "1"}, unset=HOST_VARIABLES)
     job = f"place{os.getpid()}{name}{time.monotonic_ns() % 100000}"
     procs, logs = [], []
     for node, machine in zip(NODES, machines, strict=True):
         log = out / f"{job}-{node}.log"
         logs.append(log)
-        cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--store", url, "--job", job, "--node", node,
-               "--peers", ",".join(NODES), "--addr", net.addrs[machine], "--",
-               sys.executable, str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps)]
+        cmd = launcher_command(self_command(__file__, "worker", "--steps", args.steps), node=node, store=url, job=job,
+                               peers=NODES, addr=net.addrs[machine])
         with open(log, "w") as handle:
             procs.append(net.popen(machine, cmd, env=env, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=900) for p in procs]
@@ -144,9 +143,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rate", default="none,1gbit,100mbit",
                         help="tc rates of each machine's link to measure, comma-separated ('none': no limit)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_worker_flag(parser)
     args = parser.parse_args()
-    if args.worker:
+    if args.role == "worker":
         worker(args)
         return
 

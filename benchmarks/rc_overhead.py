@@ -28,17 +28,15 @@ import os
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from common import BenchGPT
+from common import BenchGPT, add_worker_flag, launcher_command, launcher_env, self_command
 
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers
-from lightning_bamboo.testing import faults
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=192)  # 8 pipeline layers
 MICRO = 2
@@ -173,10 +171,9 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
     ``launcher`` (always with a ``kill``): under the Bamboo launcher, with the membership failover needs (every
     step commits, in every mode); without it Lightning spawns the workers and no step commits. ``pipelines``:
     data-parallel pipelines (``pipelines * stages`` processes); ``modes``: the rotation of a ``rotate`` run."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)
-    cmd = [sys.executable, script, "--role", "worker", "--stages", str(stages), "--micro-batches", str(micro_batches),
-           "--redundancy", redundancy, "--steps", str(steps), "--out", str(out), "--block-size", str(block_size), "--warmup", str(warmup)]
+    env = launcher_env(kills=[kill] if kill else (), extra={"PYTHONWARNINGS": "ignore"})
+    cmd = self_command(script, "worker", "--stages", stages, "--micro-batches", micro_batches, "--redundancy", redundancy,
+                       "--steps", steps, "--out", out, "--block-size", block_size, "--warmup", warmup)
     if n_embd != CONFIG.n_embd:
         cmd += ["--n-embd", str(n_embd)]
     if pipelines != 1:
@@ -187,10 +184,8 @@ def run_config(stages: int, micro_batches: int, redundancy: str, steps: int, out
         cmd.append("--rotate")
     if backend:
         cmd += ["--backend", backend]
-    if kill:
-        env.update(faults.environment([kill]))
     if kill or launcher:
-        cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(stages * pipelines), "--", *cmd]
+        cmd = launcher_command(cmd, nodes=stages * pipelines)
     started = time.time()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
     result = json.loads(out.read_text())
@@ -228,7 +223,7 @@ def record_failover(seconds: float) -> None:
 
 def worker_arguments(parser: argparse.ArgumentParser) -> None:
     """What a worker reads (``run_config`` passes them), with the shape of the run."""
-    parser.add_argument("--role", default=None)
+    add_worker_flag(parser)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--redundancy", default="off")

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import add_worker_flag, launcher_command, launcher_env, self_command
+
 GiB = 2**30
 TARGET = 1.25
 
@@ -119,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", default="parent", help=argparse.SUPPRESS)
+    add_worker_flag(parser)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=1024)
@@ -133,16 +135,14 @@ def main() -> int:
     if args.role == "worker":
         worker(args)
         return 0
-    from lightning_bamboo.testing import faults
-
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", "4", "--", sys.executable, __file__,
-                   "--role", "worker", "--out", out, "--layers", str(args.layers), "--width", str(args.width),
-                   "--vocab", str(args.vocab), "--block", str(args.block), "--steps", str(args.steps),
-                   "--fused" if args.fused else "--no-fused"]
+        worker_command = self_command(__file__, "worker", "--out", out, "--layers", args.layers, "--width", args.width,
+                                      "--vocab", args.vocab, "--block", args.block, "--steps", args.steps,
+                                      "--fused" if args.fused else "--no-fused")
         victim = "node2"
-        proc = subprocess.run(command, env={**os.environ, **faults.environment([f"{victim}@{args.kill_at}"])},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3000)
+        env = launcher_env(kills=[f"{victim}@{args.kill_at}"])
+        proc = subprocess.run(launcher_command(worker_command, nodes=4), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=3000)
         reports = {p.stem: json.loads(p.read_text()) for p in Path(out).glob("*.json")}
     codes = [line for line in proc.stdout.splitlines() if "exit codes" in line]
     print(f"GPT {args.layers} x {args.width}, vocabulary {args.vocab}, embedding tied to the head; 4 stages by "

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import launcher_command, launcher_env
+
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = "torch,deepspeed,lightning.pytorch,lightning_bamboo.strategy"
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
@@ -74,9 +76,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    cmd = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(args.nodes), "--", sys.executable,
-           "tests/scripts/slow_mlp.py", "--stages", str(args.nodes), "--steps", str(args.steps), "--redundancy", "lazy"]
-    base = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    cmd = launcher_command([sys.executable, "tests/scripts/slow_mlp.py", "--stages", str(args.nodes), "--steps",
+                            str(args.steps), "--redundancy", "lazy"], nodes=args.nodes)
+    base = launcher_env(extra={"PYTHONUNBUFFERED": "1"})
     cases = {"own interpreters": {**base, "BAMBOO_PRELOAD": ""}, "preloaded forks": {**base, "BAMBOO_PRELOAD": PRELOAD}}
     meter = Meter()
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
