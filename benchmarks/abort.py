@@ -30,9 +30,11 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
-import sys
+import subprocess
 import threading
 import time
+
+from common import add_worker_flag, self_command
 
 CANDIDATES = ("gloo-abort", "gloo-shutdown", "baby-gloo", "own-child", "bamboo-backend")
 MIB4 = 1 << 20  # float32 elements in 4 MiB
@@ -198,10 +200,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=float, default=10.0, help="seconds to wait for the blocked receive")
     parser.add_argument("--rounds", type=int, default=50, help="4 MiB round trips timed per candidate")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_worker_flag(parser, choices=CANDIDATES)  # the candidate a child measures
     args = parser.parse_args()
-    if args.child:  # one candidate per process: a blocked thread must not outlive into the next one
-        print(_run(args.child, args.limit, args.rounds), flush=True)
+    if args.role:  # one candidate per process: a blocked thread must not outlive into the next one
+        print(_run(args.role, args.limit, args.rounds), flush=True)
         os._exit(0)  # a thread may still be blocked in the group: that is what is measured
     import torch
 
@@ -215,9 +217,8 @@ def main() -> None:
             except ImportError:
                 print(f"| {candidate} | not installed (pip install torchft) | - | - | - |")
                 continue
-        done = __import__("subprocess").run([sys.executable, __file__, "--child", candidate, "--limit", str(args.limit),
-                                             "--rounds", str(args.rounds)], capture_output=True, text=True,
-                                            timeout=args.limit + 300)
+        done = subprocess.run(self_command(__file__, candidate, "--limit", args.limit, "--rounds", args.rounds),
+                              capture_output=True, text=True, timeout=args.limit + 300)
         rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
         print(rows[-1] if rows else f"| {candidate} | failed: {done.stderr.strip().splitlines()[-1:]} | - | - | - |",
               flush=True)

@@ -23,8 +23,9 @@ import argparse
 import json
 import resource
 import subprocess
-import sys
 import time
+
+from common import add_worker_flag, self_command
 
 VARIANTS = ("layer-wise", "every-spec", "whole")
 
@@ -64,10 +65,10 @@ def child(args: argparse.Namespace) -> None:
     cfg = _config(args)
     before = _peak_bytes()
     started = time.perf_counter()
-    if args.variant == "layer-wise":
+    if args.role == "layer-wise":
         held, parts, counts = _held(args)  # the census is part of this path's cost
         layers = build_layers(lambda: gpt_layer_specs(cfg), args.seed, keep=lambda i: i in held).layers
-    elif args.variant == "every-spec":
+    elif args.role == "every-spec":
         held, parts, counts = _held(args)
         layers = []
         with torch.random.fork_rng(devices=[]):
@@ -81,7 +82,7 @@ def child(args: argparse.Namespace) -> None:
         layers = build_layers(lambda: gpt_layer_specs(cfg), args.seed).layers
     seconds = time.perf_counter() - started
     kept = sum(p.numel() * p.element_size() for layer in layers if layer is not None for p in layer.parameters())
-    print(json.dumps({"variant": args.variant, "seconds": seconds, "peak_added": _peak_bytes() - before,
+    print(json.dumps({"variant": args.role, "seconds": seconds, "peak_added": _peak_bytes() - before,
                       "kept_bytes": kept, "kept_layers": sorted(held), "parts": parts,
                       "params": sum(counts) if counts else None}))
 
@@ -93,16 +94,16 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=1, help="the stage (of 4) whose process is measured")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per variant; the fastest is shown")
-    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    add_worker_flag(parser, choices=VARIANTS)  # the variant a child builds
     args = parser.parse_args()
-    if args.variant:
+    if args.role:
         child(args)
         return
     results: dict[str, dict] = {}
     for _ in range(args.repeats):  # the variants alternate; each keeps its fastest build (the machine is shared)
         for variant in VARIANTS:
-            proc = subprocess.run([sys.executable, __file__, "--variant", variant, "--layers", str(args.layers),
-                                   "--width", str(args.width), "--rank", str(args.rank), "--seed", str(args.seed)],
+            proc = subprocess.run(self_command(__file__, variant, "--layers", args.layers, "--width", args.width,
+                                               "--rank", args.rank, "--seed", args.seed),
                                   capture_output=True, text=True, check=True, timeout=600)
             got = json.loads(proc.stdout.strip().splitlines()[-1])
             if variant not in results or got["seconds"] < results[variant]["seconds"]:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import BenchGPT, token_dataset
+from common import BenchGPT, add_worker_flag, self_command, token_dataset
 
 from lightning_bamboo.models.gpt import GPTConfig, gpt_layers, gpt_loss
 
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="alternate raw/lightning runs this many times")
-    parser.add_argument("--role", choices=["raw", "lightning"])
+    add_worker_flag(parser, choices=["raw", "lightning"])  # one loop's run, in a child
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.role == "raw":
@@ -102,10 +102,11 @@ def main() -> None:
     # Alternate the two loops (raw, lightning, raw, ...) so slow phases of a shared machine hit both.
     results: dict[str, list[float]] = {"raw": [], "lightning": []}
     with tempfile.TemporaryDirectory() as out:
-        common = [__file__, "--steps", str(args.steps), "--out", out]
+        both = ["--steps", args.steps, "--out", out]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29733"]
         for _ in range(args.rounds):
-            for cmd in ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29733",
-                         *common, "--role", "raw"], [sys.executable, *common, "--role", "lightning"]):
+            for cmd in (self_command(__file__, "raw", *both, interpreter=torchrun),
+                        self_command(__file__, "lightning", *both)):
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
             for name in results:
                 results[name] += json.loads(Path(out, f"{name}.json").read_text())[args.warmup :]
