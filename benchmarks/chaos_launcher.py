@@ -57,10 +57,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import HOST_VARIABLES, launcher_command, launcher_env  # noqa: E402  (benchmarks/: the script's folder)
+
 from lightning_bamboo import checkpoint as ckpt  # noqa: E402
 from lightning_bamboo import consolidate_checkpoint  # noqa: E402
 from lightning_bamboo.membership.credentials import PASSWORD_ENV  # noqa: E402
-from lightning_bamboo.testing import faults  # noqa: E402
 from lightning_bamboo.testing.chaos import IDLE_SECONDS, idle_spells, max_difference, optimizer_states  # noqa: E402
 
 PYTHON = sys.executable
@@ -114,22 +115,18 @@ class Run:
     down_at: dict[str, float] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO),
-               "BAMBOO_PRELOAD": PRELOAD, **faults.environment(self.armed, self.out / "fired")}
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                     "BAMBOO_FORK_SERVER"):
-            env.pop(name, None)
+        extra = {"PYTHONUNBUFFERED": "1", "BAMBOO_PRELOAD": PRELOAD}
         if self.secure is not None:
-            env[PASSWORD_ENV] = self.secure[1]
-        return env
+            extra[PASSWORD_ENV] = self.secure[1]
+        return launcher_env(kills=self.armed, once_dir=self.out / "fired", extra=extra,
+                            unset=(*HOST_VARIABLES, "BAMBOO_FORK_SERVER"))
 
     def start(self, machine: str, join: bool = False) -> None:
-        cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--store", self.url, "--job", "chaos", "--node", machine,
-               "--workers", str(WORKERS), *(["--join"] if join else ["--min-nodes", str(MACHINES * WORKERS)]),
-               "--addr", self.net.addrs[machine], "--pid-dir", str(self.out / "pids"),
-               *(self.secure[0] if self.secure is not None else []), "--",
-               PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(self.stages), "--steps",
-               str(self.steps), "--out", str(self.out)]
+        user = [PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(self.stages), "--steps",
+                str(self.steps), "--out", str(self.out)]
+        cmd = launcher_command(user, node=machine, store=self.url, job="chaos", workers=WORKERS, join=join,
+                               min_nodes=None if join else MACHINES * WORKERS, addr=self.net.addrs[machine],
+                               pid_dir=self.out / "pids", options=self.secure[0] if self.secure is not None else ())
         with open(self.out / f"{machine}.log", "w") as log:
             self.procs[machine] = self.net.popen(machine, cmd, env=self.env(), cwd=REPO, stdout=log,
                                                  stderr=subprocess.STDOUT)
@@ -312,11 +309,10 @@ def clean_run(root: Path, name: str, nodes: int, stages: int, steps: int, batch:
     """The job without changes, on this machine (``--nodes``): its final checkpoint and its step records."""
     out = root / name
     out.mkdir(parents=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu", "BAMBOO_PRELOAD": PRELOAD}
-    env.pop("LOCAL_RANK", None)
-    cmd = [PYTHON, "-m", "lightning_bamboo.launcher", "--nodes", str(nodes), "--",
-           PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(stages), "--steps", str(steps),
-           "--out", str(out), "--batch-size", str(batch), *(["--nudge"] if nudge else [])]
+    env = launcher_env(extra={"PYTHONUNBUFFERED": "1", "BAMBOO_PRELOAD": PRELOAD})
+    cmd = launcher_command([PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(stages), "--steps",
+                            str(steps), "--out", str(out), "--batch-size", str(batch), *(["--nudge"] if nudge else [])],
+                           nodes=nodes)
     with open(out / "launcher.log", "w") as log:
         code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_LIMIT).returncode
     if code != 0:

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import launcher_command, launcher_env  # (benchmarks/: the script's folder)
+
 from lightning_bamboo.testing.job_output import our_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,15 +42,14 @@ RULES = {
     "form": "needs batches of the form (inputs, targets)",
     "divisibility": "is not a multiple of micro_batch_size 2",
     "precision": "strategy='bamboo' runs precision '32-true', 'bf16-mixed' or '16-mixed'",
-    "bamboo section": '"bamboo.redundancy" must be one of',
+    "bamboo section": '"bamboo" section: redundancy must be one of',
 }
 PRELOAD = "torch,lightning,deepspeed"
 SECONDS_BOUND, LINES_BOUND = 10.0, 5
 
 
 def run(cmd: list[str]) -> tuple[int, float, list[str]]:
-    env = {k: v for k, v in os.environ.items() if k != "BAMBOO_PRELOAD"}
-    env.update({"PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"})
+    env = launcher_env(unset=("BAMBOO_PRELOAD",))  # (the plain script's run gets the same environment)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           start_new_session=True)
@@ -62,12 +63,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="runs per case (the median time is printed)")
     args = parser.parse_args()
-    launcher = [sys.executable, "-m", "lightning_bamboo.launcher", "--nodes", str(args.nodes)]
     cases = [(f"Bamboo launcher, {args.nodes} nodes{', preloaded' if preload else ''}", mistake,
-              [*launcher, *(["--preload", PRELOAD] if preload else []), "--", sys.executable, str(SCRIPT), mistake,
-               "--stages", str(args.nodes)]) for preload in (False, True) for mistake in ("form", "divisibility", "precision")]
-    cases.append((f"DeepSpeed door, {2} nodes", "bamboo section", [*launcher[:-1], "2", "--", sys.executable,
-                                                                  str(DOOR_SCRIPT)]))
+              launcher_command([sys.executable, str(SCRIPT), mistake, "--stages", str(args.nodes)], nodes=args.nodes,
+                               options=["--preload", PRELOAD] if preload else ()))
+             for preload in (False, True) for mistake in ("form", "divisibility", "precision")]
+    cases.append(("DeepSpeed door, 2 nodes", "bamboo section",
+                  launcher_command([sys.executable, str(DOOR_SCRIPT)], nodes=2)))
     cases += [("plain script, Lightning's launcher", mistake, [sys.executable, str(SCRIPT), mistake])
               for mistake in ("form", "divisibility", "precision")]
     print(f"{'how it is started':<40} {'mistake':<15} {'status':>6} {'seconds':>8} {'lines':>6}  rule printed")
