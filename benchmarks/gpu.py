@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import WORKER_FLAG, self_command  # (benchmarks/: the script's folder)
 
 from lightning_bamboo.testing.gpu_check import (
     BLOCK,
@@ -280,8 +281,8 @@ def pipeline_run(out: Path, steps: int, redundancy: str, size: tuple[int, int], 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if kill:
         env.update(faults.environment([kill]))
-    codes = launch([sys.executable, __file__, "node", str(out), str(steps), redundancy, *map(str, size), precision,
-                    measures, placement], 2, env=env, timeout=600)
+    codes = launch(self_command(__file__, "node", out, steps, redundancy, *size, precision, measures, placement), 2,
+                   env=env, timeout=600)
     reports = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     layers: dict = {}
     for name in sorted(reports):
@@ -382,8 +383,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["node"]:
-        node(Path(argv[1]), int(argv[2]), argv[3], int(argv[4]), int(argv[5]), argv[6], argv[7], *argv[8:9])
+    if argv[:2] == [WORKER_FLAG, "node"]:  # a node of a pipeline run (``pipeline_run``)
+        node(Path(argv[2]), int(argv[3]), argv[4], int(argv[5]), int(argv[6]), argv[7], argv[8], *argv[9:10])
         return
     args = parse_args(argv)
     if not torch.cuda.is_available():
