@@ -87,12 +87,29 @@ def test_each_rank_knows_its_holder_and_the_stage_it_keeps():
     assert [replica_peers(layout, r, (T, T, T)) for r in (0, 5)] == [(4, 2), (3, 1)]
 
 
-def test_both_doors_take_auto():
+def test_both_doors_take_auto_and_default_to_it():
     assert BambooConfig(redundancy="auto").redundant
     assert BambooConfig.from_deepspeed({"redundancy": "auto"}, stages=2).redundancy == "auto"
     import lightning_bamboo
 
     assert lightning_bamboo.BambooStrategy(stages=2, redundancy="auto").redundancy == "auto"
+    # the default (rc_overhead_pipelines2.txt: lazy's failover for 1.2% with one pipeline, 0.96x of lazy's step and
+    # 0.94x of its memory with two, where off would restart from the checkpoint)
+    assert BambooConfig().redundancy == "auto" and BambooConfig.from_deepspeed({}, stages=2).redundancy == "auto"
+    assert lightning_bamboo.BambooStrategy().redundancy == "auto"
+
+
+def test_auto_keeps_nothing_where_no_process_outlives_a_lost_one():
+    """Without the Bamboo launcher's membership ``auto`` runs as ``off``; the modes asked for by name run as asked.
+    One stage has no successor to hold: ``auto`` takes it, ``lazy`` and ``eager`` are refused with the rule."""
+    assert BambooConfig().redundancy_with(membership=False) == "off"
+    assert BambooConfig().redundancy_with(membership=True) == "auto"
+    assert BambooConfig(redundancy="lazy").redundancy_with(membership=False) == "lazy"
+    assert BambooConfig(stages=1).redundancy_with(membership=True) == "auto"
+    assert kept_replicas(["a"], 1, "auto") == (F,)
+    for mode in ("lazy", "eager"):
+        with pytest.raises(BambooConfigError, match=rf"redundancy='{mode}' needs at least 2 stages"):
+            BambooConfig(stages=1, redundancy=mode)
 
 
 # ---------------------------------------------------------------- failover from the replicas that exist

@@ -144,7 +144,8 @@ def test_initialize_bamboo_options_are_checked(section, message):
     assert bamboo_options({}) == BambooConfig()
 
 
-def test_initialize_with_replicas_outside_the_bamboo_launcher_is_refused_with_how_to_start_it(tmp_path, monkeypatch):
+def test_initialize_with_replicas_outside_the_bamboo_launcher_is_refused_with_how_to_start_it_and_auto_keeps_none(
+        tmp_path, monkeypatch):
     import deepspeed.comm.comm as ds_comm
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
@@ -163,6 +164,11 @@ def test_initialize_with_replicas_outside_the_bamboo_launcher_is_refused_with_ho
                                                         r"python -m lightning_bamboo.launcher --nodes N"):
                 lightning_bamboo.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
                                                                   "bamboo": {"redundancy": mode}})
+        # "auto", the default, keeps replicas only where they can serve: none outside the launcher, no refusal
+        for section in ({}, {"bamboo": {"redundancy": "auto"}}):
+            engine, *_ = lightning_bamboo.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
+                                                                           **section})
+            assert engine.redundancy == "off" and engine.replica is None
     finally:
         ds_comm.cdb = None
         dist.destroy_process_group()

@@ -128,7 +128,7 @@ def initialize(
         resilient = ResilientPipelineEngine(model, config, options, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                             training_data=training_data, collate_fn=collate_fn)
         return resilient, resilient.optimizer, resilient.training_dataloader, resilient.lr_scheduler
-    if options.redundant:
+    if options.redundancy_with(membership=False) != "off":
         raise BambooConfigError(
             f'"{BAMBOO_KEY}.redundancy" = {options.redundancy!r} needs the Bamboo launcher, whose membership store '
             "finds a lost node: start the script with python -m lightning_bamboo.launcher --nodes N -- python SCRIPT "
@@ -160,7 +160,7 @@ def initialize(
         timeout=timeout,
     )
     engine = build_engine(
-        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, options=EngineOptions(options.redundancy),
+        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, options=EngineOptions(options.redundancy_with(membership=False)),
         args=args, model_parameters=model_parameters, training_data=training_data,
         dist_init_required=dist_init_required, collate_fn=collate_fn,
     )

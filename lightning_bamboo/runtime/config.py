@@ -14,6 +14,9 @@ from lightning_bamboo.topology.policy import rebalance_arguments
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_DETECTION_SECONDS = 10.0
+#: replicas where a loss would otherwise lose work: under the Bamboo launcher, of every stage with no data-parallel
+#: copy on another machine (one pipeline: lazy); see ``BambooStrategy``'s ``redundancy``
+DEFAULT_REDUNDANCY = "auto"
 DEFAULT_NOTICE_INTERVAL_SECONDS = 3.0  # AWS gives two minutes of notice; a poll every 3 s is enough
 
 #: the options a DeepSpeed config's ``"bamboo"`` section may set (``BambooConfig.from_deepspeed``); the others come
@@ -36,7 +39,7 @@ class BambooConfig:
     micro_batch_size: int = 1
     partition: str | list[int] = "parameters"
     seed: int | None = None
-    redundancy: str = "off"
+    redundancy: str = DEFAULT_REDUNDANCY
     timeout: float = DEFAULT_TIMEOUT_SECONDS
     detection_timeout: float = DEFAULT_DETECTION_SECONDS
     deepspeed: dict[str, Any] = field(default_factory=dict)
@@ -71,7 +74,7 @@ class BambooConfig:
             object.__setattr__(self, "partition", list(self.partition))
         if self.redundancy not in REDUNDANCY_MODES:
             raise BambooConfigError(f"redundancy must be one of {REDUNDANCY_MODES} (redundancy: {self.redundancy!r})")
-        if self.redundancy != "off" and stages == 1:
+        if self.redundancy in ("lazy", "eager") and stages == 1:
             raise BambooConfigError(
                 f"redundancy={self.redundancy!r} needs at least 2 stages: a node holds a replica of its successor's "
                 f"stage (stages: 1); use stages >= 2 or redundancy='off'"
@@ -141,6 +144,12 @@ class BambooConfig:
         under lazy and eager; under auto those of stages with no data-parallel copy on another machine:
         ``topology.replicas``), and a pipeline that lost a node is dropped while whole ones train on."""
         return self.redundancy != "off"
+
+    def redundancy_with(self, membership: bool) -> str:
+        """The redundancy a node runs: the option, except ``auto`` without the Bamboo launcher's membership
+        (``membership`` False: Lightning's own launcher, torchrun, one process), where no process outlives a lost
+        one and a replica could save nothing: ``off`` there."""
+        return "off" if self.redundancy == "auto" and not membership else self.redundancy
 
 
 def check_rf_costs(rf_costs: Any) -> Any:

@@ -299,9 +299,15 @@ class NodeStage:
             return build_engine(
                 module, optimizer, config, timedelta(seconds=self.config.timeout),
                 # "auto" runs lazy's program where it keeps replicas (``_arm`` wires which)
-                options=EngineOptions(redundancy="lazy" if self.config.redundancy == "auto" else self.config.redundancy,
+                options=EngineOptions(redundancy="lazy" if self.redundancy == "auto" else self.redundancy,
                                       rf_costs=self.config.rf_costs, seed=self.seed, precision=precision),
             )
+
+    @property
+    def redundancy(self) -> str:
+        """The redundancy this node runs (``BambooConfig.redundancy_with``: ``auto`` keeps nothing without the
+        launcher's membership)."""
+        return self.config.redundancy_with(self.session is not None)
 
     def order(self, layout: Layout) -> list[str]:
         """The nodes of ``layout`` in rank order: the session's under membership, else one name per rank (each then
@@ -312,7 +318,7 @@ class NodeStage:
     def kept(self, layout: Layout) -> tuple[bool, ...]:
         """Per stage of ``layout``: whether its replica is kept (``topology.replicas.kept_replicas`` of the config's
         redundancy and the node order: every rank computes the same)."""
-        return kept_replicas(self.order(layout), layout.stages, self.config.redundancy)
+        return kept_replicas(self.order(layout), layout.stages, self.redundancy)
 
     def _arm(self, engine: BambooPipelineEngine, replica_states: States | None = None,
              replica_layers: Mapping[int, torch.nn.Module] | None = None) -> None:
@@ -331,7 +337,7 @@ class NodeStage:
                                                    self._replica_device(layers, check=replica_states is None),
                                                    replica_layers)
             wiring.replica_peers, wiring.kept = replica_peers(layout, self.rank, kept), kept
-        if self.config.redundancy == "auto" and self.rank == 0:
+        if self.redundancy == "auto" and self.rank == 0:
             log.info("%s: %s", self.node, describe_kept(kept, "auto"))
         if self.session is not None:
             session = self.session

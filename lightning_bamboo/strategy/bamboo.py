@@ -24,7 +24,12 @@ from lightning_bamboo.engine.comm_process import BACKEND
 from lightning_bamboo.engine.guard import STEP_FINISH_SECONDS
 from lightning_bamboo.engine.partition import compute_parts
 from lightning_bamboo.errors import BambooConfigError, FatalLoss
-from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS, DEFAULT_TIMEOUT_SECONDS, BambooConfig
+from lightning_bamboo.runtime.config import (
+    DEFAULT_DETECTION_SECONDS,
+    DEFAULT_REDUNDANCY,
+    DEFAULT_TIMEOUT_SECONDS,
+    BambooConfig,
+)
 from lightning_bamboo.runtime.refusal import refused_quietly, report_config_errors_briefly, stop_if_refused
 from lightning_bamboo.runtime.runner import PipelineRunner
 from lightning_bamboo.runtime.session import joining, launched_by_bamboo
@@ -80,7 +85,7 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
         micro_batch_size: int = 1,
         partition: str | list[int] = "parameters",
         seed: int | None = None,
-        redundancy: str = "off",
+        redundancy: str = DEFAULT_REDUNDANCY,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         detection_timeout: float = DEFAULT_DETECTION_SECONDS,
         config: dict[str, Any] | None = None,
@@ -109,11 +114,13 @@ class _BambooStrategyMixin(StrategyOptions, CheckpointHooks, ResilientCollective
                 ``"eager"``: lazy, plus the successor's forward run redundantly in the pipeline
                 bubbles, its graph kept (host memory) until the step commits; a failover then skips
                 the dead stage's forward for those micro-batches and runs only its backward.
-                ``"auto"``: lazy's replica only of the stages with no data-parallel copy on another machine
-                (a launcher's ``--workers`` are one machine): with one pipeline every stage (as lazy); with
-                pipelines whose copies of each stage sit on different machines none, and a loss drops the
-                damaged pipeline while the whole ones train on (a loss in every pipeline then restarts from
-                the checkpoint). Rebuilt with the layout at every failover and reconfiguration.
+                ``"auto"`` (the default): lazy's replica only where a loss would otherwise lose work: under the
+                Bamboo launcher, of the stages with no data-parallel copy on another machine (a launcher's
+                ``--workers`` are one machine): with one pipeline every stage (as lazy); with pipelines whose
+                copies of each stage sit on different machines none, and a loss drops the damaged pipeline
+                while the whole ones train on (a loss in every pipeline then restarts from the checkpoint).
+                Rebuilt with the layout at every failover and reconfiguration. Without the Bamboo launcher no
+                process outlives a lost one, so ``auto`` keeps none there (as ``off``), nor with one stage.
             timeout: seconds any communication may block before the run fails (never 30 minutes).
             detection_timeout: under the Bamboo launcher, the most seconds a survivor needs to learn
                 that a node is gone (the node lease's TTL is a bit below it).

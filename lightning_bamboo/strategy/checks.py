@@ -20,7 +20,7 @@ from lightning_bamboo.topology.layout import micro_batches, pipeline_share
 
 def warn_if_replicas_cannot_help(redundancy: str) -> None:
     """Once (the caller's rank 0): replicas outside the Bamboo launcher cost memory and time and save nothing."""
-    if redundancy != "off" and not launched_by_bamboo():
+    if redundancy in ("lazy", "eager") and not launched_by_bamboo():
         logging.getLogger("lightning_bamboo.strategy").warning(
             "redundancy=%r keeps replicas, but no process survives a death under Lightning's own launcher, so they "
             "cannot save a step; for failover start the job with `python -m lightning_bamboo.launcher --nodes N -- "
