@@ -62,7 +62,14 @@ from common import HOST_VARIABLES, launcher_command, launcher_env  # noqa: E402 
 from lightning_bamboo import checkpoint as ckpt  # noqa: E402
 from lightning_bamboo import consolidate_checkpoint  # noqa: E402
 from lightning_bamboo.membership.credentials import PASSWORD_ENV  # noqa: E402
-from lightning_bamboo.testing.chaos import IDLE_SECONDS, idle_spells, max_difference, optimizer_states  # noqa: E402
+from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS  # noqa: E402
+from lightning_bamboo.testing.chaos import (  # noqa: E402
+    IDLE_SECONDS,
+    idle_spells,
+    max_difference,
+    optimizer_states,
+    start_ups,
+)
 
 PYTHON = sys.executable
 WORKERS = 2  # workers per machine
@@ -104,6 +111,8 @@ class Run:
     stages: int
     steps: int
     armed: list[str] = field(default_factory=list)
+    #: the user's script's ``BambooStrategy(detection_timeout=...)`` (its default unless ``--detection-timeout``)
+    detection_timeout: float = DEFAULT_DETECTION_SECONDS
     #: with ``--secure``: the launcher's store options (CA, client certificate, user) and the user's password
     secure: tuple[list[str], str] | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -123,7 +132,7 @@ class Run:
 
     def start(self, machine: str, join: bool = False) -> None:
         user = [PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(self.stages), "--steps",
-                str(self.steps), "--out", str(self.out)]
+                str(self.steps), "--out", str(self.out), "--detection-timeout", str(self.detection_timeout)]
         cmd = launcher_command(user, node=machine, store=self.url, job="chaos", workers=WORKERS, join=join,
                                min_nodes=None if join else MACHINES * WORKERS, addr=self.net.addrs[machine],
                                pid_dir=self.out / "pids", options=self.secure[0] if self.secure is not None else ())
@@ -237,7 +246,7 @@ class Run:
 
 
 def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Change], seed: int,
-            secure: bool = False) -> dict[str, Any]:
+            secure: bool = False, detection_timeout: float = DEFAULT_DETECTION_SECONDS) -> dict[str, Any]:
     """One chaos run on fresh namespaces (``secure``: against etcd with TLS and authentication); what the judge needs
     of it."""
     from lightning_bamboo.testing.netns import NetnsCluster
@@ -266,9 +275,10 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
     with NetnsCluster(machines + spares) as net:
         if secure:
             url, options, password = secured_etcd(net, out / "pki")
-            job = Run(net, url, out, stages, steps, armed=armed, secure=(options, password))
+            job = Run(net, url, out, stages, steps, armed=armed, secure=(options, password),
+                      detection_timeout=detection_timeout)
         else:
-            job = Run(net, net.start_etcd(), out, stages, steps, armed=armed)
+            job = Run(net, net.start_etcd(), out, stages, steps, armed=armed, detection_timeout=detection_timeout)
         job.events += [f"armed: {item}" for item in armed]
         for machine in machines:
             job.start(machine)
@@ -284,6 +294,7 @@ def run_job(root: Path, name: str, stages: int, steps: int, schedule: list[Chang
     return {"name": name, "ended": ended, "codes": codes, "killed": sorted(job.killed), "cut": sorted(job.cut),
             "events": job.events, "records": step_records(out), "final": out / "final",
             "seconds": time.monotonic() - started, "joined_at": job.joined_at, "down_at": job.down_at,
+            "started_at": worker_starts(out),
             "fired": sorted(path.name for path in (out / "fired").iterdir())}
 
 
@@ -318,6 +329,12 @@ def clean_run(root: Path, name: str, nodes: int, stages: int, steps: int, batch:
     if code != 0:
         raise SystemExit(f"the clean run {name} failed (exit {code}); see {out / 'launcher.log'}")
     return {"final": out / "final", "records": step_records(out)}
+
+
+def worker_starts(out: Path) -> dict[str, float]:
+    """When each worker's script first started (``benchmarks/spot_user.py``'s ``started-<node>.txt``), by node."""
+    return {path.stem[len("started-"):]: min(float(line) for line in path.read_text().split())
+            for path in out.glob("started-*.txt") if path.read_text().split()}
 
 
 def step_records(out: Path) -> list[dict[str, Any]]:
@@ -402,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
                    help="a fixed schedule instead of drawn ones (run --seeds times)")
     p.add_argument("--keep", default=None, help="keep every run's files in this directory")
+    p.add_argument("--detection-timeout", type=float, default=DEFAULT_DETECTION_SECONDS,
+                   help="the user's script's BambooStrategy(detection_timeout=...): the most seconds a survivor "
+                        "needs to learn of a machine lost without a word (default %(default)s, the strategy's)")
     p.add_argument("--secure", action="store_true",
                    help="etcd with TLS, client certificates and authentication; the job runs as a user fenced to "
                         "its prefix")
@@ -420,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     failed, grown_floor = 0, None
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         schedule = SCENARIOS[args.scenario] if args.scenario else draw(seed, args.changes, args.steps)
-        run = run_job(root, f"seed{seed}", stages, args.steps, schedule, seed, secure=args.secure)
+        run = run_job(root, f"seed{seed}", stages, args.steps, schedule, seed, secure=args.secure,
+                      detection_timeout=args.detection_timeout)
         bound = floor
         if floor == 0.0 and most_pipelines(run) > 1:
             # joins grew the job to two pipelines (growth past the start): its gradients were summed in another
@@ -442,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
         spells = idle_spells(run)
         print(f"    live workers idle over {IDLE_SECONDS:g} s: " + (", ".join(
             f"{node} {seconds:.1f} s {where}" for seconds, node, where in spells[:6]) or "none"), flush=True)
+        starts = start_ups(run)
+        if starts:
+            print("    a joined machine's workers, from its supervisor's start to their script's start (not live "
+                  "before): " + ", ".join(f"{node} {seconds:.1f} s" for node, seconds in starts), flush=True)
         for problem in problems:
             print(f"    PROBLEM: {problem}", flush=True)
     runs = args.seeds

@@ -6,7 +6,8 @@ launcher, written as a user would write it for spot machines (``BambooStrategy(r
     python -m lightning_bamboo.launcher --store etcd://HOST:2379 --node host0 --workers 2 --min-nodes 6 --addr ADDR \\
         -- python benchmarks/spot_user.py --stages 6 --steps 300 --out OUT
 
-Every worker appends one JSON line per trained step to ``OUT/steps-<node>.jsonl``: the step, a digest of the global
+Every worker appends the time its script started to ``OUT/started-<node>.txt``, and one JSON line per trained step
+to ``OUT/steps-<node>.jsonl``: the step, a digest of the global
 batch it trained on (the samples), the job's nodes in rank order, the layout's depth, the stage whose replica the
 worker keeps (None: none) and its resident memory. After ``fit`` every worker
 takes part in ``trainer.save_checkpoint(OUT/final)`` (per-layer weights and optimizer state, any layout).
@@ -81,6 +82,10 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # when this worker's script started (its interpreter up, its imports done): a live node from here on, which
+    # chaos_launcher.py's idle spells count from for a machine that joined
+    with open(out / f"started-{os.environ.get('BAMBOO_NODE', 'local')}.txt", "a") as f:
+        f.write(f"{time.time()}\n")
     pl.seed_everything(0)
     trainer = pl.Trainer(
         strategy=lightning_bamboo.BambooStrategy(stages=args.stages, micro_batch_size=4, redundancy=args.redundancy, timeout=60,

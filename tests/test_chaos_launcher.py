@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from lightning_bamboo.testing.chaos import idle_spells
+from lightning_bamboo.testing.chaos import idle_spells, start_ups
 from lightning_bamboo.testing.etcd_server import etcd_binary
 from lightning_bamboo.testing.netns import NetnsUnavailable, check_netns
 from tests.helpers import PYTHON, REPO
@@ -63,3 +63,7 @@ def test_idle_spells_count_a_live_worker_only_while_it_is_live():
     assert idle_spells(run) == [(8.0, "host2.0", "after step 3"), (7.0, "host0.0", "after step 3"),
                                 (6.0, "host3.0", "after its join")]
     assert idle_spells(run, longer_than=7.5) == [(8.0, "host2.0", "after step 3")]
+    # host3.0's script started 4.5 s after its machine joined (interpreter and imports): live from there, 1.5 s idle
+    started = {**run, "started_at": {"host3.0": 8.5}}
+    assert idle_spells(started) == [(8.0, "host2.0", "after step 3"), (7.0, "host0.0", "after step 3")]
+    assert start_ups(started) == [("host3.0", 4.5)]

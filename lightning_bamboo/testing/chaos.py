@@ -16,7 +16,8 @@ import torch
 from lightning_bamboo import checkpoint as ckpt
 
 __all__ = ["CHECKPOINT_EVERY", "IDLE_SECONDS", "INSIDE", "JOIN_LAG", "NODES", "Schedule", "final_checkpoint",
-           "idle_spells", "make_schedule", "max_difference", "optimizer_states", "sample_problems", "samples_by_step"]
+           "idle_spells", "make_schedule", "max_difference", "optimizer_states", "sample_problems", "samples_by_step",
+           "start_ups"]
 
 #: the demo's nodes in a chaos run of one pipeline, and its checkpoint interval in steps
 NODES = 4
@@ -210,8 +211,9 @@ IDLE_SECONDS = 2.0  # issue 63: no live node idle for longer than this after any
 
 def idle_spells(run: dict[str, Any], longer_than: float = IDLE_SECONDS) -> list[tuple[float, str, str]]:
     """``(seconds, node, when)`` for every spell longer than ``longer_than`` in which a live worker trained no step:
-    between two of its steps (a failover's pause, a release until its admission), from its machine's join to its
-    first step, and from its last step to the job's last while its machine was up (a worker that never came back).
+    between two of its steps (a failover's pause, a release until its admission), from its start to its first step
+    (a worker of a machine that joined: from its script's start, ``run["started_at"]``, where known, else from its
+    machine's join: before its process runs it is no node of the job; ``start_ups`` gives that time), and from its last step to the job's last while its machine was up (a worker that never came back).
     A worker is not live once its machine is killed or cut off, or once it was signalled (killed, or told to leave)
     or an armed fault fired (then its spells are not counted past its last step)."""
     times: dict[str, list[tuple[float, int]]] = {}
@@ -228,7 +230,8 @@ def idle_spells(run: dict[str, Any], longer_than: float = IDLE_SECONDS) -> list[
         machine = node.split(".")[0]
         stopped = node in run["down_at"] or node in fired
         until = min(run["down_at"].get(machine, end), run["down_at"].get(node, end))
-        marks = ([(run["joined_at"][machine], None)] if machine in run["joined_at"] else []) + points
+        joined = run.get("started_at", {}).get(node, run["joined_at"].get(machine))
+        marks = ([(joined, None)] if machine in run["joined_at"] and joined is not None else []) + points
         if not stopped:
             marks.append((until, None))
         for (a, step_a), (b, _) in zip(marks, marks[1:], strict=False):
@@ -237,3 +240,11 @@ def idle_spells(run: dict[str, Any], longer_than: float = IDLE_SECONDS) -> list[
                 spells.append((b - a, node, where))
     return sorted(spells, reverse=True)
 
+
+
+def start_ups(run: dict[str, Any]) -> list[tuple[str, float]]:
+    """``(node, seconds)`` for every worker of a machine that joined: from its machine's join (its supervisor started)
+    to its script's start (``run["started_at"]``), the interpreter's start-up and imports before it is a node."""
+    starts = run.get("started_at", {})
+    return sorted((node, starts[node] - at) for node in starts for machine, at in run["joined_at"].items()
+                  if node.split(".")[0] == machine)
