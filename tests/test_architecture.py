@@ -512,3 +512,15 @@ def test_tests_and_benchmarks_import_nothing_of_each_other():
             found.append(f"{path.relative_to(REPO)} imports from tests/")
     assert not found, "tests and benchmarks reach into each other; move what both need into the package:\n" + \
         "\n".join(found)
+
+
+def test_tests_import_no_private_name_of_the_package():
+    """A test reaches the package through the names it offers: no ``from lightning_bamboo... import _name`` (a private
+    name a test needs is made public, with a docstring saying what it is for)."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning_bamboo":
+                found += [f"{path.relative_to(REPO)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, "tests import private names of the package:\n" + "\n".join(found)

@@ -172,9 +172,9 @@ def test_a_free_port_is_drawn_below_the_ephemeral_range_whatever_the_process_see
     import random
     import socket
 
-    from lightning_bamboo.membership.address import _ephemeral_range, free_port
+    from lightning_bamboo.membership.address import ephemeral_range, free_port
 
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     drawn = []
     for _ in range(8):
         random.seed(0)

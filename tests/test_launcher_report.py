@@ -113,7 +113,7 @@ def _variables_the_launcher_sets(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     cluster = Cluster("embedded", job="help", local_workers=2)
     try:
         shared = {k for k, v in cluster.env.items() if os.environ.get(k) != v}
-        rank = set(cluster._rank_env("node0", 0, ["node0"]))
+        rank = set(cluster.rank_env("node0", 0, ["node0"]))
     finally:
         cluster.close()
     machine = set(plan_node(["true"], "m0", store="etcd://127.0.0.1:1", peers=["m0"]).env)

@@ -157,7 +157,7 @@ def test_the_deepspeed_door_builds_what_deepspeed_builds_with_seed_layers(tmp_pa
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 
-    from lightning_bamboo.deepspeed_api.resilient import _Model
+    from lightning_bamboo.deepspeed_api.resilient import PipelineModuleModel
     from lightning_bamboo.engine.construct import ensure_deepspeed_comm
 
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule reads it
@@ -167,7 +167,7 @@ def test_the_deepspeed_door_builds_what_deepspeed_builds_with_seed_layers(tmp_pa
         # "uniform": DeepSpeed 0.19 seeds Python's stream with a numpy integer after a "parameters" split, which it refuses
         module = PipelineModule(layers=_specs(), num_stages=1, loss_fn=nn.MSELoss(), seed_layers=True, base_seed=99,
                                 partition_method="uniform")
-        built = build_layers(_Model(module).configure_pipeline, int(module.base_seed), keep=lambda i: i in (0, 4, 7))
+        built = build_layers(PipelineModuleModel(module).configure_pipeline, int(module.base_seed), keep=lambda i: i in (0, 4, 7))
         for i in (0, 4, 7):
             _assert_equal_layers(built.layers[i], module.forward_funcs[i], f"layer {i}")
     finally:

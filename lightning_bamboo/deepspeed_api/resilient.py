@@ -44,7 +44,7 @@ _OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adagrad": to
 _TAKEN = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-class _Model:
+class PipelineModuleModel:
     """The ``PipelineModule``'s layers and loss, as the runner reads a model (``runtime.host.PipelineModel``): its
     ``LayerSpec``s as specs (each built only where held, ``engine.module.build_layers``)."""
 
@@ -202,7 +202,7 @@ class ResilientPipelineEngine:
         #: restarts from the last checkpoint after fatal losses, oldest first (see ``train_batch``)
         self.restarts: list[dict[str, Any]] = []
         self._checkpoints: Path | None = None  # the directory of the last save or load: a restart loads its latest
-        self._model = _Model(module)
+        self._model = PipelineModuleModel(module)
         if opened is not None and opened.admission is not None:
             self._join(opened.admission)
         elif opened is not None and opened.start_lost:  # the survivors of a start: their group, not the launch's world

@@ -177,11 +177,12 @@ class Cluster:
         return subprocess.Popen(list(command), env=dict(env), **popen)
 
     def spawn(self, name: str, command: Sequence[str], rank: int, world: Sequence[str], **popen: object) -> None:
-        env = {**self.env, **self._rank_env(name, rank, world)}
+        env = {**self.env, **self.rank_env(name, rank, world)}
         env.pop(JOIN_ENV, None)
         self._start(name, command, env, popen)
 
-    def _rank_env(self, name: str, rank: int, world: Sequence[str]) -> dict[str, str]:
+    def rank_env(self, name: str, rank: int, world: Sequence[str]) -> dict[str, str]:
+        """The variables a worker of ``name`` at ``rank`` of the job of ``world`` gets beside the shared ``env``."""
         return {JOB_ENV: self.job, NODES_ENV: ",".join(world), "WORLD_SIZE": str(len(world)), "RANK": str(rank),
                 "LOCAL_RANK": str(self.local_ranks.get(name, rank)), NODE_ENV: name, "MASTER_ADDR": self.env["MASTER_ADDR"],
                 "MASTER_PORT": self.env["MASTER_PORT"]}
@@ -200,7 +201,7 @@ class Cluster:
         running process (or the one that offered itself as ``process``), which offered it in job ``offered_in``:
         no new interpreter, no imports. ``rank`` None: as a node that joins the current job (standby until
         admitted, as ``spawn_joiner`` starts one). ``log``: the file its output goes to from now on."""
-        env = self._rank_env(name, rank, world) if rank is not None else {
+        env = self.rank_env(name, rank, world) if rank is not None else {
             JOB_ENV: self.job, "MASTER_ADDR": self.env["MASTER_ADDR"], "MASTER_PORT": self.env["MASTER_PORT"],
             **self._joiner_env(name)}
         assignment = {"env": env, "args": list(args), "log": log}

@@ -12,7 +12,7 @@ class AddressError(BambooConfigError):
     """``--addr`` is not an IP address this machine owns."""
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_range() -> tuple[int, int]:
     """The kernel's range of ports for outgoing connections and binds to port 0 (Linux's default where unknown)."""
     try:
         low, high = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
@@ -31,7 +31,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """
     import random
 
-    low, _high = _ephemeral_range()
+    low, _high = ephemeral_range()
     start = 10000 if low > 20000 else 1024
     # the system's randomness: a process seeded as the job's others are (seed_everything) draws other ports
     for port in random.SystemRandom().sample(range(start, low), k=min(64, max(low - start, 0))):
