@@ -462,11 +462,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {event}")
         spells = idle_spells(run)
         print(f"    live workers idle over {IDLE_SECONDS:g} s: " + (", ".join(
-            f"{node} {seconds:.1f} s {where}" for seconds, node, where in spells[:6]) or "none"), flush=True)
+            f"{node} {seconds:.1f} s {where}" for seconds, node, where in spells) or "none"), flush=True)
         starts = start_ups(run)
         if starts:
-            print("    a joined machine's workers, from its supervisor's start to their script's start (not live "
-                  "before): " + ", ".join(f"{node} {seconds:.1f} s" for node, seconds in starts), flush=True)
+            print("    a joined machine's workers: from its supervisor's start to their script's start (not live "
+                  "before), then to their first step: " + ", ".join(
+                      f"{node} {to_start:.1f} s + {'never' if to_step is None else f'{to_step:.1f} s'}"
+                      for node, to_start, to_step in starts), flush=True)
         for problem in problems:
             print(f"    PROBLEM: {problem}", flush=True)
     runs = args.seeds

@@ -66,4 +66,4 @@ def test_idle_spells_count_a_live_worker_only_while_it_is_live():
     # host3.0's script started 4.5 s after its machine joined (interpreter and imports): live from there, 1.5 s idle
     started = {**run, "started_at": {"host3.0": 8.5}}
     assert idle_spells(started) == [(8.0, "host2.0", "after step 3"), (7.0, "host0.0", "after step 3")]
-    assert start_ups(started) == [("host3.0", 4.5)]
+    assert start_ups(started) == [("host3.0", 4.5, 1.5)]  # its script started 4.5 s after the join, stepped 1.5 s later

@@ -242,9 +242,14 @@ def idle_spells(run: dict[str, Any], longer_than: float = IDLE_SECONDS) -> list[
 
 
 
-def start_ups(run: dict[str, Any]) -> list[tuple[str, float]]:
-    """``(node, seconds)`` for every worker of a machine that joined: from its machine's join (its supervisor started)
-    to its script's start (``run["started_at"]``), the interpreter's start-up and imports before it is a node."""
+def start_ups(run: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """``(node, to_start, to_step)`` for every worker of a machine that joined: seconds from its machine's join (its
+    supervisor started) to its script's start (``run["started_at"]``: the interpreter's start-up and imports, before
+    it is a node), and from there to the end of its first step (None: it trained none)."""
     starts = run.get("started_at", {})
-    return sorted((node, starts[node] - at) for node in starts for machine, at in run["joined_at"].items()
-                  if node.split(".")[0] == machine)
+    first: dict[str, float] = {}
+    for r in run["records"]:
+        if "t" in r:
+            first[r["node"]] = min(first.get(r["node"], float("inf")), float(r["t"]))
+    return sorted((node, starts[node] - at, first[node] - starts[node] if node in first else None)
+                  for node in starts for machine, at in run["joined_at"].items() if node.split(".")[0] == machine)
