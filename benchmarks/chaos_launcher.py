@@ -70,6 +70,7 @@ from lightning_bamboo.testing.chaos import (  # noqa: E402
     optimizer_states,
     start_ups,
 )
+from lightning_bamboo.testing.job_output import run_in_group  # noqa: E402
 
 PYTHON = sys.executable
 WORKERS = 2  # workers per machine
@@ -324,8 +325,10 @@ def clean_run(root: Path, name: str, nodes: int, stages: int, steps: int, batch:
     cmd = launcher_command([PYTHON, str(REPO / "benchmarks" / "spot_user.py"), "--stages", str(stages), "--steps",
                             str(steps), "--out", str(out), "--batch-size", str(batch), *(["--nudge"] if nudge else [])],
                            nodes=nodes)
-    with open(out / "launcher.log", "w") as log:
-        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_LIMIT).returncode
+    # in a process group of its own, killed at the end: a run stopped meanwhile leaves none of its processes behind
+    done = run_in_group(cmd, RUN_LIMIT, env=env, cwd=REPO)
+    (out / "launcher.log").write_text(done.stdout)
+    code = done.returncode
     if code != 0:
         raise SystemExit(f"the clean run {name} failed (exit {code}); see {out / 'launcher.log'}")
     return {"final": out / "final", "records": step_records(out)}
