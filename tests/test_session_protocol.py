@@ -216,8 +216,10 @@ def test_a_standby_node_is_admitted_by_a_record_and_enters_the_next_generation(s
         try:
             assert spare.nodes == [] and s["n0"].standby() == []  # not offered before it is seen to answer
             waiting: dict[str, Any] = {}
-            waiter = threading.Thread(target=lambda: waiting.update(record=spare.wait_admission(poll=0.2)))
-            waiter.start()  # it refreshes its standby key while it waits
+            # it puts its standby key every beat while it waits, however seldom it reads the rest (poll); an admission
+            # wakes it at once (a wait of 60 s per poll would outlast the join below)
+            waiter = threading.Thread(target=lambda: waiting.update(record=spare.wait_admission(poll=60.0, beat=0.05)))
+            waiter.start()
             for _ in range(100):
                 if s["n0"].standby() == ["n9"]:
                     break

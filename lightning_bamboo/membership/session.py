@@ -29,9 +29,12 @@ from lightning_bamboo.topology.layout import machine_of
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: a standby node whose key has not changed for this long (it refreshes it about once a second while it waits) is
-#: not offered for admission: it may be cut off or frozen while its lease still runs (``Session.standby``)
+#: a standby node whose key has not changed for this long (it puts it every ``STANDBY_BEAT_SECONDS`` while it waits)
+#: is not offered for admission: it may be cut off or frozen while its lease still runs (``Session.standby``)
 STANDBY_FRESH_SECONDS = 3.0
+#: how often a standby node puts its key while it waits: the running nodes offer it for admission once they have seen
+#: the key change (it answers), so a node released or joining is offered this soon after it stands by
+STANDBY_BEAT_SECONDS = 0.25
 
 
 class GroupFormer(Protocol):
@@ -334,7 +337,7 @@ class Session:
         """Publish a reconfiguration (generation, order, parts...) so that the standby nodes in it join."""
         self.store.put(self.keys.admit(record.generation), record.to_json())
 
-    def wait_admission(self, poll: float = 1.0) -> Reconfiguration | None:
+    def wait_admission(self, poll: float = 1.0, beat: float = STANDBY_BEAT_SECONDS) -> Reconfiguration | None:
         """Standby until a reconfiguration names this node (its record) or the job finishes (None).
 
         A standby node is live (its lease is kept) and costs nothing; it waits as long as the job runs.
@@ -342,30 +345,39 @@ class Session:
         ends the survivors' ``fit()``: the process may then serve the restarted job (``offer_process``). So does a
         job none of whose nodes has been live for a detection timeout (its nodes failed or were lost, and nobody
         will finish it): a standby node never outlives its job.
+
+        The admissions are read whenever they change and every ``poll`` seconds (with whether the job finished or
+        still runs); the standby key is put every ``beat`` seconds, so that the running nodes see it answer soon.
         """
         prefix = self.keys.admit()
         revision = 0
-        alive, beat = _JobAlive(self), 0
+        alive, beats, looked, changed = _JobAlive(self), 0, None, False
         while True:
-            snap = self.store.get_prefix(prefix)
-            records = sorted((json.loads(kv.value) for kv in snap.kvs if kv.mod_revision > self._standing_since),
-                             key=lambda r: r["generation"])
-            mine = [r for r in records if self.node in r["order"]]
-            if mine:
-                return Reconfiguration.from_json(mine[-1])
-            abandoned = [r["abandoned"] for r in records if r.get("abandoned")]
-            if abandoned:
-                raise FatalLoss(f"the job this standby node waited to join ended before admitting it: {abandoned[0]}")
-            if self.store.get(self.keys.finished) is not None:
-                return None
-            alive.check()
-            beat += 1  # this node still answers (the running nodes offer only standby nodes that do)
+            now = time.monotonic()
+            if changed or looked is None or now - looked >= poll:
+                looked = now
+                snap = self.store.get_prefix(prefix)
+                records = sorted((json.loads(kv.value) for kv in snap.kvs if kv.mod_revision > self._standing_since),
+                                 key=lambda r: r["generation"])
+                mine = [r for r in records if self.node in r["order"]]
+                if mine:
+                    return Reconfiguration.from_json(mine[-1])
+                abandoned = [r["abandoned"] for r in records if r.get("abandoned")]
+                if abandoned:
+                    raise FatalLoss(f"the job this standby node waited to join ended before admitting it: "
+                                    f"{abandoned[0]}")
+                if self.store.get(self.keys.finished) is not None:
+                    return None
+                alive.check()
+                revision = max(revision, snap.revision)
+            beats += 1  # this node still answers (the running nodes offer only standby nodes that do)
             try:
-                self.store.put(self.keys.standby(self.node), str(beat))
+                self.store.put(self.keys.standby(self.node), str(beats))
             except Fenced as err:  # a standby holds nothing of the job's: it may register again (a loaded machine)
                 self._register_again(err)
-            change = self.store.wait_for_change(prefix, max(revision, snap.revision), timeout=poll)
-            revision = change.revision
+            change = self.store.wait_for_change(prefix, revision, timeout=beat)
+            changed = bool(change.events) or change.compacted  # (compacted: what changed is not known)
+            revision = max(revision, change.revision)
 
     def stand_by(self) -> None:
         """This node left the layout (released: ``release`` said so first, or its admission failed) and stands by in
