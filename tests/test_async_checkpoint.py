@@ -215,7 +215,7 @@ def test_failed_write_is_raised_at_next_save_or_teardown(tmp_path, reported_at):
     _assert_equals_saved(tmp_path / "moved" / ckpt.step_name(1), 1, global_step=1)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60)  # far below the commit timeout of 600 s: a commit that waited it out fails the test
 def test_checkpoint_in_flight_is_abandoned_when_the_processes_change(tmp_path):
     """A failover between two saves: the commit that waits for a lost process is given up, not waited out."""
     trainer, module = _fake_trainer(tmp_path), SimpleNamespace(log=lambda *a, **k: None)
@@ -225,10 +225,8 @@ def test_checkpoint_in_flight_is_abandoned_when_the_processes_change(tmp_path):
     callback.on_train_start(trainer, module)
     _step(callback, trainer, module)
     trainer.world_size, trainer.strategy.layout = 1, "1 stage"  # the survivors' new pipeline
-    started = time.monotonic()
     _step(callback, trainer, module)  # no error: the abandoned checkpoint is not a failed write
     callback.on_train_end(trainer, module)
-    assert time.monotonic() - started < 30, "waited for the lost process instead of abandoning"
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "ckpts")] == [ckpt.step_name(2)]
     assert sorted(os.listdir(tmp_path / "ckpts")) == [ckpt.step_name(2)]  # the abandoned staging directory is gone
     _assert_equals_saved(tmp_path / "ckpts" / ckpt.step_name(2), 1, global_step=2)

@@ -134,14 +134,14 @@ else:
 """
 
 
+@pytest.mark.timeout(120)  # far below the launcher's own timeout: waiting for that fails the test
 def test_a_worker_that_hangs_after_the_job_finished_is_killed_and_the_launcher_returns(monkeypatch):
     """A frozen node never exits: once the job is finished the launcher gives it a grace, then kills it
     (it waited for it until its own timeout before)."""
     monkeypatch.setattr(launcher.cluster, "FINISHED_GRACE_SECONDS", 2.0)
-    started = time.monotonic()
-    codes = launch([sys.executable, "-c", FINISH_OR_HANG], 2, env={"PYTHONPATH": str(REPO)}, timeout=60)
+    # the launcher's own timeout (600 s) is not what ends the frozen node: the grace after the job finished is
+    codes = launch([sys.executable, "-c", FINISH_OR_HANG], 2, env={"PYTHONPATH": str(REPO)}, timeout=600)
     assert codes == {"node0": 0, "node1": -9}
-    assert time.monotonic() - started < 30
 
 
 SLOW_MLP = [PYTHON, "tests/scripts/slow_mlp.py", "--stages", "4", "--steps", "12", "--sleep", "0.3"]
