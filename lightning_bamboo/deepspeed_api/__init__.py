@@ -160,8 +160,9 @@ def initialize(
         timeout=timeout,
     )
     engine = build_engine(
-        model, optimizer, config, timeout, lr_scheduler=lr_scheduler, options=EngineOptions(options.redundancy_with(membership=False)),
-        args=args, model_parameters=model_parameters, training_data=training_data,
+        model, optimizer, config, timeout, lr_scheduler=lr_scheduler,
+        options=EngineOptions(options.redundancy_with(membership=False)), args=args,
+        model_parameters=model_parameters, training_data=training_data,
         dist_init_required=dist_init_required, collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

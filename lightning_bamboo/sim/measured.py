@@ -36,17 +36,14 @@ def kills_of_running(events: list, nodes: list[str], width: int, horizon: float)
     return kills
 
 
-
 def progress_at(step_times: list, seconds: float) -> int:
     """The most steps a run had finished ``seconds`` after its first step (``[progress, seconds]`` pairs)."""
     return max((int(step) for step, t in step_times if t <= seconds), default=0)
 
 
-
 def steps_for(wall: float, step_seconds: float) -> int:
     """Steps that keep an undisturbed run going for longer than ``wall`` seconds (a fifth more)."""
     return max(1, math.ceil(1.2 * wall / step_seconds))
-
 
 
 def young_daly(save_seconds: float, mtbf: float, step_seconds: float) -> int:
@@ -119,15 +116,14 @@ def summarize_peer(lines: list[dict], kills: list[tuple[float, str]], steps: int
     }
 
 
-
 def mean(xs: list[float]) -> float:
     """The mean of ``xs`` (0 for none)."""
     return sum(xs) / len(xs) if xs else 0.0
 
 
 def sim_inputs(name: str, result: dict, every: int, step: float, save: float) -> dict:
-    """The simulator's inputs for run (a) ``bamboo`` or (b) ``torchrun``, as ``benchmarks/sim_validation.py`` takes them: the run's
-    undisturbed step time (a calibration run's), its own mean recovery per kind, its own reconfigurations (the demo's
+    """The simulator's inputs for run (a) ``bamboo`` or (b) ``torchrun``, as ``benchmarks/sim_validation.py`` takes
+    them: the run's undisturbed step time (a calibration run's), its own mean recovery per kind, its own reconfigurations (the demo's
     report), the save."""
     demo = load_demo_params()
     if name == "torchrun":
@@ -149,7 +145,6 @@ def sim_inputs(name: str, result: dict, every: int, step: float, save: float) ->
             "failover_seconds": mean(failovers) or restart, "restart_seconds": restart,
             "reconfigure_seconds": mean(reconfigurations) or demo.reconfigure_seconds, "ready": demo.join_seconds,
             "checkpoint_save_seconds": 0.0, "checkpoint_interval_seconds": every * step, "step_seconds": step}
-
 
 
 def predict_samples(inputs: dict, events: list, nodes: int, wall: float, step_delay: float, cap: int) -> float:
