@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning_bamboo  # noqa: E402
 from examples.gpt import GPTModule  # noqa: E402
 from lightning_bamboo.callbacks import AsyncCheckpoint, PreemptionCallback, RebalanceCallback  # noqa: E402
+from lightning_bamboo.runtime.config import DEFAULT_DETECTION_SECONDS  # noqa: E402
 
 
 class NudgedGPT(GPTModule):
@@ -74,7 +75,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", required=True)
     p.add_argument("--checkpoint-every", type=int, default=20)
-    p.add_argument("--detection-timeout", type=float, default=10.0)
+    p.add_argument("--detection-timeout", type=float, default=DEFAULT_DETECTION_SECONDS,
+                   help="the strategy's detection_timeout (default: its own, %(default)s)")
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks (the pipeline has 2 more layers)")
     p.add_argument("--batch-size", type=int, default=16, help="the DataLoader's batch (per pipeline at the start)")
     p.add_argument("--nudge", action="store_true", help="one weight one ulp higher at the start (a noise floor)")
