@@ -398,6 +398,28 @@ def test_a_plan_with_replicas_goes_deeper_where_the_replica_would_not_fit() -> N
     assert all("successor's replica" in r.reason for r in held.infeasible if r.stages == 2 and r.pipelines == 2)
 
 
+def test_auto_holds_replicas_only_in_layouts_that_need_them() -> None:
+    """``redundancy="auto"`` (the strategy's default) resolved per layout: on the four workers above, 2 x 2 keeps no
+    replica (each stage has a copy in the other pipeline, on another machine) and wins as without replicas; with every
+    worker on one machine no copy is elsewhere, so auto is lazy and goes 4 deep as ``replica=True`` does. Two workers
+    make one pipeline, where auto is lazy: its 2 stages fit, not with their replicas."""
+    layers = [layer(1.0, 2.0, params=10 * MiB, update=0.1, sizes=(1,)) for _ in range(4)]
+    prof = model(*layers)
+    hw = Hardware(memory_bytes=100 * MiB, bandwidth_bytes_per_second=1e12, latency_seconds=0.0)
+    apart = plan(prof, hw, world_size=4, global_batch=8, replica=True, redundancy="auto")
+    assert (apart.stages, apart.pipelines, apart.redundancy) == (2, 2, "off")
+    assert apart.stage_memory_bytes == apart.stage_memory_without_replica_bytes
+    together = plan(prof, hw, world_size=4, global_batch=8, replica=True, redundancy="auto", copies_apart=False)
+    lazy = plan(prof, hw, world_size=4, global_batch=8, replica=True, redundancy="lazy")
+    assert (together.stages, together.redundancy, together.partition) == (4, "lazy", lazy.partition)
+    assert together.predicted_step_seconds == pytest.approx(lazy.predicted_step_seconds)
+    assert plan(prof, hw, world_size=2, global_batch=8).stages == 2  # 2 x 1: its stages fit, without replicas
+    with pytest.raises(NoFeasiblePlanError, match="successor's replica"):
+        plan(prof, hw, world_size=2, global_batch=8, replica=True, redundancy="auto")  # one pipeline: lazy's replicas
+    with pytest.raises(BambooConfigError, match="'auto'"):
+        plan(prof, hw, world_size=4, global_batch=8, redundancy="sometimes")
+
+
 # --- the redundancy's time: replica update, gradient shipping, eager's redundant forwards ---------------------------
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 from lightning_bamboo.planner import cli
+from lightning_bamboo.topology.layout import DEFAULT_REDUNDANCY
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -51,9 +53,29 @@ def test_eager_plans_count_the_replicas_and_price_the_redundant_forwards(capsys,
     forwards = data["redundant_forwards"]
     assert len(forwards) == 3 and all(0 <= f <= m for f in forwards) and max(forwards) > 0 and min(forwards) < m
     assert all(a > b for a, b in zip(data["stage_memory_bytes"], data["stage_memory_without_replica_bytes"], strict=True))
-    assert cli.run(parse("--world-size", "3", "--json", "--profile", str(saved))) == 0
+    assert cli.run(parse("--world-size", "3", "--json", "--profile", str(saved), "--redundancy", "off")) == 0
     off = json.loads(capsys.readouterr().out)
     assert off["redundancy_seconds"] == 0 and off["stage_memory_bytes"] == off["stage_memory_without_replica_bytes"]
+
+
+def test_auto_is_the_default_lazy_for_one_pipeline_and_off_for_several_unless_on_one_machine(capsys, tmp_path) -> None:
+    """``lightning-bamboo plan`` defaults to the strategy's ``redundancy``; 'auto' is resolved for each layout: one
+    pipeline is lazy (priced, its replicas counted), several are off, and lazy again with ``--one-machine``."""
+    saved = tmp_path / "profile.json"
+    assert parse("--world-size", "2").redundancy == DEFAULT_REDUNDANCY == "auto"
+    assert cli.run(parse("--world-size", "4", "--n-layer", "2", "--save-profile", str(saved))) == 0
+    capsys.readouterr()
+    seen = set()
+    for world, one_machine in itertools.product((2, 3, 4), (False, True)):
+        extra = ("--one-machine",) if one_machine else ()
+        assert cli.run(parse("--world-size", str(world), "--json", "--profile", str(saved), *extra)) == 0
+        data = json.loads(capsys.readouterr().out)
+        kept = data["stages"] > 1 and (data["pipelines"] == 1 or one_machine)
+        assert data["redundancy"] == ("lazy" if kept else "off"), (world, one_machine, data)
+        with_replica = data["stage_memory_bytes"] != data["stage_memory_without_replica_bytes"]
+        assert with_replica == kept, (world, one_machine, data)
+        seen.add(data["redundancy"])
+    assert "lazy" in seen, "no layout of one pipeline was chosen: the test shows nothing of auto's replicas"
 
 
 def test_memory_too_small_is_a_clear_error(capsys) -> None:

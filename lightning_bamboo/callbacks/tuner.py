@@ -17,6 +17,7 @@ from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.planner.costmodel import Hardware, ModelProfile
 from lightning_bamboo.planner.memory import fixed_bytes
 from lightning_bamboo.planner.plan import Plan, PlanTable, plan_table
+from lightning_bamboo.topology.layout import machine_of
 
 log = logging.getLogger(__name__)
 _lightning_log = logging.getLogger("lightning.pytorch.callbacks.hydrozoa_tuner")
@@ -216,12 +217,17 @@ class HydrozoaTuner(Callback):
         self.replica = _holds_replica(strategy)
         options = getattr(strategy, "options", None)
         redundancy = getattr(options, "redundancy", "off") if options is not None else "off"
-        # "auto" keeps lazy's replicas where a stage has no copy on another machine, which the plan cannot know:
-        # priced as lazy, an upper bound
-        redundancy = "lazy" if redundancy == "auto" else redundancy
+        runner = getattr(strategy, "runner", None)
+        if redundancy == "auto" and getattr(runner, "session", None) is None:
+            redundancy = "off"  # no Bamboo launcher: no process outlives a lost one (``BambooConfig.redundancy_with``)
+        # "auto" keeps lazy's replicas of a layout of one pipeline, and of several where every copy of a stage runs on
+        # one machine: the job's machines say which (``topology.layout.machine_of``)
+        machines = ({machine_of(node) for node in [*runner.nodes, *runner.standby]}
+                    if redundancy == "auto" and runner is not None else set())
         self.checkpoint_every = int(getattr(options, "activation_checkpointing", 0) or 0) if options is not None else 0
         return plan_table(profile, hw, max(self.max_world_size or 0, world_size), batch, scale_batch=self.scale_batch,
-                          replica=self.replica, redundancy=redundancy, activation_checkpointing=self.checkpoint_every)
+                          replica=self.replica, redundancy=redundancy, activation_checkpointing=self.checkpoint_every,
+                          copies_apart=len(machines) != 1)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

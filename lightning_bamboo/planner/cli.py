@@ -12,6 +12,7 @@ from lightning_bamboo.errors import BambooConfigError
 from lightning_bamboo.planner.costmodel import Hardware, ModelProfile
 from lightning_bamboo.planner.memory import fixed_bytes
 from lightning_bamboo.planner.plan import plan, plan_table
+from lightning_bamboo.topology.layout import DEFAULT_REDUNDANCY
 
 GiB = 2**30
 
@@ -50,9 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-idle", action="store_true", help="allow plans that leave workers unused")
     parser.add_argument("--replica", action="store_true",
                         help="each worker also holds its successor's stage (redundancy lazy/eager): plans fit with it")
-    parser.add_argument("--redundancy", choices=["off", "lazy", "eager"], default="off",
+    parser.add_argument("--redundancy", choices=["off", "lazy", "eager", "auto"], default=DEFAULT_REDUNDANCY,
                         help="price the redundancy's time per step (replica update, gradient shipping, eager's "
-                             "redundant forwards) and count the replicas in memory (implies --replica)")
+                             "redundant forwards) and count the replicas in memory (implies --replica); 'auto' (the "
+                             f"strategy's default, and this one's: {DEFAULT_REDUNDANCY!r}) is lazy for a layout of one "
+                             "pipeline and off for one of several, whose copies of each stage run on other machines")
+    parser.add_argument("--one-machine", action="store_true",
+                        help="every worker runs on one machine: under 'auto' a layout of several pipelines keeps "
+                             "replicas too (no copy of a stage is on another machine)")
     parser.add_argument("--activation-checkpointing", type=int, default=0, metavar="LAYERS",
                         help="plan with activation checkpointing every LAYERS layers (BambooStrategy's "
                              "activation_checkpointing): less activation memory, one more forward per backward")
@@ -113,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             args.save_profile.write_text(json.dumps(profile.to_dict(), indent=2))
         options = dict(scale_batch=args.scale_batch, allow_idle=args.allow_idle,
                        replica=args.replica or args.redundancy != "off", redundancy=args.redundancy,
-                       activation_checkpointing=args.activation_checkpointing)
+                       activation_checkpointing=args.activation_checkpointing, copies_apart=not args.one_machine)
         if args.json:
             chosen = plan(profile, hw, args.world_size, args.global_batch, **options)
             print(chosen.to_json())

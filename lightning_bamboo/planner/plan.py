@@ -76,7 +76,8 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     infeasible: tuple[Infeasible, ...] = ()
     planning_seconds: float = 0.0
-    #: ``redundancy`` priced (``redundancy_cost``): "off", or "lazy"/"eager" with the replicas held and their time
+    #: ``redundancy`` priced (``redundancy_cost``): "off", or "lazy"/"eager" with the replicas held and their time;
+    #: under "auto" what it is for this layout (``layout_redundancy``)
     redundancy: str = "off"
     redundancy_seconds: float = 0.0  # of ``predicted_step_seconds``: what the redundancy adds to the step
     #: per stage, without the successor's replica (equal to ``stage_memory_bytes`` when no replica is counted)
@@ -184,6 +185,22 @@ def node_memory_of(profile: ModelProfile, partition: tuple[int, ...], micro_batc
                   "owners": node.by_owner()} for node in nodes)
 
 
+#: ``redundancy`` values ``plan`` takes: the priced ones, and "auto" (the strategy's default), resolved per layout
+PLANNED_MODES = (*REDUNDANCY_MODES, "auto")
+
+
+def layout_redundancy(redundancy: str, stages: int, pipelines: int, copies_apart: bool = True) -> str:
+    """What ``redundancy`` is for a layout of ``pipelines`` pipelines of ``stages`` stages: itself, except ``"auto"``,
+    which keeps a successor replica only for a stage with no data-parallel copy on another machine
+    (``topology.replicas``): ``"lazy"`` with one pipeline, or with several whose copies share one machine
+    (``copies_apart`` False: every worker on one machine), ``"off"`` with several whose copies of each stage run on
+    two machines or more (the launcher's order across machines, or one worker per machine), and with one stage (it
+    has no successor to hold)."""
+    if redundancy != "auto":
+        return redundancy
+    return "off" if stages < 2 or (pipelines > 1 and copies_apart) else "lazy"
+
+
 def _layouts(world_size: int, num_layers: int, allow_idle: bool) -> list[tuple[int, int]]:
     """(stages, pipelines) pairs using all workers (or at most all, with ``allow_idle``)."""
     pairs = []
@@ -219,6 +236,7 @@ def plan(
     replica: bool = False,
     redundancy: str = "off",
     activation_checkpointing: int = 0,
+    copies_apart: bool = True,
     _tables: dict[int, SegmentTables] | None = None,
 ) -> Plan:
     """The layout with the most samples per second for ``world_size`` workers.
@@ -234,6 +252,12 @@ def plan(
     each layout's split is the best one without it. Pass ``replica`` too unless the replicas live elsewhere
     (in host memory while the stages run on GPUs).
 
+    ``redundancy="auto"`` (the strategy's default) is resolved per layout (``layout_redundancy``): a layout of one
+    pipeline is priced and fitted as ``lazy`` (its replicas held where ``replica`` says they live), one of several
+    pipelines as ``off`` where their copies of each stage run on different machines (``copies_apart``, the default;
+    False where every worker shares one machine: then ``lazy`` too). So with enough workers a layout of several
+    pipelines may win by the replicas it does not hold.
+
     ``activation_checkpointing`` (layers per segment, the strategy's option; 0: off): a micro-batch in flight keeps
     only its segments' inputs, a backward holds one segment's activations again and first runs its forward again
     (``costmodel.estimate_step``), so layouts that did not fit may, at the cost of that recompute.
@@ -246,8 +270,8 @@ def plan(
         raise BambooConfigError(
             f"world_size and global_batch must be >= 1 (got {world_size}, {global_batch})"
         )
-    if redundancy not in REDUNDANCY_MODES:
-        raise BambooConfigError(f"redundancy must be one of {list(REDUNDANCY_MODES)} (got {redundancy!r}); "
+    if redundancy not in PLANNED_MODES:
+        raise BambooConfigError(f"redundancy must be one of {list(PLANNED_MODES)} (got {redundancy!r}); "
                                 "\"off\" plans without replicas")
     started = time.perf_counter()
     _check_layers_fit(profile, hw)
@@ -256,6 +280,8 @@ def plan(
     rejected: list[Infeasible] = []
     least_memory = float("inf")
     for stages, pipelines in _layouts(world_size, profile.num_layers, allow_idle):
+        mode = layout_redundancy(redundancy, stages, pipelines, copies_apart)
+        holds = replica and mode != "off" if redundancy == "auto" else replica
         for mbs in profile.micro_batch_sizes:
             per_pipeline = global_batch if scale_batch else global_batch // pipelines
             if not scale_batch and global_batch % pipelines:
@@ -270,18 +296,18 @@ def plan(
             micro_batches = per_pipeline // mbs
             if mbs not in tables or tables[mbs].checkpoint_every != activation_checkpointing:
                 tables[mbs] = SegmentTables(profile, hw, mbs, activation_checkpointing)
-            result = solve_split(profile, hw, stages, mbs, micro_batches, pipelines, tables=tables[mbs], replica=replica)
+            result = solve_split(profile, hw, stages, mbs, micro_batches, pipelines, tables=tables[mbs], replica=holds)
             if isinstance(result, NoSplit):
                 least_memory = min(least_memory, result.min_peak_memory_bytes)
                 rejected.append(Infeasible(stages, pipelines, mbs, result.reason))
                 continue
             samples = per_pipeline * pipelines
-            priced = redundancy_cost(profile, hw, result.estimate, mbs, micro_batches, redundancy)
+            priced = redundancy_cost(profile, hw, result.estimate, mbs, micro_batches, mode)
             step = result.estimate.step_seconds + priced.step_seconds
             alt = Alternative(stages, pipelines, mbs, micro_batches, result.partition, step, samples / step)
             # most samples/s; ties: fewer workers, fewer stages (fewer failure points), larger micro-batch
             key = (step / samples, stages * pipelines, stages, -mbs)
-            feasible.append((key, stages, pipelines, alt, (result, priced)))
+            feasible.append((key, stages, pipelines, alt, (result, priced, mode, holds)))
     if not feasible:
         shown = "; ".join(f"{r.pipelines}x{r.stages} mb{r.micro_batch_size}: {r.reason}" for r in rejected[:6])
         more = f" (+{len(rejected) - 6} more)" if len(rejected) > 6 else ""
@@ -298,7 +324,7 @@ def plan(
             f"{_mib(hw.memory_bytes)} each and global batch {global_batch}: {shown}{more}. Fix: {hint}"
         )
     feasible.sort(key=lambda item: item[0])
-    _, _, _, best, (result, priced) = feasible[0]
+    _, _, _, best, (result, priced, mode, holds) = feasible[0]
     est = result.estimate
     return Plan(
         world_size=world_size,
@@ -312,7 +338,7 @@ def plan(
         samples_per_second=best.samples_per_second,
         stage_seconds=tuple(s.busy_seconds for s in est.stages),
         stage_memory_bytes=tuple(int(s.memory_bytes + r) for s, r in zip(
-            est.stages, replica_bytes(best.partition, tables[best.micro_batch_size]) if replica else [0] * len(est.stages),
+            est.stages, replica_bytes(best.partition, tables[best.micro_batch_size]) if holds else [0] * len(est.stages),
             strict=True)),
         memory_limit_bytes=hw.memory_bytes,
         scale_batch=scale_batch,
@@ -320,14 +346,14 @@ def plan(
         alternatives=tuple(item[3] for item in feasible[1 : 1 + alternatives]),
         infeasible=tuple(rejected),
         planning_seconds=time.perf_counter() - started,
-        redundancy=redundancy,
+        redundancy=mode,
         redundancy_seconds=priced.step_seconds,
-        redundant_forwards=priced.forwards if redundancy == "eager" else (),
-        redundant_forward_bytes=priced.kept_bytes if redundancy == "eager" else (),
+        redundant_forwards=priced.forwards if mode == "eager" else (),
+        redundant_forward_bytes=priced.kept_bytes if mode == "eager" else (),
         stage_memory_without_replica_bytes=tuple(int(s.memory_bytes) for s in est.stages),
         activation_checkpointing=activation_checkpointing,
         node_memory=node_memory_of(profile, best.partition, best.micro_batch_size, best.micro_batches, best.pipelines,
-                                   redundancy if redundancy != "off" else "lazy" if replica else "off",
+                                   mode if mode != "off" else "lazy" if holds else "off",
                                    activation_checkpointing),
     )
 
@@ -408,6 +434,7 @@ def plan_table(
     replica: bool = False,
     redundancy: str = "off",
     activation_checkpointing: int = 0,
+    copies_apart: bool = True,
 ) -> PlanTable:
     """Plans for world sizes 1..max_world_size; a size with no valid layout keeps its error message."""
     if max_world_size < 1:
@@ -421,7 +448,7 @@ def plan_table(
             plans.append(
                 plan(profile, hw, w, global_batch, scale_batch=scale_batch, allow_idle=allow_idle,
                      alternatives=alternatives, replica=replica, redundancy=redundancy,
-                     activation_checkpointing=activation_checkpointing, _tables=tables)
+                     activation_checkpointing=activation_checkpointing, copies_apart=copies_apart, _tables=tables)
             )
             errors.append("")
         except NoFeasiblePlanError as err:

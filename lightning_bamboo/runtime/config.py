@@ -9,14 +9,11 @@ from typing import Any
 from lightning_bamboo.engine.precision import resolve
 from lightning_bamboo.engine.replica_location import check_placement
 from lightning_bamboo.errors import BambooConfigError
-from lightning_bamboo.topology.layout import REDUNDANCY_MODES, check_partition_option
+from lightning_bamboo.topology.layout import DEFAULT_REDUNDANCY, REDUNDANCY_MODES, check_partition_option
 from lightning_bamboo.topology.policy import rebalance_arguments
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_DETECTION_SECONDS = 10.0
-#: replicas where a loss would otherwise lose work: under the Bamboo launcher, of every stage with no data-parallel
-#: copy on another machine (one pipeline: lazy); see ``BambooStrategy``'s ``redundancy``
-DEFAULT_REDUNDANCY = "auto"
 DEFAULT_NOTICE_INTERVAL_SECONDS = 3.0  # AWS gives two minutes of notice; a poll every 3 s is enough
 
 #: the options a DeepSpeed config's ``"bamboo"`` section may set (``BambooConfig.from_deepspeed``); the others come

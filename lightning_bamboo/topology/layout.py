@@ -10,6 +10,10 @@ from lightning_bamboo.errors import BambooConfigError
 
 #: ``"auto"`` keeps a replica only of the stages without a data-parallel copy on another machine (``replicas``)
 REDUNDANCY_MODES = ("off", "lazy", "eager", "auto")
+#: replicas where a loss would otherwise lose work: under the Bamboo launcher, of every stage with no data-parallel
+#: copy on another machine (one pipeline: lazy); see ``BambooStrategy``'s ``redundancy``. The strategy, the DeepSpeed
+#: door and the planner (``lightning-bamboo plan``) default to it
+DEFAULT_REDUNDANCY = "auto"
 
 
 @dataclass(frozen=True)
