@@ -18,6 +18,7 @@ from lightning_bamboo.demo.recovery import RecoveryClock
 from lightning_bamboo.demo.shape import DEMO_LAYERS, STANDBY_PROCESSES, layout_for
 from lightning_bamboo.errors import BambooConfigError, BambooError
 from lightning_bamboo.membership.keys import JobKeys
+from lightning_bamboo.membership.protocol import StoreUnavailableError
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart, failover_record
 
 EXIT_FATAL = 75  # lightning_bamboo.errors.FATAL_EXIT_CODE
@@ -190,6 +191,7 @@ class _Run:
         self.keys = JobKeys(job)
         self.fatal_at = None
         self.rescale = False
+        self.progress_revision = 0  # the store's revision at the last look at the progress (``_wait_for_progress``)
 
     def _worker_args(self, count: int) -> list[str]:
         """The worker's command line for a job of ``count`` nodes in pipelines of ``self.depth``."""
@@ -231,12 +233,22 @@ class _Run:
                 self.fatal_at = self.state.progress
             if self._job_over():
                 return
-            time.sleep(0.05)
+            self._wait_for_progress(0.05)
+
+    def _wait_for_progress(self, seconds: float) -> None:
+        """Wait until a node puts its progress or ``seconds`` pass: a step is seen when it finishes, so the step
+        times in the report are the steps' (polled every 0.05 s, each came out on that grid: 0.565, 0.617 or 0.670 s
+        for one step of 0.6 s)."""
+        try:
+            self.cluster.store.wait_for_change(self.keys.progress(), self.progress_revision, seconds)
+        except StoreUnavailableError:
+            pass  # the next look at the progress meets it as before
 
     def _follow_progress(self) -> dict[str, int]:
         """Show the steps finished since the last look; each node's step count."""
         state = self.state
         snap = self.cluster.store.get_prefix(self.keys.progress())
+        self.progress_revision = snap.revision
         steps = [int(kv.value) for kv in snap.kvs]
         now = max(steps, default=state.progress)
         if now > state.progress:
