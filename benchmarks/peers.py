@@ -66,6 +66,7 @@ from lightning_bamboo.demo.cli import exit_on_stop_signals
 from lightning_bamboo.demo.shape import GLOBAL_BATCH  # peer_train.GLOBAL_BATCH too
 from lightning_bamboo.sim.measured import (
     kills_of_running,
+    own_pace_ettr,
     predict_samples,
     progress_at,
     sim_inputs,
@@ -571,6 +572,12 @@ def report(args: argparse.Namespace, results: dict[str, dict], events: list | No
     if args.wall and args.mtbf and events is not None:  # the simulator's ETTR checked against the runs
         # the target of an --mtbf run is the simulator's (its failure rate is not a slice's)
         ok = ettr_check(args, views, results, events, every, args.clean_steps, args.save_seconds) <= 0.15
+    if args.wall:
+        own = ", ".join(f"{name} {own_pace_ettr(v['step_times'], args.wall):.3f}" for name, v in views.items()
+                        if v.get("step_times"))
+        print(f"ETTR at each run's own pace (the steps of its first {args.wall:g} s x its own median step / "
+              f"{args.wall:g} s: the share of the time it trained at its pace; on {os.cpu_count()} shared cores a clean "
+              f"run's step depends on how many processes run, and a lost node speeds the others up): {own}")
     unfinished = [] if args.wall else [name for name, v in views.items() if v["steps_completed"] < args.steps]
     if unfinished:
         print(f"did not train all their steps: {', '.join(unfinished)}")

@@ -47,6 +47,9 @@ def test_equal_wall_time_counts_the_most_steps_finished_within_it():
     assert times == [[1, 0.0], [2, 0.5], [3, 1.0], [4, 1.5], [5, 2.0], [6, 4.5], [7, 5.0]]
     assert measured.progress_at(times, 3.0) == 5 and measured.progress_at(times, 4.6) == 6 and measured.progress_at(times, 99) == 7
     assert measured.progress_at([], 3.0) == 0
+    # its own pace: 0.5 s steps with one 2.5 s gap; 5 steps in 3 s at 0.5 s each trained for 2.5 of the 3 s
+    assert measured.own_pace_ettr(times, 3.0) == 2.5 / 3.0 and measured.own_pace_ettr(times, 99) == 7 * 0.5 / 99
+    assert measured.own_pace_ettr([[1, 0.0]], 3.0) != measured.own_pace_ettr([[1, 0.0]], 3.0)  # no step: NaN
     assert measured.steps_for(10.0, 0.5) == 24 and measured.steps_for(0.1, 10.0) == 1  # a fifth more than the wall needs
 
 
