@@ -6,7 +6,10 @@ it takes part in, a machine joining, a node killed with its replica holder (a fa
 last asynchronous checkpoint in the survivors' processes), a worker armed to die inside a reconfiguration, and a
 whole machine killed. Three emulated machines of two workers in one pipeline of six stages, etcd on the bridge.
 The run passes when every supervisor of a machine neither killed nor cut off exits 0, the final weights and AdamW
-state equal the clean run's bit for bit, and every step trained on the clean run's samples.
+state equal the clean run's bit for bit, and every step trained on the clean run's samples. On a loaded machine the
+schedule may hold a kill back (too few workers up at its step) and make a join instead; the job then grows to two
+pipelines, whose gradient reduction adds in another order, and is judged against the measured noise floor, as the
+recorded runs of several pipelines are.
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ def test_a_seed_of_launcher_chaos_ends_exact_with_every_supervisor_right(tmp_pat
             proc.terminate()
             proc.wait(timeout=60)
     assert proc.returncode == 0, out[-4000:] + err[-3000:]
-    assert re.search(r"^seed 15: ok in \d+ s; weights 0 \(with the key biases 0\), optimizer 0;", out, re.M), out[-3000:]
+    ok = re.search(r"^seed 15: ok in \d+ s; weights (\S+) \(with the key biases \S+\), optimizer (\S+);", out, re.M)
+    assert ok, out[-3000:]
+    grew = re.search(r"^seed 15 grew to (\d+) pipelines: judged against the floor", out, re.M)
+    if grew is None:  # one pipeline throughout: bit for bit
+        assert ok.groups() == ("0", "0"), out[-3000:]
+    else:  # grown by joins made in place of held-back kills: another reduction order, within the measured floor
+        floor = float(re.search(r"^noise floor (\S+) ", out, re.M).group(1))
+        assert int(grew.group(1)) > 1 and max(map(float, ok.groups())) <= floor, out[-3000:]
     assert "1 runs of 100 steps, 6 changes each: 0 failed" in out
     assert "armed: " in out and " joins" in out  # the schedule's changes were made, not skipped
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
