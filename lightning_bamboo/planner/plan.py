@@ -18,6 +18,7 @@ from lightning_bamboo.planner.costmodel import (
 )
 from lightning_bamboo.planner.memory import LayerMemory, MemorySettings, pipeline_memory
 from lightning_bamboo.planner.solver import NoSplit, SegmentTables, replica_bytes, solve_split
+from lightning_bamboo.topology.replicas import kept_in_rows
 
 
 class NoFeasiblePlanError(BambooConfigError):
@@ -198,7 +199,9 @@ def layout_redundancy(redundancy: str, stages: int, pipelines: int, copies_apart
     has no successor to hold)."""
     if redundancy != "auto":
         return redundancy
-    return "off" if stages < 2 or (pipelines > 1 and copies_apart) else "lazy"
+    # the runtime's rule on the layout's rows: pipeline p on machine "m<p>" (apart) or every node on "m0"
+    rows = [[f"m{p if copies_apart else 0}.{p * stages + s}" for s in range(stages)] for p in range(pipelines)]
+    return "lazy" if any(kept_in_rows(rows, "auto")) else "off"
 
 
 def _layouts(world_size: int, num_layers: int, allow_idle: bool) -> list[tuple[int, int]]:

@@ -46,12 +46,10 @@ def own_pace_ettr(step_times: list, wall: float) -> float:
     own median step (between consecutive steps), over ``wall``: the share of the time it trained at the pace it
     trains at. Against a separate clean run instead, the reference moves with whatever else differs between the two
     runs; on a few shared cores, how many processes are running (a lost node makes the others' steps faster)."""
-    gaps = sorted(b[1] - a[1] for a, b in zip(step_times, step_times[1:], strict=False) if b[0] == a[0] + 1)
+    gaps = [b[1] - a[1] for a, b in itertools.pairwise(step_times) if b[0] == a[0] + 1]
     if not gaps or wall <= 0:
         return float("nan")
-    middle = len(gaps) // 2
-    median = gaps[middle] if len(gaps) % 2 else (gaps[middle - 1] + gaps[middle]) / 2
-    return progress_at(step_times, wall) * median / wall
+    return progress_at(step_times, wall) * statistics.median(gaps) / wall
 
 
 def steps_for(wall: float, step_seconds: float) -> int:
