@@ -72,6 +72,18 @@ def test_rebalance_puts_a_standby_node_in_the_lost_place_and_moves_nothing_else(
     assert d.moved == ("x",)
 
 
+def test_standby_nodes_that_relieve_a_loss_and_could_all_train_make_the_shape_that_trains_them_at_once():
+    # one pipeline of 3 failed over (c lost, b runs both stages), two released survivors back as standby: relieving
+    # c with one of them would leave the other idle until a second reconfiguration; 4 nodes train as 2 x 2 now
+    old = layout_of([["a", "b", "c"]])
+    d = reconfigure(["a", "b", "x", "y"], ["x", "y"], old, ["b"], CFG)
+    assert d.action == "change_depth", d
+    assert len(d.layout.grid) == 2 and d.layout.stages == 2 and set(d.layout.nodes) == {"a", "b", "x", "y"}
+    # one standby node: relieving keeps the preferred depth and trains every node
+    d = reconfigure(["a", "b", "x"], ["x"], old, ["b"], CFG)
+    assert d.action == "rebalance" and d.layout.grid == (("a", "b", "x"),)
+
+
 def test_add_pipeline_when_enough_standby_nodes_and_split_the_global_batch():
     cfg = PolicyConfig(stages=2, layers=4, global_micro_batches=7)
     old = layout_of([["a", "b"], ["c", "d"]], cfg)

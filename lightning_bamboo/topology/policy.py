@@ -491,6 +491,11 @@ def reconfigure(
             return build(
                 "add_pipeline", f"{len(standby_list)} standby nodes relieve {len(lost)} and add pipelines"
             )
+        if pipelines * depth > len(layout.nodes):
+            # relieving keeps the layout's shape and leaves standby nodes idle: build the shape that trains them all
+            # now, not in a second reconfiguration a step later
+            return build("change_depth", f"{len(standby_list)} standby nodes relieve {len(lost)}; {len(usable)} usable "
+                                         f"nodes: {layout.pipelines} x {layout.stages} -> {pipelines} x {depth}")
         return build(
             "rebalance",
             f"{len(standby_list)} standby nodes relieve {len(over)} overloaded nodes",
