@@ -264,6 +264,8 @@ PROCESS_STATE = {
     "lightning_bamboo.engine.comm_zygote": {"_ZYGOTE"},  # its forked template, started once per worker
     "lightning_bamboo.engine.replica_location": {"_SIDE_STREAMS"},  # CUDA streams per device, made once
     "lightning_bamboo.membership.members": {"_REPORTED"},  # malformed records already warned about
+    # the liveness port of this process: it must live as long as the process, and no longer (its end is the signal)
+    "lightning_bamboo.membership.liveness": {"_LISTENER"},
     # Lightning subclasses made once per base; the strategies whose engines and group outlive fit() (a
     # save_checkpoint after it needs both), released at interpreter exit or before a restart in the process
     "lightning_bamboo.strategy.patches": {"_PATCHED", "_LAUNCHERS", "_TO_RELEASE"},

@@ -229,7 +229,8 @@ def written_by(nodes: tuple[str, ...], event: tuple[float, str, str, str], relea
 
 def test_a_partitioned_machine_of_two_workers_is_failed_over_and_writes_nothing_after_it_heals(tmp_path):
     """3 machines x 2 workers as 2 pipelines of 3 stages; m1's cable is cut while it trains, then mended. Its
-    two workers (one in each pipeline) are declared lost when their leases end; one pipeline fails over from a
+    two workers (one in each pipeline) are declared lost, by the survivors whose stalled step found m1 silent (their
+    leases revoked then) or when their leases end; one pipeline fails over from a
     replica, the other's survivors stand by; m1's workers, fenced, write nothing after that, not even once their
     network is back (the store refuses what they send)."""
     if etcd_binary() is None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +16,13 @@ __all__ = ["STEP_FINISH_SECONDS", "PeerLost", "StepGuard", "is_comm_error"]
 
 #: the most seconds a step may take to end after its generation's communication was aborted
 STEP_FINISH_SECONDS = 60.0
+#: a step running this many times its recent median (and at least ``STALL_MIN_SECONDS``) has its peers probed
+STALL_TIMES = 2.0
+STALL_MIN_SECONDS = 0.3
+#: seconds between two probe rounds while a step stays stalled
+STALL_PROBE_EVERY = 1.0
+#: the most seconds a step's end waits for the probe round it started (its store calls are bounded by their own)
+PROBER_JOIN_SECONDS = 5.0
 
 
 class StepGuard:
@@ -31,13 +41,37 @@ class StepGuard:
     """
 
     def __init__(self, lost: threading.Event, describe: Callable[[], tuple[str, ...]], detection_timeout: float,
-                 finish_within: float = STEP_FINISH_SECONDS, check_fenced: Callable[[], None] = lambda: None) -> None:
+                 finish_within: float = STEP_FINISH_SECONDS, check_fenced: Callable[[], None] = lambda: None,
+                 probe: Callable[..., object] = lambda **_: None) -> None:
         self.lost, self.describe, self.detection_timeout = lost, describe, detection_timeout
         self.finish_within = finish_within
+        #: ``probe(unreachable=...)`` finds the peers whose process is gone (and, with ``unreachable``, whose machine
+        #: answers nothing) and declares them lost (``Session.probe_peers``): called on a communication error, before
+        #: waiting for the store, and on another thread while a step stalls (``stalled``)
+        self.probe = probe
+        self._took: deque[float] = deque(maxlen=8)  # seconds the last steps took
+        self._prober: threading.Thread | None = None  # the probe round a stalled step started
         #: raises (``membership.fence.Fenced``) when this node may have been declared lost itself
         self.check_fenced = check_fenced
 
+    def stalled(self) -> float:
+        """Seconds after which a running step counts as stalled: ``STALL_TIMES`` its median of the last steps, at
+        least ``STALL_MIN_SECONDS``; before any step finished, half the detection timeout."""
+        if not self._took:
+            return self.detection_timeout / 2
+        return max(STALL_MIN_SECONDS, STALL_TIMES * statistics.median(self._took))
+
     def run(self, fn: Callable[[], Any], busy: Callable[[], bool] = lambda: False) -> Any:
+        """``fn()`` on the step thread; its value, or what ended it (``PeerLost`` at a loss, ``Fenced``...). A probe
+        round it started is over when it returns (bounded by ``PROBER_JOIN_SECONDS``: a store that does not answer)."""
+        try:
+            return self._run(fn, busy)
+        finally:
+            if self._prober is not None:
+                self._prober.join(PROBER_JOIN_SECONDS)
+                self._prober = None
+
+    def _run(self, fn: Callable[[], Any], busy: Callable[[], bool]) -> Any:
         result: dict[str, Any] = {}
         done = threading.Event()
 
@@ -50,8 +84,19 @@ class StepGuard:
                 done.set()
 
         thread = threading.Thread(target=work, name="bamboo-step", daemon=True)
+        started = time.monotonic()
         thread.start()
+        next_probe = started + self.stalled()
         while not done.wait(0.02):
+            if time.monotonic() >= next_probe and not self.lost.is_set() and (
+                    self._prober is None or not self._prober.is_alive()):
+                # A step this much slower than the last ones waits on something: a peer whose machine went silent
+                # blocks it without an error. Ask the peers' machines (a probe round: well under a second), again
+                # every ``STALL_PROBE_EVERY`` while it stays stalled.
+                self._prober = threading.Thread(target=lambda: self.probe(unreachable=True), name="bamboo-probe",
+                                                daemon=True)
+                self._prober.start()
+                next_probe = time.monotonic() + STALL_PROBE_EVERY
             if self.lost.is_set() and not busy():
                 lost = PeerLost(f"lost {', '.join(self.describe()) or 'a peer'} during the step", self.describe())
                 abort_generation()
@@ -71,13 +116,18 @@ class StepGuard:
                     done.wait(self.finish_within)
                     raise
         thread.join()
+        if "error" not in result:
+            self._took.append(time.monotonic() - started)
         if "error" in result:
             err = result["error"]
             if isinstance(err, PeerLost):
                 raise err
             if isinstance(err, RuntimeError):
                 # A receive from a dead peer fails fast, with messages that vary by transport and
-                # timing; wait (bounded) for the store to say whether someone died.
+                # timing; wait (bounded) for the store to say whether someone died. A peer whose process is gone
+                # is said so at once (its liveness port refuses); one gone silent, when its lease ends.
+                if is_comm_error(err) and not self.lost.is_set():
+                    self.probe(unreachable=False)
                 if self.lost.wait(self.detection_timeout if is_comm_error(err) else min(2.0, self.detection_timeout)):
                     raise PeerLost(f"lost {', '.join(self.describe())}: {err}", self.describe()) from err
                 # No peer was lost: this node may have been, frozen or starved past its lease while the others

@@ -15,12 +15,13 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, TypeVar
 
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
+from lightning_bamboo.membership import liveness
 from lightning_bamboo.membership.collectives import BarrierTimeoutError, GatherFailed, barrier, gather
 from lightning_bamboo.membership.fence import Fenced, FencedStore
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.lease import NodeIdInUseError, Registry
-from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV
-from lightning_bamboo.membership.protocol import Store, request_timeout_for, wait_riding_out
+from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV, node_address
+from lightning_bamboo.membership.protocol import Store, StoreError, request_timeout_for, wait_riding_out
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
 from lightning_bamboo.membership.watch import LossDetector
 from lightning_bamboo.testing import faults
@@ -91,7 +92,7 @@ class Session:
     def __init__(
         self, store: Store, job: str, node: str, nodes: Sequence[str], *, groups: GroupFormer,
         detection_timeout: float, rendezvous_timeout: float, joining: bool = False,
-        leave_requested: Callable[[], bool] = lambda: False, url: str = "",
+        leave_requested: Callable[[], bool] = lambda: False, url: str = "", alive: str = "",
     ) -> None:
         self.keys = JobKeys(job)
         self.url = url or str(getattr(store, "url", ""))
@@ -105,7 +106,10 @@ class Session:
         self.leave_requested = leave_requested
         self.generation = 0
         self.base = self.keys.base
-        self.registry = Registry(store, job, node, ttl=max(1.0, detection_timeout * 0.8))
+        #: this node's liveness port (``membership.liveness``), published with its registration; empty: none
+        self.alive = alive
+        self.registry = Registry(store, job, node, ttl=max(1.0, detection_timeout * 0.8),
+                                 meta={liveness.META_KEY: alive} if alive else None)
         #: every write goes through the fence: nothing is written once this node may be declared lost
         self.store: Any = FencedStore(store, self.registry)
         self.failovers: list[Failover | Restart] = []
@@ -137,7 +141,8 @@ class Session:
         store = connect(url, timeout=bound, request_timeout=bound)
         session = cls(store, os.environ.get(JOB_ENV, "bamboo"), node, nodes, groups=groups,
                       detection_timeout=detection_timeout, rendezvous_timeout=rendezvous_timeout,
-                      joining=joining(), leave_requested=leave_requested, url=url)
+                      joining=joining(), leave_requested=leave_requested, url=url,
+                      alive=liveness.listener(node_address()).address)
         return session.open()
 
     def open(self) -> Session:
@@ -238,6 +243,49 @@ class Session:
         # switch at the next step start (``leavers``). Counting it here would abort a step whose commit
         # the leaver is about to complete, and the nodes would disagree on whether it committed.
         return LossDetector(self.store, self.job, peers, poll=0.2, notice_counts=False).start()
+
+    def probe_peers(self, nodes: Collection[str] | None = None, *, unreachable: bool = False) -> set[str]:
+        """Probe the liveness ports of ``nodes`` (default: this generation's peers) and declare lost every one whose
+        process is gone (its port refused: ``membership.liveness``); returns those declared. Called on a
+        communication error and while a rendezvous waits, so that a dead node is lost at once, not a lease later,
+        and every node of a machine killed together is lost in the same decision.
+
+        ``unreachable`` (a step stalled): a peer whose machine answered neither of two connections is declared lost
+        too, as its lease would be once its TTL ran out, when it is a minority of the peers probed and more of them
+        answered than did not (a node cut off itself finds most of its peers silent, and declares nobody). Its lease
+        is revoked, so that it is fenced at once: the store refuses its writes, and it can only come back as a new
+        standby node."""
+        peers = set(self.nodes if nodes is None else nodes) - {self.node}
+        if not peers:
+            return set()
+        try:
+            members = self.registry.members()
+        except StoreError as err:
+            log.debug("%s: no probe, the store did not answer: %s", self.node, err)
+            return set()
+        addresses = {n: str(members.nodes[n].meta.get(liveness.META_KEY, "")) for n in peers if n in members.live}
+        found = liveness.probe({n: a for n, a in addresses.items() if a})
+        silent: frozenset[str] = frozenset()
+        if unreachable and found.unreachable and len(found.answered) > len(found.unreachable):
+            silent = found.unreachable
+        declared = set()
+        for node in sorted(found.refused | silent):
+            why = (f"its liveness port {addresses[node]} refused a connection: its process is gone"
+                   if node in found.refused else
+                   f"its machine answered no connection to {addresses[node]} within {liveness.PROBE_SECONDS:g} s")
+            info = members.nodes[node]
+            try:
+                self.registry.announce_loss(node, why, incarnation=info.incarnation)
+                if node in silent and info.lease:
+                    self.store.revoke_lease(info.lease)  # announced as a member: its lease ends now
+            except (StoreError, BambooError) as err:  # fenced, or the store is away: the lease decides
+                log.debug("%s: could not declare %s lost: %s", self.node, node, err)
+                continue
+            declared.add(node)
+        if declared:
+            log.warning("%s: %s lost (%s)", self.node, sorted(declared),
+                        "; ".join(f"{n}: {'refused' if n in found.refused else 'unreachable'}" for n in sorted(declared)))
+        return declared
 
     def lost_peers(self) -> tuple[str, ...]:
         """The peers the membership watch saw lost, sorted."""
@@ -519,11 +567,18 @@ class Session:
             if away:
                 raise PeerLost(f"{sorted(away)} released from the layout while re-forming the pipeline", away)
             try:
-                barrier(self.store, prefix, self.node, order, timeout=0.5)
+                barrier(self.store, prefix, self.node, order, timeout=0.25)
                 break
             except BarrierTimeoutError:
                 if time.monotonic() > deadline:
                     raise
+                # a node of a machine killed with the one this failover is for keeps its lease until its TTL
+                # runs out: its refused port says it is gone now, and the survivors agree again without it
+                base = prefix.rstrip("/") + "/"
+                arrived = {kv.key[len(base):] for kv in self.store.get_prefix(base).kvs}
+                dead = self.probe_peers(set(order) - arrived)
+                if dead:
+                    raise PeerLost(f"{sorted(dead)} gone while re-forming the pipeline", dead) from None
         rank, world = self.groups.reform(self.store, self.job, generation, order, self.node,
                                          timeout=self.rendezvous_timeout, tag=tag,
                                          gone=lambda: self.detector.lost & set(order))
@@ -533,6 +588,8 @@ class Session:
         self.joiners = []  # the standby nodes of the last generation's commits: the new one's first commit says again
         self.detector.stop()
         self.detector = self._watch(self.nodes)
+        if self.admitting and self.nodes[0] == self.node:
+            self.standby()  # a first look at the standby keys (nodes this failover released): offered a commit sooner
         return rank, world
 
     def confirm_member(self, what: str) -> None:

@@ -64,7 +64,7 @@ class Session(membership.Session):
     def guard(self) -> StepGuard:
         """A ``StepGuard`` watching this session's peers: a loss ends the guarded step at once (``PeerLost``)."""
         return StepGuard(self.detector.event, self.lost_peers, self.detection_timeout,
-                         check_fenced=lambda: self.check_member("go on with its step"))
+                         check_fenced=lambda: self.check_member("go on with its step"), probe=self.probe_peers)
 
 
 def start_session(detection_timeout: float, rendezvous_timeout: float, backend: str = BACKEND) -> Session:

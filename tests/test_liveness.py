@@ -1,0 +1,199 @@
+"""A node's liveness port (``membership.liveness``) and what the session and the step guard do with it.
+
+Real sockets, real processes and the embedded store: a port whose process ended is refused, a silent address is
+unreachable, a live one answers; a session declares lost the peers whose port refused, and, for a stalled step,
+those whose machine answered nothing when they are the minority, revoking their leases; the guard probes on a
+communication error before it waits for the store, and while a step stalls.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from lightning_bamboo.engine.guard import STALL_MIN_SECONDS, StepGuard
+from lightning_bamboo.errors import PeerLost
+from lightning_bamboo.membership import EmbeddedServer, connect
+from lightning_bamboo.membership.fence import Fenced
+from lightning_bamboo.membership.liveness import PROBE_SECONDS, Listener, probe
+from lightning_bamboo.membership.session import Session
+from tests.test_session_protocol import DETECTION, RENDEZVOUS, Groups, on_threads
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+class Silent:
+    """A port that answers no connection, as a machine gone silent: a listening socket that never accepts and whose
+    queue is full (the kernel then drops every new connection's SYN). An unrouted address is no such thing on every
+    machine: a firewall may refuse connections to it."""
+
+    def __init__(self) -> None:
+        self._server = socket.socket()
+        self._server.bind(("127.0.0.1", 0))
+        self._server.listen(0)
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._filler = socket.create_connection(self._server.getsockname(), timeout=5)  # the one place in its queue
+
+    def close(self) -> None:
+        self._filler.close()
+        self._server.close()
+
+
+@pytest.fixture
+def silent():
+    made: list[Silent] = []
+
+    def make() -> str:
+        made.append(Silent())
+        return made[-1].address
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.close()
+
+
+def test_a_probe_tells_an_answering_port_a_refused_one_and_a_silent_machine_apart(silent):
+    live, gone = Listener("127.0.0.1"), Listener("127.0.0.1")
+    gone.close()
+    try:
+        started = time.monotonic()
+        found = probe({"live": live.address, "gone": gone.address, "silent": silent(), "unreadable": "no port"})
+        took = time.monotonic() - started
+    finally:
+        live.close()
+    assert (set(found.answered), set(found.refused), set(found.unreachable)) == ({"live"}, {"gone"}, {"silent"})
+    assert took < PROBE_SECONDS + 0.2  # bounded by its timeout, whatever does not answer
+
+
+def test_a_port_is_refused_once_its_process_ends_though_a_child_it_forked_lives_on(tmp_path):
+    script = textwrap.dedent("""
+        import os, sys, time
+        from lightning_bamboo.membership.liveness import listener
+        address = listener("127.0.0.1").address
+        if os.fork() == 0:   # the child outlives its parent, as a process it started would
+            time.sleep(30)
+            os._exit(0)
+        print(address, flush=True)
+        time.sleep(1.0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert probe({"node": address}).answered == {"node"}  # while the process lives
+        assert proc.wait(timeout=30) == 0
+        assert probe({"node": address}).refused == {"node"}  # its child still runs, and holds no copy of the port
+    finally:
+        import os
+        import signal
+
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the forked child, in the same session
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server():
+    server = EmbeddedServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_session_declares_lost_the_peers_whose_port_refused_and_a_silent_minority_for_a_stalled_step(server, silent):
+    nodes = ["n0", "n1", "n2", "n3", "n4"]
+    listeners = {n: Listener("127.0.0.1") for n in nodes}
+    alive = {n: listeners[n].address for n in nodes}
+    alive["n4"] = silent()  # its machine answers nothing
+    sessions = {n: Session(connect(server.url), "live", n, nodes, groups=Groups(), detection_timeout=DETECTION,
+                           rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
+    try:
+        opened = on_threads({n: s.open for n, s in sessions.items()})
+        assert all(isinstance(result, Session) for result in opened.values()), opened
+        listeners["n3"].close()  # n3's process is gone (its lease still runs)
+        n0 = sessions["n0"]
+        # a communication error: only a refusal counts
+        assert n0.probe_peers() == {"n3"}
+        assert "n3" not in n0.registry.members().live and "n4" in n0.registry.members().live
+        # a stalled step: n4's machine answered neither connection, and n1, n2 answered: n4 is declared too
+        assert n0.probe_peers(unreachable=True) == {"n4"}
+        assert set(n0.registry.members().live) == {"n0", "n1", "n2"}
+        deadline = time.monotonic() + 5
+        while not {"n3", "n4"} <= n0.detector.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {"n3", "n4"} <= n0.detector.lost
+        # n4's lease was revoked: the store refuses what it writes, however live it is
+        with pytest.raises(Fenced):
+            sessions["n4"].store.put(sessions["n4"].keys.commit(0, 0) + "n4", "1")
+    finally:
+        for s in sessions.values():
+            s.stop()
+        for listener in listeners.values():
+            listener.close()
+
+
+def test_a_node_that_finds_most_of_its_peers_silent_declares_nobody(server, silent):
+    """As a node cut off itself would see its peers: two of three silent. It is the one likely cut off, so it leaves
+    the decision to their leases (and to the others' probes of it)."""
+    nodes = ["c0", "c1", "c2", "c3"]
+    listeners = {n: Listener("127.0.0.1") for n in ("c0", "c3")}
+    alive = {"c0": listeners["c0"].address, "c1": silent(), "c2": silent(), "c3": listeners["c3"].address}
+    sessions = {n: Session(connect(server.url), "cut", n, nodes, groups=Groups(), detection_timeout=DETECTION,
+                           rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
+    try:
+        opened = on_threads({n: s.open for n, s in sessions.items()})
+        assert all(isinstance(result, Session) for result in opened.values()), opened
+        assert sessions["c0"].probe_peers(unreachable=True) == set()
+        assert set(sessions["c0"].registry.members().live) == set(nodes)
+        # as many answering as silent: still nobody (c3 probing c0, c1 only)
+        assert sessions["c3"].probe_peers(["c0", "c1"], unreachable=True) == set()
+        assert sessions["c3"].probe_peers(["c0", "c1", "c2"], unreachable=False) == set()  # silence is no refusal
+    finally:
+        for s in sessions.values():
+            s.stop()
+        for listener in listeners.values():
+            listener.close()
+
+
+def test_the_guard_probes_on_a_communication_error_before_it_waits_and_while_a_step_stalls():
+    lost = threading.Event()
+    calls: list[bool] = []
+
+    def found_dead(unreachable: bool) -> None:
+        calls.append(unreachable)
+        if not unreachable:
+            lost.set()  # the probe declared the peer lost: the detector's event
+
+    guard = StepGuard(lost, lambda: ("n1",), detection_timeout=30.0, probe=found_dead)
+
+    def reset() -> None:
+        raise RuntimeError("Connection reset by peer")
+
+    started = time.monotonic()
+    with pytest.raises(PeerLost, match="n1"):
+        guard.run(reset)
+    assert calls == [False]
+    assert time.monotonic() - started < 5.0  # not the detection timeout: the probe answered first
+
+    lost.clear()
+    calls.clear()
+    for _ in range(3):
+        guard.run(lambda: time.sleep(0.01))  # quick steps: the stall threshold is their multiple, at least its floor
+    assert guard.stalled() == pytest.approx(STALL_MIN_SECONDS)
+    assert calls == []
+    guard.run(lambda: time.sleep(STALL_MIN_SECONDS + 0.4))  # a stalled step: probed for silent machines
+    assert calls == [True]
+    assert not [t for t in threading.enumerate() if t.name == "bamboo-probe"]  # the round ended with the step
