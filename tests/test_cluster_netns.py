@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.timeout(420)]
 
 MACHINES = ["node0", "node1", "node2"]
 STEPS, BATCH, MICRO = 10, 8, 2
-#: BambooStrategy(detection_timeout): the lease TTL is 0.8 of it. A killed machine's peers learn of it when its
-#: lease expires (its supervisor died with it); shorter leases expire spuriously when the test machine's cores
-#: are oversubscribed (heartbeats starve), which is a different test
+#: BambooStrategy(detection_timeout): the lease TTL is 0.8 of it. A killed machine's peers learn of it from its
+#: refused liveness ports, long before its leases expire (its supervisor died with it); shorter leases expire
+#: spuriously when the test machine's cores are oversubscribed (heartbeats starve), which is a different test
 DETECTION = "15"
 
 
@@ -97,7 +97,16 @@ def run_and_kill(tmp_path, machines: list[str], workers: int | None, victim: str
                    "--steps", str(STEPS), "--detection-timeout", DETECTION, "--partition", "uniform", "--redundancy", "lazy", "--out", str(tmp_path)]
             start_logged(net, machine, cmd, env, tmp_path, logs, procs)
         wait_for_line(watch, f"/commit/0/2/{first_node}", timeout=240)
+        killed_at = time.monotonic()
         assert net.kill_machine(victim) >= 1 + (workers or 1)  # its supervisor and every worker
+        wait_for_line(watch, "/commit/1/", timeout=120)  # the first step the survivors commit without it
+        # nobody is left to announce the machine, and a lease runs out a TTL after its last keep-alive, which was at
+        # most a heartbeat (a third of the TTL) before the kill: no sooner than two thirds of the TTL. The survivors
+        # knew long before, from its workers' liveness ports, which refused once their processes were gone (here
+        # 0.4 to 0.7 s; 8 to 11 s without the probes)
+        ttl = 0.8 * float(DETECTION)
+        waited = time.monotonic() - killed_at
+        assert waited < ttl * 2 / 3, f"the survivors waited {waited:.1f} s for a machine killed: its leases ran out"
         survivors = [m for m in machines if m != victim]
         codes = {m: procs[m].wait(timeout=180) for m in survivors}
         outputs = {m: logs[m].read_text() for m in machines}
