@@ -31,17 +31,32 @@ pytestmark = [pytest.mark.timeout(60)]
 class Silent:
     """A port that answers no connection, as a machine gone silent: a listening socket that never accepts and whose
     queue is full (the kernel then drops every new connection's SYN). An unrouted address is no such thing on every
-    machine: a firewall may refuse connections to it."""
+    machine: a firewall may refuse connections to it. ``answering``: it answers until ``go_silent``."""
 
-    def __init__(self) -> None:
+    def __init__(self, answering: bool = False) -> None:
         self._server = socket.socket()
         self._server.bind(("127.0.0.1", 0))
-        self._server.listen(0)
+        self._server.listen(64 if answering else 0)
         self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
-        self._filler = socket.create_connection(self._server.getsockname(), timeout=5)  # the one place in its queue
+        self._fillers: list[socket.socket] = []
+        if not answering:
+            self.go_silent()
+
+    def go_silent(self) -> None:
+        """Fill the queue: connect until a connection is not answered."""
+        while True:
+            filler = socket.socket()
+            filler.settimeout(0.2)
+            self._fillers.append(filler)
+            try:
+                filler.connect(self._server.getsockname())
+            except OSError:
+                return
+            assert len(self._fillers) < 1000, "the queue never filled"
 
     def close(self) -> None:
-        self._filler.close()
+        for filler in self._fillers:
+            filler.close()
         self._server.close()
 
 
@@ -49,9 +64,9 @@ class Silent:
 def silent():
     made: list[Silent] = []
 
-    def make() -> str:
-        made.append(Silent())
-        return made[-1].address
+    def make(answering: bool = False) -> Silent:
+        made.append(Silent(answering))
+        return made[-1]
 
     try:
         yield make
@@ -61,11 +76,11 @@ def silent():
 
 
 def test_a_probe_tells_an_answering_port_a_refused_one_and_a_silent_machine_apart(silent):
-    live, gone = Listener("127.0.0.1"), Listener("127.0.0.1")
+    live, gone, quiet = Listener("127.0.0.1"), Listener("127.0.0.1"), silent().address
     gone.close()
     try:
         started = time.monotonic()
-        found = probe({"live": live.address, "gone": gone.address, "silent": silent(), "unreadable": "no port"})
+        found = probe({"live": live.address, "gone": gone.address, "silent": quiet, "unreadable": "no port"})
         took = time.monotonic() - started
     finally:
         live.close()
@@ -117,18 +132,21 @@ def test_a_session_declares_lost_the_peers_whose_port_refused_and_a_silent_minor
     nodes = ["n0", "n1", "n2", "n3", "n4"]
     listeners = {n: Listener("127.0.0.1") for n in nodes}
     alive = {n: listeners[n].address for n in nodes}
-    alive["n4"] = silent()  # its machine answers nothing
+    n4 = silent(answering=True)
+    alive["n4"] = n4.address  # its machine answers, then nothing
     sessions = {n: Session(connect(server.url), "live", n, nodes, groups=Groups(), detection_timeout=DETECTION,
                            rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
     try:
         opened = on_threads({n: s.open for n, s in sessions.items()})
         assert all(isinstance(result, Session) for result in opened.values()), opened
-        listeners["n3"].close()  # n3's process is gone (its lease still runs)
         n0 = sessions["n0"]
+        n0.learn_reachable()  # as the thread each generation starts does: every port answers now
+        listeners["n3"].close()  # n3's process is gone (its lease still runs)
         # a communication error: only a refusal counts
         assert n0.probe_peers() == {"n3"}
         assert "n3" not in n0.registry.members().live and "n4" in n0.registry.members().live
         # a stalled step: n4's machine answered neither connection, and n1, n2 answered: n4 is declared too
+        n4.go_silent()
         assert n0.probe_peers(unreachable=True) == {"n4"}
         assert set(n0.registry.members().live) == {"n0", "n1", "n2"}
         deadline = time.monotonic() + 5
@@ -150,17 +168,50 @@ def test_a_node_that_finds_most_of_its_peers_silent_declares_nobody(server, sile
     the decision to their leases (and to the others' probes of it)."""
     nodes = ["c0", "c1", "c2", "c3"]
     listeners = {n: Listener("127.0.0.1") for n in ("c0", "c3")}
-    alive = {"c0": listeners["c0"].address, "c1": silent(), "c2": silent(), "c3": listeners["c3"].address}
+    c1, c2 = silent(answering=True), silent(answering=True)
+    alive = {"c0": listeners["c0"].address, "c1": c1.address, "c2": c2.address, "c3": listeners["c3"].address}
     sessions = {n: Session(connect(server.url), "cut", n, nodes, groups=Groups(), detection_timeout=DETECTION,
                            rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
     try:
         opened = on_threads({n: s.open for n, s in sessions.items()})
         assert all(isinstance(result, Session) for result in opened.values()), opened
+        for s in sessions.values():
+            s.learn_reachable()
+        c1.go_silent()
+        c2.go_silent()
         assert sessions["c0"].probe_peers(unreachable=True) == set()
         assert set(sessions["c0"].registry.members().live) == set(nodes)
         # as many answering as silent: still nobody (c3 probing c0, c1 only)
         assert sessions["c3"].probe_peers(["c0", "c1"], unreachable=True) == set()
         assert sessions["c3"].probe_peers(["c0", "c1", "c2"], unreachable=False) == set()  # silence is no refusal
+    finally:
+        for s in sessions.values():
+            s.stop()
+        for listener in listeners.values():
+            listener.close()
+
+
+def test_a_port_that_never_answered_says_nothing_when_it_refuses_or_stays_silent(server, silent):
+    """A firewall between the machines may reject connections to the liveness port (a reset, as a closed port
+    gives) or drop them (silence): only a port that answered this node before counts."""
+    nodes = ["f0", "f1", "f2", "f3", "f4"]
+    listeners = {n: Listener("127.0.0.1") for n in nodes}
+    alive = {n: listeners[n].address for n in nodes}
+    listeners["f3"].close()  # refused from the start: never answered
+    alive["f4"] = silent().address  # silent from the start
+    sessions = {n: Session(connect(server.url), "wall", n, nodes, groups=Groups(), detection_timeout=DETECTION,
+                           rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
+    try:
+        opened = on_threads({n: s.open for n, s in sessions.items()})
+        assert all(isinstance(result, Session) for result in opened.values()), opened
+        f0 = sessions["f0"]
+        f0.learn_reachable()
+        assert f0.probe_peers() == set()
+        assert f0.probe_peers(unreachable=True) == set()
+        assert set(f0.registry.members().live) == set(nodes)
+        # f2's port answered f0 before: its refusal now counts
+        listeners["f2"].close()
+        assert f0.probe_peers() == {"f2"}
     finally:
         for s in sessions.values():
             s.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, TypeVar
@@ -108,6 +109,7 @@ class Session:
         self.base = self.keys.base
         #: this node's liveness port (``membership.liveness``), published with its registration; empty: none
         self.alive = alive
+        self._reachable: set[str] = set()  # the peers' liveness ports that answered this node (``learn_reachable``)
         self.registry = Registry(store, job, node, ttl=max(1.0, detection_timeout * 0.8),
                                  meta={liveness.META_KEY: alive} if alive else None)
         #: every write goes through the fence: nothing is written once this node may be declared lost
@@ -166,6 +168,7 @@ class Session:
                 self.store.close()
                 raise
         self.detector = self._watch(self.nodes)
+        self._learn_reachable_soon()
         return self
 
     def _start_rendezvous(self, timeout: float) -> None:
@@ -244,6 +247,29 @@ class Session:
         # the leaver is about to complete, and the nodes would disagree on whether it committed.
         return LossDetector(self.store, self.job, peers, poll=0.2, notice_counts=False).start()
 
+    def learn_reachable(self, nodes: Collection[str] | None = None) -> None:
+        """Probe the liveness ports of ``nodes`` (default: this generation's peers) and remember those that answer:
+        a refusal or a silence counts only from a port that answered this node before (``probe_peers``). Run on a
+        thread of its own when a generation forms (``open``, ``reform``)."""
+        peers = set(self.nodes if nodes is None else nodes) - {self.node}
+        try:
+            addresses = self._liveness_addresses(peers)
+        except StoreError as err:
+            log.debug("%s: liveness ports not read: %s", self.node, err)
+            return
+        found = liveness.probe(addresses)
+        self._reachable |= {addresses[n] for n in found.answered}
+
+    def _learn_reachable_soon(self) -> None:
+        if self.alive:  # a session without a liveness port of its own (tests of the protocol) probes nobody
+            threading.Thread(target=self.learn_reachable, args=(list(self.nodes),), name="bamboo-learn-reachable",
+                             daemon=True).start()
+
+    def _liveness_addresses(self, peers: Collection[str]) -> dict[str, str]:
+        members = self.registry.members()
+        addresses = {n: str(members.nodes[n].meta.get(liveness.META_KEY, "")) for n in peers if n in members.live}
+        return {n: a for n, a in addresses.items() if a}
+
     def probe_peers(self, nodes: Collection[str] | None = None, *, unreachable: bool = False) -> set[str]:
         """Probe the liveness ports of ``nodes`` (default: this generation's peers) and declare lost every one whose
         process is gone (its port refused: ``membership.liveness``); returns those declared. Called on a
@@ -254,7 +280,10 @@ class Session:
         too, as its lease would be once its TTL ran out, when it is a minority of the peers probed and more of them
         answered than did not (a node cut off itself finds most of its peers silent, and declares nobody). Its lease
         is revoked, so that it is fenced at once: the store refuses its writes, and it can only come back as a new
-        standby node."""
+        standby node.
+
+        Only a port that answered this node before counts (``learn_reachable``): a firewall between the machines
+        that rejects or drops connections to it says nothing about the process behind it."""
         peers = set(self.nodes if nodes is None else nodes) - {self.node}
         if not peers:
             return set()
@@ -265,13 +294,16 @@ class Session:
             return set()
         addresses = {n: str(members.nodes[n].meta.get(liveness.META_KEY, "")) for n in peers if n in members.live}
         found = liveness.probe({n: a for n, a in addresses.items() if a})
+        self._reachable |= {addresses[n] for n in found.answered}
+        known = {n for n in addresses if addresses[n] in self._reachable}
+        refused = found.refused & known
         silent: frozenset[str] = frozenset()
         if unreachable and found.unreachable and len(found.answered) > len(found.unreachable):
-            silent = found.unreachable
+            silent = found.unreachable & known
         declared = set()
-        for node in sorted(found.refused | silent):
+        for node in sorted(refused | silent):
             why = (f"its liveness port {addresses[node]} refused a connection: its process is gone"
-                   if node in found.refused else
+                   if node in refused else
                    f"its machine answered no connection to {addresses[node]} within {liveness.PROBE_SECONDS:g} s")
             info = members.nodes[node]
             try:
@@ -284,7 +316,7 @@ class Session:
             declared.add(node)
         if declared:
             log.warning("%s: %s lost (%s)", self.node, sorted(declared),
-                        "; ".join(f"{n}: {'refused' if n in found.refused else 'unreachable'}" for n in sorted(declared)))
+                        "; ".join(f"{n}: {'refused' if n in refused else 'unreachable'}" for n in sorted(declared)))
         return declared
 
     def lost_peers(self) -> tuple[str, ...]:
@@ -590,6 +622,7 @@ class Session:
         self.detector = self._watch(self.nodes)
         if self.admitting and self.nodes[0] == self.node:
             self.standby()  # a first look at the standby keys (nodes this failover released): offered a commit sooner
+        self._learn_reachable_soon()
         return rank, world
 
     def confirm_member(self, what: str) -> None:
