@@ -268,6 +268,27 @@ def test_a_standby_node_that_stops_answering_or_whose_machine_lost_a_node_is_not
                 spare.stop()
 
 
+def test_a_node_released_by_the_failover_that_formed_the_generation_is_offered_at_first_sight(server):
+    """n1 lost: n0 and n2 re-form without n3, whom the failover released (it stands by in its process). The layout's
+    first node offers n3 at the first commit that sees its standby key, not a commit later as a node first seen
+    (it answered a moment ago); a standby node it did not release still needs its key seen changing."""
+    with job(server, "rel", ["n0", "n1", "n2", "n3"]) as s:
+        spare = session(server, "rel", "n9", [], joining=True).open()
+        try:
+            for x in s.values():
+                x.admitting = True
+            assert s["n3"].decide_lost(("n1",), s["n3"].nodes) == {"n1"}
+            s["n3"].release()
+            s["n3"].stand_by()
+            results = on_threads({n: (lambda x=s[n]: x.reform(["n0", "n2"])) for n in ("n0", "n2")})
+            assert results == {"n0": (0, 2), "n2": (1, 2)}, results
+            assert s["n0"].standby() == ["n3"]  # n9's key first seen: not yet
+            spare.store.put(spare.keys.standby("n9"), "2")
+            assert s["n0"].standby() == ["n3", "n9"]
+        finally:
+            spare.stop()
+
+
 def test_a_leaver_that_the_next_layout_does_not_hold_is_not_served_again(server):
     """n1 announces at step 0's commit that it leaves, and the standby list of that commit names n9. The survivors
     re-form without n1 (a restart after a fatal loss, say, before they switched at a step start): n1 is then no

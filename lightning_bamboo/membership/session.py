@@ -124,6 +124,7 @@ class Session:
         self._standing_since = 0  # the store's revision when this node registered as standby (see ``open``)
         self._standby_seen: dict[str, tuple[int, float | None]] = {}  # standby -> (key revision, when it changed)
         self._machine_lost: dict[str, float] = {}  # machine -> when a node of it was last lost (``lost_machine``)
+        self._released_now: set[str] = set()  # released by the failover that formed this generation (``standby``)
 
     @classmethod
     def from_environment(
@@ -395,8 +396,10 @@ class Session:
             if node in self.nodes:
                 continue
             seen = self._standby_seen.get(node)
-            if seen is None or seen[0] != kv.mod_revision:  # first seen: not known to answer yet
-                self._standby_seen[node] = (kv.mod_revision, now if seen is not None else None)
+            if seen is None or seen[0] != kv.mod_revision:  # first seen: not known to answer yet, unless the
+                # failover that formed this generation released it a moment ago (it answered then)
+                answered = seen is not None or node in self._released_now
+                self._standby_seen[node] = (kv.mod_revision, now if answered else None)
             changed = self._standby_seen[node][1]
             lost = self._machine_lost.get(machine_of(node))
             if changed is not None and now - changed <= STANDBY_FRESH_SECONDS and (
@@ -621,7 +624,10 @@ class Session:
         self.detector.stop()
         self.detector = self._watch(self.nodes)
         if self.admitting and self.nodes[0] == self.node:
-            self.standby()  # a first look at the standby keys (nodes this failover released): offered a commit sooner
+            # the nodes the failover that formed this generation released stand by now, in their processes: they
+            # are offered at the first commit that sees them standing by, not the second
+            self._released_now = self.released()
+            self.standby()
         self._learn_reachable_soon()
         return rank, world
 
