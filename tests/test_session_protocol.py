@@ -282,9 +282,15 @@ def test_a_node_released_by_the_failover_that_formed_the_generation_is_offered_a
             s["n3"].stand_by()
             results = on_threads({n: (lambda x=s[n]: x.reform(["n0", "n2"])) for n in ("n0", "n2")})
             assert results == {"n0": (0, 2), "n2": (1, 2)}, results
-            assert s["n0"].standby() == ["n3"]  # n9's key first seen: not yet
+            assert s["n0"].standby() == ["n3"]  # n9's key first seen, put before any look: not yet
             spare.store.put(spare.keys.standby("n9"), "2")
             assert s["n0"].standby() == ["n3", "n9"]
+            # a standby node that comes after a look is offered at the next: its key was put in between
+            late = session(server, "rel", "n8", [], joining=True).open()
+            try:
+                assert s["n0"].standby() == ["n3", "n8", "n9"]
+            finally:
+                late.stop()
         finally:
             spare.stop()
 

@@ -125,6 +125,7 @@ class Session:
         self._standby_seen: dict[str, tuple[int, float | None]] = {}  # standby -> (key revision, when it changed)
         self._machine_lost: dict[str, float] = {}  # machine -> when a node of it was last lost (``lost_machine``)
         self._released_now: set[str] = set()  # released by the failover that formed this generation (``standby``)
+        self._standby_looked: tuple[int, float] | None = None  # (store revision, when) of the last ``standby`` look
 
     @classmethod
     def from_environment(
@@ -391,14 +392,19 @@ class Session:
         """
         now = time.monotonic()
         waiting = []
-        for kv in self.store.get_prefix(self.keys.standby()).kvs:
+        snap = self.store.get_prefix(self.keys.standby())
+        looked, self._standby_looked = self._standby_looked, (snap.revision, now)
+        # a key put since this node's last look (a moment ago) answers as a key seen changing between two looks does
+        since = looked[0] if looked is not None and now - looked[1] <= STANDBY_FRESH_SECONDS else None
+        for kv in snap.kvs:
             node = kv.key.rsplit("/", 1)[1]
             if node in self.nodes:
                 continue
             seen = self._standby_seen.get(node)
-            if seen is None or seen[0] != kv.mod_revision:  # first seen: not known to answer yet, unless the
-                # failover that formed this generation released it a moment ago (it answered then)
-                answered = seen is not None or node in self._released_now
+            if seen is None or seen[0] != kv.mod_revision:  # first seen: not known to answer yet, unless it was put
+                # since the last look, or the failover that formed this generation released it a moment ago
+                answered = seen is not None or node in self._released_now or (
+                    since is not None and kv.mod_revision > since)
                 self._standby_seen[node] = (kv.mod_revision, now if answered else None)
             changed = self._standby_seen[node][1]
             lost = self._machine_lost.get(machine_of(node))
