@@ -219,6 +219,34 @@ def test_a_port_that_never_answered_says_nothing_when_it_refuses_or_stays_silent
             listener.close()
 
 
+def test_a_machine_whose_processes_die_one_after_another_is_declared_in_one_probe(server):
+    """A machine's processes close their ports one after another as the kernel tears them down: a probe that finds
+    one refused probes its machine-mates that still answered for a moment more, and declares every one that
+    refuses then, so that the survivors agree on the whole machine at once. One that lives on is not declared."""
+    nodes = ["d0", "d1", "d2", "d3"]
+    listeners = {n: Listener("127.0.0.1") for n in nodes}  # one host: every node is a machine-mate of every other
+    sessions = {n: Session(connect(server.url), "dying", n, nodes, groups=Groups(), detection_timeout=DETECTION,
+                           rendezvous_timeout=RENDEZVOUS, alive=listeners[n].address) for n in nodes}
+    try:
+        opened = on_threads({n: s.open for n, s in sessions.items()})
+        assert all(isinstance(result, Session) for result in opened.values()), opened
+        d0 = sessions["d0"]
+        d0.learn_reachable()
+        listeners["d1"].close()
+        later = threading.Timer(0.1, listeners["d2"].close)  # its sibling goes a tenth of a second later
+        later.start()
+        try:
+            assert d0.probe_peers() == {"d1", "d2"}
+        finally:
+            later.join()
+        assert set(d0.registry.members().live) == {"d0", "d3"}
+    finally:
+        for s in sessions.values():
+            s.stop()
+        for listener in listeners.values():
+            listener.close()
+
+
 def test_the_guard_probes_on_a_communication_error_before_it_waits_and_while_a_step_stalls():
     lost = threading.Event()
     calls: list[bool] = []

@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 #: seconds a probe waits for a connection to be refused or accepted; a machine that answers does so in well under it
 PROBE_SECONDS = 0.3
+#: after a refusal, how long the ports of the refused node's machine-mates that still answered are probed again
+#: (every ``SIBLING_POLL_SECONDS``): a machine's processes die one after another, each port closing once the kernel
+#: tore down that process's memory (tens of milliseconds for a process of gigabytes)
+SIBLING_SECONDS = 0.3
+SIBLING_POLL_SECONDS = 0.05
 #: the key of a node's registration (``NodeInfo.meta``) that holds its liveness port as ``host:port``
 META_KEY = "alive"
 
@@ -87,6 +92,12 @@ def listener(host: str) -> Listener:
             _LISTENER = Listener(host)
             os.register_at_fork(after_in_child=_LISTENER.close_in_child)
         return _LISTENER
+
+
+def host_of(address: str) -> str:
+    """The host part of ``host:port`` (the machine, as the job's nodes address it)."""
+    parsed = _split(address)
+    return parsed[0] if parsed is not None else address
 
 
 def _split(address: str) -> tuple[str, int] | None:

@@ -298,7 +298,9 @@ class Session:
         found = liveness.probe({n: a for n, a in addresses.items() if a})
         self._reachable |= {addresses[n] for n in found.answered}
         known = {n for n in addresses if addresses[n] in self._reachable}
-        refused = found.refused & known
+        refused = set(found.refused & known)
+        if refused:
+            refused |= self._dying_with(refused, found.answered & known, addresses)
         silent: frozenset[str] = frozenset()
         if unreachable and found.unreachable and len(found.answered) > len(found.unreachable):
             silent = found.unreachable & known
@@ -320,6 +322,22 @@ class Session:
             log.warning("%s: %s lost (%s)", self.node, sorted(declared),
                         "; ".join(f"{n}: {'refused' if n in refused else 'unreachable'}" for n in sorted(declared)))
         return declared
+
+    def _dying_with(self, refused: Collection[str], answered: Collection[str], addresses: dict[str, str]) -> set[str]:
+        """Those of ``answered`` on the machines of ``refused`` (the same host in their addresses) whose ports refuse
+        too within ``liveness.SIBLING_SECONDS``: the processes of a machine that dies close their ports one after
+        another (each once the kernel has torn down its memory), and the survivors must agree on all of them in
+        one decision, not act on the first (releasing nodes a larger set then counts as lost)."""
+        hosts = {liveness.host_of(addresses[n]) for n in refused}
+        siblings = {n: addresses[n] for n in answered if liveness.host_of(addresses[n]) in hosts}
+        dying: set[str] = set()
+        deadline = time.monotonic() + liveness.SIBLING_SECONDS
+        while siblings and time.monotonic() < deadline:
+            time.sleep(liveness.SIBLING_POLL_SECONDS)
+            gone = liveness.probe(siblings).refused
+            dying |= gone
+            siblings = {n: a for n, a in siblings.items() if n not in gone}
+        return dying
 
     def lost_peers(self) -> tuple[str, ...]:
         """The peers the membership watch saw lost, sorted."""
