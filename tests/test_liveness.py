@@ -19,11 +19,10 @@ import pytest
 
 from lightning_bamboo.engine.guard import STALL_MIN_SECONDS, StepGuard
 from lightning_bamboo.errors import PeerLost
-from lightning_bamboo.membership import EmbeddedServer, connect
+from lightning_bamboo.membership import EmbeddedServer
 from lightning_bamboo.membership.fence import Fenced
 from lightning_bamboo.membership.liveness import PROBE_SECONDS, Listener, probe
-from lightning_bamboo.membership.session import Session
-from tests.test_session_protocol import DETECTION, RENDEZVOUS, Groups, on_threads
+from tests.test_session_protocol import job
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -128,17 +127,31 @@ def server():
         server.stop()
 
 
-def test_a_session_declares_lost_the_peers_whose_port_refused_and_a_silent_minority_for_a_stalled_step(server, silent):
+@pytest.fixture
+def listen():
+    """``listen(n)``: ``n`` liveness listeners on loopback (one host: every node a machine-mate of every other),
+    closed at the end."""
+    made: list[Listener] = []
+
+    def make(count: int) -> list[Listener]:
+        made.extend(Listener("127.0.0.1") for _ in range(count))
+        return made[-count:]
+
+    try:
+        yield make
+    finally:
+        for listener in made:
+            listener.close()
+
+
+def test_a_session_declares_lost_the_peers_whose_port_refused_and_a_silent_minority_for_a_stalled_step(
+        server, silent, listen):
     nodes = ["n0", "n1", "n2", "n3", "n4"]
-    listeners = {n: Listener("127.0.0.1") for n in nodes}
+    listeners = dict(zip(nodes, listen(5), strict=True))
     alive = {n: listeners[n].address for n in nodes}
     n4 = silent(answering=True)
     alive["n4"] = n4.address  # its machine answers, then nothing
-    sessions = {n: Session(connect(server.url), "live", n, nodes, groups=Groups(), detection_timeout=DETECTION,
-                           rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
-    try:
-        opened = on_threads({n: s.open for n, s in sessions.items()})
-        assert all(isinstance(result, Session) for result in opened.values()), opened
+    with job(server, "live", nodes, alive) as sessions:
         n0 = sessions["n0"]
         n0.learn_reachable()  # as the thread each generation starts does: every port answers now
         listeners["n3"].close()  # n3's process is gone (its lease still runs)
@@ -156,54 +169,35 @@ def test_a_session_declares_lost_the_peers_whose_port_refused_and_a_silent_minor
         # n4's lease was revoked: the store refuses what it writes, however live it is
         with pytest.raises(Fenced):
             sessions["n4"].store.put(sessions["n4"].keys.commit(0, 0) + "n4", "1")
-    finally:
-        for s in sessions.values():
-            s.stop()
-        for listener in listeners.values():
-            listener.close()
 
 
-def test_a_node_that_finds_most_of_its_peers_silent_declares_nobody(server, silent):
+def test_a_node_that_finds_most_of_its_peers_silent_declares_nobody(server, silent, listen):
     """As a node cut off itself would see its peers: two of three silent. It is the one likely cut off, so it leaves
     the decision to their leases (and to the others' probes of it)."""
-    nodes = ["c0", "c1", "c2", "c3"]
-    listeners = {n: Listener("127.0.0.1") for n in ("c0", "c3")}
+    c0, c3 = listen(2)
     c1, c2 = silent(answering=True), silent(answering=True)
-    alive = {"c0": listeners["c0"].address, "c1": c1.address, "c2": c2.address, "c3": listeners["c3"].address}
-    sessions = {n: Session(connect(server.url), "cut", n, nodes, groups=Groups(), detection_timeout=DETECTION,
-                           rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
-    try:
-        opened = on_threads({n: s.open for n, s in sessions.items()})
-        assert all(isinstance(result, Session) for result in opened.values()), opened
+    alive = {"c0": c0.address, "c1": c1.address, "c2": c2.address, "c3": c3.address}
+    with job(server, "cut", list(alive), alive) as sessions:
         for s in sessions.values():
             s.learn_reachable()
         c1.go_silent()
         c2.go_silent()
         assert sessions["c0"].probe_peers(unreachable=True) == set()
-        assert set(sessions["c0"].registry.members().live) == set(nodes)
+        assert set(sessions["c0"].registry.members().live) == set(sessions)
         # as many answering as silent: still nobody (c3 probing c0, c1 only)
         assert sessions["c3"].probe_peers(["c0", "c1"], unreachable=True) == set()
         assert sessions["c3"].probe_peers(["c0", "c1", "c2"], unreachable=False) == set()  # silence is no refusal
-    finally:
-        for s in sessions.values():
-            s.stop()
-        for listener in listeners.values():
-            listener.close()
 
 
-def test_a_port_that_never_answered_says_nothing_when_it_refuses_or_stays_silent(server, silent):
+def test_a_port_that_never_answered_says_nothing_when_it_refuses_or_stays_silent(server, silent, listen):
     """A firewall between the machines may reject connections to the liveness port (a reset, as a closed port
     gives) or drop them (silence): only a port that answered this node before counts."""
     nodes = ["f0", "f1", "f2", "f3", "f4"]
-    listeners = {n: Listener("127.0.0.1") for n in nodes}
+    listeners = dict(zip(nodes, listen(5), strict=True))
     alive = {n: listeners[n].address for n in nodes}
     listeners["f3"].close()  # refused from the start: never answered
     alive["f4"] = silent().address  # silent from the start
-    sessions = {n: Session(connect(server.url), "wall", n, nodes, groups=Groups(), detection_timeout=DETECTION,
-                           rendezvous_timeout=RENDEZVOUS, alive=alive[n]) for n in nodes}
-    try:
-        opened = on_threads({n: s.open for n, s in sessions.items()})
-        assert all(isinstance(result, Session) for result in opened.values()), opened
+    with job(server, "wall", nodes, alive) as sessions:
         f0 = sessions["f0"]
         f0.learn_reachable()
         assert f0.probe_peers() == set()
@@ -212,39 +206,25 @@ def test_a_port_that_never_answered_says_nothing_when_it_refuses_or_stays_silent
         # f2's port answered f0 before: its refusal now counts
         listeners["f2"].close()
         assert f0.probe_peers() == {"f2"}
-    finally:
-        for s in sessions.values():
-            s.stop()
-        for listener in listeners.values():
-            listener.close()
 
 
-def test_a_machine_whose_processes_die_one_after_another_is_declared_in_one_probe(server):
+def test_a_machine_whose_processes_die_one_after_another_is_declared_in_one_probe(server, listen):
     """A machine's processes close their ports one after another as the kernel tears them down: a probe that finds
     one refused probes its machine-mates that still answered for a moment more, and declares every one that
     refuses then, so that the survivors agree on the whole machine at once. One that lives on is not declared."""
     nodes = ["d0", "d1", "d2", "d3"]
-    listeners = {n: Listener("127.0.0.1") for n in nodes}  # one host: every node is a machine-mate of every other
-    sessions = {n: Session(connect(server.url), "dying", n, nodes, groups=Groups(), detection_timeout=DETECTION,
-                           rendezvous_timeout=RENDEZVOUS, alive=listeners[n].address) for n in nodes}
-    try:
-        opened = on_threads({n: s.open for n, s in sessions.items()})
-        assert all(isinstance(result, Session) for result in opened.values()), opened
+    listeners = dict(zip(nodes, listen(4), strict=True))
+    with job(server, "dying", nodes, {n: listeners[n].address for n in nodes}) as sessions:
         d0 = sessions["d0"]
         d0.learn_reachable()
         listeners["d1"].close()
-        later = threading.Timer(0.1, listeners["d2"].close)  # its sibling goes a tenth of a second later
+        later = threading.Timer(0.1, listeners["d2"].close)  # its machine-mate goes a tenth of a second later
         later.start()
         try:
             assert d0.probe_peers() == {"d1", "d2"}
         finally:
             later.join()
         assert set(d0.registry.members().live) == {"d0", "d3"}
-    finally:
-        for s in sessions.values():
-            s.stop()
-        for listener in listeners.values():
-            listener.close()
 
 
 def test_the_guard_probes_on_a_communication_error_before_it_waits_and_while_a_step_stalls():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -96,9 +96,12 @@ def on_threads(calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
 
 
 @contextmanager
-def job(server: EmbeddedServer, name: str, nodes: Sequence[str], **kwargs: Any) -> Iterator[dict[str, Session]]:
-    """The sessions of ``nodes``, opened together (the start rendezvous needs them all); stopped at the end."""
-    sessions = {node: session(server, name, node, nodes, **kwargs) for node in nodes}
+def job(server: EmbeddedServer, name: str, nodes: Sequence[str], alive: Mapping[str, str] | None = None,
+        **kwargs: Any) -> Iterator[dict[str, Session]]:
+    """The sessions of ``nodes``, opened together (the start rendezvous needs them all); stopped at the end.
+    ``alive``: the liveness address each node publishes (``membership.liveness``; none by default)."""
+    sessions = {node: session(server, name, node, nodes, alive=(alive or {}).get(node, ""), **kwargs)
+                for node in nodes}
     try:
         opened = on_threads({node: s.open for node, s in sessions.items()})
         assert all(isinstance(result, Session) for result in opened.values()), opened
