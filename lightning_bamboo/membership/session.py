@@ -21,6 +21,7 @@ from lightning_bamboo.membership.collectives import BarrierTimeoutError, GatherF
 from lightning_bamboo.membership.fence import Fenced, FencedStore
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.lease import NodeIdInUseError, Registry
+from lightning_bamboo.membership.members import Membership
 from lightning_bamboo.membership.node import JOB_ENV, JOIN_ENV, NODE_ENV, NODES_ENV, STORE_ENV, node_address
 from lightning_bamboo.membership.protocol import Store, StoreError, request_timeout_for, wait_riding_out
 from lightning_bamboo.membership.records import Failover, Reconfiguration, Restart
@@ -255,7 +256,7 @@ class Session:
         thread of its own when a generation forms (``open``, ``reform``)."""
         peers = set(self.nodes if nodes is None else nodes) - {self.node}
         try:
-            addresses = self._liveness_addresses(peers)
+            addresses = self._liveness_addresses(peers, self.registry.members())
         except StoreError as err:
             log.debug("%s: liveness ports not read: %s", self.node, err)
             return
@@ -267,8 +268,9 @@ class Session:
             threading.Thread(target=self.learn_reachable, args=(list(self.nodes),), name="bamboo-learn-reachable",
                              daemon=True).start()
 
-    def _liveness_addresses(self, peers: Collection[str]) -> dict[str, str]:
-        members = self.registry.members()
+    @staticmethod
+    def _liveness_addresses(peers: Collection[str], members: Membership) -> dict[str, str]:
+        """The liveness address each live node of ``peers`` published (those that published one)."""
         addresses = {n: str(members.nodes[n].meta.get(liveness.META_KEY, "")) for n in peers if n in members.live}
         return {n: a for n, a in addresses.items() if a}
 
@@ -294,8 +296,8 @@ class Session:
         except StoreError as err:
             log.debug("%s: no probe, the store did not answer: %s", self.node, err)
             return set()
-        addresses = {n: str(members.nodes[n].meta.get(liveness.META_KEY, "")) for n in peers if n in members.live}
-        found = liveness.probe({n: a for n, a in addresses.items() if a})
+        addresses = self._liveness_addresses(peers, members)
+        found = liveness.probe(addresses)
         self._reachable |= {addresses[n] for n in found.answered}
         known = {n for n in addresses if addresses[n] in self._reachable}
         refused = set(found.refused & known)
