@@ -210,21 +210,25 @@ def test_a_port_that_never_answered_says_nothing_when_it_refuses_or_stays_silent
 
 def test_a_machine_whose_processes_die_one_after_another_is_declared_in_one_probe(server, listen):
     """A machine's processes close their ports one after another as the kernel tears them down: a probe that finds
-    one refused probes its machine-mates that still answered for a moment more, and declares every one that
-    refuses then, so that the survivors agree on the whole machine at once. One that lives on is not declared."""
-    nodes = ["d0", "d1", "d2", "d3"]
-    listeners = dict(zip(nodes, listen(4), strict=True))
+    one refused probes its machine-mates that still answered for a moment more (m1.1 beside m1.0: the launcher's
+    machine, ``machine_of``), and declares every one that refuses then, so that the survivors agree on the whole
+    machine at once. A node of another machine that goes as late is left to the next probe."""
+    nodes = ["m0.0", "m1.0", "m1.1", "m2.0", "m2.1"]
+    listeners = dict(zip(nodes, listen(5), strict=True))
     with job(server, "dying", nodes, {n: listeners[n].address for n in nodes}) as sessions:
-        d0 = sessions["d0"]
-        d0.learn_reachable()
-        listeners["d1"].close()
-        later = threading.Timer(0.1, listeners["d2"].close)  # its machine-mate goes a tenth of a second later
-        later.start()
+        first = sessions["m0.0"]
+        first.learn_reachable()
+        listeners["m1.0"].close()
+        later = [threading.Timer(0.1, listeners[n].close) for n in ("m1.1", "m2.0")]  # a tenth of a second later
+        for timer in later:
+            timer.start()
         try:
-            assert d0.probe_peers() == {"d1", "d2"}
+            assert first.probe_peers() == {"m1.0", "m1.1"}
         finally:
-            later.join()
-        assert set(d0.registry.members().live) == {"d0", "d3"}
+            for timer in later:
+                timer.join()
+        assert set(first.registry.members().live) == {"m0.0", "m2.0", "m2.1"}
+        assert first.probe_peers() == {"m2.0"}
 
 
 def test_the_guard_probes_on_a_communication_error_before_it_waits_and_while_a_step_stalls():

@@ -94,12 +94,6 @@ def listener(host: str) -> Listener:
         return _LISTENER
 
 
-def host_of(address: str) -> str:
-    """The host part of ``host:port`` (the machine, as the job's nodes address it)."""
-    parsed = _split(address)
-    return parsed[0] if parsed is not None else address
-
-
 def _split(address: str) -> tuple[str, int] | None:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():

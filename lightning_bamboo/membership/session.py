@@ -326,12 +326,12 @@ class Session:
         return declared
 
     def _dying_with(self, refused: Collection[str], answered: Collection[str], addresses: dict[str, str]) -> set[str]:
-        """Those of ``answered`` on the machines of ``refused`` (the same host in their addresses) whose ports refuse
-        too within ``liveness.SIBLING_SECONDS``: the processes of a machine that dies close their ports one after
+        """Those of ``answered`` on the machines of ``refused`` (``machine_of``: the launcher's machine, the failure
+        domain the runtime places replicas by) whose ports refuse too within ``liveness.SIBLING_SECONDS``: the processes of a machine that dies close their ports one after
         another (each once the kernel has torn down its memory), and the survivors must agree on all of them in
         one decision, not act on the first (releasing nodes a larger set then counts as lost)."""
-        hosts = {liveness.host_of(addresses[n]) for n in refused}
-        siblings = {n: addresses[n] for n in answered if liveness.host_of(addresses[n]) in hosts}
+        machines = {machine_of(n) for n in refused}
+        siblings = {n: addresses[n] for n in answered if machine_of(n) in machines}
         dying: set[str] = set()
         deadline = time.monotonic() + liveness.SIBLING_SECONDS
         while siblings and time.monotonic() < deadline:
