@@ -4,15 +4,17 @@ A lease tells a dead node from a slow one only when its TTL runs out (0.8 x the 
 process dies on a machine whose kernel still answers (a crash, a kill, every process of a machine killed), a
 connection to a port that process listened on is refused at once: the kernel answers it with a reset. So each node
 listens on one port of its address (``Listener``, published with its registration as ``meta["alive"]``) and accepts
-and closes whatever connects; a node that meets a communication error probes the ports of the nodes it works with
-(``refused``), and announces the loss of those that refused (``Registry.announce_loss``): everyone's loss detector
-sees it within its poll, and the failover agrees on every dead node in one round.
+and closes whatever connects. A node that meets a communication error, waits in a rendezvous, or sees its step
+stall probes the ports of the nodes it works with (``Session.probe_peers``, which decides what counts) and announces
+the loss of those that refused (``Registry.announce_loss``): everyone's loss detector sees it within its poll, and
+the failover agrees on every dead node in one round.
 
-Only a refusal counts. A connection accepted (a frozen process: the kernel still queues connections) or one that
-times out (a machine gone silent, a partition) says nothing, and the lease decides as before. A refusal is certain
-for the process that published the port: the socket is closed only when that process ends (a child it forks closes
-its copy at once, ``os.register_at_fork``), and a port taken by another process afterwards accepts, which again says
-nothing. The listener reads nothing from a connection, so it gives a caller on the network no more than the kernel
+A refusal is certain for the process that published the port: the socket is closed only when that process ends (a
+child it forks closes its copy at once, ``os.register_at_fork``), and a port taken by another process afterwards
+accepts, which says nothing. A machine that answers neither of two connections (``probe``'s ``unreachable``) is
+gone silent or cut off; the session counts that only for a stalled step and only for a minority of its peers. An
+accepted connection (a frozen process: its kernel still queues connections) says nothing, and the lease decides as
+before. The listener reads nothing from a connection, so it gives a caller on the network no more than the kernel
 does: whether the port is open.
 """
 
