@@ -311,17 +311,24 @@ class ResilientPipelineEngine:
         A node released from the layout (its pipeline dropped after a loss) stands by in its process until a
         reconfiguration admits it again, and goes on the same way from the running nodes' step (``JobRestarted``
         for a ``data_iter`` of the caller's); the job's end while it stands by ends it with ``SystemExit(0)``."""
+        released = False
         try:
             return self._train_batch(data_iter)
         except FatalLoss as err:
             if isinstance(err, JobRestarted) or not self.runner.can_restart(err):
                 self._failed = True
                 raise
-            self._restart(err)
-            what = f"the job restarted from step {self.host.step} after a fatal loss"
+            try:
+                self._restart(err)
+            except Released:  # the survivors restarted without this node (it was late): it stands by
+                released = True
         except Released:
+            released = True
+        if released:
             self._stand_by()
             what = f"this node was admitted again into the running job at step {self.host.step}"
+        else:
+            what = f"the job restarted from step {self.host.step} after a fatal loss"
         if data_iter is not None:
             raise JobRestarted(f"{what}; rewind data_iter to micro-batch {self.drawn} (engine.drawn) and call "
                                "train_batch again", self.host.step, self.drawn)

@@ -104,14 +104,14 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
         # the survivors agreed on a set that names this node (released by an attempt of theirs it had not seen, or
         # taken for lost): they go on without it, so it stands by, to be admitted again, as a released node does
         log.warning("%s: the survivors' lost set %s names this node; it stands by", session.node, sorted(lost))
-        _release(stage, step)
+        release(stage, step, "the survivors went on without it")
     plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=stage.config.redundant,
                      kept=base["kept"])
     log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", session.node, sorted(lost),
                 step, plan.order, plan.pipelines, plan.parts,
                 f"; released {list(plan.released)}" if plan.released else "")
     if session.node in plan.released:
-        _release(stage, step)
+        release(stage, step)
     released_before |= set(plan.released)
     # a failover moves no data, so it cannot re-place a fatal pair it leaves on one machine: say so, once per node
     new_stages = len(plan.order) // plan.pipelines
@@ -135,11 +135,11 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
                       lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
     return plan, rank, world
 
-def _release(stage: NodeStage, step: int) -> NoReturn:
-    """Leave the layout (this node's pipeline was dropped) and stand by in this process (``Released``)."""
+def release(stage: NodeStage, step: int, why: str = "its pipeline lost a node; the whole pipelines train on") -> NoReturn:
+    """Leave the layout (this node's pipeline was dropped, or the others' recovery at ``step`` went on without it:
+    ``why``) and stand by in this process (``Released``), to be admitted again as any standby node is."""
     session = stage.require_session()
-    log.warning("%s: released at step %d (its pipeline lost a node; the whole pipelines train on); it stands by in "
-                "its process", session.node, step)
+    log.warning("%s: released at step %d (%s); it stands by in its process", session.node, step, why)
     session.release()
     stage.stand_by()
-    raise Released(f"{session.node} was released at step {step}: its pipeline lost a node")
+    raise Released(f"{session.node} was released at step {step}: {why}")

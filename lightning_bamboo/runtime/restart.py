@@ -22,6 +22,7 @@ from lightning_bamboo.engine.comm_process import CommAborted
 from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Restart
+from lightning_bamboo.runtime.failover import release
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.apart import order_of, rows_of
 from lightning_bamboo.topology.failover import layout_tag
@@ -68,8 +69,10 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     """Form the survivors' layout after ``err`` ended step ``step`` (or a collective at it): a new generation of
     the nodes that are up, this process entered in it at its rank, the depth assigned. Build the stage next.
 
-    A node lost meanwhile makes the survivors agree on a larger set and try again; a node that the others declared
-    lost ends with ``err`` (it froze, say: the others go on without it)."""
+    A node lost meanwhile makes the survivors agree on a larger set and try again. A node that the others' agreed set
+    names (it was late, say: they go on without it) or that stood by when the loss came leaves the layout and stands
+    by in its process (``Released``, as a node released by a failover): the rebalancer admits it once the restarted
+    job trains, and its process never ends with the loss."""
     session = stage.require_session()
     started = time.monotonic()
     before = list(session.nodes)
@@ -84,7 +87,8 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
         away = set(err.standing) | session.released(session.generation + 1)
         order = [n for n in before if n not in lost and n not in away]
         if session.node not in order:
-            raise err
+            release(stage, step, "the restart after a fatal loss goes on without it: "
+                    + ("the survivors' lost set names it" if session.node in lost else "it stood by when the loss came"))
         stages = restart_depth(len(order), layout.stages)
         order = restart_order(order, stages, stage.config.redundancy)
         return (*session.reform(order, tag=layout_tag(order)), stages, order)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_bamboo import checkpoint as ckpt
-from lightning_bamboo.errors import FatalLoss
+from lightning_bamboo.errors import FatalLoss, Released
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,11 @@ def stand_by_fit(strategy: Any, trainer: Any, fit_args: tuple[Any, ...]) -> tupl
     """This node left the layout (``Released``) and stands by in its process: its attempt put away, it waits for an
     admission (then ``fit`` runs again from the running nodes' state) or the job's end (``SystemExit(0)``)."""
     put_away(strategy, trainer)
+    return _await_admission(strategy, fit_args)
+
+
+def _await_admission(strategy: Any, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Wait, standing by, for an admission or the job's end (the attempt already put away)."""
     # no rank while it stands by: Lightning's rank-zero work (a logger's last save when the job's end ends this wait)
     # belongs to the running layout's rank 0, which may write the same files (it was this node's rank before)
     strategy.pl_package("utilities.rank_zero").rank_zero_only.rank = -1
@@ -98,10 +103,14 @@ def stand_by_fit(strategy: Any, trainer: Any, fit_args: tuple[Any, ...]) -> tupl
 
 def restart_fit(strategy: Any, trainer: Any, err: FatalLoss, fit_args: tuple[Any, ...]) -> tuple[Any, ...]:
     """After ``err`` ended ``trainer.fit``: re-form the survivors and put the failed attempt away; returns the
-    arguments to run Lightning's fit again with (``ckpt_path``: the agreed checkpoint, or None)."""
+    arguments to run Lightning's fit again with (``ckpt_path``: the agreed checkpoint, or None). A node the survivors
+    restart without stands by instead, as :func:`stand_by_fit`."""
     runner, restarts = strategy.runner, strategy.restarts
     put_away(strategy, trainer)
-    strategy._assigned = runner.restart(err)
+    try:
+        strategy._assigned = runner.restart(err)
+    except Released:  # the survivors restarted without this node (it was late): it stands by, as a released node
+        return _await_admission(strategy, fit_args)
     agreed = runner.restart_checkpoint(lambda: restarts.candidates(trainer))
     if agreed is None:
         log.warning("%s: no complete checkpoint to restart from; the job starts again from step 0",
