@@ -10,21 +10,28 @@ from lightning_bamboo.topology import Placement
 from tests.test_sim import FOUR, JOIN, R1, R2, run, steps
 
 
-def test_rerouted_slowdown_fills_the_bubbles_first():
-    # 2 pipelines x 2 stages, m micro-batches each: a step is m + 1 slots
+def test_rerouted_slowdown_keeps_the_steps_dependencies():
+    # 2 pipelines x 2 stages, F = 1, B = 2: one micro-batch each is a step of 6 (F F B B down the pipeline)
     one = Placement((("a", "b"), ("c", "d")), (0, 1, 2), (1, 1))
-    assert rerouted_slowdown(one, {"a"}) == 1.0  # c does 1 extra slot, its bubble is 1 slot
+    # a lost: c runs both forwards (0-2); the first backward reaches it at 4 and the second waits for it: 8, not 6 (c's
+    # idle slots are before its first backward, when the rerouted backward is not computed yet)
+    assert rerouted_slowdown(one, {"a"}) == pytest.approx(8 / 6)
+    # b lost: d's two forwards and two backwards take 6 from 1, and a's backward 2 more: 9
+    assert rerouted_slowdown(one, {"b"}) == pytest.approx(9 / 6)
     two = Placement((("a", "b"), ("c", "d")), (0, 1, 2), (2, 2))
-    assert rerouted_slowdown(two, {"a"}) == pytest.approx(4 / 3)  # 2 extra slots, 1 hidden: 3 -> 4
+    assert rerouted_slowdown(two, {"a"}) == pytest.approx(12 / 9)
+    # the last stage has no idle slot a rerouted micro-batch can use: as slow as one pipeline of 4 micro-batches
+    assert rerouted_slowdown(two, {"b"}) == pytest.approx(15 / 9)
     assert rerouted_slowdown(two, {"a", "c"}) == float("inf")  # stage 0 has no node left
 
 
 def test_recycle_reroutes_without_dropping_a_pipeline():
     result, policy = run("recycle", FOUR + ["100000,remove,n2"])
-    # n2 (stage 0 of [n2, n4]) lost: n1 takes its micro-batch in its bubble, no slowdown after the
-    # 2 s pause; a fresh 1-pipeline layout (2 samples/s) would be slower, so nothing is rebuilt
-    assert steps(result) == [(0, R2), (100, 0), (102, R2)]
-    assert result.samples == pytest.approx(100 * R2 + 98 * R2)
+    # n2 (stage 0 of [n2, n4]) lost: n1 takes its micro-batch, the step 8/6 as long after the 2 s pause
+    # (test_rerouted_slowdown_keeps_the_steps_dependencies); a fresh 1-pipeline layout (2 samples/s) would be slower
+    # than that (2.25), so nothing is rebuilt
+    assert steps(result) == [(0, R2), (100, 0), (102, pytest.approx(R2 * 6 / 8))]
+    assert result.samples == pytest.approx(100 * R2 + 98 * R2 * 6 / 8)
     assert result.recoveries == {"redundant": 1, "checkpoint": 0, "restart": 0}
     assert policy.layout.grid == (("n1", "n3"), ("n2", "n4"))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from lightning_bamboo.schedule.reroute import rerouted_step
 from lightning_bamboo.sim.params import SimParams
 from lightning_bamboo.topology.layout import even_parts
 from lightning_bamboo.topology.policy import Placement, PolicyConfig
@@ -107,19 +108,16 @@ def rerouted_slowdown(layout: Placement, lost: set[str] | frozenset[str]) -> flo
     """Step-time factor of ``layout`` while ``lost`` nodes' micro-batches go to the same stage of
     the other pipelines (ReCycle-style rerouting; ``inf`` when a stage has no node left).
 
-    A stage with ``k`` of ``P`` nodes left does ``m * (P - k) / k`` extra micro-batch slots per
-    survivor; they fill that survivor's ``stages - 1`` idle slots (the 1F1B bubble) first and
-    lengthen the step by the rest. The slowest stage sets the step (the pipelines meet at the
-    gradient all-reduce).
+    The rerouted step is timed with its dependencies (``schedule.reroute``: list scheduling of the
+    step's graph, a forward costing 1 and a backward 2, as the schedule's model): the extra work of
+    a stage competes with its own where the micro-batches of every pipeline arrive together, and
+    fills the idle slots only at the fill and the drain. The slowest node sets the step (the
+    pipelines meet at the gradient all-reduce).
     """
-    pipelines, stages = layout.pipelines, layout.stages
-    m = max(layout.micro_batches)
-    base = m + stages - 1
-    worst = float(base)
-    for s in range(stages):
-        left = sum(row[s] not in lost for row in layout.grid)
-        if left == 0:
-            return math.inf
-        extra = m * (pipelines - left) / left
-        worst = max(worst, base + max(0.0, extra - (stages - 1)))
-    return worst / base
+    positions = {(q, s) for q, row in enumerate(layout.grid) for s, node in enumerate(row) if node in lost}
+    if not positions:
+        return 1.0
+    stages = layout.stages
+    if any(all((q, s) in positions for q in range(layout.pipelines)) for s in range(stages)):
+        return math.inf
+    return rerouted_step(stages, tuple(layout.micro_batches), positions).slowdown
