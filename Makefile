@@ -40,7 +40,7 @@ CHECK := $(addprefix tests/,test_architecture.py test_audit.py test_corpus.py te
 	test_fence.py test_fleet.py test_layer_rng.py test_layout.py test_machine_layout.py test_placement.py test_planner.py test_planner_cli.py \
 	test_policy.py test_precision.py test_profile.py test_reconfigure_plan.py test_schedule.py test_sim.py \
 	test_sim_cli.py test_sim_demo.py test_sim_inputs.py test_sim_successors.py test_splice.py test_gradient_exchange_group.py \
-	test_session_protocol.py test_liveness.py test_reroute_step.py test_ties.py test_before_after.py test_engine_program.py \
+	test_session_protocol.py test_liveness.py test_reroute_step.py test_restart_stand_by.py test_ties.py test_before_after.py test_engine_program.py \
 	test_store_values.py test_hostile_inputs.py test_trust_boundary.py test_fatal_pairs.py test_launcher_outcome.py)
 
 check: install

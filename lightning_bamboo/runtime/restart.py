@@ -76,7 +76,6 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     session = stage.require_session()
     started = time.monotonic()
     before = list(session.nodes)
-    layout = stage.require_stage()[1]
 
     def attempt(suspected: set[str]) -> tuple[int, int, int, list[str]]:
         lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
@@ -89,7 +88,7 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
         if session.node not in order:
             release(stage, step, "the restart after a fatal loss goes on without it: "
                     + ("the survivors' lost set names it" if session.node in lost else "it stood by when the loss came"))
-        stages = restart_depth(len(order), layout.stages)
+        stages = restart_depth(len(order), stage.require_stage()[1].stages)  # (decided first: a stand-by needs none)
         order = restart_order(order, stages, stage.config.redundancy)
         return (*session.reform(order, tag=layout_tag(order)), stages, order)
 

@@ -1,0 +1,42 @@
+"""A restart after a fatal loss that the other survivors make without this node: it stands by in its process.
+
+The restart's survivors agree on the lost set of the next generation as a failover does (``Session.decide_lost``).
+A live node that set names (it was late, or the others released it in an attempt it had not seen) must not end its
+process with the fatal loss: it leaves the layout as a released node does and waits, under the same registration,
+to be admitted again. Real sessions on one embedded store (``test_session_protocol``'s), a real ``NodeStage``; the
+membership is decided before anything of the stage is needed, so the stage has no engine here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_bamboo.errors import FatalLoss, Released
+from lightning_bamboo.runtime.config import BambooConfig
+from lightning_bamboo.runtime.restart import reform_after_fatal_loss
+from lightning_bamboo.runtime.stage import NodeStage
+from tests.test_session_protocol import job, server  # noqa: F401 - server is the fixture job() runs on
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def test_a_survivor_the_agreed_lost_set_names_stands_by_instead_of_ending_with_the_fatal_loss(server):  # noqa: F811
+    nodes = ["n0", "n1", "n2", "n3"]
+    with job(server, "restart-late", nodes) as s:
+        # n3 was lost with its replica holder n2 (fatal); n0 saw n1 late and put it in the agreed set too
+        assert s["n0"].decide_lost(("n1", "n2", "n3"), nodes) == {"n1", "n2", "n3"}
+        stage = NodeStage(BambooConfig(), host=None)  # type: ignore[arg-type]
+        stage.attach(s["n1"])
+        with pytest.raises(Released, match=r"n1 was released at step 5: the restart after a fatal loss goes on "
+                                           r"without it: the survivors' lost set names it"):
+            reform_after_fatal_loss(stage, FatalLoss("stage 3 (node n3) and its replica holder (node n2) are both "
+                                                     "lost"), 5)
+        keys = s["n1"].keys
+        assert s["n1"].active and s["n1"].nodes == []  # in the job, out of the layout
+        assert s["n0"].store.get(keys.standby("n1")) is not None  # waiting to be admitted again
+        assert "n1" in s["n0"].released(s["n0"].generation + 1)  # said released, not lost
+        # a survivor the set does not name goes on into the restart (here: it needs its stage next)
+        other = NodeStage(BambooConfig(), host=None)  # type: ignore[arg-type]
+        other.attach(s["n0"])
+        with pytest.raises(Exception, match="the runner has no stage yet"):
+            reform_after_fatal_loss(other, FatalLoss("the same loss"), 5)
