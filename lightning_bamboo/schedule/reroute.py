@@ -12,8 +12,9 @@ of any pipeline has arrived yet (the fill) or is left (the drain). :func:`rerout
 dependency kept (a stage's forward after the previous stage's, a backward after its forward and the next stage's
 backward; ``costs.send`` for each transfer between two nodes) by list scheduling its graph: whenever a node can start
 work, it runs, of what it can start then, the action with the longest path to the step's end. No fixed order binds a
-node (nor its memory: it may run forwards well ahead), so the model places the borrowed work at least as well as a
-runtime running programs of DeepSpeed's 1F1B order could, and often better: it favours rerouting. What it leaves out
+node (nor its memory: it may run forwards well ahead), so the model places the borrowed work more freely than programs
+of DeepSpeed's 1F1B order could (at 4 pipelines of 12 stages, 1.09-1.17x against 1.17-1.52x when each node keeps its
+own and each borrowed stream in 1F1B order): it favours rerouting. What it leaves out
 favours rerouting too: ReCycle splits a backward into its input and its weight gradient and defers the latter into the
 drain, which DeepSpeed's engine does not do (a backward runs whole here).
 """
