@@ -43,8 +43,8 @@ class ReroutedStep:
 
     @property
     def slowdown(self) -> float:
-        """Step-time factor of the rerouted step against the healthy one."""
-        return self.makespan / self.healthy
+        """Step-time factor of the rerouted step against the healthy one (1 for a step with no micro-batch)."""
+        return self.makespan / self.healthy if self.healthy else 1.0
 
 
 def _check(stages: int, micro_batches: Sequence[int], lost: Collection[tuple[int, int]]) -> None:
