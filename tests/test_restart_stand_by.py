@@ -13,7 +13,7 @@ import pytest
 
 from lightning_bamboo.errors import FatalLoss, Released
 from lightning_bamboo.runtime.config import BambooConfig
-from lightning_bamboo.runtime.restart import reform_after_fatal_loss
+from lightning_bamboo.runtime.restart import reform_after_fatal_loss, restart_shape
 from lightning_bamboo.runtime.stage import NodeStage
 from tests.test_session_protocol import job, server  # noqa: F401 - server is the fixture job() runs on
 
@@ -40,3 +40,20 @@ def test_a_survivor_the_agreed_lost_set_names_stands_by_instead_of_ending_with_t
         other.attach(s["n0"])
         with pytest.raises(Exception, match="the runner has no stage yet"):
             reform_after_fatal_loss(other, FatalLoss("the same loss"), 5)
+
+
+def test_the_restarted_shape_is_the_policys_and_never_deeper_than_the_model():
+    # a chaos run under the launcher: 8 survivors of a 3-stage job of a 6-layer model restarted as one pipeline of 8
+    # stages, which the model refused (more stages than layers), and every supervisor exited 1
+    assert restart_shape(8, 3, 6, 8) == (4, 2)
+    assert restart_shape(7, 6, 6, 8) == (1, 6)  # was one pipeline of 7: the seventh survivor stands by instead
+    assert restart_shape(6, 3, 6, 8) == (2, 3) and restart_shape(9, 3, 6, 8) == (3, 3)  # whole pipelines: kept
+    assert restart_shape(2, 4, 8, 8) == (1, 2)  # fewer than the depth: one pipeline of them all
+    assert restart_shape(5, 3, 6, 1) == (1, 3)  # a global batch of one micro-batch feeds one pipeline
+    for layers in range(1, 9):
+        for depth in range(1, layers + 1):
+            for survivors in range(1, 25):
+                pipelines, stages = restart_shape(survivors, depth, layers, 16)
+                assert 1 <= stages <= layers and 1 <= pipelines * stages <= survivors, (survivors, depth, layers)
+    with pytest.raises(FatalLoss, match="no node is left"):
+        restart_shape(0, 3, 6, 8)

@@ -135,11 +135,14 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
                       lineage=base["lineage"], stage_lineage=base["lineage"])  # its new stage: layers it held
     return plan, rank, world
 
-def release(stage: NodeStage, step: int, why: str = "its pipeline lost a node; the whole pipelines train on") -> NoReturn:
+def release(stage: NodeStage, step: int, why: str = "its pipeline lost a node; the whole pipelines train on",
+            announce: bool = True) -> NoReturn:
     """Leave the layout (this node's pipeline was dropped, or the others' recovery at ``step`` went on without it:
-    ``why``) and stand by in this process (``Released``), to be admitted again as any standby node is."""
+    ``why``) and stand by in this process (``Released``), to be admitted again as any standby node is. ``announce``:
+    say in the store that it was released, not lost (``Session.release``; not where the others decided without it)."""
     session = stage.require_session()
     log.warning("%s: released at step %d (%s); it stands by in its process", session.node, step, why)
-    session.release()
+    if announce:
+        session.release()
     stage.stand_by()
     raise Released(f"{session.node} was released at step {step}: {why}")

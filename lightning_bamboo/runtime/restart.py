@@ -26,17 +26,25 @@ from lightning_bamboo.runtime.failover import release
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.apart import order_of, rows_of
 from lightning_bamboo.topology.failover import layout_tag
+from lightning_bamboo.topology.policy import PolicyConfig, shape_for
 from lightning_bamboo.topology.replicas import place_for
 
 log = logging.getLogger(__name__)
 
 
-def restart_depth(survivors: int, stages: int) -> int:
-    """The depth of the restarted job: the running depth if the survivors make whole pipelines of it, else one
-    pipeline of them all (a lone survivor runs the whole model, without a replica, until nodes join)."""
+def restart_shape(survivors: int, depth: int, layers: int, micro_batches: int, per_pipeline: bool = False) -> tuple[int, int]:
+    """``(pipelines, depth)`` of the restarted job: the reconfiguration policy's shape for ``survivors`` nodes
+    (``topology.policy.shape_for``) with the running ``depth`` preferred: whole pipelines of it where the survivors
+    make them, else a shallower depth that trains more of them in less time, else one pipeline as deep as the
+    survivors when they are fewer (a lone survivor runs the whole model, without a replica, until nodes join). Never
+    deeper than the model's ``layers``. ``micro_batches``: a step's over all pipelines, or each pipeline's with
+    ``per_pipeline``. The survivors it leaves out stand by, to be admitted once the restarted job trains."""
     if survivors < 1:
         raise FatalLoss("no node is left after a fatal loss; start the job again from its last checkpoint")
-    return stages if survivors % stages == 0 else survivors
+    depth = max(1, min(depth, layers))
+    config = PolicyConfig(stages=depth, layers=layers, global_micro_batches=max(1, micro_batches),
+                          pipeline_micro_batches=max(1, micro_batches) if per_pipeline else None)
+    return shape_for(survivors, config)
 
 
 def restart_order(survivors: Sequence[str], stages: int, redundancy: str = "lazy") -> list[str]:
@@ -88,8 +96,12 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
         if session.node not in order:
             release(stage, step, "the restart after a fatal loss goes on without it: "
                     + ("the survivors' lost set names it" if session.node in lost else "it stood by when the loss came"))
-        stages = restart_depth(len(order), stage.require_stage()[1].stages)  # (decided first: a stand-by needs none)
-        order = restart_order(order, stages, stage.config.redundancy)
+        pipelines, stages = _shape(stage, len(order))  # (decided after the membership: a stand-by needs no stage)
+        # the survivors the shape has no place for (the last in rank order) stand by; they say nothing in the store,
+        # so every survivor computes this same shape from the same agreed set, whenever it reads
+        if session.node in order[pipelines * stages:]:
+            release(stage, step, f"the restarted layout of {pipelines} x {stages} has no place for it", announce=False)
+        order = restart_order(order[: pipelines * stages], stages, stage.config.redundancy)
         return (*session.reform(order, tag=layout_tag(order)), stages, order)
 
     rank, world, stages, order = session.until_agreed(
@@ -100,6 +112,14 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     stage.assign(stages)
     return PendingRestart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages, rank=rank,
                           world=world, step=step, reason=str(err), started=started)
+
+
+def _shape(stage: NodeStage, survivors: int) -> tuple[int, int]:
+    """:func:`restart_shape` for the job ``stage`` runs: its depth, its model's layers, its step's micro-batches."""
+    engine, layout = stage.require_stage()
+    total = stage.host.global_micro_batches()
+    micro = total if total else engine.micro_batches
+    return restart_shape(survivors, layout.stages, layout.parts[-1], micro, per_pipeline=not total)
 
 
 def known_checkpoint(agreed: dict[str, Any], candidates: Callable[[], Iterable[tuple[int, str]]]) -> tuple[int, str] | None:
