@@ -31,6 +31,38 @@ def reset_group_names() -> None:
         c10d._world.group_count = 0
 
 
+#: seconds one try to connect to the new rank 0's store may take: a connection to a machine that vanished (no
+#: refusal, no answer) would otherwise hold the node for the whole rendezvous timeout, while its loss is known
+CONNECT_TRY_SECONDS = 1.0
+
+
+def _connect_store(host: str, port: int, world: int, timeout: float, gone: Callable[[], Collection[str]]) -> Any:
+    """A client of the store the new rank 0 hosts at ``host:port``: tries of ``CONNECT_TRY_SECONDS`` until ``timeout``,
+    giving up with ``PeerLost`` as soon as a node of the new group is known lost (its host may be the one gone); the
+    client's operations then wait up to ``timeout``, as the group's."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_bamboo.errors import PeerLost
+
+    deadline = time.monotonic() + timeout
+    while True:
+        seconds = max(0.1, min(CONNECT_TRY_SECONDS, deadline - time.monotonic()))
+        try:
+            tcp = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=seconds))
+        except RuntimeError as err:  # DistNetworkError: refused, reset or timed out
+            if lost := gone():
+                raise PeerLost(f"{sorted(lost)} lost before the new process group formed (its store at {host}:{port} "
+                               "did not answer)", lost) from err
+            if time.monotonic() >= deadline:
+                raise BambooError(f"the new process group's store at {host}:{port} did not answer within {timeout} s "
+                                  f"({err})") from err
+            continue
+        tcp.set_timeout(timedelta(seconds=timeout))
+        return tcp
+
+
 def reform_process_group(
     store: Any, job: str, generation: int, order: Sequence[str], me: str, timeout: float, tag: str = "",
     gone: Callable[[], Collection[str]] = lambda: (), backend: str = BACKEND,
@@ -61,7 +93,7 @@ def reform_process_group(
         if kv is None:
             raise BambooError(f"no process group address for generation {generation} within {timeout} s ({key})")
         address = json.loads(kv.value)
-        tcp = dist.TCPStore(address["host"], address["port"], world, is_master=False, timeout=timedelta(seconds=timeout))
+        tcp = _connect_store(address["host"], address["port"], world, timeout, gone)
     abort_generation()
     if dist.is_initialized():
         dist.destroy_process_group()
