@@ -337,11 +337,13 @@ def test_three_machines_of_two_after_a_machine_kill_a_join_and_a_depth_change_su
 def test_a_restart_after_a_fatal_loss_places_the_survivors_apart():
     """After a fatal loss every survivor loads its stage from the checkpoint, so the restarted layout may put them
     anywhere: the survivors of a 6-deep pipeline, in their old order, have stage 0 and stage 4 on host2."""
-    from lightning_bamboo.runtime.restart import restart_depth, restart_order
+    from lightning_bamboo.runtime.restart import restart_order, restart_shape
 
     survivors = ["host2.0", "host0.0", "host3.0", "host0.1", "host2.1", "host3.1"]
     assert on_one_machine([survivors]) == [("host2.0", "host2.1")]
-    order = restart_order(survivors, restart_depth(len(survivors), 6))
+    pipelines, depth = restart_shape(len(survivors), 6, 6, 4)
+    assert (pipelines, depth) == (1, 6)
+    order = restart_order(survivors, depth)
     assert sorted(order) == sorted(survivors) and on_one_machine([order]) == []
     apart = ["host0.0", "host2.0", "host3.0", "host0.1", "host2.1", "host3.1"]
     assert restart_order(apart, 6) == apart  # already apart: the ranks stay
