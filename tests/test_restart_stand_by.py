@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_bamboo.errors import FatalLoss, Released
+from lightning_bamboo.errors import BambooConfigError, FatalLoss, Released
 from lightning_bamboo.runtime.config import BambooConfig
 from lightning_bamboo.runtime.restart import reform_after_fatal_loss, restart_shape
 from lightning_bamboo.runtime.stage import NodeStage
@@ -38,7 +38,7 @@ def test_a_survivor_the_agreed_lost_set_names_stands_by_instead_of_ending_with_t
         # a survivor the set does not name goes on into the restart (here: it needs its stage next)
         other = NodeStage(BambooConfig(), host=None)  # type: ignore[arg-type]
         other.attach(s["n0"])
-        with pytest.raises(Exception, match="the runner has no stage yet"):
+        with pytest.raises(BambooConfigError, match="the runner has no stage yet"):
             reform_after_fatal_loss(other, FatalLoss("the same loss"), 5)
 
 

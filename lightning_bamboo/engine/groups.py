@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Any
 
 from lightning_bamboo.engine.comm_process import BACKEND, CommAborted, abort_generation, open_generation
-from lightning_bamboo.errors import BambooError
+from lightning_bamboo.errors import BambooError, PeerLost
 from lightning_bamboo.membership.address import free_port
 from lightning_bamboo.membership.keys import JobKeys
 from lightning_bamboo.membership.node import node_address
@@ -40,11 +41,7 @@ def _connect_store(host: str, port: int, world: int, timeout: float, gone: Calla
     """A client of the store the new rank 0 hosts at ``host:port``: tries of ``CONNECT_TRY_SECONDS`` until ``timeout``,
     giving up with ``PeerLost`` as soon as a node of the new group is known lost (its host may be the one gone); the
     client's operations then wait up to ``timeout``, as the group's."""
-    import time
-
     import torch.distributed as dist
-
-    from lightning_bamboo.errors import PeerLost
 
     deadline = time.monotonic() + timeout
     while True:
@@ -76,8 +73,6 @@ def reform_process_group(
     Returns ``(rank, world_size, tcp_store)``; keep the store object alive on rank 0.
     """
     import torch.distributed as dist
-
-    from lightning_bamboo.errors import PeerLost
 
     rank, world = order.index(me), len(order)
     key = JobKeys(job).process_group(generation, tag)

@@ -103,8 +103,7 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
     if session.node in lost:
         # the survivors agreed on a set that names this node (released by an attempt of theirs it had not seen, or
         # taken for lost): they go on without it, so it stands by, to be admitted again, as a released node does
-        log.warning("%s: the survivors' lost set %s names this node; it stands by", session.node, sorted(lost))
-        release(stage, step, "the survivors went on without it")
+        release(stage, step, f"the survivors' lost set {sorted(lost)} names it; they went on without it")
     plan = plan_loss(base["nodes"], base["pipelines"], base["parts"], lost, replicas=stage.config.redundant,
                      kept=base["kept"])
     log.warning("%s: lost %s at step %d; new layout %s (%d pipeline(s)) parts %s%s", session.node, sorted(lost),
