@@ -87,7 +87,9 @@ def test_a_node_frozen_mid_step_is_failed_over_and_leaves_nothing_behind(tmp_pat
     codes = dict(re.findall(r"(node\d)=(-?\d+)", text.split("[launcher] exit codes:")[-1]))
     assert codes == {"node0": "0", "node1": "0", "node2": "-9" if end == "killed" else "1", "node3": "0"}, text[-2000:]
     if end == "continued":
-        assert "Fenced: node2 refuses to go on with its step: its lease may have expired" in text, text[-4000:]
+        # fenced at its next write: its step's check, or the failover it entered announcing its stand-by (timing decides)
+        assert re.search(r"Fenced: node2 refuses to (go on with its step|put \S+/released/\S+): its lease may have "
+                         r"expired", text), text[-4000:]
         assert not re.search(r"CommAborted|[Cc]onnection (closed|reset) by peer", text), text[-4000:]
 
     # every survivor failed over from the freeze (how fast is benchmarks/chaos.py's to judge, with freezes in its
