@@ -97,6 +97,14 @@ def test_when_every_pipeline_lost_a_node_the_fullest_fails_over_alone():
     assert plan.released == ("b1",) and plan.rows == (("a0", "a1", "a2"),)
 
 
+def test_when_every_pipeline_lost_the_same_stage_they_all_fail_over():
+    six = ["a0", "b0", "a1", "b1", "a2", "b2"]  # 2 pipelines x 3 stages
+    plan = plan_loss(six, 2, [0, 2, 5, 8], {"a1", "b1"})  # (a machine holding stage 1 of both)
+    assert plan.order == ("a0", "b0", "a2", "b2") and plan.parts == (0, 5, 8) and plan.pipelines == 2
+    assert plan.released == () and plan.rows == (("a0", "a1", "a2"), ("b0", "b1", "b2"))
+    assert [s.source for s in plan.segments] == ["own", "replica", "own"]  # a0 (b0) serves stage 1 from its replica
+
+
 def test_a_data_parallel_loss_no_pipeline_survives_is_fatal():
     six = ["a0", "b0", "a1", "b1", "a2", "b2"]  # 2 pipelines x 3 stages
     with pytest.raises(FatalLoss, match="every pipeline lost a node"):

@@ -125,17 +125,29 @@ def test_several_pipelines_survive_a_machine_that_hits_each_of_them_without_a_fa
 
 
 def test_a_failover_that_must_pick_a_pipeline_picks_the_one_whose_new_ring_keeps_the_pairs_apart():
-    """Machine m0 held stage 0 of both pipelines; each keeps 3 nodes, so either can fail over (with no data moved).
-    Pipeline 0's new ring (m1.1 runs stage 0, m1.0, m2.0) is a ring of 3, all of whose pairs are fatal, with two
-    nodes on m1; pipeline 1's has three machines. The planner keeps pipeline 1, though pipeline 0 comes first."""
-    grid = [["m0.0", "m1.0", "m2.0", "m1.1"], ["m0.1", "m3.0", "m4.0", "m5.0"]]
+    """Machine m0 held stage 0 of pipeline 0 and stage 2 of pipeline 1; each keeps 3 nodes, in two different layer
+    splits, so only one can fail over (with no data moved). Pipeline 0's new ring (m1.1 runs stage 0, m1.0, m2.0) is
+    a ring of 3, all of whose pairs are fatal, with two nodes on m1; pipeline 1's has three machines. The planner
+    keeps pipeline 1, though pipeline 0 comes first."""
+    grid = [["m0.0", "m1.0", "m2.0", "m1.1"], ["m3.0", "m4.0", "m0.1", "m5.0"]]
     order = [row[s] for s in range(4) for row in grid]
     assert on_one_machine(grid) == []  # m1 holds stages 1 and 3 of pipeline 0: not a fatal pair
     plan = plan_loss(order, 2, [0, 2, 4, 6, 8], {"m0.0", "m0.1"})
-    assert plan.order == ("m5.0", "m3.0", "m4.0") and plan.rows == (tuple(grid[1]),)
+    assert plan.order == ("m3.0", "m4.0", "m5.0") and plan.rows == (tuple(grid[1]),)
     assert plan.released == ("m1.0", "m2.0", "m1.1")
     assert on_one_machine([plan.order]) == []
     assert plan_failover(grid[0], [0, 2, 4, 6, 8], {"m0.0"}).order == ("m1.1", "m1.0", "m2.0")  # the other one
+
+
+def test_a_machine_holding_one_stage_of_every_pipeline_leaves_them_all_failing_over_alike():
+    """Machine m0 held stage 0 of both pipelines: both fail over to the same layer split, so both train on (two
+    pipelines of 3 nodes, nobody released), though pipeline 0's new ring puts a fatal pair on m1: a failover moves no
+    data, and a node released would stand idle until a reconfiguration took it back."""
+    grid = [["m0.0", "m1.0", "m2.0", "m1.1"], ["m0.1", "m3.0", "m4.0", "m5.0"]]
+    order = [row[s] for s in range(4) for row in grid]
+    plan = plan_loss(order, 2, [0, 2, 4, 6, 8], {"m0.0", "m0.1"})
+    assert plan.order == ("m1.1", "m5.0", "m1.0", "m3.0", "m2.0", "m4.0") and plan.pipelines == 2
+    assert plan.parts == (0, 2, 4, 8) and plan.released == () and plan.rows == tuple(map(tuple, grid))
 
 
 # ---------------------------------------------------------------------- the counting rule and the builder

@@ -118,9 +118,11 @@ def test_a_loss_in_one_of_two_interleaved_pipelines_drops_it_and_a_loss_in_both_
     kept = kept_replicas(order, 2, "auto")
     plan = plan_loss(order, 2, (0, 2, 4), {"m0.1"}, kept=kept)
     assert (plan.order, plan.pipelines, plan.released) == (("m1.0", "m1.1"), 1, ("m0.0",))
-    # a node of each pipeline: lazy fails one pipeline over from its replica, auto has none to fail over from
+    # a node of each pipeline: lazy fails both pipelines over from their replicas (alike: every survivor trains on),
+    # auto has none to fail over from
     lost = {"m0.1", "m1.1"}
-    assert plan_loss(order, 2, (0, 2, 4), lost).order == ("m0.0",)
+    plan = plan_loss(order, 2, (0, 2, 4), lost)
+    assert (plan.order, plan.pipelines, plan.parts, plan.released) == (("m0.0", "m1.0"), 2, (0, 4), ())
     with pytest.raises(FatalLoss, match=r"every pipeline lost a node and none can fail over .*stage 1 \(node m0.1\) is "
                                         r"lost and no replica of it is kept"):
         plan_loss(order, 2, (0, 2, 4), lost, kept=kept)

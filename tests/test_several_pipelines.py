@@ -59,6 +59,22 @@ def test_a_pipeline_and_a_node_of_the_other_killed_at_once_add_nothing_to_the_re
     assert chaos.sample_problems(killed["samples"], left["samples"], STEPS) == []
 
 
+def test_a_stage_lost_in_every_pipeline_fails_each_over_and_ends_bit_equal_to_the_clean_run(tmp_path):
+    """node2 and node3 run stage 1 of pipelines 0 and 1 (as a machine holding one stage of every pipeline does); both
+    are killed in step 8. Both pipelines fail over alike from their replicas (node0 and node1 take stage 1 over),
+    nobody is released, and the job trains as two pipelines at every step, as the clean run does: weights and every
+    AdamW tensor bit-equal, every step on the clean run's samples."""
+    killed = demo(tmp_path / "kill", f"node2@{AT},node3@{AT}")
+    clean = demo(tmp_path / "clean", "")
+    (failover,) = killed["report"]["failovers"]
+    assert sorted(failover["lost"]) == ["node2", "node3"] and not failover["released"], failover
+    assert (failover["old_pipelines"], failover["pipelines"]) == (2, 2), failover
+    assert killed["report"]["recoveries"]["redundant"] == 1
+    assert chaos.max_difference(killed["weights"], clean["weights"]) == 0.0
+    assert chaos.max_difference(killed["optimizer"], clean["optimizer"]) == 0.0
+    assert chaos.sample_problems(clean["samples"], killed["samples"], STEPS) == []
+
+
 def test_released_nodes_stand_by_in_their_processes_and_come_back_as_a_pipeline(tmp_path):
     """Three pipelines of two stages (a user's Lightning script under the launcher, ``RebalanceCallback``): node1
     and node2, each of another pipeline, are SIGKILLed in step 8. Their pipelines are dropped and their survivors

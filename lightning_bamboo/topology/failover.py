@@ -142,11 +142,12 @@ def plan_loss(
     Every stage of a whole pipeline is also in every other one, so a pipeline that lost a node is
     dropped and the whole ones train on (no data moves; the global batch stays, each pipeline
     takes more micro-batches); its survivors are released. Only when every pipeline lost a node
-    does one of them fail over on its own (``plan_failover``: the one keeping the most nodes whose
-    lost stages all have a live replica holder, of those the one whose new ring puts the fewest fatal
-    pairs on one ``machine``: a failover moves no data, so that is all it can choose), and the others
-    are released. ``FatalLoss`` when
-    none can. Without ``replicas`` (``redundancy="off"``: a plain pipeline) every loss is fatal, also
+    do they fail over on their own (``plan_failover``), every one whose new pipeline has the same layer split
+    (the pipelines of a layout are alike): a machine holding one stage of every pipeline takes the same stage
+    from each, so they all fail over and every survivor trains on. Where the splits differ, the pipelines of one
+    split are kept: those keeping the most nodes (whose lost stages all have a live replica holder), of those the
+    ones whose new rings put the fewest fatal pairs on one ``machine`` (a failover moves no data, so that is all
+    it can choose); the others' survivors are released. ``FatalLoss`` when none can. Without ``replicas`` (``redundancy="off"``: a plain pipeline) every loss is fatal, also
     with several pipelines: such a job restarts from its checkpoint, as checkpoint-restart systems do.
     ``kept`` (per stage: whether its replica is kept, ``replicas.kept_replicas``; None: every one) limits a
     pipeline's failover to the replicas that exist: under ``redundancy="auto"`` with every stage's copies on two
@@ -171,7 +172,7 @@ def plan_loss(
         released = tuple(n for n in nodes if n not in order and n not in lost)
         return FailoverPlan(order, tuple(parts), segments, len(whole), released, tuple(whole))
     problems, plans = [], []
-    for row in sorted(rows, key=lambda r: -sum(n not in lost for n in r)):
+    for row in rows:
         try:
             plans.append((row, plan_failover(row, parts, lost & set(row), kept)))
         except FatalLoss as err:
@@ -179,10 +180,18 @@ def plan_loss(
     if not plans:
         raise FatalLoss(f"every pipeline lost a node and none can fail over ({'; '.join(problems)}); the run must "
                         "restore its last checkpoint")
-    # of the pipelines keeping the most nodes, the one whose new ring puts the fewest fatal pairs on one machine
-    row, plan = min(plans, key=lambda rp: (-len(rp[1].order), _shared(rp[1].order, machine)))
-    released = tuple(n for n in nodes if n not in plan.order and n not in lost and n not in row)
-    return FailoverPlan(plan.order, plan.parts, plan.segments, 1, released, (row,))
+    # the pipelines that fail over to one layer split, in rank order; of the splits, the one keeping the most nodes,
+    # then the one whose new rings put the fewest fatal pairs on one machine
+    alike: dict[tuple[int, ...], list[tuple[tuple[str, ...], FailoverPlan]]] = {}
+    for row, plan in plans:
+        alike.setdefault(plan.parts, []).append((row, plan))
+    group = min(alike.values(), key=lambda g: (-sum(len(p.order) for _, p in g),
+                                               sum(_shared(p.order, machine) for _, p in g)))
+    depth = len(group[0][1].parts) - 1
+    order = tuple(plan.order[s] for s in range(depth) for _, plan in group)
+    released = tuple(n for n in nodes if n not in order and n not in lost)
+    return FailoverPlan(order, group[0][1].parts, group[0][1].segments, len(group), released,
+                        tuple(row for row, _ in group))
 
 
 def _shared(ring: Sequence[str], machine: Callable[[str], str]) -> int:
