@@ -298,6 +298,28 @@ def test_a_node_released_by_the_failover_that_formed_the_generation_is_offered_a
             spare.stop()
 
 
+def test_the_nodes_a_failover_released_are_offered_to_every_survivor_before_the_next_step(server):
+    """b.0 lost: a.0 and d.0 re-form, their failover released b.1 and c.0 (each stands by in its process). Every
+    survivor gets the same standby list at once, before any commit of the new generation: c.0, not b.1 (its machine
+    just lost a node), nor e.0 (named, but not standing by). A survivor that proposes later gets the first proposal."""
+    with job(server, "offer", ["a.0", "b.0", "b.1", "c.0", "d.0"]) as s:
+        for x in s.values():
+            x.admitting = True
+        for n in ("a.0", "d.0"):
+            assert s[n].decide_lost(("b.0",), s[n].nodes) == {"b.0"}
+        for n in ("b.1", "c.0"):
+            s[n].release()
+            s[n].stand_by()
+        results = on_threads({n: (lambda x=s[n]: x.reform(["a.0", "d.0"])) for n in ("a.0", "d.0")})
+        assert results == {"a.0": (0, 2), "d.0": (1, 2)}, results
+        assert s["a.0"].offer_released({"b.1", "c.0", "e.0"}, step=5) == ["c.0"]
+        s["d.0"]._machine_lost.clear()  # (it would propose b.1 too now: the first proposal stands)
+        assert s["d.0"].offer_released({"b.1", "c.0", "e.0"}, step=5) == ["c.0"]
+        assert s["a.0"].joiners == s["d.0"].joiners == ["c.0"]
+        s["a.0"].admitting = False
+        assert s["a.0"].offer_released({"c.0"}, step=6) == []  # no rebalancer admits standby nodes: none offered
+
+
 def test_a_leaver_that_the_next_layout_does_not_hold_is_not_served_again(server):
     """n1 announces at step 0's commit that it leaves, and the standby list of that commit names n9. The survivors
     re-form without n1 (a restart after a fatal loss, say, before they switched at a step start): n1 is then no

@@ -436,6 +436,22 @@ class Session:
         live = set(self.registry.members().live)
         return sorted(n for n in waiting if n in live)
 
+    def offer_released(self, released: Collection[str], step: int) -> list[str]:
+        """After the failover of ``step`` formed this generation: offer the nodes it ``released`` (their pipeline was
+        dropped) for admission now, before the step is trained, instead of at the next commit. Every survivor
+        proposes those of them that stand by already (their standby key is in the store, so an admission record put
+        from now on is one they wait for) and whose machine lost no node lately (``standby``'s rule); the first
+        proposal put wins, so every node's ``joiners`` are the same list. Returns it (empty when not ``admitting``)."""
+        if not self.admitting or not released:
+            return []
+        now, standing = time.monotonic(), self.standing_by()
+        proposal = sorted(n for n in set(released) & standing if (lost := self._machine_lost.get(machine_of(n))) is None
+                          or now - lost > 3 * self.detection_timeout)
+        _, kv = self.store.put_if_absent(self.keys.agreement("released-standby", self.generation, step),
+                                         json.dumps(proposal))
+        self.joiners = [n for n in json.loads(kv.value) if n not in self.nodes]
+        return self.joiners
+
     def lost_machine(self, nodes: Collection[str]) -> None:
         """``nodes`` were lost: their machines' standby nodes are not offered for a while (see ``standby``)."""
         now = time.monotonic()
@@ -647,7 +663,7 @@ class Session:
         self.nodes = list(order)
         self.leavers &= set(order)  # a leaver the new layout does not hold is served (or the job restarted without it)
         self.joiners = []  # the standby nodes of the last generation's commits: the new one's first commit says again
-        self.detector.stop()
+        self.detector.stop(wait=False)  # (its thread may be inside a store watch: the new one starts now)
         self.detector = self._watch(self.nodes)
         if self.admitting and self.nodes[0] == self.node:
             # the nodes the failover that formed this generation released stand by now, in their processes: they

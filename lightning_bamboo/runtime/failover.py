@@ -92,6 +92,9 @@ def fail_over(stage: NodeStage, err: Exception, step: int, in_flight: bool = Tru
         old_parts=tuple(base["parts"]), old_pipelines=base["pipelines"],
     ))
     log.warning("%s: failover done in %.2f s (rank %d of %d)", session.node, seconds, rank, world)
+    # the nodes it released are offered for admission before the next step is trained (the redone one, or after a
+    # notice the next one), not a commit later: the rebalancer can take them back at once (``PipelineRunner``)
+    session.offer_released(released, step)
     if committed:
         stage.require_stage()[0].last_loss = base["last_loss"]
     return committed

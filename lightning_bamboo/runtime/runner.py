@@ -231,8 +231,9 @@ class PipelineRunner:
 
     def before_step(self, hook: Callable[[PipelineRunner, int], None]) -> Callable[[], None]:
         """Call ``hook(runner, step)`` at the start of every step under membership, once every node of the
-        pipeline is there in the same generation (leavers served): the place to reconfigure. Returns a
-        function that removes the hook."""
+        pipeline is there in the same generation (leavers served): the place to reconfigure. A step that a failover
+        redoes calls it again, in the failover's generation, before the redo, when that failover released nodes it
+        offers for admission at once. Returns a function that removes the hook."""
         self._before_step.append(hook)
         return lambda: self._before_step.remove(hook) if hook in self._before_step else None
 
@@ -304,8 +305,7 @@ class PipelineRunner:
                             in_flight=False)
             session.leavers = set()
         if session is not None and not joined_now:  # (a new node: decided already)
-            for hook in list(self._before_step):
-                hook(self, step)
+            self._run_before_step(step)
         for _ in range(len(session.nodes) if session is not None else 1):
             engine, _layout = self._stage.require_stage()
             self._stage.collect_retired()  # an engine this one replaced: its memory goes before this step
@@ -330,10 +330,20 @@ class PipelineRunner:
                     kept = self._stage.require_stage()[0].last_loss  # the committed step's, kept by the failover
                     assert kept is not None
                     return kept
+                # the step is redone in a new generation. Nodes the failover released and offered at once
+                # (``Session.offer_released``): the hooks decide again first, as after a notice's failover, so they
+                # are taken back before the redo, not a step later; else the survivors redo it first
+                if session.joiners:
+                    self._run_before_step(step)
             finally:
                 if session is not None:
                     faulthandler.cancel_dump_traceback_later()
         raise BambooConfigError(f"step {step} failed over {len(self._stage.require_session().nodes)} times; giving up")
+
+    def _run_before_step(self, step: int) -> None:
+        """The ``before_step`` hooks, for ``step`` in the current generation (their agreements are keyed by it)."""
+        for hook in list(self._before_step):
+            hook(self, step)
 
     def eval_step(self, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (this pipeline's share), with no update."""
