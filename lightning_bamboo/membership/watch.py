@@ -172,10 +172,14 @@ class LossDetector:
         if self.membership is not None:
             self._check(self.membership, self.membership)
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop watching. ``wait``: until the thread has ended (up to a poll, as it may be inside a store call);
+        without, it ends by itself within a poll, and what it sees meanwhile goes to this object alone (a
+        reconfiguration's new detector takes over at once)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.poll + 10.0)
+            if wait:
+                self._thread.join(self.poll + 10.0)
             self._thread = None
 
     def __enter__(self) -> LossDetector:
