@@ -13,7 +13,11 @@ measured floor instead of an assumed tolerance:
 - floor, one ulp: the clean run against itself with one weight one ulp higher at step 0;
 - floor, regrouped: the clean run against the same job on one pipeline from step 0 (every step's
   gradient grouped otherwise: the most regrouping a run can see);
-- a node of every pipeline SIGKILLed at once at step ``--at`` (the pipelines shrink to one);
+- a node of every pipeline SIGKILLed at once at step ``--at``, each of another stage (the pipelines fail over to
+  different layer splits, so one trains on and the others' survivors are released, to be admitted again);
+- a node of every pipeline SIGKILLed at once, all of the same stage (as a machine holding one stage of every
+  pipeline): every pipeline fails over alike and trains on, so the pipelines never change: bit-equal to the clean
+  run;
 - the same, then two machines' worth of nodes joining ``--join-after`` steps later;
 - the reference for the kill: every pipeline but the first leaving with a notice, so that the same
   pipelines train from the same step on, without a kill or a failover from replicas;
@@ -183,8 +187,10 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     pipelines, s = args.nodes // args.stages, args.stages
     # node i starts on stage i // pipelines of pipeline i % pipelines (the demo's layout, column by column):
-    # the second stage of every pipeline is killed; for the reference every pipeline but the first leaves
-    victims = ",".join(f"node{min(1, s - 1) * pipelines + q}@{args.at}" for q in range(pipelines))
+    # pipeline q loses stage (1 + q) % stages (the first pipeline's failover is kept); for the reference every
+    # pipeline but the first leaves. Then the second stage of every pipeline (they all fail over alike)
+    victims = ",".join(f"node{((1 + q) % s) * pipelines + q}@{args.at}" for q in range(pipelines))
+    alike = ",".join(f"node{min(1, s - 1) * pipelines + q}@{args.at}" for q in range(pipelines))
     leavers = ",".join(f"node{n}@{args.at - 1}:3" for n in range(args.nodes) if n % pipelines)
     joiners = ",".join(f"spare{i}@{args.at + args.join_after}" for i in range(1, 3))
     damaged = f"node{min(1, s - 1) * pipelines + pipelines - 1}"  # the second stage of the last pipeline
@@ -199,6 +205,8 @@ def main() -> int:
         "floor: one pipeline from step 0": run_demo(root / "one", s, **common),
         f"kill: a node of every pipeline at step {args.at} ({victims})": run_demo(root / "kill", args.nodes, preempt=victims, **common),
         f"kill, then {joiners} join": run_demo(root / "kill_join", args.nodes, preempt=victims, join=joiners, **common),
+        f"kill: the same stage of every pipeline at step {args.at} ({alike})":
+            run_demo(root / "kill_alike", args.nodes, preempt=alike, **common),
         f"reference: all pipelines but the first leave with a notice at step {args.at - 1} ({leavers})":
             run_demo(root / "leave", args.nodes, preempt=leavers, **common),
         f"one pipeline damaged: {damaged}@{args.at} killed": run_demo(root / "kill_one", args.nodes,
@@ -218,7 +226,10 @@ def main() -> int:
         judged = name.startswith(("kill", "reference", "one pipeline damaged"))
         ok &= r["exit_code"] == 0 and r["steps_completed"] == args.steps and not samples
         ok &= not judged or weights <= floor
-    kill, reference = runs[next(n for n in runs if n.startswith("kill:"))], runs[next(n for n in runs if n.startswith("reference"))]
+    kill, reference = runs[next(n for n in runs if n.startswith("kill: a node"))], runs[next(n for n in runs if n.startswith("reference"))]
+    # every pipeline lost the same stage: they all fail over alike, the pipelines never change, nothing regroups
+    kill_alike = difference(runs[next(n for n in runs if n.startswith("kill: the same stage"))], clean)
+    ok &= kill_alike == (0.0, 0.0)
     kill_vs_reference = (chaos.max_difference(kill["weights"], reference["weights"])
                          if "weights" in kill and "weights" in reference else float("inf"))
     # the kill's released nodes come back as a second pipeline at the step that sees them (timing decides which),
@@ -239,17 +250,19 @@ def main() -> int:
     for row in rows:
         print(f"{row['run'][:78]:<78} {row['exit_code']!s:>4} {row['steps_completed']:>5} {row['weights_difference']:>9.3g} "
               f"{row['optimizer_difference']:>9.3g} {row['over_floor']:>8.3f} {row['sample_problems']:>7}")
-    for name in ("kill", "kill_join"):
+    for name in ("kill", "kill_join", "kill_alike"):
         report = report_of(root / name)
         print(f"capacity, {name}:\n  " + "\n  ".join(capacity(report)))
         print(f"  {idle_spells(report, args.nodes)}")
     print(f"\nnoise floor after {args.steps} steps (the larger of the two floor runs): {floor:.3g}")
     print(f"the kill against its notice reference (one pipeline from the same step; the kill's released nodes train "
           f"a second one from the step they are admitted at): max difference {kill_vs_reference:.3g}")
+    print(f"the same stage of every pipeline killed against the clean run (every pipeline fails over alike): weights "
+          f"{kill_alike[0]:.3g}, optimizer {kill_alike[1]:.3g}")
     print(f"one pipeline damaged, the kill against the same node's notice a step earlier (survivors admitted again at "
           f"steps {admitted[0]} and {admitted[1]}): max difference {one_vs_notice:.3g}")
     print("every fault within the floor, every step on the clean run's samples, every run exit 0, the kill within "
-          "the floor of its reference, the damaged pipeline's kill bit-equal to its notice where the survivors came back "
+          "the floor of its reference, the same stage of every pipeline killed bit-equal to the clean run, the damaged pipeline's kill bit-equal to its notice where the survivors came back "
           f"at the same step (else within the floor): {ok}")
     return 0 if ok else 1
 
