@@ -197,7 +197,9 @@ class Bamboo(Policy):
     With several pipelines, a pipeline that lost a node is dropped and the whole ones train on
     (more micro-batches each; the survivors wait as standby nodes). Only when every pipeline lost a
     node does one of them fail over: each lost node's predecessor, which holds its replica, runs
-    both stages (slower steps), and the others are released. A loss that no pipeline can fail over
+    both stages (slower steps), and the others are released. (The runtime fails over every pipeline that
+    lost the same stages; the traces remove one node at a time, each its own machine, and the first loss
+    in a layout of several pipelines drops its pipeline, so that never arises here.) A loss that no pipeline can fail over
     (a node lost together with its replica holder, or a node already running two stages) is
     fatal: back to the last asynchronous checkpoint and restart. As in the runtime, the released
     survivors of a dropped pipeline stand by in their processes (``runtime/failover.py``'s
