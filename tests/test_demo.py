@@ -179,35 +179,38 @@ def test_two_pipelines_drop_the_damaged_one_and_grow_back(clean, tmp_path):
     assert 0 < len(ran) < STEPS and ran == order(clean_dir, "node0")[-len(ran):]
 
 
-def test_two_pipelines_that_each_lose_a_node_keep_one_failing_over(clean, tmp_path):
+def test_two_pipelines_that_each_lose_a_node_both_fail_over_alike(clean, tmp_path):
     """node2 (pipeline node0 -> node2) and node1 (pipeline node1 -> node3) are killed at once: no pipeline is
-    whole, so node0 serves node2's stage from its replica alone (Bamboo's failover, one pipeline of one
-    node) and node3 is released; back as a standby node it takes the second stage over (rebalance)."""
+    whole, and both fail over to the same layer split, one node holding every layer (node0 from its replica of
+    node2's stage, node3 from its replica of node1's, Bamboo's failover): both train on and nobody is released. The
+    rebalancer then restores redundancy as one pipeline of 2."""
     _, clean_weights = clean
-    # (node3, released at step 4, is back within seconds, as above)
     report, weights = demo(tmp_path, "--stages", "2", "--preempt", "node2@4,node1@4", "--step-delay", "0.5")
     assert report["steps_completed"] == STEPS and report["preemptions"] == 2
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
     (failover,) = report["failovers"]
-    assert failover["lost"] == ["node1", "node2"] and failover["released"] == ["node3"]
-    assert failover["order"] == ["node0"] and failover["rows"] == [["node0", "node2"]]
+    assert failover["lost"] == ["node1", "node2"] and failover["released"] == []
+    assert failover["order"] == ["node0", "node3"] and failover["pipelines"] == 2
+    assert failover["rows"] == [["node0", "node2"], ["node1", "node3"]]
     (back,) = report["reconfigurations"]
-    assert back["reason"].startswith("rebalance") and back["order"] == ["node0", "node3"]
+    assert back["reason"].startswith("restore_redundancy") and back["order"] == ["node0", "node3"]
     assert max_abs_diff(weights, clean_weights) <= 1e-5
 
 
 def test_two_pipelines_of_three_that_each_lose_a_node_train_every_survivor_as_two_of_two(clean, tmp_path):
     """6 nodes as 2 pipelines of 3 (node0 -> node2 -> node4, node1 -> node3 -> node5); node2 and node3 are killed at
-    step 4. One pipeline fails over and the other's survivors are released; once they stand by, the four usable nodes
-    train as two pipelines of 2 (the policy's ``shape_for``), not as one of 3 beside an idle node."""
+    step 4. One pipeline fails over and the other's survivors are released; admitted back at once, the four usable
+    nodes train as two pipelines of 2 (the policy's ``shape_for``), not as one of 3 beside an idle node."""
     _, clean_weights = clean
-    report, weights = demo(tmp_path, "--stages", "3", "--preempt", "node2@4,node3@4", "--step-delay", "0.5", nodes=6)
+    report, weights = demo(tmp_path, "--stages", "3", "--preempt", "node2@4,node5@4", "--step-delay", "0.5", nodes=6)
     assert report["steps_completed"] == STEPS and report["preemptions"] == 2
     assert report["recoveries"] == {"redundant": 1, "checkpoint": 0, "restart": 0}
     (failover,) = report["failovers"]
-    assert sorted(failover["lost"]) == ["node2", "node3"] and len(failover["released"]) == 2
+    # pipeline 0 loses its stage 1, pipeline 1 its stage 2: their failovers split the layers differently
+    assert sorted(failover["lost"]) == ["node2", "node5"] and failover["pipelines"] == 1
+    assert len(failover["released"]) == 2
     last = report["reconfigurations"][-1]
-    assert set(last["order"]) == {"node0", "node1", "node4", "node5"} and len(last["parts"]) == 3  # 2 x 2
+    assert set(last["order"]) == {"node0", "node1", "node3", "node4"} and len(last["parts"]) == 3  # 2 x 2
     assert report["nodes_at_end"] == 4
     assert max_abs_diff(weights, clean_weights) <= 1e-5
 
