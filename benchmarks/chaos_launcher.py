@@ -466,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         spells = idle_spells(run)
         print(f"    live workers idle over {IDLE_SECONDS:g} s: " + (", ".join(
             f"{node} {seconds:.1f} s {where}" for seconds, node, where in spells) or "none"), flush=True)
+        longest = idle_spells(run, longer_than=0.0)[:1]
+        print("    the longest spell of a live worker without a step: " + (
+            "; ".join(f"{seconds:.2f} s, {node} {where}" for seconds, node, where in longest) or "none"), flush=True)
         starts = start_ups(run)
         if starts:
             print("    a joined machine's workers: from its supervisor's start to their script's start (not live "
