@@ -271,6 +271,41 @@ def test_a_standby_node_that_stops_answering_or_whose_machine_lost_a_node_is_not
                 spare.stop()
 
 
+def test_a_machine_s_standby_workers_are_offered_together_or_after_a_bound(server, monkeypatch):
+    """A supervisor of ``--workers 2`` registers each worker with its machine's count: the first node holds a
+    machine's standby workers back until every one of them stands by (or is in the layout), so that one
+    reconfiguration admits them all, not one a step after the other; a worker that never comes delays its mate
+    ``MACHINE_GATHER_SECONDS`` only."""
+    monkeypatch.setattr(session_module, "MACHINE_GATHER_SECONDS", 0.5)  # (1 s in a job)
+
+    def spare(name: str) -> Session:
+        node = session(server, "gather", name, [], joining=True, machine_workers=2).open()
+        node.store.put(node.keys.standby(name), "2")  # it answers (a refresh, as ``wait_admission`` puts)
+        return node
+
+    with job(server, "gather", ["m0.0", "m1.0"]) as s:
+        first, spares = s["m0.0"], [spare("m2.0")]
+        try:
+            first.standby()
+            spares[0].store.put(spares[0].keys.standby("m2.0"), "3")
+            assert first.standby() == []  # m2.1 has not registered yet: m2.0 waits for it
+            spares.append(spare("m2.1"))
+            assert first.standby() == ["m2.0", "m2.1"]  # both in one list: one admission
+            spares.append(spare("m3.0"))  # m3.1 never starts: m3.0 is offered once the bound has passed
+            held = time.monotonic()
+            assert "m3.0" not in first.standby()
+            while "m3.0" not in first.standby():
+                assert time.monotonic() - held < 5.0, "m3.0 was never offered"
+                threading.Event().wait(0.05)
+            assert time.monotonic() - held >= session_module.MACHINE_GATHER_SECONDS - 0.05
+            # a worker whose machine-mate is in the layout already (its other worker trains) is not held back
+            spares.append(spare("m1.1"))
+            assert "m1.1" in first.standby()
+        finally:
+            for node in spares:
+                node.stop()
+
+
 def test_a_node_released_by_the_failover_that_formed_the_generation_is_offered_at_first_sight(server):
     """n1 lost: n0 and n2 re-form without n3, whom the failover released (it stands by in its process). The layout's
     first node offers n3 at the first commit that sees its standby key, not a commit later as a node first seen

@@ -38,6 +38,12 @@ STANDBY_FRESH_SECONDS = 3.0
 #: how often a standby node puts its key while it waits: the running nodes offer it for admission once they have seen
 #: the key change (it answers), so a node released or joining is offered this soon after it stands by
 STANDBY_BEAT_SECONDS = 0.25
+#: how long the first node holds back the standby workers of a machine while the rest of that machine's workers (as
+#: many as its registration says its supervisor starts) have not stood by yet, so that one reconfiguration admits them
+#: all; past it, those that stand by are offered as they are (a worker that never starts delays its mates this long)
+MACHINE_GATHER_SECONDS = 1.0
+#: the registration's field that says how many workers the node's supervisor starts on its machine (``--workers K``)
+MACHINE_WORKERS_KEY = "machine_workers"
 
 
 class GroupFormer(Protocol):
@@ -53,6 +59,21 @@ class GroupFormer(Protocol):
                tag: str, gone: Callable[[], Collection[str]]) -> tuple[int, int]: ...
 
     def abort(self) -> None: ...
+
+
+def _machine_workers() -> int:
+    """How many workers this process's supervisor starts on its machine (the launcher's ``LOCAL_WORLD_SIZE``)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _workers_of(meta: Any) -> int:
+    """The machine's worker count a registration's ``meta`` states (1 when it states none it may: the store may be
+    written by others than the job, so a value that is not a small positive integer counts as none)."""
+    value = meta.get(MACHINE_WORKERS_KEY) if isinstance(meta, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096 else 1
 
 
 def launched_by_bamboo() -> bool:
@@ -94,7 +115,7 @@ class Session:
     def __init__(
         self, store: Store, job: str, node: str, nodes: Sequence[str], *, groups: GroupFormer,
         detection_timeout: float, rendezvous_timeout: float, joining: bool = False,
-        leave_requested: Callable[[], bool] = lambda: False, url: str = "", alive: str = "",
+        leave_requested: Callable[[], bool] = lambda: False, url: str = "", alive: str = "", machine_workers: int = 1,
     ) -> None:
         self.keys = JobKeys(job)
         self.url = url or str(getattr(store, "url", ""))
@@ -111,8 +132,10 @@ class Session:
         #: this node's liveness port (``membership.liveness``), published with its registration; empty: none
         self.alive = alive
         self._reachable: set[str] = set()  # the peers' liveness ports that answered this node (``learn_reachable``)
-        self.registry = Registry(store, job, node, ttl=max(1.0, detection_timeout * 0.8),
-                                 meta={liveness.META_KEY: alive} if alive else None)
+        meta: dict[str, Any] = {liveness.META_KEY: alive} if alive else {}
+        if machine_workers > 1 and machine_of(node) != node:  # ``NAME.i``: one of the workers of machine NAME
+            meta[MACHINE_WORKERS_KEY] = machine_workers
+        self.registry = Registry(store, job, node, ttl=max(1.0, detection_timeout * 0.8), meta=meta or None)
         #: every write goes through the fence: nothing is written once this node may be declared lost
         self.store: Any = FencedStore(store, self.registry)
         self.failovers: list[Failover | Restart] = []
@@ -127,6 +150,7 @@ class Session:
         self._machine_lost: dict[str, float] = {}  # machine -> when a node of it was last lost (``lost_machine``)
         self._released_now: set[str] = set()  # released by the failover that formed this generation (``standby``)
         self._standby_looked: tuple[int, float] | None = None  # (store revision, when) of the last ``standby`` look
+        self._gathering: dict[str, float] = {}  # machine -> when its standby workers were first held back for the rest
 
     @classmethod
     def from_environment(
@@ -147,7 +171,7 @@ class Session:
         session = cls(store, os.environ.get(JOB_ENV, "bamboo"), node, nodes, groups=groups,
                       detection_timeout=detection_timeout, rendezvous_timeout=rendezvous_timeout,
                       joining=joining(), leave_requested=leave_requested, url=url,
-                      alive=liveness.listener(node_address()).address)
+                      alive=liveness.listener(node_address()).address, machine_workers=_machine_workers())
         return session.open()
 
     def open(self) -> Session:
@@ -432,9 +456,36 @@ class Session:
                     lost is None or now - lost > 3 * self.detection_timeout):
                 waiting.append(node)
         if not waiting:
+            self._gathering.clear()
             return []
-        live = set(self.registry.members().live)
-        return sorted(n for n in waiting if n in live)
+        members = self.registry.members()
+        live = set(members.live)
+        return self._gathered(sorted(n for n in waiting if n in live), members, now)
+
+    def _gathered(self, ready: list[str], members: Membership, now: float) -> list[str]:
+        """``ready`` less the workers of a machine whose other workers (as many as its registrations say its
+        supervisor starts) are neither in the layout nor among ``ready`` yet, for at most ``MACHINE_GATHER_SECONDS``
+        from when that machine was first held back: a machine's workers start together, and one reconfiguration
+        admitting them all saves the job a second one a step later."""
+        machines: dict[str, list[str]] = {}
+        for node in ready:
+            machines.setdefault(machine_of(node), []).append(node)
+        for machine in set(self._gathering) - set(machines):
+            del self._gathering[machine]  # its workers were admitted, or stopped waiting
+        offered = []
+        for machine, workers in machines.items():
+            expected = max((_workers_of(info.meta) for name, info in members.nodes.items()
+                            if machine_of(name) == machine), default=1)
+            present = len(workers) + sum(1 for n in self.nodes if machine_of(n) == machine)
+            if present < expected:
+                since = self._gathering.setdefault(machine, now)
+                if now - since < MACHINE_GATHER_SECONDS:
+                    continue
+                log.info("%s: machine %s has %d of its %d workers standing by after %.1f s; offering %s", self.node,
+                         machine, present, expected, now - since, workers)
+            self._gathering.pop(machine, None)
+            offered += workers
+        return sorted(offered)
 
     def offer_released(self, released: Collection[str], step: int) -> list[str]:
         """After the failover of ``step`` formed this generation: offer the nodes it ``released`` (their pipeline was
