@@ -52,13 +52,14 @@ def test_the_replica_update_goes_where_the_schedule_puts_it(stages):
 def test_off_two_stages_by_hand():
     first, last = pipeline_memory(LAYERS, (0, 2, 4), 4, settings=PLAIN)
     # stage 0: weights 800, AdamW state 1600, gradients 800; 2 micro-batches in flight of 2000 saved + 10 out; a
-    # backward's working set 2 x 10; transfer buffers of its output, sent and received: 2 x 4096
-    assert _phases(first) == {"forward-backward": 1000 + 800 + 1600 + 2 * SLAB + 800 + 2 * 2010 + 20,
+    # backward's working set 2 x 10; from the second micro-batch on a gradient of the largest tensor (4 x 60) made
+    # whole before it is added to the one so far; transfer buffers of its output, sent and received: 2 x 4096
+    assert _phases(first) == {"forward-backward": 1000 + 800 + 1600 + 2 * SLAB + 800 + 2 * 2010 + 20 + 240,
                               "update": 1000 + 800 + 1600 + 2 * SLAB + 800 + 2 * 4 * 60}
     assert first.peak.name == "forward-backward" and first.replica_stage is None
     # the last stage: one micro-batch in flight (2000 saved, its input 10, output 10 and the loss's 10); the last
     # micro-batch's output and loss input kept, 20; the working set 2 x 10 + 2 x 10 for the loss
-    assert _phases(last) == {"forward-backward": 1000 + 800 + 1600 + 2 * SLAB + 20 + 800 + 2030 + 40,
+    assert _phases(last) == {"forward-backward": 1000 + 800 + 1600 + 2 * SLAB + 20 + 800 + 2030 + 40 + 240,
                              "update": 1000 + 800 + 1600 + 2 * SLAB + 20 + 800 + 480}
 
 
@@ -69,16 +70,16 @@ def test_lazy_two_stages_through_shared_memory_by_hand():
     base = 1000 + 2 * (800 + 1600) + 2 * SLAB + 2 * 1600
     # stage 0 updates its replica before its first gradient (the warm-up's 2 micro-batches in flight); its own
     # gradients are views of their half from its last backward on (one micro-batch still in flight then)
-    assert _phases(first) == {"forward-backward": base + 800 + 2 * 2010 + 20,
+    assert _phases(first) == {"forward-backward": base + 800 + 2 * 2010 + 20 + 240,
                               "write-ahead": base + 800 + 2010 + 20,
                               "replica update": base + 2 * 2010 + 480,
                               "update": base + 480}
-    assert (first.peak.name, first.peak_bytes, first.replica_stage) == ("forward-backward", base + 4840, 1)
+    assert (first.peak.name, first.peak_bytes, first.replica_stage) == ("forward-backward", base + 5080, 1)
     # stage 1 (last): updates at the end, before its ship; the ship copies its gradients into their half
     base = base + 20
-    assert _phases(last) == {"forward-backward": base + 800 + 2070, "replica update": base + 800 + 480,
+    assert _phases(last) == {"forward-backward": base + 800 + 2070 + 240, "replica update": base + 800 + 480,
                              "ship": base + 800, "update": base + 800 + 480}
-    assert last.peak.by_owner() == {"stage": 800 + 1600 + 800, "replica": 2400, "activations": 20 + 2070,
+    assert last.peak.by_owner() == {"stage": 800 + 1600 + 800 + 240, "replica": 2400, "activations": 20 + 2070,
                                     "buffers": 2 * SLAB + 3200, "communication process": 0, "baseline": 1000}
 
 
@@ -158,3 +159,14 @@ def test_the_planner_counts_an_updates_temporaries_and_reports_every_nodes_memor
     assert first["total_bytes"] == sum(first["owners"].values())
     assert Plan.from_json(chosen.to_json()).node_memory == chosen.node_memory
     assert chosen.format_memory().startswith("  node 0: ")
+
+
+def test_a_gradient_is_accumulated_only_from_the_second_micro_batch_on():
+    """Autograd makes the next micro-batch's gradient of a parameter whole, then adds it to the one so far: with one
+    micro-batch there is nothing to add to, with two the largest parameter's (4 x 60 bytes) is in the working set."""
+    def accumulating(micro_batches):
+        node = node_memory(LAYERS, (0, 2, 4), 0, micro_batches, settings=PLAIN)
+        phase = next(p for p in node.phases if p.name == "forward-backward")
+        return sum(item.bytes for item in phase.items if "accumulated" in item.what)
+
+    assert (accumulating(1), accumulating(2), accumulating(8)) == (0, 240, 240)

@@ -7,7 +7,9 @@ What a worker holds, in the moments of a step that need the most (its *phases*; 
   state; ``min(m, p - k)`` micro-batches in flight on stage ``k`` of ``p``, each keeping the activations its layers
   saved for backward, the stage's input and output (the last stage also the loss's log-softmax of its output); one
   backward's working set (the gradients into and out of a layer: twice the stage's largest output, twice more for the
-  loss); eager's kept redundant forwards; the buffers below.
+  loss); from the second micro-batch on, the new gradient of the largest parameter, made whole before autograd adds it
+  to the one so far (a tied embedding's: its whole table, for every micro-batch's backward); eager's kept redundant
+  forwards; the buffers below.
 - **update**: the activations are freed and given back (``engine.heap``); the optimizer allocates its temporaries
   (torch's single-tensor AdamW: two tensors of the largest parameter's size, ``optimizer_temporaries``).
 - **replica update**: the same for the replica's largest parameter, at the program's ``U``: before the first gradient
@@ -287,8 +289,11 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
     # the own gradients at the step's end: views of their half (counted above) but on the last stage
     written = grads if last or not shared else []
 
+    largest = max((layers[i].largest for i in mine), default=0)
     flight = [Item("activations", f"{in_flight} micro-batch(es) in flight", in_flight * per_micro_batch),
               Item("activations", "one backward's working set", once)]
+    if m > 1:  # autograd accumulates: the next micro-batch's gradient of a parameter is whole before it is added
+        flight.append(Item("stage", "a gradient being accumulated (the largest parameter's)", 4 * largest))
     if eager and redundant:
         forwards = m if eager_forwards is None else eager_forwards
         successor_act, _ = stage_activations(layers, held, successor == p - 1)
@@ -303,7 +308,6 @@ def node_memory(layers: Sequence[LayerMemory], parts: Sequence[int], stage: int,
         reduce.append(Item("stage", "all-reduce's flat bucket", 4 * own))
     if reduce:
         phases.append(Phase("gradient reduction", tuple(base + written + reduce)))
-    largest = max((layers[i].largest for i in mine), default=0)
     if rep:
         rep_temps = [Item("replica", "update's temporaries",
                           temps * 4 * max((layers[i].largest for i in held), default=0))]
