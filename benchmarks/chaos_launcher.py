@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -478,10 +479,12 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"    PROBLEM: {problem}", flush=True)
     runs = args.seeds
+    if args.keep is None and not failed:  # nothing to look into: the runs' files (tens of MB) go
+        shutil.rmtree(root, ignore_errors=True)
     print(f"\npipelines {args.pipelines} ({stages} stages), {runs} runs of {args.steps} steps, "
           f"{'scenario ' + args.scenario if args.scenario else f'{args.changes} changes each'}"
           f"{', etcd with TLS, client certificates and authentication' if args.secure else ''}: {failed} failed; "
-          f"files in {root}")
+          + (f"files in {root}" if root.exists() else "files removed (--keep DIR keeps them)"))
     return 1 if failed else 0
 
 
