@@ -271,6 +271,19 @@ def test_a_standby_node_that_stops_answering_or_whose_machine_lost_a_node_is_not
                 spare.stop()
 
 
+def test_a_machine_s_worker_count_comes_from_its_supervisor_and_a_forged_one_counts_as_none(monkeypatch):
+    """The count is the launcher's ``LOCAL_WORLD_SIZE`` (1 when unset or not a number); read back from a registration,
+    anything but a small positive integer counts as 1 (the store may be written by others than the job)."""
+    for value, count in (("2", 2), ("0", 1), ("two", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+        assert session_module._machine_workers() == count
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert session_module._machine_workers() == 1
+    key = session_module.MACHINE_WORKERS_KEY
+    assert [session_module._workers_of(meta) for meta in ({key: 2}, {key: True}, {key: "2"}, {key: 10**9}, {}, None)] \
+        == [2, 1, 1, 1, 1, 1]
+
+
 def test_a_machine_s_standby_workers_are_offered_together_or_after_a_bound(server, monkeypatch):
     """A supervisor of ``--workers 2`` registers each worker with its machine's count: the first node holds a
     machine's standby workers back until every one of them stands by (or is in the layout), so that one
