@@ -198,9 +198,10 @@ def test_two_pipelines_that_each_lose_a_node_both_fail_over_alike(clean, tmp_pat
 
 
 def test_two_pipelines_of_three_that_each_lose_a_node_train_every_survivor_as_two_of_two(clean, tmp_path):
-    """6 nodes as 2 pipelines of 3 (node0 -> node2 -> node4, node1 -> node3 -> node5); node2 and node3 are killed at
-    step 4. One pipeline fails over and the other's survivors are released; admitted back at once, the four usable
-    nodes train as two pipelines of 2 (the policy's ``shape_for``), not as one of 3 beside an idle node."""
+    """6 nodes as 2 pipelines of 3 (node0 -> node2 -> node4, node1 -> node3 -> node5); node2 and node5 (different
+    stages) are killed at step 4. One pipeline fails over and the other's survivors are released; admitted back at
+    once, the four usable nodes train as two pipelines of 2 (the policy's ``shape_for``), not as one of 3 beside an
+    idle node."""
     _, clean_weights = clean
     report, weights = demo(tmp_path, "--stages", "3", "--preempt", "node2@4,node5@4", "--step-delay", "0.5", nodes=6)
     assert report["steps_completed"] == STEPS and report["preemptions"] == 2
