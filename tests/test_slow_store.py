@@ -71,13 +71,15 @@ def store_server(backend: str) -> Iterator[tuple[str, int]]:
 
 @contextmanager
 def paused(pid: int, seconds: float) -> Iterator[threading.Event]:
-    """Pause process ``pid`` now and continue it ``seconds`` later from a thread; the event is set once it is
-    continued. Leaving the block waits for that (it is always continued)."""
+    """Pause process ``pid`` now and continue it ``seconds`` later from a thread; the event is set just before it
+    is continued, so an answer the process sends after it resumes always finds the event set (set after the signal,
+    a loaded machine could run the process's answer before the timer thread got back to set it). Leaving the block
+    waits for that (it is always continued)."""
     resumed = threading.Event()
 
     def resume() -> None:
-        os.kill(pid, signal.SIGCONT)
         resumed.set()
+        os.kill(pid, signal.SIGCONT)
 
     timer = threading.Timer(seconds, resume)
     os.kill(pid, signal.SIGSTOP)
@@ -103,7 +105,7 @@ def test_a_request_sent_while_the_store_is_paused_is_answered_once_it_resumes(
                 answered_after_resume = resumed.is_set()
             assert change.events == () and change.revision >= rev
             assert kv is not None and kv.value == "1"
-            assert answered_after_resume  # the get was held by the pause, not answered before it
+            assert answered_after_resume  # the get was held by the pause, not answered before its end
             assert f"{url} is slow" in caplog.text
             store.put(prefix + "after", "2")  # and the client goes on as before
             assert [e.key for e in store.wait_for_change(prefix, rev, 5.0).events] == [prefix + "after"]
