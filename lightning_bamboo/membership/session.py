@@ -44,6 +44,9 @@ STANDBY_BEAT_SECONDS = 0.25
 MACHINE_GATHER_SECONDS = 1.0
 #: the registration's field that says how many workers the node's supervisor starts on its machine (``--workers K``)
 MACHINE_WORKERS_KEY = "machine_workers"
+#: the value of a ``released/<generation>/<node>`` key put by a survivor that a restart's shape has no place for
+#: (``Session.release(left_out=True)``); a released node puts ``1``
+LEFT_OUT = "left-out"
 
 
 class GroupFormer(Protocol):
@@ -746,15 +749,22 @@ class Session:
             return
         self.store.check(what)
 
-    def release(self) -> None:
-        """Say that this node leaves the layout of the next generation released, not lost (see ``released``)."""
-        self.store.put(self.keys.released(self.generation + 1, self.node), "1")
+    def release(self, left_out: bool = False) -> None:
+        """Say that this node leaves the layout of the next generation released, not lost (see ``released``).
 
-    def released(self, generation: int | None = None) -> set[str]:
+        ``left_out``: a survivor that a restart's shape has no place for (``runtime.restart``). Every survivor
+        computes that shape from the agreed lost set alone, so such a mark must not change the count it is computed
+        from (``released(..., left_out=False)`` skips it); the rendezvous still counts it as away, so a retry whose
+        shape has room for it again (another node lost inside the restart) agrees on a set without it at once
+        instead of waiting for it the whole rendezvous timeout."""
+        self.store.put(self.keys.released(self.generation + 1, self.node), LEFT_OUT if left_out else "1")
+
+    def released(self, generation: int | None = None, left_out: bool = True) -> set[str]:
         """The nodes released from the layout of ``generation`` (default: the current one, read after the failover
-        that formed it; ``generation + 1`` while a failover or a restart forms the next)."""
+        that formed it; ``generation + 1`` while a failover or a restart forms the next); without those a restart
+        left out where ``left_out`` is False."""
         prefix = self.keys.released(self.generation if generation is None else generation)
-        return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs}
+        return {kv.key[len(prefix):] for kv in self.store.get_prefix(prefix).kvs if left_out or kv.value != LEFT_OUT}
 
     def record_failover(self, record: Failover | Restart) -> None:
         """Keep ``record``; the layout's first node also puts it in the store (``failovers/<generation>``)."""

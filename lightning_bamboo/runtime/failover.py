@@ -138,13 +138,12 @@ def _fail_over_once(stage: NodeStage, base: _Captured, suspected: set[str], step
     return plan, rank, world
 
 def release(stage: NodeStage, step: int, why: str = "its pipeline lost a node; the whole pipelines train on",
-            announce: bool = True) -> NoReturn:
+            left_out: bool = False) -> NoReturn:
     """Leave the layout (this node's pipeline was dropped, or the others' recovery at ``step`` went on without it:
-    ``why``) and stand by in this process (``Released``), to be admitted again as any standby node is. ``announce``:
-    say in the store that it was released, not lost (``Session.release``; not where the others decided without it)."""
+    ``why``) and stand by in this process (``Released``), to be admitted again as any standby node is; the store says
+    it was released, not lost (``Session.release``, ``left_out`` by a restart's shape)."""
     session = stage.require_session()
     log.warning("%s: released at step %d (%s); it stands by in its process", session.node, step, why)
-    if announce:
-        session.release()
+    session.release(left_out)
     stage.stand_by()
     raise Released(f"{session.node} was released at step {step}: {why}")

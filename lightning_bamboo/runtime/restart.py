@@ -23,6 +23,7 @@ from lightning_bamboo.errors import BambooError, FatalLoss, PeerLost
 from lightning_bamboo.membership.collectives import BarrierTimeoutError
 from lightning_bamboo.membership.records import Restart
 from lightning_bamboo.runtime.failover import release
+from lightning_bamboo.runtime.session import Session
 from lightning_bamboo.runtime.stage import NodeStage
 from lightning_bamboo.topology.apart import order_of, rows_of
 from lightning_bamboo.topology.failover import layout_tag
@@ -86,22 +87,10 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     before = list(session.nodes)
 
     def attempt(suspected: set[str]) -> tuple[int, int, int, list[str]]:
-        lost = session.decide_lost(tuple(suspected), before)  # the set the fatal failover agreed on, or larger
-        # Nodes that stand by, waiting for an admission (the rebalancer admits them once the job runs again), are
-        # not in the restart: a survivor released by the failover that a loss inside it made fatal (in ``lost``
-        # when this node's attempt saw it, else by its key: it acted on the smaller set before the loss inside was
-        # seen), and the joiners of a reconfiguration the loss interrupted (``err.standing``)
-        away = set(err.standing) | session.released(session.generation + 1)
-        order = [n for n in before if n not in lost and n not in away]
-        if session.node not in order:
-            release(stage, step, "the restart after a fatal loss goes on without it: "
-                    + ("the survivors' lost set names it" if session.node in lost else "it stood by when the loss came"))
-        pipelines, stages = _shape(stage, len(order))  # (decided after the membership: a stand-by needs no stage)
-        # the survivors the shape has no place for (the last in rank order) stand by; they say nothing in the store,
-        # so every survivor computes this same shape from the same agreed set, whenever it reads
-        if session.node in order[pipelines * stages:]:
-            release(stage, step, f"the restarted layout of {pipelines} x {stages} has no place for it", announce=False)
-        order = restart_order(order[: pipelines * stages], stages, stage.config.redundancy)
+        order, stages, why = restart_layout(session, before, suspected, err.standing,
+                                            lambda survivors: _shape(stage, survivors), stage.config.redundancy)
+        if why is not None:
+            release(stage, step, why.reason, left_out=why.left_out)
         return (*session.reform(order, tag=layout_tag(order)), stages, order)
 
     rank, world, stages, order = session.until_agreed(
@@ -112,6 +101,41 @@ def reform_after_fatal_loss(stage: NodeStage, err: FatalLoss, step: int) -> Pend
     stage.assign(stages)
     return PendingRestart(lost=tuple(sorted(set(before) - set(order))), order=tuple(order), stages=stages, rank=rank,
                           world=world, step=step, reason=str(err), started=started)
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """Why a survivor has no place in the restarted layout; ``left_out``: the shape had none (not the membership)."""
+
+    reason: str
+    left_out: bool = False
+
+
+def restart_layout(session: Session, before: Sequence[str], suspected: set[str], standing: Iterable[str],
+                   shape: Callable[[int], tuple[int, int]], redundancy: str) -> tuple[list[str], int, LeftOut | None]:
+    """One attempt's ``(order, stages, None)`` of the restarted layout, or ``([], 0, why)`` for a node that has no
+    place in it and stands by: the layout of ``before`` (the old one, in rank order) without the agreed lost set
+    (``suspected`` added to it) and the nodes that stand by, waiting for an admission (the rebalancer admits them
+    once the job trains again): a survivor released by the failover that a loss inside it made fatal (in the lost
+    set when this node's attempt saw it, else by its key: it acted on the smaller set before the loss inside was
+    seen), and the joiners of a reconfiguration the loss interrupted (``standing``). ``shape(survivors)``: the
+    ``(pipelines, depth)`` they restart as (:func:`restart_shape`), asked only of a node that has a place.
+
+    Every survivor computes the same layout from the same agreed set, whenever it reads: the survivors the shape has
+    no place for (the last in rank order) say so with a mark (``Session.release(left_out=True)``) that the count of
+    survivors skips. The rendezvous counts it: a retry whose shape would hold one of them again (a node lost inside
+    the restart) agrees at once on a set without it, as it does for a released node."""
+    lost = session.decide_lost(tuple(suspected), list(before))
+    away = set(standing) | session.released(session.generation + 1, left_out=False)
+    order = [n for n in before if n not in lost and n not in away]
+    if session.node not in order:
+        return [], 0, LeftOut("the restart after a fatal loss goes on without it: "
+                              + ("the survivors' lost set names it" if session.node in lost
+                                 else "it stood by when the loss came"))
+    pipelines, stages = shape(len(order))  # (decided after the membership: a stand-by needs no stage)
+    if session.node in order[pipelines * stages:]:
+        return [], 0, LeftOut(f"the restarted layout of {pipelines} x {stages} has no place for it", left_out=True)
+    return restart_order(order[: pipelines * stages], stages, redundancy), stages, None
 
 
 def _shape(stage: NodeStage, survivors: int) -> tuple[int, int]:
