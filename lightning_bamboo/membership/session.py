@@ -149,8 +149,9 @@ class Session:
         self._collectives: dict[int, int] = {}  # generation -> collectives begun (see gather)
         self._collectives_dropped = 0  # generations below this have no collective keys left
         self._standing_since = 0  # the store's revision when this node registered as standby (see ``open``)
-        self._standby_seen: dict[str, tuple[int, float | None]] = {}  # standby -> (key revision, when it changed)
-        self._machine_lost: dict[str, float] = {}  # machine -> when a node of it was last lost (``lost_machine``)
+        # standby -> (key revision, when it changed, the revision seen before it: 0 when none)
+        self._standby_seen: dict[str, tuple[int, float | None, int]] = {}
+        self._machine_lost: dict[str, int] = {}  # machine -> the store's revision once a node of it was decided lost
         self._released_now: set[str] = set()  # released by the failover that formed this generation (``standby``)
         self._standby_looked: tuple[int, float] | None = None  # (store revision, when) of the last ``standby`` look
         self._gathering: dict[str, float] = {}  # machine -> when its standby workers were first held back for the rest
@@ -434,8 +435,8 @@ class Session:
         Called at every commit on the first node: the membership is read only when a standby key exists. A standby
         node refreshes its key while it waits (``wait_admission``); one whose key has not changed for
         ``STANDBY_FRESH_SECONDS`` of this node's clock (cut off, frozen: its lease may not have run out yet), or
-        whose machine lost a node in the last ``3 x detection timeout`` (``lost_machine``), is not offered: an
-        admission of it would be a reconfiguration with a node that cannot come.
+        whose machine lost a node, until it is seen alive after that loss (``_alive_after_loss``), is not offered:
+        an admission of it would be a reconfiguration with a node that cannot come.
         """
         now = time.monotonic()
         waiting = []
@@ -452,11 +453,9 @@ class Session:
                 # since the last look, or the failover that formed this generation released it a moment ago
                 answered = seen is not None or node in self._released_now or (
                     since is not None and kv.mod_revision > since)
-                self._standby_seen[node] = (kv.mod_revision, now if answered else None)
+                self._standby_seen[node] = (kv.mod_revision, now if answered else None, seen[0] if seen else 0)
             changed = self._standby_seen[node][1]
-            lost = self._machine_lost.get(machine_of(node))
-            if changed is not None and now - changed <= STANDBY_FRESH_SECONDS and (
-                    lost is None or now - lost > 3 * self.detection_timeout):
+            if changed is not None and now - changed <= STANDBY_FRESH_SECONDS and self._alive_after_loss(node):
                 waiting.append(node)
         if not waiting:
             self._gathering.clear()
@@ -498,19 +497,33 @@ class Session:
         proposal put wins, so every node's ``joiners`` are the same list. Returns it (empty when not ``admitting``)."""
         if not self.admitting or not released:
             return []
-        now, standing = time.monotonic(), self.standing_by()
-        proposal = sorted(n for n in set(released) & standing if (lost := self._machine_lost.get(machine_of(n))) is None
-                          or now - lost > 3 * self.detection_timeout)
+        standing = self.standing_by()
+        proposal = sorted(n for n in set(released) & standing if self._alive_after_loss(n))
         _, kv = self.store.put_if_absent(self.keys.agreement("released-standby", self.generation, step),
                                          json.dumps(proposal))
         self.joiners = [n for n in json.loads(kv.value) if n not in self.nodes]
         return self.joiners
 
     def lost_machine(self, nodes: Collection[str]) -> None:
-        """``nodes`` were lost: their machines' standby nodes are not offered for a while (see ``standby``)."""
-        now = time.monotonic()
-        for node in nodes:
-            self._machine_lost[machine_of(node)] = now
+        """``nodes`` were lost: their machines' standby nodes are not offered until each is seen alive after it (see
+        ``_alive_after_loss``)."""
+        if nodes:
+            revision = self.store.get_prefix(self.keys.standby()).revision  # the loss is decided by now
+            for node in nodes:
+                self._machine_lost[machine_of(node)] = revision
+
+    def _alive_after_loss(self, node: str) -> bool:
+        """Whether standby ``node`` lost no mate on its machine (``lost_machine``), or two of its refreshes have landed
+        in the store since that loss was decided: the failure that took the mate (a machine killed, cut off, frozen)
+        may have taken it too, and one refresh may have been sent before it; a second is sent only once the first
+        was answered. It refreshes every ``STANDBY_BEAT_SECONDS``, so a live one is offered a moment after the loss,
+        and one the failure took never is (it was held for ``3 x detection timeout`` before, a live survivor idle
+        all that time)."""
+        lost = self._machine_lost.get(machine_of(node))
+        if lost is None:
+            return True
+        seen = self._standby_seen.get(node)
+        return seen is not None and seen[2] > lost  # the refresh before the latest one came after the loss
 
     def admit(self, record: Reconfiguration) -> None:
         """Publish a reconfiguration (generation, order, parts...) so that the standby nodes in it join."""
