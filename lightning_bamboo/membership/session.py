@@ -517,8 +517,7 @@ class Session:
         in the store since that loss was decided: the failure that took the mate (a machine killed, cut off, frozen)
         may have taken it too, and one refresh may have been sent before it; a second is sent only once the first
         was answered. It refreshes every ``STANDBY_BEAT_SECONDS``, so a live one is offered a moment after the loss,
-        and one the failure took never is (it was held for ``3 x detection timeout`` before, a live survivor idle
-        all that time)."""
+        and one the failure took never is."""
         lost = self._machine_lost.get(machine_of(node))
         if lost is None:
             return True
